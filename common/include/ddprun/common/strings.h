@@ -1,0 +1,25 @@
+// Small string helpers shared by the CLI, the rendezvous configuration and the Slurm parser.
+// Pure functions, no state.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ddprun {
+
+std::vector<std::string> split(std::string_view s, char sep);
+std::string join(const std::vector<std::string>& parts, std::string_view sep);
+std::string trim(std::string_view s);
+bool startsWith(std::string_view s, std::string_view prefix);
+bool endsWith(std::string_view s, std::string_view suffix);
+std::string toLower(std::string_view s);
+
+// Strict parsers: the whole string must be the number (no sign for unsigned, no trailing junk).
+std::optional<long long> parseInt(std::string_view s);
+std::optional<double> parseDouble(std::string_view s);
+// "1"/"true"/"yes"/"on" and "0"/"false"/"no"/"off", case-insensitive.
+std::optional<bool> parseBool(std::string_view s);
+
+}  // namespace ddprun

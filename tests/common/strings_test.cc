@@ -1,0 +1,26 @@
+#include <catch2/catch.hpp>
+
+#include "ddprun/common/strings.h"
+
+using namespace ddprun;
+
+TEST_CASE("split keeps empty fields and join reverses it", "[common]") {
+  CHECK(split("a,,b", ',') == std::vector<std::string>{"a", "", "b"});
+  CHECK(split("", ',') == std::vector<std::string>{""});
+  CHECK(join({"a", "b", "c"}, ", ") == "a, b, c");
+}
+
+TEST_CASE("number parsers reject partial and malformed input", "[common]") {
+  CHECK(parseInt("42") == 42);
+  CHECK(parseInt("-3") == -3);
+  CHECK_FALSE(parseInt("4x").has_value());
+  CHECK_FALSE(parseInt("").has_value());
+  CHECK_FALSE(parseInt(" 4").has_value());
+  CHECK_FALSE(parseInt("99999999999999999999999").has_value());
+  CHECK(parseDouble("0.25") == 0.25);
+  CHECK_FALSE(parseDouble("nan").has_value());
+  CHECK_FALSE(parseDouble("1.5s").has_value());
+  CHECK(parseBool("TRUE") == true);
+  CHECK(parseBool("off") == false);
+  CHECK_FALSE(parseBool("maybe").has_value());
+}
