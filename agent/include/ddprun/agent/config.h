@@ -1,0 +1,72 @@
+// AgentConfig: everything one node's agent needs to run a job, as decided by the launcher's
+// command line (launcher/cli.h). A plain value type.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace ddprun::agent {
+
+// Which of a worker's streams go to a log file (torchrun's Std): 0 none, 1 stdout, 2 stderr, 3 both.
+enum class StdStreams : int { kNone = 0, kOut = 1, kErr = 2, kAll = 3 };
+
+inline bool hasOut(StdStreams s) { return (static_cast<int>(s) & 1) != 0; }
+inline bool hasErr(StdStreams s) { return (static_cast<int>(s) & 2) != 0; }
+
+// A value given either for all local ranks ("3") or per local rank ("0:3,1:1").
+struct PerRankStreams {
+  StdStreams all = StdStreams::kNone;
+  std::map<int, StdStreams> per_rank;  // when non-empty, ranks not listed get kNone
+  StdStreams forRank(int local_rank) const {
+    if (per_rank.empty()) return all;
+    auto it = per_rank.find(local_rank);
+    return it == per_rank.end() ? StdStreams::kNone : it->second;
+  }
+};
+
+struct AgentConfig {
+  // Job shape.
+  int min_nodes = 1;
+  int max_nodes = 1;
+  int nproc_per_node = 1;
+
+  // Rendezvous.
+  std::string rdzv_backend = "static";  // "static" or "c10d"
+  std::string rdzv_endpoint;            // "host:port" after normalisation, may be empty
+  std::string rdzv_id = "none";
+  std::map<std::string, std::string> rdzv_conf;
+  bool standalone = false;
+  int node_rank = 0;                     // static backend only
+  std::string master_addr = "127.0.0.1";  // static backend only
+  int master_port = 29500;               // static backend only
+  bool master_port_given = false;
+  std::string local_addr;  // address this node advertises; empty: the host's FQDN
+
+  // Supervision.
+  int max_restarts = 0;
+  double monitor_interval = 0.1;  // accepted for compatibility; supervision is event-driven
+  double shutdown_timeout = 30.0;
+  double exit_barrier_timeout = 300.0;
+  std::vector<int> signals_to_handle;  // signal numbers forwarded to workers
+  std::string role = "default";
+
+  // Program: argv[0] is the executable (already resolved to a path), the rest its arguments.
+  std::vector<std::string> worker_argv;
+  std::string entrypoint;  // what the user named (script, module or binary), for the report
+
+  // Logs.
+  std::string log_dir;  // empty: a fresh temp dir
+  PerRankStreams redirects;
+  PerRankStreams tee;
+  std::optional<std::set<int>> local_ranks_filter;  // nullopt: every rank reaches the console
+  std::string log_line_prefix_template;  // empty: "[${role_name}${local_rank}]:"
+
+  // Extras of ours.
+  std::string snapshot_dir;  // DDPRUN_SNAPSHOT_DIR when non-empty
+  bool set_omp_num_threads = false;  // OMP_NUM_THREADS=1 for workers (decided by the launcher)
+};
+
+}  // namespace ddprun::agent

@@ -1,0 +1,108 @@
+// Supervisor: the agent's state machine (SPEC §4) for one node — rendezvous, run the worker
+// group, stop it on a failure or a signal, restart while restarts remain, decide the exit code.
+//
+// Pure: it acts only through ProcessLauncher, RendezvousClient and Clock, and learns of the
+// world through its on*() methods. The shell (agent_runner.h) calls them from one thread and
+// arms a timer for nextDeadline(). Not thread-safe; lives as long as the job.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ddprun/agent/process.h"
+#include "ddprun/agent/rendezvous_client.h"
+#include "ddprun/common/clock.h"
+
+namespace ddprun::agent {
+
+enum class AgentState { kInit, kRendezvous, kRunning, kStopping, kRestarting, kSucceeded, kFailed };
+const char* agentStateName(AgentState s);
+
+// One worker that ended badly, as the failure report shows it.
+struct WorkerFailure {
+  int local_rank = 0;
+  int global_rank = 0;
+  int pid = 0;
+  ExitStatus exit;
+  double wall_time = 0;  // when the exit was observed (unix seconds)
+  std::string error_file;
+};
+
+struct SupervisorOptions {
+  int max_restarts = 0;
+  Duration shutdown_timeout = std::chrono::seconds(30);
+};
+
+class Supervisor {
+ public:
+  // Builds the launches for a round's attempt; restart_count is TORCHELASTIC_RESTART_COUNT.
+  using Planner =
+      std::function<StatusOr<std::vector<WorkerLaunch>>(const RoundInfo& round, int restart_count)>;
+
+  Supervisor(SupervisorOptions options, ProcessLauncher& launcher, RendezvousClient& rendezvous,
+             Clock& clock, Planner planner);
+
+  // INIT -> RENDEZVOUS.
+  void start();
+  // A child was reaped.
+  void onWorkerExit(int pid, ExitStatus status);
+  // A handled signal reached the agent. Terminating signals (TERM, INT, HUP, QUIT) stop the
+  // workers and end the agent with 128+sig; others are only forwarded.
+  void onSignal(int sig);
+  // The membership changed (multi-node): restart in a new round without charging a restart.
+  void onMembershipChange();
+  // The time is at or past nextDeadline().
+  void onDeadline();
+
+  std::optional<TimePoint> nextDeadline() const { return kill_deadline_; }
+  AgentState state() const { return state_; }
+  bool finished() const { return state_ == AgentState::kSucceeded || state_ == AgentState::kFailed; }
+  // 0 success, 1 workers failed past the budget, 128+n stopped by signal n.
+  int exitCode() const { return exit_code_; }
+  int restartCount() const { return restart_count_; }
+  int runningWorkers() const;
+  // Failures of the last attempt that failed (what the failure report shows).
+  const std::vector<WorkerFailure>& failures() const { return failures_; }
+  // Human-readable reason when the agent failed without worker failures (rendezvous, spawn).
+  const std::string& errorMessage() const { return error_message_; }
+  // Called on every state change (logging, metrics).
+  void setStateListener(std::function<void(AgentState)> listener) { listener_ = std::move(listener); }
+
+ private:
+  enum class StopReason { kNone, kFailure, kSignal, kMembership };
+  struct Worker {
+    WorkerLaunch launch;
+    int pid = 0;
+    bool running = false;
+  };
+
+  void setState(AgentState s);
+  void joinRound();
+  void onRound(StatusOr<RoundInfo> round);
+  void beginStop(StopReason reason, int sig);
+  void maybeFinishStop();
+  void finish(AgentState s, int exit_code);
+
+  SupervisorOptions options_;
+  ProcessLauncher& launcher_;
+  RendezvousClient& rendezvous_;
+  Clock& clock_;
+  Planner planner_;
+  std::function<void(AgentState)> listener_;
+
+  AgentState state_ = AgentState::kInit;
+  std::vector<Worker> workers_;
+  std::vector<WorkerFailure> failures_;
+  StopReason stop_reason_ = StopReason::kNone;
+  int stop_signal_ = 0;
+  std::optional<TimePoint> kill_deadline_;
+  int restart_count_ = 0;
+  int exit_code_ = 0;
+  std::string error_message_;
+  // Guards against callbacks of a round that was superseded (e.g. a signal arrived mid-join).
+  unsigned join_generation_ = 0;
+};
+
+}  // namespace ddprun::agent

@@ -1,0 +1,41 @@
+// The worker environment contract (SPEC §3): which variables each worker of this node gets,
+// value for value as torchrun sets them. Pure functions over the round's shape; no I/O.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace ddprun::agent {
+
+// What a completed rendezvous round tells one node.
+struct RoundInfo {
+  int round = 0;             // bumps on every new round (restart or membership change)
+  int membership_epoch = 0;  // bumps only on membership changes
+  int group_rank = 0;
+  std::vector<int> local_world_sizes;  // indexed by group rank
+  std::string master_addr;
+  int master_port = 0;
+  std::string run_id;
+  bool use_agent_store = false;
+};
+
+struct WorkerEnvInputs {
+  RoundInfo round;
+  std::string role;
+  int restart_count = 0;
+  int max_restarts = 0;
+  std::string error_file;       // per worker; filled by the caller for each local rank
+  std::string snapshot_dir;     // may be empty
+  bool set_omp_num_threads = false;
+};
+
+// Base global rank of `group_rank`: the sum of the local world sizes of lower group ranks.
+int baseRank(const std::vector<int>& local_world_sizes, int group_rank);
+
+// The variables ddprun sets for local rank `local_rank`, on top of `parent_env` (the agent's own
+// environment, passed through as torchrun does). Returns the full environment, sorted by name.
+std::map<std::string, std::string> buildWorkerEnv(const WorkerEnvInputs& in, int local_rank,
+                                                  const std::map<std::string, std::string>& parent_env);
+
+}  // namespace ddprun::agent

@@ -1,0 +1,35 @@
+// LocalRendezvous: the rendezvous of a single-node job (--standalone, or static with one node).
+// Every round completes at once with this node as group rank 0; --standalone picks a free
+// MASTER_PORT for each round as torchrun does. Callbacks are posted to the io_context.
+#pragma once
+
+#include <boost/asio/io_context.hpp>
+
+#include "ddprun/agent/rendezvous_client.h"
+
+namespace ddprun::agent {
+
+class LocalRendezvous final : public RendezvousClient {
+ public:
+  // `base` carries run id, master address and local world size; with pick_free_port each
+  // round gets a port that was free on this host.
+  LocalRendezvous(boost::asio::io_context& io, RoundInfo base, bool pick_free_port)
+      : io_(io), base_(std::move(base)), pick_free_port_(pick_free_port) {}
+
+  void nextRound(RoundCallback done) override;
+  void reportFailure() override {}  // no other node to tell
+  void leave() override {}
+  void close() override { closed_ = true; }
+
+ private:
+  boost::asio::io_context& io_;
+  RoundInfo base_;
+  bool pick_free_port_;
+  bool closed_ = false;
+  int next_round_ = 0;
+};
+
+// A TCP port that was free on all interfaces a moment ago.
+StatusOr<int> findFreePort();
+
+}  // namespace ddprun::agent

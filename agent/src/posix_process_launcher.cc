@@ -1,0 +1,213 @@
+#include "posix_process_launcher.h"
+
+#include <fcntl.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+
+#include "ddprun/common/log.h"
+
+namespace ddprun::agent {
+namespace {
+
+void writeAll(int fd, const char* data, size_t n) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, data, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return;  // console gone or disk full: the worker must not block on us
+    data += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+int openLog(const std::string& path) {
+  return ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+}
+
+std::string errnoText(int err) { return std::strerror(err); }
+
+}  // namespace
+
+PosixProcessLauncher::~PosixProcessLauncher() {
+  for (auto& s : streams_) closeStream(*s);
+}
+
+StatusOr<int> PosixProcessLauncher::spawn(const WorkerLaunch& launch) {
+  if (launch.argv.empty()) return invalidArgument("empty command line");
+
+  // Everything the child needs is prepared before fork: after it only async-signal-safe calls.
+  std::vector<char*> argv;
+  for (const auto& a : launch.argv) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<char*> envp;
+  for (const auto& e : launch.env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+
+  int child_out = -1, child_err = -1;  // fds the child dup2s onto 1 and 2
+  int tee_out_read = -1, tee_err_read = -1;
+  auto closeAll = [&] {
+    for (int fd : {child_out, child_err, tee_out_read, tee_err_read}) {
+      if (fd >= 0) ::close(fd);
+    }
+  };
+  auto prepare = [&](bool tee, const std::string& file, int& child_fd, int& read_fd) -> Status {
+    if (tee) {
+      int p[2];
+      if (::pipe2(p, O_CLOEXEC) != 0) return internalError("pipe: " + errnoText(errno));
+      read_fd = p[0];
+      child_fd = p[1];
+    } else if (!file.empty()) {
+      child_fd = openLog(file);
+      if (child_fd < 0) return internalError("cannot open " + file + ": " + errnoText(errno));
+    }
+    return Status::ok();
+  };
+  Status st = prepare(launch.tee_stdout, launch.stdout_file, child_out, tee_out_read);
+  if (st.isOk()) st = prepare(launch.tee_stderr, launch.stderr_file, child_err, tee_err_read);
+  int exec_pipe[2] = {-1, -1};
+  if (st.isOk() && ::pipe2(exec_pipe, O_CLOEXEC) != 0) {
+    st = internalError("pipe: " + errnoText(errno));
+  }
+  if (!st.isOk()) {
+    closeAll();
+    return st;
+  }
+
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    int err = errno;
+    closeAll();
+    ::close(exec_pipe[0]);
+    ::close(exec_pipe[1]);
+    return internalError("fork: " + errnoText(err));
+  }
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);  // the agent died before prctl took effect
+    sigset_t all;
+    sigemptyset(&all);
+    ::sigprocmask(SIG_SETMASK, &all, nullptr);
+    for (int sig = 1; sig < NSIG; ++sig) ::signal(sig, SIG_DFL);
+    if (child_out >= 0) ::dup2(child_out, STDOUT_FILENO);
+    if (child_err >= 0) ::dup2(child_err, STDERR_FILENO);
+    ::execve(argv[0], argv.data(), envp.data());
+    int err = errno;
+    ssize_t ignored = ::write(exec_pipe[1], &err, sizeof(err));
+    (void)ignored;
+    ::_exit(127);
+  }
+  ::setpgid(pid, pid);  // also from here, so a signal sent right away reaches the group
+  ::close(exec_pipe[1]);
+  if (child_out >= 0) ::close(child_out);
+  if (child_err >= 0) ::close(child_err);
+  int exec_errno = 0;
+  ssize_t n;
+  do {
+    n = ::read(exec_pipe[0], &exec_errno, sizeof(exec_errno));
+  } while (n < 0 && errno == EINTR);
+  ::close(exec_pipe[0]);
+  if (n > 0) {
+    if (tee_out_read >= 0) ::close(tee_out_read);
+    if (tee_err_read >= 0) ::close(tee_err_read);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    return failedPrecondition("cannot execute " + launch.argv[0] + ": " + errnoText(exec_errno));
+  }
+
+  const int out_console = launch.to_console ? STDOUT_FILENO : -1;
+  const int err_console = launch.to_console ? STDERR_FILENO : -1;
+  if (tee_out_read >= 0) {
+    DDPRUN_RETURN_IF_ERROR(addTee(tee_out_read, launch.stdout_file, out_console, launch.console_prefix));
+  }
+  if (tee_err_read >= 0) {
+    DDPRUN_RETURN_IF_ERROR(addTee(tee_err_read, launch.stderr_file, err_console, launch.console_prefix));
+  }
+  return static_cast<int>(pid);
+}
+
+void PosixProcessLauncher::signalGroup(int pid, int sig) {
+  if (::kill(-pid, sig) != 0 && errno == ESRCH) ::kill(pid, sig);
+}
+
+Status PosixProcessLauncher::addTee(int read_fd, const std::string& file, int console_fd,
+                                    const std::string& prefix) {
+  auto s = std::make_shared<TeeStream>(io_);
+  s->file_fd = file.empty() ? -1 : openLog(file);
+  if (!file.empty() && s->file_fd < 0) {
+    ::close(read_fd);
+    return internalError("cannot open " + file + ": " + errnoText(errno));
+  }
+  s->console_fd = console_fd;
+  s->prefix = prefix;
+  s->pipe.assign(read_fd);
+  s->pipe.non_blocking(true);
+  streams_.push_back(s);
+  readMore(s);
+  return Status::ok();
+}
+
+void PosixProcessLauncher::readMore(const std::shared_ptr<TeeStream>& s) {
+  s->pipe.async_read_some(boost::asio::buffer(s->buf),
+                          [this, s](const boost::system::error_code& ec, size_t n) {
+                            if (n > 0) consume(*s, s->buf.data(), n);
+                            if (ec) {
+                              closeStream(*s);
+                              return;
+                            }
+                            readMore(s);
+                          });
+}
+
+void PosixProcessLauncher::consume(TeeStream& s, const char* data, size_t n) {
+  if (s.file_fd >= 0) writeAll(s.file_fd, data, n);
+  if (s.console_fd < 0) return;
+  s.partial.append(data, n);
+  size_t start = 0;
+  std::string out;
+  for (size_t nl; (nl = s.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
+    out += s.prefix;
+    out.append(s.partial, start, nl - start + 1);
+  }
+  s.partial.erase(0, start);
+  if (!out.empty()) writeAll(s.console_fd, out.data(), out.size());
+}
+
+void PosixProcessLauncher::closeStream(TeeStream& s) {
+  if (!s.open) return;
+  s.open = false;
+  if (s.console_fd >= 0 && !s.partial.empty()) {
+    std::string out = s.prefix + s.partial + "\n";
+    writeAll(s.console_fd, out.data(), out.size());
+    s.partial.clear();
+  }
+  boost::system::error_code ignored;
+  s.pipe.close(ignored);
+  if (s.file_fd >= 0) ::close(s.file_fd);
+  s.file_fd = -1;
+}
+
+void PosixProcessLauncher::drainAll() {
+  for (auto& s : streams_) {
+    if (!s->open) continue;
+    const int fd = s->pipe.native_handle();
+    while (true) {
+      ssize_t n = ::read(fd, s->buf.data(), s->buf.size());
+      if (n > 0) {
+        consume(*s, s->buf.data(), static_cast<size_t>(n));
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      break;  // EOF, or EAGAIN: a grandchild still holds the pipe; stop here
+    }
+    closeStream(*s);
+  }
+  streams_.clear();
+}
+
+}  // namespace ddprun::agent

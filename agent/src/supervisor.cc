@@ -1,0 +1,210 @@
+#include "ddprun/agent/supervisor.h"
+
+#include <csignal>
+
+#include "ddprun/common/log.h"
+
+namespace ddprun::agent {
+
+const char* agentStateName(AgentState s) {
+  switch (s) {
+    case AgentState::kInit: return "INIT";
+    case AgentState::kRendezvous: return "RENDEZVOUS";
+    case AgentState::kRunning: return "RUNNING";
+    case AgentState::kStopping: return "STOPPING";
+    case AgentState::kRestarting: return "RESTARTING";
+    case AgentState::kSucceeded: return "SUCCEEDED";
+    case AgentState::kFailed: return "FAILED";
+  }
+  return "?";
+}
+
+namespace {
+bool isTerminating(int sig) {
+  return sig == SIGTERM || sig == SIGINT || sig == SIGHUP || sig == SIGQUIT;
+}
+}  // namespace
+
+Supervisor::Supervisor(SupervisorOptions options, ProcessLauncher& launcher,
+                       RendezvousClient& rendezvous, Clock& clock, Planner planner)
+    : options_(options),
+      launcher_(launcher),
+      rendezvous_(rendezvous),
+      clock_(clock),
+      planner_(std::move(planner)) {}
+
+void Supervisor::setState(AgentState s) {
+  if (s == state_) return;
+  logger("agent")->debug("state {} -> {}", agentStateName(state_), agentStateName(s));
+  state_ = s;
+  if (listener_) listener_(s);
+}
+
+int Supervisor::runningWorkers() const {
+  int n = 0;
+  for (const auto& w : workers_) n += w.running ? 1 : 0;
+  return n;
+}
+
+void Supervisor::start() {
+  DDPRUN_CHECK(state_ == AgentState::kInit, "start() called twice");
+  joinRound();
+}
+
+void Supervisor::joinRound() {
+  setState(AgentState::kRendezvous);
+  const unsigned generation = ++join_generation_;
+  rendezvous_.nextRound([this, generation](StatusOr<RoundInfo> round) {
+    if (generation != join_generation_ || state_ != AgentState::kRendezvous) return;
+    onRound(std::move(round));
+  });
+}
+
+void Supervisor::onRound(StatusOr<RoundInfo> round) {
+  if (!round.isOk()) {
+    error_message_ = "rendezvous failed: " + round.status().toString();
+    finish(AgentState::kFailed, 1);
+    return;
+  }
+  auto launches = planner_(*round, restart_count_);
+  if (!launches.isOk()) {
+    error_message_ = "cannot prepare workers: " + launches.status().message();
+    finish(AgentState::kFailed, 1);
+    return;
+  }
+  workers_.clear();
+  failures_.clear();
+  stop_reason_ = StopReason::kNone;
+  setState(AgentState::kRunning);
+  for (auto& launch : *launches) {
+    Worker w;
+    w.launch = std::move(launch);
+    auto pid = launcher_.spawn(w.launch);
+    if (pid.isOk()) {
+      w.pid = *pid;
+      w.running = true;
+      workers_.push_back(std::move(w));
+      continue;
+    }
+    // A worker that cannot start fails the attempt like one that exits at once.
+    logger("agent")->error("local rank {}: {}", w.launch.local_rank, pid.status().message());
+    WorkerFailure f{w.launch.local_rank, w.launch.global_rank, 0, ExitStatus{false, 127},
+                    clock_.wallSeconds(), w.launch.error_file};
+    failures_.push_back(f);
+    workers_.push_back(std::move(w));
+  }
+  if (!failures_.empty()) beginStop(StopReason::kFailure, SIGTERM);
+}
+
+void Supervisor::onWorkerExit(int pid, ExitStatus status) {
+  Worker* worker = nullptr;
+  for (auto& w : workers_) {
+    if (w.pid == pid && w.running) worker = &w;
+  }
+  if (worker == nullptr) return;  // not ours (or a previous attempt's straggler)
+  worker->running = false;
+
+  if (state_ == AgentState::kRunning) {
+    if (!status.success()) {
+      failures_.push_back(WorkerFailure{worker->launch.local_rank, worker->launch.global_rank, pid,
+                                        status, clock_.wallSeconds(), worker->launch.error_file});
+      logger("agent")->warn("worker local_rank {} (pid {}) {} {}", worker->launch.local_rank, pid,
+                            status.signaled ? "killed by signal" : "exited with code",
+                            status.code);
+      rendezvous_.reportFailure();
+      beginStop(StopReason::kFailure, SIGTERM);
+      return;
+    }
+    if (runningWorkers() == 0) {
+      rendezvous_.close();
+      finish(AgentState::kSucceeded, 0);
+    }
+    return;
+  }
+  if (state_ == AgentState::kStopping) maybeFinishStop();
+}
+
+void Supervisor::beginStop(StopReason reason, int sig) {
+  stop_reason_ = reason;
+  stop_signal_ = sig;
+  setState(AgentState::kStopping);
+  for (auto& w : workers_) {
+    if (w.running) launcher_.signalGroup(w.pid, sig);
+  }
+  kill_deadline_ = clock_.now() + options_.shutdown_timeout;
+  maybeFinishStop();
+}
+
+void Supervisor::maybeFinishStop() {
+  if (runningWorkers() > 0) return;
+  kill_deadline_.reset();
+  switch (stop_reason_) {
+    case StopReason::kSignal:
+      finish(AgentState::kFailed, 128 + stop_signal_);
+      return;
+    case StopReason::kMembership:
+      setState(AgentState::kRestarting);
+      joinRound();
+      return;
+    case StopReason::kFailure:
+      if (restart_count_ < options_.max_restarts) {
+        ++restart_count_;
+        logger("agent")->warn("restarting workers ({} of {} restarts used)", restart_count_,
+                              options_.max_restarts);
+        setState(AgentState::kRestarting);
+        joinRound();
+      } else {
+        rendezvous_.close();
+        finish(AgentState::kFailed, 1);
+      }
+      return;
+    case StopReason::kNone:
+      break;
+  }
+  DDPRUN_CHECK(false, "stop finished without a reason");
+}
+
+void Supervisor::onSignal(int sig) {
+  if (finished()) return;
+  if (!isTerminating(sig)) {
+    for (auto& w : workers_) {
+      if (w.running) launcher_.signalGroup(w.pid, sig);
+    }
+    return;
+  }
+  if (state_ == AgentState::kStopping && stop_reason_ == StopReason::kSignal) {
+    // A second signal: pass it on too, the deadline stays.
+    for (auto& w : workers_) {
+      if (w.running) launcher_.signalGroup(w.pid, sig);
+    }
+    return;
+  }
+  rendezvous_.leave();
+  ++join_generation_;  // a pending join's answer no longer matters
+  beginStop(StopReason::kSignal, sig);
+}
+
+void Supervisor::onMembershipChange() {
+  if (state_ != AgentState::kRunning) return;
+  beginStop(StopReason::kMembership, SIGTERM);
+}
+
+void Supervisor::onDeadline() {
+  if (!kill_deadline_ || clock_.now() < *kill_deadline_) return;
+  kill_deadline_.reset();
+  for (auto& w : workers_) {
+    if (w.running) {
+      logger("agent")->warn("local rank {} (pid {}) did not stop within the shutdown timeout; "
+                            "sending SIGKILL", w.launch.local_rank, w.pid);
+      launcher_.signalGroup(w.pid, SIGKILL);
+    }
+  }
+}
+
+void Supervisor::finish(AgentState s, int exit_code) {
+  exit_code_ = exit_code;
+  kill_deadline_.reset();
+  setState(s);
+}
+
+}  // namespace ddprun::agent

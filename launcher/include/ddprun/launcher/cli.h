@@ -1,0 +1,38 @@
+// The torchrun-compatible command line (SPEC §2): turns argv and the environment (PET_<NAME>
+// defaults) into an AgentConfig, or a usage error naming the flag and the accepted form.
+// Pure apart from looking up the program on the file system. Thread-compatible.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ddprun/agent/config.h"
+#include "ddprun/common/status.h"
+
+namespace ddprun::launcher {
+
+// Facts about this host the parser needs for `cpu`, `gpu` and `auto`.
+struct HostFacts {
+  int cpu_count = 1;
+  int gpu_count = 0;
+};
+
+struct CliResult {
+  bool show_help = false;
+  agent::AgentConfig config;
+  std::vector<std::string> notices;  // one-line notices for the user (e.g. OMP_NUM_THREADS)
+};
+
+// `args` excludes argv[0]. Errors are INVALID_ARGUMENT with a message such as
+// "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got '3:1'".
+StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
+                                     const std::map<std::string, std::string>& env,
+                                     const HostFacts& host);
+
+std::string helpText();
+
+// Counts this host's CPUs and CUDA devices.
+HostFacts probeHost();
+
+}  // namespace ddprun::launcher

@@ -1,0 +1,61 @@
+#include <catch2/catch.hpp>
+
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+
+#include "ddprun/agent/failure_report.h"
+
+using namespace ddprun::agent;
+
+TEST_CASE("torchrun's error file JSON is parsed, nested or flat", "[agent]") {
+  auto nested = parseErrorFile(
+      R"({"message": {"message": "ValueError: boom", "extraInfo": {"py_callstack": "Traceback...", "timestamp": "1700000000"}}})");
+  REQUIRE(nested);
+  CHECK(nested->message == "ValueError: boom");
+  CHECK(nested->traceback == "Traceback...");
+  CHECK(nested->timestamp == 1700000000.0);
+  auto flat = parseErrorFile(R"({"message": "plain"})");
+  REQUIRE(flat);
+  CHECK(flat->message == "plain");
+  CHECK_FALSE(flat->timestamp);
+  CHECK_FALSE(parseErrorFile("not json"));
+  CHECK_FALSE(parseErrorFile("[1,2]"));
+  CHECK_FALSE(parseErrorFile(R"({"other": 1})"));
+  CHECK_FALSE(readErrorFile("/nonexistent/error.json"));
+}
+
+TEST_CASE("the root cause is the failure with the earliest timestamp", "[agent]") {
+  char path[] = "/tmp/ddprun_errfile_XXXXXX";
+  int fd = mkstemp(path);
+  REQUIRE(fd >= 0);
+  close(fd);
+  {
+    std::ofstream out(path);
+    out << R"({"message": {"message": "RuntimeError: first", "extraInfo": {"py_callstack": "Traceback: line 1\nRuntimeError: first", "timestamp": "1000"}}})";
+  }
+  WorkerFailure late{0, 0, 11, ExitStatus{true, SIGSEGV}, 2000.0, ""};
+  WorkerFailure early{1, 1, 12, ExitStatus{false, 1}, 3000.0, path};  // error file says 1000
+  std::string report = formatFailureReport("train.py", "hostA", {late, early});
+  std::remove(path);
+  INFO(report);
+  auto root = report.find("Root Cause");
+  REQUIRE(root != std::string::npos);
+  CHECK(report.find("train.py FAILED") != std::string::npos);
+  // rank 1 (error file timestamp 1000) is the root cause; rank 0 is listed among the others.
+  CHECK(report.find("rank      : 1 (local_rank: 1)", root) != std::string::npos);
+  CHECK(report.find("rank      : 0 (local_rank: 0)") < root);
+  CHECK(report.find("Signal 11 (SIGSEGV) received by PID 11") < root);
+  CHECK(report.find("exitcode  : -11 (pid: 11)") != std::string::npos);
+  CHECK(report.find("Traceback: line 1", root) != std::string::npos);
+  CHECK(report.find(std::string("error_file: ") + path, root) != std::string::npos);
+  CHECK(report.find("host      : hostA") != std::string::npos);
+}
+
+TEST_CASE("a single failure reports no other failures", "[agent]") {
+  WorkerFailure only{0, 0, 5, ExitStatus{false, 3}, 10.0, ""};
+  std::string report = formatFailureReport("prog", "h", {only});
+  CHECK(report.find("<NO_OTHER_FAILURES>") != std::string::npos);
+  CHECK(report.find("error_file: <N/A>") != std::string::npos);
+  CHECK(signalName(SIGKILL) == "SIGKILL");
+}

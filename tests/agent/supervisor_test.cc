@@ -1,0 +1,209 @@
+#include <catch2/catch.hpp>
+
+#include <csignal>
+
+#include "ddprun/agent/supervisor.h"
+#include "fake_clock.h"
+#include "fake_process_launcher.h"
+
+using namespace ddprun;
+using namespace ddprun::agent;
+using ddprun::testing::FakeClock;
+using ddprun::testing::FakeProcessLauncher;
+using ddprun::testing::FakeRendezvous;
+
+namespace {
+
+struct Fixture {
+  explicit Fixture(int nproc = 2, int max_restarts = 0) {
+    rdzv.round.local_world_sizes = {nproc};
+    rdzv.round.master_addr = "host";
+    rdzv.round.master_port = 1234;
+    SupervisorOptions opts;
+    opts.max_restarts = max_restarts;
+    opts.shutdown_timeout = std::chrono::seconds(5);
+    sup = std::make_unique<Supervisor>(opts, launcher, rdzv, clock,
+                                       [this](const RoundInfo& r, int restarts) {
+                                         rounds_planned.push_back({r.round, restarts});
+                                         std::vector<WorkerLaunch> out;
+                                         for (int i = 0; i < r.local_world_sizes[0]; ++i) {
+                                           WorkerLaunch w;
+                                           w.local_rank = i;
+                                           w.global_rank = i;
+                                           w.argv = {"/bin/worker"};
+                                           out.push_back(w);
+                                         }
+                                         return StatusOr<std::vector<WorkerLaunch>>(out);
+                                       });
+  }
+  // The pids of the latest attempt.
+  std::vector<int> current() const {
+    auto all = launcher.pids();
+    int n = rdzv.round.local_world_sizes[0];
+    return std::vector<int>(all.end() - n, all.end());
+  }
+  void exitAll(int code) {
+    for (int pid : current()) sup->onWorkerExit(pid, ExitStatus{false, code});
+  }
+
+  FakeClock clock;
+  FakeProcessLauncher launcher;
+  FakeRendezvous rdzv;
+  std::vector<std::pair<int, int>> rounds_planned;
+  std::unique_ptr<Supervisor> sup;
+};
+
+}  // namespace
+
+TEST_CASE("agent starts every local worker once the round completes", "[agent]") {
+  Fixture f(3);
+  f.rdzv.hold = true;
+  f.sup->start();
+  CHECK(f.sup->state() == AgentState::kRendezvous);
+  CHECK(f.launcher.spawned.empty());
+  RoundInfo r = f.rdzv.round;
+  f.rdzv.pending(r);
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.launcher.spawned.size() == 3);
+  CHECK(f.sup->runningWorkers() == 3);
+}
+
+TEST_CASE("agent succeeds when every worker exits zero and closes the run", "[agent]") {
+  Fixture f;
+  f.sup->start();
+  auto pids = f.current();
+  f.sup->onWorkerExit(pids[0], ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kRunning);  // one still running
+  f.sup->onWorkerExit(pids[1], ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK(f.sup->exitCode() == 0);
+  CHECK(f.rdzv.closes == 1);
+}
+
+TEST_CASE("agent restarts the whole group when one worker exits non-zero", "[agent]") {
+  Fixture f(2, /*max_restarts=*/1);
+  f.sup->start();
+  auto first = f.current();
+  f.sup->onWorkerExit(first[1], ExitStatus{false, 3});
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.rdzv.failures == 1);
+  // The survivor got SIGTERM to its group.
+  REQUIRE(f.launcher.signals.size() == 1);
+  CHECK(f.launcher.signals[0] == std::make_pair(first[0], SIGTERM));
+  f.sup->onWorkerExit(first[0], ExitStatus{true, SIGTERM});
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 1);
+  CHECK(f.launcher.spawned.size() == 4);
+  CHECK(f.rounds_planned.back().second == 1);  // TORCHELASTIC_RESTART_COUNT of the new attempt
+  CHECK(f.rdzv.joins == 2);
+}
+
+TEST_CASE("agent fails with exit code 1 once the restart budget is spent", "[agent]") {
+  Fixture f(2, /*max_restarts=*/1);
+  f.sup->start();
+  f.sup->onWorkerExit(f.current()[0], ExitStatus{false, 1});
+  f.sup->onWorkerExit(f.current()[1], ExitStatus{true, SIGTERM});
+  REQUIRE(f.sup->state() == AgentState::kRunning);
+  f.sup->onWorkerExit(f.current()[0], ExitStatus{true, SIGSEGV});
+  f.sup->onWorkerExit(f.current()[1], ExitStatus{true, SIGTERM});
+  CHECK(f.sup->state() == AgentState::kFailed);
+  CHECK(f.sup->exitCode() == 1);
+  CHECK(f.rdzv.closes == 1);
+  // Only the worker that failed on its own is a failure, not the one we stopped.
+  REQUIRE(f.sup->failures().size() == 1);
+  CHECK(f.sup->failures()[0].exit.signaled);
+  CHECK(f.sup->failures()[0].exit.code == SIGSEGV);
+  CHECK(f.sup->failures()[0].local_rank == 0);
+}
+
+TEST_CASE("agent sends SIGKILL to workers that outlive the shutdown timeout", "[agent]") {
+  Fixture f;
+  f.sup->start();
+  auto pids = f.current();
+  f.sup->onWorkerExit(pids[0], ExitStatus{false, 2});
+  REQUIRE(f.sup->nextDeadline().has_value());
+  f.clock.advance(std::chrono::seconds(4));
+  f.sup->onDeadline();  // early: nothing happens
+  CHECK(f.launcher.signalsSent(SIGKILL) == 0);
+  f.clock.advance(std::chrono::seconds(1));
+  f.sup->onDeadline();
+  CHECK(f.launcher.signalsSent(SIGKILL) == 1);
+  CHECK_FALSE(f.sup->nextDeadline().has_value());
+  f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+  CHECK(f.sup->state() == AgentState::kFailed);
+}
+
+TEST_CASE("a terminating signal is forwarded, stops the workers and ends with 128+sig", "[agent]") {
+  Fixture f(2, /*max_restarts=*/3);
+  f.sup->start();
+  f.sup->onSignal(SIGTERM);
+  CHECK(f.rdzv.leaves == 1);
+  CHECK(f.launcher.signalsSent(SIGTERM) == 2);
+  CHECK(f.sup->state() == AgentState::kStopping);
+  // Workers exiting non-zero while we stop them for a signal are not failures: no restart.
+  f.exitAll(1);
+  CHECK(f.sup->state() == AgentState::kFailed);
+  CHECK(f.sup->exitCode() == 128 + SIGTERM);
+  CHECK(f.sup->failures().empty());
+  CHECK(f.launcher.spawned.size() == 2);
+}
+
+TEST_CASE("a non-terminating handled signal is only forwarded", "[agent]") {
+  Fixture f;
+  f.sup->start();
+  f.sup->onSignal(SIGUSR1);
+  CHECK(f.launcher.signalsSent(SIGUSR1) == 2);
+  CHECK(f.sup->state() == AgentState::kRunning);
+  f.exitAll(0);  // workers that checkpoint and exit 0 end the job successfully
+  CHECK(f.sup->exitCode() == 0);
+}
+
+TEST_CASE("a signal during rendezvous ends the agent without starting workers", "[agent]") {
+  Fixture f;
+  f.rdzv.hold = true;
+  f.sup->start();
+  f.sup->onSignal(SIGINT);
+  CHECK(f.sup->state() == AgentState::kFailed);
+  CHECK(f.sup->exitCode() == 128 + SIGINT);
+  f.rdzv.pending(f.rdzv.round);  // a late answer is ignored
+  CHECK(f.launcher.spawned.empty());
+}
+
+TEST_CASE("a membership change restarts the workers without charging a restart", "[agent]") {
+  Fixture f(2, /*max_restarts=*/0);
+  f.sup->start();
+  f.sup->onMembershipChange();
+  CHECK(f.launcher.signalsSent(SIGTERM) == 2);
+  f.exitAll(143);
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 0);
+  CHECK(f.rdzv.joins == 2);
+}
+
+TEST_CASE("a worker that cannot be started fails the attempt", "[agent]") {
+  Fixture f(2, /*max_restarts=*/0);
+  f.launcher.fail_local_ranks = {1};
+  f.sup->start();
+  CHECK(f.sup->state() == AgentState::kStopping);
+  f.sup->onWorkerExit(f.launcher.pids()[0], ExitStatus{true, SIGTERM});
+  CHECK(f.sup->state() == AgentState::kFailed);
+  REQUIRE(f.sup->failures().size() == 1);
+  CHECK(f.sup->failures()[0].exit.code == 127);
+}
+
+TEST_CASE("a rendezvous error fails the agent with its reason", "[agent]") {
+  Fixture f;
+  f.rdzv.hold = true;
+  f.sup->start();
+  f.rdzv.pending(failedPrecondition("run x is closed"));
+  CHECK(f.sup->state() == AgentState::kFailed);
+  CHECK(f.sup->exitCode() == 1);
+  CHECK(f.sup->errorMessage().find("run x is closed") != std::string::npos);
+}
+
+TEST_CASE("exits of unknown pids are ignored", "[agent]") {
+  Fixture f;
+  f.sup->start();
+  f.sup->onWorkerExit(424242, ExitStatus{false, 1});
+  CHECK(f.sup->state() == AgentState::kRunning);
+}

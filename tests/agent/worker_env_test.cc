@@ -1,0 +1,76 @@
+#include <catch2/catch.hpp>
+
+#include "ddprun/agent/worker_env.h"
+
+using namespace ddprun::agent;
+
+namespace {
+WorkerEnvInputs inputs(std::vector<int> sizes, int group_rank) {
+  WorkerEnvInputs in;
+  in.round.local_world_sizes = std::move(sizes);
+  in.round.group_rank = group_rank;
+  in.round.master_addr = "node0";
+  in.round.master_port = 29500;
+  in.round.run_id = "job";
+  in.role = "trainer";
+  in.restart_count = 2;
+  in.max_restarts = 3;
+  in.error_file = "/logs/error.json";
+  return in;
+}
+}  // namespace
+
+TEST_CASE("worker env carries torchrun's variables with torchrun's values", "[agent]") {
+  auto env = buildWorkerEnv(inputs({2, 2}, 1), 1, {{"PATH", "/bin"}});
+  CHECK(env["LOCAL_RANK"] == "1");
+  CHECK(env["RANK"] == "3");
+  CHECK(env["GROUP_RANK"] == "1");
+  CHECK(env["ROLE_RANK"] == "3");
+  CHECK(env["ROLE_NAME"] == "trainer");
+  CHECK(env["LOCAL_WORLD_SIZE"] == "2");
+  CHECK(env["WORLD_SIZE"] == "4");
+  CHECK(env["GROUP_WORLD_SIZE"] == "2");
+  CHECK(env["ROLE_WORLD_SIZE"] == "4");
+  CHECK(env["MASTER_ADDR"] == "node0");
+  CHECK(env["MASTER_PORT"] == "29500");
+  CHECK(env["TORCHELASTIC_RESTART_COUNT"] == "2");
+  CHECK(env["TORCHELASTIC_MAX_RESTARTS"] == "3");
+  CHECK(env["TORCHELASTIC_RUN_ID"] == "job");
+  CHECK(env["TORCHELASTIC_USE_AGENT_STORE"] == "False");
+  CHECK(env["TORCHELASTIC_ERROR_FILE"] == "/logs/error.json");
+  CHECK(env["NCCL_ASYNC_ERROR_HANDLING"] == "1");
+  CHECK(env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1");
+  CHECK(env["PATH"] == "/bin");  // the agent's own environment passes through
+  CHECK(env.count("OMP_NUM_THREADS") == 0);
+  CHECK(env.count("DDPRUN_SNAPSHOT_DIR") == 0);
+}
+
+TEST_CASE("nodes of different sizes get contiguous rank blocks", "[agent]") {
+  // A 4-worker node and a 2-worker node: ranks 0-3 and 4-5.
+  auto in = inputs({4, 2}, 1);
+  CHECK(buildWorkerEnv(in, 0, {})["RANK"] == "4");
+  CHECK(buildWorkerEnv(in, 1, {})["RANK"] == "5");
+  CHECK(buildWorkerEnv(in, 1, {})["WORLD_SIZE"] == "6");
+  CHECK(buildWorkerEnv(in, 1, {})["LOCAL_WORLD_SIZE"] == "2");
+  CHECK(buildWorkerEnv(inputs({4, 2}, 0), 3, {})["RANK"] == "3");
+}
+
+TEST_CASE("the parent's NCCL error handling and OMP settings win", "[agent]") {
+  auto in = inputs({2}, 0);
+  in.set_omp_num_threads = true;
+  auto env = buildWorkerEnv(in, 0, {{"NCCL_ASYNC_ERROR_HANDLING", "0"}});
+  CHECK(env["NCCL_ASYNC_ERROR_HANDLING"] == "0");
+  CHECK(env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0");
+  CHECK(env["OMP_NUM_THREADS"] == "1");
+  auto kept = buildWorkerEnv(in, 0, {{"OMP_NUM_THREADS", "4"}});
+  CHECK(kept["OMP_NUM_THREADS"] == "4");
+}
+
+TEST_CASE("ddprun's own variables tell membership epoch and snapshot dir", "[agent]") {
+  auto in = inputs({1}, 0);
+  in.round.membership_epoch = 7;
+  in.snapshot_dir = "/snap";
+  auto env = buildWorkerEnv(in, 0, {});
+  CHECK(env["DDPRUN_MEMBERSHIP_EPOCH"] == "7");
+  CHECK(env["DDPRUN_SNAPSHOT_DIR"] == "/snap");
+}
