@@ -1,0 +1,734 @@
+#include "ddprun/rendezvous/state.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <limits>
+
+#include "ddprun/common/log.h"
+#include "ddprun/common/strings.h"
+
+namespace ddprun::rendezvous {
+
+const char* changeKindName(ChangeKind kind) {
+  switch (kind) {
+    case ChangeKind::kSnapshot: return "SNAPSHOT";
+    case ChangeKind::kRoundPending: return "ROUND_PENDING";
+    case ChangeKind::kRoundComplete: return "ROUND_COMPLETE";
+    case ChangeKind::kClosed: return "CLOSED";
+  }
+  return "UNKNOWN";
+}
+
+const char* changeReasonName(ChangeReason reason) {
+  switch (reason) {
+    case ChangeReason::kNone: return "NONE";
+    case ChangeReason::kNodeJoined: return "NODE_JOINED";
+    case ChangeReason::kNodeLeft: return "NODE_LEFT";
+    case ChangeReason::kNodeDead: return "NODE_DEAD";
+    case ChangeReason::kFailureReported: return "FAILURE_REPORTED";
+  }
+  return "UNKNOWN";
+}
+
+namespace {
+
+std::string masterKey(uint64_t round) { return "__ddprun/master/" + std::to_string(round); }
+
+double secondsOf(Duration d) { return std::chrono::duration<double>(d).count(); }
+
+}  // namespace
+
+struct RendezvousState::Node {
+  std::string id;
+  std::string address;
+  uint32_t local_world_size = 0;
+  uint64_t arrival = 0;  // order of first arrival: tie-break for ranks and spares
+  TimePoint last_seen;
+  std::optional<CallId> join;  // pending join; a node with one is alive by definition
+  TimePoint join_deadline;
+  int64_t prev_rank = -1;  // rank in the last round this node completed
+  uint64_t prev_round = 0;
+};
+
+struct RendezvousState::Run {
+  std::string id;
+  RunConfig config;
+  bool closed = false;
+  std::map<std::string, Node> nodes;  // every live node: participants, joiners, spares
+  uint64_t arrivals = 0;
+
+  uint64_t round = 1;    // the forming round, or the last completed one when !forming
+  bool forming = true;
+  std::vector<std::string> members;   // forming: joiners in join order
+  std::set<std::string> joined;       // same, as a set
+  std::set<std::string> expected;     // survivors of the last round not yet re-joined
+  bool reforming = false;             // opened from a completed round with survivors
+  std::vector<std::string> spares;    // beyond max_nodes, in arrival order
+  std::optional<TimePoint> last_call;
+
+  uint64_t completed_round = 0;
+  std::shared_ptr<const std::vector<Participant>> completed;  // rank order
+  std::vector<uint32_t> base_ranks;
+  uint32_t world_size = 0;
+  std::unordered_map<std::string, uint32_t> completed_rank;  // node id -> group rank
+
+  Duration expiry() const { return config.heartbeat_interval * config.heartbeat_misses; }
+};
+
+RendezvousState::RendezvousState(StateLimits limits) : limits_(limits) {}
+RendezvousState::~RendezvousState() = default;
+
+RendezvousState::Run* RendezvousState::findRun(const std::string& run_id) {
+  auto it = runs_.find(run_id);
+  return it == runs_.end() ? nullptr : it->second.get();
+}
+
+const RendezvousState::Run* RendezvousState::findRun(const std::string& run_id) const {
+  auto it = runs_.find(run_id);
+  return it == runs_.end() ? nullptr : it->second.get();
+}
+
+RunStatus RendezvousState::statusOf(const Run& run) const {
+  RunStatus s;
+  s.completed_round = run.completed_round;
+  s.pending_round = run.forming ? run.round : 0;
+  s.closed = run.closed;
+  s.participants = run.completed ? static_cast<uint32_t>(run.completed->size()) : 0;
+  s.waiting = run.forming ? static_cast<uint32_t>(run.members.size()) : 0;
+  s.spares = static_cast<uint32_t>(run.spares.size());
+  return s;
+}
+
+void RendezvousState::push(Run& run, ChangeKind kind, ChangeReason reason,
+                           const std::string& node_id, uint64_t round) {
+  RoundChange c;
+  c.kind = kind;
+  c.reason = reason;
+  c.node_id = node_id;
+  c.round = round;
+  c.status = statusOf(run);
+  outbox_.changes.push_back({run.id, std::move(c)});
+}
+
+void RendezvousState::finishJoin(Node& node, StatusOr<RoundInfo> result) {
+  if (!node.join) return;
+  joins_.erase(*node.join);
+  outbox_.joins.push_back({*node.join, std::move(result)});
+  node.join.reset();
+}
+
+namespace {
+
+Status validateConfig(const RunConfig& c) {
+  if (c.min_nodes == 0 || c.max_nodes < c.min_nodes) {
+    return invalidArgument("nnodes " + std::to_string(c.min_nodes) + ":" +
+                           std::to_string(c.max_nodes) + " is invalid; need 0 < MIN <= MAX");
+  }
+  if (c.heartbeat_interval <= Duration::zero() || c.heartbeat_misses == 0) {
+    return invalidArgument("heartbeat_interval must be > 0 and heartbeat_misses >= 1");
+  }
+  if (c.last_call_timeout < Duration::zero()) {
+    return invalidArgument("last_call_timeout must be >= 0");
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
+  auto fail = [&](Status s) { outbox_.joins.push_back({id, std::move(s)}); };
+  if (req.run_id.empty()) return fail(invalidArgument("run id is empty"));
+  if (req.run_id.size() > limits_.max_id_bytes || req.node_id.size() > limits_.max_id_bytes ||
+      req.address.size() > limits_.max_id_bytes) {
+    return fail(invalidArgument("run id, node id or address longer than " +
+                                std::to_string(limits_.max_id_bytes) + " bytes"));
+  }
+  if (req.address.empty()) return fail(invalidArgument("node address is empty"));
+  if (req.local_world_size == 0) {
+    return fail(invalidArgument("local_world_size must be >= 1, got 0"));
+  }
+  if (req.join_timeout <= Duration::zero()) {
+    return fail(invalidArgument("join_timeout must be > 0"));
+  }
+  if (Status s = validateConfig(req.config); !s.isOk()) return fail(s);
+
+  Run* run = findRun(req.run_id);
+  if (run == nullptr) {
+    auto fresh = std::make_unique<Run>();
+    fresh->id = req.run_id;
+    fresh->config = req.config;
+    run = fresh.get();
+    runs_.emplace(req.run_id, std::move(fresh));
+    logger("rendezvous")->info("run {} created: nnodes {}:{}, last_call {}s, heartbeat {}s x {}",
+                               req.run_id, req.config.min_nodes, req.config.max_nodes,
+                               secondsOf(req.config.last_call_timeout),
+                               secondsOf(req.config.heartbeat_interval),
+                               req.config.heartbeat_misses);
+  } else if (run->config.min_nodes != req.config.min_nodes ||
+             run->config.max_nodes != req.config.max_nodes) {
+    return fail(failedPrecondition(
+        "run " + req.run_id + " has nnodes " + std::to_string(run->config.min_nodes) + ":" +
+        std::to_string(run->config.max_nodes) + " but this node asked for " +
+        std::to_string(req.config.min_nodes) + ":" + std::to_string(req.config.max_nodes)));
+  }
+  if (run->closed) return fail(failedPrecondition("run " + req.run_id + " is closed"));
+
+  std::string node_id = req.node_id;
+  if (node_id.empty()) {
+    do {
+      node_id = "node-" + std::to_string(next_node_seq_++);
+    } while (run->nodes.count(node_id) != 0);
+  }
+  auto [it, inserted] = run->nodes.try_emplace(node_id);
+  Node& node = it->second;
+  if (inserted) {
+    node.id = node_id;
+    node.arrival = ++run->arrivals;
+  }
+  if (node.join) {
+    finishJoin(node, Status(StatusCode::kAborted,
+                            "superseded by a newer join of node " + node_id));
+  }
+  node.address = req.address;
+  node.local_world_size = req.local_world_size;
+  node.last_seen = now;
+
+  // A participant of the completed round asking again (a retry after a lost answer) gets it.
+  if (!run->forming) {
+    auto r = run->completed_rank.find(node_id);
+    if (r != run->completed_rank.end()) {
+      RoundInfo info;
+      info.round = run->completed_round;
+      info.node_id = node_id;
+      info.group_rank = r->second;
+      info.group_world_size = static_cast<uint32_t>(run->completed->size());
+      info.base_rank = run->base_ranks[r->second];
+      info.world_size = run->world_size;
+      info.participants = run->completed;
+      auto& kv = kv_[run->id];
+      auto m = kv.find(masterKey(info.round));
+      if (m != kv.end()) {
+        auto colon = m->second.rfind(':');
+        info.master_addr = m->second.substr(0, colon);
+        info.master_port = static_cast<uint32_t>(std::stoul(m->second.substr(colon + 1)));
+      }
+      outbox_.joins.push_back({id, std::move(info)});
+      return;
+    }
+  }
+
+  node.join = id;
+  node.join_deadline = now + req.join_timeout;
+  joins_[id] = {run->id, node_id};
+  deadlines_.insert(node.join_deadline);
+
+  const uint32_t max = run->config.max_nodes;
+  if (run->forming) {
+    if (run->joined.count(node_id) != 0) return;  // re-attached to its place
+    if (run->expected.count(node_id) != 0 || run->members.size() + run->expected.size() < max) {
+      addToRound(*run, node, now);
+    } else if (std::find(run->spares.begin(), run->spares.end(), node_id) == run->spares.end()) {
+      run->spares.push_back(node_id);
+    }
+    return;
+  }
+  if (run->completed->size() < max) {
+    openRound(*run, ChangeReason::kNodeJoined, node_id, now);
+    if (run->forming && run->joined.count(node_id) == 0) addToRound(*run, node, now);
+  } else if (std::find(run->spares.begin(), run->spares.end(), node_id) == run->spares.end()) {
+    run->spares.push_back(node_id);
+  }
+}
+
+void RendezvousState::addToRound(Run& run, Node& node, TimePoint now) {
+  run.spares.erase(std::remove(run.spares.begin(), run.spares.end(), node.id), run.spares.end());
+  run.expected.erase(node.id);
+  run.joined.insert(node.id);
+  run.members.push_back(node.id);
+  const size_t n = run.members.size();
+  if (n >= run.config.max_nodes || (n >= run.config.min_nodes && run.reforming &&
+                                    run.expected.empty())) {
+    completeRound(run, now);
+  } else if (n >= run.config.min_nodes) {
+    run.last_call = now + run.config.last_call_timeout;
+    deadlines_.insert(*run.last_call);
+  }
+}
+
+void RendezvousState::promoteSpares(Run& run, TimePoint now) {
+  while (run.forming && !run.spares.empty() &&
+         run.members.size() + run.expected.size() < run.config.max_nodes) {
+    Node& spare = run.nodes.at(run.spares.front());
+    addToRound(run, spare, now);
+  }
+}
+
+void RendezvousState::openRound(Run& run, ChangeReason reason, const std::string& cause,
+                                TimePoint now) {
+  DDPRUN_CHECK(!run.forming, "openRound while a round is forming");
+  run.round = run.completed_round + 1;
+  run.forming = true;
+  run.members.clear();
+  run.joined.clear();
+  run.expected.clear();
+  run.last_call.reset();
+  if (run.completed) {
+    for (const Participant& p : *run.completed) {
+      if (run.nodes.count(p.node_id) != 0) run.expected.insert(p.node_id);
+    }
+  }
+  run.reforming = !run.expected.empty();
+  logger("rendezvous")->info("run {}: round {} opened ({} {}), {} survivors expected", run.id,
+                             run.round, changeReasonName(reason), cause, run.expected.size());
+  push(run, ChangeKind::kRoundPending, reason, cause, run.round);
+  promoteSpares(run, now);
+}
+
+void RendezvousState::completeRound(Run& run, TimePoint now) {
+  const size_t n = run.members.size();
+  std::vector<std::string> by_rank(n);
+  std::vector<Node*> rest;
+  // Claim previous ranks, most recent rounds first, so a survivor keeps its rank.
+  std::vector<Node*> nodes;
+  nodes.reserve(n);
+  for (const std::string& id : run.members) nodes.push_back(&run.nodes.at(id));
+  std::vector<Node*> claimers = nodes;
+  std::stable_sort(claimers.begin(), claimers.end(),
+                   [](const Node* a, const Node* b) { return a->prev_round > b->prev_round; });
+  for (Node* node : claimers) {
+    if (node->prev_rank >= 0 && static_cast<size_t>(node->prev_rank) < n &&
+        by_rank[node->prev_rank].empty()) {
+      by_rank[node->prev_rank] = node->id;
+    } else {
+      rest.push_back(node);
+    }
+  }
+  // Others fill the free ranks: former holders by their old rank, then newcomers by arrival.
+  std::stable_sort(rest.begin(), rest.end(), [](const Node* a, const Node* b) {
+    const int64_t ka = a->prev_rank >= 0 ? a->prev_rank : std::numeric_limits<int64_t>::max();
+    const int64_t kb = b->prev_rank >= 0 ? b->prev_rank : std::numeric_limits<int64_t>::max();
+    if (ka != kb) return ka < kb;
+    return a->arrival < b->arrival;
+  });
+  size_t next = 0;
+  for (Node* node : rest) {
+    while (!by_rank[next].empty()) ++next;
+    by_rank[next] = node->id;
+  }
+
+  auto participants = std::make_shared<std::vector<Participant>>();
+  participants->reserve(n);
+  run.base_ranks.assign(n, 0);
+  run.completed_rank.clear();
+  uint32_t base = 0;
+  for (size_t rank = 0; rank < n; ++rank) {
+    const Node& node = run.nodes.at(by_rank[rank]);
+    participants->push_back(
+        {node.id, node.address, node.local_world_size, static_cast<uint32_t>(rank)});
+    run.base_ranks[rank] = base;
+    run.completed_rank[node.id] = static_cast<uint32_t>(rank);
+    base += node.local_world_size;
+  }
+  run.world_size = base;
+  run.completed = participants;
+  run.completed_round = run.round;
+  run.forming = false;
+  run.reforming = false;
+  run.members.clear();
+  run.joined.clear();
+  run.expected.clear();
+  run.last_call.reset();
+  logger("rendezvous")->info("run {}: round {} complete with {} nodes, world size {}", run.id,
+                             run.round, n, base);
+
+  for (size_t rank = 0; rank < n; ++rank) {
+    Node& node = run.nodes.at(by_rank[rank]);
+    node.prev_rank = static_cast<int64_t>(rank);
+    node.prev_round = run.round;
+    node.last_seen = now;
+    RoundInfo info;
+    info.round = run.round;
+    info.node_id = node.id;
+    info.group_rank = static_cast<uint32_t>(rank);
+    info.group_world_size = static_cast<uint32_t>(n);
+    info.base_rank = run.base_ranks[rank];
+    info.world_size = base;
+    info.participants = participants;
+    finishJoin(node, std::move(info));
+  }
+  deadlines_.insert(now + run.expiry());
+  push(run, ChangeKind::kRoundComplete, ChangeReason::kNone, "", run.round);
+}
+
+void RendezvousState::detachFromRound(Run& run, Node& node) {
+  run.spares.erase(std::remove(run.spares.begin(), run.spares.end(), node.id), run.spares.end());
+  if (run.forming && run.joined.erase(node.id) != 0) {
+    run.members.erase(std::remove(run.members.begin(), run.members.end(), node.id),
+                      run.members.end());
+    if (run.members.size() < run.config.min_nodes) run.last_call.reset();
+  }
+}
+
+void RendezvousState::removeNode(Run& run, const std::string& node_id, ChangeReason reason,
+                                 std::optional<Status> join_status, TimePoint now) {
+  auto it = run.nodes.find(node_id);
+  if (it == run.nodes.end()) return;
+  Node& node = it->second;
+  if (node.join) {
+    if (join_status) {
+      finishJoin(node, *join_status);
+    } else {
+      joins_.erase(*node.join);
+      node.join.reset();
+    }
+  }
+  const bool in_completed = !run.forming && run.completed_rank.count(node_id) != 0;
+  detachFromRound(run, node);
+  run.expected.erase(node_id);
+  run.nodes.erase(it);
+  logger("rendezvous")->info("run {}: node {} removed ({})", run.id, node_id,
+                             changeReasonName(reason));
+  if (run.closed) return;
+  if (in_completed) {
+    openRound(run, reason, node_id, now);
+  } else if (run.forming) {
+    if (run.reforming && run.expected.empty() && !run.members.empty() &&
+        run.members.size() >= run.config.min_nodes) {
+      completeRound(run, now);
+    } else {
+      promoteSpares(run, now);
+    }
+  }
+}
+
+void RendezvousState::cancelJoin(CallId id, TimePoint now) {
+  auto j = joins_.find(id);
+  if (j == joins_.end()) return;
+  Run* run = findRun(j->second.first);
+  const std::string node_id = j->second.second;
+  joins_.erase(j);
+  Node& node = run->nodes.at(node_id);
+  node.join.reset();
+  node.last_seen = now;
+  detachFromRound(*run, node);
+  logger("rendezvous")->info("run {}: node {} gave up its join (cancelled)", run->id, node_id);
+  // A survivor of the last round stays expected (its retry may come); heartbeats decide if it
+  // is gone. A node nobody waits for is forgotten.
+  const bool survivor = run->completed && node.prev_round == run->completed_round;
+  if (survivor && run->forming) {
+    run->expected.insert(node_id);
+    deadlines_.insert(now + run->expiry());
+  } else if (!survivor) {
+    run->nodes.erase(node_id);
+    if (run->forming) promoteSpares(*run, now);
+  }
+}
+
+StatusOr<RunStatus> RendezvousState::heartbeat(const std::string& run_id,
+                                               const std::string& node_id, TimePoint now) {
+  Run* run = findRun(run_id);
+  if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  auto it = run->nodes.find(node_id);
+  if (it == run->nodes.end()) {
+    return notFound("node " + node_id + " is not part of run " + run_id +
+                    " (declared dead, left, or never joined); join again");
+  }
+  it->second.last_seen = now;
+  return statusOf(*run);
+}
+
+Status RendezvousState::leave(const std::string& run_id, const std::string& node_id,
+                              TimePoint now) {
+  Run* run = findRun(run_id);
+  if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  removeNode(*run, node_id, ChangeReason::kNodeLeft,
+             Status(StatusCode::kCancelled, "node " + node_id + " left the run"), now);
+  return Status::ok();
+}
+
+StatusOr<uint64_t> RendezvousState::reportFailure(const std::string& run_id,
+                                                  const std::string& node_id, uint64_t round,
+                                                  TimePoint now) {
+  Run* run = findRun(run_id);
+  if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  if (run->closed) return failedPrecondition("run " + run_id + " is closed");
+  if (run->nodes.count(node_id) == 0) {
+    return notFound("node " + node_id + " is not part of run " + run_id);
+  }
+  if (round == 0 || round > run->completed_round) {
+    return failedPrecondition("round " + std::to_string(round) + " of run " + run_id +
+                              " has not completed (last completed: " +
+                              std::to_string(run->completed_round) + ")");
+  }
+  if (!run->forming && round == run->completed_round) {
+    openRound(*run, ChangeReason::kFailureReported, node_id, now);
+  }
+  return run->forming ? run->round : run->completed_round;
+}
+
+Status RendezvousState::close(const std::string& run_id, TimePoint now) {
+  Run* run = findRun(run_id);
+  if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  if (run->closed) return Status::ok();
+  run->closed = true;
+  for (auto& [id, node] : run->nodes) {
+    finishJoin(node, failedPrecondition("run " + run_id + " is closed"));
+  }
+  run->spares.clear();
+  logger("rendezvous")->info("run {} closed", run_id);
+  push(*run, ChangeKind::kClosed, ChangeReason::kNone, "", run->round);
+  return Status::ok();
+}
+
+StatusOr<RunStatus> RendezvousState::status(const std::string& run_id) const {
+  const Run* run = findRun(run_id);
+  if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  return statusOf(*run);
+}
+
+Status RendezvousState::publishMaster(const std::string& run_id, const std::string& node_id,
+                                      uint64_t round, const MasterAddress& master,
+                                      TimePoint now) {
+  Run* run = findRun(run_id);
+  if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  if (master.addr.empty() || master.port == 0 || master.port > 65535) {
+    return invalidArgument("master address must be a non-empty host and a port in 1..65535");
+  }
+  if (round == 0 || round != run->completed_round || !run->completed ||
+      run->completed->front().node_id != node_id) {
+    return failedPrecondition("node " + node_id + " is not rank 0 of round " +
+                              std::to_string(round) + " of run " + run_id);
+  }
+  return kvSet(run_id, masterKey(round), master.addr + ":" + std::to_string(master.port), now);
+}
+
+void RendezvousState::waitMaster(CallId id, const std::string& run_id, uint64_t round,
+                                 Duration timeout, TimePoint now) {
+  kvWait(id, run_id, {masterKey(round)}, timeout, now);
+}
+
+Status RendezvousState::validateKey(const std::string& run_id, const std::string& key) const {
+  if (run_id.empty()) return invalidArgument("run id is empty");
+  if (run_id.size() > limits_.max_id_bytes) return invalidArgument("run id is too long");
+  if (key.empty()) return invalidArgument("key is empty");
+  if (key.size() > limits_.max_key_bytes) {
+    return invalidArgument("key is " + std::to_string(key.size()) + " bytes, above the limit of " +
+                           std::to_string(limits_.max_key_bytes));
+  }
+  return Status::ok();
+}
+
+void RendezvousState::notifyKeys(const std::string& run_id, const std::string& key) {
+  const auto& kv = kv_[run_id];
+  std::vector<CallId> done;
+  for (const auto& [id, wait] : waits_) {
+    if (wait.run_id != run_id ||
+        std::find(wait.keys.begin(), wait.keys.end(), key) == wait.keys.end()) {
+      continue;
+    }
+    bool all = std::all_of(wait.keys.begin(), wait.keys.end(),
+                           [&](const std::string& k) { return kv.count(k) != 0; });
+    if (all) done.push_back(id);
+  }
+  for (CallId id : done) {
+    std::vector<std::string> values;
+    for (const std::string& k : waits_.at(id).keys) values.push_back(kv.at(k));
+    waits_.erase(id);
+    outbox_.waits.push_back({id, std::move(values)});
+  }
+}
+
+Status RendezvousState::kvSet(const std::string& run_id, const std::string& key,
+                              std::string value, TimePoint now) {
+  DDPRUN_RETURN_IF_ERROR(validateKey(run_id, key));
+  if (value.size() > limits_.max_value_bytes) {
+    return invalidArgument("value of key " + key + " is " + std::to_string(value.size()) +
+                           " bytes, above the limit of " +
+                           std::to_string(limits_.max_value_bytes));
+  }
+  kv_[run_id][key] = std::move(value);
+  notifyKeys(run_id, key);
+  return Status::ok();
+}
+
+StatusOr<std::string> RendezvousState::kvGet(const std::string& run_id,
+                                             const std::string& key) const {
+  DDPRUN_RETURN_IF_ERROR(validateKey(run_id, key));
+  auto r = kv_.find(run_id);
+  if (r == kv_.end()) return notFound("key " + key + " not found in run " + run_id);
+  auto it = r->second.find(key);
+  if (it == r->second.end()) return notFound("key " + key + " not found in run " + run_id);
+  return it->second;
+}
+
+StatusOr<int64_t> RendezvousState::kvAdd(const std::string& run_id, const std::string& key,
+                                         int64_t delta, TimePoint now) {
+  DDPRUN_RETURN_IF_ERROR(validateKey(run_id, key));
+  auto& kv = kv_[run_id];
+  int64_t value = 0;
+  auto it = kv.find(key);
+  if (it != kv.end()) {
+    errno = 0;
+    char* end = nullptr;
+    long long v = std::strtoll(it->second.c_str(), &end, 10);
+    if (it->second.empty() || *end != '\0' || errno != 0) {
+      return invalidArgument("key " + key + " holds a value that is not an integer");
+    }
+    value = v;
+  }
+  if ((delta > 0 && value > std::numeric_limits<int64_t>::max() - delta) ||
+      (delta < 0 && value < std::numeric_limits<int64_t>::min() - delta)) {
+    return Status(StatusCode::kOutOfRange, "add on key " + key + " overflows int64");
+  }
+  value += delta;
+  kv[key] = std::to_string(value);
+  notifyKeys(run_id, key);
+  return value;
+}
+
+StatusOr<std::string> RendezvousState::kvCompareSet(const std::string& run_id,
+                                                    const std::string& key,
+                                                    const std::string& expected,
+                                                    std::string desired, TimePoint now) {
+  DDPRUN_RETURN_IF_ERROR(validateKey(run_id, key));
+  if (desired.size() > limits_.max_value_bytes) {
+    return invalidArgument("value of key " + key + " is " + std::to_string(desired.size()) +
+                           " bytes, above the limit of " +
+                           std::to_string(limits_.max_value_bytes));
+  }
+  auto& kv = kv_[run_id];
+  auto it = kv.find(key);
+  if (it == kv.end()) {
+    if (!expected.empty()) return expected;  // c10d: absent key and non-empty expected
+    kv[key] = desired;
+    notifyKeys(run_id, key);
+    return desired;
+  }
+  if (it->second != expected) return it->second;
+  it->second = desired;
+  notifyKeys(run_id, key);
+  return desired;
+}
+
+StatusOr<bool> RendezvousState::kvDelete(const std::string& run_id, const std::string& key) {
+  DDPRUN_RETURN_IF_ERROR(validateKey(run_id, key));
+  auto r = kv_.find(run_id);
+  if (r == kv_.end()) return false;
+  return r->second.erase(key) != 0;
+}
+
+void RendezvousState::kvWait(CallId id, const std::string& run_id, std::vector<std::string> keys,
+                             Duration timeout, TimePoint now) {
+  if (keys.empty()) {
+    outbox_.waits.push_back({id, invalidArgument("wait needs at least one key")});
+    return;
+  }
+  for (const std::string& k : keys) {
+    if (Status s = validateKey(run_id, k); !s.isOk()) {
+      outbox_.waits.push_back({id, s});
+      return;
+    }
+  }
+  const auto& kv = kv_[run_id];
+  bool all = std::all_of(keys.begin(), keys.end(),
+                         [&](const std::string& k) { return kv.count(k) != 0; });
+  if (all) {
+    std::vector<std::string> values;
+    for (const std::string& k : keys) values.push_back(kv.at(k));
+    outbox_.waits.push_back({id, std::move(values)});
+    return;
+  }
+  TimePoint deadline = now + timeout;
+  waits_[id] = Wait{run_id, std::move(keys), deadline};
+  deadlines_.insert(deadline);
+}
+
+void RendezvousState::cancelWait(CallId id) { waits_.erase(id); }
+
+void RendezvousState::tick(TimePoint now) {
+  if (deadlines_.empty() || *deadlines_.begin() > now) return;
+  deadlines_.erase(deadlines_.begin(), deadlines_.upper_bound(now));
+
+  std::vector<CallId> expired_waits;
+  for (const auto& [id, wait] : waits_) {
+    if (wait.deadline <= now) expired_waits.push_back(id);
+  }
+  for (CallId id : expired_waits) {
+    const Wait& w = waits_.at(id);
+    outbox_.waits.push_back(
+        {id, deadlineExceeded("timed out waiting for key(s) " + ddprun::join(w.keys, ", ") +
+                              " of run " + w.run_id)});
+    waits_.erase(id);
+  }
+
+  for (auto& [run_id, run_ptr] : runs_) {
+    Run& run = *run_ptr;
+    if (run.closed) continue;
+    // Join timeouts.
+    std::vector<std::string> timed_out;
+    for (auto& [id, node] : run.nodes) {
+      if (node.join && node.join_deadline <= now) timed_out.push_back(id);
+    }
+    for (const std::string& id : timed_out) {
+      Node& node = run.nodes.at(id);
+      const std::string msg =
+          "join_timeout expired waiting for round " + std::to_string(run.round) + " of run " +
+          run.id + ": " + std::to_string(run.members.size()) + " node(s) joined, min_nodes is " +
+          std::to_string(run.config.min_nodes);
+      finishJoin(node, deadlineExceeded(msg));
+      const bool survivor = run.completed && node.prev_round == run.completed_round;
+      if (survivor) {
+        node.last_seen = now;
+        detachFromRound(run, node);
+      } else {
+        removeNode(run, id, ChangeReason::kNodeLeft, std::nullopt, now);
+      }
+    }
+    // Last call.
+    if (run.forming && run.last_call && *run.last_call <= now &&
+        run.members.size() >= run.config.min_nodes) {
+      completeRound(run, now);
+    }
+    // Heartbeats: nodes without a pending join must beat.
+    std::vector<std::string> dead;
+    std::optional<TimePoint> earliest;
+    for (auto& [id, node] : run.nodes) {
+      if (node.join) continue;
+      TimePoint expires = node.last_seen + run.expiry();
+      if (expires <= now) {
+        dead.push_back(id);
+      } else if (!earliest || expires < *earliest) {
+        earliest = expires;
+      }
+    }
+    for (const std::string& id : dead) {
+      logger("rendezvous")->warn("run {}: node {} missed {} heartbeats, declared dead", run.id,
+                                 id, run.config.heartbeat_misses);
+      removeNode(run, id, ChangeReason::kNodeDead, std::nullopt, now);
+    }
+    // Re-check no sooner than half an interval from now, so steady heartbeats cost few scans.
+    if (earliest) deadlines_.insert(std::max(*earliest, now + run.config.heartbeat_interval / 2));
+  }
+}
+
+std::optional<TimePoint> RendezvousState::nextDeadline() const {
+  if (deadlines_.empty()) return std::nullopt;
+  return *deadlines_.begin();
+}
+
+RendezvousState::Outbox RendezvousState::drain() {
+  Outbox out = std::move(outbox_);
+  outbox_ = Outbox{};
+  return out;
+}
+
+void RendezvousState::abortAll(const Status& status) {
+  for (auto& [run_id, run] : runs_) {
+    for (auto& [id, node] : run->nodes) finishJoin(node, status);
+  }
+  for (auto& [id, wait] : waits_) outbox_.waits.push_back({id, status});
+  waits_.clear();
+}
+
+}  // namespace ddprun::rendezvous

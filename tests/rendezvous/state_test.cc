@@ -1,0 +1,479 @@
+// Unit tests of the pure rendezvous state machine: time is a FakeClock, no sockets.
+#include "ddprun/rendezvous/state.h"
+
+#include <catch2/catch.hpp>
+
+#include <map>
+
+#include "fake_clock.h"
+
+using namespace ddprun;
+using namespace ddprun::rendezvous;
+
+
+namespace {
+
+class Harness {
+ public:
+  explicit Harness(uint32_t min, uint32_t max) {
+    config.min_nodes = min;
+    config.max_nodes = max;
+    config.last_call_timeout = seconds(10);
+    config.heartbeat_interval = seconds(5);
+    config.heartbeat_misses = 3;
+  }
+
+  // Starts a join of `node` and returns its call id.
+  RendezvousState::CallId join(const std::string& node, uint32_t lws = 1) {
+    JoinRequest req;
+    req.run_id = "job";
+    req.node_id = node;
+    req.address = node + ".host";
+    req.local_world_size = lws;
+    req.config = config;
+    req.join_timeout = join_timeout;
+    RendezvousState::CallId id = next_id++;
+    calls[id] = node;
+    state.join(id, req, clock.now());
+    collect();
+    return id;
+  }
+
+  void advance(Duration d) {
+    clock.advance(d);
+    state.tick(clock.now());
+    collect();
+  }
+
+  void collect() {
+    auto out = state.drain();
+    for (auto& j : out.joins) {
+      if (j.result.isOk()) {
+        done[calls[j.id]] = j.result.value();
+      } else {
+        errors[calls[j.id]] = j.result.status();
+      }
+    }
+    for (auto& w : out.waits) waits.emplace(w.id, w.values);
+    for (auto& c : out.changes) changes.push_back(c.change);
+  }
+
+  bool completed(const std::string& node) const { return done.count(node) != 0; }
+  uint32_t rank(const std::string& node) const { return done.at(node).group_rank; }
+  const RoundChange* lastChange(ChangeKind kind) const {
+    for (auto it = changes.rbegin(); it != changes.rend(); ++it) {
+      if (it->kind == kind) return &*it;
+    }
+    return nullptr;
+  }
+  // Forgets answers so the next round's can be told apart.
+  void clearAnswers() {
+    done.clear();
+    errors.clear();
+    changes.clear();
+  }
+  void heartbeatAll(std::initializer_list<const char*> nodes) {
+    for (const char* n : nodes) REQUIRE(state.heartbeat("job", n, clock.now()).isOk());
+  }
+
+  testing::FakeClock clock;
+  RendezvousState state;
+  RunConfig config;
+  Duration join_timeout = seconds(600);
+  RendezvousState::CallId next_id = 1;
+  std::map<RendezvousState::CallId, std::string> calls;
+  std::map<std::string, RoundInfo> done;
+  std::map<std::string, Status> errors;
+  std::map<RendezvousState::CallId, StatusOr<std::vector<std::string>>> waits;
+  std::vector<RoundChange> changes;
+};
+
+}  // namespace
+
+TEST_CASE("a join below min_nodes waits", "[rendezvous][state]") {
+  Harness h(2, 4);
+  h.join("a");
+  h.advance(seconds(100));
+  CHECK_FALSE(h.completed("a"));
+  CHECK(h.errors.empty());
+  CHECK(h.state.status("job")->waiting == 1);
+  CHECK(h.state.nextDeadline().has_value());  // the join timeout
+}
+
+TEST_CASE("reaching min_nodes starts the last call, which completes the round when it expires",
+          "[rendezvous][state]") {
+  Harness h(2, 4);
+  h.join("a");
+  h.join("b");
+  CHECK_FALSE(h.completed("a"));
+  REQUIRE(h.state.nextDeadline() == h.clock.now() + seconds(10));
+  h.advance(seconds(9));
+  CHECK_FALSE(h.completed("a"));
+  h.advance(seconds(1));
+  REQUIRE(h.completed("a"));
+  REQUIRE(h.completed("b"));
+  CHECK(h.done["a"].round == 1);
+  CHECK(h.done["a"].group_world_size == 2);
+  CHECK(h.rank("a") == 0);
+  CHECK(h.rank("b") == 1);
+  REQUIRE(h.lastChange(ChangeKind::kRoundComplete) != nullptr);
+}
+
+TEST_CASE("a joiner during the last call re-arms it, as torchrun", "[rendezvous][state]") {
+  Harness h(2, 4);
+  h.join("a");
+  h.join("b");
+  h.advance(seconds(6));
+  h.join("c");
+  h.advance(seconds(6));
+  CHECK_FALSE(h.completed("a"));
+  h.advance(seconds(4));
+  CHECK(h.completed("c"));
+  CHECK(h.done["c"].group_world_size == 3);
+}
+
+TEST_CASE("reaching max_nodes completes the round at once", "[rendezvous][state]") {
+  Harness h(2, 3);
+  h.join("a");
+  h.join("b");
+  h.join("c");
+  REQUIRE(h.done.size() == 3);
+  for (auto& [node, info] : h.done) {
+    CHECK(info.group_world_size == 3);
+    CHECK(info.participants->size() == 3);
+    CHECK(info.participants->at(info.group_rank).node_id == node);
+  }
+}
+
+TEST_CASE("a join after completion opens the next round and pushes the change",
+          "[rendezvous][state]") {
+  Harness h(1, 3);
+  h.join("a");
+  h.join("b");
+  h.advance(seconds(10));
+  REQUIRE(h.done.size() == 2);
+  h.clearAnswers();
+  h.join("c");
+  CHECK_FALSE(h.completed("c"));
+  const RoundChange* change = h.lastChange(ChangeKind::kRoundPending);
+  REQUIRE(change != nullptr);
+  CHECK(change->round == 2);
+  CHECK(change->reason == ChangeReason::kNodeJoined);
+  CHECK(change->node_id == "c");
+  CHECK(change->status.completed_round == 1);
+  CHECK(change->status.pending_round == 2);
+  // The survivors re-join; once all of them are back the round completes without a last call.
+  h.join("a");
+  CHECK_FALSE(h.completed("a"));
+  h.join("b");
+  REQUIRE(h.done.size() == 3);
+  CHECK(h.done["c"].round == 2);
+  CHECK(h.rank("a") == 0);
+  CHECK(h.rank("b") == 1);
+  CHECK(h.rank("c") == 2);
+}
+
+TEST_CASE("a node beyond max_nodes becomes a spare and is promoted when a participant dies",
+          "[rendezvous][state]") {
+  Harness h(2, 2);
+  h.join("a");
+  h.join("b");
+  REQUIRE(h.done.size() == 2);
+  h.join("s");
+  CHECK_FALSE(h.completed("s"));
+  CHECK(h.state.status("job")->spares == 1);
+  CHECK(h.lastChange(ChangeKind::kRoundPending) == nullptr);  // spares do not disturb the round
+  h.clearAnswers();
+  // a keeps beating, b falls silent.
+  for (int i = 0; i < 4; ++i) {
+    h.advance(seconds(5));
+    h.heartbeatAll({"a"});
+  }
+  const RoundChange* change = h.lastChange(ChangeKind::kRoundPending);
+  REQUIRE(change != nullptr);
+  CHECK(change->reason == ChangeReason::kNodeDead);
+  CHECK(change->node_id == "b");
+  h.join("a");
+  REQUIRE(h.completed("s"));
+  REQUIRE(h.completed("a"));
+  CHECK(h.rank("a") == 0);
+  CHECK(h.rank("s") == 1);
+  CHECK(h.state.status("job")->spares == 0);
+}
+
+TEST_CASE("missed heartbeats remove a node and start a new round for the survivors",
+          "[rendezvous][state]") {
+  Harness h(2, 3);
+  h.join("a");
+  h.join("b");
+  h.join("c");
+  REQUIRE(h.done.size() == 3);
+  h.clearAnswers();
+  for (int i = 0; i < 3; ++i) {
+    h.advance(seconds(5));
+    h.heartbeatAll({"a", "c"});
+  }
+  h.advance(seconds(5));
+  const RoundChange* change = h.lastChange(ChangeKind::kRoundPending);
+  REQUIRE(change != nullptr);
+  CHECK(change->reason == ChangeReason::kNodeDead);
+  CHECK(change->node_id == "b");
+  CHECK(change->round == 2);
+  CHECK_FALSE(h.state.heartbeat("job", "b", h.clock.now()).isOk());
+  h.join("c");
+  h.join("a");
+  REQUIRE(h.done.size() == 2);
+  CHECK(h.done["a"].round == 2);
+  CHECK(h.rank("a") == 0);
+  CHECK(h.rank("c") == 1);  // rank 2 is out of range now; c takes the free rank
+}
+
+TEST_CASE("survivors below min_nodes wait for the round to refill", "[rendezvous][state]") {
+  Harness h(2, 2);
+  h.join("a");
+  h.join("b");
+  h.clearAnswers();
+  REQUIRE(h.state.leave("job", "b", h.clock.now()).isOk());
+  h.collect();
+  h.join("a");
+  h.advance(seconds(60));
+  CHECK_FALSE(h.completed("a"));
+  h.join("c");
+  REQUIRE(h.completed("a"));
+  CHECK(h.rank("a") == 0);
+  CHECK(h.rank("c") == 1);
+}
+
+TEST_CASE("falling below min_nodes clears the last call", "[rendezvous][state]") {
+  Harness h(2, 4);
+  auto b = h.join("b");
+  h.join("a");
+  REQUIRE(h.state.nextDeadline() == h.clock.now() + seconds(10));
+  h.state.cancelJoin(b, h.clock.now());  // b's client went away mid-join
+  h.collect();
+  h.advance(seconds(30));
+  CHECK_FALSE(h.completed("a"));
+  CHECK(h.errors.empty());  // a cancelled join is not answered
+  CHECK(h.state.status("job")->waiting == 1);
+  h.join("c");
+  h.advance(seconds(10));
+  CHECK(h.completed("a"));
+  CHECK(h.completed("c"));
+  CHECK_FALSE(h.completed("b"));
+}
+
+TEST_CASE("close refuses later joins and fails pending ones", "[rendezvous][state]") {
+  Harness h(2, 2);
+  h.join("a");
+  REQUIRE(h.state.close("job", h.clock.now()).isOk());
+  h.collect();
+  REQUIRE(h.errors.count("a"));
+  CHECK(h.errors["a"].code() == StatusCode::kFailedPrecondition);
+  CHECK(h.errors["a"].message() == "run job is closed");
+  REQUIRE(h.lastChange(ChangeKind::kClosed) != nullptr);
+  h.join("b");
+  REQUIRE(h.errors.count("b"));
+  CHECK(h.errors["b"].code() == StatusCode::kFailedPrecondition);
+  CHECK(h.errors["b"].message() == "run job is closed");
+}
+
+TEST_CASE("a join that waits past join_timeout fails with DEADLINE_EXCEEDED",
+          "[rendezvous][state]") {
+  Harness h(3, 3);
+  h.join_timeout = seconds(20);
+  h.join("a");
+  h.join("b");
+  h.advance(seconds(19));
+  CHECK(h.errors.empty());
+  h.advance(seconds(1));
+  REQUIRE(h.errors.size() == 2);
+  CHECK(h.errors["a"].code() == StatusCode::kDeadlineExceeded);
+  CHECK(h.state.status("job")->waiting == 0);
+}
+
+TEST_CASE("group ranks stay stable across rounds and rank 0 moves only when its node is gone",
+          "[rendezvous][state]") {
+  Harness h(1, 4);
+  h.join("a");
+  h.join("b");
+  h.join("c");
+  h.join("d");
+  REQUIRE(h.done.size() == 4);
+  std::map<std::string, uint32_t> first;
+  for (auto& [n, info] : h.done) first[n] = info.group_rank;
+  h.clearAnswers();
+  // A failure: everyone re-joins, in reverse order; ranks do not change.
+  REQUIRE(h.state.reportFailure("job", "c", 1, h.clock.now()).isOk());
+  h.collect();
+  for (const char* n : {"d", "c", "b", "a"}) h.join(n);
+  REQUIRE(h.done.size() == 4);
+  for (auto& [n, r] : first) CHECK(h.rank(n) == r);
+  // The node holding the middle rank leaves: survivors keep theirs, the top rank fills the hole.
+  std::string rank0, rank1, rank3;
+  for (auto& [n, r] : first) {
+    if (r == 0) rank0 = n;
+    if (r == 1) rank1 = n;
+    if (r == 3) rank3 = n;
+  }
+  h.clearAnswers();
+  REQUIRE(h.state.leave("job", rank1, h.clock.now()).isOk());
+  h.collect();
+  for (auto& [n, r] : first) {
+    if (n != rank1) h.join(n);
+  }
+  REQUIRE(h.done.size() == 3);
+  CHECK(h.rank(rank0) == 0);
+  CHECK(h.rank(rank3) == 1);
+  // Rank 0's node leaves: rank 0 moves.
+  h.clearAnswers();
+  REQUIRE(h.state.leave("job", rank0, h.clock.now()).isOk());
+  h.collect();
+  for (auto& [n, r] : first) {
+    if (n != rank1 && n != rank0) h.join(n);
+  }
+  REQUIRE(h.done.size() == 2);
+  CHECK(h.rank(rank3) == 1);
+  for (auto& [n, info] : h.done) CHECK(info.group_rank < 2);
+}
+
+TEST_CASE("nodes with different local world sizes get contiguous worker ranks",
+          "[rendezvous][state]") {
+  Harness h(2, 2);
+  h.join("a", 4);
+  h.join("b", 2);
+  REQUIRE(h.done.size() == 2);
+  CHECK(h.done["a"].world_size == 6);
+  CHECK(h.done["a"].base_rank == 0);
+  CHECK(h.done["b"].base_rank == 4);
+  CHECK(h.done["b"].participants->at(0).local_world_size == 4);
+  CHECK(h.done["b"].participants->at(1).local_world_size == 2);
+}
+
+TEST_CASE("a failure report opens one new round that every node joins", "[rendezvous][state]") {
+  Harness h(2, 2);
+  h.join("a");
+  h.join("b");
+  h.clearAnswers();
+  auto next = h.state.reportFailure("job", "b", 1, h.clock.now());
+  REQUIRE(next.isOk());
+  CHECK(next.value() == 2);
+  // The other node reports the same failure: absorbed, no second round.
+  auto again = h.state.reportFailure("job", "a", 1, h.clock.now());
+  REQUIRE(again.isOk());
+  CHECK(again.value() == 2);
+  h.collect();
+  REQUIRE(h.changes.size() == 1);
+  CHECK(h.changes[0].reason == ChangeReason::kFailureReported);
+  h.join("a");
+  h.join("b");
+  REQUIRE(h.done.size() == 2);
+  CHECK(h.done["a"].round == 2);
+}
+
+TEST_CASE("a graceful leave starts a new round at once", "[rendezvous][state]") {
+  Harness h(1, 3);
+  h.join("a");
+  h.join("b");
+  h.join("c");
+  h.clearAnswers();
+  REQUIRE(h.state.leave("job", "c", h.clock.now()).isOk());
+  h.collect();
+  const RoundChange* change = h.lastChange(ChangeKind::kRoundPending);
+  REQUIRE(change != nullptr);
+  CHECK(change->reason == ChangeReason::kNodeLeft);
+  CHECK(change->node_id == "c");
+  h.join("a");
+  h.join("b");
+  REQUIRE(h.done.size() == 2);
+  CHECK(h.done["a"].round == 2);
+}
+
+TEST_CASE("a completed participant joining again gets its round back", "[rendezvous][state]") {
+  Harness h(1, 1);
+  h.join("a");
+  REQUIRE(h.completed("a"));
+  REQUIRE(h.state.publishMaster("job", "a", 1, {"a.host", 29500}, h.clock.now()).isOk());
+  h.clearAnswers();
+  h.join("a");
+  REQUIRE(h.completed("a"));
+  CHECK(h.done["a"].round == 1);
+  CHECK(h.done["a"].master_addr == "a.host");
+  CHECK(h.done["a"].master_port == 29500);
+  CHECK(h.changes.empty());
+}
+
+TEST_CASE("bad joins get precise errors and leave the run intact", "[rendezvous][state]") {
+  Harness h(2, 4);
+  h.join("a");
+  h.config.max_nodes = 5;
+  h.join("x");
+  REQUIRE(h.errors.count("x"));
+  CHECK(h.errors["x"].code() == StatusCode::kFailedPrecondition);
+  CHECK(h.errors["x"].message() == "run job has nnodes 2:4 but this node asked for 2:5");
+  h.config.max_nodes = 4;
+  h.join("y", 0);
+  CHECK(h.errors["y"].code() == StatusCode::kInvalidArgument);
+  JoinRequest empty;
+  empty.address = "h";
+  h.calls[999] = "empty";
+  h.state.join(999, empty, h.clock.now());
+  h.collect();
+  CHECK(h.errors["empty"].code() == StatusCode::kInvalidArgument);
+  CHECK(h.errors["empty"].message() == "run id is empty");
+  h.join("b");
+  h.advance(seconds(10));
+  CHECK(h.completed("a"));
+  CHECK(h.completed("b"));
+}
+
+TEST_CASE("only rank 0 of a completed round may publish the master", "[rendezvous][state]") {
+  Harness h(2, 2);
+  h.join("a");
+  h.join("b");
+  auto st = h.state.publishMaster("job", "b", 1, {"b.host", 1234}, h.clock.now());
+  CHECK(st.code() == StatusCode::kFailedPrecondition);
+  h.state.waitMaster(7, "job", 1, seconds(5), h.clock.now());
+  h.collect();
+  CHECK(h.waits.empty());
+  REQUIRE(h.state.publishMaster("job", "a", 1, {"a.host", 1234}, h.clock.now()).isOk());
+  h.collect();
+  REQUIRE(h.waits.count(7));
+  CHECK(h.waits.at(7).value() == std::vector<std::string>{"a.host:1234"});
+}
+
+TEST_CASE("the key-value store supports set, get, add, compare-set, wait and delete",
+          "[rendezvous][state]") {
+  Harness h(1, 1);
+  auto& s = h.state;
+  auto now = h.clock.now();
+  CHECK(s.kvGet("job", "k").status().code() == StatusCode::kNotFound);
+  REQUIRE(s.kvSet("job", "k", "v1", now).isOk());
+  CHECK(s.kvGet("job", "k").value() == "v1");
+  CHECK(s.kvGet("other", "k").status().code() == StatusCode::kNotFound);  // per run
+  CHECK(s.kvAdd("job", "n", 5, now).value() == 5);
+  CHECK(s.kvAdd("job", "n", -2, now).value() == 3);
+  CHECK(s.kvAdd("job", "k", 1, now).status().code() == StatusCode::kInvalidArgument);
+  CHECK(s.kvCompareSet("job", "k", "wrong", "v2", now).value() == "v1");
+  CHECK(s.kvCompareSet("job", "k", "v1", "v2", now).value() == "v2");
+  CHECK(s.kvCompareSet("job", "new", "", "x", now).value() == "x");
+  CHECK(s.kvGet("job", "new").value() == "x");
+  CHECK(s.kvSet("job", "big", std::string((1 << 20) + 1, 'x'), now).code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(s.kvDelete("job", "k").value());
+  CHECK_FALSE(s.kvDelete("job", "k").value());
+
+  s.kvWait(1, "job", {"w1", "w2"}, seconds(5), now);
+  s.kvWait(2, "job", {"never"}, seconds(5), now);
+  h.collect();
+  CHECK(h.waits.empty());
+  REQUIRE(s.kvSet("job", "w1", "1", now).isOk());
+  h.collect();
+  CHECK(h.waits.empty());
+  REQUIRE(s.kvSet("job", "w2", "2", now).isOk());
+  h.collect();
+  REQUIRE(h.waits.count(1));
+  CHECK(h.waits.at(1).value() == std::vector<std::string>{"1", "2"});
+  h.advance(seconds(5));
+  REQUIRE(h.waits.count(2));
+  CHECK(h.waits.at(2).status().code() == StatusCode::kDeadlineExceeded);
+}
