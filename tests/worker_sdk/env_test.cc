@@ -1,0 +1,61 @@
+#include <catch2/catch.hpp>
+
+#include <map>
+
+#include "ddprun/worker/env.h"
+#include "ddprun/worker/errors.h"
+
+using ddprun::worker::ConfigError;
+using ddprun::worker::WorkerEnv;
+
+namespace {
+WorkerEnv::Lookup from(std::map<std::string, std::string> m) {
+  return [m](const std::string& k) -> std::optional<std::string> {
+    auto it = m.find(k);
+    if (it == m.end()) return std::nullopt;
+    return it->second;
+  };
+}
+std::map<std::string, std::string> good() {
+  return {{"RANK", "3"}, {"WORLD_SIZE", "6"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+          {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29500"}, {"TORCHELASTIC_RESTART_COUNT", "2"}};
+}
+std::string errorOf(const std::map<std::string, std::string>& m) {
+  try {
+    WorkerEnv::parse(from(m));
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("the worker environment is read from the torchrun variables", "[worker][env]") {
+  WorkerEnv env = WorkerEnv::parse(from(good()));
+  CHECK(env.rank == 3);
+  CHECK(env.world_size == 6);
+  CHECK(env.local_rank == 1);
+  CHECK(env.local_world_size == 2);
+  CHECK(env.master_addr == "node0");
+  CHECK(env.master_port == 29500);
+  CHECK(env.restart_count == 2);
+  CHECK(env.snapshot_dir.empty());
+}
+
+TEST_CASE("a missing or malformed variable is named in the error", "[worker][env]") {
+  auto m = good();
+  m.erase("MASTER_PORT");
+  CHECK_THAT(errorOf(m), Catch::Contains("MASTER_PORT is not set"));
+  m = good();
+  m["RANK"] = "6";
+  CHECK_THAT(errorOf(m), Catch::Contains("RANK='6' is malformed"));
+  m = good();
+  m["WORLD_SIZE"] = "two";
+  CHECK_THAT(errorOf(m), Catch::Contains("WORLD_SIZE='two'"));
+  m = good();
+  m["MASTER_PORT"] = "70000";
+  CHECK_THAT(errorOf(m), Catch::Contains("MASTER_PORT='70000'"));
+  m = good();
+  m.erase("MASTER_ADDR");
+  CHECK_THAT(errorOf(m), Catch::Contains("MASTER_ADDR"));
+}

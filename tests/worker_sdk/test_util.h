@@ -1,0 +1,59 @@
+// Helpers shared by the worker SDK tests: locating the build/source trees, running a command and
+// capturing its output, temp dirs.
+#pragma once
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <stdexcept>
+#include <string>
+
+namespace ddprun::worker::testing {
+
+inline std::string envOr(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::string(v) : fallback;
+}
+inline std::string sourceDir() { return envOr("DDPRUN_SOURCE_DIR", DDPRUN_TEST_SOURCE_DIR); }
+inline std::string buildDir() { return envOr("DDPRUN_BUILD_DIR", DDPRUN_TEST_BUILD_DIR); }
+inline std::string python() { return "/usr/bin/python3"; }
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;  // stdout (stderr too when the command redirects it)
+};
+
+// Runs `cmd` through /bin/sh and captures stdout. The caller bounds the runtime with `timeout`.
+inline CommandResult run(const std::string& cmd) {
+  CommandResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) throw std::runtime_error("popen failed: " + cmd);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.output.append(buf, n);
+  int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+// A fresh directory under the system temp dir, removed on destruction.
+class TempDir {
+ public:
+  TempDir() {
+    std::random_device rd;
+    path_ = std::filesystem::temp_directory_path() / ("ddprun-sdk-test-" + std::to_string(rd()) + std::to_string(rd()));
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::filesystem::path& path() const { return path_; }
+  std::string str() const { return path_.string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+}  // namespace ddprun::worker::testing

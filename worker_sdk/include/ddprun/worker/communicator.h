@@ -1,0 +1,59 @@
+// Communicator: the collectives DDP and the training loop need (all_reduce, broadcast, barrier,
+// all_gather) over one process group. Implementations: Gloo (CPU tensors, libgloo TCP) and NCCL
+// (CUDA tensors; only in builds with CUDA + NCCL, see DDPRUN_WITH_NCCL).
+//
+// Threading: every *Async call enqueues the operation and returns at once; operations run in
+// submission order on the communicator's own thread, so all ranks must submit collectives in the
+// same order (as with c10d). Tensors passed in must stay alive and untouched until wait() returns.
+// Any thread may submit; Work objects may be waited on from any thread.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddprun::worker {
+
+enum class ReduceOp { kSum, kAvg };
+enum class Backend { kGloo, kNccl };
+
+// Parses "gloo" / "nccl"; throws ConfigError otherwise.
+Backend parseBackend(const std::string& name);
+std::string backendName(Backend backend);
+// True when this build contains the NCCL communicator.
+bool ncclAvailable();
+
+// Handle to one asynchronous collective.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the operation finished; rethrows its failure as CommError.
+  virtual void wait() = 0;
+  virtual bool isCompleted() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual Backend backend() const = 0;
+
+  // In place. kAvg divides by size() (floating dtypes only).
+  virtual std::shared_ptr<Work> allReduceAsync(at::Tensor tensor, ReduceOp op) = 0;
+  // In place: every rank ends with root's values.
+  virtual std::shared_ptr<Work> broadcastAsync(at::Tensor tensor, int root) = 0;
+  // `output` holds size() * input.numel() elements, rank r's input at offset r * numel.
+  virtual std::shared_ptr<Work> allGatherAsync(at::Tensor input, at::Tensor output) = 0;
+  virtual std::shared_ptr<Work> barrierAsync() = 0;
+
+  void allReduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  void broadcast(const at::Tensor& tensor, int root = 0);
+  // Returns one tensor per rank, each shaped like `input`.
+  std::vector<at::Tensor> allGather(const at::Tensor& input);
+  void barrier();
+};
+
+}  // namespace ddprun::worker

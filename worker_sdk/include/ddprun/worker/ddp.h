@@ -1,0 +1,103 @@
+// DistributedDataParallel for LibTorch's C++ frontend: wraps a torch::nn::Module so that, after
+// loss.backward(), every parameter's gradient is the average over all ranks of the process group.
+//
+// How: parameters are bucketed (computeBucketAssignment: reverse parameter order, first bucket
+// 1 MiB, then bucket_cap_mb). A post-hook on each parameter's gradient accumulator copies the
+// fresh gradient (scaled by 1/world) into its bucket's flat buffer; when a bucket is complete its
+// all-reduce is launched asynchronously (in bucket order, identical on every rank), overlapping the
+// rest of backward. An autograd final callback waits for all buckets and writes the averaged
+// gradients back before backward() returns, so the optimizer step needs nothing extra.
+//
+// Threading: one DDP object per rank; forward/backward from one thread at a time. The module and
+// the process group must outlive this object. Parameters and buffers are broadcast from rank 0 in
+// the constructor (a collective: every rank must construct at the same point).
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ddprun/worker/communicator.h"
+#include "ddprun/worker/process_group.h"
+
+namespace ddprun::worker {
+
+struct DdpOptions {
+  double bucket_cap_mb = 25.0;
+  double first_bucket_mb = 1.0;
+  // Allow parameters that receive no gradient in some iteration (their gradient counts as zero).
+  // When false, such a parameter makes backward() throw, naming it.
+  bool find_unused_parameters = false;
+  // false: launch every bucket only after backward finished (no overlap; for measurements).
+  bool overlap = true;
+};
+
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
+                          const DdpOptions& options = {});
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  torch::nn::Module& module() { return *module_; }
+  ProcessGroup& group() { return *group_; }
+
+  // RAII scope in which backward passes only accumulate local gradients (no communication); the
+  // first backward after the scope ends synchronises the accumulated gradients.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DistributedDataParallel& ddp);
+    ~NoSyncGuard();
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    DistributedDataParallel& ddp_;
+    bool previous_;
+  };
+  NoSyncGuard noSync() { return NoSyncGuard(*this); }
+
+  // Broadcasts the module's buffers (e.g. BatchNorm statistics) from rank 0.
+  void syncBuffers();
+
+  // Waits for outstanding bucket all-reduces and writes gradients back. Runs automatically at the
+  // end of every synchronised backward; calling it again is a no-op.
+  void finalize();
+
+  // Bucket layout as parameter indices (into module().parameters() with requires_grad), bucket 0
+  // reduced first.
+  const std::vector<std::vector<std::size_t>>& bucketIndices() const { return bucket_indices_; }
+
+ private:
+  struct Bucket;
+  void onGradReady(std::size_t param_index);
+  void launchReadyBuckets();
+  void finalizeBackward();
+  void resetIteration();
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<ProcessGroup> group_;
+  DdpOptions options_;
+  std::vector<torch::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // kept alive for hooks
+  std::vector<std::uintptr_t> hook_keys_;
+  std::vector<std::vector<std::size_t>> bucket_indices_;
+  std::vector<std::unique_ptr<Bucket>> buckets_;
+  std::vector<std::size_t> bucket_of_;   // param index -> bucket
+  std::vector<std::size_t> offset_of_;   // param index -> element offset in its bucket
+
+  std::mutex mu_;  // guards the per-iteration state below (hooks may run on autograd threads)
+  bool sync_enabled_ = true;
+  bool in_backward_ = false;
+  std::vector<bool> ready_;
+  std::size_t next_bucket_ = 0;
+};
+
+}  // namespace ddprun::worker

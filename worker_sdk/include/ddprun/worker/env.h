@@ -1,0 +1,30 @@
+// The worker's view of the SPEC §3 environment (set by ddprun and by torchrun alike). Parsing is a
+// pure function over a lookup callback so it is unit-testable; fromProcessEnv() reads getenv.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace ddprun::worker {
+
+struct WorkerEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  int restart_count = 0;                 // TORCHELASTIC_RESTART_COUNT
+  std::string snapshot_dir;              // DDPRUN_SNAPSHOT_DIR, may be empty
+  std::string heartbeat_file;            // DDPRUN_HEARTBEAT_FILE, may be empty
+
+  using Lookup = std::function<std::optional<std::string>(const std::string&)>;
+
+  // Requires RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK / LOCAL_WORLD_SIZE default to
+  // RANK / WORLD_SIZE. Throws ConfigError naming the variable that is missing or malformed.
+  static WorkerEnv parse(const Lookup& lookup);
+  static WorkerEnv fromProcessEnv();
+};
+
+}  // namespace ddprun::worker

@@ -1,0 +1,238 @@
+#include "ddprun/worker/ddp.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/torch.h>
+
+#include <sstream>
+
+#include "ddprun/worker/bucket_assignment.h"
+#include "ddprun/worker/errors.h"
+
+namespace ddprun::worker {
+
+struct DistributedDataParallel::Bucket {
+  std::vector<std::size_t> params;
+  torch::Tensor flat;
+  std::size_t pending = 0;     // gradients still missing this iteration
+  std::shared_ptr<Work> work;  // in-flight all-reduce
+};
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                 std::shared_ptr<ProcessGroup> group, const DdpOptions& options)
+    : module_(std::move(module)), group_(std::move(group)), options_(options) {
+  if (!module_) throw ConfigError("DistributedDataParallel: module is null");
+  if (!group_) throw ConfigError("DistributedDataParallel: process group is null");
+  if (!(options.bucket_cap_mb > 0) || !(options.first_bucket_mb > 0)) {
+    throw ConfigError("DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be positive");
+  }
+  Communicator& comm = group_->comm();
+
+  for (auto& item : module_->named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;
+    names_.push_back(item.key());
+    params_.push_back(item.value());
+  }
+
+  // Every rank must hold the same model: compare parameter count and total size.
+  {
+    int64_t total = 0;
+    for (auto& p : params_) total += p.numel();
+    auto sig = torch::tensor({static_cast<int64_t>(params_.size()), total}, torch::kLong);
+    auto all = comm.allGather(sig);
+    for (int r = 0; r < comm.size(); ++r) {
+      if (!torch::equal(all[static_cast<size_t>(r)], sig)) {
+        throw ConfigError("DistributedDataParallel: rank " + std::to_string(r) + " has " +
+                          std::to_string(all[static_cast<size_t>(r)][0].item<int64_t>()) + " parameters / " +
+                          std::to_string(all[static_cast<size_t>(r)][1].item<int64_t>()) + " elements but rank " +
+                          std::to_string(comm.rank()) + " has " + std::to_string(params_.size()) + " / " +
+                          std::to_string(total) + ": every rank must build the same model");
+      }
+    }
+  }
+
+  // Start from rank 0's weights and buffers.
+  {
+    torch::NoGradGuard no_grad;
+    std::vector<std::shared_ptr<Work>> works;
+    for (auto& p : module_->parameters(true)) works.push_back(comm.broadcastAsync(p.data(), 0));
+    for (auto& b : module_->buffers(true)) works.push_back(comm.broadcastAsync(b, 0));
+    for (auto& w : works) w->wait();
+  }
+
+  std::vector<TensorSpec> specs;
+  for (auto& p : params_) {
+    specs.push_back(TensorSpec{static_cast<std::size_t>(p.numel()), static_cast<std::size_t>(p.element_size()),
+                               static_cast<int>(p.scalar_type()),
+                               p.device().is_cpu() ? -1 : static_cast<int>(p.device().index())});
+  }
+  BucketOptions bopts;
+  bopts.first_bucket_bytes = static_cast<std::size_t>(options.first_bucket_mb * BucketOptions::kMiB);
+  bopts.bucket_cap_bytes = static_cast<std::size_t>(options.bucket_cap_mb * BucketOptions::kMiB);
+  bucket_indices_ = computeBucketAssignment(specs, bopts);
+
+  bucket_of_.assign(params_.size(), 0);
+  offset_of_.assign(params_.size(), 0);
+  for (std::size_t b = 0; b < bucket_indices_.size(); ++b) {
+    auto bucket = std::make_unique<Bucket>();
+    bucket->params = bucket_indices_[b];
+    int64_t n = 0;
+    for (std::size_t i : bucket->params) {
+      bucket_of_[i] = b;
+      offset_of_[i] = static_cast<std::size_t>(n);
+      n += params_[i].numel();
+    }
+    bucket->flat = torch::zeros({n}, params_[bucket->params.front()].options().requires_grad(false));
+    buckets_.push_back(std::move(bucket));
+  }
+  ready_.assign(params_.size(), false);
+
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    if (!acc) throw WorkerError("DistributedDataParallel: parameter '" + names_[i] + "' is not a leaf tensor");
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          onGradReady(i);
+          return outputs;
+        })));
+    grad_accumulators_.push_back(std::move(acc));
+  }
+  resetIteration();
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  // Outstanding work writes into our buckets: let it finish (errors are moot here).
+  for (auto& b : buckets_) {
+    if (b->work) {
+      try {
+        b->work->wait();
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  // Hooks capture `this` and the accumulators may outlive us (a live graph holds them).
+  for (std::size_t i = 0; i < grad_accumulators_.size(); ++i) grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+}
+
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp) {
+  std::lock_guard<std::mutex> lock(ddp_.mu_);
+  previous_ = ddp_.sync_enabled_;
+  ddp_.sync_enabled_ = false;
+}
+
+DistributedDataParallel::NoSyncGuard::~NoSyncGuard() {
+  std::lock_guard<std::mutex> lock(ddp_.mu_);
+  ddp_.sync_enabled_ = previous_;
+}
+
+void DistributedDataParallel::syncBuffers() {
+  torch::NoGradGuard no_grad;
+  std::vector<std::shared_ptr<Work>> works;
+  for (auto& b : module_->buffers(true)) works.push_back(group_->comm().broadcastAsync(b, 0));
+  for (auto& w : works) w->wait();
+}
+
+void DistributedDataParallel::resetIteration() {
+  std::fill(ready_.begin(), ready_.end(), false);
+  for (auto& b : buckets_) {
+    b->pending = b->params.size();
+    b->work.reset();
+  }
+  next_bucket_ = 0;
+  in_backward_ = false;
+}
+
+void DistributedDataParallel::onGradReady(std::size_t i) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!sync_enabled_) return;
+  if (!in_backward_) {
+    in_backward_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalizeBackward(); });
+  }
+  if (ready_[i]) {
+    throw WorkerError("DistributedDataParallel: parameter '" + names_[i] +
+                      "' received a gradient twice in one backward pass (reused module with shared weights "
+                      "is not supported)");
+  }
+  ready_[i] = true;
+  Bucket& b = *buckets_[bucket_of_[i]];
+  torch::Tensor view = b.flat.narrow(0, static_cast<int64_t>(offset_of_[i]), params_[i].numel()).view(params_[i].sizes());
+  const torch::Tensor& grad = params_[i].grad();
+  {
+    torch::NoGradGuard no_grad;
+    if (grad.defined()) {
+      // Scale while copying, as c10d does, to save a pass over the bucket.
+      at::mul_out(view, grad, at::scalar_tensor(1.0 / group_->size(), grad.options()));
+    } else {
+      view.zero_();
+    }
+  }
+  if (--b.pending == 0 && options_.overlap) launchReadyBuckets();
+}
+
+void DistributedDataParallel::launchReadyBuckets() {
+  // Strictly in bucket order so that every rank issues the same sequence of collectives.
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_]->pending == 0) {
+    Bucket& b = *buckets_[next_bucket_];
+    b.work = group_->comm().allReduceAsync(b.flat, ReduceOp::kSum);
+    ++next_bucket_;
+  }
+}
+
+void DistributedDataParallel::finalizeBackward() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> missing;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (ready_[i]) continue;
+      if (!options_.find_unused_parameters) {
+        missing.push_back(names_[i]);
+        continue;
+      }
+      Bucket& b = *buckets_[bucket_of_[i]];
+      b.flat.narrow(0, static_cast<int64_t>(offset_of_[i]), params_[i].numel()).zero_();
+      ready_[i] = true;
+      --b.pending;
+    }
+    if (!missing.empty()) {
+      std::ostringstream msg;
+      msg << "DistributedDataParallel: parameter" << (missing.size() > 1 ? "s " : " ");
+      for (std::size_t k = 0; k < missing.size() && k < 10; ++k) msg << (k ? ", '" : "'") << missing[k] << "'";
+      if (missing.size() > 10) msg << " and " << missing.size() - 10 << " more";
+      msg << " received no gradient in this backward pass; make every parameter take part in the loss, "
+             "or construct DistributedDataParallel with find_unused_parameters = true";
+      resetIteration();
+      throw WorkerError(msg.str());
+    }
+    launchReadyBuckets();
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& bp : buckets_) {
+    Bucket& b = *bp;
+    b.work->wait();
+    for (std::size_t i : b.params) {
+      torch::Tensor view =
+          b.flat.narrow(0, static_cast<int64_t>(offset_of_[i]), params_[i].numel()).view(params_[i].sizes());
+      torch::Tensor& grad = params_[i].mutable_grad();
+      if (grad.defined()) {
+        grad.copy_(view);
+      } else {
+        grad = view.clone();
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  resetIteration();
+}
+
+void DistributedDataParallel::finalize() {
+  bool pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending = in_backward_;
+  }
+  if (pending) finalizeBackward();
+}
+
+}  // namespace ddprun::worker

@@ -1,0 +1,205 @@
+#include "gloo_communicator.h"
+
+#include <ATen/ATen.h>
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/math.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <atomic>
+
+#include "ddprun/worker/errors.h"
+#include "op_queue.h"
+
+namespace ddprun::worker {
+
+namespace {
+
+// gloo::rendezvous::Store over our KeyValueStore, with keys under a prefix.
+class StoreAdapter : public gloo::rendezvous::Store {
+ public:
+  StoreAdapter(std::shared_ptr<KeyValueStore> store, std::string prefix, std::chrono::milliseconds timeout)
+      : store_(std::move(store)), prefix_(std::move(prefix)), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override { store_->set(prefix_ + key, data); }
+  std::vector<char> get(const std::string& key) override {
+    store_->wait({prefix_ + key}, timeout_);
+    return store_->get(prefix_ + key);
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> full;
+    full.reserve(keys.size());
+    for (const auto& k : keys) full.push_back(prefix_ + k);
+    store_->wait(full, timeout);
+  }
+
+ private:
+  std::shared_ptr<KeyValueStore> store_;
+  std::string prefix_;
+  std::chrono::milliseconds timeout_;
+};
+
+using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+
+template <typename T>
+void runAllReduce(const std::shared_ptr<gloo::Context>& ctx, T* ptr, size_t n, uint32_t tag,
+                  std::chrono::milliseconds timeout) {
+  gloo::AllreduceOptions opts(ctx);
+  opts.setOutput(ptr, n);
+  opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
+  opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<T>));
+  opts.setTag(tag);
+  opts.setTimeout(timeout);
+  gloo::allreduce(opts);
+}
+
+class GlooCommunicator : public Communicator {
+ public:
+  GlooCommunicator(int rank, int size, std::shared_ptr<gloo::Context> ctx, std::chrono::milliseconds timeout)
+      : rank_(rank), size_(size), ctx_(std::move(ctx)), timeout_(timeout), queue_("gloo communicator") {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Backend backend() const override { return Backend::kGloo; }
+
+  std::shared_ptr<Work> allReduceAsync(at::Tensor tensor, ReduceOp op) override {
+    checkCpu(tensor, "all_reduce");
+    if (op == ReduceOp::kAvg && !at::isFloatingType(tensor.scalar_type())) {
+      throw WorkerError("all_reduce: ReduceOp::kAvg needs a floating-point tensor, got " +
+                        std::string(c10::toString(tensor.scalar_type())));
+    }
+    checkReducible(tensor.scalar_type());
+    const uint32_t tag = nextTag();
+    return queue_.submit([this, tensor, op, tag] {
+      at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
+      const size_t n = static_cast<size_t>(work.numel());
+      if (n > 0 && size_ > 1) {
+        switch (work.scalar_type()) {
+          case at::kFloat: runAllReduce(ctx_, work.data_ptr<float>(), n, tag, timeout_); break;
+          case at::kDouble: runAllReduce(ctx_, work.data_ptr<double>(), n, tag, timeout_); break;
+          case at::kLong: runAllReduce(ctx_, work.data_ptr<int64_t>(), n, tag, timeout_); break;
+          case at::kInt: runAllReduce(ctx_, work.data_ptr<int32_t>(), n, tag, timeout_); break;
+          default: break;  // rejected in checkReducible
+        }
+      }
+      if (op == ReduceOp::kAvg) work.div_(size_);
+      if (!work.is_same(tensor)) tensor.copy_(work);
+    });
+  }
+
+  std::shared_ptr<Work> broadcastAsync(at::Tensor tensor, int root) override {
+    checkCpu(tensor, "broadcast");
+    checkRoot(root);
+    const uint32_t tag = nextTag();
+    return queue_.submit([this, tensor, root, tag] {
+      at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
+      const size_t bytes = static_cast<size_t>(work.numel()) * work.element_size();
+      if (bytes > 0 && size_ > 1) {
+        gloo::BroadcastOptions opts(ctx_);
+        // Output only: the root sends from it, the others receive into it.
+        opts.setOutput(static_cast<uint8_t*>(work.data_ptr()), bytes);
+        opts.setRoot(root);
+        opts.setTag(tag);
+        opts.setTimeout(timeout_);
+        gloo::broadcast(opts);
+      }
+      if (!work.is_same(tensor)) tensor.copy_(work);
+    });
+  }
+
+  std::shared_ptr<Work> allGatherAsync(at::Tensor input, at::Tensor output) override {
+    checkCpu(input, "all_gather");
+    checkCpu(output, "all_gather");
+    if (output.numel() != input.numel() * size_ || output.scalar_type() != input.scalar_type() ||
+        !output.is_contiguous()) {
+      throw WorkerError("all_gather: output must be a contiguous " + std::string(c10::toString(input.scalar_type())) +
+                        " tensor of " + std::to_string(input.numel() * size_) + " elements");
+    }
+    const uint32_t tag = nextTag();
+    return queue_.submit([this, input, output, tag] {
+      at::Tensor in = input.contiguous();
+      const size_t bytes = static_cast<size_t>(in.numel()) * in.element_size();
+      if (size_ == 1 || bytes == 0) {
+        output.view({-1}).copy_(in.view({-1}));
+        return;
+      }
+      gloo::AllgatherOptions opts(ctx_);
+      opts.setInput(static_cast<uint8_t*>(in.data_ptr()), bytes);
+      opts.setOutput(static_cast<uint8_t*>(output.data_ptr()), bytes * size_);
+      opts.setTag(tag);
+      opts.setTimeout(timeout_);
+      gloo::allgather(opts);
+    });
+  }
+
+  std::shared_ptr<Work> barrierAsync() override {
+    const uint32_t tag = nextTag();
+    return queue_.submit([this, tag] {
+      if (size_ == 1) return;
+      gloo::BarrierOptions opts(ctx_);
+      opts.setTag(tag);
+      opts.setTimeout(timeout_);
+      gloo::barrier(opts);
+    });
+  }
+
+ private:
+  uint32_t nextTag() { return tag_.fetch_add(1) & 0x7fffffffu; }
+  static void checkCpu(const at::Tensor& t, const char* op) {
+    if (!t.defined()) throw WorkerError(std::string(op) + ": tensor is undefined");
+    if (!t.device().is_cpu()) {
+      throw WorkerError(std::string(op) + ": the gloo backend handles CPU tensors only, got a tensor on " +
+                        t.device().str() + " (use the nccl backend for CUDA tensors)");
+    }
+  }
+  static void checkReducible(at::ScalarType t) {
+    if (t != at::kFloat && t != at::kDouble && t != at::kLong && t != at::kInt) {
+      throw WorkerError("all_reduce: dtype " + std::string(c10::toString(t)) +
+                        " is not supported by the gloo backend (float, double, int32, int64)");
+    }
+  }
+  void checkRoot(int root) const {
+    if (root < 0 || root >= size_) {
+      throw WorkerError("broadcast: root " + std::to_string(root) + " is outside [0, " + std::to_string(size_ - 1) + "]");
+    }
+  }
+
+  int rank_;
+  int size_;
+  std::shared_ptr<gloo::Context> ctx_;
+  std::chrono::milliseconds timeout_;
+  std::atomic<uint32_t> tag_{0};
+  OpQueue queue_;  // last member: its thread stops before the context goes away
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size, std::shared_ptr<KeyValueStore> store,
+                                                   const GlooOptions& options) {
+  gloo::transport::tcp::attr attr;
+  attr.hostname = options.local_address;
+  std::shared_ptr<gloo::transport::Device> device;
+  try {
+    device = gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception& e) {
+    throw CommError("gloo: cannot create a TCP device on " + options.local_address + ": " + e.what());
+  }
+  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
+  ctx->setTimeout(options.connect_timeout);
+  StoreAdapter adapter(std::move(store), options.prefix + "/gloo/", options.connect_timeout);
+  try {
+    ctx->connectFullMesh(adapter, device);
+  } catch (const std::exception& e) {
+    throw CommError("gloo: rank " + std::to_string(rank) + " could not connect to its " + std::to_string(size - 1) +
+                    " peers: " + e.what());
+  }
+  ctx->setTimeout(options.op_timeout);
+  return std::make_unique<GlooCommunicator>(rank, size, std::move(ctx), options.op_timeout);
+}
+
+}  // namespace ddprun::worker

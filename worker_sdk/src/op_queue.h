@@ -1,0 +1,54 @@
+// OpQueue: runs submitted operations one at a time, in submission order, on its own thread, and
+// hands out Work handles for them. An exception thrown by an operation never crosses the thread:
+// it is captured and rethrown as CommError from Work::wait(). After the first failure every later
+// operation fails at once with the same message (the transport is presumed broken).
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "ddprun/worker/communicator.h"
+
+namespace ddprun::worker {
+
+class OpWork : public Work {
+ public:
+  void wait() override;
+  bool isCompleted() override;
+  void complete(std::string error);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;     // guarded by mu_
+  std::string error_;     // guarded by mu_; empty = success
+};
+
+class OpQueue {
+ public:
+  explicit OpQueue(std::string name);
+  ~OpQueue();  // drains queued operations, then joins
+  OpQueue(const OpQueue&) = delete;
+  OpQueue& operator=(const OpQueue&) = delete;
+
+  std::shared_ptr<Work> submit(std::function<void()> op);
+
+ private:
+  void run();
+
+  std::string name_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::function<void()>, std::shared_ptr<OpWork>>> queue_;  // guarded by mu_
+  bool stopping_ = false;                                                         // guarded by mu_
+  std::string broken_;  // first failure; only touched on the worker thread
+  std::thread thread_;
+};
+
+}  // namespace ddprun::worker

@@ -1,0 +1,103 @@
+#include "ddprun/worker/process_group.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "ddprun/common/log.h"
+#include "ddprun/worker/errors.h"
+#include "gloo_communicator.h"
+
+namespace ddprun::worker {
+
+namespace {
+
+// The local address on the route to `host`: connect() a UDP socket (sends nothing) and read the
+// address the kernel picked. Falls back to loopback when the host cannot be resolved.
+std::string localAddressToward(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || res == nullptr) {
+    return "127.0.0.1";
+  }
+  std::string out = "127.0.0.1";
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    int fd = socket(ai->ai_family, SOCK_DGRAM, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      char buf[INET6_ADDRSTRLEN] = {0};
+      const void* src = local.ss_family == AF_INET
+                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+      if (inet_ntop(local.ss_family, src, buf, sizeof(buf)) != nullptr) {
+        out = buf;
+        close(fd);
+        break;
+      }
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return out;
+}
+
+std::unique_ptr<Communicator> makeCommunicator(int rank, int size, std::shared_ptr<KeyValueStore> store,
+                                               const ProcessGroupOptions& options, const std::string& address) {
+  GlooOptions g{address, options.prefix, options.connect_timeout, options.op_timeout};
+  if (options.backend == Backend::kNccl) {
+#ifdef DDPRUN_WITH_NCCL
+    return makeNcclCommunicator(rank, size, std::move(store), g);
+#else
+    throw ConfigError(
+        "the nccl backend was requested but this build of ddprun's worker SDK has no NCCL support "
+        "(it needs the CUDA toolkit, NCCL and a CUDA-enabled LibTorch at build time); use --backend gloo");
+#endif
+  }
+  return makeGlooCommunicator(rank, size, std::move(store), g);
+}
+
+}  // namespace
+
+ProcessGroup::ProcessGroup(int rank, int size, std::shared_ptr<KeyValueStore> store, std::unique_ptr<Communicator> comm)
+    : rank_(rank), size_(size), store_(std::move(store)), comm_(std::move(comm)) {}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const ProcessGroupOptions& options) {
+  return initFromEnv(WorkerEnv::fromProcessEnv(), options);
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env, const ProcessGroupOptions& options) {
+  if (options.backend == Backend::kNccl && !ncclAvailable()) {
+    makeCommunicator(env.rank, env.world_size, nullptr, options, "");  // throws the clear error
+  }
+  std::shared_ptr<KeyValueStore> store =
+      env.rank == 0 ? KeyValueStore::tcpServer(env.master_addr, env.master_port, options.connect_timeout)
+                    : KeyValueStore::tcpClient(env.master_addr, env.master_port, options.connect_timeout);
+  ProcessGroupOptions opts = options;
+  if (opts.local_address.empty()) opts.local_address = localAddressToward(env.master_addr, env.master_port);
+  // A restarted group reuses MASTER_PORT with a fresh store, but keep keys per attempt anyway.
+  opts.prefix += "/attempt" + std::to_string(env.restart_count);
+  ddprun::logger("worker")->debug("rank {}/{}: store {}:{}, gloo on {}", env.rank, env.world_size, env.master_addr,
+                                  env.master_port, opts.local_address);
+  return create(env.rank, env.world_size, std::move(store), opts);
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::create(int rank, int size, std::shared_ptr<KeyValueStore> store,
+                                                   const ProcessGroupOptions& options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw ConfigError("process group: rank " + std::to_string(rank) + " is outside [0, " + std::to_string(size - 1) + "]");
+  }
+  if (!store) throw ConfigError("process group: store is null");
+  const std::string address = options.local_address.empty() ? "127.0.0.1" : options.local_address;
+  auto comm = makeCommunicator(rank, size, store, options, address);
+  return std::shared_ptr<ProcessGroup>(new ProcessGroup(rank, size, std::move(store), std::move(comm)));
+}
+
+}  // namespace ddprun::worker

@@ -1,0 +1,101 @@
+#include "ddprun/worker/store.h"
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "ddprun/common/strings.h"
+#include "ddprun/worker/errors.h"
+
+namespace ddprun::worker {
+
+struct KeyValueStore::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+  int port = 0;
+};
+
+KeyValueStore::KeyValueStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+KeyValueStore::~KeyValueStore() = default;
+
+std::shared_ptr<KeyValueStore> KeyValueStore::tcpServer(const std::string& host, int port,
+                                                        std::chrono::milliseconds timeout) {
+  if (port < 0 || port > 65535) throw ConfigError("store port " + std::to_string(port) + " is outside [0, 65535]");
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(port);
+  opts.isServer = true;
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  auto impl = std::make_unique<Impl>();
+  try {
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(host, opts);
+    impl->port = tcp->getPort();
+    impl->store = tcp;
+  } catch (const std::exception& e) {
+    throw CommError("cannot host the rendezvous store on " + host + ":" + std::to_string(port) + ": " + e.what());
+  }
+  return std::shared_ptr<KeyValueStore>(new KeyValueStore(std::move(impl)));
+}
+
+std::shared_ptr<KeyValueStore> KeyValueStore::tcpClient(const std::string& host, int port,
+                                                        std::chrono::milliseconds timeout) {
+  if (port <= 0 || port > 65535) throw ConfigError("store port " + std::to_string(port) + " is outside [1, 65535]");
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(port);
+  opts.isServer = false;
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  auto impl = std::make_unique<Impl>();
+  try {
+    impl->store = c10::make_intrusive<c10d::TCPStore>(host, opts);
+    impl->port = port;
+  } catch (const std::exception& e) {
+    throw CommError("cannot reach the rendezvous store at " + host + ":" + std::to_string(port) + " within " +
+                    std::to_string(timeout.count()) + " ms (is rank 0 running? check MASTER_ADDR/MASTER_PORT): " +
+                    ddprun::trim(e.what()).substr(0, 300));
+  }
+  return std::shared_ptr<KeyValueStore>(new KeyValueStore(std::move(impl)));
+}
+
+std::shared_ptr<KeyValueStore> KeyValueStore::inMemory(std::chrono::milliseconds timeout) {
+  auto impl = std::make_unique<Impl>();
+  impl->store = c10::make_intrusive<c10d::HashStore>();
+  impl->store->setTimeout(timeout);
+  return std::shared_ptr<KeyValueStore>(new KeyValueStore(std::move(impl)));
+}
+
+void KeyValueStore::set(const std::string& key, const std::vector<char>& value) {
+  try {
+    impl_->store->set(key, std::vector<std::uint8_t>(value.begin(), value.end()));
+  } catch (const std::exception& e) {
+    throw CommError("store set('" + key + "') failed: " + e.what());
+  }
+}
+
+std::vector<char> KeyValueStore::get(const std::string& key) {
+  try {
+    std::vector<std::uint8_t> v = impl_->store->get(key);
+    return std::vector<char>(v.begin(), v.end());
+  } catch (const std::exception& e) {
+    throw CommError("store get('" + key + "') failed: " + e.what());
+  }
+}
+
+std::int64_t KeyValueStore::add(const std::string& key, std::int64_t delta) {
+  try {
+    return impl_->store->add(key, delta);
+  } catch (const std::exception& e) {
+    throw CommError("store add('" + key + "') failed: " + e.what());
+  }
+}
+
+void KeyValueStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  try {
+    impl_->store->wait(keys, timeout);
+  } catch (const std::exception& e) {
+    throw CommError("timed out after " + std::to_string(timeout.count()) + " ms waiting for store keys [" +
+                    ddprun::join(keys, ", ") + "] (a peer rank did not arrive): " + ddprun::trim(e.what()).substr(0, 300));
+  }
+}
+
+int KeyValueStore::port() const { return impl_->port; }
+
+}  // namespace ddprun::worker
