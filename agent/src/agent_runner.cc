@@ -1,6 +1,7 @@
 #include "ddprun/agent/agent_runner.h"
 
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -131,17 +132,43 @@ class WorkerPlanner {
 }  // namespace
 
 std::string fullyQualifiedHostname() {
+  // Python's socket.getfqdn(), which torchrun uses: resolve the host name, look the address up,
+  // and take the first of (name, aliases...) that contains a dot, else the name.
   char name[256] = {0};
   if (::gethostname(name, sizeof(name) - 1) != 0) return "localhost";
   addrinfo hints{};
-  hints.ai_flags = AI_CANONNAME;
   hints.ai_family = AF_UNSPEC;
   addrinfo* res = nullptr;
+  if (::getaddrinfo(name, nullptr, &hints, &res) != 0 || res == nullptr) return name;
   std::string fqdn = name;
-  if (::getaddrinfo(name, nullptr, &hints, &res) == 0 && res != nullptr) {
-    if (res->ai_canonname != nullptr && *res->ai_canonname != '\0') fqdn = res->ai_canonname;
-    ::freeaddrinfo(res);
+  const void* addr = nullptr;
+  socklen_t len = 0;
+  if (res->ai_family == AF_INET) {
+    addr = &reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
+    len = sizeof(in_addr);
+  } else if (res->ai_family == AF_INET6) {
+    addr = &reinterpret_cast<sockaddr_in6*>(res->ai_addr)->sin6_addr;
+    len = sizeof(in6_addr);
   }
+  if (addr != nullptr) {
+    hostent entry{};
+    hostent* found = nullptr;
+    char buf[8192];
+    int err = 0;
+    if (::gethostbyaddr_r(addr, len, res->ai_family, &entry, buf, sizeof(buf), &found, &err) == 0 &&
+        found != nullptr && found->h_name != nullptr) {
+      fqdn = found->h_name;
+      std::vector<std::string> candidates{found->h_name};
+      for (char** a = found->h_aliases; a != nullptr && *a != nullptr; ++a) candidates.push_back(*a);
+      for (const auto& c : candidates) {
+        if (c.find('.') != std::string::npos) {
+          fqdn = c;
+          break;
+        }
+      }
+    }
+  }
+  ::freeaddrinfo(res);
   return fqdn;
 }
 

@@ -2,7 +2,10 @@
 //   --exit-code N            exit with N (after everything else); default 0
 //   --only-rank R            --exit-code applies to RANK R only (others exit 0)
 //   --fail-until-restart K   --exit-code applies only while TORCHELASTIC_RESTART_COUNT < K
-//   --sleep S                sleep S seconds before exiting
+//   --sleep S                sleep S seconds before exiting (not when --exit-code applies
+//                            and --fail-fast is given)
+//   --fail-fast              a rank whose --exit-code applies exits at once
+//   --wait-for FILE          before anything else, wait (up to 60 s) until FILE exists
 //   --ignore-sigterm         ignore SIGTERM
 //   --on-signal-exit N       on TERM/INT/HUP/QUIT/USR1: record it in --state-dir, exit N
 //   --state-dir D            write D/pid.<RANK>.<RESTART> once started, D/sig.<RANK>.<SIG> on signals
@@ -63,7 +66,8 @@ int main(int argc, char** argv) {
   int fail_until_restart = -1;
   double sleep_s = 0;
   bool ignore_sigterm = false;
-  std::string env_out, error_msg;
+  bool fail_fast = false;
+  std::string env_out, error_msg, wait_for;
   std::vector<std::pair<bool, std::string>> prints;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -79,6 +83,8 @@ int main(int argc, char** argv) {
     else if (a == "--fail-until-restart") fail_until_restart = std::atoi(next().c_str());
     else if (a == "--sleep") sleep_s = std::atof(next().c_str());
     else if (a == "--ignore-sigterm") ignore_sigterm = true;
+    else if (a == "--fail-fast") fail_fast = true;
+    else if (a == "--wait-for") wait_for = next();
     else if (a == "--on-signal-exit") g_signal_exit = std::atoi(next().c_str());
     else if (a == "--state-dir") g_state_dir = next();
     else if (a == "--env-out") env_out = next();
@@ -114,14 +120,20 @@ int main(int argc, char** argv) {
     writeFileAtomic(g_state_dir + "/pid." + g_rank + "." + std::to_string(restart),
                     std::to_string(::getpid()));
   }
-  if (sleep_s > 0) {
+  bool applies = (only_rank < 0 || only_rank == rank) &&
+                 (fail_until_restart < 0 || restart < fail_until_restart);
+  if (!wait_for.empty() && applies) {
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (::access(wait_for.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  if (sleep_s > 0 && !(fail_fast && applies && exit_code != 0)) {
     auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(sleep_s);
     while (std::chrono::steady_clock::now() < until) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }
-  bool applies = (only_rank < 0 || only_rank == rank) &&
-                 (fail_until_restart < 0 || restart < fail_until_restart);
   int code = applies ? exit_code : 0;
   if (code != 0 && !error_msg.empty()) {
     std::string file = envOr("TORCHELASTIC_ERROR_FILE", "");

@@ -1,0 +1,323 @@
+// End-to-end: the real ddprun binary, real worker processes (tests/agent/test_worker.cc), real
+// signals, and real PyTorch workers and torchrun from python3-torch.
+#include <catch2/catch.hpp>
+
+#include <csignal>
+#include <regex>
+#include <set>
+
+#include "ddprun/common/strings.h"
+#include "process_helpers.h"
+
+using namespace ddprun;
+using namespace ddprun::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::map<std::string, std::string> parseEnvFile(const std::string& text) {
+  std::map<std::string, std::string> env;
+  for (const auto& line : split(text, '\n')) {
+    auto eq = line.find('=');
+    if (eq != std::string::npos) env[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  return env;
+}
+
+std::vector<std::string> ddprunArgv(std::vector<std::string> flags) {
+  flags.insert(flags.begin(), ddprunBin());
+  return flags;
+}
+
+std::vector<std::string> withWorker(std::vector<std::string> flags,
+                                    const std::vector<std::string>& worker_args) {
+  auto argv = ddprunArgv(std::move(flags));
+  argv.push_back("--no-python");
+  argv.push_back(testWorkerBin());
+  argv.insert(argv.end(), worker_args.begin(), worker_args.end());
+  return argv;
+}
+
+std::map<std::string, std::string> torchEnv() { return {{"PYTHON_EXEC", torchPython()}}; }
+
+bool torchAvailable() {
+  return run({torchPython(), "-c", "import torch.distributed.run"}, {}, 60s).exit_code == 0;
+}
+
+int countOf(const std::string& haystack, const std::string& needle) {
+  int n = 0;
+  for (size_t pos = 0; (pos = haystack.find(needle, pos)) != std::string::npos; pos += needle.size()) {
+    ++n;
+  }
+  return n;
+}
+
+// Compares the environments workers saw under ddprun and torchrun for the same flags.
+void compareWithTorchrun(const std::vector<std::string>& flags,
+                         const std::set<std::string>& differing_values) {
+  TempDir ours, theirs;
+  auto a = run(withWorker(flags, {"--env-out", ours.path()}));
+  REQUIRE(a.exit_code == 0);
+  std::vector<std::string> ref = {torchPython(), "-m", "torch.distributed.run", "-r", "9:1",
+                                  "-t", "9:1", "--monitor_interval=0.1"};
+  ref.insert(ref.end(), flags.begin(), flags.end());
+  ref.insert(ref.end(), {"--no_python", testWorkerBin(), "--env-out", theirs.path()});
+  auto b = run(ref);
+  INFO(b.err);
+  REQUIRE(b.exit_code == 0);
+  // Ours only: extras SPEC §3 adds. Either side: what the shell or Python put there.
+  const std::set<std::string> ours_only = {"DDPRUN_MEMBERSHIP_EPOCH",
+                                           "TORCH_NCCL_ASYNC_ERROR_HANDLING"};
+  const std::set<std::string> ignored = {"_"};
+  for (const char* rank : {"0", "1"}) {
+    auto e1 = parseEnvFile(readFile(ours / (std::string("env.") + rank)));
+    auto e2 = parseEnvFile(readFile(theirs / (std::string("env.") + rank)));
+    REQUIRE(e1.count("RANK"));
+    REQUIRE(e2.count("RANK"));
+    for (const auto& [k, v] : e2) {
+      if (ignored.count(k)) continue;
+      INFO("rank " << rank << ": torchrun sets " << k << "=" << v);
+      REQUIRE(e1.count(k));
+      if (!differing_values.count(k)) CHECK(e1.at(k) == v);
+    }
+    for (const auto& [k, v] : e1) {
+      if (ignored.count(k) || ours_only.count(k)) continue;
+      INFO("rank " << rank << ": only ddprun sets " << k << "=" << v);
+      CHECK(e2.count(k));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("workers see the same environment under ddprun --standalone as under torchrun",
+          "[e2e][torchrun]") {
+  if (!torchAvailable()) {
+    WARN("skipped: no torch at " + torchPython());
+    return;
+  }
+  compareWithTorchrun({"--standalone", "--nproc_per_node=2"},
+                      {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"});
+}
+
+TEST_CASE("workers see the same environment under the static backend as under torchrun",
+          "[e2e][torchrun]") {
+  if (!torchAvailable()) {
+    WARN("skipped: no torch at " + torchPython());
+    return;
+  }
+  // SPEC §3: worker rank 0 always hosts the store, so USE_AGENT_STORE is False where torchrun's
+  // static agent says True.
+  compareWithTorchrun({"--nnodes=1", "--nproc_per_node=2", "--max_restarts=2", "--role=trainer",
+                       "--master_port=29517"},
+                      {"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"});
+}
+
+TEST_CASE("a failed worker restarts the whole group with TORCHELASTIC_RESTART_COUNT+1", "[e2e]") {
+  TempDir state, envs;
+  auto r = run(withWorker({"--standalone", "--nproc-per-node=2", "--max-restarts=2"},
+                          {"--exit-code", "3", "--only-rank", "1", "--fail-until-restart", "1",
+                           "--state-dir", state.path(), "--env-out", envs.path(),
+                           "--wait-for", state / "pid.0.0"}));
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  // Both ranks ran in attempt 0 and attempt 1, and only there.
+  for (const char* f : {"pid.0.0", "pid.1.0", "pid.0.1", "pid.1.1"}) CHECK(fileExists(state / f));
+  CHECK_FALSE(fileExists(state / "pid.0.2"));
+  CHECK(parseEnvFile(readFile(envs / "env.0"))["TORCHELASTIC_RESTART_COUNT"] == "1");
+  CHECK(parseEnvFile(readFile(envs / "env.0"))["TORCHELASTIC_MAX_RESTARTS"] == "2");
+}
+
+TEST_CASE("workers failing past the budget end with exit 1 and torchrun's failure report",
+          "[e2e]") {
+  TempDir logs;
+  auto r = run(withWorker({"--nproc-per-node=2", "--max-restarts=1", "--log-dir", logs.path()},
+                          {"--exit-code", "7", "--only-rank", "1", "--write-error-file",
+                           "ValueError: bad batch"}));
+  INFO(r.err);
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("ddprun_test_worker FAILED") != std::string::npos);
+  auto root = r.err.find("Root Cause (first observed failure):");
+  REQUIRE(root != std::string::npos);
+  CHECK(r.err.find("rank      : 1 (local_rank: 1)", root) != std::string::npos);
+  CHECK(r.err.find("exitcode  : 7", root) != std::string::npos);
+  CHECK(r.err.find("ValueError: bad batch", root) != std::string::npos);
+  CHECK(r.err.find("/attempt_1/1/error.json", root) != std::string::npos);  // the last attempt
+}
+
+TEST_CASE("a worker killed by a signal is reported with the signal's name", "[e2e]") {
+  TempDir state;
+  Process p(withWorker({"--nproc-per-node=1"}, {"--sleep", "60", "--state-dir", state.path()}));
+  REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0"); }));
+  const int worker = std::stoi(readFile(state / "pid.0.0"));
+  ::kill(worker, SIGKILL);
+  auto r = p.wait();
+  REQUIRE(r);
+  CHECK(r->exit_code == 1);
+  CHECK(r->err.find("exitcode  : -9 (pid: " + std::to_string(worker) + ")") != std::string::npos);
+  CHECK(r->err.find("Signal 9 (SIGKILL) received by PID " + std::to_string(worker)) !=
+        std::string::npos);
+}
+
+TEST_CASE("a worker ignoring SIGTERM is killed after --shutdown-timeout", "[e2e]") {
+  TempDir state;
+  // Rank 0 fails at once; rank 1 ignores the SIGTERM that stops the group.
+  Process p(withWorker({"--nproc-per-node=2", "--shutdown-timeout=1"},
+                       {"--exit-code", "1", "--only-rank", "0", "--fail-fast", "--ignore-sigterm", "--sleep", "600",
+                        "--state-dir", state.path(), "--wait-for", state / "pid.1.0"}));
+  auto r = p.wait(60s);
+  REQUIRE(r);
+  CHECK(r->exit_code == 1);
+  CHECK(r->err.find("did not stop within the shutdown timeout; sending SIGKILL") !=
+        std::string::npos);
+  const int survivor = std::stoi(readFile(state / "pid.1.0"));
+  CHECK(waitUntil([&] { return !pidAlive(survivor); }, 10s));
+}
+
+TEST_CASE("SIGTERM to ddprun is forwarded to every worker and ends it with 143", "[e2e]") {
+  TempDir state;
+  Process p(withWorker({"--nproc-per-node=2", "--max-restarts=3"},
+                       {"--sleep", "600", "--on-signal-exit", "5", "--state-dir", state.path()}));
+  REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0"); }));
+  p.signal(SIGTERM);
+  auto r = p.wait(60s);
+  REQUIRE(r);
+  CHECK(r->exit_code == 128 + SIGTERM);
+  CHECK(fileExists(state / ("sig.0." + std::to_string(SIGTERM))));
+  CHECK(fileExists(state / ("sig.1." + std::to_string(SIGTERM))));
+  CHECK_FALSE(fileExists(state / "pid.0.1"));  // a signal is not a failure: no restart
+}
+
+TEST_CASE("SIGINT ends ddprun with 130", "[e2e]") {
+  TempDir state;
+  Process p(withWorker({"--nproc-per-node=1"},
+                       {"--sleep", "600", "--on-signal-exit", "0", "--state-dir", state.path()}));
+  REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0"); }));
+  p.signal(SIGINT);
+  auto r = p.wait(60s);
+  REQUIRE(r);
+  CHECK(r->exit_code == 128 + SIGINT);
+  CHECK(fileExists(state / ("sig.0." + std::to_string(SIGINT))));
+}
+
+TEST_CASE("a handled non-terminating signal is forwarded and a clean exit is success",
+          "[e2e]") {
+  TempDir state;
+  Process p(withWorker({"--nproc-per-node=2", "--signals-to-handle=SIGTERM,SIGUSR1"},
+                       {"--sleep", "600", "--on-signal-exit", "0", "--state-dir", state.path()}));
+  REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0"); }));
+  p.signal(SIGUSR1);
+  auto r = p.wait(60s);
+  REQUIRE(r);
+  CHECK(r->exit_code == 0);
+  CHECK(fileExists(state / ("sig.0." + std::to_string(SIGUSR1))));
+  CHECK(fileExists(state / ("sig.1." + std::to_string(SIGUSR1))));
+}
+
+TEST_CASE("kill -9 of ddprun leaves no worker alive", "[e2e]") {
+  TempDir state;
+  Process p(withWorker({"--nproc-per-node=2"}, {"--sleep", "600", "--state-dir", state.path()}));
+  REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0"); }));
+  const int w0 = std::stoi(readFile(state / "pid.0.0"));
+  const int w1 = std::stoi(readFile(state / "pid.1.0"));
+  REQUIRE(pidAlive(w0));
+  p.signal(SIGKILL);
+  REQUIRE(p.wait(10s));
+  CHECK(waitUntil([&] { return !pidAlive(w0) && !pidAlive(w1); }, 10s));
+}
+
+TEST_CASE("--redirects writes each rank's streams into the torchrun log layout", "[e2e]") {
+  TempDir logs;
+  auto r = run(withWorker({"--nproc-per-node=2", "--rdzv-id=job42", "--log-dir", logs.path(),
+                           "--redirects=3"},
+                          {"--print", "to-out", "--eprint", "to-err"}));
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("to-out") == std::string::npos);  // redirected, not tee'd
+  auto runs = run({"/bin/sh", "-c", "ls -d " + logs.path() + "/job42_*"});
+  const std::string run_dir = trim(runs.out);
+  REQUIRE_FALSE(run_dir.empty());
+  for (const char* rank : {"0", "1"}) {
+    const std::string dir = run_dir + "/attempt_0/" + rank;
+    CHECK(readFile(dir + "/stdout.log") == "to-out\n");
+    CHECK(readFile(dir + "/stderr.log") == "to-err\n");
+  }
+}
+
+TEST_CASE("--tee prefixes console lines per rank and --local-ranks-filter selects ranks", "[e2e]") {
+  TempDir logs;
+  auto r = run(withWorker({"--nproc-per-node=2", "--log-dir", logs.path(), "--tee=1",
+                           "--local-ranks-filter=1"},
+                          {"--print", "hello"}));
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("[default1]:hello\n") != std::string::npos);
+  CHECK(r.out.find("[default0]:") == std::string::npos);
+  // Both ranks' stdout still reach their files.
+  auto files = run({"/bin/sh", "-c", "cat " + logs.path() + "/*/attempt_0/*/stdout.log"});
+  CHECK(files.out == "hello\nhello\n");
+
+  auto templ = run(withWorker({"--nproc-per-node=2", "--log-dir", logs.path(), "--tee=3",
+                               "--role=trainer",
+                               "--log-line-prefix-template=<${role_name}|${rank}>"},
+                              {"--eprint", "warn"}));
+  REQUIRE(templ.exit_code == 0);
+  CHECK(templ.err.find("<trainer|0>warn\n") != std::string::npos);
+  CHECK(templ.err.find("<trainer|1>warn\n") != std::string::npos);
+}
+
+TEST_CASE("usage errors are one line naming the flag, with exit code 2", "[e2e]") {
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"--nnodes=0", "x"}, {"--nproc-per-node=-1", "x"}, {"--unknown-flag", "x"},
+           {"--no-python", "/nonexistent/prog"}, {"--standalone"}}) {
+    auto r = run(ddprunArgv(args));
+    INFO(join(args, " ") << " -> " << r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(countOf(r.err, "\n") == 1);
+    CHECK(startsWith(r.err, "ddprun: error: "));
+  }
+  auto help = run(ddprunArgv({"--help"}));
+  CHECK(help.exit_code == 0);
+  CHECK(help.out.find("usage: ddprun") != std::string::npos);
+}
+
+TEST_CASE("a real PyTorch gloo all_reduce sums across ddprun's workers", "[e2e][pytorch]") {
+  if (!torchAvailable()) {
+    WARN("skipped: no torch at " + torchPython());
+    return;
+  }
+  auto r = run(ddprunArgv({"--standalone", "--nproc_per_node=2",
+                       sourceDir() + "/examples/pytorch/allreduce_check.py"}),
+               torchEnv());
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("rank 0/2: all_reduce sum 3 (expected 3) OK") != std::string::npos);
+  CHECK(r.out.find("rank 1/2: all_reduce sum 3 (expected 3) OK") != std::string::npos);
+}
+
+TEST_CASE("the DDP tutorial job survives a killed worker and resumes from its snapshot",
+          "[e2e][pytorch]") {
+  if (!torchAvailable()) {
+    WARN("skipped: no torch at " + torchPython());
+    return;
+  }
+  TempDir work;
+  const std::string snapshot = work / "snapshot.pt";
+  Process p(ddprunArgv({"--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                    sourceDir() + "/examples/pytorch/ddp_tutorial.py", "40", "1",
+                    "--snapshot_path", snapshot, "--step_delay", "0.004"}),
+            torchEnv());
+  // Mid-run: a few epochs done and snapshotted.
+  REQUIRE(waitUntil([&] { return p.out().find("[RANK 0] Epoch 3 |") != std::string::npos; }, 120s));
+  auto workers = childPids(p.pid());
+  REQUIRE(workers.size() == 2);
+  ::kill(workers[1], SIGKILL);
+  auto r = p.wait(300s);
+  REQUIRE(r);
+  INFO(r->out << r->err);
+  CHECK(r->exit_code == 0);
+  std::smatch m;
+  REQUIRE(std::regex_search(r->out, m, std::regex(R"(\[RANK 0\] Resuming training from snapshot at Epoch (\d+))")));
+  CHECK(std::stoi(m[1]) >= 3);  // not from epoch 0
+  CHECK(countOf(r->out, "[RANK 0] Epoch 0 |") == 1);
+  CHECK(r->out.find("[RANK 0] Epoch 39 |") != std::string::npos);
+  CHECK(r->out.find("[RANK 1] Epoch 39 |") != std::string::npos);
+}

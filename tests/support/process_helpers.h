@@ -1,0 +1,188 @@
+// Helpers for integration tests that drive real processes: start a program with its output in
+// files, wait for it (or for a condition) with a bound, inspect /proc. Header-only; used from
+// the test's own thread.
+#pragma once
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ddprun::testing {
+
+inline std::string envOr(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : fallback;
+}
+
+// Where the build put the binaries (set by ddprun_add_test).
+inline std::string buildDir() { return envOr("DDPRUN_BUILD_DIR", "build"); }
+inline std::string sourceDir() { return envOr("DDPRUN_SOURCE_DIR", "."); }
+inline std::string ddprunBin() { return buildDir() + "/launcher/ddprun"; }
+inline std::string testWorkerBin() { return buildDir() + "/tests/agent/ddprun_test_worker"; }
+// The Python with torch (plain python3 on PATH may lack it).
+inline std::string torchPython() { return envOr("PYTHON_EXEC", "/usr/bin/python3"); }
+
+inline std::string readFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+inline bool fileExists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+// A fresh directory, removed with its contents when the object goes away.
+class TempDir {
+ public:
+  TempDir() {
+    std::string templ = envOr("TMPDIR", "/tmp") + "/ddprun_test_XXXXXX";
+    std::vector<char> buf(templ.begin(), templ.end());
+    buf.push_back('\0');
+    if (::mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = buf.data();
+  }
+  ~TempDir() { std::system(("rm -rf '" + path_ + "'").c_str()); }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// Polls `pred` until it holds or `bound` passes; true when it held.
+inline bool waitUntil(const std::function<bool()>& pred,
+                      std::chrono::milliseconds bound = std::chrono::seconds(30)) {
+  const auto deadline = std::chrono::steady_clock::now() + bound;
+  while (true) {
+    if (pred()) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+// Alive and not a zombie.
+inline bool pidAlive(int pid) {
+  if (::kill(pid, 0) != 0) return false;
+  std::string stat = readFile("/proc/" + std::to_string(pid) + "/stat");
+  auto close = stat.rfind(')');
+  if (close == std::string::npos || close + 2 >= stat.size()) return false;
+  return stat[close + 2] != 'Z';
+}
+
+// Direct children of `pid` (all its threads).
+inline std::vector<int> childPids(int pid) {
+  std::vector<int> out;
+  const std::string task_dir = "/proc/" + std::to_string(pid) + "/task";
+  DIR* dir = ::opendir(task_dir.c_str());
+  if (dir == nullptr) return out;
+  while (dirent* e = ::readdir(dir)) {
+    if (e->d_name[0] == '.') continue;
+    std::istringstream in(readFile(task_dir + "/" + e->d_name + "/children"));
+    int child;
+    while (in >> child) out.push_back(child);
+  }
+  ::closedir(dir);
+  return out;
+}
+
+struct Finished {
+  int exit_code = -1;  // exit status, or 128+signal when killed
+  std::string out;
+  std::string err;
+};
+
+// A program started with stdout and stderr captured in files.
+class Process {
+ public:
+  Process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {})
+      : out_path_(dir_ / "stdout"), err_path_(dir_ / "stderr") {
+    pid_ = ::fork();
+    if (pid_ < 0) throw std::runtime_error("fork failed");
+    if (pid_ == 0) {
+      int out = ::open(out_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      int err = ::open(err_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      int in = ::open("/dev/null", O_RDONLY);
+      ::dup2(out, 1);
+      ::dup2(err, 2);
+      ::dup2(in, 0);
+      for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+      std::vector<char*> args;
+      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+      args.push_back(nullptr);
+      ::execvp(args[0], args.data());
+      ::_exit(127);
+    }
+  }
+  ~Process() {
+    if (!finished_) {
+      ::kill(pid_, SIGKILL);
+      int st;
+      ::waitpid(pid_, &st, 0);
+    }
+  }
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  int pid() const { return pid_; }
+  void signal(int sig) { ::kill(pid_, sig); }
+  std::string out() const { return readFile(out_path_); }
+  std::string err() const { return readFile(err_path_); }
+
+  // Waits up to `bound`; nullopt (and the process is still running) on timeout.
+  std::optional<Finished> wait(std::chrono::milliseconds bound = std::chrono::seconds(120)) {
+    if (!finished_) {
+      bool done = waitUntil(
+          [&] {
+            int st;
+            pid_t r = ::waitpid(pid_, &st, WNOHANG);
+            if (r == pid_) {
+              finished_ = true;
+              code_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+            }
+            return finished_;
+          },
+          bound);
+      if (!done) return std::nullopt;
+    }
+    return Finished{code_, out(), err()};
+  }
+
+ private:
+  TempDir dir_;
+  std::string out_path_, err_path_;
+  int pid_ = -1;
+  bool finished_ = false;
+  int code_ = -1;
+};
+
+// Runs to completion (bounded) and returns what it printed.
+inline Finished run(const std::vector<std::string>& argv,
+                    const std::map<std::string, std::string>& env = {},
+                    std::chrono::milliseconds bound = std::chrono::seconds(120)) {
+  Process p(argv, env);
+  auto f = p.wait(bound);
+  if (!f) throw std::runtime_error("timed out: " + argv.at(0));
+  return *f;
+}
+
+}  // namespace ddprun::testing
