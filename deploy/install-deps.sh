@@ -13,6 +13,8 @@ PACKAGES=(
   libtorch-dev libgloo-dev libopenblas0-pthread
   # tests: reference peer (torchrun, PyTorch workers) and the tools the tests drive
   catch2 python3-torch procps iproute2 hostname
+  # rendezvous TLS test: a self-signed certificate
+  openssl
 )
 
 missing=()

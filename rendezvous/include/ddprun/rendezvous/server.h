@@ -1,0 +1,51 @@
+// RendezvousServer: the gRPC rendezvous service, embeddable (an agent with is_host starts one)
+// and behind the ddprun-rendezvous daemon. It owns a RendezvousState on one io thread; gRPC
+// callbacks only post into that thread, so the state needs no locks.
+//
+// Threading: start/port/address/shutdown may be called from any thread; shutdown is idempotent
+// and also run by the destructor. Lifetime: the server listens from start() until shutdown().
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "ddprun/common/status.h"
+#include "ddprun/rendezvous/state.h"
+
+namespace ddprun::rendezvous {
+
+struct ServerOptions {
+  std::string listen = "127.0.0.1:0";  // HOST:PORT; port 0 picks a free one
+  std::string token;                   // non-empty: every call must carry it
+  std::string tls_cert_pem;            // both set: TLS
+  std::string tls_key_pem;
+  StateLimits limits;
+};
+
+class RendezvousServer {
+ public:
+  // Binds and starts serving. UNAVAILABLE when the address cannot be bound.
+  static StatusOr<std::unique_ptr<RendezvousServer>> start(ServerOptions options);
+  ~RendezvousServer();
+  RendezvousServer(const RendezvousServer&) = delete;
+  RendezvousServer& operator=(const RendezvousServer&) = delete;
+
+  int port() const;
+  // HOST:PORT with the bound port.
+  std::string address() const;
+  // Fails pending joins/waits with UNAVAILABLE, ends watch streams, stops listening.
+  void shutdown();
+
+  struct Impl;
+
+ private:
+  explicit RendezvousServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Reads a token file: its content without surrounding whitespace; an empty token is an error.
+StatusOr<std::string> readTokenFile(const std::string& path);
+// Reads a whole file (certificates, keys).
+StatusOr<std::string> readFile(const std::string& path);
+
+}  // namespace ddprun::rendezvous

@@ -1,0 +1,655 @@
+#include "ddprun/rendezvous/server.h"
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/security/server_credentials.h>
+
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <deque>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#include "convert.h"
+#include "ddprun/common/log.h"
+#include "ddprun/common/strings.h"
+#include "ddprun/rendezvous/v1/rendezvous.grpc.pb.h"
+
+namespace ddprun::rendezvous {
+
+namespace pb = ::ddprun::rendezvous::v1;
+using convert::fromProto;
+using convert::toGrpc;
+using convert::toProto;
+using CallId = RendezvousState::CallId;
+
+namespace {
+
+// A long Join: finished by the io thread when the round completes, or on cancellation.
+class JoinReactor final : public grpc::ServerUnaryReactor {
+ public:
+  JoinReactor(RendezvousServer::Impl* impl, CallId id) : impl_(impl), id_(id) {}
+  void OnCancel() override;
+  void OnDone() override { delete this; }
+
+ private:
+  RendezvousServer::Impl* impl_;
+  CallId id_;
+};
+
+// A long-poll wait (KvWait, GetMaster).
+class WaitReactor final : public grpc::ServerUnaryReactor {
+ public:
+  WaitReactor(RendezvousServer::Impl* impl, CallId id) : impl_(impl), id_(id) {}
+  void OnCancel() override;
+  void OnDone() override { delete this; }
+
+ private:
+  RendezvousServer::Impl* impl_;
+  CallId id_;
+};
+
+class WatchReactor final : public grpc::ServerWriteReactor<pb::RoundChange> {
+ public:
+  WatchReactor(RendezvousServer::Impl* impl, CallId id) : impl_(impl), id_(id) {}
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override { delete this; }
+
+ private:
+  RendezvousServer::Impl* impl_;
+  CallId id_;
+};
+
+bool constantTimeEquals(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+class RendezvousService;
+
+struct RendezvousServer::Impl {
+  explicit Impl(ServerOptions opts)
+      : options(std::move(opts)),
+        state(options.limits),
+        work(boost::asio::make_work_guard(io)),
+        timer(io) {}
+
+  // Runs `fn` on the io thread. Safe from any thread, including gRPC callbacks.
+  template <typename F>
+  void post(F&& fn) {
+    boost::asio::post(io, std::forward<F>(fn));
+  }
+
+  TimePoint now() const { return clock.now(); }
+
+  // --- everything below runs on the io thread only ---
+  struct PendingJoin {
+    JoinReactor* reactor;
+    pb::JoinResponse* response;
+    bool include_participants;
+  };
+  struct PendingWait {
+    WaitReactor* reactor;
+    pb::KvWaitResponse* kv = nullptr;         // KvWait
+    pb::GetMasterResponse* master = nullptr;  // GetMaster
+  };
+  struct WatchSession {
+    WatchReactor* reactor;
+    std::string run_id;
+    std::deque<pb::RoundChange> queue;
+    pb::RoundChange current;  // the message of the write in flight
+    bool writing = false;
+    bool finish_after_queue = false;  // closed run: end the stream once the queue drained
+    bool cancelled = false;
+  };
+
+  void flush() {
+    RendezvousState::Outbox out = state.drain();
+    for (auto& j : out.joins) {
+      auto it = joins.find(j.id);
+      if (it == joins.end()) continue;
+      PendingJoin p = it->second;
+      joins.erase(it);
+      if (j.result.isOk()) {
+        toProto(j.result.value(), p.include_participants, p.response);
+        p.reactor->Finish(grpc::Status::OK);
+      } else {
+        p.reactor->Finish(toGrpc(j.result.status()));
+      }
+    }
+    for (auto& w : out.waits) {
+      auto it = waits.find(w.id);
+      if (it == waits.end()) continue;
+      PendingWait p = it->second;
+      waits.erase(it);
+      if (!w.values.isOk()) {
+        p.reactor->Finish(toGrpc(w.values.status()));
+        continue;
+      }
+      if (p.kv != nullptr) {
+        for (auto& v : w.values.value()) p.kv->add_values(std::move(v));
+      } else {
+        const std::string& v = w.values.value().front();
+        auto colon = v.rfind(':');
+        p.master->set_master_addr(v.substr(0, colon));
+        p.master->set_master_port(static_cast<uint32_t>(std::stoul(v.substr(colon + 1))));
+      }
+      p.reactor->Finish(grpc::Status::OK);
+    }
+    for (auto& c : out.changes) {
+      auto r = watchers_by_run.find(c.run_id);
+      if (r == watchers_by_run.end()) continue;
+      pb::RoundChange msg;
+      toProto(c.change, &msg);
+      for (CallId id : r->second) {
+        WatchSession& s = watches.at(id);
+        s.queue.push_back(msg);
+        if (c.change.kind == ChangeKind::kClosed) s.finish_after_queue = true;
+        pump(id);
+      }
+    }
+    armTimer();
+  }
+
+  void armTimer() {
+    if (shutting_down) return;
+    std::optional<TimePoint> next = state.nextDeadline();
+    if (next == armed) return;
+    armed = next;
+    if (!next) {
+      timer.cancel();
+      return;
+    }
+    timer.expires_at(*next);
+    timer.async_wait([this](const boost::system::error_code& ec) {
+      if (ec) return;
+      armed.reset();
+      state.tick(now());
+      flush();
+    });
+  }
+
+  // Starts the next write of a watch stream, or finishes it.
+  void pump(CallId id) {
+    auto it = watches.find(id);
+    if (it == watches.end()) return;
+    WatchSession& s = it->second;
+    if (s.writing) return;
+    if (s.cancelled) return endWatch(id, grpc::Status::CANCELLED);
+    if (!s.queue.empty()) {
+      s.current = std::move(s.queue.front());
+      s.queue.pop_front();
+      s.writing = true;
+      s.reactor->StartWrite(&s.current);
+      return;
+    }
+    if (s.finish_after_queue) endWatch(id, grpc::Status::OK);
+  }
+
+  void endWatch(CallId id, const grpc::Status& status) {
+    auto it = watches.find(id);
+    if (it == watches.end()) return;
+    WatchReactor* reactor = it->second.reactor;
+    auto r = watchers_by_run.find(it->second.run_id);
+    if (r != watchers_by_run.end()) {
+      r->second.erase(id);
+      if (r->second.empty()) watchers_by_run.erase(r);
+    }
+    watches.erase(it);
+    reactor->Finish(status);  // the io thread's last touch of the reactor
+  }
+
+  void onJoinCancelled(CallId id) {
+    auto it = joins.find(id);
+    if (it == joins.end()) return;
+    JoinReactor* reactor = it->second.reactor;
+    joins.erase(it);
+    state.cancelJoin(id, now());
+    reactor->Finish(grpc::Status::CANCELLED);
+    flush();
+  }
+
+  void onWaitCancelled(CallId id) {
+    auto it = waits.find(id);
+    if (it == waits.end()) return;
+    WaitReactor* reactor = it->second.reactor;
+    waits.erase(it);
+    state.cancelWait(id);
+    reactor->Finish(grpc::Status::CANCELLED);
+  }
+
+  void onWatchWriteDone(CallId id, bool ok) {
+    auto it = watches.find(id);
+    if (it == watches.end()) return;
+    it->second.writing = false;
+    if (!ok) it->second.cancelled = true;
+    pump(id);
+  }
+
+  void onWatchCancelled(CallId id) {
+    auto it = watches.find(id);
+    if (it == watches.end()) return;
+    it->second.cancelled = true;
+    pump(id);
+  }
+
+  // Ends every long call; new calls are refused from now on.
+  void stopServing() {
+    shutting_down = true;
+    state.abortAll(unavailable("rendezvous server is shutting down"));
+    flush();
+    timer.cancel();
+    std::vector<CallId> ids;
+    for (auto& [id, s] : watches) ids.push_back(id);
+    for (CallId id : ids) {
+      WatchSession& s = watches.at(id);
+      s.queue.clear();
+      s.finish_after_queue = true;
+      if (!s.writing) endWatch(id, grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                                "rendezvous server is shutting down"));
+    }
+    timer.cancel();
+  }
+
+  ServerOptions options;
+  SteadyClock clock;
+  RendezvousState state;
+  boost::asio::io_context io;
+  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work;
+  boost::asio::steady_timer timer;
+  std::optional<TimePoint> armed;
+  std::thread io_thread;
+  std::unique_ptr<RendezvousService> service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  std::string address;
+  std::mutex shutdown_mu;
+  bool stopped = false;  // guarded by shutdown_mu
+
+  bool shutting_down = false;
+  std::unordered_map<CallId, PendingJoin> joins;
+  std::unordered_map<CallId, PendingWait> waits;
+  std::unordered_map<CallId, WatchSession> watches;
+  std::unordered_map<std::string, std::set<CallId>> watchers_by_run;
+};
+
+namespace {
+
+void JoinReactor::OnCancel() {
+  auto* impl = impl_;
+  CallId id = id_;
+  impl->post([impl, id] { impl->onJoinCancelled(id); });
+}
+void WaitReactor::OnCancel() {
+  auto* impl = impl_;
+  CallId id = id_;
+  impl->post([impl, id] { impl->onWaitCancelled(id); });
+}
+void WatchReactor::OnWriteDone(bool ok) {
+  auto* impl = impl_;
+  CallId id = id_;
+  impl->post([impl, id, ok] { impl->onWatchWriteDone(id, ok); });
+}
+void WatchReactor::OnCancel() {
+  auto* impl = impl_;
+  CallId id = id_;
+  impl->post([impl, id] { impl->onWatchCancelled(id); });
+}
+
+const grpc::Status kShuttingDown(grpc::StatusCode::UNAVAILABLE,
+                                 "rendezvous server is shutting down");
+
+}  // namespace
+
+class RendezvousService final : public pb::Rendezvous::CallbackService {
+ public:
+  explicit RendezvousService(RendezvousServer::Impl* impl) : impl_(impl) {}
+
+  grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* ctx, const pb::JoinRequest* req,
+                                 pb::JoinResponse* resp) override {
+    Status auth = authorize(ctx, "Join");
+    if (!auth.isOk()) return finishNow(ctx, auth);
+    Impl* impl = impl_;
+    CallId id = nextId();
+    auto* reactor = new JoinReactor(impl, id);
+    JoinRequest request = fromProto(*req);
+    bool include = req->include_participants();
+    impl->post([impl, reactor, id, request = std::move(request), include, resp]() {
+      if (impl->shutting_down) {
+        reactor->Finish(kShuttingDown);
+        return;
+      }
+      impl->joins[id] = {reactor, resp, include};
+      impl->state.join(id, request, impl->now());
+      impl->flush();
+    });
+    return reactor;
+  }
+
+  grpc::ServerWriteReactor<pb::RoundChange>* Watch(grpc::CallbackServerContext* ctx,
+                                                   const pb::WatchRequest* req) override;
+
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx, const pb::RunRef* req,
+                                      pb::HeartbeatResponse* resp) override {
+    return unary(ctx, "Heartbeat", [req, resp](Impl* impl) -> Status {
+      auto st = impl->state.heartbeat(req->run_id(), req->node_id(), impl->now());
+      if (!st.isOk()) return st.status();
+      toProto(st.value(), resp->mutable_status());
+      return Status::ok();
+    });
+  }
+
+  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx, const pb::RunRef* req,
+                                  pb::LeaveResponse*) override {
+    return unary(ctx, "Leave", [req](Impl* impl) {
+      return impl->state.leave(req->run_id(), req->node_id(), impl->now());
+    });
+  }
+
+  grpc::ServerUnaryReactor* ReportFailure(grpc::CallbackServerContext* ctx,
+                                          const pb::ReportFailureRequest* req,
+                                          pb::ReportFailureResponse* resp) override {
+    return unary(ctx, "ReportFailure", [req, resp](Impl* impl) -> Status {
+      auto st =
+          impl->state.reportFailure(req->run_id(), req->node_id(), req->round(), impl->now());
+      if (!st.isOk()) return st.status();
+      resp->set_next_round(st.value());
+      return Status::ok();
+    });
+  }
+
+  grpc::ServerUnaryReactor* Close(grpc::CallbackServerContext* ctx, const pb::CloseRequest* req,
+                                  pb::CloseResponse*) override {
+    return unary(ctx, "Close",
+                 [req](Impl* impl) { return impl->state.close(req->run_id(), impl->now()); });
+  }
+
+  grpc::ServerUnaryReactor* PublishMaster(grpc::CallbackServerContext* ctx,
+                                          const pb::PublishMasterRequest* req,
+                                          pb::PublishMasterResponse*) override {
+    return unary(ctx, "PublishMaster", [req](Impl* impl) {
+      return impl->state.publishMaster(req->run_id(), req->node_id(), req->round(),
+                                       {req->master_addr(), req->master_port()}, impl->now());
+    });
+  }
+
+  grpc::ServerUnaryReactor* GetMaster(grpc::CallbackServerContext* ctx,
+                                      const pb::GetMasterRequest* req,
+                                      pb::GetMasterResponse* resp) override {
+    return wait(ctx, "GetMaster", [req](Impl* impl, CallId id) {
+      impl->state.waitMaster(id, req->run_id(), req->round(), seconds(req->timeout_s()),
+                             impl->now());
+    }, nullptr, resp);
+  }
+
+  grpc::ServerUnaryReactor* KvSet(grpc::CallbackServerContext* ctx, const pb::KvSetRequest* req,
+                                  pb::KvSetResponse*) override {
+    return unary(ctx, "KvSet", [req](Impl* impl) {
+      return impl->state.kvSet(req->run_id(), req->key(), req->value(), impl->now());
+    });
+  }
+
+  grpc::ServerUnaryReactor* KvGet(grpc::CallbackServerContext* ctx, const pb::KvGetRequest* req,
+                                  pb::KvGetResponse* resp) override {
+    return unary(ctx, "KvGet", [req, resp](Impl* impl) -> Status {
+      auto st = impl->state.kvGet(req->run_id(), req->key());
+      if (!st.isOk()) return st.status();
+      resp->set_value(std::move(st).value());
+      return Status::ok();
+    });
+  }
+
+  grpc::ServerUnaryReactor* KvAdd(grpc::CallbackServerContext* ctx, const pb::KvAddRequest* req,
+                                  pb::KvAddResponse* resp) override {
+    return unary(ctx, "KvAdd", [req, resp](Impl* impl) -> Status {
+      auto st = impl->state.kvAdd(req->run_id(), req->key(), req->delta(), impl->now());
+      if (!st.isOk()) return st.status();
+      resp->set_value(st.value());
+      return Status::ok();
+    });
+  }
+
+  grpc::ServerUnaryReactor* KvCompareSet(grpc::CallbackServerContext* ctx,
+                                         const pb::KvCompareSetRequest* req,
+                                         pb::KvCompareSetResponse* resp) override {
+    return unary(ctx, "KvCompareSet", [req, resp](Impl* impl) -> Status {
+      auto st = impl->state.kvCompareSet(req->run_id(), req->key(), req->expected(),
+                                         req->desired(), impl->now());
+      if (!st.isOk()) return st.status();
+      resp->set_value(std::move(st).value());
+      return Status::ok();
+    });
+  }
+
+  grpc::ServerUnaryReactor* KvWait(grpc::CallbackServerContext* ctx,
+                                   const pb::KvWaitRequest* req,
+                                   pb::KvWaitResponse* resp) override {
+    return wait(ctx, "KvWait", [req](Impl* impl, CallId id) {
+      std::vector<std::string> keys(req->keys().begin(), req->keys().end());
+      impl->state.kvWait(id, req->run_id(), std::move(keys), seconds(req->timeout_s()),
+                         impl->now());
+    }, resp, nullptr);
+  }
+
+  grpc::ServerUnaryReactor* KvDelete(grpc::CallbackServerContext* ctx,
+                                     const pb::KvDeleteRequest* req,
+                                     pb::KvDeleteResponse* resp) override {
+    return unary(ctx, "KvDelete", [req, resp](Impl* impl) -> Status {
+      auto st = impl->state.kvDelete(req->run_id(), req->key());
+      if (!st.isOk()) return st.status();
+      resp->set_deleted(st.value());
+      return Status::ok();
+    });
+  }
+
+ private:
+  using Impl = RendezvousServer::Impl;
+
+  Status authorize(grpc::CallbackServerContext* ctx, const char* method) const {
+    const std::string& token = impl_->options.token;
+    if (token.empty()) return Status::ok();
+    const auto& md = ctx->client_metadata();
+    auto it = md.find("authorization");
+    if (it != md.end() &&
+        constantTimeEquals(std::string(it->second.data(), it->second.size()), "Bearer " + token)) {
+      return Status::ok();
+    }
+    logger("rendezvous")->warn("refused {} from {}: {} rendezvous token", method, ctx->peer(),
+                               it == md.end() ? "missing" : "wrong");
+    return Status(StatusCode::kUnauthenticated,
+                  it == md.end() ? "this rendezvous requires a token (token_file=)"
+                                 : "wrong rendezvous token");
+  }
+
+  grpc::ServerUnaryReactor* finishNow(grpc::CallbackServerContext* ctx, const Status& st) {
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(toGrpc(st));
+    return reactor;
+  }
+
+  // A short call: runs `op` on the io thread and finishes with its status.
+  template <typename Op>
+  grpc::ServerUnaryReactor* unary(grpc::CallbackServerContext* ctx, const char* method, Op op) {
+    Status auth = authorize(ctx, method);
+    if (!auth.isOk()) return finishNow(ctx, auth);
+    auto* reactor = ctx->DefaultReactor();
+    Impl* impl = impl_;
+    impl->post([impl, reactor, op = std::move(op)]() mutable {
+      if (impl->shutting_down) {
+        reactor->Finish(kShuttingDown);
+        return;
+      }
+      Status st = op(impl);
+      reactor->Finish(toGrpc(st));
+      impl->flush();
+    });
+    return reactor;
+  }
+
+  template <typename Start>
+  grpc::ServerUnaryReactor* wait(grpc::CallbackServerContext* ctx, const char* method,
+                                 Start start, pb::KvWaitResponse* kv,
+                                 pb::GetMasterResponse* master) {
+    Status auth = authorize(ctx, method);
+    if (!auth.isOk()) return finishNow(ctx, auth);
+    Impl* impl = impl_;
+    CallId id = nextId();
+    auto* reactor = new WaitReactor(impl, id);
+    impl->post([impl, reactor, id, kv, master, start = std::move(start)]() mutable {
+      if (impl->shutting_down) {
+        reactor->Finish(kShuttingDown);
+        return;
+      }
+      impl->waits[id] = {reactor, kv, master};
+      start(impl, id);
+      impl->flush();
+    });
+    return reactor;
+  }
+
+ public:
+  // Ids are handed out on gRPC threads, so they come from an atomic, not the io thread.
+  CallId nextId() { return next_id_.fetch_add(1); }
+
+ private:
+  Impl* impl_;
+  std::atomic<CallId> next_id_{1};
+};
+
+grpc::ServerWriteReactor<pb::RoundChange>* RendezvousService::Watch(
+    grpc::CallbackServerContext* ctx, const pb::WatchRequest* req) {
+  Status auth = authorize(ctx, "Watch");
+  Impl* impl = impl_;
+  CallId id = nextId();
+  auto* reactor = new WatchReactor(impl, id);
+  if (!auth.isOk()) {
+    reactor->Finish(toGrpc(auth));
+    return reactor;
+  }
+  std::string run_id = req->run_id();
+  impl->post([impl, reactor, id, run_id]() {
+    if (impl->shutting_down) {
+      reactor->Finish(kShuttingDown);
+      return;
+    }
+    if (run_id.empty()) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "run id is empty"));
+      return;
+    }
+    Impl::WatchSession& s = impl->watches[id];
+    s.reactor = reactor;
+    s.run_id = run_id;
+    impl->watchers_by_run[run_id].insert(id);
+    RoundChange snapshot;
+    snapshot.kind = ChangeKind::kSnapshot;
+    auto st = impl->state.status(run_id);
+    if (st.isOk()) snapshot.status = st.value();
+    snapshot.round = snapshot.status.pending_round != 0 ? snapshot.status.pending_round
+                                                        : snapshot.status.completed_round;
+    pb::RoundChange msg;
+    toProto(snapshot, &msg);
+    s.queue.push_back(std::move(msg));
+    if (snapshot.status.closed) {
+      RoundChange closed = snapshot;
+      closed.kind = ChangeKind::kClosed;
+      pb::RoundChange cmsg;
+      toProto(closed, &cmsg);
+      s.queue.push_back(std::move(cmsg));
+      s.finish_after_queue = true;
+    }
+    impl->pump(id);
+  });
+  return reactor;
+}
+
+RendezvousServer::RendezvousServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+RendezvousServer::~RendezvousServer() { shutdown(); }
+
+int RendezvousServer::port() const { return impl_->port; }
+std::string RendezvousServer::address() const { return impl_->address; }
+
+StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOptions options) {
+  auto colon = options.listen.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    return invalidArgument("listen address '" + options.listen + "' is not HOST:PORT");
+  }
+  auto port = parseInt(options.listen.substr(colon + 1));
+  if (!port || *port < 0 || *port > 65535) {
+    return invalidArgument("listen address '" + options.listen + "' has no valid port");
+  }
+  if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
+    return invalidArgument("TLS needs both a certificate and a key");
+  }
+  auto impl = std::make_unique<Impl>(std::move(options));
+  Impl* raw = impl.get();
+  raw->service = std::make_unique<RendezvousService>(raw);
+
+  std::shared_ptr<grpc::ServerCredentials> creds;
+  if (!raw->options.tls_cert_pem.empty()) {
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({raw->options.tls_key_pem, raw->options.tls_cert_pem});
+    creds = grpc::SslServerCredentials(ssl);
+  } else {
+    creds = grpc::InsecureServerCredentials();
+  }
+  grpc::ServerBuilder builder;
+  int selected = 0;
+  builder.AddListeningPort(raw->options.listen, creds, &selected);
+  builder.RegisterService(raw->service.get());
+  // Without this, Linux gRPC sets SO_REUSEPORT and a second server "binds" a taken port.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(4 << 20);
+  raw->server = builder.BuildAndStart();
+  if (!raw->server || selected == 0) {
+    return unavailable("cannot listen on " + raw->options.listen +
+                       " (address in use, not local, or malformed)");
+  }
+  raw->port = selected;
+  raw->address = raw->options.listen.substr(0, colon) + ":" + std::to_string(selected);
+  raw->io_thread = std::thread([raw] { raw->io.run(); });
+  logger("rendezvous")->info("rendezvous server listening on {}{}{}", raw->address,
+                             raw->options.token.empty() ? "" : ", token required",
+                             raw->options.tls_cert_pem.empty() ? "" : ", TLS");
+  return std::unique_ptr<RendezvousServer>(new RendezvousServer(std::move(impl)));
+}
+
+void RendezvousServer::shutdown() {
+  std::lock_guard<std::mutex> lock(impl_->shutdown_mu);
+  if (impl_->stopped) return;
+  impl_->stopped = true;
+  Impl* impl = impl_.get();
+  impl->post([impl] { impl->stopServing(); });
+  // Pending calls were answered above; calls still arriving are refused on the io thread, which
+  // keeps running until gRPC has finished every reactor.
+  impl->server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  impl->work.reset();
+  impl->post([impl] { impl->timer.cancel(); });
+  impl->io_thread.join();
+  logger("rendezvous")->info("rendezvous server on {} stopped", impl->address);
+}
+
+StatusOr<std::string> readFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return notFound("cannot read " + path);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+StatusOr<std::string> readTokenFile(const std::string& path) {
+  DDPRUN_ASSIGN_OR_RETURN(std::string content, readFile(path));
+  std::string token = trim(content);
+  if (token.empty()) return invalidArgument("token file " + path + " is empty");
+  return token;
+}
+
+}  // namespace ddprun::rendezvous

@@ -1,0 +1,442 @@
+// Integration tests of the gRPC rendezvous: real server and clients over 127.0.0.1, port 0.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <signal.h>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+#include "ddprun/rendezvous/client.h"
+#include "ddprun/rendezvous/server.h"
+
+using namespace ddprun;
+using namespace ddprun::rendezvous;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Polls `pred` until it holds or `bound` passes; for events with no push notification.
+template <typename Pred>
+bool waitFor(Pred pred, Duration bound = 20s) {
+  auto until = std::chrono::steady_clock::now() + bound;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
+std::unique_ptr<RendezvousServer> startServer(ServerOptions options = {}) {
+  auto server = RendezvousServer::start(std::move(options));
+  REQUIRE(server.isOk());
+  return std::move(server).value();
+}
+
+ClientOptions clientFor(const RendezvousServer& server) {
+  ClientOptions o;
+  o.endpoint = server.address();
+  o.retry_timeout = 20s;
+  return o;
+}
+
+JoinRequest joinRequest(const std::string& run, uint32_t min, uint32_t max,
+                        const std::string& node_id = "") {
+  JoinRequest r;
+  r.run_id = run;
+  r.node_id = node_id;
+  r.address = "127.0.0.1";
+  r.local_world_size = 1;
+  r.config.min_nodes = min;
+  r.config.max_nodes = max;
+  r.config.last_call_timeout = 100ms;
+  r.config.heartbeat_interval = 5s;
+  r.join_timeout = 30s;
+  return r;
+}
+
+// Collects a watch's changes and lets a test wait for one.
+struct ChangeLog {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<RoundChange> changes;
+  std::vector<Status> breaks;
+
+  Client::ChangeCallback onChange() {
+    return [this](const RoundChange& c) {
+      std::lock_guard<std::mutex> lock(mu);
+      changes.push_back(c);
+      cv.notify_all();
+    };
+  }
+  Client::BreakCallback onBreak() {
+    return [this](const Status& s) {
+      std::lock_guard<std::mutex> lock(mu);
+      breaks.push_back(s);
+      cv.notify_all();
+    };
+  }
+  template <typename Pred>
+  bool waitUntil(Pred pred, Duration bound = 20s) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, bound, [&] { return pred(changes); });
+  }
+  static bool has(const std::vector<RoundChange>& cs, ChangeKind kind, uint64_t round) {
+    for (const auto& c : cs) {
+      if (c.kind == kind && c.round == round) return true;
+    }
+    return false;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("32 clients joining at once over loopback form one round with distinct ranks",
+          "[rendezvous][grpc]") {
+  auto server = startServer();
+  constexpr int kNodes = 32;
+  std::vector<StatusOr<RoundInfo>> results(kNodes, Status(StatusCode::kUnknown, "not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kNodes; ++i) {
+    threads.emplace_back([&, i] {
+      Client client(clientFor(*server));
+      auto req = joinRequest("many", kNodes, kNodes);
+      req.local_world_size = 1 + i % 3;
+      results[i] = client.join(req);
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::set<uint32_t> ranks;
+  uint32_t world = 0;
+  for (auto& r : results) {
+    REQUIRE(r.isOk());
+    CHECK(r->round == 1);
+    CHECK(r->group_world_size == kNodes);
+    REQUIRE(r->participants->size() == kNodes);
+    CHECK(r->participants->at(r->group_rank).node_id == r->node_id);
+    ranks.insert(r->group_rank);
+    world += r->participants->at(r->group_rank).local_world_size;
+  }
+  CHECK(ranks.size() == kNodes);
+  CHECK(*ranks.rbegin() == kNodes - 1);
+  CHECK(results[0]->world_size == world);
+}
+
+TEST_CASE("a client that gives up mid-join is removed and the others still complete",
+          "[rendezvous][grpc]") {
+  auto server = startServer();
+  Client victim(clientFor(*server));
+  Client probe(clientFor(*server));
+  StatusOr<RoundInfo> victim_result = Status(StatusCode::kUnknown, "not run");
+  std::thread t([&] { victim_result = victim.join(joinRequest("cancel", 3, 3, "victim")); });
+  REQUIRE(waitFor([&] { return probe.heartbeat("cancel", "victim").isOk(); }));
+  victim.cancelAll();
+  t.join();
+  REQUIRE_FALSE(victim_result.isOk());
+  CHECK(victim_result.status().code() == StatusCode::kCancelled);
+  // The server forgot the victim: it is no longer a pending participant.
+  REQUIRE(waitFor([&] {
+    return probe.heartbeat("cancel", "victim").status().code() == StatusCode::kNotFound;
+  }));
+
+  std::vector<StatusOr<RoundInfo>> results(3, Status(StatusCode::kUnknown, "not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 3; ++i) {
+    threads.emplace_back([&, i] {
+      Client c(clientFor(*server));
+      results[i] = c.join(joinRequest("cancel", 3, 3, "n" + std::to_string(i)));
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (auto& r : results) {
+    REQUIRE(r.isOk());
+    CHECK(r->group_world_size == 3);
+    for (const auto& p : *r->participants) CHECK(p.node_id != "victim");
+  }
+}
+
+TEST_CASE("membership changes are pushed to every watcher and close ends the run",
+          "[rendezvous][grpc]") {
+  auto server = startServer();
+  Client client(clientFor(*server));
+  ChangeLog log_a, log_b;
+  auto watch_a = client.watch("push", "a", log_a.onChange());
+  auto watch_b = client.watch("push", "b", log_b.onChange());
+  REQUIRE(log_a.waitUntil([](auto& cs) { return !cs.empty(); }));  // both subscribed
+  REQUIRE(log_b.waitUntil([](auto& cs) { return !cs.empty(); }));
+  CHECK(log_a.changes.front().kind == ChangeKind::kSnapshot);
+
+  StatusOr<RoundInfo> a = Status(StatusCode::kUnknown, ""), b = a;
+  std::thread ta([&] { a = client.join(joinRequest("push", 2, 3, "a")); });
+  std::thread tb([&] { b = client.join(joinRequest("push", 2, 3, "b")); });
+  ta.join();
+  tb.join();
+  REQUIRE(a.isOk());
+  REQUIRE(b.isOk());
+  REQUIRE(log_b.waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundComplete, 1); }));
+
+  // A late node: both watchers learn that round 2 is forming.
+  StatusOr<RoundInfo> c = Status(StatusCode::kUnknown, "");
+  std::thread tc([&] { c = client.join(joinRequest("push", 2, 3, "c")); });
+  for (ChangeLog* log : {&log_a, &log_b}) {
+    REQUIRE(log->waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundPending, 2); }));
+    std::lock_guard<std::mutex> lock(log->mu);
+    for (auto& ch : log->changes) {
+      if (ch.kind == ChangeKind::kRoundPending) {
+        CHECK(ch.reason == ChangeReason::kNodeJoined);
+        CHECK(ch.node_id == "c");
+      }
+    }
+  }
+  StatusOr<RoundInfo> a2 = Status(StatusCode::kUnknown, ""), b2 = a2;
+  std::thread ta2([&] { a2 = client.join(joinRequest("push", 2, 3, "a")); });
+  std::thread tb2([&] { b2 = client.join(joinRequest("push", 2, 3, "b")); });
+  ta2.join();
+  tb2.join();
+  tc.join();
+  REQUIRE(a2.isOk());
+  REQUIRE(b2.isOk());
+  REQUIRE(c.isOk());
+  CHECK(a2->round == 2);
+  CHECK(a2->group_rank == a->group_rank);
+  CHECK(b2->group_rank == b->group_rank);
+  CHECK(c->group_rank == 2);
+
+  // Rank 0 publishes the master; the others wait for it.
+  const RoundInfo& rank0 = a2->group_rank == 0 ? a2.value() : b2.value();
+  std::thread publisher([&] {
+    REQUIRE(client.publishMaster("push", rank0.node_id, 2, {"127.0.0.1", 29517}).isOk());
+  });
+  auto master = client.waitMaster("push", 2, 10s);
+  publisher.join();
+  REQUIRE(master.isOk());
+  CHECK(master->addr == "127.0.0.1");
+  CHECK(master->port == 29517);
+
+  // A failure report: every watcher sees one FAILURE_REPORTED round.
+  auto next = client.reportFailure("push", "c", 2);
+  REQUIRE(next.isOk());
+  CHECK(next.value() == 3);
+  REQUIRE(log_b.waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundPending, 3); }));
+
+  REQUIRE(client.close("push").isOk());
+  REQUIRE(log_a.waitUntil([](auto& cs) { return !cs.empty() && cs.back().kind == ChangeKind::kClosed; }));
+  auto late = client.join(joinRequest("push", 2, 3, "d"));
+  REQUIRE_FALSE(late.isOk());
+  CHECK(late.status().code() == StatusCode::kFailedPrecondition);
+  CHECK(late.status().message() == "run push is closed");
+}
+
+TEST_CASE("bad input gets precise statuses and the server keeps serving", "[rendezvous][grpc]") {
+  auto server = startServer();
+  Client client(clientFor(*server));
+  auto zero = joinRequest("bad", 1, 2);
+  zero.local_world_size = 0;
+  CHECK(client.join(zero).status().code() == StatusCode::kInvalidArgument);
+  CHECK(client.join(joinRequest("", 1, 2)).status().code() == StatusCode::kInvalidArgument);
+  CHECK(client.kvSet("bad", "big", std::string(2 << 20, 'x')).code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(client.kvSet("bad", "huge", std::string(8 << 20, 'x')).code() ==
+        StatusCode::kResourceExhausted);
+  CHECK(client.heartbeat("bad", "nobody").status().code() == StatusCode::kNotFound);
+  CHECK(client.kvWait("bad", {"never"}, 50ms).status().code() == StatusCode::kDeadlineExceeded);
+
+  StatusOr<RoundInfo> first = Status(StatusCode::kUnknown, "");
+  std::thread t([&] { first = client.join(joinRequest("bad", 2, 2, "first")); });
+  REQUIRE(waitFor([&] { return client.heartbeat("bad", "first").isOk(); }));
+  auto mismatch = client.join(joinRequest("bad", 1, 2, "other"));
+  CHECK(mismatch.status().code() == StatusCode::kFailedPrecondition);
+  CHECK(mismatch.status().message() == "run bad has nnodes 2:2 but this node asked for 1:2");
+  auto second = client.join(joinRequest("bad", 2, 2, "second"));
+  t.join();
+  REQUIRE(first.isOk());
+  REQUIRE(second.isOk());
+
+  REQUIRE(client.kvSet("bad", "k", "v").isOk());
+  CHECK(client.kvGet("bad", "k").value() == "v");
+  CHECK(client.kvAdd("bad", "n", 3).value() == 3);
+  CHECK(client.kvCompareSet("bad", "k", "v", "w").value() == "w");
+  CHECK(client.kvWait("bad", {"k", "n"}, 1s).value() == std::vector<std::string>{"w", "3"});
+  CHECK(client.kvDelete("bad", "k").value());
+}
+
+TEST_CASE("clients retry and re-subscribe across a server restart", "[rendezvous][grpc]") {
+  auto server = startServer();
+  const std::string address = server->address();
+  Client client(clientFor(*server));
+  ChangeLog log;
+  auto watch = client.watch("restart", "a", log.onChange(), log.onBreak());
+  REQUIRE(log.waitUntil([](auto& cs) { return !cs.empty(); }));  // subscribed
+  auto first = client.join(joinRequest("restart", 1, 1, "a"));
+  REQUIRE(first.isOk());
+  REQUIRE(log.waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundComplete, 1); }));
+
+  server->shutdown();
+  server.reset();
+  {
+    std::unique_lock<std::mutex> lock(log.mu);
+    REQUIRE(log.cv.wait_for(lock, 20s, [&] { return !log.breaks.empty(); }));
+  }
+  // A join while the server is down is retried until the new server answers.
+  StatusOr<RoundInfo> again = Status(StatusCode::kUnknown, "");
+  std::thread joiner([&] { again = client.join(joinRequest("restart", 1, 1, "a")); });
+  ServerOptions options;
+  options.listen = address;
+  auto restarted = startServer(options);
+  joiner.join();
+  REQUIRE(again.isOk());
+  CHECK(again->round == 1);  // the new server starts the run afresh
+  CHECK(again->node_id == "a");
+  // The watch re-subscribed to the new server: a fresh snapshot, and it learns of the new
+  // server's round 1 (from that snapshot or from the change, whichever came first).
+  REQUIRE(log.waitUntil([](auto& cs) {
+    int snapshots = 0;
+    for (auto& c : cs) snapshots += c.kind == ChangeKind::kSnapshot;
+    return snapshots >= 2 && cs.back().status.completed_round == 1;
+  }));
+}
+
+TEST_CASE("calls without the right token are refused with UNAUTHENTICATED", "[rendezvous][grpc]") {
+  ServerOptions options;
+  options.token = "s3cret";
+  auto server = startServer(options);
+  Client anonymous(clientFor(*server));
+  auto refused = anonymous.join(joinRequest("secure", 1, 1));
+  REQUIRE_FALSE(refused.isOk());
+  CHECK(refused.status().code() == StatusCode::kUnauthenticated);
+  CHECK(anonymous.kvSet("secure", "k", "v").code() == StatusCode::kUnauthenticated);
+
+  ClientOptions wrong = clientFor(*server);
+  wrong.token = "guess";
+  Client guesser(wrong);
+  CHECK(guesser.kvGet("secure", "k").status().code() == StatusCode::kUnauthenticated);
+  ChangeLog log;
+  {
+    auto watch = guesser.watch("secure", "", log.onChange(), log.onBreak());
+    std::unique_lock<std::mutex> lock(log.mu);
+    REQUIRE(log.cv.wait_for(lock, 20s, [&] { return !log.breaks.empty(); }));
+    CHECK(log.breaks.front().code() == StatusCode::kUnauthenticated);
+    CHECK(log.changes.empty());
+  }
+
+  ClientOptions right = clientFor(*server);
+  right.token = "s3cret";
+  Client member(right);
+  auto joined = member.join(joinRequest("secure", 1, 1));
+  REQUIRE(joined.isOk());
+  CHECK(joined->group_world_size == 1);
+}
+
+namespace {
+
+std::string buildDir() {
+  const char* d = std::getenv("DDPRUN_BUILD_DIR");
+  return d != nullptr ? d : ".";
+}
+
+// Runs the daemon with `args`; returns its pid and a FILE* on its stdout.
+pid_t spawnDaemon(const std::vector<std::string>& args, FILE** out) {
+  int fds[2];
+  REQUIRE(pipe(fds) == 0);
+  pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    close(fds[0]);
+    close(fds[1]);
+    std::vector<char*> argv;
+    std::string bin = buildDir() + "/rendezvous/ddprun-rendezvous";
+    argv.push_back(bin.data());
+    std::vector<std::string> copy = args;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  *out = fdopen(fds[0], "r");
+  return pid;
+}
+
+int waitExit(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+}  // namespace
+
+TEST_CASE("the daemon prints its bound port, serves, and stops cleanly on SIGTERM",
+          "[rendezvous][daemon]") {
+  char dir_template[] = "/tmp/ddprun-rdzv-XXXXXX";
+  REQUIRE(mkdtemp(dir_template) != nullptr);
+  const std::string token_file = std::string(dir_template) + "/token";
+  std::ofstream(token_file) << "tok\n";
+  FILE* out = nullptr;
+  pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0", "--token-file", token_file}, &out);
+  char line[256] = {0};
+  REQUIRE(fgets(line, sizeof line, out) != nullptr);
+  std::string text(line);
+  REQUIRE(text.rfind("listening on 127.0.0.1:", 0) == 0);
+  const std::string endpoint = text.substr(13, text.find('\n') - 13);
+  CHECK(endpoint != "127.0.0.1:0");
+
+  ClientOptions options;
+  options.endpoint = endpoint;
+  options.token = "tok";
+  Client client(options);
+  auto joined = client.join(joinRequest("daemon", 1, 1));
+  REQUIRE(joined.isOk());
+  CHECK(joined->round == 1);
+
+  kill(pid, SIGTERM);
+  CHECK(waitExit(pid) == 0);
+  fclose(out);
+  std::remove(token_file.c_str());
+  rmdir(dir_template);
+}
+
+TEST_CASE("the daemon rejects bad flags with exit code 2", "[rendezvous][daemon]") {
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"--bogus"}, {}, {"--listen", "nowhere"}, {"--listen", "127.0.0.1:0", "--tls-cert", "x"},
+           {"--listen", "127.0.0.1:0", "--token-file", "/nonexistent/token"}}) {
+    FILE* out = nullptr;
+    pid_t pid = spawnDaemon(args, &out);
+    CHECK(waitExit(pid) == 2);
+    fclose(out);
+  }
+}
+
+TEST_CASE("TLS: a client trusting the server's certificate joins, a plaintext one cannot",
+          "[rendezvous][grpc][tls]") {
+  char dir_template[] = "/tmp/ddprun-tls-XXXXXX";
+  REQUIRE(mkdtemp(dir_template) != nullptr);
+  const std::string dir = dir_template;
+  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
+                          " -addext subjectAltName=DNS:localhost,IP:127.0.0.1"
+                          " -keyout " + dir + "/key.pem -out " + dir + "/cert.pem 2>/dev/null";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  ServerOptions options;
+  options.tls_cert_pem = readFile(dir + "/cert.pem").value();
+  options.tls_key_pem = readFile(dir + "/key.pem").value();
+  auto server = startServer(options);
+
+  ClientOptions secure = clientFor(*server);
+  secure.tls_root_cert_pem = options.tls_cert_pem;
+  secure.tls_server_name = "localhost";
+  Client client(secure);
+  auto joined = client.join(joinRequest("tls", 1, 1));
+  REQUIRE(joined.isOk());
+
+  ClientOptions plain = clientFor(*server);
+  plain.retry_timeout = 200ms;
+  Client insecure(plain);
+  CHECK_FALSE(insecure.kvGet("tls", "k").isOk());
+  std::system(("rm -rf " + dir).c_str());
+}
