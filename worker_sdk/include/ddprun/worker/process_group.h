@@ -25,7 +25,7 @@ struct ProcessGroupOptions {
   std::string prefix = "ddprun/pg0";
 };
 
-class ProcessGroup {
+class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
   static std::shared_ptr<ProcessGroup> initFromEnv(const ProcessGroupOptions& options = {});
   static std::shared_ptr<ProcessGroup> initFromEnv(const WorkerEnv& env,

@@ -1,0 +1,177 @@
+// train: the PyTorch DDP tutorial's job on the worker SDK. Run it under ddprun or torchrun:
+//   ddprun --standalone --nproc_per_node=2 train 50 10
+// Usage errors exit 2, failures exit 1, a checkpoint signal (SIGTERM/SIGUSR1) saves and exits 0.
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ddprun/common/strings.h"
+#include "ddprun/worker/errors.h"
+#include "ddprun/worker/process_group.h"
+#include "ddprun/worker/trainer.h"
+#include "models.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: train TOTAL_EPOCHS SAVE_EVERY [--snapshot-path P] [--batch-size N] [--model linear|mlp|cnn]\n"
+    "             [--backend gloo|nccl] [--lr F] [--dataset-size N] [--bucket-cap-mb F] [--no-overlap]\n"
+    "             [--seed N] [--dump-params FILE] [--timing]";
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Args {
+  int64_t total_epochs = 0;
+  int64_t save_every = 0;
+  std::string snapshot_path;
+  int64_t batch_size = 32;
+  std::string model = "linear";
+  std::string backend = "gloo";
+  double lr = 1e-3;
+  int64_t dataset_size = 2048;
+  double bucket_cap_mb = 25;
+  bool overlap = true;
+  int64_t seed = 0;
+  std::string dump_params;
+  bool timing = false;
+};
+
+int64_t intArg(const std::string& flag, const std::string& v, int64_t min) {
+  auto n = ddprun::parseInt(v);
+  if (!n || *n < min) throw UsageError(flag + " must be an integer >= " + std::to_string(min) + ", got '" + v + "'");
+  return *n;
+}
+
+double positiveArg(const std::string& flag, const std::string& v) {
+  auto d = ddprun::parseDouble(v);
+  if (!d || !(*d > 0)) throw UsageError(flag + " must be a positive number, got '" + v + "'");
+  return *d;
+}
+
+Args parseArgs(int argc, char** argv) {
+  Args a;
+  std::vector<std::string> positional;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::optional<std::string> inline_value;
+    if (ddprun::startsWith(arg, "--") && arg.find('=') != std::string::npos) {
+      inline_value = arg.substr(arg.find('=') + 1);
+      arg = arg.substr(0, arg.find('='));
+    }
+    std::replace(arg.begin(), arg.end(), '_', '-');
+    auto value = [&]() -> std::string {
+      if (inline_value) return *inline_value;
+      if (i + 1 >= argc) throw UsageError(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--snapshot-path") a.snapshot_path = value();
+    else if (arg == "--batch-size") a.batch_size = intArg(arg, value(), 1);
+    else if (arg == "--model") {
+      a.model = value();
+      if (a.model != "linear" && a.model != "mlp" && a.model != "cnn") {
+        throw UsageError("--model must be linear, mlp or cnn, got '" + a.model + "'");
+      }
+    } else if (arg == "--backend") {
+      a.backend = value();
+      try {
+        ddprun::worker::parseBackend(a.backend);
+      } catch (const ddprun::worker::ConfigError& e) {
+        throw UsageError(std::string("--backend: ") + e.what());
+      }
+    } else if (arg == "--lr") a.lr = positiveArg(arg, value());
+    else if (arg == "--dataset-size") a.dataset_size = intArg(arg, value(), 1);
+    else if (arg == "--bucket-cap-mb") a.bucket_cap_mb = positiveArg(arg, value());
+    else if (arg == "--no-overlap") a.overlap = false;
+    else if (arg == "--seed") a.seed = intArg(arg, value(), 0);
+    else if (arg == "--dump-params") a.dump_params = value();
+    else if (arg == "--timing") a.timing = true;
+    else if (arg == "-h" || arg == "--help") {
+      std::cout << kUsage << std::endl;
+      std::exit(0);
+    } else if (ddprun::startsWith(arg, "-")) throw UsageError("unknown option " + arg);
+    else positional.push_back(arg);
+  }
+  if (positional.size() != 2) throw UsageError("expected TOTAL_EPOCHS and SAVE_EVERY");
+  a.total_epochs = intArg("TOTAL_EPOCHS", positional[0], 0);
+  a.save_every = intArg("SAVE_EVERY", positional[1], 0);
+  return a;
+}
+
+void dumpParams(const std::string& path, torch::nn::Module& m) {
+  std::ofstream f(path, std::ios::binary);
+  for (auto& p : m.parameters()) {
+    auto c = p.detach().contiguous().to(torch::kCPU);
+    f.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.numel() * c.element_size()));
+  }
+  if (!f) throw ddprun::worker::WorkerError("cannot write " + path);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  try {
+    args = parseArgs(argc, argv);
+  } catch (const UsageError& e) {
+    std::cerr << "train: " << e.what() << "\n" << kUsage << std::endl;
+    return 2;
+  }
+  try {
+    namespace w = ddprun::worker;
+    const w::WorkerEnv env = w::WorkerEnv::fromProcessEnv();
+    w::ProcessGroupOptions pg_opts;
+    pg_opts.backend = w::parseBackend(args.backend);
+    auto group = w::ProcessGroup::initFromEnv(env, pg_opts);
+
+    torch::manual_seed(static_cast<uint64_t>(args.seed));
+    auto task = ddprun::examples::makeTask(args.model, args.dataset_size, 1234 + static_cast<uint64_t>(args.seed));
+    if (pg_opts.backend == w::Backend::kNccl) {
+      const auto dev = torch::Device(torch::kCUDA, env.local_rank);
+      task.module->to(dev);
+      task.inputs = task.inputs.to(dev);
+      task.targets = task.targets.to(dev);
+    }
+    auto opt = std::make_shared<torch::optim::SGD>(task.module->parameters(), torch::optim::SGDOptions(args.lr));
+
+    w::TrainerOptions o;
+    o.total_epochs = args.total_epochs;
+    o.save_every = args.save_every;
+    o.snapshot_path = args.snapshot_path;
+    if (o.snapshot_path.empty()) o.snapshot_path = env.snapshot_dir.empty() ? "snapshot.pt" : env.snapshot_dir + "/snapshot.pt";
+    o.batch_size = args.batch_size;
+    o.heartbeat_file = env.heartbeat_file;
+    o.ddp.bucket_cap_mb = args.bucket_cap_mb;
+    o.ddp.overlap = args.overlap;
+    w::Trainer trainer(group, task.module, task.forward, task.loss, opt, task.inputs, task.targets, o);
+    const auto start = std::chrono::steady_clock::now();
+    const int64_t start_step = trainer.progress().global_step;
+    const auto outcome = trainer.train();
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (args.timing) {
+      const int64_t steps = trainer.progress().global_step - start_step;
+      std::printf("[RANK %d] timing: %lld steps in %.3f s, %.3f ms/step\n", group->rank(),
+                  static_cast<long long>(steps), secs, steps > 0 ? 1e3 * secs / static_cast<double>(steps) : 0.0);
+      std::fflush(stdout);
+    }
+    if (!args.dump_params.empty() && group->rank() == 0) dumpParams(args.dump_params, *task.module);
+    if (outcome == w::Trainer::Outcome::kStoppedBySignal) {
+      std::cout << "[RANK " << group->rank() << "] stopped by checkpoint signal" << std::endl;
+    }
+    group->comm().barrier();
+    return 0;
+  } catch (const ddprun::worker::ConfigError& e) {
+    std::cerr << "train: " << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "train: error: " << e.what() << std::endl;
+    return 1;
+  }
+}

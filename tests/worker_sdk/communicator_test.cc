@@ -1,0 +1,186 @@
+#include "torch_catch.h"
+
+#include <atomic>
+#include <mutex>
+
+#include "ddprun/worker/errors.h"
+#include "ddprun/worker/process_group.h"
+#include "thread_ranks.h"
+
+using namespace ddprun::worker;
+namespace t = ddprun::worker::testing;
+
+TEST_CASE("all_reduce sums and averages across thread ranks for every size and dtype", "[worker][comm]") {
+  const int world = 3;
+  std::mutex mu;
+  std::vector<std::string> failures;
+  t::runRanks(world, [&](ProcessGroup& pg) {
+    auto fail = [&](const std::string& what) {
+      std::lock_guard<std::mutex> l(mu);
+      failures.push_back("rank " + std::to_string(pg.rank()) + ": " + what);
+    };
+    for (int64_t n : {0, 1, 17, 1000, 3 * 1024 * 1024 + 5}) {
+      // Rank r contributes (r + 1) * arange(n); the sum is 6 * arange(n).
+      auto f = torch::arange(n, torch::kFloat) * (pg.rank() + 1);
+      pg.comm().allReduce(f, ReduceOp::kSum);
+      if (!torch::allclose(f, torch::arange(n, torch::kFloat) * 6)) fail("float sum n=" + std::to_string(n));
+      auto d = torch::arange(n, torch::kDouble) * (pg.rank() + 1);
+      pg.comm().allReduce(d, ReduceOp::kAvg);
+      if (!torch::allclose(d, torch::arange(n, torch::kDouble) * 2)) fail("double avg n=" + std::to_string(n));
+      auto l = torch::full({n}, pg.rank() + 1, torch::kLong);
+      pg.comm().allReduce(l, ReduceOp::kSum);
+      if (!torch::equal(l, torch::full({n}, 6, torch::kLong))) fail("int64 sum n=" + std::to_string(n));
+    }
+  });
+  CHECK(failures.empty());
+  for (auto& f : failures) UNSCOPED_INFO(f);
+}
+
+TEST_CASE("async all_reduces complete in order and non-contiguous tensors are reduced in place",
+          "[worker][comm]") {
+  std::vector<std::vector<float>> got(2);
+  t::runRanks(2, [&](ProcessGroup& pg) {
+    std::vector<torch::Tensor> ts;
+    std::vector<std::shared_ptr<Work>> works;
+    for (int i = 0; i < 8; ++i) {
+      ts.push_back(torch::full({1000 * (i + 1)}, float(i + pg.rank())));
+      works.push_back(pg.comm().allReduceAsync(ts.back(), ReduceOp::kSum));
+    }
+    auto m = torch::ones({4, 6}) * (pg.rank() + 1);
+    auto col = m.t();  // non-contiguous view
+    pg.comm().allReduce(col, ReduceOp::kSum);
+    std::vector<float>& out = got[static_cast<size_t>(pg.rank())];
+    for (auto& w : works) w->wait();
+    for (auto& x : ts) out.push_back(x[0].item<float>());
+    out.push_back(m.sum().item<float>());
+  });
+  for (auto& out : got) {
+    REQUIRE(out.size() == 9);
+    for (int i = 0; i < 8; ++i) CHECK(out[static_cast<size_t>(i)] == float(2 * i + 1));
+    CHECK(out[8] == 24 * 3.0f);
+  }
+}
+
+TEST_CASE("broadcast, all_gather and barrier work across thread ranks", "[worker][comm]") {
+  const int world = 3;
+  std::vector<torch::Tensor> bcast(world), gathered(world);
+  t::runRanks(world, [&](ProcessGroup& pg) {
+    auto b = torch::full({5, 3}, float(pg.rank() * 10));
+    pg.comm().broadcast(b, 1);
+    auto parts = pg.comm().allGather(torch::full({2}, pg.rank(), torch::kLong));
+    pg.comm().barrier();
+    bcast[static_cast<size_t>(pg.rank())] = b;
+    gathered[static_cast<size_t>(pg.rank())] = torch::cat(parts);
+  });
+  for (int r = 0; r < world; ++r) {
+    CHECK(torch::equal(bcast[static_cast<size_t>(r)], torch::full({5, 3}, 10.0f)));
+    CHECK(torch::equal(gathered[static_cast<size_t>(r)], torch::tensor({0, 0, 1, 1, 2, 2}, torch::kLong)));
+  }
+}
+
+TEST_CASE("misuse of collectives is a clear error, not a hang", "[worker][comm]") {
+  std::vector<std::string> errors(2);
+  t::runRanks(2, [&](ProcessGroup& pg) {
+    std::string& e = errors[static_cast<size_t>(pg.rank())];
+    try {
+      pg.comm().allReduce(torch::ones({3}, torch::kLong), ReduceOp::kAvg);
+    } catch (const WorkerError& x) {
+      e += x.what();
+    }
+    try {
+      pg.comm().broadcast(torch::ones({3}), 5);
+    } catch (const WorkerError& x) {
+      e += std::string("|") + x.what();
+    }
+    pg.comm().barrier();  // the group still works afterwards
+  });
+  for (auto& e : errors) {
+    CHECK_THAT(e, Catch::Contains("kAvg needs a floating-point tensor"));
+    CHECK_THAT(e, Catch::Contains("root 5 is outside [0, 1]"));
+  }
+}
+
+TEST_CASE("a rank whose peers never arrive fails with a timeout naming the missing keys", "[worker][comm]") {
+  auto opts = t::fastOptions();
+  opts.connect_timeout = std::chrono::milliseconds(500);
+  auto store = KeyValueStore::inMemory(opts.connect_timeout);
+  CHECK_THROWS_WITH(ProcessGroup::create(0, 2, store, opts), Catch::Contains("could not connect"));
+}
+
+TEST_CASE("the TCP store is hosted by rank 0 and reached by the others", "[worker][comm]") {
+  auto server = KeyValueStore::tcpServer("127.0.0.1", 0, std::chrono::seconds(10));
+  REQUIRE(server->port() > 0);
+  auto client = KeyValueStore::tcpClient("127.0.0.1", server->port(), std::chrono::seconds(10));
+  client->set("k", {'h', 'i'});
+  CHECK(server->get("k") == std::vector<char>{'h', 'i'});
+  CHECK(server->add("n", 2) == 2);
+  CHECK(client->add("n", 3) == 5);
+  CHECK_THROWS_WITH(client->wait({"never"}, std::chrono::milliseconds(200)), Catch::Contains("never"));
+}
+
+TEST_CASE("connecting to a store nobody hosts fails within the timeout naming the address", "[worker][comm]") {
+  // Take a free port and release it: nothing listens there afterwards.
+  int port;
+  {
+    auto s = KeyValueStore::tcpServer("127.0.0.1", 0, std::chrono::seconds(5));
+    port = s->port();
+  }
+  WorkerEnv env;
+  env.rank = 1;
+  env.world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = port;
+  ProcessGroupOptions o;
+  o.connect_timeout = std::chrono::milliseconds(1500);
+  CHECK_THROWS_WITH(ProcessGroup::initFromEnv(env, o),
+                    Catch::Contains("127.0.0.1:" + std::to_string(port)) && Catch::Contains("MASTER_ADDR"));
+}
+
+TEST_CASE("initFromEnv builds a group over the TCP store hosted by rank 0", "[worker][comm]") {
+  int port;
+  {
+    auto s = KeyValueStore::tcpServer("127.0.0.1", 0, std::chrono::seconds(5));
+    port = s->port();
+  }
+  std::vector<float> sums(2, 0);
+  std::vector<std::exception_ptr> errs(2);
+  std::vector<std::thread> th;
+  for (int r = 0; r < 2; ++r) {
+    th.emplace_back([&, r] {
+      try {
+        WorkerEnv env;
+        env.rank = r;
+        env.world_size = 2;
+        env.master_addr = "127.0.0.1";
+        env.master_port = port;
+        auto pg = ProcessGroup::initFromEnv(env, t::fastOptions());
+        auto x = torch::full({4}, float(r + 1));
+        pg->comm().allReduce(x);
+        sums[static_cast<size_t>(r)] = x[0].item<float>();
+        pg->comm().barrier();
+      } catch (...) {
+        errs[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& x : th) x.join();
+  for (auto& e : errs) {
+    if (e) std::rethrow_exception(e);
+  }
+  CHECK(sums == std::vector<float>{3, 3});
+}
+
+TEST_CASE("asking for NCCL in a build without it is a clear error", "[worker][comm]") {
+  if (ncclAvailable()) {
+    WARN("this build has NCCL; the NCCL path is exercised by the GPU tests");
+    return;
+  }
+  WorkerEnv env;
+  env.rank = 0;
+  env.world_size = 1;
+  ProcessGroupOptions o;
+  o.backend = Backend::kNccl;
+  CHECK_THROWS_WITH(ProcessGroup::initFromEnv(env, o), Catch::Contains("no NCCL support"));
+  CHECK(parseBackend("NCCL") == Backend::kNccl);
+  CHECK_THROWS_WITH(parseBackend("mpi"), Catch::Contains("expected gloo or nccl"));
+}

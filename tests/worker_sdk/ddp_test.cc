@@ -1,0 +1,190 @@
+#include "torch_catch.h"
+
+#include "ddprun/worker/ddp.h"
+#include "ddprun/worker/errors.h"
+#include "thread_ranks.h"
+
+using namespace ddprun::worker;
+namespace t = ddprun::worker::testing;
+
+namespace {
+
+torch::nn::Sequential makeModel() {
+  return torch::nn::Sequential(torch::nn::Linear(20, 32), torch::nn::ReLU(), torch::nn::Linear(32, 16),
+                               torch::nn::Tanh(), torch::nn::Linear(16, 4));
+}
+
+void copyParams(torch::nn::Module& from, torch::nn::Module& to) {
+  torch::NoGradGuard g;
+  auto src = from.parameters();
+  auto dst = to.parameters();
+  for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+}
+
+double maxAbsDiff(torch::nn::Module& a, torch::nn::Module& b) {
+  double m = 0;
+  auto pa = a.parameters();
+  auto pb = b.parameters();
+  for (size_t i = 0; i < pa.size(); ++i) m = std::max(m, (pa[i] - pb[i]).abs().max().item<double>());
+  return m;
+}
+
+struct Scenario {
+  int world = 2;
+  int steps = 5;
+  int micro = 1;  // micro-batches per step; all but the last run under noSync
+  double bucket_cap_mb = 25;
+  double first_bucket_mb = 1;
+  bool overlap = true;
+};
+
+// Trains W thread-ranks with DDP on shards and one reference model on the whole batch; returns
+// the max parameter difference to the reference over all ranks, and whether ranks are identical.
+std::pair<double, bool> trainAndCompare(const Scenario& s) {
+  const int64_t per_rank = 4;
+  const int64_t batch = per_rank * s.world;
+  auto init = makeModel();
+  std::vector<torch::Tensor> xs, ys;
+  for (int i = 0; i < s.steps * s.micro; ++i) {
+    xs.push_back(torch::randn({batch, 20}));
+    ys.push_back(torch::randn({batch, 4}));
+  }
+
+  auto ref = makeModel();
+  copyParams(*init, *ref);
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  for (int st = 0; st < s.steps; ++st) {
+    ref_opt.zero_grad();
+    for (int m = 0; m < s.micro; ++m) {
+      auto k = static_cast<size_t>(st * s.micro + m);
+      torch::mse_loss(ref->forward(xs[k]), ys[k]).backward();
+    }
+    ref_opt.step();
+  }
+
+  std::vector<torch::nn::Sequential> models(static_cast<size_t>(s.world));
+  t::runRanks(s.world, [&](ProcessGroup& pg) {
+    auto model = makeModel();  // random init: DDP must replace it by rank 0's
+    if (pg.rank() == 0) copyParams(*init, *model);
+    DdpOptions o;
+    o.bucket_cap_mb = s.bucket_cap_mb;
+    o.first_bucket_mb = s.first_bucket_mb;
+    o.overlap = s.overlap;
+    DistributedDataParallel ddp(model.ptr(), pg.shared_from_this(), o);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    for (int st = 0; st < s.steps; ++st) {
+      opt.zero_grad();
+      for (int m = 0; m < s.micro; ++m) {
+        auto k = static_cast<size_t>(st * s.micro + m);
+        auto x = xs[k].narrow(0, pg.rank() * per_rank, per_rank);
+        auto y = ys[k].narrow(0, pg.rank() * per_rank, per_rank);
+        if (m + 1 < s.micro) {
+          auto guard = ddp.noSync();
+          torch::mse_loss(model->forward(x), y).backward();
+        } else {
+          torch::mse_loss(model->forward(x), y).backward();
+        }
+      }
+      opt.step();
+    }
+    models[static_cast<size_t>(pg.rank())] = model;
+  });
+  double worst = 0;
+  bool same = true;
+  for (auto& m : models) {
+    worst = std::max(worst, maxAbsDiff(*m, *ref));
+    same = same && maxAbsDiff(*m, *models[0]) == 0.0;
+  }
+  return {worst, same};
+}
+
+}  // namespace
+
+TEST_CASE("DDP over W thread-ranks on a split batch equals one process on the whole batch", "[worker][ddp]") {
+  for (int world : {2, 3}) {
+    for (double cap : {25.0, 0.0005}) {
+      Scenario s;
+      s.world = world;
+      s.bucket_cap_mb = cap;
+      s.first_bucket_mb = cap < 1 ? cap : 1.0;
+      auto [diff, same] = trainAndCompare(s);
+      INFO("world=" << world << " bucket_cap_mb=" << cap << " max diff=" << diff);
+      CHECK(diff < 1e-6);
+      CHECK(same);
+    }
+  }
+}
+
+TEST_CASE("gradient accumulation under no_sync equals one process on the whole batch", "[worker][ddp]") {
+  Scenario s;
+  s.world = 2;
+  s.micro = 3;
+  s.bucket_cap_mb = 0.001;
+  s.first_bucket_mb = 0.001;
+  auto [diff, same] = trainAndCompare(s);
+  INFO("max diff=" << diff);
+  CHECK(diff < 1e-6);
+  CHECK(same);
+}
+
+TEST_CASE("DDP without overlap (all-reduce after backward) gives the same result", "[worker][ddp]") {
+  Scenario s;
+  s.overlap = false;
+  s.bucket_cap_mb = 0.001;
+  auto [diff, same] = trainAndCompare(s);
+  CHECK(diff < 1e-6);
+  CHECK(same);
+}
+
+namespace {
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl() : used(register_module("used", torch::nn::Linear(4, 4))), spare(register_module("spare", torch::nn::Linear(4, 2))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return used->forward(x); }
+  torch::nn::Linear used;
+  torch::nn::Linear spare;
+};
+TORCH_MODULE(TwoHeads);
+}  // namespace
+
+TEST_CASE("a parameter without gradient is named in the error unless unused parameters are allowed",
+          "[worker][ddp]") {
+  std::vector<std::string> errors(2);
+  std::vector<torch::Tensor> grads(2);
+  t::runRanks(2, [&](ProcessGroup& pg) {
+    auto shared = pg.shared_from_this();
+    {
+      TwoHeads m;
+      DistributedDataParallel ddp(m.ptr(), shared);
+      try {
+        m->forward(torch::ones({2, 4})).sum().backward();
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(pg.rank())] = e.what();
+      }
+    }
+    TwoHeads m;
+    DdpOptions o;
+    o.find_unused_parameters = true;
+    DistributedDataParallel ddp(m.ptr(), shared, o);
+    m->forward(torch::ones({2, 4}) * (pg.rank() + 1)).sum().backward();
+    grads[static_cast<size_t>(pg.rank())] = m->used->weight.grad().clone();
+  });
+  for (auto& e : errors) {
+    CHECK_THAT(e, Catch::Contains("spare.weight") && Catch::Contains("find_unused_parameters"));
+  }
+  // d(sum(W x))/dW = column sums of x over 2 rows: 2 on rank 0, 4 on rank 1, average 3.
+  CHECK(torch::allclose(grads[0], torch::full({4, 4}, 3.0f)));
+  CHECK(torch::equal(grads[0], grads[1]));
+}
+
+TEST_CASE("ranks holding different models are told so at construction", "[worker][ddp]") {
+  std::vector<std::string> errors(2);
+  t::runRanks(2, [&](ProcessGroup& pg) {
+    auto m = pg.rank() == 0 ? torch::nn::Sequential(torch::nn::Linear(4, 4)) : torch::nn::Sequential(torch::nn::Linear(4, 5));
+    try {
+      DistributedDataParallel ddp(m.ptr(), pg.shared_from_this());
+    } catch (const ConfigError& e) {
+      errors[static_cast<size_t>(pg.rank())] = e.what();
+    }
+  });
+  for (auto& e : errors) CHECK_THAT(e, Catch::Contains("every rank must build the same model"));
+}

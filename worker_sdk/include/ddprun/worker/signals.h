@@ -1,0 +1,14 @@
+// Checkpoint signals: SIGTERM or SIGUSR1 ask the training loop to save a snapshot at the next step
+// boundary and exit 0. The handler only sets an atomic flag; the loop polls it. Process-wide.
+#pragma once
+
+namespace ddprun::worker {
+
+// Installs handlers for SIGTERM and SIGUSR1 (idempotent).
+void installCheckpointSignalHandlers();
+// True once a checkpoint signal arrived (or requestCheckpoint() was called).
+bool checkpointRequested();
+void requestCheckpoint();
+void clearCheckpointRequest();
+
+}  // namespace ddprun::worker

@@ -1,0 +1,71 @@
+// Trainer: the PyTorch DDP tutorial's training loop, so a user program is only a model, a dataset
+// and an optimizer. It loads the snapshot if present, runs the remaining epochs (set_epoch on the
+// sampler, batches of this rank's shard, DDP backward, optimizer step), saves every `save_every`
+// epochs on rank 0, honours SIGTERM/SIGUSR1 (save at the next step boundary, then return
+// kStoppedBySignal so the program exits 0), touches the heartbeat file every step and prints
+// one line per epoch with the loss averaged across ranks.
+// Single-threaded: construct and call train() from the rank's main thread.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <string>
+
+#include "ddprun/worker/ddp.h"
+#include "ddprun/worker/process_group.h"
+#include "ddprun/worker/snapshot.h"
+
+namespace ddprun::worker {
+
+struct TrainerOptions {
+  std::int64_t total_epochs = 1;
+  std::int64_t save_every = 1;  // epochs between snapshots; 0 = only on signal
+  std::string snapshot_path;    // empty = no snapshots
+  std::int64_t batch_size = 32;
+  bool shuffle = true;
+  std::uint64_t seed = 0;
+  std::string heartbeat_file;   // empty = none
+  DdpOptions ddp;
+  std::ostream* log = nullptr;  // per-epoch lines; nullptr = std::cout
+};
+
+class Trainer {
+ public:
+  using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
+  using Loss = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
+  enum class Outcome { kCompleted, kStoppedBySignal };
+
+  // `inputs` and `targets` share dimension 0 (the dataset). Constructs the DDP wrapper (a
+  // collective) after loading the snapshot, so all ranks start from identical state.
+  Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn::Module> model, Forward forward,
+          Loss loss, std::shared_ptr<torch::optim::Optimizer> optimizer, torch::Tensor inputs, torch::Tensor targets,
+          const TrainerOptions& options);
+  ~Trainer();
+
+  Outcome train();
+  const TrainingProgress& progress() const { return progress_; }
+  bool resumed() const { return resumed_; }
+  DistributedDataParallel& ddp() { return *ddp_; }
+
+ private:
+  void save(std::int64_t finished_epoch, const std::string& why);
+  std::ostream& log();
+
+  std::shared_ptr<ProcessGroup> group_;
+  std::shared_ptr<torch::nn::Module> model_;
+  Forward forward_;
+  Loss loss_;
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  torch::Tensor inputs_;
+  torch::Tensor targets_;
+  TrainerOptions options_;
+  TrainingProgress progress_;
+  bool resumed_ = false;
+  std::unique_ptr<DistributedDataParallel> ddp_;
+};
+
+}  // namespace ddprun::worker

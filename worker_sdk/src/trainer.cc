@@ -1,0 +1,145 @@
+#include "ddprun/worker/trainer.h"
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+
+#include "ddprun/worker/errors.h"
+#include "ddprun/worker/sampler.h"
+#include "ddprun/worker/signals.h"
+
+namespace ddprun::worker {
+
+Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn::Module> model, Forward forward,
+                 Loss loss, std::shared_ptr<torch::optim::Optimizer> optimizer, torch::Tensor inputs,
+                 torch::Tensor targets, const TrainerOptions& options)
+    : group_(std::move(group)),
+      model_(std::move(model)),
+      forward_(std::move(forward)),
+      loss_(std::move(loss)),
+      optimizer_(std::move(optimizer)),
+      inputs_(std::move(inputs)),
+      targets_(std::move(targets)),
+      options_(options) {
+  if (!group_ || !model_ || !forward_ || !loss_ || !optimizer_) throw ConfigError("Trainer: null argument");
+  if (options_.total_epochs < 0) throw ConfigError("Trainer: total_epochs must be >= 0");
+  if (options_.save_every < 0) throw ConfigError("Trainer: save_every must be >= 0");
+  if (options_.batch_size < 1) throw ConfigError("Trainer: batch_size must be >= 1");
+  if (inputs_.size(0) != targets_.size(0)) {
+    throw ConfigError("Trainer: inputs and targets differ in length (" + std::to_string(inputs_.size(0)) + " vs " +
+                      std::to_string(targets_.size(0)) + ")");
+  }
+  if (!options_.snapshot_path.empty()) {
+    resumed_ = loadSnapshot(options_.snapshot_path, *model_, *optimizer_, progress_);
+    if (resumed_) log() << "[RANK " << group_->rank() << "] Resuming training from snapshot at Epoch " << progress_.epoch
+                        << (progress_.step_in_epoch > 0 ? ", step " + std::to_string(progress_.step_in_epoch) : "")
+                        << std::endl;
+  }
+  // Every rank must resume from the same point, or their collectives would not line up.
+  auto mine = torch::tensor({progress_.epoch, progress_.step_in_epoch}, torch::kLong);
+  auto all = group_->comm().allGather(mine);
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (!torch::equal(all[r], mine)) {
+      throw WorkerError("Trainer: rank " + std::to_string(r) + " resumes at epoch " + std::to_string(all[r][0].item<int64_t>()) +
+                        " but rank " + std::to_string(group_->rank()) + " at epoch " + std::to_string(progress_.epoch) +
+                        ": all ranks must see the same snapshot file (use a shared --snapshot-path)");
+    }
+  }
+  ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, options_.ddp);
+  installCheckpointSignalHandlers();
+}
+
+Trainer::~Trainer() = default;
+
+std::ostream& Trainer::log() { return options_.log != nullptr ? *options_.log : std::cout; }
+
+void Trainer::save(int64_t finished_epoch, const std::string& why) {
+  if (group_->rank() == 0) {
+    saveSnapshot(options_.snapshot_path, *model_, *optimizer_, progress_);
+    log() << "Epoch " << finished_epoch << " | Training snapshot saved at " << options_.snapshot_path << why
+          << std::endl;
+  }
+}
+
+Trainer::Outcome Trainer::train() {
+  Communicator& comm = group_->comm();
+  const int rank = group_->rank();
+  DistributedSampler sampler(SamplerOptions{inputs_.size(0), group_->size(), rank, options_.shuffle, options_.seed, false});
+  const int64_t steps_per_epoch = (sampler.numSamples() + options_.batch_size - 1) / options_.batch_size;
+
+  // Stop requests are agreed on one step late: the flag all-reduce launched after step k is read
+  // after step k+1, so its latency hides behind a step and every rank stops at the same boundary.
+  torch::Tensor stop_flag = torch::zeros({1}, torch::kInt);
+  std::shared_ptr<Work> stop_work;
+  auto agreedStop = [&]() {
+    bool stop = false;
+    if (stop_work) {
+      stop_work->wait();
+      stop = stop_flag.item<int>() > 0;
+    }
+    stop_flag.fill_(checkpointRequested() ? 1 : 0);
+    stop_work = comm.allReduceAsync(stop_flag, ReduceOp::kSum);
+    return stop;
+  };
+  auto finishStop = [&]() {
+    if (stop_work) stop_work->wait();
+    if (!options_.snapshot_path.empty()) save(progress_.epoch, " (checkpoint signal)");
+    comm.barrier();  // nobody exits before the snapshot is on disk
+    return Outcome::kStoppedBySignal;
+  };
+
+  for (; progress_.epoch < options_.total_epochs; ++progress_.epoch) {
+    sampler.setEpoch(progress_.epoch);
+    const std::vector<int64_t> idx = sampler.indices();
+    auto index = torch::tensor(idx, torch::kLong);
+    for (int64_t s = progress_.step_in_epoch; s < steps_per_epoch; ++s) {
+      const int64_t begin = s * options_.batch_size;
+      const int64_t len = std::min<int64_t>(options_.batch_size, static_cast<int64_t>(idx.size()) - begin);
+      auto batch = index.narrow(0, begin, len);
+      auto x = inputs_.index_select(0, batch);
+      auto y = targets_.index_select(0, batch);
+      optimizer_->zero_grad();
+      auto loss = loss_(forward_(x), y);
+      loss.backward();
+      optimizer_->step();
+      progress_.epoch_loss_sum += loss.item<double>();
+      progress_.step_in_epoch = s + 1;
+      ++progress_.global_step;
+      if (!options_.heartbeat_file.empty()) touchFile(options_.heartbeat_file);
+      if (agreedStop()) return finishStop();
+    }
+    auto mean = torch::tensor({progress_.epoch_loss_sum / static_cast<double>(std::max<int64_t>(steps_per_epoch, 1))},
+                              torch::kDouble);
+    if (stop_work) stop_work->wait();
+    comm.allReduce(mean, ReduceOp::kAvg);
+    {
+      std::ostringstream line;
+      line << "[RANK " << rank << "] Epoch " << progress_.epoch << " | Batchsize: " << options_.batch_size
+           << " | Steps: " << steps_per_epoch << " | loss " << std::fixed << std::setprecision(6)
+           << mean.item<double>();
+      log() << line.str() << std::endl;
+    }
+    const int64_t finished = progress_.epoch;
+    progress_.step_in_epoch = 0;
+    progress_.epoch_loss_sum = 0;
+    if (!options_.snapshot_path.empty() && options_.save_every > 0 && (finished + 1) % options_.save_every == 0) {
+      ++progress_.epoch;  // the snapshot names the next epoch to run
+      save(finished, "");
+      --progress_.epoch;
+    }
+    if (stop_work) {
+      stop_work->wait();
+      stop_work.reset();
+      if (stop_flag.item<int>() > 0) {
+        ++progress_.epoch;
+        return finishStop();
+      }
+    }
+  }
+  if (stop_work) stop_work->wait();
+  return Outcome::kCompleted;
+}
+
+}  // namespace ddprun::worker
