@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -22,7 +23,9 @@ namespace {
 constexpr const char* kUsage =
     "usage: train TOTAL_EPOCHS SAVE_EVERY [--snapshot-path P] [--batch-size N] [--model linear|mlp|cnn]\n"
     "             [--backend gloo|nccl] [--lr F] [--dataset-size N] [--bucket-cap-mb F] [--no-overlap]\n"
-    "             [--seed N] [--dump-params FILE] [--timing]";
+    "             [--seed N] [--dump-params FILE] [--timing] [--fail-at-step N]\n"
+    "  --fail-at-step N: fault injection for tests: the last rank kills itself (SIGKILL) after global\n"
+    "                    step N on the first attempt (TORCHELASTIC_RESTART_COUNT=0)";
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -42,6 +45,7 @@ struct Args {
   int64_t seed = 0;
   std::string dump_params;
   bool timing = false;
+  int64_t fail_at_step = -1;
 };
 
 int64_t intArg(const std::string& flag, const std::string& v, int64_t min) {
@@ -93,6 +97,7 @@ Args parseArgs(int argc, char** argv) {
     else if (arg == "--seed") a.seed = intArg(arg, value(), 0);
     else if (arg == "--dump-params") a.dump_params = value();
     else if (arg == "--timing") a.timing = true;
+    else if (arg == "--fail-at-step") a.fail_at_step = intArg(arg, value(), 1);
     else if (arg == "-h" || arg == "--help") {
       std::cout << kUsage << std::endl;
       std::exit(0);
@@ -150,6 +155,14 @@ int main(int argc, char** argv) {
     o.heartbeat_file = env.heartbeat_file;
     o.ddp.bucket_cap_mb = args.bucket_cap_mb;
     o.ddp.overlap = args.overlap;
+    if (args.fail_at_step > 0 && env.restart_count == 0 && env.rank == env.world_size - 1) {
+      o.on_step = [n = args.fail_at_step](const w::TrainingProgress& p) {
+        if (p.global_step == n) {
+          std::fprintf(stderr, "train: fault injection: killing myself at step %lld\n", static_cast<long long>(n));
+          std::raise(SIGKILL);
+        }
+      };
+    }
     w::Trainer trainer(group, task.module, task.forward, task.loss, opt, task.inputs, task.targets, o);
     const auto start = std::chrono::steady_clock::now();
     const int64_t start_step = trainer.progress().global_step;

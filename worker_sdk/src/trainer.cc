@@ -108,6 +108,7 @@ Trainer::Outcome Trainer::train() {
       progress_.step_in_epoch = s + 1;
       ++progress_.global_step;
       if (!options_.heartbeat_file.empty()) touchFile(options_.heartbeat_file);
+      if (options_.on_step) options_.on_step(progress_);
       if (agreedStop()) return finishStop();
     }
     auto mean = torch::tensor({progress_.epoch_loss_sum / static_cast<double>(std::max<int64_t>(steps_per_epoch, 1))},

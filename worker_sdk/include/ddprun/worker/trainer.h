@@ -31,6 +31,8 @@ struct TrainerOptions {
   std::string heartbeat_file;   // empty = none
   DdpOptions ddp;
   std::ostream* log = nullptr;  // per-epoch lines; nullptr = std::cout
+  // Called after every optimizer step (metrics, fault injection in tests).
+  std::function<void(const TrainingProgress&)> on_step;
 };
 
 class Trainer {

@@ -1,0 +1,138 @@
+// Multi-process tests of `train`: real processes, real sockets, a real launcher (ddprun when it is
+// built, otherwise the reference torchrun).
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+
+#include "process_util.h"
+#include "test_util.h"
+
+namespace t = ddprun::worker::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string trainBin() { return t::buildDir() + "/examples/train"; }
+
+std::map<std::string, std::string> rankEnv(int rank, int world, int port, const std::string& dir) {
+  return {{"RANK", std::to_string(rank)},         {"WORLD_SIZE", std::to_string(world)},
+          {"LOCAL_RANK", std::to_string(rank)},   {"LOCAL_WORLD_SIZE", std::to_string(world)},
+          {"MASTER_ADDR", "127.0.0.1"},           {"MASTER_PORT", std::to_string(port)},
+          {"OMP_NUM_THREADS", "1"},               {"DDPRUN_HEARTBEAT_FILE", dir + "/hb" + std::to_string(rank)},
+          {"TORCHELASTIC_RESTART_COUNT", "0"}};
+}
+
+// argv that runs `args` on 2 local workers with one restart allowed.
+std::vector<std::string> launcherArgv(const std::vector<std::string>& args, std::string* which) {
+  const std::string ddprun = t::buildDir() + "/launcher/ddprun";
+  std::vector<std::string> argv;
+  if (std::filesystem::exists(ddprun)) {
+    *which = "ddprun";
+    argv = {ddprun, "--standalone", "--nproc-per-node=2", "--max-restarts=1", trainBin()};
+  } else {
+    *which = "torchrun";
+    argv = {t::python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
+            "--monitor_interval=0.2", "-r", "9:1", "-t", "9:1", "--no_python", trainBin()};
+  }
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+}  // namespace
+
+TEST_CASE("train rejects bad arguments with a clear message and exit code 2", "[worker][train]") {
+  t::TempDir dir;
+  auto r = t::run(trainBin() + " 3 2>&1");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("expected TOTAL_EPOCHS and SAVE_EVERY"));
+  r = t::run(trainBin() + " 3 1 --model resnet 2>&1");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--model must be linear, mlp or cnn"));
+  r = t::run(trainBin() + " 3 1 --batch-size 0 2>&1");
+  CHECK(r.exit_code == 2);
+  r = t::run(trainBin() + " 3 1 --backend mpi 2>&1");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("expected gloo or nccl"));
+  r = t::run("env -u RANK -u WORLD_SIZE " + trainBin() + " 3 1 2>&1");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("WORLD_SIZE is not set"));
+}
+
+TEST_CASE("SIGTERM mid-epoch writes a snapshot at the next step and every rank exits 0", "[worker][train]") {
+  t::TempDir dir;
+  const int port = t::freePort();
+  const std::string snap = dir.str() + "/snap.pt";
+  std::vector<std::unique_ptr<t::Child>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back(std::make_unique<t::Child>(
+        std::vector<std::string>{trainBin(), "100000", "0", "--snapshot-path", snap},
+        rankEnv(r, 2, port, dir.str()), dir.str() + "/out" + std::to_string(r)));
+  }
+  // Both ranks are past step 1 once their heartbeat files exist.
+  REQUIRE(t::waitUntil([&] { return std::filesystem::exists(dir.path() / "hb0") && std::filesystem::exists(dir.path() / "hb1"); }, 120s));
+  CHECK_FALSE(std::filesystem::exists(snap));
+  // Only one rank gets the signal: the ranks must still agree on the same stopping step.
+  ranks[1]->signal(SIGTERM);
+  auto c0 = ranks[0]->wait(60s);
+  auto c1 = ranks[1]->wait(60s);
+  INFO("rank0: " << ranks[0]->output() << "\nrank1: " << ranks[1]->output());
+  REQUIRE(c0.has_value());
+  REQUIRE(c1.has_value());
+  CHECK(*c0 == 0);
+  CHECK(*c1 == 0);
+  CHECK(std::filesystem::exists(snap));
+  CHECK_THAT(ranks[0]->output(), Catch::Contains("Training snapshot saved at " + snap + " (checkpoint signal)"));
+  CHECK_THAT(ranks[1]->output(), Catch::Contains("stopped by checkpoint signal"));
+  // No temp files are left next to the snapshot.
+  int files = 0;
+  for (auto& e : std::filesystem::directory_iterator(dir.path())) files += e.path().filename().string().rfind("snap", 0) == 0;
+  CHECK(files == 1);
+
+  // The snapshot is usable: a new run resumes from it mid-epoch.
+  const int port2 = t::freePort();
+  std::vector<std::unique_ptr<t::Child>> again;
+  for (int r = 0; r < 2; ++r) {
+    again.push_back(std::make_unique<t::Child>(std::vector<std::string>{trainBin(), "1", "0", "--snapshot-path", snap},
+                                               rankEnv(r, 2, port2, dir.str()), dir.str() + "/again" + std::to_string(r)));
+  }
+  for (auto& c : again) {
+    auto code = c->wait(120s);
+    INFO(c->output());
+    REQUIRE(code.has_value());
+    CHECK(*code == 0);
+    CHECK_THAT(c->output(), Catch::Contains("Resuming training from snapshot at Epoch"));
+  }
+}
+
+TEST_CASE("a run killed mid-epoch and restarted by the launcher ends bit-identical to an uninterrupted run",
+          "[worker][train]") {
+  t::TempDir dir;
+  const std::vector<std::string> common{"4", "1", "--dataset-size", "512"};  // 8 steps per epoch per rank
+  std::string which;
+
+  auto args = common;
+  args.insert(args.end(), {"--snapshot-path", dir.str() + "/a/snap.pt", "--dump-params", dir.str() + "/a.bin"});
+  t::Child clean(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}}, dir.str() + "/clean.log");
+  auto c = clean.wait(240s);
+  INFO(which << " clean run:\n" << clean.output());
+  REQUIRE(c.has_value());
+  REQUIRE(*c == 0);
+
+  // Global step 20 is in the middle of epoch 2 (steps 17-24): the restart resumes from the
+  // snapshot taken after epoch 1 and redoes the first half of epoch 2.
+  args = common;
+  args.insert(args.end(), {"--snapshot-path", dir.str() + "/b/snap.pt", "--dump-params", dir.str() + "/b.bin",
+                           "--fail-at-step", "20"});
+  t::Child crashed(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}}, dir.str() + "/crashed.log");
+  c = crashed.wait(240s);
+  const std::string out = crashed.output();
+  INFO(which << " interrupted run:\n" << out);
+  REQUIRE(c.has_value());
+  CHECK(*c == 0);
+  CHECK_THAT(out, Catch::Contains("fault injection: killing myself at step 20"));
+  CHECK_THAT(out, Catch::Contains("Resuming training from snapshot at Epoch 2"));
+  const std::string a = t::readFile(dir.str() + "/a.bin");
+  const std::string b = t::readFile(dir.str() + "/b.bin");
+  REQUIRE(a.size() == 21 * 4);  // Linear(20, 1): 20 weights + 1 bias
+  CHECK(a == b);
+}
