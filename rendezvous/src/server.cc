@@ -137,10 +137,12 @@ struct RendezvousServer::Impl {
       if (p.kv != nullptr) {
         for (auto& v : w.values.value()) p.kv->add_values(std::move(v));
       } else {
+        // Written only by publishMaster (the prefix is reserved), so always "addr:port".
         const std::string& v = w.values.value().front();
         auto colon = v.rfind(':');
+        auto port = parseInt(v.substr(colon + 1));
         p.master->set_master_addr(v.substr(0, colon));
-        p.master->set_master_port(static_cast<uint32_t>(std::stoul(v.substr(colon + 1))));
+        p.master->set_master_port(port ? static_cast<uint32_t>(*port) : 0);
       }
       p.reactor->Finish(grpc::Status::OK);
     }

@@ -33,7 +33,19 @@ const char* changeReasonName(ChangeReason reason) {
 
 namespace {
 
-std::string masterKey(uint64_t round) { return "__ddprun/master/" + std::to_string(round); }
+// Keys under this prefix are written only by the server itself (master addresses).
+constexpr const char* kReservedPrefix = "__ddprun/";
+
+std::string masterKey(uint64_t round) { return kReservedPrefix + std::string("master/") + std::to_string(round); }
+
+// "addr:port" as stored by publishMaster.
+std::optional<MasterAddress> parseMaster(const std::string& value) {
+  auto colon = value.rfind(':');
+  if (colon == std::string::npos) return std::nullopt;
+  auto port = parseInt(value.substr(colon + 1));
+  if (!port || *port <= 0 || *port > 65535) return std::nullopt;
+  return MasterAddress{value.substr(0, colon), static_cast<uint32_t>(*port)};
+}
 
 double secondsOf(Duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -194,10 +206,17 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
   node.local_world_size = req.local_world_size;
   node.last_seen = now;
 
-  // A participant of the completed round asking again (a retry after a lost answer) gets it.
+  // A participant of the completed round asking again (a retry after a lost answer) gets it,
+  // unless it comes back different (another local world size): that needs a new round.
+  bool changed_participant = false;
   if (!run->forming) {
     auto r = run->completed_rank.find(node_id);
     if (r != run->completed_rank.end()) {
+      const Participant& before = run->completed->at(r->second);
+      changed_participant = before.local_world_size != req.local_world_size ||
+                            before.address != req.address;
+    }
+    if (r != run->completed_rank.end() && !changed_participant) {
       RoundInfo info;
       info.round = run->completed_round;
       info.node_id = node_id;
@@ -209,9 +228,10 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
       auto& kv = kv_[run->id];
       auto m = kv.find(masterKey(info.round));
       if (m != kv.end()) {
-        auto colon = m->second.rfind(':');
-        info.master_addr = m->second.substr(0, colon);
-        info.master_port = static_cast<uint32_t>(std::stoul(m->second.substr(colon + 1)));
+        if (auto master = parseMaster(m->second)) {
+          info.master_addr = master->addr;
+          info.master_port = master->port;
+        }
       }
       outbox_.joins.push_back({id, std::move(info)});
       return;
@@ -233,7 +253,7 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
     }
     return;
   }
-  if (run->completed->size() < max) {
+  if (run->completed->size() < max || changed_participant) {
     openRound(*run, ChangeReason::kNodeJoined, node_id, now);
     if (run->forming && run->joined.count(node_id) == 0) addToRound(*run, node, now);
   } else if (std::find(run->spares.begin(), run->spares.end(), node_id) == run->spares.end()) {
@@ -500,12 +520,23 @@ Status RendezvousState::publishMaster(const std::string& run_id, const std::stri
     return failedPrecondition("node " + node_id + " is not rank 0 of round " +
                               std::to_string(round) + " of run " + run_id);
   }
-  return kvSet(run_id, masterKey(round), master.addr + ":" + std::to_string(master.port), now);
+  kv_[run_id][masterKey(round)] = master.addr + ":" + std::to_string(master.port);
+  notifyKeys(run_id, masterKey(round));
+  return Status::ok();
 }
 
 void RendezvousState::waitMaster(CallId id, const std::string& run_id, uint64_t round,
                                  Duration timeout, TimePoint now) {
   kvWait(id, run_id, {masterKey(round)}, timeout, now);
+}
+
+Status RendezvousState::validateWrite(const std::string& run_id, const std::string& key) const {
+  DDPRUN_RETURN_IF_ERROR(validateKey(run_id, key));
+  if (startsWith(key, kReservedPrefix)) {
+    return invalidArgument("keys under " + std::string(kReservedPrefix) +
+                           " are reserved for the rendezvous server");
+  }
+  return Status::ok();
 }
 
 Status RendezvousState::validateKey(const std::string& run_id, const std::string& key) const {
@@ -541,7 +572,7 @@ void RendezvousState::notifyKeys(const std::string& run_id, const std::string& k
 
 Status RendezvousState::kvSet(const std::string& run_id, const std::string& key,
                               std::string value, TimePoint now) {
-  DDPRUN_RETURN_IF_ERROR(validateKey(run_id, key));
+  DDPRUN_RETURN_IF_ERROR(validateWrite(run_id, key));
   if (value.size() > limits_.max_value_bytes) {
     return invalidArgument("value of key " + key + " is " + std::to_string(value.size()) +
                            " bytes, above the limit of " +
@@ -564,7 +595,7 @@ StatusOr<std::string> RendezvousState::kvGet(const std::string& run_id,
 
 StatusOr<int64_t> RendezvousState::kvAdd(const std::string& run_id, const std::string& key,
                                          int64_t delta, TimePoint now) {
-  DDPRUN_RETURN_IF_ERROR(validateKey(run_id, key));
+  DDPRUN_RETURN_IF_ERROR(validateWrite(run_id, key));
   auto& kv = kv_[run_id];
   int64_t value = 0;
   auto it = kv.find(key);
@@ -591,7 +622,7 @@ StatusOr<std::string> RendezvousState::kvCompareSet(const std::string& run_id,
                                                     const std::string& key,
                                                     const std::string& expected,
                                                     std::string desired, TimePoint now) {
-  DDPRUN_RETURN_IF_ERROR(validateKey(run_id, key));
+  DDPRUN_RETURN_IF_ERROR(validateWrite(run_id, key));
   if (desired.size() > limits_.max_value_bytes) {
     return invalidArgument("value of key " + key + " is " + std::to_string(desired.size()) +
                            " bytes, above the limit of " +
@@ -612,7 +643,7 @@ StatusOr<std::string> RendezvousState::kvCompareSet(const std::string& run_id,
 }
 
 StatusOr<bool> RendezvousState::kvDelete(const std::string& run_id, const std::string& key) {
-  DDPRUN_RETURN_IF_ERROR(validateKey(run_id, key));
+  DDPRUN_RETURN_IF_ERROR(validateWrite(run_id, key));
   auto r = kv_.find(run_id);
   if (r == kv_.end()) return false;
   return r->second.erase(key) != 0;

@@ -477,3 +477,31 @@ TEST_CASE("the key-value store supports set, get, add, compare-set, wait and del
   REQUIRE(h.waits.count(2));
   CHECK(h.waits.at(2).status().code() == StatusCode::kDeadlineExceeded);
 }
+
+TEST_CASE("the server's own keys cannot be written through the key-value verbs",
+          "[rendezvous][state]") {
+  Harness h(1, 1);
+  auto now = h.clock.now();
+  CHECK(h.state.kvSet("job", "__ddprun/master/1", "x", now).code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(h.state.kvAdd("job", "__ddprun/n", 1, now).status().code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(h.state.kvDelete("job", "__ddprun/master/1").status().code() ==
+        StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("a participant re-joining with another local world size opens a new round",
+          "[rendezvous][state]") {
+  Harness h(1, 2);
+  h.join("a", 2);
+  h.join("b", 2);
+  REQUIRE(h.done.size() == 2);
+  h.clearAnswers();
+  h.join("a", 4);
+  CHECK_FALSE(h.completed("a"));
+  REQUIRE(h.lastChange(ChangeKind::kRoundPending) != nullptr);
+  h.join("b", 2);
+  REQUIRE(h.done.size() == 2);
+  CHECK(h.done["b"].round == 2);
+  CHECK(h.done["b"].world_size == 6);
+}

@@ -92,7 +92,8 @@ class RendezvousState {
   void waitMaster(CallId id, const std::string& run_id, uint64_t round, Duration timeout,
                   TimePoint now);
 
-  // Key-value store per run id (run ids need no join to use it).
+  // Key-value store per run id (run ids need no join to use it). Keys under "__ddprun/" are the
+  // server's own (master addresses): readable, not writable.
   Status kvSet(const std::string& run_id, const std::string& key, std::string value,
                TimePoint now);
   StatusOr<std::string> kvGet(const std::string& run_id, const std::string& key) const;
@@ -122,6 +123,7 @@ class RendezvousState {
   Run* findRun(const std::string& run_id);
   const Run* findRun(const std::string& run_id) const;
   Status validateKey(const std::string& run_id, const std::string& key) const;
+  Status validateWrite(const std::string& run_id, const std::string& key) const;
   void addToRound(Run& run, Node& node, TimePoint now);
   void openRound(Run& run, ChangeReason reason, const std::string& cause, TimePoint now);
   void promoteSpares(Run& run, TimePoint now);
