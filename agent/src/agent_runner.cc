@@ -1,10 +1,14 @@
 #include "ddprun/agent/agent_runner.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <grpc/support/log.h>
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
@@ -20,7 +24,11 @@
 #include "ddprun/agent/supervisor.h"
 #include "ddprun/agent/worker_env.h"
 #include "ddprun/common/log.h"
+#include "ddprun/common/strings.h"
+#include "ddprun/rendezvous/server.h"
+#include "grpc_rendezvous.h"
 #include "local_rendezvous.h"
+#include "metrics_server.h"
 #include "posix_process_launcher.h"
 
 extern char** environ;
@@ -129,6 +137,220 @@ class WorkerPlanner {
   std::map<std::string, std::string> parent_env_;
 };
 
+
+bool isLoopbackOrLocal(const std::string& host, const std::string& local_addr,
+                       const std::string& hostname) {
+  char name[256] = {0};
+  ::gethostname(name, sizeof(name) - 1);
+  if (host == "localhost" || host == local_addr || host == hostname || host == name) return true;
+  std::string bare = host;
+  if (bare.size() > 2 && bare.front() == '[' && bare.back() == ']') {
+    bare = bare.substr(1, bare.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(bare.c_str(), nullptr, &hints, &res) != 0 || res == nullptr) return false;
+  std::vector<std::string> wanted;
+  bool loopback = false;
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+    char buf[INET6_ADDRSTRLEN] = {0};
+    if (a->ai_family == AF_INET) {
+      auto* in = reinterpret_cast<sockaddr_in*>(a->ai_addr);
+      loopback = loopback || (ntohl(in->sin_addr.s_addr) >> 24) == 127;
+      ::inet_ntop(AF_INET, &in->sin_addr, buf, sizeof(buf));
+    } else if (a->ai_family == AF_INET6) {
+      auto* in6 = reinterpret_cast<sockaddr_in6*>(a->ai_addr);
+      loopback = loopback || IN6_IS_ADDR_LOOPBACK(&in6->sin6_addr);
+      ::inet_ntop(AF_INET6, &in6->sin6_addr, buf, sizeof(buf));
+    }
+    wanted.emplace_back(buf);
+  }
+  ::freeaddrinfo(res);
+  if (loopback) return true;
+  ifaddrs* ifs = nullptr;
+  if (::getifaddrs(&ifs) != 0) return false;
+  bool found = false;
+  for (ifaddrs* i = ifs; i != nullptr && !found; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr) continue;
+    char buf[INET6_ADDRSTRLEN] = {0};
+    if (i->ifa_addr->sa_family == AF_INET) {
+      ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf,
+                  sizeof(buf));
+    } else if (i->ifa_addr->sa_family == AF_INET6) {
+      ::inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr, buf,
+                  sizeof(buf));
+    } else {
+      continue;
+    }
+    for (const auto& w : wanted) found = found || w == buf;
+  }
+  ::freeifaddrs(ifs);
+  return found;
+}
+
+double confSeconds(const AgentConfig& cfg, const std::string& key, double fallback) {
+  auto it = cfg.rdzv_conf.find(key);
+  if (it == cfg.rdzv_conf.end()) return fallback;
+  return parseDouble(it->second).value_or(fallback);  // validated by the CLI
+}
+
+struct RendezvousSetup {
+  std::unique_ptr<rendezvous::RendezvousServer> server;  // when this agent hosts it
+  std::unique_ptr<RendezvousClient> client;
+};
+
+// Picks the rendezvous for the job: in-process for one node, else ddprun's gRPC rendezvous at
+// --rdzv-endpoint (hosted by this agent when the endpoint is this host, as torchrun's is_host).
+StatusOr<RendezvousSetup> makeRendezvous(const AgentConfig& cfg, const std::string& local_addr,
+                                         const std::string& hostname,
+                                         boost::asio::io_context& io,
+                                         GrpcRendezvous::EventSink sink) {
+  auto log = logger("agent");
+  RendezvousSetup out;
+  if (cfg.standalone || (cfg.rdzv_backend == "static" && cfg.max_nodes == 1)) {
+    RoundInfo base;
+    base.run_id = cfg.rdzv_id;
+    base.local_world_sizes = {cfg.nproc_per_node};
+    base.master_addr = cfg.standalone ? local_addr : cfg.master_addr;
+    base.master_port = cfg.standalone ? 0 : cfg.master_port;
+    out.client = std::make_unique<LocalRendezvous>(io, base, /*pick_free_port=*/cfg.standalone);
+    return out;
+  }
+
+  GrpcRendezvousOptions o;
+  std::string endpoint = cfg.rdzv_endpoint;
+  bool must_host = false;
+  bool may_host = false;
+  if (cfg.rdzv_backend == "static") {
+    // The agents' own rendezvous sits next to the workers' store: MASTER_PORT+1 on the master.
+    if (endpoint.empty()) {
+      if (cfg.master_port >= 65535) {
+        return invalidArgument("--master-port: the static backend needs MASTER_PORT+1 free for "
+                               "the agents' rendezvous; pick a port below 65535 or give "
+                               "--rdzv-endpoint");
+      }
+      endpoint = cfg.master_addr + ":" + std::to_string(cfg.master_port + 1);
+    }
+    o.static_node_rank = cfg.node_rank;
+    o.static_master_addr = cfg.master_addr;
+    o.master_port = cfg.master_port;
+    must_host = cfg.node_rank == 0;
+    may_host = must_host;
+  } else {
+    o.master_port = cfg.master_port_given ? cfg.master_port : 0;
+    const std::string host = endpoint.substr(0, endpoint.rfind(':'));
+    auto is_host = cfg.rdzv_conf.count("is_host") ? cfg.rdzv_conf.at("is_host") : "auto";
+    if (is_host == "auto") {
+      may_host = isLoopbackOrLocal(host, local_addr, hostname);
+    } else {
+      must_host = parseBool(is_host).value_or(false);
+      may_host = must_host;
+    }
+  }
+  o.run_id = cfg.rdzv_id;
+  o.local_addr = local_addr;
+  o.local_world_size = cfg.nproc_per_node;
+  o.run_config.min_nodes = static_cast<uint32_t>(cfg.min_nodes);
+  o.run_config.max_nodes = static_cast<uint32_t>(cfg.max_nodes);
+  o.run_config.last_call_timeout = seconds(confSeconds(cfg, "last_call_timeout", 30));
+  o.run_config.heartbeat_interval = seconds(confSeconds(cfg, "heartbeat_interval", 0.5));
+  o.run_config.heartbeat_misses =
+      static_cast<uint32_t>(confSeconds(cfg, "heartbeat_misses", 3));
+  o.join_timeout = seconds(confSeconds(cfg, "join_timeout", confSeconds(cfg, "timeout", 600)));
+  o.exit_barrier_timeout = seconds(cfg.exit_barrier_timeout);
+  o.client.endpoint = endpoint;
+  o.client.rpc_timeout = seconds(confSeconds(cfg, "read_timeout", 60));
+  o.client.retry_timeout = o.join_timeout;
+  if (cfg.rdzv_conf.count("token_file")) {
+    auto token = rendezvous::readTokenFile(cfg.rdzv_conf.at("token_file"));
+    if (!token.isOk()) return invalidArgument("--rdzv-conf token_file: " + token.status().message());
+    o.client.token = *token;
+  }
+
+  if (may_host) {
+    rendezvous::ServerOptions so;
+    so.listen = endpoint;
+    so.token = o.client.token;
+    auto server = rendezvous::RendezvousServer::start(so);
+    if (server.isOk()) {
+      out.server = std::move(server).value();
+      log->info("hosting the rendezvous at {}", out.server->address());
+    } else if (must_host) {
+      return unavailable("cannot host the rendezvous at " + endpoint + ": " +
+                         server.status().message());
+    } else {
+      log->info("rendezvous at {} is hosted by another agent", endpoint);
+    }
+  }
+  out.client = std::make_unique<GrpcRendezvous>(io, std::move(o), std::move(sink));
+  return out;
+}
+
+// Counters behind /metrics, updated from the supervisor's state changes.
+struct AgentMetrics {
+  AgentState last = AgentState::kInit;
+  int failures = 0;            // restarts charged (worker failures here or elsewhere)
+  int membership_changes = 0;  // free restarts
+  double last_change = 0;      // unix seconds of the last state change
+  int last_restart_count = 0;
+  void onState(AgentState s, int restart_count, double now) {
+    if (s == AgentState::kRestarting || s == AgentState::kRendezvous) {
+      if (last == AgentState::kStopping) {
+        if (restart_count > last_restart_count) {
+          ++failures;
+        } else {
+          ++membership_changes;
+        }
+      }
+    }
+    if (s == AgentState::kRunning) last_restart_count = restart_count;
+    last = s;
+    last_change = now;
+  }
+};
+
+std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const AgentMetrics& m,
+                          const RendezvousClient* rdzv) {
+  std::string out;
+  auto add = [&](const std::string& name, const std::string& help, const std::string& type,
+                 double value, const std::string& labels = "") {
+    out += "# HELP " + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.17g", value);
+    out += name + labels + " " + buf + "\n";
+  };
+  const auto* grpc = dynamic_cast<const GrpcRendezvous*>(rdzv);
+  add("ddprun_agent_round", "Rendezvous round this node's workers run in.", "gauge",
+      grpc != nullptr ? static_cast<double>(grpc->currentRound()) : sup.restartCount());
+  add("ddprun_agent_group_rank", "Group rank of this node in the round.", "gauge",
+      sup.groupRank());
+  add("ddprun_agent_world_size", "WORLD_SIZE of the round.", "gauge", sup.worldSize());
+  add("ddprun_agent_local_world_size", "Workers on this node.", "gauge", cfg.nproc_per_node);
+  add("ddprun_agent_workers_running", "Workers of this node running now.", "gauge",
+      sup.runningWorkers());
+  std::string states;
+  for (auto s : {AgentState::kInit, AgentState::kRendezvous, AgentState::kRunning,
+                 AgentState::kStopping, AgentState::kRestarting, AgentState::kSucceeded,
+                 AgentState::kFailed}) {
+    char line[128];
+    std::snprintf(line, sizeof(line), "ddprun_agent_state{state=\"%s\"} %d\n",
+                  agentStateName(s), sup.state() == s ? 1 : 0);
+    states += line;
+  }
+  out += "# HELP ddprun_agent_state Current state of the agent (1 for the current one).\n"
+         "# TYPE ddprun_agent_state gauge\n" + states;
+  add("ddprun_agent_restarts_total", "Restarts charged against --max-restarts.", "counter",
+      sup.restartCount());
+  add("ddprun_agent_failures_total", "Worker-group failures (here or on another node).",
+      "counter", m.failures);
+  add("ddprun_agent_membership_changes_total", "Restarts caused by nodes joining or leaving.",
+      "counter", m.membership_changes);
+  add("ddprun_agent_last_change_timestamp_seconds", "Unix time of the last state change.",
+      "gauge", m.last_change);
+  return out;
+}
+
 }  // namespace
 
 std::string fullyQualifiedHostname() {
@@ -174,16 +396,13 @@ std::string fullyQualifiedHostname() {
 
 int runAgent(const AgentConfig& cfg) {
   auto log = logger("agent");
+  // gRPC's own log lines (e.g. a failed bind while probing is_host) go to our debug level.
+  gpr_set_log_function([](gpr_log_func_args* args) {
+    logger("grpc")->debug("{}:{} {}", args->file, args->line, args->message);
+  });
   ::signal(SIGPIPE, SIG_IGN);
   const std::string hostname = fullyQualifiedHostname();
   const std::string local_addr = cfg.local_addr.empty() ? hostname : cfg.local_addr;
-
-  if (cfg.max_nodes > 1) {
-    log->error("multi-node jobs (--nnodes={}:{}) need the multi-node rendezvous, which is not "
-               "part of this build yet; run one node (--standalone or --nnodes=1)",
-               cfg.min_nodes, cfg.max_nodes);
-    return 2;
-  }
 
   std::string base_dir = cfg.log_dir;
   if (base_dir.empty()) {
@@ -205,27 +424,37 @@ int runAgent(const AgentConfig& cfg) {
   boost::asio::io_context io;
   PosixProcessLauncher launcher(io);
 
-  RoundInfo base;
-  base.run_id = cfg.rdzv_id;
-  base.group_rank = 0;
-  base.local_world_sizes = {cfg.nproc_per_node};
-  if (cfg.standalone) {
-    base.master_addr = local_addr;
-  } else {
-    base.master_addr = cfg.master_addr;
-    base.master_port = cfg.master_port;
+  Supervisor* supervisor_ptr = nullptr;
+  std::function<void()> after_event;  // set below; pushed events reach it on this thread
+  auto rendezvous_or = makeRendezvous(cfg, local_addr, hostname, io, [&](PeerEvent e) {
+    if (supervisor_ptr == nullptr) return;
+    if (e == PeerEvent::kPeerFailure) {
+      supervisor_ptr->onPeerFailure();
+    } else {
+      supervisor_ptr->onMembershipChange();
+    }
+    if (after_event) after_event();
+  });
+  if (!rendezvous_or.isOk()) {
+    log->error("{}", rendezvous_or.status().message());
+    return rendezvous_or.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
-  LocalRendezvous rendezvous(io, base, /*pick_free_port=*/cfg.standalone);
+  RendezvousClient& rendezvous = *rendezvous_or->client;
 
   SteadyClock clock;
   WorkerPlanner planner(cfg, *run_dir, hostname);
   SupervisorOptions options;
   options.max_restarts = cfg.max_restarts;
   options.shutdown_timeout = seconds(cfg.shutdown_timeout);
+  if (dynamic_cast<GrpcRendezvous*>(&rendezvous) != nullptr) {
+    options.failure_grace = seconds(confSeconds(cfg, "failure_grace", 0.5));
+  }
   Supervisor supervisor(options, launcher, rendezvous, clock,
                         [&planner](const RoundInfo& r, int restarts) {
                           return planner.plan(r, restarts);
                         });
+
+  supervisor_ptr = &supervisor;
 
   boost::asio::steady_timer timer(io);
   boost::asio::signal_set children(io, SIGCHLD);
@@ -284,7 +513,29 @@ int runAgent(const AgentConfig& cfg) {
     });
   };
 
+  after_event = afterEvent;
+
+  std::unique_ptr<MetricsServer> metrics;
+  AgentMetrics counters;
+  if (cfg.metrics_port >= 0) {
+    std::string host = local_addr;
+    boost::system::error_code ec;
+    boost::asio::ip::make_address(host, ec);
+    if (ec) host = "0.0.0.0";  // a host name: listen everywhere
+    auto server = MetricsServer::start(
+        io, host, cfg.metrics_port,
+        [&] { return renderMetrics(cfg, supervisor, counters, rendezvous_or->client.get()); },
+        [&] { return !supervisor.finished() || supervisor.exitCode() == 0; });
+    if (!server.isOk()) {
+      log->error("{}", server.status().message());
+      return 2;
+    }
+    metrics = std::move(server).value();
+    log->info("metrics on http://{}:{}/metrics", host, metrics->port());
+  }
+
   supervisor.setStateListener([&](AgentState s) {
+    counters.onState(s, supervisor.restartCount(), clock.wallSeconds());
     if (s == AgentState::kRunning) {
       log->info("started {} worker(s) (attempt {}, run id {})", cfg.nproc_per_node,
                 supervisor.restartCount(), cfg.rdzv_id);
@@ -301,6 +552,7 @@ int runAgent(const AgentConfig& cfg) {
 
   launcher.drainAll();
   std::cout.flush();
+  rendezvous.finish(supervisor.state() == AgentState::kSucceeded, supervisor.leftRun());
   if (supervisor.state() == AgentState::kFailed) {
     if (!supervisor.failures().empty() && supervisor.exitCode() == 1) {
       std::cerr << formatFailureReport(cfg.entrypoint, hostname, supervisor.failures());

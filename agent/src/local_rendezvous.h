@@ -19,7 +19,7 @@ class LocalRendezvous final : public RendezvousClient {
   void nextRound(RoundCallback done) override;
   void reportFailure() override {}  // no other node to tell
   void leave() override {}
-  void close() override { closed_ = true; }
+  void finish(bool, bool) override { closed_ = true; }
 
  private:
   boost::asio::io_context& io_;

@@ -46,6 +46,12 @@ int Supervisor::runningWorkers() const {
   return n;
 }
 
+int Supervisor::worldSize() const {
+  int n = 0;
+  for (int s : round_.local_world_sizes) n += s;
+  return n;
+}
+
 void Supervisor::start() {
   DDPRUN_CHECK(state_ == AgentState::kInit, "start() called twice");
   joinRound();
@@ -72,6 +78,7 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     finish(AgentState::kFailed, 1);
     return;
   }
+  round_ = *round;
   workers_.clear();
   failures_.clear();
   stop_reason_ = StopReason::kNone;
@@ -93,7 +100,11 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     failures_.push_back(f);
     workers_.push_back(std::move(w));
   }
-  if (!failures_.empty()) beginStop(StopReason::kFailure, SIGTERM);
+  if (!failures_.empty()) {
+    beginStop(StopReason::kFailure, SIGTERM);
+    reportLocalFailure();
+    maybeFinishStop();
+  }
 }
 
 void Supervisor::onWorkerExit(int pid, ExitStatus status) {
@@ -111,14 +122,19 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
       logger("agent")->warn("worker local_rank {} (pid {}) {} {}", worker->launch.local_rank, pid,
                             status.signaled ? "killed by signal" : "exited with code",
                             status.code);
-      rendezvous_.reportFailure();
+      const bool first = stop_reason_ != StopReason::kFailure || state_ != AgentState::kStopping;
       beginStop(StopReason::kFailure, SIGTERM);
+      if (first) {
+        if (options_.failure_grace > Duration::zero()) {
+          report_deadline_ = clock_.now() + options_.failure_grace;
+        } else {
+          reportLocalFailure();
+        }
+      }
+      maybeFinishStop();
       return;
     }
-    if (runningWorkers() == 0) {
-      rendezvous_.close();
-      finish(AgentState::kSucceeded, 0);
-    }
+    if (runningWorkers() == 0) finish(AgentState::kSucceeded, 0);
     return;
   }
   if (state_ == AgentState::kStopping) maybeFinishStop();
@@ -132,11 +148,21 @@ void Supervisor::beginStop(StopReason reason, int sig) {
     if (w.running) launcher_.signalGroup(w.pid, sig);
   }
   kill_deadline_ = clock_.now() + options_.shutdown_timeout;
-  maybeFinishStop();
+  if (reason != StopReason::kFailure) maybeFinishStop();
+}
+
+void Supervisor::reportLocalFailure() {
+  report_deadline_.reset();
+  rendezvous_.reportFailure();
+}
+
+std::optional<TimePoint> Supervisor::nextDeadline() const {
+  if (kill_deadline_ && report_deadline_) return std::min(*kill_deadline_, *report_deadline_);
+  return kill_deadline_ ? kill_deadline_ : report_deadline_;
 }
 
 void Supervisor::maybeFinishStop() {
-  if (runningWorkers() > 0) return;
+  if (runningWorkers() > 0 || report_deadline_) return;
   kill_deadline_.reset();
   switch (stop_reason_) {
     case StopReason::kSignal:
@@ -154,7 +180,10 @@ void Supervisor::maybeFinishStop() {
         setState(AgentState::kRestarting);
         joinRound();
       } else {
-        rendezvous_.close();
+        if (failures_.empty()) {
+          error_message_ = "workers on another node failed and the restart budget (--max-restarts=" +
+                           std::to_string(options_.max_restarts) + ") is spent";
+        }
         finish(AgentState::kFailed, 1);
       }
       return;
@@ -179,17 +208,42 @@ void Supervisor::onSignal(int sig) {
     }
     return;
   }
+  report_deadline_.reset();  // leaving: a failure seen just before is not the others' business
   rendezvous_.leave();
   ++join_generation_;  // a pending join's answer no longer matters
   beginStop(StopReason::kSignal, sig);
 }
 
 void Supervisor::onMembershipChange() {
+  if (state_ == AgentState::kStopping && stop_reason_ == StopReason::kFailure && report_deadline_) {
+    // The local failure was the peer going away: not charged, not reported.
+    logger("agent")->info("the worker failure followed a membership change; not charging a "
+                          "restart");
+    report_deadline_.reset();
+    failures_.clear();
+    stop_reason_ = StopReason::kMembership;
+    maybeFinishStop();
+    return;
+  }
   if (state_ != AgentState::kRunning) return;
   beginStop(StopReason::kMembership, SIGTERM);
+  maybeFinishStop();
+}
+
+void Supervisor::onPeerFailure() {
+  if (state_ != AgentState::kRunning) return;  // already stopping: charged once
+  logger("agent")->warn("workers on another node failed; restarting this node's workers too");
+  failures_.clear();
+  beginStop(StopReason::kFailure, SIGTERM);
+  maybeFinishStop();
 }
 
 void Supervisor::onDeadline() {
+  if (report_deadline_ && clock_.now() >= *report_deadline_) {
+    reportLocalFailure();
+    maybeFinishStop();
+    if (finished() || state_ != AgentState::kStopping) return;
+  }
   if (!kill_deadline_ || clock_.now() < *kill_deadline_) return;
   kill_deadline_.reset();
   for (auto& w : workers_) {
@@ -204,6 +258,7 @@ void Supervisor::onDeadline() {
 void Supervisor::finish(AgentState s, int exit_code) {
   exit_code_ = exit_code;
   kill_deadline_.reset();
+  report_deadline_.reset();
   setState(s);
 }
 

@@ -50,11 +50,13 @@ const FlagSpec kFlags[] = {
     {"log_line_prefix_template", true, "TEMPLATE", "Prefix of tee'd lines, from ${role_name} ${local_rank} ${rank} ${hostname}. Default [${role_name}${local_rank}]:"},
     {"exit_barrier_timeout", true, "SECONDS", "How long a node whose workers succeeded waits for the other nodes. Default 300."},
     {"snapshot_dir", true, "DIR", "Directory for worker snapshots, passed to workers as DDPRUN_SNAPSHOT_DIR."},
+    {"metrics_port", true, "PORT", "Serve /healthz and Prometheus /metrics of this agent on PORT (0: a free port, printed)."},
 };
 
 const char* const kRdzvConfKeys[] = {"join_timeout", "last_call_timeout", "close_timeout",
                                      "heartbeat_interval", "heartbeat_misses", "is_host",
-                                     "read_timeout", "token_file", "timeout"};
+                                     "read_timeout", "token_file", "timeout",
+                                     "failure_grace"};
 
 Status usage(const std::string& msg) { return invalidArgument(msg); }
 
@@ -531,6 +533,10 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
     cfg.log_line_prefix_template = raw("log_line_prefix_template").value;
   }
   if (has("snapshot_dir")) cfg.snapshot_dir = raw("snapshot_dir").value;
+  if (has("metrics_port")) {
+    DDPRUN_ASSIGN_OR_RETURN(cfg.metrics_port,
+                            intIn(raw("metrics_port"), 0, 65535, "a port number in 0-65535"));
+  }
 
   // Cross-flag rules.
   if (has("standalone")) {

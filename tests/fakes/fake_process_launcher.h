@@ -60,7 +60,7 @@ class FakeRendezvous final : public agent::RendezvousClient {
   }
   void reportFailure() override { ++failures; }
   void leave() override { ++leaves; }
-  void close() override { ++closes; }
+  void finish(bool, bool) override { ++closes; }
 
   agent::RoundInfo round;
   bool hold = false;

@@ -192,7 +192,7 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
       {{"--rdzv-backend=c10d", "--rdzv-endpoint=::1:5", x}, "argument --rdzv-endpoint: expected HOST[:PORT] or [IPv6]:PORT with a port in 0-65535 (bracket IPv6 addresses), got '::1:5'"},
       {{"--rdzv-backend=c10d", x}, "argument --rdzv-endpoint: the c10d backend needs HOST[:PORT] of the rendezvous"},
       {{"--rdzv-conf=join_timeout", x}, "argument --rdzv-conf: expected <key>=<value> pairs separated by commas, got 'join_timeout'"},
-      {{"--rdzv-conf=colour=blue", x}, "argument --rdzv-conf: unknown key 'colour' (accepted: join_timeout, last_call_timeout, close_timeout, heartbeat_interval, heartbeat_misses, is_host, read_timeout, token_file, timeout)"},
+      {{"--rdzv-conf=colour=blue", x}, "argument --rdzv-conf: unknown key 'colour' (accepted: join_timeout, last_call_timeout, close_timeout, heartbeat_interval, heartbeat_misses, is_host, read_timeout, token_file, timeout, failure_grace)"},
       {{"--rdzv-conf=join_timeout=-3", x}, "argument --rdzv-conf: join_timeout must be a number of seconds > 0, got '-3'"},
       {{"--rdzv-conf=is_host=maybe", x}, "argument --rdzv-conf: is_host must be auto, true or false, got 'maybe'"},
       {{"--nnodes=1:2", x}, "argument --nnodes: the static rendezvous needs a fixed number of nodes, got 1:2 (use --rdzv-backend=c10d for elastic MIN:MAX)"},

@@ -65,6 +65,7 @@ struct AgentConfig {
   std::string log_line_prefix_template;  // empty: "[${role_name}${local_rank}]:"
 
   // Extras of ours.
+  int metrics_port = -1;  // >= 0: serve /healthz and /metrics on local_addr (0: any free port)
   std::string snapshot_dir;  // DDPRUN_SNAPSHOT_DIR when non-empty
   bool set_omp_num_threads = false;  // OMP_NUM_THREADS=1 for workers (decided by the launcher)
 };

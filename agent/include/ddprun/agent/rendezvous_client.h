@@ -21,8 +21,10 @@ class RendezvousClient {
   virtual void reportFailure() = 0;
   // Graceful departure (SIGTERM): the others re-form without this node at once.
   virtual void leave() = 0;
-  // The job is over (success or restart budget spent): later joins are refused.
-  virtual void close() = 0;
+  // The agent's loop has ended: on success wait (bounded) for the other nodes to finish (the
+  // exit barrier), then close the run unless this node merely left. Blocking; called once,
+  // from the agent's thread after its event loop stopped.
+  virtual void finish(bool succeeded, bool left) = 0;
 };
 
 }  // namespace ddprun::agent

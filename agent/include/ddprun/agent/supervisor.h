@@ -33,6 +33,11 @@ struct WorkerFailure {
 struct SupervisorOptions {
   int max_restarts = 0;
   Duration shutdown_timeout = std::chrono::seconds(30);
+  // Multi-node: a local worker failure is reported (and charged) only if no membership change
+  // arrives within this window — when a peer node dies or leaves, local workers often crash on
+  // the broken connection a moment before the rendezvous says so, and that is no failure of
+  // theirs. Zero (single node) reports at once.
+  Duration failure_grace = Duration::zero();
 };
 
 class Supervisor {
@@ -53,19 +58,25 @@ class Supervisor {
   void onSignal(int sig);
   // The membership changed (multi-node): restart in a new round without charging a restart.
   void onMembershipChange();
+  // Workers on another node failed: every node restarts in one new round, charged once here too.
+  void onPeerFailure();
   // The time is at or past nextDeadline().
   void onDeadline();
 
-  std::optional<TimePoint> nextDeadline() const { return kill_deadline_; }
+  std::optional<TimePoint> nextDeadline() const;
   AgentState state() const { return state_; }
   bool finished() const { return state_ == AgentState::kSucceeded || state_ == AgentState::kFailed; }
   // 0 success, 1 workers failed past the budget, 128+n stopped by signal n.
   int exitCode() const { return exit_code_; }
   int restartCount() const { return restart_count_; }
   int runningWorkers() const;
+  int groupRank() const { return round_.group_rank; }
+  int worldSize() const;
   // Failures of the last attempt that failed (what the failure report shows).
   const std::vector<WorkerFailure>& failures() const { return failures_; }
-  // Human-readable reason when the agent failed without worker failures (rendezvous, spawn).
+  // True when the agent ended because of a handled terminating signal (it left the run).
+  bool leftRun() const { return stop_reason_ == StopReason::kSignal; }
+  // Human-readable reason when the agent failed without local worker failures.
   const std::string& errorMessage() const { return error_message_; }
   // Called on every state change (logging, metrics).
   void setStateListener(std::function<void(AgentState)> listener) { listener_ = std::move(listener); }
@@ -83,6 +94,7 @@ class Supervisor {
   void onRound(StatusOr<RoundInfo> round);
   void beginStop(StopReason reason, int sig);
   void maybeFinishStop();
+  void reportLocalFailure();
   void finish(AgentState s, int exit_code);
 
   SupervisorOptions options_;
@@ -93,11 +105,13 @@ class Supervisor {
   std::function<void(AgentState)> listener_;
 
   AgentState state_ = AgentState::kInit;
+  RoundInfo round_;
   std::vector<Worker> workers_;
   std::vector<WorkerFailure> failures_;
   StopReason stop_reason_ = StopReason::kNone;
   int stop_signal_ = 0;
   std::optional<TimePoint> kill_deadline_;
+  std::optional<TimePoint> report_deadline_;  // a local failure not yet reported (grace)
   int restart_count_ = 0;
   int exit_code_ = 0;
   std::string error_message_;

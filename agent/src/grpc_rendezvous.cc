@@ -1,0 +1,266 @@
+#include "grpc_rendezvous.h"
+
+#include <boost/asio/post.hpp>
+#include <future>
+
+#include "ddprun/common/log.h"
+#include "ddprun/common/strings.h"
+#include "local_rendezvous.h"
+
+namespace ddprun::agent {
+
+GrpcRendezvous::GrpcRendezvous(boost::asio::io_context& io, GrpcRendezvousOptions options,
+                               EventSink sink)
+    : io_(io), options_(std::move(options)), sink_(std::move(sink)), client_(options_.client) {
+  task_thread_ = std::thread([this] { taskLoop(); });
+  heartbeat_thread_ = std::thread([this] { heartbeatLoop(); });
+}
+
+GrpcRendezvous::~GrpcRendezvous() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  client_.cancelAll();
+  watch_.reset();
+  if (task_thread_.joinable()) task_thread_.join();
+  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+}
+
+void GrpcRendezvous::enqueue(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_all();
+}
+
+void GrpcRendezvous::taskLoop() {
+  while (true) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+      if (stopping_) return;
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    task();
+  }
+}
+
+void GrpcRendezvous::heartbeatLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lock, options_.run_config.heartbeat_interval, [this] { return stopping_; });
+    if (stopping_ || node_id_.empty() || left_) continue;
+    const std::string node = node_id_;
+    lock.unlock();
+    auto st = client_.heartbeat(options_.run_id, node);
+    if (!st.isOk()) {
+      logger("agent")->debug("heartbeat: {}", st.status().toString());
+      if (st.status().code() == StatusCode::kNotFound && !left_) {
+        // Declared dead (e.g. a network cut healed): the others went on; join them again.
+        logger("agent")->warn("the rendezvous no longer counts this node ({}); re-joining",
+                              st.status().message());
+        boost::asio::post(io_, [this] { sink_(PeerEvent::kMembershipChange); });
+      }
+    }
+    lock.lock();
+  }
+}
+
+StatusOr<RoundInfo> GrpcRendezvous::joinAndResolveMaster() {
+  rendezvous::JoinRequest req;
+  req.run_id = options_.run_id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    req.node_id = node_id_;
+  }
+  req.address = options_.local_addr;
+  req.local_world_size = static_cast<uint32_t>(options_.local_world_size);
+  req.config = options_.run_config;
+  req.join_timeout = options_.join_timeout;
+  DDPRUN_ASSIGN_OR_RETURN(rendezvous::RoundInfo joined, client_.join(req));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    node_id_ = joined.node_id;
+  }
+  joined_round_ = joined.round;
+
+  RoundInfo round;
+  round.round = static_cast<int>(joined.round);
+  round.group_rank = static_cast<int>(joined.group_rank);
+  round.run_id = options_.run_id;
+  std::vector<std::string> members;
+  for (const auto& p : *joined.participants) {
+    round.local_world_sizes.push_back(static_cast<int>(p.local_world_size));
+    members.push_back(p.node_id);
+  }
+  if (!last_members_.empty() && members != last_members_) ++membership_epoch_;
+  last_members_ = members;
+  round.membership_epoch = membership_epoch_;
+
+  if (options_.static_node_rank >= 0) {
+    // Ranks come from --node-rank: learn every participant's, order the nodes by it.
+    const std::string prefix = "static_rank/" + std::to_string(joined.round) + "/";
+    DDPRUN_RETURN_IF_ERROR(client_.kvSet(options_.run_id, prefix + joined.node_id,
+                                         std::to_string(options_.static_node_rank)));
+    std::vector<std::string> keys;
+    for (const auto& m : members) keys.push_back(prefix + m);
+    DDPRUN_ASSIGN_OR_RETURN(auto values,
+                            client_.kvWait(options_.run_id, keys, options_.join_timeout));
+    std::vector<int> sizes(members.size(), -1);
+    for (size_t i = 0; i < values.size(); ++i) {
+      auto r = parseInt(values[i]);
+      if (!r || *r < 0 || *r >= static_cast<long long>(members.size()) || sizes[*r] != -1) {
+        return failedPrecondition("--node-rank: the nodes' ranks must be 0.." +
+                                  std::to_string(members.size() - 1) + ", each used once; got " +
+                                  values[i] + " twice or out of range");
+      }
+      sizes[*r] = static_cast<int>((*joined.participants)[i].local_world_size);
+    }
+    round.local_world_sizes = sizes;
+    round.group_rank = options_.static_node_rank;
+    round.master_addr = options_.static_master_addr;
+    round.master_port = options_.master_port;
+  } else if (joined.group_rank == 0) {
+    rendezvous::MasterAddress master{options_.local_addr,
+                                     static_cast<uint32_t>(options_.master_port)};
+    if (master.port == 0) {
+      DDPRUN_ASSIGN_OR_RETURN(int port, findFreePort());
+      master.port = static_cast<uint32_t>(port);
+    }
+    DDPRUN_RETURN_IF_ERROR(
+        client_.publishMaster(options_.run_id, joined.node_id, joined.round, master));
+    round.master_addr = master.addr;
+    round.master_port = static_cast<int>(master.port);
+  } else if (!joined.master_addr.empty() && joined.master_port != 0) {
+    round.master_addr = joined.master_addr;
+    round.master_port = static_cast<int>(joined.master_port);
+  } else {
+    DDPRUN_ASSIGN_OR_RETURN(auto master, client_.waitMaster(options_.run_id, joined.round,
+                                                            options_.join_timeout));
+    round.master_addr = master.addr;
+    round.master_port = static_cast<int>(master.port);
+  }
+  logger("agent")->info("round {}: group rank {} of {}, world size {}, master {}:{}", round.round,
+                        round.group_rank, round.local_world_sizes.size(), joined.world_size,
+                        round.master_addr, round.master_port);
+  return round;
+}
+
+void GrpcRendezvous::nextRound(RoundCallback done) {
+  enqueue([this, done = std::move(done)]() mutable {
+    auto result = joinAndResolveMaster();
+    boost::asio::post(io_, [this, done = std::move(done), result = std::move(result)]() mutable {
+      if (result.isOk()) {
+        current_round_ = static_cast<uint64_t>(result->round);
+        if (!watch_) startWatch();
+      }
+      done(std::move(result));
+    });
+  });
+}
+
+void GrpcRendezvous::startWatch() {
+  std::string node;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    node = node_id_;
+  }
+  watch_ = client_.watch(options_.run_id, node, [this](const rendezvous::RoundChange& change) {
+    boost::asio::post(io_, [this, change] { onChange(change); });
+  });
+}
+
+void GrpcRendezvous::onChange(const rendezvous::RoundChange& change) {
+  if (change.kind != rendezvous::ChangeKind::kRoundPending) return;
+  if (change.round <= current_round_) return;  // about a round this node already holds
+  std::string node;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    node = node_id_;
+  }
+  logger("agent")->info("round {} is forming ({} by {})", change.round,
+                        rendezvous::changeReasonName(change.reason), change.node_id);
+  if (change.reason == rendezvous::ChangeReason::kFailureReported) {
+    if (change.node_id != node) sink_(PeerEvent::kPeerFailure);
+    return;
+  }
+  sink_(PeerEvent::kMembershipChange);
+}
+
+void GrpcRendezvous::reportFailure() {
+  enqueue([this] {
+    std::string node;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      node = node_id_;
+    }
+    auto next = client_.reportFailure(options_.run_id, node, joined_round_);
+    if (!next.isOk()) {
+      logger("agent")->warn("could not report the failure: {}", next.status().toString());
+    }
+  });
+}
+
+void GrpcRendezvous::leave() {
+  left_ = true;
+  // A join in flight would block the leave behind it: cancel it (its answer is ignored).
+  client_.cancelAll();
+  // Leave before the workers are signalled (SPEC §4), so the others hear of it from the
+  // rendezvous rather than from their collectives breaking; bounded, the server may be gone.
+  auto left = std::make_shared<std::promise<void>>();
+  auto done = left->get_future();
+  enqueue([this, left] {
+    std::string node;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      node = node_id_;
+    }
+    if (!node.empty()) {
+      auto st = client_.leave(options_.run_id, node);
+      if (!st.isOk()) logger("agent")->warn("could not leave the run: {}", st.toString());
+    }
+    left->set_value();
+  });
+  if (done.wait_for(std::chrono::seconds(2)) != std::future_status::ready) {
+    logger("agent")->warn("leaving the run is taking long; stopping the workers anyway");
+  }
+}
+
+void GrpcRendezvous::finish(bool succeeded, bool left) {
+  // Runs after the io loop stopped: drain the queued calls (a leave, a failure report) first.
+  auto drained = std::make_shared<std::promise<void>>();
+  auto done = drained->get_future();
+  enqueue([drained] { drained->set_value(); });
+  done.wait_for(std::chrono::seconds(10));
+  watch_.reset();
+  std::string node;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    node = node_id_;
+  }
+  if (left || node.empty()) return;
+  auto log = logger("agent");
+  if (succeeded) {
+    // Exit barrier: this node's workers are done; wait (bounded) for every node of the round.
+    const std::string prefix = "exit_barrier/" + std::to_string(joined_round_) + "/";
+    auto st = client_.kvSet(options_.run_id, prefix + node, "1");
+    std::vector<std::string> keys;
+    for (const auto& member : last_members_) keys.push_back(prefix + member);
+    if (st.isOk()) {
+      auto all = client_.kvWait(options_.run_id, keys, options_.exit_barrier_timeout);
+      st = all.isOk() ? Status::ok() : all.status();
+    }
+    if (!st.isOk()) {
+      log->warn("exit barrier: not every node finished ({}); exiting anyway", st.toString());
+    }
+  }
+  auto closed = client_.close(options_.run_id);
+  if (!closed.isOk()) log->debug("close: {}", closed.toString());
+}
+
+}  // namespace ddprun::agent
