@@ -155,23 +155,25 @@ int main(int argc, char** argv) {
     o.heartbeat_file = env.heartbeat_file;
     o.ddp.bucket_cap_mb = args.bucket_cap_mb;
     o.ddp.overlap = args.overlap;
-    if (args.fail_at_step > 0 && env.restart_count == 0 && env.rank == env.world_size - 1) {
-      o.on_step = [n = args.fail_at_step](const w::TrainingProgress& p) {
-        if (p.global_step == n) {
-          std::fprintf(stderr, "train: fault injection: killing myself at step %lld\n", static_cast<long long>(n));
-          std::raise(SIGKILL);
-        }
-      };
-    }
+    // Step timing (--timing): steady-state mean, skipping the first kWarmup steps of this run.
+    constexpr int64_t kWarmup = 5;
+    std::vector<std::chrono::steady_clock::time_point> stamps;
+    const bool inject = args.fail_at_step > 0 && env.restart_count == 0 && env.rank == env.world_size - 1;
+    o.on_step = [&, inject, n = args.fail_at_step](const w::TrainingProgress& p) {
+      if (args.timing) stamps.push_back(std::chrono::steady_clock::now());
+      if (inject && p.global_step == n) {
+        std::fprintf(stderr, "train: fault injection: killing myself at step %lld\n", static_cast<long long>(n));
+        std::raise(SIGKILL);
+      }
+    };
     w::Trainer trainer(group, task.module, task.forward, task.loss, opt, task.inputs, task.targets, o);
-    const auto start = std::chrono::steady_clock::now();
-    const int64_t start_step = trainer.progress().global_step;
     const auto outcome = trainer.train();
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (args.timing) {
-      const int64_t steps = trainer.progress().global_step - start_step;
-      std::printf("[RANK %d] timing: %lld steps in %.3f s, %.3f ms/step\n", group->rank(),
-                  static_cast<long long>(steps), secs, steps > 0 ? 1e3 * secs / static_cast<double>(steps) : 0.0);
+      const int64_t steps = static_cast<int64_t>(stamps.size()) - 1 - kWarmup;
+      const double secs = steps > 0 ? std::chrono::duration<double>(stamps.back() - stamps[kWarmup]).count() : 0.0;
+      std::printf("[RANK %d] timing: %.3f ms/step over %lld steps (after %lld warm-up steps)\n", group->rank(),
+                  steps > 0 ? 1e3 * secs / static_cast<double>(steps) : 0.0, static_cast<long long>(std::max<int64_t>(steps, 0)),
+                  static_cast<long long>(kWarmup));
       std::fflush(stdout);
     }
     if (!args.dump_params.empty() && group->rank() == 0) dumpParams(args.dump_params, *task.module);

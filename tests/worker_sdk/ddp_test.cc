@@ -1,5 +1,7 @@
 #include "torch_catch.h"
 
+#include <set>
+
 #include "ddprun/worker/ddp.h"
 #include "ddprun/worker/errors.h"
 #include "thread_ranks.h"
@@ -36,6 +38,7 @@ struct Scenario {
   double bucket_cap_mb = 25;
   double first_bucket_mb = 1;
   bool overlap = true;
+  bool grad_views = true;
 };
 
 // Trains W thread-ranks with DDP on shards and one reference model on the whole batch; returns
@@ -70,6 +73,7 @@ std::pair<double, bool> trainAndCompare(const Scenario& s) {
     o.bucket_cap_mb = s.bucket_cap_mb;
     o.first_bucket_mb = s.first_bucket_mb;
     o.overlap = s.overlap;
+    o.gradient_as_bucket_view = s.grad_views;
     DistributedDataParallel ddp(model.ptr(), pg.shared_from_this(), o);
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
     for (int st = 0; st < s.steps; ++st) {
@@ -134,6 +138,42 @@ TEST_CASE("DDP without overlap (all-reduce after backward) gives the same result
   auto [diff, same] = trainAndCompare(s);
   CHECK(diff < 1e-6);
   CHECK(same);
+}
+
+TEST_CASE("DDP with gradients copied out of the buckets (no bucket views) gives the same result",
+          "[worker][ddp]") {
+  for (int micro : {1, 3}) {
+    Scenario s;
+    s.grad_views = false;
+    s.micro = micro;
+    s.bucket_cap_mb = 0.001;
+    auto [diff, same] = trainAndCompare(s);
+    INFO("micro-batches=" << micro << " max diff=" << diff);
+    CHECK(diff < 1e-6);
+    CHECK(same);
+  }
+}
+
+TEST_CASE("with bucket views each gradient aliases its bucket after the first step", "[worker][ddp]") {
+  std::vector<int> aliased(2, 0);
+  t::runRanks(2, [&](ProcessGroup& pg) {
+    auto model = makeModel();
+    DistributedDataParallel ddp(model.ptr(), pg.shared_from_this());
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    for (int st = 0; st < 2; ++st) {
+      opt.zero_grad();
+      torch::mse_loss(model->forward(torch::randn({4, 20})), torch::randn({4, 4})).backward();
+      opt.step();
+    }
+    // Distinct parameters never share gradient memory...
+    std::set<void*> ptrs;
+    auto params = model->parameters();
+    for (auto& p : params) ptrs.insert(p.grad().data_ptr());
+    // ...and the last layer's bias (bucket offset 0) is followed directly by its weight.
+    const auto gap = static_cast<char*>(params[4].grad().data_ptr()) - static_cast<char*>(params[5].grad().data_ptr());
+    aliased[static_cast<size_t>(pg.rank())] = ptrs.size() == 6 && gap == 4 * static_cast<long>(sizeof(float));
+  });
+  CHECK(aliased == std::vector<int>{1, 1});
 }
 
 namespace {

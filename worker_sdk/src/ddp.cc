@@ -86,6 +86,14 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     bucket->flat = torch::zeros({n}, params_[bucket->params.front()].options().requires_grad(false));
     buckets_.push_back(std::move(bucket));
   }
+  // Plain aliases (from_blob), not autograd views: the optimizer's zero_grad() detaches grads in
+  // place, which LibTorch refuses for views. Each alias keeps its bucket buffer alive.
+  views_.resize(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    torch::Tensor flat = buckets_[bucket_of_[i]]->flat;
+    auto* base = static_cast<char*>(flat.data_ptr()) + offset_of_[i] * flat.element_size();
+    views_[i] = torch::from_blob(base, params_[i].sizes(), [flat](void*) {}, flat.options());
+  }
   ready_.assign(params_.size(), false);
 
   for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -157,13 +165,17 @@ void DistributedDataParallel::onGradReady(std::size_t i) {
   }
   ready_[i] = true;
   Bucket& b = *buckets_[bucket_of_[i]];
-  torch::Tensor view = b.flat.narrow(0, static_cast<int64_t>(offset_of_[i]), params_[i].numel()).view(params_[i].sizes());
-  const torch::Tensor& grad = params_[i].grad();
+  torch::Tensor& view = views_[i];
+  torch::Tensor& grad = params_[i].mutable_grad();
   {
     torch::NoGradGuard no_grad;
-    if (grad.defined()) {
+    const double scale = 1.0 / group_->size();
+    if (grad.defined() && grad.data_ptr() == view.data_ptr()) {
+      grad.mul_(scale);  // already accumulated in place into the bucket
+    } else if (grad.defined()) {
       // Scale while copying, as c10d does, to save a pass over the bucket.
-      at::mul_out(view, grad, at::scalar_tensor(1.0 / group_->size(), grad.options()));
+      at::mul_out(view, grad, at::scalar_tensor(scale, grad.options()));
+      if (options_.gradient_as_bucket_view) grad = view;
     } else {
       view.zero_();
     }
@@ -191,7 +203,7 @@ void DistributedDataParallel::finalizeBackward() {
         continue;
       }
       Bucket& b = *buckets_[bucket_of_[i]];
-      b.flat.narrow(0, static_cast<int64_t>(offset_of_[i]), params_[i].numel()).zero_();
+      views_[i].zero_();
       ready_[i] = true;
       --b.pending;
     }
@@ -212,13 +224,12 @@ void DistributedDataParallel::finalizeBackward() {
     Bucket& b = *bp;
     b.work->wait();
     for (std::size_t i : b.params) {
-      torch::Tensor view =
-          b.flat.narrow(0, static_cast<int64_t>(offset_of_[i]), params_[i].numel()).view(params_[i].sizes());
       torch::Tensor& grad = params_[i].mutable_grad();
-      if (grad.defined()) {
-        grad.copy_(view);
+      if (grad.defined() && grad.data_ptr() == views_[i].data_ptr()) continue;  // already the bucket
+      if (options_.gradient_as_bucket_view || !grad.defined()) {
+        grad = options_.gradient_as_bucket_view ? views_[i] : views_[i].clone();
       } else {
-        grad = view.clone();
+        grad.copy_(views_[i]);
       }
     }
   }

@@ -35,6 +35,10 @@ struct DdpOptions {
   bool find_unused_parameters = false;
   // false: launch every bucket only after backward finished (no overlap; for measurements).
   bool overlap = true;
+  // Make each parameter's .grad alias its slice of the bucket buffer (after the first backward),
+  // so gradients accumulate straight into the buckets and nothing is copied back after the
+  // all-reduce. Saves two passes over all gradients per step.
+  bool gradient_as_bucket_view = true;
 };
 
 class DistributedDataParallel {
@@ -92,6 +96,7 @@ class DistributedDataParallel {
   std::vector<std::unique_ptr<Bucket>> buckets_;
   std::vector<std::size_t> bucket_of_;   // param index -> bucket
   std::vector<std::size_t> offset_of_;   // param index -> element offset in its bucket
+  std::vector<torch::Tensor> views_;     // param index -> its slice of the bucket, shaped as the param
 
   std::mutex mu_;  // guards the per-iteration state below (hooks may run on autograd threads)
   bool sync_enabled_ = true;

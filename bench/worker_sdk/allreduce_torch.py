@@ -1,0 +1,37 @@
+"""torch.distributed.all_reduce on gloo, 1 KiB - 64 MiB: the reference for examples/allreduce_bench.
+
+Run under torchrun/ddprun (env://). Rank 0 prints "bytes time_us busbw_GBps" per size.
+"""
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main():
+    dist.init_process_group("gloo")
+    n = dist.get_world_size()
+    rank = dist.get_rank()
+    if rank == 0:
+        print(f"{'bytes':>12} {'time_us':>12} {'busbw_GBps':>12}", flush=True)
+    size = 1024
+    while size <= 64 << 20:
+        t = torch.ones(size // 4, dtype=torch.float32)
+        iters = max(5, min(200, (256 << 20) // size))
+        for _ in range(3):
+            dist.all_reduce(t)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(t)
+        us = (time.perf_counter() - start) / iters * 1e6
+        busbw = size / (us * 1e-6) * 2.0 * (n - 1) / n / 1e9
+        if rank == 0:
+            print(f"{size:>12} {us:>12.1f} {busbw:>12.3f}", flush=True)
+        size *= 4
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Python DDP (gloo) step time on the same models, data layout and loop as `train --timing`.
+
+Usage (under torchrun/ddprun): ddp_torch.py --model mlp|cnn [--bucket-cap-mb 25] [--epochs 2]
+  [--dataset-size 1024] [--batch-size 32]
+Rank 0 prints "[RANK 0] timing: X ms/step over N steps (after 5 warm-up steps)".
+"""
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(1024, 4096)
+        self.fc2 = torch.nn.Linear(4096, 2048)
+        self.fc3 = torch.nn.Linear(2048, 10)
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class Cnn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 64, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(64, 128, 3, padding=1)
+        self.fc1 = torch.nn.Linear(128 * 8 * 8, 1280)
+        self.fc2 = torch.nn.Linear(1280, 10)
+
+    def forward(self, x):
+        h = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        h = F.max_pool2d(F.relu(self.conv2(h)), 2)
+        return self.fc2(F.relu(self.fc1(h.flatten(1))))
+
+
+class Sized:
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    p.add_argument("--bucket-cap-mb", type=float, default=25)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--dataset-size", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=32)
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    g = torch.Generator()
+    g.manual_seed(1234)
+    if a.model == "mlp":
+        model = Mlp()
+        x = torch.randn(a.dataset_size, 1024, generator=g)
+    else:
+        model = Cnn()
+        x = torch.randn(a.dataset_size, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (a.dataset_size,), generator=g)
+    ddp = DDP(model, bucket_cap_mb=a.bucket_cap_mb)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    sampler = DistributedSampler(Sized(a.dataset_size), num_replicas=world, rank=rank, shuffle=True, seed=0)
+    stamps = []
+    for epoch in range(a.epochs):
+        sampler.set_epoch(epoch)
+        idx = torch.tensor(list(iter(sampler)), dtype=torch.long)
+        for b in range(0, len(idx), a.batch_size):
+            batch = idx[b:b + a.batch_size]
+            xb, yb = x.index_select(0, batch), y.index_select(0, batch)
+            opt.zero_grad()
+            loss = F.cross_entropy(ddp(xb), yb)
+            loss.backward()
+            opt.step()
+            loss.item()
+            stamps.append(time.perf_counter())
+    warm = 5
+    steps = len(stamps) - 1 - warm
+    ms = (stamps[-1] - stamps[warm]) / steps * 1e3 if steps > 0 else 0.0
+    if rank == 0:
+        print(f"[RANK 0] timing: {ms:.3f} ms/step over {steps} steps (after {warm} warm-up steps)", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
