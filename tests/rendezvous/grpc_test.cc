@@ -115,6 +115,7 @@ TEST_CASE("32 clients joining at once over loopback form one round with distinct
   std::set<uint32_t> ranks;
   uint32_t world = 0;
   for (auto& r : results) {
+    INFO(r.status().toString());
     REQUIRE(r.isOk());
     CHECK(r->round == 1);
     CHECK(r->group_world_size == kNodes);
@@ -200,6 +201,7 @@ TEST_CASE("membership changes are pushed to every watcher and close ends the run
   ta2.join();
   tb2.join();
   tc.join();
+  INFO(a2.status().toString() + " / " + b2.status().toString());
   REQUIRE(a2.isOk());
   REQUIRE(b2.isOk());
   REQUIRE(c.isOk());
