@@ -15,6 +15,8 @@ PACKAGES=(
   catch2 python3-torch procps iproute2 hostname
   # rendezvous TLS test: a self-signed certificate
   openssl
+  # Slurm tests: a real two-node cluster on this machine (tests/slurm/cluster.sh)
+  slurm-wlm slurmctld slurmd slurm-client munge
 )
 
 missing=()
