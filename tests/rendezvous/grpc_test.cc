@@ -167,6 +167,12 @@ TEST_CASE("membership changes are pushed to every watcher and close ends the run
   auto server = startServer();
   Client client(clientFor(*server));
   ChangeLog log_a, log_b;
+  // A last call long enough that re-joining survivors are never left out on a loaded machine.
+  auto pushJoin = [](const std::string& node) {
+    auto r = joinRequest("push", 2, 3, node);
+    r.config.last_call_timeout = 1s;
+    return r;
+  };
   auto watch_a = client.watch("push", "a", log_a.onChange());
   auto watch_b = client.watch("push", "b", log_b.onChange());
   REQUIRE(log_a.waitUntil([](auto& cs) { return !cs.empty(); }));  // both subscribed
@@ -174,8 +180,8 @@ TEST_CASE("membership changes are pushed to every watcher and close ends the run
   CHECK(log_a.changes.front().kind == ChangeKind::kSnapshot);
 
   StatusOr<RoundInfo> a = Status(StatusCode::kUnknown, ""), b = a;
-  std::thread ta([&] { a = client.join(joinRequest("push", 2, 3, "a")); });
-  std::thread tb([&] { b = client.join(joinRequest("push", 2, 3, "b")); });
+  std::thread ta([&] { a = client.join(pushJoin("a")); });
+  std::thread tb([&] { b = client.join(pushJoin("b")); });
   ta.join();
   tb.join();
   REQUIRE(a.isOk());
@@ -184,7 +190,7 @@ TEST_CASE("membership changes are pushed to every watcher and close ends the run
 
   // A late node: both watchers learn that round 2 is forming.
   StatusOr<RoundInfo> c = Status(StatusCode::kUnknown, "");
-  std::thread tc([&] { c = client.join(joinRequest("push", 2, 3, "c")); });
+  std::thread tc([&] { c = client.join(pushJoin("c")); });
   for (ChangeLog* log : {&log_a, &log_b}) {
     REQUIRE(log->waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundPending, 2); }));
     std::lock_guard<std::mutex> lock(log->mu);
@@ -196,8 +202,8 @@ TEST_CASE("membership changes are pushed to every watcher and close ends the run
     }
   }
   StatusOr<RoundInfo> a2 = Status(StatusCode::kUnknown, ""), b2 = a2;
-  std::thread ta2([&] { a2 = client.join(joinRequest("push", 2, 3, "a")); });
-  std::thread tb2([&] { b2 = client.join(joinRequest("push", 2, 3, "b")); });
+  std::thread ta2([&] { a2 = client.join(pushJoin("a")); });
+  std::thread tb2([&] { b2 = client.join(pushJoin("b")); });
   ta2.join();
   tb2.join();
   tc.join();
@@ -229,7 +235,7 @@ TEST_CASE("membership changes are pushed to every watcher and close ends the run
 
   REQUIRE(client.close("push").isOk());
   REQUIRE(log_a.waitUntil([](auto& cs) { return !cs.empty() && cs.back().kind == ChangeKind::kClosed; }));
-  auto late = client.join(joinRequest("push", 2, 3, "d"));
+  auto late = client.join(pushJoin("d"));
   REQUIRE_FALSE(late.isOk());
   CHECK(late.status().code() == StatusCode::kFailedPrecondition);
   CHECK(late.status().message() == "run push is closed");
@@ -441,4 +447,80 @@ TEST_CASE("TLS: a client trusting the server's certificate joins, a plaintext on
   Client insecure(plain);
   CHECK_FALSE(insecure.kvGet("tls", "k").isOk());
   std::system(("rm -rf " + dir).c_str());
+}
+
+TEST_CASE("an agent process killed mid-join is dropped and the others complete without it",
+          "[rendezvous][grpc]") {
+  auto server = startServer();
+  Client probe(clientFor(*server));
+  pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    std::string bin = buildDir() + "/tests/rendezvous/rendezvous_join_probe";
+    execl(bin.c_str(), bin.c_str(), server->address().c_str(), "killed", "doomed", "2", "2",
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  // The doomed agent is waiting in its join; kill it without any chance to clean up.
+  REQUIRE(waitFor([&] { return probe.heartbeat("killed", "doomed").isOk(); }));
+  kill(pid, SIGKILL);
+  CHECK(waitExit(pid) == 128 + SIGKILL);
+  REQUIRE(waitFor([&] {
+    return probe.heartbeat("killed", "doomed").status().code() == StatusCode::kNotFound;
+  }));
+  StatusOr<RoundInfo> a = Status(StatusCode::kUnknown, ""), b = a;
+  std::thread ta([&] { a = probe.join(joinRequest("killed", 2, 2, "a")); });
+  std::thread tb([&] { b = probe.join(joinRequest("killed", 2, 2, "b")); });
+  ta.join();
+  tb.join();
+  REQUIRE(a.isOk());
+  REQUIRE(b.isOk());
+  for (const auto& p : *a->participants) CHECK(p.node_id != "doomed");
+}
+
+TEST_CASE("a node that stops heartbeating is declared dead and watchers are told",
+          "[rendezvous][grpc]") {
+  auto server = startServer();
+  Client client(clientFor(*server));
+  ChangeLog log;
+  auto watch = client.watch("hb", "a", log.onChange());
+  REQUIRE(log.waitUntil([](auto& cs) { return !cs.empty(); }));
+  auto fast = [](const std::string& node) {
+    auto r = joinRequest("hb", 1, 2, node);
+    r.config.last_call_timeout = 30s;  // the first round completes when both are in (max)
+    r.config.heartbeat_interval = 100ms;
+    r.config.heartbeat_misses = 2;
+    return r;
+  };
+  StatusOr<RoundInfo> a = Status(StatusCode::kUnknown, ""), b = a;
+  std::thread ta([&] { a = client.join(fast("a")); });
+  std::thread tb([&] { b = client.join(fast("b")); });
+  ta.join();
+  tb.join();
+  REQUIRE(a.isOk());
+  REQUIRE(b.isOk());
+  REQUIRE(a->round == b->round);
+  // a keeps beating until the server gives up on b.
+  bool dead_seen = false;
+  auto until = std::chrono::steady_clock::now() + 20s;
+  while (!dead_seen && std::chrono::steady_clock::now() < until) {
+    REQUIRE(client.heartbeat("hb", "a").isOk());
+    dead_seen = log.waitUntil(
+        [](auto& cs) {
+          for (auto& c : cs) {
+            if (c.kind == ChangeKind::kRoundPending && c.reason == ChangeReason::kNodeDead &&
+                c.node_id == "b") {
+              return true;
+            }
+          }
+          return false;
+        },
+        50ms);
+  }
+  REQUIRE(dead_seen);
+  CHECK(client.heartbeat("hb", "b").status().code() == StatusCode::kNotFound);
+  auto again = client.join(fast("a"));
+  REQUIRE(again.isOk());
+  CHECK(again->group_world_size == 1);
+  CHECK(again->group_rank == 0);
 }
