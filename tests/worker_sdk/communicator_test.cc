@@ -184,3 +184,43 @@ TEST_CASE("asking for NCCL in a build without it is a clear error", "[worker][co
   CHECK(parseBackend("NCCL") == Backend::kNccl);
   CHECK_THROWS_WITH(parseBackend("mpi"), Catch::Contains("expected gloo or nccl"));
 }
+
+TEST_CASE("NCCL all_reduce and broadcast on CUDA tensors (GPU only)", "[worker][comm][gpu]") {
+  if (!ncclAvailable() || !torch::cuda::is_available() || torch::cuda::device_count() < 1) {
+    WARN("skipped: this build has no NCCL backend or no CUDA device is visible");
+    return;
+  }
+  const int world = static_cast<int>(std::min<int64_t>(2, torch::cuda::device_count()));
+  std::vector<float> sums(static_cast<size_t>(world)), bcast(static_cast<size_t>(world));
+  auto o = t::fastOptions();
+  o.backend = Backend::kNccl;
+  auto store = KeyValueStore::inMemory(o.connect_timeout);
+  std::vector<std::thread> th;
+  std::vector<std::exception_ptr> errs(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    th.emplace_back([&, r] {
+      try {
+        auto opts = o;
+        opts.cuda_device = r;
+        auto pg = ProcessGroup::create(r, world, store, opts);
+        auto x = torch::full({1 << 20}, float(r + 1), torch::TensorOptions().device(torch::kCUDA, r));
+        pg->comm().allReduce(x);
+        sums[static_cast<size_t>(r)] = x[0].item<float>();
+        auto b = torch::full({16}, float(r * 10 + 7), torch::TensorOptions().device(torch::kCUDA, r));
+        pg->comm().broadcast(b, 0);
+        bcast[static_cast<size_t>(r)] = b[15].item<float>();
+      } catch (...) {
+        errs[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& x : th) x.join();
+  for (auto& e : errs) {
+    if (e) std::rethrow_exception(e);
+  }
+  const float expected = static_cast<float>(world * (world + 1) / 2);
+  for (int r = 0; r < world; ++r) {
+    CHECK(sums[static_cast<size_t>(r)] == expected);
+    CHECK(bcast[static_cast<size_t>(r)] == 7.0f);
+  }
+}

@@ -11,11 +11,13 @@
 
 namespace ddprun::worker {
 
+// Options of both communicator implementations.
 struct GlooOptions {
-  std::string local_address;  // address the transport binds (must be reachable by peers)
+  std::string local_address;  // address the Gloo transport binds (must be reachable by peers)
   std::string prefix;         // store key namespace
   std::chrono::milliseconds connect_timeout;
   std::chrono::milliseconds op_timeout;
+  int cuda_device = 0;        // NCCL only
 };
 
 std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,

@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "ddprun/common/log.h"
@@ -51,7 +52,8 @@ std::string localAddressToward(const std::string& host, int port) {
 
 std::unique_ptr<Communicator> makeCommunicator(int rank, int size, std::shared_ptr<KeyValueStore> store,
                                                const ProcessGroupOptions& options, const std::string& address) {
-  GlooOptions g{address, options.prefix, options.connect_timeout, options.op_timeout};
+  GlooOptions g{address, options.prefix, options.connect_timeout, options.op_timeout,
+                std::max(options.cuda_device, 0)};
   if (options.backend == Backend::kNccl) {
 #ifdef DDPRUN_WITH_NCCL
     return makeNcclCommunicator(rank, size, std::move(store), g);
@@ -82,6 +84,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env, co
                     : KeyValueStore::tcpClient(env.master_addr, env.master_port, options.connect_timeout);
   ProcessGroupOptions opts = options;
   if (opts.local_address.empty()) opts.local_address = localAddressToward(env.master_addr, env.master_port);
+  if (opts.cuda_device < 0) opts.cuda_device = env.local_rank;
   // A restarted group reuses MASTER_PORT with a fresh store, but keep keys per attempt anyway.
   opts.prefix += "/attempt" + std::to_string(env.restart_count);
   ddprun::logger("worker")->debug("rank {}/{}: store {}:{}, gloo on {}", env.rank, env.world_size, env.master_addr,

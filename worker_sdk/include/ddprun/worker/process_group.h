@@ -23,6 +23,8 @@ struct ProcessGroupOptions {
   std::string local_address;
   // Namespace for the store keys this group writes (several groups may share one store).
   std::string prefix = "ddprun/pg0";
+  // NCCL: the CUDA device of this rank; -1 = LOCAL_RANK (initFromEnv) or 0 (create).
+  int cuda_device = -1;
 };
 
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
