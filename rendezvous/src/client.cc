@@ -56,7 +56,7 @@ struct Client::Impl {
                          std::chrono::duration_cast<std::chrono::system_clock::duration>(timeout));
       }
       std::lock_guard<std::mutex> lock(impl->mu);
-      if (impl->cancel_epoch != epoch) ctx.TryCancel();  // cancelAll() ran before we registered
+      if (impl->cancel_epoch != epoch || impl->closing) ctx.TryCancel();  // cancelAll() ran before we registered
       impl->calls.insert(&ctx);
     }
     ~Call() {
@@ -91,7 +91,7 @@ struct Client::Impl {
         return st.withContext("rendezvous at " + options.endpoint + " unreachable");
       }
       std::unique_lock<std::mutex> lock(mu);
-      if (cv.wait_for(lock, backoff, [&] { return cancel_epoch != epoch; })) {
+      if (cv.wait_for(lock, backoff, [&] { return cancel_epoch != epoch || closing; })) {
         return Status(StatusCode::kCancelled, "cancelled");
       }
       backoff = std::min(backoff * 2, options.max_backoff);
@@ -111,11 +111,37 @@ struct Client::Impl {
   std::mutex mu;
   std::condition_variable cv;
   std::set<grpc::ClientContext*> calls;  // guarded by mu
+  std::vector<std::thread> async_threads;  // guarded by mu; joined by ~Client
   uint64_t cancel_epoch = 0;             // guarded by mu
+  bool closing = false;                  // guarded by mu; set once ~Client starts
 };
 
 Client::Client(ClientOptions options) : impl_(std::make_shared<Impl>(std::move(options))) {}
-Client::~Client() = default;
+Client::~Client() {
+  std::vector<std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->closing = true;  // async joins not yet in flight give up too
+    threads.swap(impl_->async_threads);
+  }
+  impl_->cancelAll();
+  for (auto& t : threads) t.join();
+}
+
+void Client::joinAsync(const JoinRequest& req, std::function<void(StatusOr<RoundInfo>)> done,
+                       bool include_participants) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->async_threads.emplace_back([this, req, done = std::move(done), include_participants] {
+    StatusOr<RoundInfo> result = join(req, include_participants);
+    try {
+      done(std::move(result));
+    } catch (const std::exception& e) {
+      logger("rendezvous")->error("joinAsync callback threw: {}", e.what());
+    } catch (...) {
+      logger("rendezvous")->error("joinAsync callback threw");
+    }
+  });
+}
 
 void Client::cancelAll() { impl_->cancelAll(); }
 

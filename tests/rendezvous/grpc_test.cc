@@ -129,6 +129,39 @@ TEST_CASE("32 clients joining at once over loopback form one round with distinct
   CHECK(results[0]->world_size == world);
 }
 
+TEST_CASE("joinAsync reports the round through its callback", "[rendezvous][grpc]") {
+  auto server = startServer();
+  Client client(clientFor(*server));
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<StatusOr<RoundInfo>> results;
+  for (const char* node : {"a", "b"}) {
+    client.joinAsync(joinRequest("async", 2, 2, node), [&](StatusOr<RoundInfo> r) {
+      std::lock_guard<std::mutex> lock(mu);
+      results.push_back(std::move(r));
+      cv.notify_all();
+    });
+  }
+  std::unique_lock<std::mutex> lock(mu);
+  REQUIRE(cv.wait_for(lock, 20s, [&] { return results.size() == 2; }));
+  REQUIRE(results[0].isOk());
+  REQUIRE(results[1].isOk());
+  CHECK(results[0]->group_rank + results[1]->group_rank == 1);
+}
+
+TEST_CASE("destroying a client cancels its pending async join", "[rendezvous][grpc]") {
+  auto server = startServer();
+  std::atomic<int> code{-1};
+  {
+    Client client(clientFor(*server));
+    client.joinAsync(joinRequest("abandoned", 2, 2, "lonely"),
+                     [&](StatusOr<RoundInfo> r) { code = static_cast<int>(r.status().code()); });
+    Client probe(clientFor(*server));
+    REQUIRE(waitFor([&] { return probe.heartbeat("abandoned", "lonely").isOk(); }));
+  }
+  CHECK(code == static_cast<int>(StatusCode::kCancelled));
+}
+
 TEST_CASE("a client that gives up mid-join is removed and the others still complete",
           "[rendezvous][grpc]") {
   auto server = startServer();

@@ -52,6 +52,10 @@ class Client {
   // Blocks until this node's round completes (or join_timeout, a closed run, bad input).
   // Pass the node id of the previous round (RoundInfo::node_id) to keep the group rank.
   StatusOr<RoundInfo> join(const JoinRequest& req, bool include_participants = true);
+  // join() on a thread of the client's own; `done` runs on that thread (post it to your event
+  // loop). Destroying the client cancels and waits for async joins still running.
+  void joinAsync(const JoinRequest& req, std::function<void(StatusOr<RoundInfo>)> done,
+                 bool include_participants = true);
   StatusOr<RunStatus> heartbeat(const std::string& run_id, const std::string& node_id);
   Status leave(const std::string& run_id, const std::string& node_id);
   // Returns the round every node must join next.
