@@ -1,5 +1,6 @@
 #include "ddprun/rendezvous/client.h"
 
+#include <grpcpp/alarm.h>
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
@@ -317,79 +318,65 @@ StatusOr<bool> Client::kvDelete(const std::string& run_id, const std::string& ke
 
 namespace {
 
-// One thread per subscription: read the stream, deliver, re-subscribe with backoff on a break.
+// A subscription on gRPC's callback API (no thread of its own): each attempt is a
+// ClientReadReactor; when one ends unexpectedly a grpc::Alarm re-subscribes after a backoff.
 class GrpcWatch final : public Watch {
  public:
   GrpcWatch(std::shared_ptr<Client::Impl> impl, std::string run_id, std::string node_id,
             Client::ChangeCallback on_change, Client::BreakCallback on_break)
       : impl_(std::move(impl)),
-        run_id_(std::move(run_id)),
-        node_id_(std::move(node_id)),
         on_change_(std::move(on_change)),
-        on_break_(std::move(on_break)) {
-    thread_ = std::thread([this] { run(); });
+        on_break_(std::move(on_break)),
+        backoff_(impl_->options.initial_backoff) {
+    request_.set_run_id(std::move(run_id));
+    request_.set_node_id(std::move(node_id));
+    std::lock_guard<std::mutex> lock(mu_);
+    subscribe();
   }
 
   ~GrpcWatch() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-      if (ctx_ != nullptr) ctx_->TryCancel();
-    }
-    cv_.notify_all();
-    thread_.join();
+    std::unique_lock<std::mutex> lock(mu_);
+    stop_ = true;
+    if (stream_ != nullptr) stream_->ctx.TryCancel();
+    if (alarm_) alarm_->Cancel();
+    cv_.wait(lock, [&] { return !active_; });
   }
 
  private:
-  void run() {
-    Duration backoff = impl_->options.initial_backoff;
-    pb::WatchRequest request;
-    request.set_run_id(run_id_);
-    request.set_node_id(node_id_);
-    for (;;) {
-      grpc::ClientContext ctx;
-      if (!impl_->options.token.empty()) {
-        ctx.AddMetadata("authorization", "Bearer " + impl_->options.token);
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (stop_) return;
-        ctx_ = &ctx;
-      }
-      auto reader = impl_->stub->Watch(&ctx, request);
-      pb::RoundChange msg;
-      bool closed = false;
-      while (reader->Read(&msg)) {
-        backoff = impl_->options.initial_backoff;
-        RoundChange change = fromProto(msg);
-        closed = change.kind == ChangeKind::kClosed;
-        deliver(change);
-      }
-      Status st = fromGrpc(reader->Finish());
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        ctx_ = nullptr;
-        if (stop_) return;
-      }
-      if (closed && st.isOk()) return;  // the run is over: nothing more will come
-      if (on_break_) {
-        try {
-          on_break_(st);
-        } catch (const std::exception& e) {
-          logger("rendezvous")->error("watch break callback threw: {}", e.what());
-        }
-      }
-      logger("rendezvous")->debug("watch of run {} broke ({}); re-subscribing in {} ms", run_id_,
-                                  st.toString(),
-                                  std::chrono::duration_cast<std::chrono::milliseconds>(backoff)
-                                      .count());
-      std::unique_lock<std::mutex> lock(mu_);
-      if (cv_.wait_for(lock, backoff, [&] { return stop_; })) return;
-      backoff = std::min(backoff * 2, impl_->options.max_backoff);
+  struct Stream final : grpc::ClientReadReactor<pb::RoundChange> {
+    explicit Stream(GrpcWatch* w) : watch(w) {}
+    void OnReadDone(bool ok) override {
+      if (!ok) return;  // the stream ended; OnDone follows
+      RoundChange change = fromProto(msg);
+      closed = change.kind == ChangeKind::kClosed;
+      watch->deliver(change);
+      StartRead(&msg);
     }
+    void OnDone(const grpc::Status& status) override { watch->onStreamDone(this, status); }
+
+    GrpcWatch* watch;
+    grpc::ClientContext ctx;
+    pb::RoundChange msg;
+    bool closed = false;  // touched only by this stream's callbacks, which gRPC serialises
+  };
+
+  // Requires mu_.
+  void subscribe() {
+    auto* stream = new Stream(this);  // deleted in onStreamDone
+    if (!impl_->options.token.empty()) {
+      stream->ctx.AddMetadata("authorization", "Bearer " + impl_->options.token);
+    }
+    stream_ = stream;
+    impl_->stub->async()->Watch(&stream->ctx, &request_, stream);
+    stream->StartRead(&stream->msg);
+    stream->StartCall();
   }
 
   void deliver(const RoundChange& change) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      backoff_ = impl_->options.initial_backoff;
+    }
     try {
       on_change_(change);
     } catch (const std::exception& e) {
@@ -399,16 +386,58 @@ class GrpcWatch final : public Watch {
     }
   }
 
+  void onStreamDone(Stream* stream, const grpc::Status& grpc_status) {
+    const bool closed = stream->closed && grpc_status.ok();
+    delete stream;
+    Status st = fromGrpc(grpc_status);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stream_ = nullptr;
+      if (stop_ || closed) return finish();
+    }
+    if (on_break_) {
+      try {
+        on_break_(st);
+      } catch (const std::exception& e) {
+        logger("rendezvous")->error("watch break callback threw: {}", e.what());
+      } catch (...) {
+        logger("rendezvous")->error("watch break callback threw");
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return finish();
+    logger("rendezvous")->debug("watch of run {} broke ({}); re-subscribing in {} ms",
+                                request_.run_id(), st.toString(),
+                                std::chrono::duration_cast<std::chrono::milliseconds>(backoff_)
+                                    .count());
+    alarm_ = std::make_unique<grpc::Alarm>();
+    alarm_->Set(std::chrono::system_clock::now() +
+                    std::chrono::duration_cast<std::chrono::system_clock::duration>(backoff_),
+                [this](bool fired) {
+                  std::lock_guard<std::mutex> lock(mu_);
+                  if (stop_ || !fired) return finish();
+                  subscribe();
+                });
+    backoff_ = std::min(backoff_ * 2, impl_->options.max_backoff);
+  }
+
+  // Requires mu_: nothing of this watch is in flight any more.
+  void finish() {
+    active_ = false;
+    cv_.notify_all();
+  }
+
   std::shared_ptr<Client::Impl> impl_;
-  std::string run_id_;
-  std::string node_id_;
+  pb::WatchRequest request_;
   Client::ChangeCallback on_change_;
   Client::BreakCallback on_break_;
   std::mutex mu_;
   std::condition_variable cv_;
-  bool stop_ = false;                       // guarded by mu_
-  grpc::ClientContext* ctx_ = nullptr;      // guarded by mu_
-  std::thread thread_;
+  Duration backoff_;                    // guarded by mu_
+  bool stop_ = false;                   // guarded by mu_
+  bool active_ = true;                  // guarded by mu_: a stream or an alarm is pending
+  Stream* stream_ = nullptr;            // guarded by mu_
+  std::unique_ptr<grpc::Alarm> alarm_;  // guarded by mu_
 };
 
 }  // namespace

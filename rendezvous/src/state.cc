@@ -482,6 +482,10 @@ StatusOr<uint64_t> RendezvousState::reportFailure(const std::string& run_id,
                               std::to_string(run->completed_round) + ")");
   }
   if (!run->forming && round == run->completed_round) {
+    if (run->completed_rank.count(node_id) == 0) {
+      return failedPrecondition("node " + node_id + " is not a participant of round " +
+                                std::to_string(round) + " of run " + run_id);
+    }
     openRound(*run, ChangeReason::kFailureReported, node_id, now);
   }
   return run->forming ? run->round : run->completed_round;

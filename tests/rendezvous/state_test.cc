@@ -368,6 +368,10 @@ TEST_CASE("a failure report opens one new round that every node joins", "[rendez
   h.join("b");
   REQUIRE(h.done.size() == 2);
   CHECK(h.done["a"].round == 2);
+  // A spare cannot report a failure of a round it is not part of.
+  h.join("s");
+  CHECK(h.state.reportFailure("job", "s", 2, h.clock.now()).status().code() ==
+        StatusCode::kFailedPrecondition);
 }
 
 TEST_CASE("a graceful leave starts a new round at once", "[rendezvous][state]") {

@@ -6,7 +6,9 @@
 // (re)subscription is a kSnapshot, so a watcher never misses a change across a reconnect.
 //
 // Threading: all methods are thread-safe and blocking (call them off the agent's event loop).
-// Watch callbacks run on the watch's own thread. cancelAll() unblocks every call in flight.
+// Watch callbacks run on a gRPC callback thread, one at a time per watch: keep them short and
+// non-blocking (post to your event loop), and never destroy a Watch from its own callback.
+// cancelAll() unblocks every call in flight.
 // Lifetime: destroy every Watch before its Client.
 #pragma once
 
@@ -32,7 +34,7 @@ struct ClientOptions {
   Duration max_backoff = std::chrono::seconds(1);
 };
 
-// A running subscription; destroying it ends the stream and joins its thread.
+// A running subscription; destroying it ends the stream and waits until no callback runs.
 class Watch {
  public:
   virtual ~Watch() = default;
