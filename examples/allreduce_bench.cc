@@ -23,10 +23,14 @@ int main() {
       comm.barrier();
       const auto start = std::chrono::steady_clock::now();
       for (int i = 0; i < iters; ++i) comm.allReduce(t);
-      const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / iters;
+      const double us =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+              .count() /
+          iters;
       // Bus bandwidth as nccl-tests define it: algbw * 2(n-1)/n.
       const double busbw = static_cast<double>(bytes) / (us * 1e-6) * 2.0 * (n - 1) / n / 1e9;
-      if (group->rank() == 0) std::printf("%12lld %12.1f %12.3f\n", static_cast<long long>(bytes), us, busbw);
+      if (group->rank() == 0)
+        std::printf("%12lld %12.1f %12.3f\n", static_cast<long long>(bytes), us, busbw);
     }
     comm.barrier();
     return 0;

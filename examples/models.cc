@@ -22,8 +22,10 @@ TORCH_MODULE(Mlp);
 
 struct CnnImpl : torch::nn::Module {
   CnnImpl()
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 64, 3).padding(1)))),
-        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(64, 128, 3).padding(1)))),
+      : conv1(register_module("conv1",
+                              torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 64, 3).padding(1)))),
+        conv2(register_module("conv2",
+                              torch::nn::Conv2d(torch::nn::Conv2dOptions(64, 128, 3).padding(1)))),
         fc1(register_module("fc1", torch::nn::Linear(128 * 8 * 8, 1280))),
         fc2(register_module("fc2", torch::nn::Linear(1280, 10))) {}
   torch::Tensor forward(const torch::Tensor& x) {
@@ -46,21 +48,27 @@ Task makeTask(const std::string& name, int64_t n, uint64_t data_seed) {
     auto m = torch::nn::Linear(20, 1);
     t.module = m.ptr();
     t.forward = [m](const torch::Tensor& x) mutable { return m->forward(x); };
-    t.loss = [](const torch::Tensor& out, const torch::Tensor& y) { return torch::mse_loss(out, y); };
+    t.loss = [](const torch::Tensor& out, const torch::Tensor& y) {
+      return torch::mse_loss(out, y);
+    };
     t.inputs = at::rand({n, 20}, gen);
     t.targets = at::rand({n, 1}, gen);
   } else if (name == "mlp") {
     Mlp m;
     t.module = m.ptr();
     t.forward = [m](const torch::Tensor& x) mutable { return m->forward(x); };
-    t.loss = [](const torch::Tensor& out, const torch::Tensor& y) { return torch::cross_entropy_loss(out, y); };
+    t.loss = [](const torch::Tensor& out, const torch::Tensor& y) {
+      return torch::cross_entropy_loss(out, y);
+    };
     t.inputs = at::randn({n, 1024}, gen);
     t.targets = at::randint(0, 10, {n}, gen, torch::kLong);
   } else if (name == "cnn") {
     Cnn m;
     t.module = m.ptr();
     t.forward = [m](const torch::Tensor& x) mutable { return m->forward(x); };
-    t.loss = [](const torch::Tensor& out, const torch::Tensor& y) { return torch::cross_entropy_loss(out, y); };
+    t.loss = [](const torch::Tensor& out, const torch::Tensor& y) {
+      return torch::cross_entropy_loss(out, y);
+    };
     t.inputs = at::randn({n, 3, 32, 32}, gen);
     t.targets = at::randint(0, 10, {n}, gen, torch::kLong);
   } else {

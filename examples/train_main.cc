@@ -21,10 +21,13 @@
 namespace {
 
 constexpr const char* kUsage =
-    "usage: train TOTAL_EPOCHS SAVE_EVERY [--snapshot-path P] [--batch-size N] [--model linear|mlp|cnn]\n"
-    "             [--backend gloo|nccl] [--lr F] [--dataset-size N] [--bucket-cap-mb F] [--no-overlap]\n"
+    "usage: train TOTAL_EPOCHS SAVE_EVERY [--snapshot-path P] [--batch-size N] [--model "
+    "linear|mlp|cnn]\n"
+    "             [--backend gloo|nccl] [--lr F] [--dataset-size N] [--bucket-cap-mb F] "
+    "[--no-overlap]\n"
     "             [--seed N] [--dump-params FILE] [--timing] [--fail-at-step N]\n"
-    "  --fail-at-step N: fault injection for tests: the last rank kills itself (SIGKILL) after global\n"
+    "  --fail-at-step N: fault injection for tests: the last rank kills itself (SIGKILL) after "
+    "global\n"
     "                    step N on the first attempt (TORCHELASTIC_RESTART_COUNT=0)";
 
 struct UsageError : std::runtime_error {
@@ -50,7 +53,8 @@ struct Args {
 
 int64_t intArg(const std::string& flag, const std::string& v, int64_t min) {
   auto n = ddprun::parseInt(v);
-  if (!n || *n < min) throw UsageError(flag + " must be an integer >= " + std::to_string(min) + ", got '" + v + "'");
+  if (!n || *n < min)
+    throw UsageError(flag + " must be an integer >= " + std::to_string(min) + ", got '" + v + "'");
   return *n;
 }
 
@@ -76,8 +80,10 @@ Args parseArgs(int argc, char** argv) {
       if (i + 1 >= argc) throw UsageError(arg + " needs a value");
       return argv[++i];
     };
-    if (arg == "--snapshot-path") a.snapshot_path = value();
-    else if (arg == "--batch-size") a.batch_size = intArg(arg, value(), 1);
+    if (arg == "--snapshot-path")
+      a.snapshot_path = value();
+    else if (arg == "--batch-size")
+      a.batch_size = intArg(arg, value(), 1);
     else if (arg == "--model") {
       a.model = value();
       if (a.model != "linear" && a.model != "mlp" && a.model != "cnn") {
@@ -90,19 +96,29 @@ Args parseArgs(int argc, char** argv) {
       } catch (const ddprun::worker::ConfigError& e) {
         throw UsageError(std::string("--backend: ") + e.what());
       }
-    } else if (arg == "--lr") a.lr = positiveArg(arg, value());
-    else if (arg == "--dataset-size") a.dataset_size = intArg(arg, value(), 1);
-    else if (arg == "--bucket-cap-mb") a.bucket_cap_mb = positiveArg(arg, value());
-    else if (arg == "--no-overlap") a.overlap = false;
-    else if (arg == "--seed") a.seed = intArg(arg, value(), 0);
-    else if (arg == "--dump-params") a.dump_params = value();
-    else if (arg == "--timing") a.timing = true;
-    else if (arg == "--fail-at-step") a.fail_at_step = intArg(arg, value(), 1);
+    } else if (arg == "--lr")
+      a.lr = positiveArg(arg, value());
+    else if (arg == "--dataset-size")
+      a.dataset_size = intArg(arg, value(), 1);
+    else if (arg == "--bucket-cap-mb")
+      a.bucket_cap_mb = positiveArg(arg, value());
+    else if (arg == "--no-overlap")
+      a.overlap = false;
+    else if (arg == "--seed")
+      a.seed = intArg(arg, value(), 0);
+    else if (arg == "--dump-params")
+      a.dump_params = value();
+    else if (arg == "--timing")
+      a.timing = true;
+    else if (arg == "--fail-at-step")
+      a.fail_at_step = intArg(arg, value(), 1);
     else if (arg == "-h" || arg == "--help") {
       std::cout << kUsage << std::endl;
       std::exit(0);
-    } else if (ddprun::startsWith(arg, "-")) throw UsageError("unknown option " + arg);
-    else positional.push_back(arg);
+    } else if (ddprun::startsWith(arg, "-"))
+      throw UsageError("unknown option " + arg);
+    else
+      positional.push_back(arg);
   }
   if (positional.size() != 2) throw UsageError("expected TOTAL_EPOCHS and SAVE_EVERY");
   a.total_epochs = intArg("TOTAL_EPOCHS", positional[0], 0);
@@ -114,7 +130,8 @@ void dumpParams(const std::string& path, torch::nn::Module& m) {
   std::ofstream f(path, std::ios::binary);
   for (auto& p : m.parameters()) {
     auto c = p.detach().contiguous().to(torch::kCPU);
-    f.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.numel() * c.element_size()));
+    f.write(static_cast<const char*>(c.data_ptr()),
+            static_cast<std::streamsize>(c.numel() * c.element_size()));
   }
   if (!f) throw ddprun::worker::WorkerError("cannot write " + path);
 }
@@ -137,20 +154,24 @@ int main(int argc, char** argv) {
     auto group = w::ProcessGroup::initFromEnv(env, pg_opts);
 
     torch::manual_seed(static_cast<uint64_t>(args.seed));
-    auto task = ddprun::examples::makeTask(args.model, args.dataset_size, 1234 + static_cast<uint64_t>(args.seed));
+    auto task = ddprun::examples::makeTask(args.model, args.dataset_size,
+                                           1234 + static_cast<uint64_t>(args.seed));
     if (pg_opts.backend == w::Backend::kNccl) {
       const auto dev = torch::Device(torch::kCUDA, env.local_rank);
       task.module->to(dev);
       task.inputs = task.inputs.to(dev);
       task.targets = task.targets.to(dev);
     }
-    auto opt = std::make_shared<torch::optim::SGD>(task.module->parameters(), torch::optim::SGDOptions(args.lr));
+    auto opt = std::make_shared<torch::optim::SGD>(task.module->parameters(),
+                                                   torch::optim::SGDOptions(args.lr));
 
     w::TrainerOptions o;
     o.total_epochs = args.total_epochs;
     o.save_every = args.save_every;
     o.snapshot_path = args.snapshot_path;
-    if (o.snapshot_path.empty()) o.snapshot_path = env.snapshot_dir.empty() ? "snapshot.pt" : env.snapshot_dir + "/snapshot.pt";
+    if (o.snapshot_path.empty())
+      o.snapshot_path =
+          env.snapshot_dir.empty() ? "snapshot.pt" : env.snapshot_dir + "/snapshot.pt";
     o.batch_size = args.batch_size;
     o.heartbeat_file = env.heartbeat_file;
     o.ddp.bucket_cap_mb = args.bucket_cap_mb;
@@ -158,21 +179,26 @@ int main(int argc, char** argv) {
     // Step timing (--timing): steady-state mean, skipping the first kWarmup steps of this run.
     constexpr int64_t kWarmup = 5;
     std::vector<std::chrono::steady_clock::time_point> stamps;
-    const bool inject = args.fail_at_step > 0 && env.restart_count == 0 && env.rank == env.world_size - 1;
+    const bool inject =
+        args.fail_at_step > 0 && env.restart_count == 0 && env.rank == env.world_size - 1;
     o.on_step = [&, inject, n = args.fail_at_step](const w::TrainingProgress& p) {
       if (args.timing) stamps.push_back(std::chrono::steady_clock::now());
       if (inject && p.global_step == n) {
-        std::fprintf(stderr, "train: fault injection: killing myself at step %lld\n", static_cast<long long>(n));
+        std::fprintf(stderr, "train: fault injection: killing myself at step %lld\n",
+                     static_cast<long long>(n));
         std::raise(SIGKILL);
       }
     };
-    w::Trainer trainer(group, task.module, task.forward, task.loss, opt, task.inputs, task.targets, o);
+    w::Trainer trainer(group, task.module, task.forward, task.loss, opt, task.inputs, task.targets,
+                       o);
     const auto outcome = trainer.train();
     if (args.timing) {
       const int64_t steps = static_cast<int64_t>(stamps.size()) - 1 - kWarmup;
-      const double secs = steps > 0 ? std::chrono::duration<double>(stamps.back() - stamps[kWarmup]).count() : 0.0;
-      std::printf("[RANK %d] timing: %.3f ms/step over %lld steps (after %lld warm-up steps)\n", group->rank(),
-                  steps > 0 ? 1e3 * secs / static_cast<double>(steps) : 0.0, static_cast<long long>(std::max<int64_t>(steps, 0)),
+      const double secs =
+          steps > 0 ? std::chrono::duration<double>(stamps.back() - stamps[kWarmup]).count() : 0.0;
+      std::printf("[RANK %d] timing: %.3f ms/step over %lld steps (after %lld warm-up steps)\n",
+                  group->rank(), steps > 0 ? 1e3 * secs / static_cast<double>(steps) : 0.0,
+                  static_cast<long long>(std::max<int64_t>(steps, 0)),
                   static_cast<long long>(kWarmup));
       std::fflush(stdout);
     }

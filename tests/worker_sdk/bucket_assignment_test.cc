@@ -1,6 +1,7 @@
+#include "ddprun/worker/bucket_assignment.h"
+
 #include <catch2/catch.hpp>
 
-#include "ddprun/worker/bucket_assignment.h"
 #include "ddprun/worker/errors.h"
 
 using ddprun::worker::BucketOptions;
@@ -13,7 +14,8 @@ constexpr std::size_t kMiB = BucketOptions::kMiB;
 TensorSpec floats(std::size_t bytes) { return TensorSpec{bytes / 4, 4, 0, -1}; }
 }  // namespace
 
-TEST_CASE("buckets are filled in reverse parameter order with a 1 MiB first bucket", "[worker][bucket]") {
+TEST_CASE("buckets are filled in reverse parameter order with a 1 MiB first bucket",
+          "[worker][bucket]") {
   // 6 parameters of 0.5 MiB each; cap 2 MiB: first bucket {5,4} (1 MiB), then {3,2,1,0} (2 MiB).
   std::vector<TensorSpec> t(6, floats(kMiB / 2));
   BucketOptions o;
@@ -42,7 +44,8 @@ TEST_CASE("the default cap is 25 MiB after the first bucket", "[worker][bucket]"
 
 TEST_CASE("a tensor larger than the cap gets a bucket of its own", "[worker][bucket]") {
   // reverse order walk: 3 (small), 2 (huge), 1 (small), 0 (small)
-  std::vector<TensorSpec> t{floats(kMiB / 4), floats(kMiB / 4), floats(40 * kMiB), floats(kMiB / 4)};
+  std::vector<TensorSpec> t{floats(kMiB / 4), floats(kMiB / 4), floats(40 * kMiB),
+                            floats(kMiB / 4)};
   auto b = computeBucketAssignment(t);
   CHECK(b == Buckets{{3}, {2}, {1, 0}});
 }

@@ -1,16 +1,16 @@
-#include "torch_catch.h"
-
 #include <atomic>
 #include <mutex>
 
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/process_group.h"
 #include "thread_ranks.h"
+#include "torch_catch.h"
 
 using namespace ddprun::worker;
 namespace t = ddprun::worker::testing;
 
-TEST_CASE("all_reduce sums and averages across thread ranks for every size and dtype", "[worker][comm]") {
+TEST_CASE("all_reduce sums and averages across thread ranks for every size and dtype",
+          "[worker][comm]") {
   const int world = 3;
   std::mutex mu;
   std::vector<std::string> failures;
@@ -23,13 +23,16 @@ TEST_CASE("all_reduce sums and averages across thread ranks for every size and d
       // Rank r contributes (r + 1) * arange(n); the sum is 6 * arange(n).
       auto f = torch::arange(n, torch::kFloat) * (pg.rank() + 1);
       pg.comm().allReduce(f, ReduceOp::kSum);
-      if (!torch::allclose(f, torch::arange(n, torch::kFloat) * 6)) fail("float sum n=" + std::to_string(n));
+      if (!torch::allclose(f, torch::arange(n, torch::kFloat) * 6))
+        fail("float sum n=" + std::to_string(n));
       auto d = torch::arange(n, torch::kDouble) * (pg.rank() + 1);
       pg.comm().allReduce(d, ReduceOp::kAvg);
-      if (!torch::allclose(d, torch::arange(n, torch::kDouble) * 2)) fail("double avg n=" + std::to_string(n));
+      if (!torch::allclose(d, torch::arange(n, torch::kDouble) * 2))
+        fail("double avg n=" + std::to_string(n));
       auto l = torch::full({n}, pg.rank() + 1, torch::kLong);
       pg.comm().allReduce(l, ReduceOp::kSum);
-      if (!torch::equal(l, torch::full({n}, 6, torch::kLong))) fail("int64 sum n=" + std::to_string(n));
+      if (!torch::equal(l, torch::full({n}, 6, torch::kLong)))
+        fail("int64 sum n=" + std::to_string(n));
     }
   });
   CHECK(failures.empty());
@@ -74,7 +77,8 @@ TEST_CASE("broadcast, all_gather and barrier work across thread ranks", "[worker
   });
   for (int r = 0; r < world; ++r) {
     CHECK(torch::equal(bcast[static_cast<size_t>(r)], torch::full({5, 3}, 10.0f)));
-    CHECK(torch::equal(gathered[static_cast<size_t>(r)], torch::tensor({0, 0, 1, 1, 2, 2}, torch::kLong)));
+    CHECK(torch::equal(gathered[static_cast<size_t>(r)],
+                       torch::tensor({0, 0, 1, 1, 2, 2}, torch::kLong)));
   }
 }
 
@@ -100,7 +104,8 @@ TEST_CASE("misuse of collectives is a clear error, not a hang", "[worker][comm]"
   }
 }
 
-TEST_CASE("a rank whose peers never arrive fails with a timeout naming the missing keys", "[worker][comm]") {
+TEST_CASE("a rank whose peers never arrive fails with a timeout naming the missing keys",
+          "[worker][comm]") {
   auto opts = t::fastOptions();
   opts.connect_timeout = std::chrono::milliseconds(500);
   auto store = KeyValueStore::inMemory(opts.connect_timeout);
@@ -115,10 +120,12 @@ TEST_CASE("the TCP store is hosted by rank 0 and reached by the others", "[worke
   CHECK(server->get("k") == std::vector<char>{'h', 'i'});
   CHECK(server->add("n", 2) == 2);
   CHECK(client->add("n", 3) == 5);
-  CHECK_THROWS_WITH(client->wait({"never"}, std::chrono::milliseconds(200)), Catch::Contains("never"));
+  CHECK_THROWS_WITH(client->wait({"never"}, std::chrono::milliseconds(200)),
+                    Catch::Contains("never"));
 }
 
-TEST_CASE("connecting to a store nobody hosts fails within the timeout naming the address", "[worker][comm]") {
+TEST_CASE("connecting to a store nobody hosts fails within the timeout naming the address",
+          "[worker][comm]") {
   // Take a free port and release it: nothing listens there afterwards.
   int port;
   {
@@ -132,8 +139,9 @@ TEST_CASE("connecting to a store nobody hosts fails within the timeout naming th
   env.master_port = port;
   ProcessGroupOptions o;
   o.connect_timeout = std::chrono::milliseconds(1500);
-  CHECK_THROWS_WITH(ProcessGroup::initFromEnv(env, o),
-                    Catch::Contains("127.0.0.1:" + std::to_string(port)) && Catch::Contains("MASTER_ADDR"));
+  CHECK_THROWS_WITH(
+      ProcessGroup::initFromEnv(env, o),
+      Catch::Contains("127.0.0.1:" + std::to_string(port)) && Catch::Contains("MASTER_ADDR"));
 }
 
 TEST_CASE("initFromEnv builds a group over the TCP store hosted by rank 0", "[worker][comm]") {
@@ -203,10 +211,12 @@ TEST_CASE("NCCL all_reduce and broadcast on CUDA tensors (GPU only)", "[worker][
         auto opts = o;
         opts.cuda_device = r;
         auto pg = ProcessGroup::create(r, world, store, opts);
-        auto x = torch::full({1 << 20}, float(r + 1), torch::TensorOptions().device(torch::kCUDA, r));
+        auto x =
+            torch::full({1 << 20}, float(r + 1), torch::TensorOptions().device(torch::kCUDA, r));
         pg->comm().allReduce(x);
         sums[static_cast<size_t>(r)] = x[0].item<float>();
-        auto b = torch::full({16}, float(r * 10 + 7), torch::TensorOptions().device(torch::kCUDA, r));
+        auto b =
+            torch::full({16}, float(r * 10 + 7), torch::TensorOptions().device(torch::kCUDA, r));
         pg->comm().broadcast(b, 0);
         bcast[static_cast<size_t>(r)] = b[15].item<float>();
       } catch (...) {

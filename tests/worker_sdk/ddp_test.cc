@@ -1,10 +1,10 @@
-#include "torch_catch.h"
+#include "ddprun/worker/ddp.h"
 
 #include <set>
 
-#include "ddprun/worker/ddp.h"
 #include "ddprun/worker/errors.h"
 #include "thread_ranks.h"
+#include "torch_catch.h"
 
 using namespace ddprun::worker;
 namespace t = ddprun::worker::testing;
@@ -12,8 +12,9 @@ namespace t = ddprun::worker::testing;
 namespace {
 
 torch::nn::Sequential makeModel() {
-  return torch::nn::Sequential(torch::nn::Linear(20, 32), torch::nn::ReLU(), torch::nn::Linear(32, 16),
-                               torch::nn::Tanh(), torch::nn::Linear(16, 4));
+  return torch::nn::Sequential(torch::nn::Linear(20, 32), torch::nn::ReLU(),
+                               torch::nn::Linear(32, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 4));
 }
 
 void copyParams(torch::nn::Module& from, torch::nn::Module& to) {
@@ -27,7 +28,8 @@ double maxAbsDiff(torch::nn::Module& a, torch::nn::Module& b) {
   double m = 0;
   auto pa = a.parameters();
   auto pb = b.parameters();
-  for (size_t i = 0; i < pa.size(); ++i) m = std::max(m, (pa[i] - pb[i]).abs().max().item<double>());
+  for (size_t i = 0; i < pa.size(); ++i)
+    m = std::max(m, (pa[i] - pb[i]).abs().max().item<double>());
   return m;
 }
 
@@ -104,7 +106,8 @@ std::pair<double, bool> trainAndCompare(const Scenario& s) {
 
 }  // namespace
 
-TEST_CASE("DDP over W thread-ranks on a split batch equals one process on the whole batch", "[worker][ddp]") {
+TEST_CASE("DDP over W thread-ranks on a split batch equals one process on the whole batch",
+          "[worker][ddp]") {
   for (int world : {2, 3}) {
     for (double cap : {25.0, 0.0005}) {
       Scenario s;
@@ -119,7 +122,8 @@ TEST_CASE("DDP over W thread-ranks on a split batch equals one process on the wh
   }
 }
 
-TEST_CASE("gradient accumulation under no_sync equals one process on the whole batch", "[worker][ddp]") {
+TEST_CASE("gradient accumulation under no_sync equals one process on the whole batch",
+          "[worker][ddp]") {
   Scenario s;
   s.world = 2;
   s.micro = 3;
@@ -131,7 +135,8 @@ TEST_CASE("gradient accumulation under no_sync equals one process on the whole b
   CHECK(same);
 }
 
-TEST_CASE("DDP without overlap (all-reduce after backward) gives the same result", "[worker][ddp]") {
+TEST_CASE("DDP without overlap (all-reduce after backward) gives the same result",
+          "[worker][ddp]") {
   Scenario s;
   s.overlap = false;
   s.bucket_cap_mb = 0.001;
@@ -154,7 +159,8 @@ TEST_CASE("DDP with gradients copied out of the buckets (no bucket views) gives 
   }
 }
 
-TEST_CASE("with bucket views each gradient aliases its bucket after the first step", "[worker][ddp]") {
+TEST_CASE("with bucket views each gradient aliases its bucket after the first step",
+          "[worker][ddp]") {
   std::vector<int> aliased(2, 0);
   t::runRanks(2, [&](ProcessGroup& pg) {
     auto model = makeModel();
@@ -170,15 +176,19 @@ TEST_CASE("with bucket views each gradient aliases its bucket after the first st
     auto params = model->parameters();
     for (auto& p : params) ptrs.insert(p.grad().data_ptr());
     // ...and the last layer's bias (bucket offset 0) is followed directly by its weight.
-    const auto gap = static_cast<char*>(params[4].grad().data_ptr()) - static_cast<char*>(params[5].grad().data_ptr());
-    aliased[static_cast<size_t>(pg.rank())] = ptrs.size() == 6 && gap == 4 * static_cast<long>(sizeof(float));
+    const auto gap = static_cast<char*>(params[4].grad().data_ptr()) -
+                     static_cast<char*>(params[5].grad().data_ptr());
+    aliased[static_cast<size_t>(pg.rank())] =
+        ptrs.size() == 6 && gap == 4 * static_cast<long>(sizeof(float));
   });
   CHECK(aliased == std::vector<int>{1, 1});
 }
 
 namespace {
 struct TwoHeadsImpl : torch::nn::Module {
-  TwoHeadsImpl() : used(register_module("used", torch::nn::Linear(4, 4))), spare(register_module("spare", torch::nn::Linear(4, 2))) {}
+  TwoHeadsImpl()
+      : used(register_module("used", torch::nn::Linear(4, 4))),
+        spare(register_module("spare", torch::nn::Linear(4, 2))) {}
   torch::Tensor forward(const torch::Tensor& x) { return used->forward(x); }
   torch::nn::Linear used;
   torch::nn::Linear spare;
@@ -219,7 +229,8 @@ TEST_CASE("a parameter without gradient is named in the error unless unused para
 TEST_CASE("ranks holding different models are told so at construction", "[worker][ddp]") {
   std::vector<std::string> errors(2);
   t::runRanks(2, [&](ProcessGroup& pg) {
-    auto m = pg.rank() == 0 ? torch::nn::Sequential(torch::nn::Linear(4, 4)) : torch::nn::Sequential(torch::nn::Linear(4, 5));
+    auto m = pg.rank() == 0 ? torch::nn::Sequential(torch::nn::Linear(4, 4))
+                            : torch::nn::Sequential(torch::nn::Linear(4, 5));
     try {
       DistributedDataParallel ddp(m.ptr(), pg.shared_from_this());
     } catch (const ConfigError& e) {

@@ -1,8 +1,8 @@
-#include <catch2/catch.hpp>
+#include "ddprun/worker/env.h"
 
+#include <catch2/catch.hpp>
 #include <map>
 
-#include "ddprun/worker/env.h"
 #include "ddprun/worker/errors.h"
 
 using ddprun::worker::ConfigError;
@@ -17,8 +17,13 @@ WorkerEnv::Lookup from(std::map<std::string, std::string> m) {
   };
 }
 std::map<std::string, std::string> good() {
-  return {{"RANK", "3"}, {"WORLD_SIZE", "6"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
-          {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29500"}, {"TORCHELASTIC_RESTART_COUNT", "2"}};
+  return {{"RANK", "3"},
+          {"WORLD_SIZE", "6"},
+          {"LOCAL_RANK", "1"},
+          {"LOCAL_WORLD_SIZE", "2"},
+          {"MASTER_ADDR", "node0"},
+          {"MASTER_PORT", "29500"},
+          {"TORCHELASTIC_RESTART_COUNT", "2"}};
 }
 std::string errorOf(const std::map<std::string, std::string>& m) {
   try {

@@ -30,7 +30,8 @@ inline int freePort() {
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port = 0;
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) throw std::runtime_error("bind failed");
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0)
+    throw std::runtime_error("bind failed");
   socklen_t len = sizeof(a);
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   ::close(fd);
@@ -46,7 +47,8 @@ inline std::string readFile(const std::string& path) {
 
 class Child {
  public:
-  Child(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env, std::string log_path)
+  Child(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+        std::string log_path)
       : log_(std::move(log_path)) {
     pid_ = ::fork();
     if (pid_ < 0) throw std::runtime_error("fork failed");

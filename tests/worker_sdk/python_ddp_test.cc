@@ -1,13 +1,12 @@
 // The SDK against PyTorch itself: the same model, data and seed trained with Python's
 // DistributedDataParallel (gloo, 2 processes, python3-torch) and with the SDK (2 thread-ranks).
-#include "torch_catch.h"
-
 #include <fstream>
 
 #include "ddprun/worker/ddp.h"
 #include "process_util.h"
 #include "test_util.h"
 #include "thread_ranks.h"
+#include "torch_catch.h"
 
 using namespace ddprun::worker;
 namespace t = ddprun::worker::testing;
@@ -22,17 +21,20 @@ torch::Tensor readFloats(const std::string& path, std::vector<int64_t> shape) {
 }
 }  // namespace
 
-TEST_CASE("the SDK's DDP and PyTorch's DDP reach the same parameters after k steps", "[worker][ddp][python]") {
+TEST_CASE("the SDK's DDP and PyTorch's DDP reach the same parameters after k steps",
+          "[worker][ddp][python]") {
   const int steps = 6;
   t::TempDir dir;
-  auto r = t::run(t::python() + " " + t::sourceDir() + "/tests/worker_sdk/python_ddp_reference.py " + dir.str() + " " +
-                  std::to_string(steps) + " 2>&1");
+  auto r =
+      t::run(t::python() + " " + t::sourceDir() + "/tests/worker_sdk/python_ddp_reference.py " +
+             dir.str() + " " + std::to_string(steps) + " 2>&1");
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
 
   auto make = [] {
-    return torch::nn::Sequential(torch::nn::Linear(20, 32), torch::nn::ReLU(), torch::nn::Linear(32, 16),
-                                 torch::nn::Tanh(), torch::nn::Linear(16, 4));
+    return torch::nn::Sequential(torch::nn::Linear(20, 32), torch::nn::ReLU(),
+                                 torch::nn::Linear(32, 16), torch::nn::Tanh(),
+                                 torch::nn::Linear(16, 4));
   };
   int64_t n_params = 0;
   for (auto& p : make()->parameters()) n_params += p.numel();

@@ -1,11 +1,11 @@
-#include <catch2/catch.hpp>
+#include "ddprun/worker/sampler.h"
 
+#include <catch2/catch.hpp>
 #include <fstream>
 #include <sstream>
 #include <vector>
 
 #include "ddprun/worker/errors.h"
-#include "ddprun/worker/sampler.h"
 #include "test_util.h"
 
 using ddprun::worker::DistributedSampler;
@@ -24,7 +24,9 @@ TEST_CASE("the sampler matches PyTorch's DistributedSampler index lists", "[work
         for (bool drop_last : {false, true}) {
           for (int64_t epoch : {0, 3}) {
             const int rank = static_cast<int>((size + epoch) % replicas);
-            configs.push_back({SamplerOptions{size, replicas, rank, shuffle, 42u + static_cast<uint64_t>(size % 5), drop_last}, epoch});
+            configs.push_back({SamplerOptions{size, replicas, rank, shuffle,
+                                              42u + static_cast<uint64_t>(size % 5), drop_last},
+                               epoch});
           }
         }
       }
@@ -35,11 +37,12 @@ TEST_CASE("the sampler matches PyTorch's DistributedSampler index lists", "[work
   {
     std::ofstream f(cfg);
     for (const auto& c : configs) {
-      f << c.o.size << ' ' << c.o.num_replicas << ' ' << c.o.rank << ' ' << c.o.shuffle << ' ' << c.o.seed << ' '
-        << c.o.drop_last << ' ' << c.epoch << '\n';
+      f << c.o.size << ' ' << c.o.num_replicas << ' ' << c.o.rank << ' ' << c.o.shuffle << ' '
+        << c.o.seed << ' ' << c.o.drop_last << ' ' << c.epoch << '\n';
     }
   }
-  auto res = t::run(t::python() + " " + t::sourceDir() + "/tests/worker_sdk/sampler_reference.py " + cfg);
+  auto res =
+      t::run(t::python() + " " + t::sourceDir() + "/tests/worker_sdk/sampler_reference.py " + cfg);
   REQUIRE(res.exit_code == 0);
   std::istringstream lines(res.output);
   std::string line;
@@ -52,8 +55,9 @@ TEST_CASE("the sampler matches PyTorch's DistributedSampler index lists", "[work
     while (ls >> v) expected.push_back(v);
     DistributedSampler s(c.o);
     s.setEpoch(c.epoch);
-    INFO("size=" << c.o.size << " replicas=" << c.o.num_replicas << " rank=" << c.o.rank << " shuffle=" << c.o.shuffle
-                 << " drop_last=" << c.o.drop_last << " epoch=" << c.epoch);
+    INFO("size=" << c.o.size << " replicas=" << c.o.num_replicas << " rank=" << c.o.rank
+                 << " shuffle=" << c.o.shuffle << " drop_last=" << c.o.drop_last
+                 << " epoch=" << c.epoch);
     CHECK(s.indices() == expected);
     CHECK(s.numSamples() == static_cast<int64_t>(expected.size()));
     ++compared;
@@ -61,7 +65,8 @@ TEST_CASE("the sampler matches PyTorch's DistributedSampler index lists", "[work
   CHECK(compared == configs.size());
 }
 
-TEST_CASE("different epochs shuffle differently and ranks partition the padded set", "[worker][sampler]") {
+TEST_CASE("different epochs shuffle differently and ranks partition the padded set",
+          "[worker][sampler]") {
   SamplerOptions o{10, 3, 0, true, 7, false};
   DistributedSampler s0(o);
   auto e0 = s0.indices();
@@ -82,7 +87,8 @@ TEST_CASE("different epochs shuffle differently and ranks partition the padded s
 }
 
 TEST_CASE("bad sampler options are rejected with a clear error", "[worker][sampler]") {
-  CHECK_THROWS_WITH(DistributedSampler(SamplerOptions{10, 2, 2}), Catch::Contains("rank 2 is outside [0, 1]"));
+  CHECK_THROWS_WITH(DistributedSampler(SamplerOptions{10, 2, 2}),
+                    Catch::Contains("rank 2 is outside [0, 1]"));
   CHECK_THROWS_AS(DistributedSampler(SamplerOptions{10, 0, 0}), ddprun::worker::ConfigError);
   CHECK_THROWS_AS(DistributedSampler(SamplerOptions{-1, 1, 0}), ddprun::worker::ConfigError);
 }

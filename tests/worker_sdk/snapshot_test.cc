@@ -1,11 +1,11 @@
-#include "torch_catch.h"
+#include "ddprun/worker/snapshot.h"
 
 #include <filesystem>
 #include <fstream>
 
 #include "ddprun/worker/errors.h"
-#include "ddprun/worker/snapshot.h"
 #include "test_util.h"
+#include "torch_catch.h"
 
 using namespace ddprun::worker;
 namespace t = ddprun::worker::testing;
@@ -59,7 +59,8 @@ TEST_CASE("a missing snapshot is reported as absent and a corrupt one as an erro
   CHECK_FALSE(loadSnapshot(dir.str() + "/none.pt", *m, opt, p));
   const std::string bad = dir.str() + "/bad.pt";
   std::ofstream(bad) << "not a snapshot";
-  CHECK_THROWS_WITH(loadSnapshot(bad, *m, opt, p), Catch::Contains("cannot load snapshot '" + bad + "'"));
+  CHECK_THROWS_WITH(loadSnapshot(bad, *m, opt, p),
+                    Catch::Contains("cannot load snapshot '" + bad + "'"));
 }
 
 TEST_CASE("atomic writes replace the file whole and leave no temp files", "[worker][snapshot]") {

@@ -1,7 +1,6 @@
 // Multi-process tests of `train`: real processes, real sockets, a real launcher (ddprun when it is
 // built, otherwise the reference torchrun).
 #include <catch2/catch.hpp>
-
 #include <filesystem>
 
 #include "process_util.h"
@@ -15,10 +14,14 @@ namespace {
 std::string trainBin() { return t::buildDir() + "/examples/train"; }
 
 std::map<std::string, std::string> rankEnv(int rank, int world, int port, const std::string& dir) {
-  return {{"RANK", std::to_string(rank)},         {"WORLD_SIZE", std::to_string(world)},
-          {"LOCAL_RANK", std::to_string(rank)},   {"LOCAL_WORLD_SIZE", std::to_string(world)},
-          {"MASTER_ADDR", "127.0.0.1"},           {"MASTER_PORT", std::to_string(port)},
-          {"OMP_NUM_THREADS", "1"},               {"DDPRUN_HEARTBEAT_FILE", dir + "/hb" + std::to_string(rank)},
+  return {{"RANK", std::to_string(rank)},
+          {"WORLD_SIZE", std::to_string(world)},
+          {"LOCAL_RANK", std::to_string(rank)},
+          {"LOCAL_WORLD_SIZE", std::to_string(world)},
+          {"MASTER_ADDR", "127.0.0.1"},
+          {"MASTER_PORT", std::to_string(port)},
+          {"OMP_NUM_THREADS", "1"},
+          {"DDPRUN_HEARTBEAT_FILE", dir + "/hb" + std::to_string(rank)},
           {"TORCHELASTIC_RESTART_COUNT", "0"}};
 }
 
@@ -31,8 +34,19 @@ std::vector<std::string> launcherArgv(const std::vector<std::string>& args, std:
     argv = {ddprun, "--standalone", "--nproc-per-node=2", "--max-restarts=1", trainBin()};
   } else {
     *which = "torchrun";
-    argv = {t::python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
-            "--monitor_interval=0.2", "-r", "9:1", "-t", "9:1", "--no_python", trainBin()};
+    argv = {t::python(),
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "--max_restarts=1",
+            "--monitor_interval=0.2",
+            "-r",
+            "9:1",
+            "-t",
+            "9:1",
+            "--no_python",
+            trainBin()};
   }
   argv.insert(argv.end(), args.begin(), args.end());
   return argv;
@@ -58,7 +72,8 @@ TEST_CASE("train rejects bad arguments with a clear message and exit code 2", "[
   CHECK_THAT(r.output, Catch::Contains("WORLD_SIZE is not set"));
 }
 
-TEST_CASE("SIGTERM mid-epoch writes a snapshot at the next step and every rank exits 0", "[worker][train]") {
+TEST_CASE("SIGTERM mid-epoch writes a snapshot at the next step and every rank exits 0",
+          "[worker][train]") {
   t::TempDir dir;
   const int port = t::freePort();
   const std::string snap = dir.str() + "/snap.pt";
@@ -69,7 +84,12 @@ TEST_CASE("SIGTERM mid-epoch writes a snapshot at the next step and every rank e
         rankEnv(r, 2, port, dir.str()), dir.str() + "/out" + std::to_string(r)));
   }
   // Both ranks are past step 1 once their heartbeat files exist.
-  REQUIRE(t::waitUntil([&] { return std::filesystem::exists(dir.path() / "hb0") && std::filesystem::exists(dir.path() / "hb1"); }, 120s));
+  REQUIRE(t::waitUntil(
+      [&] {
+        return std::filesystem::exists(dir.path() / "hb0") &&
+               std::filesystem::exists(dir.path() / "hb1");
+      },
+      120s));
   CHECK_FALSE(std::filesystem::exists(snap));
   // Only one rank gets the signal: the ranks must still agree on the same stopping step.
   ranks[1]->signal(SIGTERM);
@@ -81,19 +101,22 @@ TEST_CASE("SIGTERM mid-epoch writes a snapshot at the next step and every rank e
   CHECK(*c0 == 0);
   CHECK(*c1 == 0);
   CHECK(std::filesystem::exists(snap));
-  CHECK_THAT(ranks[0]->output(), Catch::Contains("Training snapshot saved at " + snap + " (checkpoint signal)"));
+  CHECK_THAT(ranks[0]->output(),
+             Catch::Contains("Training snapshot saved at " + snap + " (checkpoint signal)"));
   CHECK_THAT(ranks[1]->output(), Catch::Contains("stopped by checkpoint signal"));
   // No temp files are left next to the snapshot.
   int files = 0;
-  for (auto& e : std::filesystem::directory_iterator(dir.path())) files += e.path().filename().string().rfind("snap", 0) == 0;
+  for (auto& e : std::filesystem::directory_iterator(dir.path()))
+    files += e.path().filename().string().rfind("snap", 0) == 0;
   CHECK(files == 1);
 
   // The snapshot is usable: a new run resumes from it mid-epoch.
   const int port2 = t::freePort();
   std::vector<std::unique_ptr<t::Child>> again;
   for (int r = 0; r < 2; ++r) {
-    again.push_back(std::make_unique<t::Child>(std::vector<std::string>{trainBin(), "1", "0", "--snapshot-path", snap},
-                                               rankEnv(r, 2, port2, dir.str()), dir.str() + "/again" + std::to_string(r)));
+    again.push_back(std::make_unique<t::Child>(
+        std::vector<std::string>{trainBin(), "1", "0", "--snapshot-path", snap},
+        rankEnv(r, 2, port2, dir.str()), dir.str() + "/again" + std::to_string(r)));
   }
   for (auto& c : again) {
     auto code = c->wait(120s);
@@ -104,14 +127,18 @@ TEST_CASE("SIGTERM mid-epoch writes a snapshot at the next step and every rank e
   }
 }
 
-TEST_CASE("a run killed mid-epoch and restarted by the launcher ends bit-identical to an uninterrupted run",
-          "[worker][train]") {
+TEST_CASE(
+    "a run killed mid-epoch and restarted by the launcher ends bit-identical to an uninterrupted "
+    "run",
+    "[worker][train]") {
   t::TempDir dir;
-  const std::vector<std::string> common{"4", "1", "--dataset-size", "512"};  // 8 steps per epoch per rank
+  const std::vector<std::string> common{"4", "1", "--dataset-size",
+                                        "512"};  // 8 steps per epoch per rank
   std::string which;
 
   auto args = common;
-  args.insert(args.end(), {"--snapshot-path", dir.str() + "/a/snap.pt", "--dump-params", dir.str() + "/a.bin"});
+  args.insert(args.end(),
+              {"--snapshot-path", dir.str() + "/a/snap.pt", "--dump-params", dir.str() + "/a.bin"});
   t::Child clean(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}}, dir.str() + "/clean.log");
   auto c = clean.wait(240s);
   INFO(which << " clean run:\n" << clean.output());
@@ -121,9 +148,10 @@ TEST_CASE("a run killed mid-epoch and restarted by the launcher ends bit-identic
   // Global step 20 is in the middle of epoch 2 (steps 17-24): the restart resumes from the
   // snapshot taken after epoch 1 and redoes the first half of epoch 2.
   args = common;
-  args.insert(args.end(), {"--snapshot-path", dir.str() + "/b/snap.pt", "--dump-params", dir.str() + "/b.bin",
-                           "--fail-at-step", "20"});
-  t::Child crashed(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}}, dir.str() + "/crashed.log");
+  args.insert(args.end(), {"--snapshot-path", dir.str() + "/b/snap.pt", "--dump-params",
+                           dir.str() + "/b.bin", "--fail-at-step", "20"});
+  t::Child crashed(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}},
+                   dir.str() + "/crashed.log");
   c = crashed.wait(240s);
   const std::string out = crashed.output();
   INFO(which << " interrupted run:\n" << out);

@@ -18,8 +18,8 @@ struct OpenBucket {
 
 }  // namespace
 
-std::vector<std::vector<std::size_t>> computeBucketAssignment(const std::vector<TensorSpec>& tensors,
-                                                              const BucketOptions& options) {
+std::vector<std::vector<std::size_t>> computeBucketAssignment(
+    const std::vector<TensorSpec>& tensors, const BucketOptions& options) {
   if (options.first_bucket_bytes == 0 || options.bucket_cap_bytes == 0) {
     throw ConfigError("bucket size limits must be positive (first_bucket_bytes=" +
                       std::to_string(options.first_bucket_bytes) +

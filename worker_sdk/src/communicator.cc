@@ -24,9 +24,13 @@ bool ncclAvailable() {
 #endif
 }
 
-void Communicator::allReduce(const at::Tensor& tensor, ReduceOp op) { allReduceAsync(tensor, op)->wait(); }
+void Communicator::allReduce(const at::Tensor& tensor, ReduceOp op) {
+  allReduceAsync(tensor, op)->wait();
+}
 
-void Communicator::broadcast(const at::Tensor& tensor, int root) { broadcastAsync(tensor, root)->wait(); }
+void Communicator::broadcast(const at::Tensor& tensor, int root) {
+  broadcastAsync(tensor, root)->wait();
+}
 
 std::vector<at::Tensor> Communicator::allGather(const at::Tensor& input) {
   at::Tensor out = at::empty({static_cast<int64_t>(size()) * input.numel()}, input.options());

@@ -20,12 +20,14 @@ struct DistributedDataParallel::Bucket {
 };
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
-                                                 std::shared_ptr<ProcessGroup> group, const DdpOptions& options)
+                                                 std::shared_ptr<ProcessGroup> group,
+                                                 const DdpOptions& options)
     : module_(std::move(module)), group_(std::move(group)), options_(options) {
   if (!module_) throw ConfigError("DistributedDataParallel: module is null");
   if (!group_) throw ConfigError("DistributedDataParallel: process group is null");
   if (!(options.bucket_cap_mb > 0) || !(options.first_bucket_mb > 0)) {
-    throw ConfigError("DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be positive");
+    throw ConfigError(
+        "DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be positive");
   }
   Communicator& comm = group_->comm();
 
@@ -43,11 +45,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     auto all = comm.allGather(sig);
     for (int r = 0; r < comm.size(); ++r) {
       if (!torch::equal(all[static_cast<size_t>(r)], sig)) {
-        throw ConfigError("DistributedDataParallel: rank " + std::to_string(r) + " has " +
-                          std::to_string(all[static_cast<size_t>(r)][0].item<int64_t>()) + " parameters / " +
-                          std::to_string(all[static_cast<size_t>(r)][1].item<int64_t>()) + " elements but rank " +
-                          std::to_string(comm.rank()) + " has " + std::to_string(params_.size()) + " / " +
-                          std::to_string(total) + ": every rank must build the same model");
+        throw ConfigError(
+            "DistributedDataParallel: rank " + std::to_string(r) + " has " +
+            std::to_string(all[static_cast<size_t>(r)][0].item<int64_t>()) + " parameters / " +
+            std::to_string(all[static_cast<size_t>(r)][1].item<int64_t>()) + " elements but rank " +
+            std::to_string(comm.rank()) + " has " + std::to_string(params_.size()) + " / " +
+            std::to_string(total) + ": every rank must build the same model");
       }
     }
   }
@@ -63,12 +66,14 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
 
   std::vector<TensorSpec> specs;
   for (auto& p : params_) {
-    specs.push_back(TensorSpec{static_cast<std::size_t>(p.numel()), static_cast<std::size_t>(p.element_size()),
+    specs.push_back(TensorSpec{static_cast<std::size_t>(p.numel()),
+                               static_cast<std::size_t>(p.element_size()),
                                static_cast<int>(p.scalar_type()),
                                p.device().is_cpu() ? -1 : static_cast<int>(p.device().index())});
   }
   BucketOptions bopts;
-  bopts.first_bucket_bytes = static_cast<std::size_t>(options.first_bucket_mb * BucketOptions::kMiB);
+  bopts.first_bucket_bytes =
+      static_cast<std::size_t>(options.first_bucket_mb * BucketOptions::kMiB);
   bopts.bucket_cap_bytes = static_cast<std::size_t>(options.bucket_cap_mb * BucketOptions::kMiB);
   bucket_indices_ = computeBucketAssignment(specs, bopts);
 
@@ -83,7 +88,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
       offset_of_[i] = static_cast<std::size_t>(n);
       n += params_[i].numel();
     }
-    bucket->flat = torch::zeros({n}, params_[bucket->params.front()].options().requires_grad(false));
+    bucket->flat =
+        torch::zeros({n}, params_[bucket->params.front()].options().requires_grad(false));
     buckets_.push_back(std::move(bucket));
   }
   // Plain aliases (from_blob), not autograd views: the optimizer's zero_grad() detaches grads in
@@ -92,18 +98,23 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   for (std::size_t i = 0; i < params_.size(); ++i) {
     torch::Tensor flat = buckets_[bucket_of_[i]]->flat;
     auto* base = static_cast<char*>(flat.data_ptr()) + offset_of_[i] * flat.element_size();
-    views_[i] = torch::from_blob(base, params_[i].sizes(), [flat](void*) {}, flat.options());
+    views_[i] = torch::from_blob(
+        base, params_[i].sizes(), [flat](void*) {}, flat.options());
   }
   ready_.assign(params_.size(), false);
 
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
-    if (!acc) throw WorkerError("DistributedDataParallel: parameter '" + names_[i] + "' is not a leaf tensor");
-    hook_keys_.push_back(acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-          onGradReady(i);
-          return outputs;
-        })));
+    if (!acc)
+      throw WorkerError("DistributedDataParallel: parameter '" + names_[i] +
+                        "' is not a leaf tensor");
+    hook_keys_.push_back(
+        acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [this, i](const torch::autograd::variable_list& outputs,
+                      const torch::autograd::variable_list&) {
+              onGradReady(i);
+              return outputs;
+            })));
     grad_accumulators_.push_back(std::move(acc));
   }
   resetIteration();
@@ -120,7 +131,8 @@ DistributedDataParallel::~DistributedDataParallel() {
     }
   }
   // Hooks capture `this` and the accumulators may outlive us (a live graph holds them).
-  for (std::size_t i = 0; i < grad_accumulators_.size(); ++i) grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+  for (std::size_t i = 0; i < grad_accumulators_.size(); ++i)
+    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
 }
 
 DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp) {
@@ -159,9 +171,10 @@ void DistributedDataParallel::onGradReady(std::size_t i) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalizeBackward(); });
   }
   if (ready_[i]) {
-    throw WorkerError("DistributedDataParallel: parameter '" + names_[i] +
-                      "' received a gradient twice in one backward pass (reused module with shared weights "
-                      "is not supported)");
+    throw WorkerError(
+        "DistributedDataParallel: parameter '" + names_[i] +
+        "' received a gradient twice in one backward pass (reused module with shared weights "
+        "is not supported)");
   }
   ready_[i] = true;
   Bucket& b = *buckets_[bucket_of_[i]];
@@ -210,9 +223,11 @@ void DistributedDataParallel::finalizeBackward() {
     if (!missing.empty()) {
       std::ostringstream msg;
       msg << "DistributedDataParallel: parameter" << (missing.size() > 1 ? "s " : " ");
-      for (std::size_t k = 0; k < missing.size() && k < 10; ++k) msg << (k ? ", '" : "'") << missing[k] << "'";
+      for (std::size_t k = 0; k < missing.size() && k < 10; ++k)
+        msg << (k ? ", '" : "'") << missing[k] << "'";
       if (missing.size() > 10) msg << " and " << missing.size() - 10 << " more";
-      msg << " received no gradient in this backward pass; make every parameter take part in the loss, "
+      msg << " received no gradient in this backward pass; make every parameter take part in the "
+             "loss, "
              "or construct DistributedDataParallel with find_unused_parameters = true";
       resetIteration();
       throw WorkerError(msg.str());
@@ -225,7 +240,8 @@ void DistributedDataParallel::finalizeBackward() {
     b.work->wait();
     for (std::size_t i : b.params) {
       torch::Tensor& grad = params_[i].mutable_grad();
-      if (grad.defined() && grad.data_ptr() == views_[i].data_ptr()) continue;  // already the bucket
+      if (grad.defined() && grad.data_ptr() == views_[i].data_ptr())
+        continue;  // already the bucket
       if (options_.gradient_as_bucket_view || !grad.defined()) {
         grad = options_.gradient_as_bucket_view ? views_[i] : views_[i].clone();
       } else {

@@ -9,8 +9,8 @@ namespace ddprun::worker {
 
 namespace {
 
-int parseIntVar(const WorkerEnv::Lookup& lookup, const std::string& name, std::optional<int> fallback,
-                long long min, long long max) {
+int parseIntVar(const WorkerEnv::Lookup& lookup, const std::string& name,
+                std::optional<int> fallback, long long min, long long max) {
   std::optional<std::string> raw = lookup(name);
   if (!raw) {
     if (fallback) return *fallback;
@@ -19,8 +19,9 @@ int parseIntVar(const WorkerEnv::Lookup& lookup, const std::string& name, std::o
   }
   std::optional<long long> v = ddprun::parseInt(ddprun::trim(*raw));
   if (!v || *v < min || *v > max) {
-    throw ConfigError("environment variable " + name + "='" + *raw + "' is malformed: expected an integer in [" +
-                      std::to_string(min) + ", " + std::to_string(max) + "]");
+    throw ConfigError("environment variable " + name + "='" + *raw +
+                      "' is malformed: expected an integer in [" + std::to_string(min) + ", " +
+                      std::to_string(max) + "]");
   }
   return static_cast<int>(*v);
 }
@@ -36,7 +37,9 @@ WorkerEnv WorkerEnv::parse(const Lookup& lookup) {
   env.local_rank = parseIntVar(lookup, "LOCAL_RANK", env.rank, 0, env.local_world_size - 1);
   std::optional<std::string> addr = lookup("MASTER_ADDR");
   if (!addr || ddprun::trim(*addr).empty()) {
-    throw ConfigError("environment variable MASTER_ADDR is not set; run this program under ddprun or torchrun, or set it");
+    throw ConfigError(
+        "environment variable MASTER_ADDR is not set; run this program under ddprun or torchrun, "
+        "or set it");
   }
   env.master_addr = ddprun::trim(*addr);
   env.master_port = parseIntVar(lookup, "MASTER_PORT", std::nullopt, 1, 65535);

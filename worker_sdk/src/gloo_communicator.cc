@@ -22,16 +22,20 @@ namespace {
 // gloo::rendezvous::Store over our KeyValueStore, with keys under a prefix.
 class StoreAdapter : public gloo::rendezvous::Store {
  public:
-  StoreAdapter(std::shared_ptr<KeyValueStore> store, std::string prefix, std::chrono::milliseconds timeout)
+  StoreAdapter(std::shared_ptr<KeyValueStore> store, std::string prefix,
+               std::chrono::milliseconds timeout)
       : store_(std::move(store)), prefix_(std::move(prefix)), timeout_(timeout) {}
 
-  void set(const std::string& key, const std::vector<char>& data) override { store_->set(prefix_ + key, data); }
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_->set(prefix_ + key, data);
+  }
   std::vector<char> get(const std::string& key) override {
     store_->wait({prefix_ + key}, timeout_);
     return store_->get(prefix_ + key);
   }
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
     std::vector<std::string> full;
     full.reserve(keys.size());
     for (const auto& k : keys) full.push_back(prefix_ + k);
@@ -60,8 +64,13 @@ void runAllReduce(const std::shared_ptr<gloo::Context>& ctx, T* ptr, size_t n, u
 
 class GlooCommunicator : public Communicator {
  public:
-  GlooCommunicator(int rank, int size, std::shared_ptr<gloo::Context> ctx, std::chrono::milliseconds timeout)
-      : rank_(rank), size_(size), ctx_(std::move(ctx)), timeout_(timeout), queue_("gloo communicator") {}
+  GlooCommunicator(int rank, int size, std::shared_ptr<gloo::Context> ctx,
+                   std::chrono::milliseconds timeout)
+      : rank_(rank),
+        size_(size),
+        ctx_(std::move(ctx)),
+        timeout_(timeout),
+        queue_("gloo communicator") {}
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -80,11 +89,20 @@ class GlooCommunicator : public Communicator {
       const size_t n = static_cast<size_t>(work.numel());
       if (n > 0 && size_ > 1) {
         switch (work.scalar_type()) {
-          case at::kFloat: runAllReduce(ctx_, work.data_ptr<float>(), n, tag, timeout_); break;
-          case at::kDouble: runAllReduce(ctx_, work.data_ptr<double>(), n, tag, timeout_); break;
-          case at::kLong: runAllReduce(ctx_, work.data_ptr<int64_t>(), n, tag, timeout_); break;
-          case at::kInt: runAllReduce(ctx_, work.data_ptr<int32_t>(), n, tag, timeout_); break;
-          default: break;  // rejected in checkReducible
+          case at::kFloat:
+            runAllReduce(ctx_, work.data_ptr<float>(), n, tag, timeout_);
+            break;
+          case at::kDouble:
+            runAllReduce(ctx_, work.data_ptr<double>(), n, tag, timeout_);
+            break;
+          case at::kLong:
+            runAllReduce(ctx_, work.data_ptr<int64_t>(), n, tag, timeout_);
+            break;
+          case at::kInt:
+            runAllReduce(ctx_, work.data_ptr<int32_t>(), n, tag, timeout_);
+            break;
+          default:
+            break;  // rejected in checkReducible
         }
       }
       if (op == ReduceOp::kAvg) work.div_(size_);
@@ -117,8 +135,9 @@ class GlooCommunicator : public Communicator {
     checkCpu(output, "all_gather");
     if (output.numel() != input.numel() * size_ || output.scalar_type() != input.scalar_type() ||
         !output.is_contiguous()) {
-      throw WorkerError("all_gather: output must be a contiguous " + std::string(c10::toString(input.scalar_type())) +
-                        " tensor of " + std::to_string(input.numel() * size_) + " elements");
+      throw WorkerError("all_gather: output must be a contiguous " +
+                        std::string(c10::toString(input.scalar_type())) + " tensor of " +
+                        std::to_string(input.numel() * size_) + " elements");
     }
     const uint32_t tag = nextTag();
     return queue_.submit([this, input, output, tag] {
@@ -153,7 +172,8 @@ class GlooCommunicator : public Communicator {
   static void checkCpu(const at::Tensor& t, const char* op) {
     if (!t.defined()) throw WorkerError(std::string(op) + ": tensor is undefined");
     if (!t.device().is_cpu()) {
-      throw WorkerError(std::string(op) + ": the gloo backend handles CPU tensors only, got a tensor on " +
+      throw WorkerError(std::string(op) +
+                        ": the gloo backend handles CPU tensors only, got a tensor on " +
                         t.device().str() + " (use the nccl backend for CUDA tensors)");
     }
   }
@@ -165,7 +185,8 @@ class GlooCommunicator : public Communicator {
   }
   void checkRoot(int root) const {
     if (root < 0 || root >= size_) {
-      throw WorkerError("broadcast: root " + std::to_string(root) + " is outside [0, " + std::to_string(size_ - 1) + "]");
+      throw WorkerError("broadcast: root " + std::to_string(root) + " is outside [0, " +
+                        std::to_string(size_ - 1) + "]");
     }
   }
 
@@ -179,7 +200,8 @@ class GlooCommunicator : public Communicator {
 
 }  // namespace
 
-std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size, std::shared_ptr<KeyValueStore> store,
+std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,
+                                                   std::shared_ptr<KeyValueStore> store,
                                                    const GlooOptions& options) {
   gloo::transport::tcp::attr attr;
   attr.hostname = options.local_address;
@@ -187,7 +209,8 @@ std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size, std::shar
   try {
     device = gloo::transport::tcp::CreateDevice(attr);
   } catch (const std::exception& e) {
-    throw CommError("gloo: cannot create a TCP device on " + options.local_address + ": " + e.what());
+    throw CommError("gloo: cannot create a TCP device on " + options.local_address + ": " +
+                    e.what());
   }
   auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
   ctx->setTimeout(options.connect_timeout);
@@ -195,8 +218,8 @@ std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size, std::shar
   try {
     ctx->connectFullMesh(adapter, device);
   } catch (const std::exception& e) {
-    throw CommError("gloo: rank " + std::to_string(rank) + " could not connect to its " + std::to_string(size - 1) +
-                    " peers: " + e.what());
+    throw CommError("gloo: rank " + std::to_string(rank) + " could not connect to its " +
+                    std::to_string(size - 1) + " peers: " + e.what());
   }
   ctx->setTimeout(options.op_timeout);
   return std::make_unique<GlooCommunicator>(rank, size, std::move(ctx), options.op_timeout);

@@ -17,7 +17,7 @@ struct GlooOptions {
   std::string prefix;         // store key namespace
   std::chrono::milliseconds connect_timeout;
   std::chrono::milliseconds op_timeout;
-  int cuda_device = 0;        // NCCL only
+  int cuda_device = 0;  // NCCL only
 };
 
 std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,

@@ -23,34 +23,49 @@ namespace ddprun::worker {
 namespace {
 
 void ncclCheck(ncclResult_t r, const char* what) {
-  if (r != ncclSuccess) throw CommError(std::string("nccl ") + what + " failed: " + ncclGetErrorString(r));
+  if (r != ncclSuccess)
+    throw CommError(std::string("nccl ") + what + " failed: " + ncclGetErrorString(r));
 }
 
 void cudaCheck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw CommError(std::string("cuda ") + what + " failed: " + cudaGetErrorString(e));
+  if (e != cudaSuccess)
+    throw CommError(std::string("cuda ") + what + " failed: " + cudaGetErrorString(e));
 }
 
 ncclDataType_t ncclType(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return ncclFloat32;
-    case at::kDouble: return ncclFloat64;
-    case at::kHalf: return ncclFloat16;
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kHalf:
+      return ncclFloat16;
 #if NCCL_VERSION_CODE >= 21000
-    case at::kBFloat16: return ncclBfloat16;
+    case at::kBFloat16:
+      return ncclBfloat16;
 #endif
-    case at::kLong: return ncclInt64;
-    case at::kInt: return ncclInt32;
-    case at::kByte: return ncclUint8;
-    case at::kChar: return ncclInt8;
+    case at::kLong:
+      return ncclInt64;
+    case at::kInt:
+      return ncclInt32;
+    case at::kByte:
+      return ncclUint8;
+    case at::kChar:
+      return ncclInt8;
     default:
-      throw WorkerError("nccl backend: dtype " + std::string(c10::toString(t)) + " is not supported");
+      throw WorkerError("nccl backend: dtype " + std::string(c10::toString(t)) +
+                        " is not supported");
   }
 }
 
 class NcclCommunicator : public Communicator {
  public:
   NcclCommunicator(int rank, int size, int device, ncclComm_t comm, cudaStream_t stream)
-      : rank_(rank), size_(size), device_(device), comm_(comm), stream_(stream),
+      : rank_(rank),
+        size_(size),
+        device_(device),
+        comm_(comm),
+        stream_(stream),
         queue_(std::make_unique<OpQueue>("nccl communicator")) {}
 
   ~NcclCommunicator() override {
@@ -77,12 +92,13 @@ class NcclCommunicator : public Communicator {
 #else
       const ncclRedOp_t red = ncclSum;
 #endif
-      ncclCheck(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, red,
-                              comm_, stream_),
+      ncclCheck(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(),
+                              static_cast<size_t>(tensor.numel()), type, red, comm_, stream_),
                 "all_reduce");
 #if NCCL_VERSION_CODE < 21000
       if (op == ReduceOp::kAvg) {
-        c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream_, static_cast<c10::DeviceIndex>(device_)));
+        c10::cuda::CUDAStreamGuard guard(
+            c10::cuda::getStreamFromExternal(stream_, static_cast<c10::DeviceIndex>(device_)));
         tensor.div_(size_);
       }
 #endif
@@ -92,12 +108,14 @@ class NcclCommunicator : public Communicator {
 
   std::shared_ptr<Work> broadcastAsync(at::Tensor tensor, int root) override {
     check(tensor, "broadcast");
-    if (root < 0 || root >= size_) throw WorkerError("broadcast: root " + std::to_string(root) + " is out of range");
+    if (root < 0 || root >= size_)
+      throw WorkerError("broadcast: root " + std::to_string(root) + " is out of range");
     cudaEvent_t ready = recordReady();
     return queue_->submit([this, tensor, root, ready] {
       begin(ready);
       const size_t bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
-      ncclCheck(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), bytes, ncclUint8, root, comm_, stream_),
+      ncclCheck(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), bytes, ncclUint8, root, comm_,
+                              stream_),
                 "broadcast");
       finish();
     });
@@ -107,13 +125,16 @@ class NcclCommunicator : public Communicator {
     check(input, "all_gather");
     check(output, "all_gather");
     if (output.numel() != input.numel() * size_ || output.scalar_type() != input.scalar_type()) {
-      throw WorkerError("all_gather: output must hold size() * input.numel() elements of the input's dtype");
+      throw WorkerError(
+          "all_gather: output must hold size() * input.numel() elements of the input's dtype");
     }
     cudaEvent_t ready = recordReady();
     return queue_->submit([this, input, output, ready] {
       begin(ready);
       const size_t bytes = static_cast<size_t>(input.numel()) * input.element_size();
-      ncclCheck(ncclAllGather(input.data_ptr(), output.data_ptr(), bytes, ncclUint8, comm_, stream_), "all_gather");
+      ncclCheck(
+          ncclAllGather(input.data_ptr(), output.data_ptr(), bytes, ncclUint8, comm_, stream_),
+          "all_gather");
       finish();
     });
   }
@@ -126,21 +147,26 @@ class NcclCommunicator : public Communicator {
  private:
   void check(const at::Tensor& t, const char* op) const {
     if (!t.defined() || !t.is_cuda()) {
-      throw WorkerError(std::string(op) + ": the nccl backend handles CUDA tensors only (use gloo for CPU tensors)");
+      throw WorkerError(std::string(op) +
+                        ": the nccl backend handles CUDA tensors only (use gloo for CPU tensors)");
     }
     if (t.device().index() != device_) {
-      throw WorkerError(std::string(op) + ": tensor is on cuda:" + std::to_string(t.device().index()) +
+      throw WorkerError(std::string(op) +
+                        ": tensor is on cuda:" + std::to_string(t.device().index()) +
                         " but this rank's communicator uses cuda:" + std::to_string(device_));
     }
-    if (!t.is_contiguous()) throw WorkerError(std::string(op) + ": the nccl backend needs contiguous tensors");
+    if (!t.is_contiguous())
+      throw WorkerError(std::string(op) + ": the nccl backend needs contiguous tensors");
   }
 
   // Records an event on the caller's current stream (the producer of the tensor's data).
   cudaEvent_t recordReady() const {
     cudaEvent_t ev;
     cudaCheck(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "event create");
-    cudaCheck(cudaEventRecord(ev, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream()),
-              "event record");
+    cudaCheck(
+        cudaEventRecord(
+            ev, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream()),
+        "event record");
     return ev;
   }
 
@@ -162,7 +188,8 @@ class NcclCommunicator : public Communicator {
 
 }  // namespace
 
-std::unique_ptr<Communicator> makeNcclCommunicator(int rank, int size, std::shared_ptr<KeyValueStore> store,
+std::unique_ptr<Communicator> makeNcclCommunicator(int rank, int size,
+                                                   std::shared_ptr<KeyValueStore> store,
                                                    const GlooOptions& options) {
   int count = 0;
   cudaCheck(cudaGetDeviceCount(&count), "device count");
@@ -179,7 +206,8 @@ std::unique_ptr<Communicator> makeNcclCommunicator(int rank, int size, std::shar
   } else {
     store->wait({key}, options.connect_timeout);
     std::vector<char> bytes = store->get(key);
-    if (bytes.size() != sizeof(id.internal)) throw CommError("nccl: malformed unique id in the store");
+    if (bytes.size() != sizeof(id.internal))
+      throw CommError("nccl: malformed unique id in the store");
     std::memcpy(id.internal, bytes.data(), sizeof(id.internal));
   }
   ncclComm_t comm;

@@ -26,8 +26,8 @@ class OpWork : public Work {
  private:
   std::mutex mu_;
   std::condition_variable cv_;
-  bool done_ = false;     // guarded by mu_
-  std::string error_;     // guarded by mu_; empty = success
+  bool done_ = false;  // guarded by mu_
+  std::string error_;  // guarded by mu_; empty = success
 };
 
 class OpQueue {
@@ -46,7 +46,7 @@ class OpQueue {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::pair<std::function<void()>, std::shared_ptr<OpWork>>> queue_;  // guarded by mu_
-  bool stopping_ = false;                                                         // guarded by mu_
+  bool stopping_ = false;                                                        // guarded by mu_
   std::string broken_;  // first failure; only touched on the worker thread
   std::thread thread_;
 };

@@ -23,7 +23,8 @@ std::string localAddressToward(const std::string& host, int port) {
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_DGRAM;
   addrinfo* res = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || res == nullptr) {
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 ||
+      res == nullptr) {
     return "127.0.0.1";
   }
   std::string out = "127.0.0.1";
@@ -35,9 +36,10 @@ std::string localAddressToward(const std::string& host, int port) {
     if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
         getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
       char buf[INET6_ADDRSTRLEN] = {0};
-      const void* src = local.ss_family == AF_INET
-                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
-                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+      const void* src =
+          local.ss_family == AF_INET
+              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
       if (inet_ntop(local.ss_family, src, buf, sizeof(buf)) != nullptr) {
         out = buf;
         close(fd);
@@ -50,8 +52,10 @@ std::string localAddressToward(const std::string& host, int port) {
   return out;
 }
 
-std::unique_ptr<Communicator> makeCommunicator(int rank, int size, std::shared_ptr<KeyValueStore> store,
-                                               const ProcessGroupOptions& options, const std::string& address) {
+std::unique_ptr<Communicator> makeCommunicator(int rank, int size,
+                                               std::shared_ptr<KeyValueStore> store,
+                                               const ProcessGroupOptions& options,
+                                               const std::string& address) {
   GlooOptions g{address, options.prefix, options.connect_timeout, options.op_timeout,
                 std::max(options.cuda_device, 0)};
   if (options.backend == Backend::kNccl) {
@@ -60,7 +64,8 @@ std::unique_ptr<Communicator> makeCommunicator(int rank, int size, std::shared_p
 #else
     throw ConfigError(
         "the nccl backend was requested but this build of ddprun's worker SDK has no NCCL support "
-        "(it needs the CUDA toolkit, NCCL and a CUDA-enabled LibTorch at build time); use --backend gloo");
+        "(it needs the CUDA toolkit, NCCL and a CUDA-enabled LibTorch at build time); use "
+        "--backend gloo");
 #endif
   }
   return makeGlooCommunicator(rank, size, std::move(store), g);
@@ -68,39 +73,46 @@ std::unique_ptr<Communicator> makeCommunicator(int rank, int size, std::shared_p
 
 }  // namespace
 
-ProcessGroup::ProcessGroup(int rank, int size, std::shared_ptr<KeyValueStore> store, std::unique_ptr<Communicator> comm)
+ProcessGroup::ProcessGroup(int rank, int size, std::shared_ptr<KeyValueStore> store,
+                           std::unique_ptr<Communicator> comm)
     : rank_(rank), size_(size), store_(std::move(store)), comm_(std::move(comm)) {}
 
 std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const ProcessGroupOptions& options) {
   return initFromEnv(WorkerEnv::fromProcessEnv(), options);
 }
 
-std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env, const ProcessGroupOptions& options) {
+std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
+                                                        const ProcessGroupOptions& options) {
   if (options.backend == Backend::kNccl && !ncclAvailable()) {
     makeCommunicator(env.rank, env.world_size, nullptr, options, "");  // throws the clear error
   }
   std::shared_ptr<KeyValueStore> store =
-      env.rank == 0 ? KeyValueStore::tcpServer(env.master_addr, env.master_port, options.connect_timeout)
-                    : KeyValueStore::tcpClient(env.master_addr, env.master_port, options.connect_timeout);
+      env.rank == 0
+          ? KeyValueStore::tcpServer(env.master_addr, env.master_port, options.connect_timeout)
+          : KeyValueStore::tcpClient(env.master_addr, env.master_port, options.connect_timeout);
   ProcessGroupOptions opts = options;
-  if (opts.local_address.empty()) opts.local_address = localAddressToward(env.master_addr, env.master_port);
+  if (opts.local_address.empty())
+    opts.local_address = localAddressToward(env.master_addr, env.master_port);
   if (opts.cuda_device < 0) opts.cuda_device = env.local_rank;
   // A restarted group reuses MASTER_PORT with a fresh store, but keep keys per attempt anyway.
   opts.prefix += "/attempt" + std::to_string(env.restart_count);
-  ddprun::logger("worker")->debug("rank {}/{}: store {}:{}, gloo on {}", env.rank, env.world_size, env.master_addr,
-                                  env.master_port, opts.local_address);
+  ddprun::logger("worker")->debug("rank {}/{}: store {}:{}, gloo on {}", env.rank, env.world_size,
+                                  env.master_addr, env.master_port, opts.local_address);
   return create(env.rank, env.world_size, std::move(store), opts);
 }
 
-std::shared_ptr<ProcessGroup> ProcessGroup::create(int rank, int size, std::shared_ptr<KeyValueStore> store,
+std::shared_ptr<ProcessGroup> ProcessGroup::create(int rank, int size,
+                                                   std::shared_ptr<KeyValueStore> store,
                                                    const ProcessGroupOptions& options) {
   if (size < 1 || rank < 0 || rank >= size) {
-    throw ConfigError("process group: rank " + std::to_string(rank) + " is outside [0, " + std::to_string(size - 1) + "]");
+    throw ConfigError("process group: rank " + std::to_string(rank) + " is outside [0, " +
+                      std::to_string(size - 1) + "]");
   }
   if (!store) throw ConfigError("process group: store is null");
   const std::string address = options.local_address.empty() ? "127.0.0.1" : options.local_address;
   auto comm = makeCommunicator(rank, size, store, options, address);
-  return std::shared_ptr<ProcessGroup>(new ProcessGroup(rank, size, std::move(store), std::move(comm)));
+  return std::shared_ptr<ProcessGroup>(
+      new ProcessGroup(rank, size, std::move(store), std::move(comm)));
 }
 
 }  // namespace ddprun::worker

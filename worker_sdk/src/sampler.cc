@@ -38,7 +38,8 @@ std::vector<std::int64_t> DistributedSampler::indices() const {
   if (options_.shuffle) {
     // Same generator and kernel as Python's torch.randperm(n, generator=g) after
     // g.manual_seed(seed + epoch), so the permutation matches bit for bit.
-    at::Generator gen = at::detail::createCPUGenerator(options_.seed + static_cast<std::uint64_t>(epoch_));
+    at::Generator gen =
+        at::detail::createCPUGenerator(options_.seed + static_cast<std::uint64_t>(epoch_));
     at::Tensor perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
     const std::int64_t* p = perm.data_ptr<std::int64_t>();
     all.assign(p, p + n);

@@ -1,8 +1,7 @@
 #include "ddprun/worker/signals.h"
 
-#include <csignal>
-
 #include <atomic>
+#include <csignal>
 
 namespace ddprun::worker {
 

@@ -3,8 +3,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <unistd.h>
 #include <torch/serialize.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -71,8 +71,8 @@ void touchFile(const std::string& path) {
   ::close(fd);
 }
 
-void saveSnapshot(const std::string& path, const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
-                  const TrainingProgress& progress) {
+void saveSnapshot(const std::string& path, const torch::nn::Module& model,
+                  const torch::optim::Optimizer& optimizer, const TrainingProgress& progress) {
   torch::serialize::OutputArchive root;
   torch::serialize::OutputArchive model_ar;
   model.save(model_ar);
@@ -94,8 +94,8 @@ void saveSnapshot(const std::string& path, const torch::nn::Module& model, const
   writeFileAtomically(path, out.str());
 }
 
-bool loadSnapshot(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                  TrainingProgress& progress) {
+bool loadSnapshot(const std::string& path, torch::nn::Module& model,
+                  torch::optim::Optimizer& optimizer, TrainingProgress& progress) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return false;
   try {
@@ -121,7 +121,8 @@ bool loadSnapshot(const std::string& path, torch::nn::Module& model, torch::opti
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(t);
   } catch (const c10::Error& e) {
-    throw WorkerError("cannot load snapshot '" + path + "' (delete it to start afresh): " + e.what_without_backtrace());
+    throw WorkerError("cannot load snapshot '" + path +
+                      "' (delete it to start afresh): " + e.what_without_backtrace());
   }
   return true;
 }

@@ -18,7 +18,8 @@ KeyValueStore::~KeyValueStore() = default;
 
 std::shared_ptr<KeyValueStore> KeyValueStore::tcpServer(const std::string& host, int port,
                                                         std::chrono::milliseconds timeout) {
-  if (port < 0 || port > 65535) throw ConfigError("store port " + std::to_string(port) + " is outside [0, 65535]");
+  if (port < 0 || port > 65535)
+    throw ConfigError("store port " + std::to_string(port) + " is outside [0, 65535]");
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(port);
   opts.isServer = true;
@@ -30,14 +31,16 @@ std::shared_ptr<KeyValueStore> KeyValueStore::tcpServer(const std::string& host,
     impl->port = tcp->getPort();
     impl->store = tcp;
   } catch (const std::exception& e) {
-    throw CommError("cannot host the rendezvous store on " + host + ":" + std::to_string(port) + ": " + e.what());
+    throw CommError("cannot host the rendezvous store on " + host + ":" + std::to_string(port) +
+                    ": " + e.what());
   }
   return std::shared_ptr<KeyValueStore>(new KeyValueStore(std::move(impl)));
 }
 
 std::shared_ptr<KeyValueStore> KeyValueStore::tcpClient(const std::string& host, int port,
                                                         std::chrono::milliseconds timeout) {
-  if (port <= 0 || port > 65535) throw ConfigError("store port " + std::to_string(port) + " is outside [1, 65535]");
+  if (port <= 0 || port > 65535)
+    throw ConfigError("store port " + std::to_string(port) + " is outside [1, 65535]");
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(port);
   opts.isServer = false;
@@ -48,8 +51,9 @@ std::shared_ptr<KeyValueStore> KeyValueStore::tcpClient(const std::string& host,
     impl->store = c10::make_intrusive<c10d::TCPStore>(host, opts);
     impl->port = port;
   } catch (const std::exception& e) {
-    throw CommError("cannot reach the rendezvous store at " + host + ":" + std::to_string(port) + " within " +
-                    std::to_string(timeout.count()) + " ms (is rank 0 running? check MASTER_ADDR/MASTER_PORT): " +
+    throw CommError("cannot reach the rendezvous store at " + host + ":" + std::to_string(port) +
+                    " within " + std::to_string(timeout.count()) +
+                    " ms (is rank 0 running? check MASTER_ADDR/MASTER_PORT): " +
                     ddprun::trim(e.what()).substr(0, 300));
   }
   return std::shared_ptr<KeyValueStore>(new KeyValueStore(std::move(impl)));
@@ -91,8 +95,9 @@ void KeyValueStore::wait(const std::vector<std::string>& keys, std::chrono::mill
   try {
     impl_->store->wait(keys, timeout);
   } catch (const std::exception& e) {
-    throw CommError("timed out after " + std::to_string(timeout.count()) + " ms waiting for store keys [" +
-                    ddprun::join(keys, ", ") + "] (a peer rank did not arrive): " + ddprun::trim(e.what()).substr(0, 300));
+    throw CommError("timed out after " + std::to_string(timeout.count()) +
+                    " ms waiting for store keys [" + ddprun::join(keys, ", ") +
+                    "] (a peer rank did not arrive): " + ddprun::trim(e.what()).substr(0, 300));
   }
 }
 

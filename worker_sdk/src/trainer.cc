@@ -12,9 +12,9 @@
 
 namespace ddprun::worker {
 
-Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn::Module> model, Forward forward,
-                 Loss loss, std::shared_ptr<torch::optim::Optimizer> optimizer, torch::Tensor inputs,
-                 torch::Tensor targets, const TrainerOptions& options)
+Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn::Module> model,
+                 Forward forward, Loss loss, std::shared_ptr<torch::optim::Optimizer> optimizer,
+                 torch::Tensor inputs, torch::Tensor targets, const TrainerOptions& options)
     : group_(std::move(group)),
       model_(std::move(model)),
       forward_(std::move(forward)),
@@ -23,28 +23,35 @@ Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn:
       inputs_(std::move(inputs)),
       targets_(std::move(targets)),
       options_(options) {
-  if (!group_ || !model_ || !forward_ || !loss_ || !optimizer_) throw ConfigError("Trainer: null argument");
+  if (!group_ || !model_ || !forward_ || !loss_ || !optimizer_)
+    throw ConfigError("Trainer: null argument");
   if (options_.total_epochs < 0) throw ConfigError("Trainer: total_epochs must be >= 0");
   if (options_.save_every < 0) throw ConfigError("Trainer: save_every must be >= 0");
   if (options_.batch_size < 1) throw ConfigError("Trainer: batch_size must be >= 1");
   if (inputs_.size(0) != targets_.size(0)) {
-    throw ConfigError("Trainer: inputs and targets differ in length (" + std::to_string(inputs_.size(0)) + " vs " +
-                      std::to_string(targets_.size(0)) + ")");
+    throw ConfigError("Trainer: inputs and targets differ in length (" +
+                      std::to_string(inputs_.size(0)) + " vs " + std::to_string(targets_.size(0)) +
+                      ")");
   }
   if (!options_.snapshot_path.empty()) {
     resumed_ = loadSnapshot(options_.snapshot_path, *model_, *optimizer_, progress_);
-    if (resumed_) log() << "[RANK " << group_->rank() << "] Resuming training from snapshot at Epoch " << progress_.epoch
-                        << (progress_.step_in_epoch > 0 ? ", step " + std::to_string(progress_.step_in_epoch) : "")
-                        << std::endl;
+    if (resumed_)
+      log() << "[RANK " << group_->rank() << "] Resuming training from snapshot at Epoch "
+            << progress_.epoch
+            << (progress_.step_in_epoch > 0 ? ", step " + std::to_string(progress_.step_in_epoch)
+                                            : "")
+            << std::endl;
   }
   // Every rank must resume from the same point, or their collectives would not line up.
   auto mine = torch::tensor({progress_.epoch, progress_.step_in_epoch}, torch::kLong);
   auto all = group_->comm().allGather(mine);
   for (size_t r = 0; r < all.size(); ++r) {
     if (!torch::equal(all[r], mine)) {
-      throw WorkerError("Trainer: rank " + std::to_string(r) + " resumes at epoch " + std::to_string(all[r][0].item<int64_t>()) +
-                        " but rank " + std::to_string(group_->rank()) + " at epoch " + std::to_string(progress_.epoch) +
-                        ": all ranks must see the same snapshot file (use a shared --snapshot-path)");
+      throw WorkerError(
+          "Trainer: rank " + std::to_string(r) + " resumes at epoch " +
+          std::to_string(all[r][0].item<int64_t>()) + " but rank " +
+          std::to_string(group_->rank()) + " at epoch " + std::to_string(progress_.epoch) +
+          ": all ranks must see the same snapshot file (use a shared --snapshot-path)");
     }
   }
   ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, options_.ddp);
@@ -58,16 +65,18 @@ std::ostream& Trainer::log() { return options_.log != nullptr ? *options_.log : 
 void Trainer::save(int64_t finished_epoch, const std::string& why) {
   if (group_->rank() == 0) {
     saveSnapshot(options_.snapshot_path, *model_, *optimizer_, progress_);
-    log() << "Epoch " << finished_epoch << " | Training snapshot saved at " << options_.snapshot_path << why
-          << std::endl;
+    log() << "Epoch " << finished_epoch << " | Training snapshot saved at "
+          << options_.snapshot_path << why << std::endl;
   }
 }
 
 Trainer::Outcome Trainer::train() {
   Communicator& comm = group_->comm();
   const int rank = group_->rank();
-  DistributedSampler sampler(SamplerOptions{inputs_.size(0), group_->size(), rank, options_.shuffle, options_.seed, false});
-  const int64_t steps_per_epoch = (sampler.numSamples() + options_.batch_size - 1) / options_.batch_size;
+  DistributedSampler sampler(SamplerOptions{inputs_.size(0), group_->size(), rank, options_.shuffle,
+                                            options_.seed, false});
+  const int64_t steps_per_epoch =
+      (sampler.numSamples() + options_.batch_size - 1) / options_.batch_size;
 
   // Stop requests are agreed on one step late: the flag all-reduce launched after step k is read
   // after step k+1, so its latency hides behind a step and every rank stops at the same boundary.
@@ -96,7 +105,8 @@ Trainer::Outcome Trainer::train() {
     auto index = torch::tensor(idx, torch::kLong);
     for (int64_t s = progress_.step_in_epoch; s < steps_per_epoch; ++s) {
       const int64_t begin = s * options_.batch_size;
-      const int64_t len = std::min<int64_t>(options_.batch_size, static_cast<int64_t>(idx.size()) - begin);
+      const int64_t len =
+          std::min<int64_t>(options_.batch_size, static_cast<int64_t>(idx.size()) - begin);
       auto batch = index.narrow(0, begin, len);
       auto x = inputs_.index_select(0, batch);
       auto y = targets_.index_select(0, batch);
@@ -111,21 +121,23 @@ Trainer::Outcome Trainer::train() {
       if (options_.on_step) options_.on_step(progress_);
       if (agreedStop()) return finishStop();
     }
-    auto mean = torch::tensor({progress_.epoch_loss_sum / static_cast<double>(std::max<int64_t>(steps_per_epoch, 1))},
-                              torch::kDouble);
+    auto mean = torch::tensor(
+        {progress_.epoch_loss_sum / static_cast<double>(std::max<int64_t>(steps_per_epoch, 1))},
+        torch::kDouble);
     if (stop_work) stop_work->wait();
     comm.allReduce(mean, ReduceOp::kAvg);
     {
       std::ostringstream line;
-      line << "[RANK " << rank << "] Epoch " << progress_.epoch << " | Batchsize: " << options_.batch_size
-           << " | Steps: " << steps_per_epoch << " | loss " << std::fixed << std::setprecision(6)
-           << mean.item<double>();
+      line << "[RANK " << rank << "] Epoch " << progress_.epoch
+           << " | Batchsize: " << options_.batch_size << " | Steps: " << steps_per_epoch
+           << " | loss " << std::fixed << std::setprecision(6) << mean.item<double>();
       log() << line.str() << std::endl;
     }
     const int64_t finished = progress_.epoch;
     progress_.step_in_epoch = 0;
     progress_.epoch_loss_sum = 0;
-    if (!options_.snapshot_path.empty() && options_.save_every > 0 && (finished + 1) % options_.save_every == 0) {
+    if (!options_.snapshot_path.empty() && options_.save_every > 0 &&
+        (finished + 1) % options_.save_every == 0) {
       ++progress_.epoch;  // the snapshot names the next epoch to run
       save(finished, "");
       --progress_.epoch;

@@ -30,7 +30,7 @@ struct BucketOptions {
 // bucket closes once it holds at least `first_bucket_bytes`, later ones at `bucket_cap_bytes`.
 // A tensor larger than the current limit gets a bucket of its own. Every index appears in exactly
 // one bucket. Throws ConfigError when a limit is zero.
-std::vector<std::vector<std::size_t>> computeBucketAssignment(const std::vector<TensorSpec>& tensors,
-                                                              const BucketOptions& options = {});
+std::vector<std::vector<std::size_t>> computeBucketAssignment(
+    const std::vector<TensorSpec>& tensors, const BucketOptions& options = {});
 
 }  // namespace ddprun::worker

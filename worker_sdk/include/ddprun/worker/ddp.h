@@ -43,8 +43,8 @@ struct DdpOptions {
 
 class DistributedDataParallel {
  public:
-  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
-                          const DdpOptions& options = {});
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                          std::shared_ptr<ProcessGroup> group, const DdpOptions& options = {});
   ~DistributedDataParallel();
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
@@ -94,9 +94,9 @@ class DistributedDataParallel {
   std::vector<std::uintptr_t> hook_keys_;
   std::vector<std::vector<std::size_t>> bucket_indices_;
   std::vector<std::unique_ptr<Bucket>> buckets_;
-  std::vector<std::size_t> bucket_of_;   // param index -> bucket
-  std::vector<std::size_t> offset_of_;   // param index -> element offset in its bucket
-  std::vector<torch::Tensor> views_;     // param index -> its slice of the bucket, shaped as the param
+  std::vector<std::size_t> bucket_of_;  // param index -> bucket
+  std::vector<std::size_t> offset_of_;  // param index -> element offset in its bucket
+  std::vector<torch::Tensor> views_;  // param index -> its slice of the bucket, shaped as the param
 
   std::mutex mu_;  // guards the per-iteration state below (hooks may run on autograd threads)
   bool sync_enabled_ = true;

@@ -15,9 +15,9 @@ struct WorkerEnv {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  int restart_count = 0;                 // TORCHELASTIC_RESTART_COUNT
-  std::string snapshot_dir;              // DDPRUN_SNAPSHOT_DIR, may be empty
-  std::string heartbeat_file;            // DDPRUN_HEARTBEAT_FILE, may be empty
+  int restart_count = 0;       // TORCHELASTIC_RESTART_COUNT
+  std::string snapshot_dir;    // DDPRUN_SNAPSHOT_DIR, may be empty
+  std::string heartbeat_file;  // DDPRUN_HEARTBEAT_FILE, may be empty
 
   using Lookup = std::function<std::optional<std::string>(const std::string&)>;
 

@@ -33,7 +33,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   static std::shared_ptr<ProcessGroup> initFromEnv(const WorkerEnv& env,
                                                    const ProcessGroupOptions& options = {});
   // Explicit form (thread-ranks in tests): every rank passes the same store.
-  static std::shared_ptr<ProcessGroup> create(int rank, int size, std::shared_ptr<KeyValueStore> store,
+  static std::shared_ptr<ProcessGroup> create(int rank, int size,
+                                              std::shared_ptr<KeyValueStore> store,
                                               const ProcessGroupOptions& options = {});
 
   int rank() const { return rank_; }

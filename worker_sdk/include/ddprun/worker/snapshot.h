@@ -16,17 +16,17 @@ struct TrainingProgress {
   std::int64_t epoch = 0;          // epoch to run next (or in progress when step_in_epoch > 0)
   std::int64_t step_in_epoch = 0;  // batches of `epoch` already done
   std::int64_t global_step = 0;
-  double epoch_loss_sum = 0;       // this rank's summed batch losses so far in `epoch`
+  double epoch_loss_sum = 0;  // this rank's summed batch losses so far in `epoch`
 };
 
 // Throws WorkerError naming the path when it cannot be written.
-void saveSnapshot(const std::string& path, const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
-                  const TrainingProgress& progress);
+void saveSnapshot(const std::string& path, const torch::nn::Module& model,
+                  const torch::optim::Optimizer& optimizer, const TrainingProgress& progress);
 
 // Returns false when no snapshot exists at `path`; throws WorkerError when it exists but cannot be
 // read (naming the path). Restores the CPU RNG state too.
-bool loadSnapshot(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                  TrainingProgress& progress);
+bool loadSnapshot(const std::string& path, torch::nn::Module& model,
+                  torch::optim::Optimizer& optimizer, TrainingProgress& progress);
 
 // Writes `bytes` to `path` atomically (exposed for tests).
 void writeFileAtomically(const std::string& path, const std::string& bytes);

@@ -28,7 +28,7 @@ struct TrainerOptions {
   std::int64_t batch_size = 32;
   bool shuffle = true;
   std::uint64_t seed = 0;
-  std::string heartbeat_file;   // empty = none
+  std::string heartbeat_file;  // empty = none
   DdpOptions ddp;
   std::ostream* log = nullptr;  // per-epoch lines; nullptr = std::cout
   // Called after every optimizer step (metrics, fault injection in tests).
@@ -38,14 +38,15 @@ struct TrainerOptions {
 class Trainer {
  public:
   using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
-  using Loss = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
+  using Loss =
+      std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
   enum class Outcome { kCompleted, kStoppedBySignal };
 
   // `inputs` and `targets` share dimension 0 (the dataset). Constructs the DDP wrapper (a
   // collective) after loading the snapshot, so all ranks start from identical state.
-  Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn::Module> model, Forward forward,
-          Loss loss, std::shared_ptr<torch::optim::Optimizer> optimizer, torch::Tensor inputs, torch::Tensor targets,
-          const TrainerOptions& options);
+  Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn::Module> model,
+          Forward forward, Loss loss, std::shared_ptr<torch::optim::Optimizer> optimizer,
+          torch::Tensor inputs, torch::Tensor targets, const TrainerOptions& options);
   ~Trainer();
 
   Outcome train();
