@@ -442,6 +442,80 @@ class GrpcWatch final : public Watch {
 
 }  // namespace
 
+namespace {
+
+class GrpcKeepAlive final : public KeepAlive {
+ public:
+  GrpcKeepAlive(std::shared_ptr<Client::Impl> impl, std::string run_id, std::string node_id,
+                Duration interval, std::function<void(const Status&)> on_error)
+      : impl_(std::move(impl)), interval_(interval), on_error_(std::move(on_error)) {
+    request_.set_run_id(std::move(run_id));
+    request_.set_node_id(std::move(node_id));
+    thread_ = std::thread([this] { run(); });
+  }
+
+  ~GrpcKeepAlive() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      if (ctx_ != nullptr) ctx_->TryCancel();
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      grpc::ClientContext ctx;
+      if (!impl_->options.token.empty()) {
+        ctx.AddMetadata("authorization", "Bearer " + impl_->options.token);
+      }
+      ctx.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::duration_cast<std::chrono::system_clock::duration>(interval_));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stop_) return;
+        ctx_ = &ctx;
+      }
+      pb::HeartbeatResponse response;
+      Status st = fromGrpc(impl_->stub->Heartbeat(&ctx, request_, &response));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ctx_ = nullptr;
+        if (stop_) return;
+      }
+      if (!st.isOk() && on_error_) {
+        try {
+          on_error_(st);
+        } catch (...) {
+          logger("rendezvous")->error("keep-alive error callback threw");
+        }
+      }
+      std::unique_lock<std::mutex> lock(mu_);
+      if (cv_.wait_for(lock, interval_, [&] { return stop_; })) return;
+    }
+  }
+
+  std::shared_ptr<Client::Impl> impl_;
+  Duration interval_;
+  std::function<void(const Status&)> on_error_;
+  pb::RunRef request_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;                   // guarded by mu_
+  grpc::ClientContext* ctx_ = nullptr;  // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace
+
+std::unique_ptr<KeepAlive> Client::keepAlive(const std::string& run_id,
+                                             const std::string& node_id, Duration interval,
+                                             std::function<void(const Status&)> on_error) {
+  return std::make_unique<GrpcKeepAlive>(impl_, run_id, node_id, interval, std::move(on_error));
+}
+
 std::unique_ptr<Watch> Client::watch(const std::string& run_id, const std::string& node_id,
                                      ChangeCallback on_change, BreakCallback on_break) {
   return std::make_unique<GrpcWatch>(impl_, run_id, node_id, std::move(on_change),

@@ -557,3 +557,35 @@ TEST_CASE("a node that stops heartbeating is declared dead and watchers are told
   CHECK(again->group_world_size == 1);
   CHECK(again->group_rank == 0);
 }
+
+TEST_CASE("keepAlive keeps a node alive until it is destroyed", "[rendezvous][grpc]") {
+  auto server = startServer();
+  Client client(clientFor(*server));
+  ChangeLog log;
+  auto watch = client.watch("alive", "", log.onChange());
+  REQUIRE(log.waitUntil([](auto& cs) { return !cs.empty(); }));
+  auto req = joinRequest("alive", 1, 1, "a");
+  req.config.heartbeat_interval = 200ms;
+  req.config.heartbeat_misses = 5;  // dead after 1 s of silence: room for a loaded machine
+  REQUIRE(client.join(req).isOk());
+  auto dead = [](auto& cs) {
+    for (auto& c : cs) {
+      if (c.reason == ChangeReason::kNodeDead) return true;
+    }
+    return false;
+  };
+  {
+    auto alive = client.keepAlive("alive", "a", 50ms);
+    // More than the expiry passes without the node being declared dead.
+    CHECK_FALSE(log.waitUntil(dead, 1500ms));
+  }
+  REQUIRE(log.waitUntil(dead, 20s));
+  std::atomic<int> errors{0};
+  std::atomic<int> last_code{0};
+  auto lost = client.keepAlive("alive", "a", 20ms, [&](const Status& s) {
+    last_code = static_cast<int>(s.code());
+    ++errors;
+  });
+  REQUIRE(waitFor([&] { return errors.load() > 0; }));
+  CHECK(last_code == static_cast<int>(StatusCode::kNotFound));
+}

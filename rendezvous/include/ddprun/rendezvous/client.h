@@ -40,6 +40,12 @@ class Watch {
   virtual ~Watch() = default;
 };
 
+// Heartbeats a node on a thread of its own until destroyed (see Client::keepAlive).
+class KeepAlive {
+ public:
+  virtual ~KeepAlive() = default;
+};
+
 class Client {
  public:
   using ChangeCallback = std::function<void(const RoundChange&)>;
@@ -81,6 +87,13 @@ class Client {
                                             const std::vector<std::string>& keys,
                                             Duration timeout);
   StatusOr<bool> kvDelete(const std::string& run_id, const std::string& key);
+
+  // Heartbeats (run_id, node_id) every `interval` until the returned object is destroyed. Each
+  // beat is one attempt with `interval` as its deadline; `on_error` runs on the keep-alive's
+  // thread for every failed beat (NOT_FOUND: the server declared the node dead, join again).
+  std::unique_ptr<KeepAlive> keepAlive(const std::string& run_id, const std::string& node_id,
+                                       Duration interval,
+                                       std::function<void(const Status&)> on_error = {});
 
   std::unique_ptr<Watch> watch(const std::string& run_id, const std::string& node_id,
                                ChangeCallback on_change, BreakCallback on_break = {});
