@@ -260,15 +260,20 @@ int main(int argc, char** argv) {
     return 1;
   }
   const std::string endpoint = server.value()->address();
-  std::printf("| N | participant list in Join reply | last join -> all ranks held (ms, median of %d) "
-              "| all re-join at once after a failure -> all held (ms) | change delivery p50 (ms) | p99 (ms) | max (ms) |\n",
-              trials);
+  std::printf(
+      "| N | participant list in Join reply | last join -> all ranks held (ms, median of %d) "
+      "| all re-join at once after a failure -> all held (ms) | change delivery p50 (ms) | p99 "
+      "(ms) | max (ms) |\n",
+      trials);
   std::printf("|---|---|---|---|---|---|---|\n");
   for (int n : sizes) {
     std::vector<bool> modes;
-    if (participants == "on") modes = {true};
-    else if (participants == "off") modes = {false};
-    else modes = n >= 512 ? std::vector<bool>{true, false} : std::vector<bool>{true};
+    if (participants == "on")
+      modes = {true};
+    else if (participants == "off")
+      modes = {false};
+    else
+      modes = n >= 512 ? std::vector<bool>{true, false} : std::vector<bool>{true};
     for (bool p : modes) {
       Result r = bench(endpoint, n, trials, p);
       std::printf("| %d | %s | %.1f | %.1f | %.2f | %.2f | %.2f |\n", n, p ? "yes" : "no",

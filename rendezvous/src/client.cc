@@ -57,7 +57,8 @@ struct Client::Impl {
                          std::chrono::duration_cast<std::chrono::system_clock::duration>(timeout));
       }
       std::lock_guard<std::mutex> lock(impl->mu);
-      if (impl->cancel_epoch != epoch || impl->closing) ctx.TryCancel();  // cancelAll() ran before we registered
+      if (impl->cancel_epoch != epoch || impl->closing)
+        ctx.TryCancel();  // cancelAll() ran before we registered
       impl->calls.insert(&ctx);
     }
     ~Call() {
@@ -111,10 +112,10 @@ struct Client::Impl {
   std::unique_ptr<pb::Rendezvous::Stub> stub;
   std::mutex mu;
   std::condition_variable cv;
-  std::set<grpc::ClientContext*> calls;  // guarded by mu
+  std::set<grpc::ClientContext*> calls;    // guarded by mu
   std::vector<std::thread> async_threads;  // guarded by mu; joined by ~Client
-  uint64_t cancel_epoch = 0;             // guarded by mu
-  bool closing = false;                  // guarded by mu; set once ~Client starts
+  uint64_t cancel_epoch = 0;               // guarded by mu
+  bool closing = false;                    // guarded by mu; set once ~Client starts
 };
 
 Client::Client(ClientOptions options) : impl_(std::make_shared<Impl>(std::move(options))) {}
@@ -151,10 +152,9 @@ StatusOr<RoundInfo> Client::join(const JoinRequest& req, bool include_participan
   toProto(req, include_participants, &request);
   pb::JoinResponse response;
   // The server answers join_timeout itself; our deadline only guards against a silent server.
-  Status st = impl_->withRetries(req.join_timeout + std::chrono::seconds(10),
-                                 [&](grpc::ClientContext& ctx) {
-                                   return impl_->stub->Join(&ctx, request, &response);
-                                 });
+  Status st = impl_->withRetries(
+      req.join_timeout + std::chrono::seconds(10),
+      [&](grpc::ClientContext& ctx) { return impl_->stub->Join(&ctx, request, &response); });
   if (!st.isOk()) return st;
   return fromProto(response);
 }
@@ -204,8 +204,8 @@ Status Client::close(const std::string& run_id) {
   });
 }
 
-Status Client::publishMaster(const std::string& run_id, const std::string& node_id,
-                             uint64_t round, const MasterAddress& master) {
+Status Client::publishMaster(const std::string& run_id, const std::string& node_id, uint64_t round,
+                             const MasterAddress& master) {
   pb::PublishMasterRequest request;
   request.set_run_id(run_id);
   request.set_node_id(node_id);
@@ -225,16 +225,14 @@ StatusOr<MasterAddress> Client::waitMaster(const std::string& run_id, uint64_t r
   request.set_round(round);
   request.set_timeout_s(convert::toSeconds(timeout));
   pb::GetMasterResponse response;
-  Status st = impl_->withRetries(timeout + std::chrono::seconds(10),
-                                 [&](grpc::ClientContext& ctx) {
-                                   return impl_->stub->GetMaster(&ctx, request, &response);
-                                 });
+  Status st = impl_->withRetries(timeout + std::chrono::seconds(10), [&](grpc::ClientContext& ctx) {
+    return impl_->stub->GetMaster(&ctx, request, &response);
+  });
   if (!st.isOk()) return st;
   return MasterAddress{response.master_addr(), response.master_port()};
 }
 
-Status Client::kvSet(const std::string& run_id, const std::string& key,
-                     const std::string& value) {
+Status Client::kvSet(const std::string& run_id, const std::string& key, const std::string& value) {
   pb::KvSetRequest request;
   request.set_run_id(run_id);
   request.set_key(key);
@@ -257,8 +255,7 @@ StatusOr<std::string> Client::kvGet(const std::string& run_id, const std::string
   return response.value();
 }
 
-StatusOr<int64_t> Client::kvAdd(const std::string& run_id, const std::string& key,
-                                int64_t delta) {
+StatusOr<int64_t> Client::kvAdd(const std::string& run_id, const std::string& key, int64_t delta) {
   pb::KvAddRequest request;
   request.set_run_id(run_id);
   request.set_key(key);
@@ -296,10 +293,9 @@ StatusOr<std::vector<std::string>> Client::kvWait(const std::string& run_id,
   for (const auto& k : keys) request.add_keys(k);
   request.set_timeout_s(convert::toSeconds(timeout));
   pb::KvWaitResponse response;
-  Status st = impl_->withRetries(timeout + std::chrono::seconds(10),
-                                 [&](grpc::ClientContext& ctx) {
-                                   return impl_->stub->KvWait(&ctx, request, &response);
-                                 });
+  Status st = impl_->withRetries(timeout + std::chrono::seconds(10), [&](grpc::ClientContext& ctx) {
+    return impl_->stub->KvWait(&ctx, request, &response);
+  });
   if (!st.isOk()) return st;
   return std::vector<std::string>(response.values().begin(), response.values().end());
 }
@@ -406,10 +402,10 @@ class GrpcWatch final : public Watch {
     }
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return finish();
-    logger("rendezvous")->debug("watch of run {} broke ({}); re-subscribing in {} ms",
-                                request_.run_id(), st.toString(),
-                                std::chrono::duration_cast<std::chrono::milliseconds>(backoff_)
-                                    .count());
+    logger("rendezvous")
+        ->debug("watch of run {} broke ({}); re-subscribing in {} ms", request_.run_id(),
+                st.toString(),
+                std::chrono::duration_cast<std::chrono::milliseconds>(backoff_).count());
     alarm_ = std::make_unique<grpc::Alarm>();
     alarm_->Set(std::chrono::system_clock::now() +
                     std::chrono::duration_cast<std::chrono::system_clock::duration>(backoff_),
@@ -510,8 +506,8 @@ class GrpcKeepAlive final : public KeepAlive {
 
 }  // namespace
 
-std::unique_ptr<KeepAlive> Client::keepAlive(const std::string& run_id,
-                                             const std::string& node_id, Duration interval,
+std::unique_ptr<KeepAlive> Client::keepAlive(const std::string& run_id, const std::string& node_id,
+                                             Duration interval,
                                              std::function<void(const Status&)> on_error) {
   return std::make_unique<GrpcKeepAlive>(impl_, run_id, node_id, interval, std::move(on_error));
 }

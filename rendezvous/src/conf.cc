@@ -42,7 +42,8 @@ StatusOr<RendezvousConf> parseRendezvousConf(const std::map<std::string, std::st
     } else if (key == "heartbeat_misses") {
       auto v = parseInt(value);
       if (!v || *v < 1 || *v > 1000000) {
-        return invalidArgument("--rdzv-conf heartbeat_misses=" + value + ": expected an integer >= 1");
+        return invalidArgument("--rdzv-conf heartbeat_misses=" + value +
+                               ": expected an integer >= 1");
       }
       out.run.heartbeat_misses = static_cast<uint32_t>(*v);
     } else if (key == "is_host") {
@@ -56,13 +57,15 @@ StatusOr<RendezvousConf> parseRendezvousConf(const std::map<std::string, std::st
       }
     } else if (key == "token_file") {
       auto token = readTokenFile(value);
-      if (!token.isOk()) return invalidArgument("--rdzv-conf token_file: " + token.status().message());
+      if (!token.isOk())
+        return invalidArgument("--rdzv-conf token_file: " + token.status().message());
       out.token = token.value();
     } else if (key == "tls_cert" || key == "tls_key" || key == "tls_ca") {
       auto pem = readFile(value);
       if (!pem.isOk()) return invalidArgument("--rdzv-conf " + key + ": " + pem.status().message());
-      (key == "tls_cert" ? out.tls_cert_pem : key == "tls_key" ? out.tls_key_pem : out.tls_ca_pem) =
-          pem.value();
+      (key == "tls_cert"  ? out.tls_cert_pem
+       : key == "tls_key" ? out.tls_key_pem
+                          : out.tls_ca_pem) = pem.value();
     } else {
       return invalidArgument("--rdzv-conf: unknown key '" + raw_key +
                              "' (known: join_timeout, last_call_timeout, close_timeout, "

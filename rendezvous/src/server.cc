@@ -255,8 +255,9 @@ struct RendezvousServer::Impl {
       WatchSession& s = watches.at(id);
       s.queue.clear();
       s.finish_after_queue = true;
-      if (!s.writing) endWatch(id, grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                                "rendezvous server is shutting down"));
+      if (!s.writing)
+        endWatch(id,
+                 grpc::Status(grpc::StatusCode::UNAVAILABLE, "rendezvous server is shutting down"));
     }
     timer.cancel();
   }
@@ -360,8 +361,7 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
                                           const pb::ReportFailureRequest* req,
                                           pb::ReportFailureResponse* resp) override {
     return unary(ctx, "ReportFailure", [req, resp](Impl* impl) -> Status {
-      auto st =
-          impl->state.reportFailure(req->run_id(), req->node_id(), req->round(), impl->now());
+      auto st = impl->state.reportFailure(req->run_id(), req->node_id(), req->round(), impl->now());
       if (!st.isOk()) return st.status();
       resp->set_next_round(st.value());
       return Status::ok();
@@ -386,10 +386,13 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
   grpc::ServerUnaryReactor* GetMaster(grpc::CallbackServerContext* ctx,
                                       const pb::GetMasterRequest* req,
                                       pb::GetMasterResponse* resp) override {
-    return wait(ctx, "GetMaster", [req](Impl* impl, CallId id) {
-      impl->state.waitMaster(id, req->run_id(), req->round(), seconds(req->timeout_s()),
-                             impl->now());
-    }, nullptr, resp);
+    return wait(
+        ctx, "GetMaster",
+        [req](Impl* impl, CallId id) {
+          impl->state.waitMaster(id, req->run_id(), req->round(), seconds(req->timeout_s()),
+                                 impl->now());
+        },
+        nullptr, resp);
   }
 
   grpc::ServerUnaryReactor* KvSet(grpc::CallbackServerContext* ctx, const pb::KvSetRequest* req,
@@ -423,22 +426,24 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
                                          const pb::KvCompareSetRequest* req,
                                          pb::KvCompareSetResponse* resp) override {
     return unary(ctx, "KvCompareSet", [req, resp](Impl* impl) -> Status {
-      auto st = impl->state.kvCompareSet(req->run_id(), req->key(), req->expected(),
-                                         req->desired(), impl->now());
+      auto st = impl->state.kvCompareSet(req->run_id(), req->key(), req->expected(), req->desired(),
+                                         impl->now());
       if (!st.isOk()) return st.status();
       resp->set_value(std::move(st).value());
       return Status::ok();
     });
   }
 
-  grpc::ServerUnaryReactor* KvWait(grpc::CallbackServerContext* ctx,
-                                   const pb::KvWaitRequest* req,
+  grpc::ServerUnaryReactor* KvWait(grpc::CallbackServerContext* ctx, const pb::KvWaitRequest* req,
                                    pb::KvWaitResponse* resp) override {
-    return wait(ctx, "KvWait", [req](Impl* impl, CallId id) {
-      std::vector<std::string> keys(req->keys().begin(), req->keys().end());
-      impl->state.kvWait(id, req->run_id(), std::move(keys), seconds(req->timeout_s()),
-                         impl->now());
-    }, resp, nullptr);
+    return wait(
+        ctx, "KvWait",
+        [req](Impl* impl, CallId id) {
+          std::vector<std::string> keys(req->keys().begin(), req->keys().end());
+          impl->state.kvWait(id, req->run_id(), std::move(keys), seconds(req->timeout_s()),
+                             impl->now());
+        },
+        resp, nullptr);
   }
 
   grpc::ServerUnaryReactor* KvDelete(grpc::CallbackServerContext* ctx,
@@ -464,8 +469,9 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
         constantTimeEquals(std::string(it->second.data(), it->second.size()), "Bearer " + token)) {
       return Status::ok();
     }
-    logger("rendezvous")->warn("refused {} from {}: {} rendezvous token", method, ctx->peer(),
-                               it == md.end() ? "missing" : "wrong");
+    logger("rendezvous")
+        ->warn("refused {} from {}: {} rendezvous token", method, ctx->peer(),
+               it == md.end() ? "missing" : "wrong");
     return Status(StatusCode::kUnauthenticated,
                   it == md.end() ? "this rendezvous requires a token (token_file=)"
                                  : "wrong rendezvous token");
@@ -497,9 +503,8 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
   }
 
   template <typename Start>
-  grpc::ServerUnaryReactor* wait(grpc::CallbackServerContext* ctx, const char* method,
-                                 Start start, pb::KvWaitResponse* kv,
-                                 pb::GetMasterResponse* master) {
+  grpc::ServerUnaryReactor* wait(grpc::CallbackServerContext* ctx, const char* method, Start start,
+                                 pb::KvWaitResponse* kv, pb::GetMasterResponse* master) {
     Status auth = authorize(ctx, method);
     if (!auth.isOk()) return finishNow(ctx, auth);
     Impl* impl = impl_;
@@ -618,9 +623,10 @@ StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOption
   raw->port = selected;
   raw->address = raw->options.listen.substr(0, colon) + ":" + std::to_string(selected);
   raw->io_thread = std::thread([raw] { raw->io.run(); });
-  logger("rendezvous")->info("rendezvous server listening on {}{}{}", raw->address,
-                             raw->options.token.empty() ? "" : ", token required",
-                             raw->options.tls_cert_pem.empty() ? "" : ", TLS");
+  logger("rendezvous")
+      ->info("rendezvous server listening on {}{}{}", raw->address,
+             raw->options.token.empty() ? "" : ", token required",
+             raw->options.tls_cert_pem.empty() ? "" : ", TLS");
   return std::unique_ptr<RendezvousServer>(new RendezvousServer(std::move(impl)));
 }
 

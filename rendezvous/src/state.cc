@@ -12,21 +12,30 @@ namespace ddprun::rendezvous {
 
 const char* changeKindName(ChangeKind kind) {
   switch (kind) {
-    case ChangeKind::kSnapshot: return "SNAPSHOT";
-    case ChangeKind::kRoundPending: return "ROUND_PENDING";
-    case ChangeKind::kRoundComplete: return "ROUND_COMPLETE";
-    case ChangeKind::kClosed: return "CLOSED";
+    case ChangeKind::kSnapshot:
+      return "SNAPSHOT";
+    case ChangeKind::kRoundPending:
+      return "ROUND_PENDING";
+    case ChangeKind::kRoundComplete:
+      return "ROUND_COMPLETE";
+    case ChangeKind::kClosed:
+      return "CLOSED";
   }
   return "UNKNOWN";
 }
 
 const char* changeReasonName(ChangeReason reason) {
   switch (reason) {
-    case ChangeReason::kNone: return "NONE";
-    case ChangeReason::kNodeJoined: return "NODE_JOINED";
-    case ChangeReason::kNodeLeft: return "NODE_LEFT";
-    case ChangeReason::kNodeDead: return "NODE_DEAD";
-    case ChangeReason::kFailureReported: return "FAILURE_REPORTED";
+    case ChangeReason::kNone:
+      return "NONE";
+    case ChangeReason::kNodeJoined:
+      return "NODE_JOINED";
+    case ChangeReason::kNodeLeft:
+      return "NODE_LEFT";
+    case ChangeReason::kNodeDead:
+      return "NODE_DEAD";
+    case ChangeReason::kFailureReported:
+      return "FAILURE_REPORTED";
   }
   return "UNKNOWN";
 }
@@ -36,7 +45,9 @@ namespace {
 // Keys under this prefix are written only by the server itself (master addresses).
 constexpr const char* kReservedPrefix = "__ddprun/";
 
-std::string masterKey(uint64_t round) { return kReservedPrefix + std::string("master/") + std::to_string(round); }
+std::string masterKey(uint64_t round) {
+  return kReservedPrefix + std::string("master/") + std::to_string(round);
+}
 
 // "addr:port" as stored by publishMaster.
 std::optional<MasterAddress> parseMaster(const std::string& value) {
@@ -70,13 +81,13 @@ struct RendezvousState::Run {
   std::map<std::string, Node> nodes;  // every live node: participants, joiners, spares
   uint64_t arrivals = 0;
 
-  uint64_t round = 1;    // the forming round, or the last completed one when !forming
+  uint64_t round = 1;  // the forming round, or the last completed one when !forming
   bool forming = true;
-  std::vector<std::string> members;   // forming: joiners in join order
-  std::set<std::string> joined;       // same, as a set
-  std::set<std::string> expected;     // survivors of the last round not yet re-joined
-  bool reforming = false;             // opened from a completed round with survivors
-  std::vector<std::string> spares;    // beyond max_nodes, in arrival order
+  std::vector<std::string> members;  // forming: joiners in join order
+  std::set<std::string> joined;      // same, as a set
+  std::set<std::string> expected;    // survivors of the last round not yet re-joined
+  bool reforming = false;            // opened from a completed round with survivors
+  std::vector<std::string> spares;   // beyond max_nodes, in arrival order
   std::optional<TimePoint> last_call;
 
   uint64_t completed_round = 0;
@@ -172,11 +183,10 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
     fresh->config = req.config;
     run = fresh.get();
     runs_.emplace(req.run_id, std::move(fresh));
-    logger("rendezvous")->info("run {} created: nnodes {}:{}, last_call {}s, heartbeat {}s x {}",
-                               req.run_id, req.config.min_nodes, req.config.max_nodes,
-                               secondsOf(req.config.last_call_timeout),
-                               secondsOf(req.config.heartbeat_interval),
-                               req.config.heartbeat_misses);
+    logger("rendezvous")
+        ->info("run {} created: nnodes {}:{}, last_call {}s, heartbeat {}s x {}", req.run_id,
+               req.config.min_nodes, req.config.max_nodes, secondsOf(req.config.last_call_timeout),
+               secondsOf(req.config.heartbeat_interval), req.config.heartbeat_misses);
   } else if (run->config.min_nodes != req.config.min_nodes ||
              run->config.max_nodes != req.config.max_nodes) {
     return fail(failedPrecondition(
@@ -199,8 +209,7 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
     node.arrival = ++run->arrivals;
   }
   if (node.join) {
-    finishJoin(node, Status(StatusCode::kAborted,
-                            "superseded by a newer join of node " + node_id));
+    finishJoin(node, Status(StatusCode::kAborted, "superseded by a newer join of node " + node_id));
   }
   node.address = req.address;
   node.local_world_size = req.local_world_size;
@@ -213,8 +222,8 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
     auto r = run->completed_rank.find(node_id);
     if (r != run->completed_rank.end()) {
       const Participant& before = run->completed->at(r->second);
-      changed_participant = before.local_world_size != req.local_world_size ||
-                            before.address != req.address;
+      changed_participant =
+          before.local_world_size != req.local_world_size || before.address != req.address;
     }
     if (r != run->completed_rank.end() && !changed_participant) {
       RoundInfo info;
@@ -267,8 +276,8 @@ void RendezvousState::addToRound(Run& run, Node& node, TimePoint now) {
   run.joined.insert(node.id);
   run.members.push_back(node.id);
   const size_t n = run.members.size();
-  if (n >= run.config.max_nodes || (n >= run.config.min_nodes && run.reforming &&
-                                    run.expected.empty())) {
+  if (n >= run.config.max_nodes ||
+      (n >= run.config.min_nodes && run.reforming && run.expected.empty())) {
     completeRound(run, now);
   } else if (n >= run.config.min_nodes) {
     run.last_call = now + run.config.last_call_timeout;
@@ -299,8 +308,9 @@ void RendezvousState::openRound(Run& run, ChangeReason reason, const std::string
     }
   }
   run.reforming = !run.expected.empty();
-  logger("rendezvous")->info("run {}: round {} opened ({} {}), {} survivors expected", run.id,
-                             run.round, changeReasonName(reason), cause, run.expected.size());
+  logger("rendezvous")
+      ->info("run {}: round {} opened ({} {}), {} survivors expected", run.id, run.round,
+             changeReasonName(reason), cause, run.expected.size());
   push(run, ChangeKind::kRoundPending, reason, cause, run.round);
   promoteSpares(run, now);
 }
@@ -359,8 +369,8 @@ void RendezvousState::completeRound(Run& run, TimePoint now) {
   run.joined.clear();
   run.expected.clear();
   run.last_call.reset();
-  logger("rendezvous")->info("run {}: round {} complete with {} nodes, world size {}", run.id,
-                             run.round, n, base);
+  logger("rendezvous")
+      ->info("run {}: round {} complete with {} nodes, world size {}", run.id, run.round, n, base);
 
   for (size_t rank = 0; rank < n; ++rank) {
     Node& node = run.nodes.at(by_rank[rank]);
@@ -407,8 +417,8 @@ void RendezvousState::removeNode(Run& run, const std::string& node_id, ChangeRea
   detachFromRound(run, node);
   run.expected.erase(node_id);
   run.nodes.erase(it);
-  logger("rendezvous")->info("run {}: node {} removed ({})", run.id, node_id,
-                             changeReasonName(reason));
+  logger("rendezvous")
+      ->info("run {}: node {} removed ({})", run.id, node_id, changeReasonName(reason));
   if (run.closed) return;
   if (in_completed) {
     openRound(run, reason, node_id, now);
@@ -477,9 +487,9 @@ StatusOr<uint64_t> RendezvousState::reportFailure(const std::string& run_id,
     return notFound("node " + node_id + " is not part of run " + run_id);
   }
   if (round == 0 || round > run->completed_round) {
-    return failedPrecondition("round " + std::to_string(round) + " of run " + run_id +
-                              " has not completed (last completed: " +
-                              std::to_string(run->completed_round) + ")");
+    return failedPrecondition(
+        "round " + std::to_string(round) + " of run " + run_id +
+        " has not completed (last completed: " + std::to_string(run->completed_round) + ")");
   }
   if (!run->forming && round == run->completed_round) {
     if (run->completed_rank.count(node_id) == 0) {
@@ -512,8 +522,7 @@ StatusOr<RunStatus> RendezvousState::status(const std::string& run_id) const {
 }
 
 Status RendezvousState::publishMaster(const std::string& run_id, const std::string& node_id,
-                                      uint64_t round, const MasterAddress& master,
-                                      TimePoint now) {
+                                      uint64_t round, const MasterAddress& master, TimePoint now) {
   Run* run = findRun(run_id);
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
   if (master.addr.empty() || master.port == 0 || master.port > 65535) {
@@ -574,13 +583,12 @@ void RendezvousState::notifyKeys(const std::string& run_id, const std::string& k
   }
 }
 
-Status RendezvousState::kvSet(const std::string& run_id, const std::string& key,
-                              std::string value, TimePoint now) {
+Status RendezvousState::kvSet(const std::string& run_id, const std::string& key, std::string value,
+                              TimePoint now) {
   DDPRUN_RETURN_IF_ERROR(validateWrite(run_id, key));
   if (value.size() > limits_.max_value_bytes) {
     return invalidArgument("value of key " + key + " is " + std::to_string(value.size()) +
-                           " bytes, above the limit of " +
-                           std::to_string(limits_.max_value_bytes));
+                           " bytes, above the limit of " + std::to_string(limits_.max_value_bytes));
   }
   kv_[run_id][key] = std::move(value);
   notifyKeys(run_id, key);
@@ -629,8 +637,7 @@ StatusOr<std::string> RendezvousState::kvCompareSet(const std::string& run_id,
   DDPRUN_RETURN_IF_ERROR(validateWrite(run_id, key));
   if (desired.size() > limits_.max_value_bytes) {
     return invalidArgument("value of key " + key + " is " + std::to_string(desired.size()) +
-                           " bytes, above the limit of " +
-                           std::to_string(limits_.max_value_bytes));
+                           " bytes, above the limit of " + std::to_string(limits_.max_value_bytes));
   }
   auto& kv = kv_[run_id];
   auto it = kv.find(key);
@@ -666,8 +673,8 @@ void RendezvousState::kvWait(CallId id, const std::string& run_id, std::vector<s
     }
   }
   const auto& kv = kv_[run_id];
-  bool all = std::all_of(keys.begin(), keys.end(),
-                         [&](const std::string& k) { return kv.count(k) != 0; });
+  bool all =
+      std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return kv.count(k) != 0; });
   if (all) {
     std::vector<std::string> values;
     for (const std::string& k : keys) values.push_back(kv.at(k));
@@ -738,8 +745,9 @@ void RendezvousState::tick(TimePoint now) {
       }
     }
     for (const std::string& id : dead) {
-      logger("rendezvous")->warn("run {}: node {} missed {} heartbeats, declared dead", run.id,
-                                 id, run.config.heartbeat_misses);
+      logger("rendezvous")
+          ->warn("run {}: node {} missed {} heartbeats, declared dead", run.id, id,
+                 run.config.heartbeat_misses);
       removeNode(run, id, ChangeReason::kNodeDead, std::nullopt, now);
     }
     // Re-check no sooner than half an interval from now, so steady heartbeats cost few scans.

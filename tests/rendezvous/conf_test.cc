@@ -1,10 +1,10 @@
 #include "ddprun/rendezvous/conf.h"
 
-#include <catch2/catch.hpp>
+#include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <cstdio>
 #include <fstream>
-#include <unistd.h>
 
 using namespace ddprun;
 using namespace ddprun::rendezvous;

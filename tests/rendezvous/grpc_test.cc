@@ -1,17 +1,17 @@
 // Integration tests of the gRPC rendezvous: real server and clients over 127.0.0.1, port 0.
-#include <catch2/catch.hpp>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
 #include <set>
-#include <signal.h>
-#include <sys/wait.h>
 #include <thread>
-#include <unistd.h>
 
 #include "ddprun/rendezvous/client.h"
 #include "ddprun/rendezvous/server.h"
@@ -219,13 +219,15 @@ TEST_CASE("membership changes are pushed to every watcher and close ends the run
   tb.join();
   REQUIRE(a.isOk());
   REQUIRE(b.isOk());
-  REQUIRE(log_b.waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundComplete, 1); }));
+  REQUIRE(
+      log_b.waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundComplete, 1); }));
 
   // A late node: both watchers learn that round 2 is forming.
   StatusOr<RoundInfo> c = Status(StatusCode::kUnknown, "");
   std::thread tc([&] { c = client.join(pushJoin("c")); });
   for (ChangeLog* log : {&log_a, &log_b}) {
-    REQUIRE(log->waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundPending, 2); }));
+    REQUIRE(
+        log->waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundPending, 2); }));
     std::lock_guard<std::mutex> lock(log->mu);
     for (auto& ch : log->changes) {
       if (ch.kind == ChangeKind::kRoundPending) {
@@ -264,10 +266,12 @@ TEST_CASE("membership changes are pushed to every watcher and close ends the run
   auto next = client.reportFailure("push", "c", 2);
   REQUIRE(next.isOk());
   CHECK(next.value() == 3);
-  REQUIRE(log_b.waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundPending, 3); }));
+  REQUIRE(
+      log_b.waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundPending, 3); }));
 
   REQUIRE(client.close("push").isOk());
-  REQUIRE(log_a.waitUntil([](auto& cs) { return !cs.empty() && cs.back().kind == ChangeKind::kClosed; }));
+  REQUIRE(log_a.waitUntil(
+      [](auto& cs) { return !cs.empty() && cs.back().kind == ChangeKind::kClosed; }));
   auto late = client.join(pushJoin("d"));
   REQUIRE_FALSE(late.isOk());
   CHECK(late.status().code() == StatusCode::kFailedPrecondition);
@@ -316,7 +320,8 @@ TEST_CASE("clients retry and re-subscribe across a server restart", "[rendezvous
   REQUIRE(log.waitUntil([](auto& cs) { return !cs.empty(); }));  // subscribed
   auto first = client.join(joinRequest("restart", 1, 1, "a"));
   REQUIRE(first.isOk());
-  REQUIRE(log.waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundComplete, 1); }));
+  REQUIRE(
+      log.waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundComplete, 1); }));
 
   server->shutdown();
   server.reset();
@@ -445,7 +450,10 @@ TEST_CASE("the daemon prints its bound port, serves, and stops cleanly on SIGTER
 
 TEST_CASE("the daemon rejects bad flags with exit code 2", "[rendezvous][daemon]") {
   for (const auto& args : std::vector<std::vector<std::string>>{
-           {"--bogus"}, {}, {"--listen", "nowhere"}, {"--listen", "127.0.0.1:0", "--tls-cert", "x"},
+           {"--bogus"},
+           {},
+           {"--listen", "nowhere"},
+           {"--listen", "127.0.0.1:0", "--tls-cert", "x"},
            {"--listen", "127.0.0.1:0", "--token-file", "/nonexistent/token"}}) {
     FILE* out = nullptr;
     pid_t pid = spawnDaemon(args, &out);
@@ -459,9 +467,11 @@ TEST_CASE("TLS: a client trusting the server's certificate joins, a plaintext on
   char dir_template[] = "/tmp/ddprun-tls-XXXXXX";
   REQUIRE(mkdtemp(dir_template) != nullptr);
   const std::string dir = dir_template;
-  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
-                          " -addext subjectAltName=DNS:localhost,IP:127.0.0.1"
-                          " -keyout " + dir + "/key.pem -out " + dir + "/cert.pem 2>/dev/null";
+  const std::string cmd =
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
+      " -addext subjectAltName=DNS:localhost,IP:127.0.0.1"
+      " -keyout " +
+      dir + "/key.pem -out " + dir + "/cert.pem 2>/dev/null";
   REQUIRE(std::system(cmd.c_str()) == 0);
   ServerOptions options;
   options.tls_cert_pem = readFile(dir + "/cert.pem").value();

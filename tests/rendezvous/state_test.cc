@@ -2,14 +2,12 @@
 #include "ddprun/rendezvous/state.h"
 
 #include <catch2/catch.hpp>
-
 #include <map>
 
 #include "fake_clock.h"
 
 using namespace ddprun;
 using namespace ddprun::rendezvous;
-
 
 namespace {
 
@@ -486,10 +484,8 @@ TEST_CASE("the server's own keys cannot be written through the key-value verbs",
           "[rendezvous][state]") {
   Harness h(1, 1);
   auto now = h.clock.now();
-  CHECK(h.state.kvSet("job", "__ddprun/master/1", "x", now).code() ==
-        StatusCode::kInvalidArgument);
-  CHECK(h.state.kvAdd("job", "__ddprun/n", 1, now).status().code() ==
-        StatusCode::kInvalidArgument);
+  CHECK(h.state.kvSet("job", "__ddprun/master/1", "x", now).code() == StatusCode::kInvalidArgument);
+  CHECK(h.state.kvAdd("job", "__ddprun/n", 1, now).status().code() == StatusCode::kInvalidArgument);
   CHECK(h.state.kvDelete("job", "__ddprun/master/1").status().code() ==
         StatusCode::kInvalidArgument);
 }

@@ -24,12 +24,12 @@
 namespace ddprun::rendezvous {
 
 struct ClientOptions {
-  std::string endpoint;              // HOST:PORT of the rendezvous server
-  std::string token;                 // sent as "authorization: Bearer <token>" when non-empty
-  std::string tls_root_cert_pem;     // non-empty: TLS, trusting this certificate
-  std::string tls_server_name;       // overrides the name checked against the certificate
-  Duration rpc_timeout = std::chrono::seconds(30);     // deadline of each short call
-  Duration retry_timeout = std::chrono::seconds(60);   // how long UNAVAILABLE is retried
+  std::string endpoint;           // HOST:PORT of the rendezvous server
+  std::string token;              // sent as "authorization: Bearer <token>" when non-empty
+  std::string tls_root_cert_pem;  // non-empty: TLS, trusting this certificate
+  std::string tls_server_name;    // overrides the name checked against the certificate
+  Duration rpc_timeout = std::chrono::seconds(30);    // deadline of each short call
+  Duration retry_timeout = std::chrono::seconds(60);  // how long UNAVAILABLE is retried
   Duration initial_backoff = std::chrono::milliseconds(50);
   Duration max_backoff = std::chrono::seconds(1);
 };
@@ -84,8 +84,7 @@ class Client {
                                      const std::string& expected, const std::string& desired);
   // Values of `keys`, in order, once all exist; DEADLINE_EXCEEDED after `timeout`.
   StatusOr<std::vector<std::string>> kvWait(const std::string& run_id,
-                                            const std::vector<std::string>& keys,
-                                            Duration timeout);
+                                            const std::vector<std::string>& keys, Duration timeout);
   StatusOr<bool> kvDelete(const std::string& run_id, const std::string& key);
 
   // Heartbeats (run_id, node_id) every `interval` until the returned object is destroyed. Each

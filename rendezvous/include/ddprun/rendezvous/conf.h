@@ -13,15 +13,15 @@ namespace ddprun::rendezvous {
 enum class IsHost { kAuto, kTrue, kFalse };
 
 struct RendezvousConf {
-  RunConfig run;                                      // last_call_timeout, heartbeat_*
+  RunConfig run;  // last_call_timeout, heartbeat_*
   Duration join_timeout = std::chrono::seconds(600);
   Duration close_timeout = std::chrono::seconds(30);
-  Duration read_timeout = std::chrono::seconds(60);   // client: per-call deadline and retry budget
+  Duration read_timeout = std::chrono::seconds(60);  // client: per-call deadline and retry budget
   IsHost is_host = IsHost::kAuto;
-  std::string token;          // from token_file=
-  std::string tls_cert_pem;   // tls_cert= (server, when hosting)
-  std::string tls_key_pem;    // tls_key=
-  std::string tls_ca_pem;     // tls_ca= (client: the certificate to trust)
+  std::string token;         // from token_file=
+  std::string tls_cert_pem;  // tls_cert= (server, when hosting)
+  std::string tls_key_pem;   // tls_key=
+  std::string tls_ca_pem;    // tls_ca= (client: the certificate to trust)
 };
 
 // Parses `conf` (keys as in --rdzv-conf: join_timeout, last_call_timeout, close_timeout,

@@ -94,8 +94,7 @@ class RendezvousState {
 
   // Key-value store per run id (run ids need no join to use it). Keys under "__ddprun/" are the
   // server's own (master addresses): readable, not writable.
-  Status kvSet(const std::string& run_id, const std::string& key, std::string value,
-               TimePoint now);
+  Status kvSet(const std::string& run_id, const std::string& key, std::string value, TimePoint now);
   StatusOr<std::string> kvGet(const std::string& run_id, const std::string& key) const;
   StatusOr<int64_t> kvAdd(const std::string& run_id, const std::string& key, int64_t delta,
                           TimePoint now);
@@ -103,8 +102,8 @@ class RendezvousState {
                                      const std::string& expected, std::string desired,
                                      TimePoint now);
   StatusOr<bool> kvDelete(const std::string& run_id, const std::string& key);
-  void kvWait(CallId id, const std::string& run_id, std::vector<std::string> keys,
-              Duration timeout, TimePoint now);
+  void kvWait(CallId id, const std::string& run_id, std::vector<std::string> keys, Duration timeout,
+              TimePoint now);
   void cancelWait(CallId id);
 
   // Expires last calls, join and wait timeouts and heartbeats due at `now`.
