@@ -22,6 +22,7 @@ using convert::toProto;
 
 struct Client::Impl {
   explicit Impl(ClientOptions opts) : options(std::move(opts)) {
+    convert::routeGrpcLogs();
     std::shared_ptr<grpc::ChannelCredentials> creds;
     grpc::ChannelArguments args;
     if (!options.tls_root_cert_pem.empty()) {

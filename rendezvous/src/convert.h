@@ -2,8 +2,12 @@
 // between Status and grpc::Status. Private to the rendezvous library.
 #pragma once
 
+#include <grpc/support/log.h>
 #include <grpcpp/support/status.h>
 
+#include <mutex>
+
+#include "ddprun/common/log.h"
 #include "ddprun/common/status.h"
 #include "ddprun/rendezvous/types.h"
 #include "ddprun/rendezvous/v1/rendezvous.pb.h"
@@ -18,6 +22,19 @@ inline grpc::Status toGrpc(const Status& s) {
 inline Status fromGrpc(const grpc::Status& s) {
   if (s.ok()) return Status::ok();
   return Status(static_cast<StatusCode>(s.error_code()), s.error_message());
+}
+
+// Sends gRPC's own log lines to our logger at debug level: every failure they describe reaches
+// users as a Status with a message of ours, and a daemon's usage error stays one line.
+inline void routeGrpcLogs() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // Leaked on purpose: gRPC threads may still log while static destructors run.
+    static auto* log = new std::shared_ptr<spdlog::logger>(logger("rendezvous"));
+    gpr_set_log_function([](gpr_log_func_args* args) {
+      (*log)->debug("grpc {}:{}: {}", args->file, args->line, args->message);
+    });
+  });
 }
 
 inline double toSeconds(Duration d) { return std::chrono::duration<double>(d).count(); }

@@ -585,6 +585,7 @@ int RendezvousServer::port() const { return impl_->port; }
 std::string RendezvousServer::address() const { return impl_->address; }
 
 StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOptions options) {
+  convert::routeGrpcLogs();
   auto colon = options.listen.rfind(':');
   if (colon == std::string::npos || colon == 0) {
     return invalidArgument("listen address '" + options.listen + "' is not HOST:PORT");
