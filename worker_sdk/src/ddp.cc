@@ -5,12 +5,23 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <sstream>
 
+#include "ddprun/common/log.h"
 #include "ddprun/worker/bucket_assignment.h"
 #include "ddprun/worker/errors.h"
 
 namespace ddprun::worker {
+
+namespace {
+// Milliseconds on the steady clock, for trace lines that show how buckets overlap backward.
+double nowMs() {
+  return std::chrono::duration<double, std::milli>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
 
 struct DistributedDataParallel::Bucket {
   std::vector<std::size_t> params;
@@ -200,6 +211,9 @@ void DistributedDataParallel::launchReadyBuckets() {
   // Strictly in bucket order so that every rank issues the same sequence of collectives.
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_]->pending == 0) {
     Bucket& b = *buckets_[next_bucket_];
+    static const auto log = ddprun::logger("worker");
+    log->trace("{:.3f} ms: bucket {} ({} params, {} elements) launched", nowMs(), next_bucket_,
+               b.params.size(), b.flat.numel());
     b.work = group_->comm().allReduceAsync(b.flat, ReduceOp::kSum);
     ++next_bucket_;
   }
@@ -235,6 +249,8 @@ void DistributedDataParallel::finalizeBackward() {
     launchReadyBuckets();
   }
   torch::NoGradGuard no_grad;
+  static const auto log = ddprun::logger("worker");
+  log->trace("{:.3f} ms: backward done, waiting for {} buckets", nowMs(), buckets_.size());
   for (auto& bp : buckets_) {
     Bucket& b = *bp;
     b.work->wait();
@@ -249,6 +265,7 @@ void DistributedDataParallel::finalizeBackward() {
       }
     }
   }
+  log->trace("{:.3f} ms: all buckets reduced", nowMs());
   std::lock_guard<std::mutex> lock(mu_);
   resetIteration();
 }

@@ -11,7 +11,9 @@
 #include <gloo/transport/tcp/device.h>
 
 #include <atomic>
+#include <chrono>
 
+#include "ddprun/common/log.h"
 #include "ddprun/worker/errors.h"
 #include "op_queue.h"
 
@@ -85,6 +87,8 @@ class GlooCommunicator : public Communicator {
     checkReducible(tensor.scalar_type());
     const uint32_t tag = nextTag();
     return queue_.submit([this, tensor, op, tag] {
+      static const auto log = ddprun::logger("worker");
+      const auto t0 = std::chrono::steady_clock::now();
       at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
       const size_t n = static_cast<size_t>(work.numel());
       if (n > 0 && size_ > 1) {
@@ -107,6 +111,10 @@ class GlooCommunicator : public Communicator {
       }
       if (op == ReduceOp::kAvg) work.div_(size_);
       if (!work.is_same(tensor)) tensor.copy_(work);
+      log->trace(
+          "{:.3f} ms: all_reduce of {} elements took {:.3f} ms",
+          std::chrono::duration<double, std::milli>(t0.time_since_epoch()).count(), n,
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     });
   }
 
