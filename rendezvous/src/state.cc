@@ -312,6 +312,7 @@ void RendezvousState::openRound(Run& run, ChangeReason reason, const std::string
       ->info("run {}: round {} opened ({} {}), {} survivors expected", run.id, run.round,
              changeReasonName(reason), cause, run.expected.size());
   push(run, ChangeKind::kRoundPending, reason, cause, run.round);
+  abortMasterWaits(run);
   promoteSpares(run, now);
 }
 
@@ -541,6 +542,29 @@ Status RendezvousState::publishMaster(const std::string& run_id, const std::stri
 void RendezvousState::waitMaster(CallId id, const std::string& run_id, uint64_t round,
                                  Duration timeout, TimePoint now) {
   kvWait(id, run_id, {masterKey(round)}, timeout, now);
+  auto it = waits_.find(id);
+  if (it == waits_.end()) return;  // answered at once
+  it->second.master_round = round;
+  if (const Run* run = findRun(run_id)) abortMasterWaits(*run);
+}
+
+void RendezvousState::abortMasterWaits(const Run& run) {
+  // A round is superseded once a later one is forming or complete.
+  const uint64_t newest = run.round;
+  std::vector<CallId> aborted;
+  for (const auto& [id, wait] : waits_) {
+    if (wait.run_id == run.id && wait.master_round != 0 && wait.master_round < newest) {
+      aborted.push_back(id);
+    }
+  }
+  for (CallId id : aborted) {
+    outbox_.waits.push_back(
+        {id, Status(StatusCode::kAborted, "round " + std::to_string(waits_.at(id).master_round) +
+                                              " of run " + run.id + " was superseded by round " +
+                                              std::to_string(newest) +
+                                              " before its master was published")});
+    waits_.erase(id);
+  }
 }
 
 Status RendezvousState::validateWrite(const std::string& run_id, const std::string& key) const {

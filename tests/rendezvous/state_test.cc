@@ -443,6 +443,25 @@ TEST_CASE("only rank 0 of a completed round may publish the master", "[rendezvou
   CHECK(h.waits.at(7).value() == std::vector<std::string>{"a.host:1234"});
 }
 
+TEST_CASE("waiting for the master of a superseded round fails with ABORTED",
+          "[rendezvous][state]") {
+  Harness h(2, 2);
+  h.join("a");
+  h.join("b");
+  h.state.waitMaster(7, "job", 1, seconds(60), h.clock.now());
+  h.collect();
+  CHECK(h.waits.empty());
+  REQUIRE(h.state.reportFailure("job", "b", 1, h.clock.now()).isOk());
+  h.collect();
+  REQUIRE(h.waits.count(7));
+  CHECK(h.waits.at(7).status().code() == StatusCode::kAborted);
+  // Asking for round 1's master now fails at once.
+  h.state.waitMaster(8, "job", 1, seconds(60), h.clock.now());
+  h.collect();
+  REQUIRE(h.waits.count(8));
+  CHECK(h.waits.at(8).status().code() == StatusCode::kAborted);
+}
+
 TEST_CASE("the key-value store supports set, get, add, compare-set, wait and delete",
           "[rendezvous][state]") {
   Harness h(1, 1);

@@ -61,7 +61,8 @@ class Client {
   // Pass the node id of the previous round (RoundInfo::node_id) to keep the group rank.
   StatusOr<RoundInfo> join(const JoinRequest& req, bool include_participants = true);
   // join() on a thread of the client's own; `done` runs on that thread (post it to your event
-  // loop). Destroying the client cancels and waits for async joins still running.
+  // loop; do not destroy the client from it). Destroying the client cancels and waits for async
+  // joins still running.
   void joinAsync(const JoinRequest& req, std::function<void(StatusOr<RoundInfo>)> done,
                  bool include_participants = true);
   StatusOr<RunStatus> heartbeat(const std::string& run_id, const std::string& node_id);
@@ -73,7 +74,8 @@ class Client {
   // The rank-0 node of `round` publishes the master address of its workers.
   Status publishMaster(const std::string& run_id, const std::string& node_id, uint64_t round,
                        const MasterAddress& master);
-  // Waits up to `timeout` for the master of `round` to be published.
+  // Waits up to `timeout` for the master of `round` to be published; ABORTED when a later round
+  // opened before that happened (join the new round instead).
   StatusOr<MasterAddress> waitMaster(const std::string& run_id, uint64_t round, Duration timeout);
 
   Status kvSet(const std::string& run_id, const std::string& key, const std::string& value);

@@ -89,6 +89,7 @@ class RendezvousState {
   Status publishMaster(const std::string& run_id, const std::string& node_id, uint64_t round,
                        const MasterAddress& master, TimePoint now);
   // Long-poll for the master of `round`; the answer (one value "addr:port") arrives in the outbox.
+  // ABORTED when a later round opens before the master of `round` was published.
   void waitMaster(CallId id, const std::string& run_id, uint64_t round, Duration timeout,
                   TimePoint now);
 
@@ -132,6 +133,7 @@ class RendezvousState {
   void detachFromRound(Run& run, Node& node);
   void finishJoin(Node& node, StatusOr<RoundInfo> result);
   void notifyKeys(const std::string& run_id, const std::string& key);
+  void abortMasterWaits(const Run& run);
   void push(Run& run, ChangeKind kind, ChangeReason reason, const std::string& node_id,
             uint64_t round);
   RunStatus statusOf(const Run& run) const;
@@ -144,6 +146,7 @@ class RendezvousState {
     std::string run_id;
     std::vector<std::string> keys;
     TimePoint deadline;
+    uint64_t master_round = 0;  // a waitMaster: fails once a later round opens
   };
   std::unordered_map<CallId, Wait> waits_;
   std::map<std::string, std::map<std::string, std::string>> kv_;
