@@ -312,7 +312,6 @@ void RendezvousState::openRound(Run& run, ChangeReason reason, const std::string
       ->info("run {}: round {} opened ({} {}), {} survivors expected", run.id, run.round,
              changeReasonName(reason), cause, run.expected.size());
   push(run, ChangeKind::kRoundPending, reason, cause, run.round);
-  abortMasterWaits(run);
   promoteSpares(run, now);
 }
 
@@ -390,6 +389,7 @@ void RendezvousState::completeRound(Run& run, TimePoint now) {
   }
   deadlines_.insert(now + run.expiry());
   push(run, ChangeKind::kRoundComplete, ChangeReason::kNone, "", run.round);
+  abortMasterWaits(run);
 }
 
 void RendezvousState::detachFromRound(Run& run, Node& node) {
@@ -549,11 +549,12 @@ void RendezvousState::waitMaster(CallId id, const std::string& run_id, uint64_t 
 }
 
 void RendezvousState::abortMasterWaits(const Run& run) {
-  // A round is superseded once a later one is forming or complete.
-  const uint64_t newest = run.round;
+  // Only the rank 0 of the last completed round can publish (a forming round does not stop it),
+  // so a wait for an older round can no longer be answered.
   std::vector<CallId> aborted;
   for (const auto& [id, wait] : waits_) {
-    if (wait.run_id == run.id && wait.master_round != 0 && wait.master_round < newest) {
+    if (wait.run_id == run.id && wait.master_round != 0 &&
+        wait.master_round < run.completed_round) {
       aborted.push_back(id);
     }
   }
@@ -561,7 +562,7 @@ void RendezvousState::abortMasterWaits(const Run& run) {
     outbox_.waits.push_back(
         {id, Status(StatusCode::kAborted, "round " + std::to_string(waits_.at(id).master_round) +
                                               " of run " + run.id + " was superseded by round " +
-                                              std::to_string(newest) +
+                                              std::to_string(run.completed_round) +
                                               " before its master was published")});
     waits_.erase(id);
   }

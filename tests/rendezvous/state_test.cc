@@ -448,18 +448,32 @@ TEST_CASE("waiting for the master of a superseded round fails with ABORTED",
   Harness h(2, 2);
   h.join("a");
   h.join("b");
+  const std::string rank0 = h.done["a"].group_rank == 0 ? "a" : "b";
   h.state.waitMaster(7, "job", 1, seconds(60), h.clock.now());
-  h.collect();
-  CHECK(h.waits.empty());
+  h.state.waitMaster(9, "job", 1, seconds(60), h.clock.now());
   REQUIRE(h.state.reportFailure("job", "b", 1, h.clock.now()).isOk());
   h.collect();
-  REQUIRE(h.waits.count(7));
-  CHECK(h.waits.at(7).status().code() == StatusCode::kAborted);
-  // Asking for round 1's master now fails at once.
-  h.state.waitMaster(8, "job", 1, seconds(60), h.clock.now());
+  // Round 2 is only forming: rank 0 of round 1 can still publish, and the waiters get it.
+  CHECK(h.waits.empty());
+  REQUIRE(h.state.publishMaster("job", rank0, 1, {"m", 1}, h.clock.now()).isOk());
   h.collect();
-  REQUIRE(h.waits.count(8));
-  CHECK(h.waits.at(8).status().code() == StatusCode::kAborted);
+  REQUIRE(h.waits.count(7));
+  CHECK(h.waits.at(7).isOk());
+  // Waiting for round 2's master, which round 3 then supersedes before anyone published it.
+  h.join("a");
+  h.join("b");
+  REQUIRE(h.done["a"].round == 2);
+  h.state.waitMaster(11, "job", 2, seconds(60), h.clock.now());
+  REQUIRE(h.state.reportFailure("job", "a", 2, h.clock.now()).isOk());
+  h.join("a");
+  h.join("b");
+  REQUIRE(h.waits.count(11));
+  CHECK(h.waits.at(11).status().code() == StatusCode::kAborted);
+  // Asking for round 2's master now fails at once.
+  h.state.waitMaster(12, "job", 2, seconds(60), h.clock.now());
+  h.collect();
+  REQUIRE(h.waits.count(12));
+  CHECK(h.waits.at(12).status().code() == StatusCode::kAborted);
 }
 
 TEST_CASE("the key-value store supports set, get, add, compare-set, wait and delete",

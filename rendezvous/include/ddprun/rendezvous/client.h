@@ -75,7 +75,7 @@ class Client {
   Status publishMaster(const std::string& run_id, const std::string& node_id, uint64_t round,
                        const MasterAddress& master);
   // Waits up to `timeout` for the master of `round` to be published; ABORTED when a later round
-  // opened before that happened (join the new round instead).
+  // completed before that happened (join again instead).
   StatusOr<MasterAddress> waitMaster(const std::string& run_id, uint64_t round, Duration timeout);
 
   Status kvSet(const std::string& run_id, const std::string& key, const std::string& value);

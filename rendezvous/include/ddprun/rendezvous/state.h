@@ -89,7 +89,8 @@ class RendezvousState {
   Status publishMaster(const std::string& run_id, const std::string& node_id, uint64_t round,
                        const MasterAddress& master, TimePoint now);
   // Long-poll for the master of `round`; the answer (one value "addr:port") arrives in the outbox.
-  // ABORTED when a later round opens before the master of `round` was published.
+  // ABORTED once a later round completed without the master of `round` published (rank 0 of
+  // `round` can publish until then, even while the next round is forming).
   void waitMaster(CallId id, const std::string& run_id, uint64_t round, Duration timeout,
                   TimePoint now);
 
@@ -146,7 +147,7 @@ class RendezvousState {
     std::string run_id;
     std::vector<std::string> keys;
     TimePoint deadline;
-    uint64_t master_round = 0;  // a waitMaster: fails once a later round opens
+    uint64_t master_round = 0;  // a waitMaster: fails once a later round completed
   };
   std::unordered_map<CallId, Wait> waits_;
   std::map<std::string, std::map<std::string, std::string>> kv_;
