@@ -536,6 +536,8 @@ int runAgent(const AgentConfig& cfg) {
 
   supervisor.setStateListener([&](AgentState s) {
     counters.onState(s, supervisor.restartCount(), clock.wallSeconds());
+    // Ends that come from a posted callback (a round that failed) must stop the loop too.
+    if (supervisor.finished()) boost::asio::post(io, [&] { afterEvent(); });
     if (s == AgentState::kRunning) {
       log->info("started {} worker(s) (attempt {}, run id {})", cfg.nproc_per_node,
                 supervisor.restartCount(), cfg.rdzv_id);
@@ -552,6 +554,9 @@ int runAgent(const AgentConfig& cfg) {
 
   launcher.drainAll();
   std::cout.flush();
+  // The workers are gone: from here a signal simply ends ddprun (default dispositions).
+  boost::system::error_code ignored;
+  handled.clear(ignored);
   rendezvous.finish(supervisor.state() == AgentState::kSucceeded, supervisor.leftRun());
   if (supervisor.state() == AgentState::kFailed) {
     if (!supervisor.failures().empty() && supervisor.exitCode() == 1) {

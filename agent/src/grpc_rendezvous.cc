@@ -244,22 +244,41 @@ void GrpcRendezvous::finish(bool succeeded, bool left) {
     node = node_id_;
   }
   if (left || node.empty()) return;
+  // The others may be gone already (or the host's server with them): retry only briefly.
+  rendezvous::ClientOptions quick = options_.client;
+  quick.retry_timeout = std::chrono::seconds(2);
+  quick.rpc_timeout = std::max<Duration>(options_.exit_barrier_timeout, std::chrono::seconds(5)) +
+                      std::chrono::seconds(5);
+  rendezvous::Client client(quick);
   auto log = logger("agent");
-  if (succeeded) {
-    // Exit barrier: this node's workers are done; wait (bounded) for every node of the round.
-    const std::string prefix = "exit_barrier/" + std::to_string(joined_round_) + "/";
-    auto st = client_.kvSet(options_.run_id, prefix + node, "1");
+  const std::string run = options_.run_id;
+  const std::string prefix = "exit_barrier/" + std::to_string(joined_round_) + "/";
+  auto keysOf = [&](const std::string& phase) {
     std::vector<std::string> keys;
-    for (const auto& member : last_members_) keys.push_back(prefix + member);
+    for (const auto& member : last_members_) keys.push_back(prefix + phase + "/" + member);
+    return keys;
+  };
+  const bool closer = !last_members_.empty() && last_members_.front() == node;  // group rank 0
+  if (succeeded) {
+    // Exit barrier, in two phases: wait (bounded) until every node's workers are done, then
+    // say so; the node that closes the run waits for everyone's departure first, so a node
+    // hosting the rendezvous never takes it away from a node still inside the barrier.
+    Status st = client.kvSet(run, prefix + "arrive/" + node, "1");
     if (st.isOk()) {
-      auto all = client_.kvWait(options_.run_id, keys, options_.exit_barrier_timeout);
+      auto all = client.kvWait(run, keysOf("arrive"), options_.exit_barrier_timeout);
       st = all.isOk() ? Status::ok() : all.status();
     }
     if (!st.isOk()) {
       log->warn("exit barrier: not every node finished ({}); exiting anyway", st.toString());
     }
+    auto departed = client.kvSet(run, prefix + "depart/" + node, "1");
+    if (departed.isOk() && closer) {
+      auto all = client.kvWait(run, keysOf("depart"), std::chrono::seconds(10));
+      if (!all.isOk()) log->debug("exit barrier departures: {}", all.status().toString());
+    }
+    if (!closer) return;
   }
-  auto closed = client_.close(options_.run_id);
+  auto closed = client.close(run);
   if (!closed.isOk()) log->debug("close: {}", closed.toString());
 }
 

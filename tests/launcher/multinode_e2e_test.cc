@@ -1,0 +1,323 @@
+// Multi-node end to end on one machine: several agents on distinct loopback addresses
+// (127.0.0.2, 127.0.0.3, ...) form one job over the gRPC rendezvous, with real worker processes
+// and real PyTorch gloo workers whose collectives span the nodes.
+#include <catch2/catch.hpp>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <csignal>
+#include <memory>
+#include <regex>
+
+#include "ddprun/common/strings.h"
+#include "process_helpers.h"
+
+using namespace ddprun;
+using namespace ddprun::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+int freePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+bool torchAvailable() {
+  return run({torchPython(), "-c", "import torch.distributed"}, {}, 60s).exit_code == 0;
+}
+
+std::map<std::string, std::string> parseEnvFile(const std::string& text) {
+  std::map<std::string, std::string> env;
+  for (const auto& line : split(text, '\n')) {
+    auto eq = line.find('=');
+    if (eq != std::string::npos) env[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  return env;
+}
+
+// A standalone ddprun-rendezvous on 127.0.0.1 and a free port.
+struct RendezvousDaemon {
+  RendezvousDaemon()
+      : process({buildDir() + "/rendezvous/ddprun-rendezvous", "--listen", "127.0.0.1:0"}) {
+    std::smatch m;
+    REQUIRE(waitUntil([&] {
+      std::string out = process.out();
+      if (!std::regex_search(out, m, std::regex(R"(listening on (\S+):(\d+))"))) return false;
+      endpoint = "127.0.0.1:" + m[2].str();
+      return true;
+    }));
+  }
+  Process process;
+  std::string endpoint;
+};
+
+// One node: a ddprun agent advertising `addr`.
+std::unique_ptr<Process> agent(const std::string& addr, const std::string& endpoint,
+                               const std::string& nnodes, const std::string& run_id,
+                               std::vector<std::string> extra, std::vector<std::string> program) {
+  std::vector<std::string> argv = {ddprunBin(), "--nnodes=" + nnodes, "--rdzv-backend=c10d",
+                                   "--rdzv-endpoint=" + endpoint, "--rdzv-id=" + run_id,
+                                   "--local-addr=" + addr};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.insert(argv.end(), program.begin(), program.end());
+  return std::make_unique<Process>(argv, std::map<std::string, std::string>{
+                                             {"PYTHON_EXEC", torchPython()}});
+}
+
+std::vector<std::string> testWorker(std::vector<std::string> args) {
+  args.insert(args.begin(), {"--no-python", testWorkerBin()});
+  return args;
+}
+
+int countOf(const std::string& haystack, const std::string& needle) {
+  int n = 0;
+  for (size_t p = 0; (p = haystack.find(needle, p)) != std::string::npos; p += needle.size()) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("agents on two loopback addresses form one job whose gloo all_reduce spans them",
+          "[multinode][pytorch]") {
+  if (!torchAvailable()) {
+    WARN("skipped: no torch at " + torchPython());
+    return;
+  }
+  const std::string ep = "127.0.0.1:" + std::to_string(freePort());
+  const std::string prog = sourceDir() + "/examples/pytorch/allreduce_check.py";
+  SECTION("2 + 2 workers give world size 4") {
+    auto a = agent("127.0.0.2", ep, "2", "ws4", {"--nproc-per-node=2"}, {prog});
+    auto b = agent("127.0.0.3", ep, "2", "ws4", {"--nproc-per-node=2"}, {prog});
+    auto ra = a->wait(180s), rb = b->wait(180s);
+    REQUIRE(ra);
+    REQUIRE(rb);
+    INFO(ra->err << rb->err);
+    CHECK(ra->exit_code == 0);
+    CHECK(rb->exit_code == 0);
+    const std::string all = ra->out + rb->out;
+    for (int r = 0; r < 4; ++r) {
+      CHECK(all.find("rank " + std::to_string(r) + "/4: all_reduce sum 10 (expected 10) OK") !=
+            std::string::npos);
+    }
+  }
+  SECTION("4 + 2 workers give world size 6 with contiguous rank blocks") {
+    auto a = agent("127.0.0.2", ep, "2", "ws6", {"--nproc-per-node=4"}, {prog});
+    auto b = agent("127.0.0.3", ep, "2", "ws6", {"--nproc-per-node=2"}, {prog});
+    auto ra = a->wait(180s), rb = b->wait(180s);
+    REQUIRE(ra);
+    REQUIRE(rb);
+    INFO(ra->err << rb->err);
+    CHECK(ra->exit_code == 0);
+    CHECK(rb->exit_code == 0);
+    // Whichever node got group rank 0 holds a contiguous block of its own size.
+    const bool a_first = ra->out.find("rank 0/6") != std::string::npos;
+    const std::string& four = ra->out;
+    const std::string& two = rb->out;
+    for (int r = 0; r < 6; ++r) {
+      const bool on_four = a_first ? r < 4 : r >= 2;
+      INFO("rank " << r);
+      CHECK((on_four ? four : two).find("rank " + std::to_string(r) + "/6: all_reduce sum 21 (expected 21) OK") !=
+            std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("a worker failing on one node restarts every node's workers, charged once",
+          "[multinode]") {
+  RendezvousDaemon rdzv;
+  TempDir state, envs;
+  auto worker = testWorker({"--exit-code", "4", "--only-rank", "3", "--fail-until-restart", "1",
+                            "--fail-fast", "--sleep", "3", "--state-dir", state.path(),
+                            "--env-out", envs.path()});
+  auto a = agent("127.0.0.2", rdzv.endpoint, "2", "fail1",
+                 {"--nproc-per-node=2", "--max-restarts=1"}, worker);
+  auto b = agent("127.0.0.3", rdzv.endpoint, "2", "fail1",
+                 {"--nproc-per-node=2", "--max-restarts=1"}, worker);
+  auto ra = a->wait(120s), rb = b->wait(120s);
+  REQUIRE(ra);
+  REQUIRE(rb);
+  INFO(ra->err << rb->err);
+  CHECK(ra->exit_code == 0);
+  CHECK(rb->exit_code == 0);
+  for (int r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    CHECK(fileExists(state / ("pid." + std::to_string(r) + ".1")));   // restarted once
+    CHECK_FALSE(fileExists(state / ("pid." + std::to_string(r) + ".2")));
+    CHECK(parseEnvFile(readFile(envs / ("env." + std::to_string(r))))["TORCHELASTIC_RESTART_COUNT"] == "1");
+  }
+}
+
+TEST_CASE("the static backend forms the job from the node ranks given, as torchrun's tutorials do",
+          "[multinode]") {
+  TempDir state, envs;
+  const int port = freePort();
+  auto worker = testWorker({"--exit-code", "9", "--only-rank", "1", "--fail-until-restart", "1",
+                            "--fail-fast", "--sleep", "3", "--state-dir", state.path(),
+                            "--env-out", envs.path()});
+  auto node = [&](int rank, const std::string& addr) {
+    std::vector<std::string> argv = {ddprunBin(), "--nnodes=2", "--node_rank=" + std::to_string(rank),
+                                     "--master_addr=127.0.0.1", "--master_port=" + std::to_string(port),
+                                     "--nproc_per_node=2", "--max-restarts=1", "--local-addr=" + addr};
+    argv.insert(argv.end(), worker.begin(), worker.end());
+    return std::make_unique<Process>(argv);
+  };
+  auto n1 = node(1, "127.0.0.3");  // rank 1 first: it waits for rank 0's rendezvous
+  auto n0 = node(0, "127.0.0.2");
+  auto r0 = n0->wait(120s), r1 = n1->wait(120s);
+  REQUIRE(r0);
+  REQUIRE(r1);
+  INFO(r0->err << r1->err);
+  CHECK(r0->exit_code == 0);
+  CHECK(r1->exit_code == 0);
+  for (int r = 0; r < 4; ++r) {
+    auto env = parseEnvFile(readFile(envs / ("env." + std::to_string(r))));
+    INFO("rank " << r);
+    CHECK(env["MASTER_ADDR"] == "127.0.0.1");
+    CHECK(env["MASTER_PORT"] == std::to_string(port));
+    CHECK(env["GROUP_RANK"] == (r < 2 ? "0" : "1"));
+    CHECK(env["WORLD_SIZE"] == "4");
+    CHECK(env["TORCHELASTIC_RESTART_COUNT"] == "1");  // rank 1's failure restarted both nodes
+  }
+}
+
+TEST_CASE("SIGTERM to one node: it leaves at once, the others re-form without it, and a new "
+          "node grows the world back", "[multinode]") {
+  RendezvousDaemon rdzv;
+  TempDir state;
+  // Heartbeats so slow that only the graceful leave can explain a quick re-form.
+  const std::vector<std::string> flags = {
+      "--nproc-per-node=1", "--max-restarts=0",
+      "--rdzv-conf=last_call_timeout=1,heartbeat_interval=30,heartbeat_misses=3"};
+  auto worker = testWorker({"--sleep", "600", "--on-signal-exit", "0", "--state-dir", state.path()});
+  auto a = agent("127.0.0.2", rdzv.endpoint, "1:2", "leave1", flags, worker);
+  auto b = agent("127.0.0.3", rdzv.endpoint, "1:2", "leave1", flags, worker);
+  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "world size 2") == 2; }, 60s));
+  // b is the node whose log says so; either node may be rank 1.
+  b->signal(SIGTERM);
+  auto rb = b->wait(30s);
+  REQUIRE(rb);
+  CHECK(rb->exit_code == 128 + SIGTERM);
+  REQUIRE(waitUntil([&] { return a->err().find("group rank 0 of 1, world size 1") != std::string::npos; }, 20s));
+  CHECK(a->err().find("NODE_LEFT") != std::string::npos);
+  // Scale back up.
+  auto c = agent("127.0.0.4", rdzv.endpoint, "1:2", "leave1", flags, worker);
+  REQUIRE(waitUntil([&] { return countOf(a->err(), "world size 2") == 2; }, 60s));
+  CHECK(a->err().find("NODE_JOINED") != std::string::npos);
+  CHECK(a->err().find("restarting workers") == std::string::npos);  // nothing was charged
+  a->signal(SIGTERM);
+  c->signal(SIGTERM);
+  CHECK(a->wait(30s));
+  CHECK(c->wait(30s));
+}
+
+TEST_CASE("kill -9 of a node's agent: its workers die, the survivors re-form and finish from the "
+          "last snapshot", "[multinode][pytorch]") {
+  if (!torchAvailable()) {
+    WARN("skipped: no torch at " + torchPython());
+    return;
+  }
+  RendezvousDaemon rdzv;
+  TempDir work;
+  const std::vector<std::string> prog = {sourceDir() + "/examples/pytorch/ddp_tutorial.py", "30",
+                                         "1", "--snapshot_path", work / "snapshot.pt",
+                                         "--step_delay", "0.004"};
+  const std::vector<std::string> flags = {"--nproc-per-node=1", "--max-restarts=3",
+                                          "--rdzv-conf=last_call_timeout=1"};
+  auto a = agent("127.0.0.2", rdzv.endpoint, "1:2", "kill9", flags, prog);
+  auto b = agent("127.0.0.3", rdzv.endpoint, "1:2", "kill9", flags, prog);
+  REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 3 |") != std::string::npos; },
+                    180s));
+  auto b_workers = childPids(b->pid());
+  REQUIRE(b_workers.size() == 1);
+  b->signal(SIGKILL);
+  REQUIRE(b->wait(10s));
+  CHECK(waitUntil([&] { return !pidAlive(b_workers[0]); }, 10s));
+  auto ra = a->wait(300s);
+  REQUIRE(ra);
+  INFO(ra->out << ra->err);
+  CHECK(ra->exit_code == 0);
+  CHECK(ra->err.find("group rank 0 of 1, world size 1") != std::string::npos);
+  std::smatch m;
+  REQUIRE(std::regex_search(ra->out, m, std::regex(R"(\[RANK 0\] Resuming training from snapshot at Epoch (\d+))")));
+  CHECK(std::stoi(m[1]) >= 3);
+  CHECK(ra->out.find("[RANK 0] Epoch 29 |") != std::string::npos);
+}
+
+TEST_CASE("with a standalone ddprun-rendezvous, losing the group-rank-0 node does not end the job",
+          "[multinode]") {
+  RendezvousDaemon rdzv;
+  TempDir state;
+  const std::vector<std::string> flags = {"--nproc-per-node=1", "--max-restarts=3",
+                                          "--rdzv-conf=last_call_timeout=1"};
+  auto worker = testWorker({"--sleep", "6", "--state-dir", state.path()});
+  auto a = agent("127.0.0.2", rdzv.endpoint, "1:2", "rank0gone", flags, worker);
+  auto b = agent("127.0.0.3", rdzv.endpoint, "1:2", "rank0gone", flags, worker);
+  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "world size 2") == 2; }, 60s));
+  const bool a_is_rank0 = a->err().find("group rank 0 of 2") != std::string::npos;
+  auto& rank0 = a_is_rank0 ? a : b;
+  auto& survivor = a_is_rank0 ? b : a;
+  rank0->signal(SIGKILL);
+  auto r = survivor->wait(120s);
+  REQUIRE(r);
+  INFO(r->err);
+  CHECK(r->exit_code == 0);
+  CHECK(r->err.find("group rank 0 of 1, world size 1") != std::string::npos);
+}
+
+TEST_CASE("joining a run that was closed is refused with a clear error", "[multinode]") {
+  RendezvousDaemon rdzv;
+  auto first = agent("127.0.0.2", rdzv.endpoint, "1", "closedrun", {}, testWorker({}));
+  auto r1 = first->wait(60s);
+  REQUIRE(r1);
+  REQUIRE(r1->exit_code == 0);
+  auto late = agent("127.0.0.3", rdzv.endpoint, "1", "closedrun", {}, testWorker({}));
+  auto r2 = late->wait(60s);
+  REQUIRE(r2);
+  CHECK(r2->exit_code == 1);
+  CHECK(r2->err.find("closedrun is closed") != std::string::npos);
+}
+
+TEST_CASE("the agent serves /healthz and Prometheus /metrics", "[multinode]") {
+  TempDir state;
+  const std::string ep = "127.0.0.1:" + std::to_string(freePort());
+  auto a = agent("127.0.0.2", ep, "1", "metrics", {"--nproc-per-node=2", "--metrics-port=0"},
+                 testWorker({"--sleep", "600", "--state-dir", state.path()}));
+  std::smatch m;
+  std::string port;
+  REQUIRE(waitUntil([&] {
+    std::string err = a->err();
+    if (!std::regex_search(err, m, std::regex(R"(metrics on http://127\.0\.0\.2:(\d+)/metrics)"))) return false;
+    port = m[1];
+    return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0");
+  }, 60s));
+  auto get = [&](const std::string& path) {
+    return run({torchPython(), "-c",
+                "import urllib.request,sys\n"
+                "try:\n"
+                "  r=urllib.request.urlopen('http://127.0.0.2:" + port + path + "',timeout=10)\n"
+                "  print(r.status); print(r.read().decode())\n"
+                "except urllib.error.HTTPError as e:\n"
+                "  print(e.code)\n"}).out;
+  };
+  CHECK(startsWith(get("/healthz"), "200\nok"));
+  const std::string metrics = get("/metrics");
+  INFO(metrics);
+  CHECK(metrics.find("ddprun_agent_world_size 2") != std::string::npos);
+  CHECK(metrics.find("ddprun_agent_workers_running 2") != std::string::npos);
+  CHECK(metrics.find("ddprun_agent_state{state=\"RUNNING\"} 1") != std::string::npos);
+  CHECK(metrics.find("ddprun_agent_group_rank 0") != std::string::npos);
+  CHECK(metrics.find("ddprun_agent_failures_total 0") != std::string::npos);
+  CHECK(startsWith(get("/nope"), "404"));
+  a->signal(SIGTERM);
+  CHECK(a->wait(30s));
+}
