@@ -321,3 +321,95 @@ TEST_CASE("the agent serves /healthz and Prometheus /metrics", "[multinode]") {
   a->signal(SIGTERM);
   CHECK(a->wait(30s));
 }
+
+namespace {
+
+// Two network namespaces of this test's own joined by a veth pair: "a" at 10.231.7.1 and "b" at
+// 10.231.7.2. Torn down with the object. ok() is false where namespaces cannot be made.
+class TwoHostNetwork {
+ public:
+  TwoHostNetwork() {
+    const std::string id = std::to_string(::getpid());
+    a_ = "ddprun_a" + id;
+    b_ = "ddprun_b" + id;
+    const std::string va = "dva" + id, vb = "dvb" + id;
+    const std::vector<std::vector<std::string>> steps = {
+        {"ip", "netns", "add", a_},
+        {"ip", "netns", "add", b_},
+        {"ip", "link", "add", va, "type", "veth", "peer", "name", vb},
+        {"ip", "link", "set", va, "netns", a_},
+        {"ip", "link", "set", vb, "netns", b_},
+        {"ip", "-n", a_, "addr", "add", "10.231.7.1/24", "dev", va},
+        {"ip", "-n", b_, "addr", "add", "10.231.7.2/24", "dev", vb},
+        {"ip", "-n", a_, "link", "set", va, "up"},
+        {"ip", "-n", b_, "link", "set", vb, "up"},
+        {"ip", "-n", a_, "link", "set", "lo", "up"},
+        {"ip", "-n", b_, "link", "set", "lo", "up"}};
+    vb_ = vb;
+    for (const auto& step : steps) {
+      auto r = run(step, {}, 30s);
+      if (r.exit_code != 0) {
+        why_ = join(step, " ") + ": " + r.err;
+        return;
+      }
+    }
+    ok_ = true;
+  }
+  ~TwoHostNetwork() {
+    run({"ip", "netns", "del", a_}, {}, 30s);
+    run({"ip", "netns", "del", b_}, {}, 30s);
+  }
+  bool ok() const { return ok_; }
+  const std::string& why() const { return why_; }
+  std::vector<std::string> inA(std::vector<std::string> argv) const { return in(a_, argv); }
+  std::vector<std::string> inB(std::vector<std::string> argv) const { return in(b_, argv); }
+  void cutB() const { run({"ip", "-n", b_, "link", "set", vb_, "down"}, {}, 30s); }
+
+ private:
+  static std::vector<std::string> in(const std::string& ns, std::vector<std::string> argv) {
+    argv.insert(argv.begin(), {"ip", "netns", "exec", ns});
+    return argv;
+  }
+  std::string a_, b_, vb_, why_;
+  bool ok_ = false;
+};
+
+}  // namespace
+
+TEST_CASE("a network cut makes the far node dead to the rendezvous and the survivors go on",
+          "[multinode][netns]") {
+  TwoHostNetwork net;
+  if (!net.ok()) {
+    WARN("skipped: cannot create network namespaces here (" + net.why() + ")");
+    return;
+  }
+  TempDir state;
+  Process rdzv(net.inA({buildDir() + "/rendezvous/ddprun-rendezvous", "--listen", "10.231.7.1:0"}));
+  std::string endpoint;
+  std::smatch m;
+  REQUIRE(waitUntil([&] {
+    std::string out = rdzv.out();
+    if (!std::regex_search(out, m, std::regex(R"(listening on (\S+))"))) return false;
+    endpoint = m[1];
+    return true;
+  }));
+  auto node = [&](const std::string& addr, bool in_a) {
+    std::vector<std::string> argv = {ddprunBin(), "--nnodes=1:2", "--nproc-per-node=1",
+                                     "--rdzv-backend=c10d", "--rdzv-endpoint=" + endpoint,
+                                     "--rdzv-id=netcut", "--local-addr=" + addr,
+                                     "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3",
+                                     "--no-python", testWorkerBin(), "--sleep", "600",
+                                     "--on-signal-exit", "0", "--state-dir", state.path()};
+    return std::make_unique<Process>(in_a ? net.inA(argv) : net.inB(argv));
+  };
+  auto a = node("10.231.7.1", true);
+  auto b = node("10.231.7.2", false);
+  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "world size 2") == 2; }, 60s));
+  net.cutB();
+  REQUIRE(waitUntil([&] { return a->err().find("group rank 0 of 1, world size 1") != std::string::npos; }, 30s));
+  CHECK(a->err().find("NODE_DEAD") != std::string::npos);
+  CHECK(a->err().find("restarting workers") == std::string::npos);  // not charged
+  a->signal(SIGTERM);
+  CHECK(a->wait(30s));
+  b->signal(SIGKILL);
+}
