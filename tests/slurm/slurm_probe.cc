@@ -4,7 +4,9 @@
 //                                   srun (so each node runs `ddprun_slurm_probe DERIVED ARGS`)
 //   ddprun_slurm_probe ARGS         stepArgs(ARGS): prints "node=<SLURMD_NODENAME>",
 //                                   "job=<SLURM_JOB_ID>", "in_step=0|1", then "arg=<a>" per
-//                                   argument ddprun would parse.
+//                                   argument ddprun would parse; or, with DDPRUN_PROBE_EXEC=PATH
+//                                   set, execs PATH (the real ddprun) with those arguments: the
+//                                   launcher's future wiring, glued on from outside.
 // Errors: one line on stderr, exit 2 (as ddprun's usage errors).
 #include <unistd.h>
 
@@ -46,6 +48,16 @@ int main(int argc, char** argv) {
   if (!step.isOk()) {
     std::cerr << step.status().message() << "\n";
     return 2;
+  }
+  if (auto real = env.find("DDPRUN_PROBE_EXEC"); real != env.end()) {
+    std::vector<std::string> argv_out = step->args;
+    argv_out.insert(argv_out.begin(), real->second);
+    std::vector<char*> exec_argv;
+    for (auto& a : argv_out) exec_argv.push_back(a.data());
+    exec_argv.push_back(nullptr);
+    ::execv(exec_argv[0], exec_argv.data());
+    std::cerr << "cannot run " << real->second << ": " << std::strerror(errno) << "\n";
+    return 127;
   }
   auto it = env.find("SLURMD_NODENAME");
   std::string out = "node=" + (it == env.end() ? std::string("none") : it->second) + "\n";
