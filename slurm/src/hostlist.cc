@@ -190,7 +190,8 @@ class Parser {
       return;
     }
     for (const auto& r : p.ranges) {
-      for (uint64_t v = r.lo; v <= r.hi; ++v) expand(pieces, k + 1, prefix + padded(v, r.width), out);
+      for (uint64_t v = r.lo; v <= r.hi; ++v)
+        expand(pieces, k + 1, prefix + padded(v, r.width), out);
     }
   }
 

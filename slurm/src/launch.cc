@@ -1,5 +1,6 @@
 #include "ddprun/slurm/launch.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cstdint>
 #include <optional>
@@ -20,15 +21,32 @@ struct KnownFlag {
   bool takes_value;
 };
 const KnownFlag kDdprunFlags[] = {
-    {"nnodes", true},           {"nproc_per_node", true},     {"rdzv_backend", true},
-    {"rdzv_endpoint", true},    {"rdzv_id", true},            {"rdzv_conf", true},
-    {"standalone", false},      {"max_restarts", true},       {"monitor_interval", true},
-    {"start_method", true},     {"role", true},               {"module", false},
-    {"no_python", false},       {"log_dir", true},            {"redirects", true},
-    {"tee", true},              {"local_ranks_filter", true}, {"node_rank", true},
-    {"master_addr", true},      {"master_port", true},        {"local_addr", true},
-    {"shutdown_timeout", true}, {"signals_to_handle", true},  {"log_line_prefix_template", true},
-    {"exit_barrier_timeout", true}, {"snapshot_dir", true},
+    {"nnodes", true},
+    {"nproc_per_node", true},
+    {"rdzv_backend", true},
+    {"rdzv_endpoint", true},
+    {"rdzv_id", true},
+    {"rdzv_conf", true},
+    {"standalone", false},
+    {"max_restarts", true},
+    {"monitor_interval", true},
+    {"start_method", true},
+    {"role", true},
+    {"module", false},
+    {"no_python", false},
+    {"log_dir", true},
+    {"redirects", true},
+    {"tee", true},
+    {"local_ranks_filter", true},
+    {"node_rank", true},
+    {"master_addr", true},
+    {"master_port", true},
+    {"local_addr", true},
+    {"shutdown_timeout", true},
+    {"signals_to_handle", true},
+    {"log_line_prefix_template", true},
+    {"exit_barrier_timeout", true},
+    {"snapshot_dir", true},
 };
 
 constexpr char kSrunArgsFlag[] = "srun_args";  // `ddprun slurm` only
@@ -64,7 +82,7 @@ const KnownFlag* resolve(const std::string& canon) {
 
 struct GivenFlag {
   std::string value;
-  size_t index = 0;     // position in args of the flag itself
+  size_t index = 0;  // position in args of the flag itself
   bool inline_value = false;
 };
 
@@ -75,6 +93,7 @@ struct Scan {
   std::vector<std::string> rest;           // args without --srun-args
   std::optional<std::string> srun_args;
   bool has_program = false;
+  bool help = false;  // -h/--help before the program
 };
 
 StatusOr<Scan> scanArgs(const std::vector<std::string>& args, bool wrapper) {
@@ -86,6 +105,7 @@ StatusOr<Scan> scanArgs(const std::vector<std::string>& args, bool wrapper) {
       scan.rest.insert(scan.rest.end(), args.begin() + static_cast<long>(i), args.end());
       return scan;
     }
+    if (arg == "-h" || arg == "--help") scan.help = true;
     if (startsWith(arg, "--") && arg.size() > 2) {
       std::string body = arg.substr(2);
       std::optional<std::string> value;
@@ -115,7 +135,8 @@ StatusOr<Scan> scanArgs(const std::vector<std::string>& args, bool wrapper) {
         scan.rest.push_back(*value);
       }
       if (flag != nullptr) {
-        scan.given[flag->name] = GivenFlag{value.value_or("1"), at, arg.find('=') != std::string::npos};
+        scan.given[flag->name] =
+            GivenFlag{value.value_or("1"), at, arg.find('=') != std::string::npos};
       }
       continue;
     }
@@ -214,8 +235,8 @@ StatusOr<std::string> lookupAddress(const AddressLookup& lookup, const std::stri
 // What srun options in --srun-args say about the step's nodes.
 struct SrunArgsFacts {
   std::vector<std::string> words;
-  std::optional<int> nodes;     // -N/--nodes K
-  bool selects_nodes = false;   // -w/-x/-r/-F: which nodes is up to srun
+  std::optional<int> nodes;    // -N/--nodes K
+  bool selects_nodes = false;  // -w/-x/-r/-F: which nodes is up to srun
 };
 
 StatusOr<SrunArgsFacts> inspectSrunArgs(const std::string& text, int job_nodes) {
@@ -243,9 +264,10 @@ StatusOr<SrunArgsFacts> inspectSrunArgs(const std::string& text, int job_nodes) 
     if (auto k = optionValue(i, "-N", "--nodes")) {
       auto v = parseInt(*k);
       if (!v || *v < 1 || *v > job_nodes) {
-        return invalidArgument("ddprun slurm: --srun-args: -N/--nodes must be a node count from 1 "
-                               "to the allocation's " + std::to_string(job_nodes) + ", got '" +
-                               *k + "'");
+        return invalidArgument(
+            "ddprun slurm: --srun-args: -N/--nodes must be a node count from 1 "
+            "to the allocation's " +
+            std::to_string(job_nodes) + ", got '" + *k + "'");
       }
       facts.nodes = static_cast<int>(*v);
       continue;
@@ -317,7 +339,8 @@ StatusOr<SlurmContext> readContext(const Env& env, int default_port) {
                              " names " + std::to_string(ctx.step_nodes.size()) + " nodes");
     }
   }
-  const char* tasks_var = get(env, "SLURM_STEP_NUM_TASKS") ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
+  const char* tasks_var =
+      get(env, "SLURM_STEP_NUM_TASKS") ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
   DDPRUN_ASSIGN_OR_RETURN(ctx.step_num_tasks, positiveInt(env, tasks_var, 100000000));
   auto node_id_text = get(env, "SLURM_NODEID");
   auto node_id = node_id_text ? parseInt(*node_id_text) : std::nullopt;
@@ -334,6 +357,15 @@ StatusOr<SlurmContext> readContext(const Env& env, int default_port) {
 StatusOr<SrunPlan> srunCommand(const std::vector<std::string>& args, const Env& env,
                                const std::string& ddprun_path, const AddressLookup& lookup,
                                const SrunOptions& options) {
+  if (std::find(args.begin(), args.end(), "--help") != args.end() ||
+      std::find(args.begin(), args.end(), "-h") != args.end()) {
+    DDPRUN_ASSIGN_OR_RETURN(Scan scan, scanArgs(args, /*wrapper=*/true));
+    if (scan.help) {
+      SrunPlan help;
+      help.show_help = true;
+      return help;
+    }
+  }
   if (!inAllocation(env)) {
     return failedPrecondition(
         "ddprun slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set); use "
@@ -375,8 +407,8 @@ StatusOr<SrunPlan> srunCommand(const std::vector<std::string>& args, const Env& 
     if (min && *min > step_nodes) {
       return invalidArgument("ddprun slurm: argument --nnodes: at least " + std::to_string(*min) +
                              " nodes asked for, but the step runs on " +
-                             std::to_string(step_nodes) + " (SLURM_JOB_NUM_NODES=" +
-                             std::to_string(job_nodes) + ")");
+                             std::to_string(step_nodes) +
+                             " (SLURM_JOB_NUM_NODES=" + std::to_string(job_nodes) + ")");
     }
   } else if (!srun_facts.selects_nodes) {
     derived.push_back("--nnodes=" + std::to_string(step_nodes));
@@ -435,8 +467,8 @@ StatusOr<StepArgs> stepArgs(const std::vector<std::string>& args, const Env& env
   const int nodes = static_cast<int>(ctx.step_nodes.size());
   if (ctx.step_num_tasks != nodes) {
     return invalidArgument(
-        "ddprun inside srun: the step runs " + std::to_string(ctx.step_num_tasks) +
-        " tasks on " + std::to_string(nodes) +
+        "ddprun inside srun: the step runs " + std::to_string(ctx.step_num_tasks) + " tasks on " +
+        std::to_string(nodes) +
         " nodes, but ddprun is one task per node (srun --ntasks-per-node=1; ddprun starts the "
         "workers itself), or set DDPRUN_SLURM_AUTO=0 and give the rendezvous flags yourself");
   }
@@ -475,9 +507,8 @@ StatusOr<StepArgs> stepArgs(const std::vector<std::string>& args, const Env& env
     const std::string item = std::string("is_host=") + (ctx.node_id == 0 ? "true" : "false");
     if (auto given = scan.given.find("rdzv_conf"); given != scan.given.end()) {
       // Merged into the user's own --rdzv-conf: a second flag would replace theirs.
-      const std::string value = trim(given->second.value).empty()
-                                    ? item
-                                    : given->second.value + "," + item;
+      const std::string value =
+          trim(given->second.value).empty() ? item : given->second.value + "," + item;
       const size_t at = given->second.index;
       if (given->second.inline_value) {
         scan.rest[at] = scan.rest[at].substr(0, scan.rest[at].find('=') + 1) + value;

@@ -134,8 +134,8 @@ AddressLookup scontrolAddressLookup(const ScontrolOptions& options) {
     const std::string context = "looking up the address of Slurm node '" + node + "'";
     if (!ran.isOk()) return ran.status().withContext(context);
     if (ran->exit_code != 0) {
-      return unavailable("'" + join(argv, " ") + "' exited with " +
-                         std::to_string(ran->exit_code) + ": " + trim(ran->err))
+      return unavailable("'" + join(argv, " ") + "' exited with " + std::to_string(ran->exit_code) +
+                         ": " + trim(ran->err))
           .withContext(context);
     }
     return parseNodeAddr(ran->out, node);

@@ -86,7 +86,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge/munge.sock
+# cred_expire also delays a requeued job; 30 s instead of 120 s keeps the requeue test short.
+AuthInfo=socket=$dir/munge/munge.sock,cred_expire=30
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/run/slurmctld.pid

@@ -1,7 +1,6 @@
 // On a real two-node Slurm cluster (tests/slurm/cluster.sh): n1 (NodeAddr 127.0.0.1) and n2
 // (NodeAddr 127.0.0.2), two slurmd on this host. ddprun_slurm_probe stands in for ddprun's main.
 #include <catch2/catch.hpp>
-
 #include <cstdlib>
 
 #include "ddprun/common/strings.h"
@@ -63,12 +62,12 @@ TEST_CASE("srun with one task per node gives each node the same rendezvous and i
   for (int task = 0; task < 2; ++task) {
     INFO("task " << task);
     CHECK(reports[task].args ==
-          std::vector<std::string>{"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-id=" + job,
-                                   "--rdzv-endpoint=127.0.0.1:29400",
-                                   std::string("--rdzv-conf=is_host=") +
-                                       (task == 0 ? "true" : "false"),
-                                   "--local-addr=127.0.0." + std::to_string(task + 1), kSignals,
-                                   "--nproc_per_node=2", "prog.py", "--lr", "0.1"});
+          std::vector<std::string>{
+              "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-id=" + job,
+              "--rdzv-endpoint=127.0.0.1:29400",
+              std::string("--rdzv-conf=is_host=") + (task == 0 ? "true" : "false"),
+              "--local-addr=127.0.0." + std::to_string(task + 1), kSignals, "--nproc_per_node=2",
+              "prog.py", "--lr", "0.1"});
   }
 }
 
@@ -99,12 +98,11 @@ TEST_CASE("sbatch --wait of a job running `ddprun slurm` starts one task per nod
     INFO("task " << task);
     const std::string job = reports[task].job;
     CHECK(reports[task].args ==
-          std::vector<std::string>{std::string("--rdzv-conf=is_host=") +
-                                       (task == 0 ? "true" : "false"),
-                                   "--local-addr=127.0.0." + std::to_string(task + 1), kSignals,
-                                   "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-id=" + job,
-                                   "--rdzv-endpoint=127.0.0.1:29555", "--nproc_per_node=2",
-                                   "prog.py", "--epochs", "3"});
+          std::vector<std::string>{
+              std::string("--rdzv-conf=is_host=") + (task == 0 ? "true" : "false"),
+              "--local-addr=127.0.0." + std::to_string(task + 1), kSignals, "--nnodes=2",
+              "--rdzv-backend=c10d", "--rdzv-id=" + job, "--rdzv-endpoint=127.0.0.1:29555",
+              "--nproc_per_node=2", "prog.py", "--epochs", "3"});
   }
 }
 
@@ -139,10 +137,9 @@ TEST_CASE("ddprun slurm outside an allocation, or with a malformed nodelist, exi
   CHECK(outside.err ==
         "ddprun slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set); use "
         "sbatch/salloc\n");
-  auto malformed = run({probeBin(), "slurm", "x.py"},
-                       {{"SLURM_JOB_ID", "5"}, {"SLURM_JOB_NODELIST", "n[2-1]"},
-                        {"SLURM_JOB_NUM_NODES", "2"}},
-                       30s);
+  auto malformed = run(
+      {probeBin(), "slurm", "x.py"},
+      {{"SLURM_JOB_ID", "5"}, {"SLURM_JOB_NODELIST", "n[2-1]"}, {"SLURM_JOB_NUM_NODES", "2"}}, 30s);
   CHECK(malformed.exit_code == 2);
   CHECK(malformed.err ==
         "ddprun slurm: SLURM_JOB_NODELIST is malformed: invalid hostlist 'n[2-1]': descending "

@@ -133,8 +133,8 @@ TEST_CASE("the expansion agrees with scontrol show hostnames", "[slurm]") {
   }
   for (const auto& g : kGood) {
     INFO("expression: '" << g.expr << "'");
-    auto out = run({"scontrol", "show", "hostnames", g.expr}, {{"SLURM_CONF", dir / "slurm.conf"}},
-                   30s);
+    auto out =
+        run({"scontrol", "show", "hostnames", g.expr}, {{"SLURM_CONF", dir / "slurm.conf"}}, 30s);
     REQUIRE(out.exit_code == 0);
     std::vector<std::string> theirs;
     for (const auto& line : split(out.out, '\n')) {
@@ -145,8 +145,8 @@ TEST_CASE("the expansion agrees with scontrol show hostnames", "[slurm]") {
   // Errors that scontrol also refuses.
   for (const char* expr : {"n[3-1]", "n[]", "n[1-1000000]", "n[a-c]"}) {
     INFO("expression: '" << expr << "'");
-    auto out = run({"scontrol", "show", "hostnames", expr}, {{"SLURM_CONF", dir / "slurm.conf"}},
-                   30s);
+    auto out =
+        run({"scontrol", "show", "hostnames", expr}, {{"SLURM_CONF", dir / "slurm.conf"}}, 30s);
     CHECK_THAT(out.out + out.err, Catch::Contains("Invalid hostlist"));
     CHECK_FALSE(expandHostlist(expr).isOk());
   }

@@ -29,11 +29,11 @@ struct FakeSlurm {
 
 // The batch script's environment of a 3-node job.
 Env batchEnv() {
-  return {{"SLURM_JOB_ID", "4242"},          {"SLURM_JOB_NODELIST", "gpu[01-03]"},
-          {"SLURM_JOB_NUM_NODES", "3"},      {"SLURM_NNODES", "3"},
-          {"SLURM_NODELIST", "gpu[01-03]"},  {"SLURM_NODEID", "0"},
-          {"SLURM_PROCID", "0"},             {"SLURMD_NODENAME", "gpu01"},
-          {"SLURM_NTASKS", "6"},             {"PATH", "/usr/bin"}};
+  return {
+      {"SLURM_JOB_ID", "4242"}, {"SLURM_JOB_NODELIST", "gpu[01-03]"}, {"SLURM_JOB_NUM_NODES", "3"},
+      {"SLURM_NNODES", "3"},    {"SLURM_NODELIST", "gpu[01-03]"},     {"SLURM_NODEID", "0"},
+      {"SLURM_PROCID", "0"},    {"SLURMD_NODENAME", "gpu01"},         {"SLURM_NTASKS", "6"},
+      {"PATH", "/usr/bin"}};
 }
 
 // The environment of srun task `node_id` of step 0 of that job (one task per node).
@@ -93,15 +93,15 @@ TEST_CASE("ddprun slurm keeps the user's --nnodes range, rdzv id and endpoint", 
 
 TEST_CASE("ddprun slurm passes --srun-args through after its own srun options", "[slurm]") {
   FakeSlurm slurm;
-  auto plan = srunCommand({"--srun-args=--exclusive --time=10 --job-name='my job' -l",
-                           "--nproc-per-node", "2", "x.py"},
-                          batchEnv(), "ddprun", slurm.lookup());
+  auto plan = srunCommand(
+      {"--srun-args=--exclusive --time=10 --job-name='my job' -l", "--nproc-per-node", "2", "x.py"},
+      batchEnv(), "ddprun", slurm.lookup());
   REQUIRE(plan.isOk());
   CHECK(plan->argv == Args{"srun", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1",
                            "--kill-on-bad-exit=0", "--whole", "--exclusive", "--time=10",
-                           "--job-name=my job", "-l", "ddprun", "--nnodes=3",
-                           "--rdzv-backend=c10d", "--rdzv-id=4242",
-                           "--rdzv-endpoint=10.0.0.11:29400", "--nproc-per-node", "2", "x.py"});
+                           "--job-name=my job", "-l", "ddprun", "--nnodes=3", "--rdzv-backend=c10d",
+                           "--rdzv-id=4242", "--rdzv-endpoint=10.0.0.11:29400", "--nproc-per-node",
+                           "2", "x.py"});
 
   SECTION("-N K runs on K nodes and leaves the endpoint to the tasks") {
     auto two = srunCommand({"--srun-args", "-N 2", "x.py"}, batchEnv(), "ddprun", slurm.lookup());
@@ -111,8 +111,8 @@ TEST_CASE("ddprun slurm passes --srun-args through after its own srun options", 
                             "--rdzv-backend=c10d", "--rdzv-id=4242", "x.py"});
   }
   SECTION("a node list leaves nnodes and the endpoint to the tasks") {
-    auto listed = srunCommand({"--srun-args=-w gpu[02-03]", "x.py"}, batchEnv(), "ddprun",
-                              slurm.lookup());
+    auto listed =
+        srunCommand({"--srun-args=-w gpu[02-03]", "x.py"}, batchEnv(), "ddprun", slurm.lookup());
     REQUIRE(listed.isOk());
     CHECK(listed->argv == Args{"srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--whole",
                                "-w", "gpu[02-03]", "ddprun", "--rdzv-backend=c10d",
@@ -127,19 +127,35 @@ TEST_CASE("ddprun slurm passes --srun-args through after its own srun options", 
     }
   }
   SECTION("a node count beyond the allocation is refused") {
-    auto refused = srunCommand({"--srun-args=--nodes=4", "x.py"}, batchEnv(), "ddprun",
-                               slurm.lookup());
+    auto refused =
+        srunCommand({"--srun-args=--nodes=4", "x.py"}, batchEnv(), "ddprun", slurm.lookup());
     REQUIRE_FALSE(refused.isOk());
     CHECK_THAT(refused.status().message(),
                Catch::Contains("-N/--nodes must be a node count from 1 to the allocation's 3, got "
                                "'4'"));
   }
   SECTION("an unterminated quote is refused") {
-    auto refused = srunCommand({"--srun-args=--job-name='x", "x.py"}, batchEnv(), "ddprun",
-                               slurm.lookup());
+    auto refused =
+        srunCommand({"--srun-args=--job-name='x", "x.py"}, batchEnv(), "ddprun", slurm.lookup());
     REQUIRE_FALSE(refused.isOk());
     CHECK_THAT(refused.status().message(), Catch::Contains("unterminated ' (single quote)"));
   }
+}
+
+TEST_CASE("ddprun slurm --help asks for the help text, inside an allocation or not", "[slurm]") {
+  FakeSlurm slurm;
+  for (const Env& env : {Env{}, batchEnv()}) {
+    auto help = srunCommand({"--nproc_per_node=2", "--help"}, env, "ddprun", slurm.lookup());
+    REQUIRE(help.isOk());
+    CHECK(help->show_help);
+    CHECK(help->argv.empty());
+  }
+  // After the program, --help is the program's.
+  auto program = srunCommand({"x.py", "--help"}, batchEnv(), "ddprun", slurm.lookup());
+  REQUIRE(program.isOk());
+  CHECK_FALSE(program->show_help);
+  CHECK(program->argv.back() == "--help");
+  CHECK_THAT(slurmHelpText(), Catch::Contains("usage: ddprun slurm"));
 }
 
 TEST_CASE("ddprun slurm outside an allocation says so", "[slurm]") {
@@ -186,8 +202,8 @@ TEST_CASE("ddprun slurm refuses what cannot work across the allocation", "[slurm
   REQUIRE_FALSE(standalone.isOk());
   CHECK_THAT(standalone.status().message(), Catch::Contains("--standalone is single-node"));
 
-  auto backend = srunCommand({"--rdzv-backend=static", "x.py"}, batchEnv(), "ddprun",
-                             slurm.lookup());
+  auto backend =
+      srunCommand({"--rdzv-backend=static", "x.py"}, batchEnv(), "ddprun", slurm.lookup());
   REQUIRE_FALSE(backend.isOk());
   CHECK_THAT(backend.status().message(), Catch::Contains("ddprun slurm uses c10d, got 'static'"));
 
@@ -203,8 +219,7 @@ TEST_CASE("ddprun slurm refuses what cannot work across the allocation", "[slurm
   CHECK(lookup_fails.status().message() == "ddprun slurm: no node 'gpu07'");
 }
 
-TEST_CASE("the rendezvous port is DDPRUN_SLURM_PORT, and IPv6 addresses are bracketed",
-          "[slurm]") {
+TEST_CASE("the rendezvous port is DDPRUN_SLURM_PORT, and IPv6 addresses are bracketed", "[slurm]") {
   FakeSlurm slurm;
   Env env = batchEnv();
   env["DDPRUN_SLURM_PORT"] = "31000";
@@ -228,8 +243,8 @@ TEST_CASE("inside an srun step each node derives the same rendezvous and its own
   FakeSlurm slurm;
   for (int node = 0; node < 3; ++node) {
     INFO("node " << node);
-    auto step = stepArgs({"--nproc_per_node=4", "train.py", "--lr", "0.1"}, stepEnv(node),
-                         slurm.lookup());
+    auto step =
+        stepArgs({"--nproc_per_node=4", "train.py", "--lr", "0.1"}, stepEnv(node), slurm.lookup());
     REQUIRE(step.isOk());
     CHECK(step->in_step);
     const Args derived = {"--nnodes=3",
@@ -248,9 +263,17 @@ TEST_CASE("inside an srun step each node derives the same rendezvous and its own
 
 TEST_CASE("inside an srun step the flags the user gave are kept and not derived", "[slurm]") {
   FakeSlurm slurm;
-  const Args user = {"--nnodes=2:3", "--rdzv_endpoint", "10.0.0.11:1234", "--rdzv-id", "x",
-                     "--local-addr=me", "--signals-to-handle=SIGTERM", "--rdzv-conf",
-                     "join_timeout=60", "prog.py", "--rdzv-id=not-ours"};
+  const Args user = {"--nnodes=2:3",
+                     "--rdzv_endpoint",
+                     "10.0.0.11:1234",
+                     "--rdzv-id",
+                     "x",
+                     "--local-addr=me",
+                     "--signals-to-handle=SIGTERM",
+                     "--rdzv-conf",
+                     "join_timeout=60",
+                     "prog.py",
+                     "--rdzv-id=not-ours"};
   auto step = stepArgs(user, stepEnv(1), slurm.lookup());
   REQUIRE(step.isOk());
   CHECK(step->in_step);
@@ -260,14 +283,13 @@ TEST_CASE("inside an srun step the flags the user gave are kept and not derived"
                            "10.0.0.11:1234", "--rdzv-id", "x", "--local-addr=me",
                            "--signals-to-handle=SIGTERM", "--rdzv-conf",
                            "join_timeout=60,is_host=false", "prog.py", "--rdzv-id=not-ours"});
-  CHECK(step->added ==
-        Args{"--rdzv-backend=c10d", "is_host=false (into your --rdzv-conf)"});
+  CHECK(step->added == Args{"--rdzv-backend=c10d", "is_host=false (into your --rdzv-conf)"});
 
   SECTION("an inline --rdzv-conf= is merged too, an explicit is_host is left alone") {
     auto inl = stepArgs({"--rdzv-conf=join_timeout=60", "p.py"}, stepEnv(0), slurm.lookup());
     REQUIRE(inl.isOk());
-    CHECK(std::find(inl->args.begin(), inl->args.end(), "--rdzv-conf=join_timeout=60,is_host=true") !=
-          inl->args.end());
+    CHECK(std::find(inl->args.begin(), inl->args.end(),
+                    "--rdzv-conf=join_timeout=60,is_host=true") != inl->args.end());
     auto own = stepArgs({"--rdzv-conf=is_host=false", "p.py"}, stepEnv(0), slurm.lookup());
     REQUIRE(own.isOk());
     CHECK(std::find(own->args.begin(), own->args.end(), "--rdzv-conf=is_host=false") !=
@@ -287,8 +309,8 @@ TEST_CASE("inside an srun step the flags the user gave are kept and not derived"
                             "--rdzv-conf=read_timeout=5,is_host=true", kSignals, "p.py"});
   }
   SECTION("an endpoint on no node of the step leaves is_host to the agent") {
-    auto outside = stepArgs({"--rdzv-endpoint=rdzv.example:29400", "p.py"}, stepEnv(0),
-                            slurm.lookup());
+    auto outside =
+        stepArgs({"--rdzv-endpoint=rdzv.example:29400", "p.py"}, stepEnv(0), slurm.lookup());
     REQUIRE(outside.isOk());
     for (const auto& a : outside->args) CHECK_FALSE(startsWith(a, "--rdzv-conf"));
   }
@@ -299,10 +321,14 @@ TEST_CASE("nodes sharing one address still get exactly one rendezvous host", "[s
   FakeSlurm slurm;
   int hosts = 0;
   for (int node = 0; node < 2; ++node) {
-    Env env = {{"SLURM_JOB_ID", "7"},           {"SLURM_JOB_NODELIST", "n[1-2]"},
-               {"SLURM_JOB_NUM_NODES", "2"},    {"SLURM_STEP_ID", "3"},
-               {"SLURM_STEP_NODELIST", "n[1-2]"}, {"SLURM_STEP_NUM_NODES", "2"},
-               {"SLURM_STEP_NUM_TASKS", "2"},   {"SLURM_NODEID", std::to_string(node)},
+    Env env = {{"SLURM_JOB_ID", "7"},
+               {"SLURM_JOB_NODELIST", "n[1-2]"},
+               {"SLURM_JOB_NUM_NODES", "2"},
+               {"SLURM_STEP_ID", "3"},
+               {"SLURM_STEP_NODELIST", "n[1-2]"},
+               {"SLURM_STEP_NUM_NODES", "2"},
+               {"SLURM_STEP_NUM_TASKS", "2"},
+               {"SLURM_NODEID", std::to_string(node)},
                {"SLURMD_NODENAME", node == 0 ? "n1" : "n2"}};
     // As `ddprun slurm` would start it: the endpoint is already given.
     auto step = stepArgs({"--rdzv-endpoint=127.0.0.1:29400", "p.py"}, env, slurm.lookup());

@@ -26,8 +26,7 @@ TEST_CASE("NodeAddr is read from scontrol's one-line node records", "[slurm]") {
   CHECK(null_addr.status().message() == "scontrol shows no NodeAddr for node 'x'");
 }
 
-TEST_CASE("the scontrol lookup reports a missing, failing or hanging scontrol clearly",
-          "[slurm]") {
+TEST_CASE("the scontrol lookup reports a missing, failing or hanging scontrol clearly", "[slurm]") {
   ScontrolOptions missing_opts;
   missing_opts.scontrol = "/nonexistent/scontrol";
   auto missing = scontrolAddressLookup(missing_opts)("n1");

@@ -23,8 +23,7 @@ class SlurmCluster {
       // A half-started cluster is stopped before the failure is reported (REQUIRE throws, and a
       // constructor that throws runs no destructor).
       run({script(), "stop", dir_.path()}, {}, std::chrono::seconds(120));
-      FAIL("cluster.sh start failed (" << started.exit_code << "): " << started.out
-                                         << started.err);
+      FAIL("cluster.sh start failed (" << started.exit_code << "): " << started.out << started.err);
     }
     up_ = true;
   }
@@ -50,12 +49,12 @@ class SlurmCluster {
 };
 
 // Skips the calling test (with a WARN) when no cluster could be started.
-#define DDPRUN_REQUIRE_SLURM(cluster)                                 \
-  do {                                                                \
-    if (!(cluster).up()) {                                            \
-      WARN("skipped: no local Slurm cluster: " << (cluster).why());   \
-      return;                                                         \
-    }                                                                 \
+#define DDPRUN_REQUIRE_SLURM(cluster)                               \
+  do {                                                              \
+    if (!(cluster).up()) {                                          \
+      WARN("skipped: no local Slurm cluster: " << (cluster).why()); \
+      return;                                                       \
+    }                                                               \
   } while (0)
 
 }  // namespace ddprun::testing

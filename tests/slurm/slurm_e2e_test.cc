@@ -96,9 +96,9 @@ void allreduceAcrossBothNodes(Mode mode) {
   }
   SlurmCluster cluster;
   DDPRUN_REQUIRE_SLURM(cluster);
-  auto job = submitAndWait(cluster, "allreduce",
-                           "exec " + ddprunSlurm(mode) + " --nproc_per_node=2 '" +
-                               allreduceScript() + "'");
+  auto job = submitAndWait(
+      cluster, "allreduce",
+      "exec " + ddprunSlurm(mode) + " --nproc_per_node=2 '" + allreduceScript() + "'");
   INFO("job output:\n" << job.output);
   CHECK(job.sbatch_exit == 0);
   // World size 4 from 2 workers per node: both nodes joined; every rank saw the full sum.
@@ -109,10 +109,10 @@ void allreduceAcrossBothNodes(Mode mode) {
 void trainAcrossBothNodes(Mode mode) {
   SlurmCluster cluster;
   DDPRUN_REQUIRE_SLURM(cluster);
-  auto job = submitAndWait(cluster, "train",
-                           "exec " + ddprunSlurm(mode) + " --nproc_per_node=2 --tee=3 '" +
-                               trainBin() + "' 2 1 --snapshot-path '" + cluster.dir() / "snap.pt" +
-                               "'");
+  auto job =
+      submitAndWait(cluster, "train",
+                    "exec " + ddprunSlurm(mode) + " --nproc_per_node=2 --tee=3 '" + trainBin() +
+                        "' 2 1 --snapshot-path '" + cluster.dir() / "snap.pt" + "'");
   INFO("job output:\n" << job.output);
   CHECK(job.sbatch_exit == 0);
   for (int rank = 0; rank < 4; ++rank) {
@@ -122,10 +122,11 @@ void trainAcrossBothNodes(Mode mode) {
 
 // The pid of the ddprun agent that Slurm started on `node`.
 std::optional<int> agentOn(const std::string& node) {
-  auto ps = run({"sh", "-c", "for p in /proc/[0-9]*; do "
-                             "[ \"$(cat $p/comm 2>/dev/null)\" = ddprun ] || continue; "
-                             "tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qx SLURMD_NODENAME=" +
-                                 node + " && echo ${p#/proc/}; done"},
+  auto ps = run({"sh", "-c",
+                 "for p in /proc/[0-9]*; do "
+                 "[ \"$(cat $p/comm 2>/dev/null)\" = ddprun ] || continue; "
+                 "tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qx SLURMD_NODENAME=" +
+                     node + " && echo ${p#/proc/}; done"},
                 {}, 30s);
   auto pid = parseInt(trim(split(ps.out, '\n').front()));
   if (!pid) return std::nullopt;
@@ -155,7 +156,7 @@ void survivesALostNode(Mode mode) {
   // n1 carries on alone (within 1:2) from the last snapshot and finishes all epochs.
   CHECK_THAT(output, Catch::Contains("world size 1"));
   CHECK_THAT(output, Catch::Contains("[RANK 0] Epoch 11 |"));
-  CHECK_THAT(output, Catch::Contains("n2: task 1"));                   // srun saw n2's agent die
+  CHECK_THAT(output, Catch::Contains("n2: task 1"));  // srun saw n2's agent die
   CHECK_THAT(output, !Catch::Contains("n1: task 0: Exited with exit code"));  // n1's did not fail
 }
 
@@ -232,8 +233,7 @@ TEST_CASE("plain srun of ddprun inside an allocation derives the rendezvous itse
   CHECK(allreduceLines(job.output) == std::set<std::string>{"0/4", "1/4", "2/4", "3/4"});
 }
 
-TEST_CASE("a ddprun slurm job survives losing a node's agent within --nnodes 1:2",
-          "[slurm][e2e]") {
+TEST_CASE("a ddprun slurm job survives losing a node's agent within --nnodes 1:2", "[slurm][e2e]") {
   survivesALostNode(Mode::kDdprunSlurm);
 }
 

@@ -5,8 +5,10 @@
 //
 // How the launcher uses it (launcher/src/main):
 //   `ddprun slurm ARGS`:
-//       auto plan = slurm::srunCommand(ARGS, env, "/path/of/ddprun", slurm::scontrolAddressLookup());
-//       error -> print plan.status().message(), exit 2;
+//       auto plan = slurm::srunCommand(ARGS, env, "/path/of/ddprun",
+//                                      slurm::scontrolAddressLookup());
+//       error -> print plan.status().message(), exit 2; plan->show_help -> print
+//       slurm::slurmHelpText(), exit 0;
 //       validate plan->ddprun_args with launcher::parseCommandLine (so a usage error is printed
 //       once here, not once per node), then execvp(plan->argv[0], plan->argv).
 //   Plain `ddprun ARGS` (every run, before parsing):
@@ -67,6 +69,7 @@ struct SrunOptions {
 };
 
 struct SrunPlan {
+  bool show_help = false;                // -h/--help before the program: print slurmHelpText()
   std::vector<std::string> argv;         // "srun", srun options, ddprun_path, ddprun_args...
   std::vector<std::string> ddprun_args;  // what the ddprun on each node gets
 };
@@ -93,9 +96,9 @@ StatusOr<SrunPlan> srunCommand(const std::vector<std::string>& args, const Env& 
                                const SrunOptions& options = {});
 
 struct StepArgs {
-  bool in_step = false;             // false: not an srun task (or DDPRUN_SLURM_AUTO=0)
-  std::vector<std::string> args;    // the arguments to parse: derived flags, then the user's
-  std::vector<std::string> added;   // the derived flags, for a one-line notice
+  bool in_step = false;            // false: not an srun task (or DDPRUN_SLURM_AUTO=0)
+  std::vector<std::string> args;   // the arguments to parse: derived flags, then the user's
+  std::vector<std::string> added;  // the derived flags, for a one-line notice
 };
 
 // When ddprun runs as an srun task (SLURM_JOB_ID and SLURM_STEP_ID set), derives what the user
