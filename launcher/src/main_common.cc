@@ -4,12 +4,57 @@
 #include <exception>
 #include <iostream>
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "ddprun/agent/agent_runner.h"
+#include "ddprun/common/strings.h"
 #include "ddprun/launcher/cli.h"
+#include "ddprun/slurm/launch.h"
+#include "ddprun/slurm/scontrol.h"
 
 extern char** environ;
 
 namespace ddprun::launcher {
+
+namespace {
+
+// `ddprun slurm [flags] prog args`: one agent per node of the allocation through srun.
+int slurmMain(const char* program_name, const std::vector<std::string>& args,
+              const std::map<std::string, std::string>& env, const HostFacts& host) {
+  char self[4096] = {0};
+  ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  const std::string ddprun_path = n > 0 ? std::string(self, static_cast<size_t>(n)) : "ddprun";
+  std::vector<std::string> rest(args.begin() + 1, args.end());
+  auto plan = slurm::srunCommand(rest, env, ddprun_path, slurm::scontrolAddressLookup());
+  if (!plan.isOk()) {
+    std::fprintf(stderr, "%s: error: %s\n", program_name, plan.status().message().c_str());
+    return 2;
+  }
+  if (plan->show_help) {
+    std::cout << slurm::slurmHelpText();
+    return 0;
+  }
+  // A usage error is reported once here, not once per node.
+  auto parsed = parseCommandLine(plan->ddprun_args, env, host);
+  if (!parsed.isOk()) {
+    std::fprintf(stderr, "%s: error: %s\n", program_name, parsed.status().message().c_str());
+    return 2;
+  }
+  std::fprintf(stderr, "%s: %s\n", program_name, join(plan->argv, " ").c_str());
+  std::fflush(stderr);
+  std::vector<char*> argv;
+  for (auto& a : plan->argv) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  ::execvp(argv[0], argv.data());
+  std::fprintf(stderr, "%s: error: cannot run %s: %s\n", program_name, argv[0],
+               std::strerror(errno));
+  return 2;
+}
+
+}  // namespace
 
 int launcherMain(const char* program_name, int argc, char** argv) {
   try {
@@ -20,7 +65,20 @@ int launcherMain(const char* program_name, int argc, char** argv) {
       auto eq = kv.find('=');
       if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
     }
-    auto parsed = parseCommandLine(args, env, probeHost());
+    const HostFacts host = probeHost();
+    if (!args.empty() && args[0] == "slurm") return slurmMain(program_name, args, env, host);
+    // As an srun task (one per node), derive --nnodes, --rdzv-* and --local-addr from Slurm.
+    auto step = slurm::stepArgs(args, env, slurm::scontrolAddressLookup());
+    if (!step.isOk()) {
+      std::fprintf(stderr, "%s: error: %s\n", program_name, step.status().message().c_str());
+      return 2;
+    }
+    if (!step->added.empty()) {
+      std::fprintf(stderr, "%s: inside Slurm step: using %s\n", program_name,
+                   join(step->added, " ").c_str());
+    }
+    args = step->args;
+    auto parsed = parseCommandLine(args, env, host);
     if (!parsed.isOk()) {
       std::fprintf(stderr, "%s: error: %s\n", program_name, parsed.status().message().c_str());
       return 2;
