@@ -234,3 +234,34 @@ TEST_CASE("NCCL all_reduce and broadcast on CUDA tensors (GPU only)", "[worker][
     CHECK(bcast[static_cast<size_t>(r)] == 7.0f);
   }
 }
+
+TEST_CASE("with an agent-hosted store every rank connects as a client", "[worker][comm]") {
+  // The "agent" hosts the store, as torchrun's static backend does (TORCHELASTIC_USE_AGENT_STORE).
+  auto agent_store = KeyValueStore::tcpServer("127.0.0.1", 0, std::chrono::seconds(10));
+  std::vector<float> sums(2, 0);
+  std::vector<std::exception_ptr> errs(2);
+  std::vector<std::thread> th;
+  for (int r = 0; r < 2; ++r) {
+    th.emplace_back([&, r] {
+      try {
+        WorkerEnv env;
+        env.rank = r;
+        env.world_size = 2;
+        env.master_addr = "127.0.0.1";
+        env.master_port = agent_store->port();
+        env.use_agent_store = true;
+        auto pg = ProcessGroup::initFromEnv(env, t::fastOptions());
+        auto x = torch::full({4}, float(r + 1));
+        pg->comm().allReduce(x);
+        sums[static_cast<size_t>(r)] = x[0].item<float>();
+      } catch (...) {
+        errs[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& x : th) x.join();
+  for (auto& e : errs) {
+    if (e) std::rethrow_exception(e);
+  }
+  CHECK(sums == std::vector<float>{3, 3});
+}

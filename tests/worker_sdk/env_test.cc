@@ -45,6 +45,17 @@ TEST_CASE("the worker environment is read from the torchrun variables", "[worker
   CHECK(env.master_port == 29500);
   CHECK(env.restart_count == 2);
   CHECK(env.snapshot_dir.empty());
+  CHECK_FALSE(env.use_agent_store);
+}
+
+TEST_CASE("an agent-hosted store (torchrun's static backend) is recognised", "[worker][env]") {
+  auto m = good();
+  m["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  CHECK(WorkerEnv::parse(from(m)).use_agent_store);
+  m["TORCHELASTIC_USE_AGENT_STORE"] = "False";
+  CHECK_FALSE(WorkerEnv::parse(from(m)).use_agent_store);
+  m["TORCHELASTIC_USE_AGENT_STORE"] = "maybe";
+  CHECK_THAT(errorOf(m), Catch::Contains("TORCHELASTIC_USE_AGENT_STORE='maybe'"));
 }
 
 TEST_CASE("a missing or malformed variable is named in the error", "[worker][env]") {

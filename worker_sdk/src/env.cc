@@ -44,6 +44,14 @@ WorkerEnv WorkerEnv::parse(const Lookup& lookup) {
   env.master_addr = ddprun::trim(*addr);
   env.master_port = parseIntVar(lookup, "MASTER_PORT", std::nullopt, 1, 65535);
   env.restart_count = parseIntVar(lookup, "TORCHELASTIC_RESTART_COUNT", 0, 0, kMaxInt);
+  if (auto v = lookup("TORCHELASTIC_USE_AGENT_STORE")) {
+    std::optional<bool> b = ddprun::parseBool(ddprun::trim(*v));
+    if (!b) {
+      throw ConfigError("environment variable TORCHELASTIC_USE_AGENT_STORE='" + *v +
+                        "' is malformed: expected True or False");
+    }
+    env.use_agent_store = *b;
+  }
   env.snapshot_dir = lookup("DDPRUN_SNAPSHOT_DIR").value_or("");
   env.heartbeat_file = lookup("DDPRUN_HEARTBEAT_FILE").value_or("");
   return env;

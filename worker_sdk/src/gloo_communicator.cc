@@ -52,6 +52,9 @@ class StoreAdapter : public gloo::rendezvous::Store {
 
 using ReduceFn = void (*)(void*, const void*, const void*, size_t);
 
+// Gloo's ring all-reduce: reduce-scatter then all-gather around the ring, each rank's share cut
+// into segments of at most 1 MiB with two in flight, so small tensors take the plain ring and
+// large ones the chunked (pipelined) ring. The same algorithm torch.distributed uses on gloo.
 template <typename T>
 void runAllReduce(const std::shared_ptr<gloo::Context>& ctx, T* ptr, size_t n, uint32_t tag,
                   std::chrono::milliseconds timeout) {

@@ -87,7 +87,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
     makeCommunicator(env.rank, env.world_size, nullptr, options, "");  // throws the clear error
   }
   std::shared_ptr<KeyValueStore> store =
-      env.rank == 0
+      env.rank == 0 && !env.use_agent_store
           ? KeyValueStore::tcpServer(env.master_addr, env.master_port, options.connect_timeout)
           : KeyValueStore::tcpClient(env.master_addr, env.master_port, options.connect_timeout);
   ProcessGroupOptions opts = options;

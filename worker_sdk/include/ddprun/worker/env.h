@@ -15,7 +15,10 @@ struct WorkerEnv {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  int restart_count = 0;       // TORCHELASTIC_RESTART_COUNT
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT
+  // TORCHELASTIC_USE_AGENT_STORE: the launcher's agent already hosts the store at
+  // MASTER_ADDR:MASTER_PORT (torchrun's static backend), so rank 0 connects instead of hosting.
+  bool use_agent_store = false;
   std::string snapshot_dir;    // DDPRUN_SNAPSHOT_DIR, may be empty
   std::string heartbeat_file;  // DDPRUN_HEARTBEAT_FILE, may be empty
 
