@@ -237,13 +237,17 @@ void GrpcRendezvous::finish(bool succeeded, bool left) {
   auto done = drained->get_future();
   enqueue([drained] { drained->set_value(); });
   done.wait_for(std::chrono::seconds(10));
-  watch_.reset();
+  // The watch stays until this node is done with the run: the server takes a watch that ends
+  // without a leave for a dead node.
   std::string node;
   {
     std::lock_guard<std::mutex> lock(mu_);
     node = node_id_;
   }
-  if (left || node.empty()) return;
+  if (left || node.empty()) {
+    watch_.reset();
+    return;
+  }
   // The others may be gone already (or the host's server with them): retry only briefly.
   rendezvous::ClientOptions quick = options_.client;
   quick.retry_timeout = std::chrono::seconds(2);
@@ -276,10 +280,16 @@ void GrpcRendezvous::finish(bool succeeded, bool left) {
       auto all = client.kvWait(run, keysOf("depart"), std::chrono::seconds(10));
       if (!all.isOk()) log->debug("exit barrier departures: {}", all.status().toString());
     }
-    if (!closer) return;
+    if (!closer) {
+      auto st = client.leave(run, node);  // done: not dead, and nothing to wait for
+      if (!st.isOk()) log->debug("leave: {}", st.toString());
+      watch_.reset();
+      return;
+    }
   }
   auto closed = client.close(run);
   if (!closed.isOk()) log->debug("close: {}", closed.toString());
+  watch_.reset();
 }
 
 }  // namespace ddprun::agent

@@ -104,6 +104,7 @@ struct RendezvousServer::Impl {
   struct WatchSession {
     WatchReactor* reactor;
     std::string run_id;
+    std::string node_id;  // may be empty (an observer)
     std::deque<pb::RoundChange> queue;
     pb::RoundChange current;  // the message of the write in flight
     bool writing = false;
@@ -240,6 +241,10 @@ struct RendezvousServer::Impl {
     auto it = watches.find(id);
     if (it == watches.end()) return;
     it->second.cancelled = true;
+    if (!shutting_down && !it->second.node_id.empty()) {
+      state.watchLost(it->second.run_id, it->second.node_id, now());
+      armTimer();
+    }
     pump(id);
   }
 
@@ -542,7 +547,8 @@ grpc::ServerWriteReactor<pb::RoundChange>* RendezvousService::Watch(
     return reactor;
   }
   std::string run_id = req->run_id();
-  impl->post([impl, reactor, id, run_id]() {
+  std::string node_id = req->node_id();
+  impl->post([impl, reactor, id, run_id, node_id]() {
     if (impl->shutting_down) {
       reactor->Finish(kShuttingDown);
       return;
@@ -554,6 +560,8 @@ grpc::ServerWriteReactor<pb::RoundChange>* RendezvousService::Watch(
     Impl::WatchSession& s = impl->watches[id];
     s.reactor = reactor;
     s.run_id = run_id;
+    s.node_id = node_id;
+    if (!node_id.empty()) impl->state.watchStarted(run_id, node_id);
     impl->watchers_by_run[run_id].insert(id);
     RoundChange snapshot;
     snapshot.kind = ChangeKind::kSnapshot;

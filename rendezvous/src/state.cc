@@ -72,6 +72,7 @@ struct RendezvousState::Node {
   TimePoint join_deadline;
   int64_t prev_rank = -1;  // rank in the last round this node completed
   uint64_t prev_round = 0;
+  std::optional<TimePoint> suspect_until;  // its watch broke: dead unless it shows life by then
 };
 
 struct RendezvousState::Run {
@@ -466,7 +467,26 @@ StatusOr<RunStatus> RendezvousState::heartbeat(const std::string& run_id,
                     " (declared dead, left, or never joined); join again");
   }
   it->second.last_seen = now;
+  it->second.suspect_until.reset();
   return statusOf(*run);
+}
+
+void RendezvousState::watchLost(const std::string& run_id, const std::string& node_id,
+                                TimePoint now) {
+  Run* run = findRun(run_id);
+  if (run == nullptr || run->closed) return;
+  auto it = run->nodes.find(node_id);
+  if (it == run->nodes.end()) return;
+  const TimePoint until = now + run->config.heartbeat_interval;
+  it->second.suspect_until = until;
+  deadlines_.insert(until);
+}
+
+void RendezvousState::watchStarted(const std::string& run_id, const std::string& node_id) {
+  Run* run = findRun(run_id);
+  if (run == nullptr) return;
+  auto it = run->nodes.find(node_id);
+  if (it != run->nodes.end()) it->second.suspect_until.reset();
 }
 
 Status RendezvousState::leave(const std::string& run_id, const std::string& node_id,
@@ -763,6 +783,7 @@ void RendezvousState::tick(TimePoint now) {
     for (auto& [id, node] : run.nodes) {
       if (node.join) continue;
       TimePoint expires = node.last_seen + run.expiry();
+      if (node.suspect_until) expires = std::min(expires, *node.suspect_until);
       if (expires <= now) {
         dead.push_back(id);
       } else if (!earliest || expires < *earliest) {
@@ -770,9 +791,15 @@ void RendezvousState::tick(TimePoint now) {
       }
     }
     for (const std::string& id : dead) {
-      logger("rendezvous")
-          ->warn("run {}: node {} missed {} heartbeats, declared dead", run.id, id,
-                 run.config.heartbeat_misses);
+      if (run.nodes.at(id).suspect_until) {
+        logger("rendezvous")
+            ->warn("run {}: node {} lost its watch stream and went silent, declared dead", run.id,
+                   id);
+      } else {
+        logger("rendezvous")
+            ->warn("run {}: node {} missed {} heartbeats, declared dead", run.id, id,
+                   run.config.heartbeat_misses);
+      }
       removeNode(run, id, ChangeReason::kNodeDead, std::nullopt, now);
     }
     // Re-check no sooner than half an interval from now, so steady heartbeats cost few scans.

@@ -538,3 +538,53 @@ TEST_CASE("a participant re-joining with another local world size opens a new ro
   CHECK(h.done["b"].round == 2);
   CHECK(h.done["b"].world_size == 6);
 }
+
+TEST_CASE("a node whose watch stream broke is declared dead after one silent interval",
+          "[rendezvous]") {
+  using namespace std::chrono_literals;
+  ddprun::rendezvous::RendezvousState state;
+  ddprun::TimePoint t{std::chrono::seconds(100)};
+  ddprun::rendezvous::JoinRequest req;
+  req.run_id = "w";
+  req.config.min_nodes = 2;
+  req.config.max_nodes = 2;
+  req.config.heartbeat_interval = 1s;
+  req.config.heartbeat_misses = 5;
+  req.address = "a";
+  state.join(1, req, t);
+  req.address = "b";
+  state.join(2, req, t);
+  auto out = state.drain();
+  REQUIRE(out.joins.size() == 2);
+  const std::string a = out.joins[0].result.value().node_id;
+  const std::string b = out.joins[1].result.value().node_id;
+
+  // a's watch breaks but it keeps beating: a live agent survives a broken stream.
+  state.watchLost("w", a, t);
+  state.heartbeat("w", a, t + 500ms).value();
+  state.heartbeat("w", b, t + 500ms).value();
+  state.tick(t + 1100ms);
+  CHECK(state.status("w").value().participants == 2);
+  CHECK(state.status("w").value().pending_round == 0);
+
+  // b's watch breaks and b falls silent: dead after one interval, not five.
+  state.watchLost("w", b, t + 1s);
+  state.heartbeat("w", a, t + 1500ms).value();
+  state.tick(t + 1900ms);
+  CHECK(state.status("w").value().pending_round == 0);
+  state.tick(t + 2s);
+  CHECK(state.status("w").value().pending_round == 2);
+  bool dead_pushed = false;
+  for (const auto& c : state.drain().changes) {
+    dead_pushed = dead_pushed || (c.change.reason == ddprun::rendezvous::ChangeReason::kNodeDead &&
+                                  c.change.node_id == b);
+  }
+  CHECK(dead_pushed);
+
+  // A new subscription clears the suspicion.
+  state.watchLost("w", a, t + 2s);
+  state.watchStarted("w", a);
+  state.heartbeat("w", a, t + 2500ms).value();
+  state.tick(t + 3100ms);
+  CHECK_FALSE(state.heartbeat("w", a, t + 3100ms).status().code() == ddprun::StatusCode::kNotFound);
+}

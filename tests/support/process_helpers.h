@@ -29,9 +29,16 @@ inline std::string envOr(const char* name, const std::string& fallback) {
   return v != nullptr && *v != '\0' ? v : fallback;
 }
 
-// Where the build put the binaries (set by ddprun_add_test).
-inline std::string buildDir() { return envOr("DDPRUN_BUILD_DIR", "build"); }
-inline std::string sourceDir() { return envOr("DDPRUN_SOURCE_DIR", "."); }
+// Where the build put the binaries and where the sources are: compiled in by the test's CMake
+// (DDPRUN_TEST_BUILD_DIR / DDPRUN_TEST_SOURCE_DIR); the environment may override them.
+#ifndef DDPRUN_TEST_BUILD_DIR
+#define DDPRUN_TEST_BUILD_DIR "build"
+#endif
+#ifndef DDPRUN_TEST_SOURCE_DIR
+#define DDPRUN_TEST_SOURCE_DIR "."
+#endif
+inline std::string buildDir() { return envOr("DDPRUN_BUILD_DIR", DDPRUN_TEST_BUILD_DIR); }
+inline std::string sourceDir() { return envOr("DDPRUN_SOURCE_DIR", DDPRUN_TEST_SOURCE_DIR); }
 inline std::string ddprunBin() { return buildDir() + "/launcher/ddprun"; }
 inline std::string testWorkerBin() { return buildDir() + "/tests/agent/ddprun_test_worker"; }
 // The Python with torch (plain python3 on PATH may lack it).

@@ -78,6 +78,13 @@ class RendezvousState {
   StatusOr<RunStatus> heartbeat(const std::string& run_id, const std::string& node_id,
                                 TimePoint now);
   Status leave(const std::string& run_id, const std::string& node_id, TimePoint now);
+  // A node's Watch stream ended without the node leaving: when its agent died, the kernel closed
+  // its connection. The node becomes suspect: unless it heartbeats or watches again within one
+  // heartbeat interval, it is declared dead (a live agent's next beat clears it; a dead one is
+  // found in about one interval instead of interval x misses).
+  void watchLost(const std::string& run_id, const std::string& node_id, TimePoint now);
+  // The node subscribed again: no longer suspect.
+  void watchStarted(const std::string& run_id, const std::string& node_id);
   // Returns the round every node must join next. Reports for a superseded round are absorbed
   // into the round already forming, so N nodes reporting one failure cost one round.
   StatusOr<uint64_t> reportFailure(const std::string& run_id, const std::string& node_id,
