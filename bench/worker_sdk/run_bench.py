@@ -34,7 +34,7 @@ def launcher(build, prog_is_python):
 
 
 def run(cmd, timeout=600):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON_EXEC=os.environ.get("PYTHON_EXEC", PY))
     if os.geteuid() == 0 and os.environ.get("DDPRUN_BENCH_NICE", "1") == "1":
         cmd = ["nice", "-n", "-10"] + cmd  # keep background builds from dominating the timings
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=timeout)

@@ -72,6 +72,33 @@ TEST_CASE("train rejects bad arguments with a clear message and exit code 2", "[
   CHECK_THAT(r.output, Catch::Contains("WORLD_SIZE is not set"));
 }
 
+TEST_CASE("train runs the mlp and cnn models on two ranks and agrees on the loss", "[worker][train]") {
+  for (std::string model : {"mlp", "cnn"}) {
+    t::TempDir dir;
+    const int port = t::freePort();
+    std::vector<std::unique_ptr<t::Child>> ranks;
+    for (int r = 0; r < 2; ++r) {
+      ranks.push_back(std::make_unique<t::Child>(
+          std::vector<std::string>{trainBin(), "1", "1", "--model", model, "--dataset-size", "128",
+                                   "--snapshot-path", dir.str() + "/s.pt"},
+          rankEnv(r, 2, port, dir.str()), dir.str() + "/out" + std::to_string(r)));
+    }
+    std::string lines[2];
+    for (int r = 0; r < 2; ++r) {
+      auto code = ranks[static_cast<size_t>(r)]->wait(180s);
+      const std::string out = ranks[static_cast<size_t>(r)]->output();
+      INFO(model << " rank " << r << ":\n" << out);
+      REQUIRE(code.has_value());
+      CHECK(*code == 0);
+      const auto at = out.find("| loss ");
+      REQUIRE(at != std::string::npos);
+      lines[r] = out.substr(at, out.find('\n', at) - at);
+      CHECK_THAT(out, Catch::Contains("[RANK " + std::to_string(r) + "] Epoch 0 | Batchsize: 32 | Steps: 2"));
+    }
+    CHECK(lines[0] == lines[1]);  // the loss is averaged across ranks
+  }
+}
+
 TEST_CASE("SIGTERM mid-epoch writes a snapshot at the next step and every rank exits 0",
           "[worker][train]") {
   t::TempDir dir;
