@@ -114,19 +114,23 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   ready_.assign(params_.size(), false);
 
+  // Look every accumulator up before registering any hook, so a failure cannot leave hooks that
+  // point at a half-constructed object.
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
     if (!acc)
       throw WorkerError("DistributedDataParallel: parameter '" + names_[i] +
                         "' is not a leaf tensor");
-    hook_keys_.push_back(
-        acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+    grad_accumulators_.push_back(std::move(acc));
+  }
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    hook_keys_.push_back(grad_accumulators_[i]->add_post_hook(
+        std::make_unique<torch::autograd::utils::LambdaPostHook>(
             [this, i](const torch::autograd::variable_list& outputs,
                       const torch::autograd::variable_list&) {
               onGradReady(i);
               return outputs;
             })));
-    grad_accumulators_.push_back(std::move(acc));
   }
   resetIteration();
 }
