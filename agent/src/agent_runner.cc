@@ -447,7 +447,10 @@ int runAgent(const AgentConfig& cfg) {
   options.max_restarts = cfg.max_restarts;
   options.shutdown_timeout = seconds(cfg.shutdown_timeout);
   if (dynamic_cast<GrpcRendezvous*>(&rendezvous) != nullptr) {
-    options.failure_grace = seconds(confSeconds(cfg, "failure_grace", 0.5));
+    // Longer than the time the rendezvous takes to notice a dead peer (one heartbeat interval
+    // after its watch stream broke), so a crash caused by that peer is not charged.
+    options.failure_grace = seconds(
+        confSeconds(cfg, "failure_grace", 2 * confSeconds(cfg, "heartbeat_interval", 0.5)));
   }
   Supervisor supervisor(options, launcher, rendezvous, clock,
                         [&planner](const RoundInfo& r, int restarts) {

@@ -31,7 +31,15 @@ def free_port():
     return port
 
 
-def agents(kind, build, port, run_id, marker_dir):
+def worker_cmd(worker, build, marker_dir):
+    if worker == "python":
+        return [WORKER, marker_dir]
+    # A C++ worker that starts in milliseconds, so the launcher's own share shows.
+    return ["--no_python", os.path.join(build, "tests", "agent", "ddprun_test_worker"),
+            "--sleep", "600", "--state-dir", marker_dir]
+
+
+def agents(kind, build, port, run_id, marker_dir, worker):
     common = ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv_backend=c10d",
               f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={run_id}", "--max_restarts=3",
               "--rdzv_conf=last_call_timeout=1"]
@@ -45,7 +53,7 @@ def agents(kind, build, port, run_id, marker_dir):
     for addr in ("127.0.0.2", "127.0.0.3"):
         # torchrun 1.13 has no --local_addr: its agents advertise the host name.
         local = [f"--local_addr={addr}"] if kind == "ddprun" else []
-        procs.append(subprocess.Popen(cmd + local + [WORKER, marker_dir], env=env,
+        procs.append(subprocess.Popen(cmd + local + worker_cmd(worker, build, marker_dir), env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       start_new_session=True))
         time.sleep(0.3)  # the first one hosts the rendezvous
@@ -53,7 +61,14 @@ def agents(kind, build, port, run_id, marker_dir):
 
 
 def markers(d, rank):
-    return sorted(glob.glob(os.path.join(d, f"started.{rank}.*")))
+    """What identifies the running worker(s) of RANK: python markers, or the C++ worker's pid."""
+    found = sorted(glob.glob(os.path.join(d, f"started.{rank}.*")))
+    for path in glob.glob(os.path.join(d, f"pid.{rank}.*")):
+        try:
+            found.append(path + "=" + open(path).read())
+        except OSError:
+            pass
+    return found
 
 
 def wait_for(pred, timeout):
@@ -65,9 +80,9 @@ def wait_for(pred, timeout):
     return False
 
 
-def measure(kind, build, how, timeout):
+def measure(kind, build, how, timeout, worker):
     with tempfile.TemporaryDirectory() as d:
-        procs = agents(kind, build, free_port(), f"bench{how}{time.time_ns()}", d)
+        procs = agents(kind, build, free_port(), f"bench{how}{time.time_ns()}", d, worker)
         try:
             if not wait_for(lambda: markers(d, 0) and markers(d, 1), 120):
                 return None
@@ -96,11 +111,14 @@ def main():
     ap.add_argument("--build", default="build")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=90)
+    ap.add_argument("--worker", choices=["python", "cpp"], default="python",
+                    help="python: PyTorch gloo workers; cpp: a C++ worker with no collectives")
     args = ap.parse_args()
     rows = {}
     for how in ("hard", "leave"):
         for kind in ("ddprun", "torchrun"):
-            times = [measure(kind, args.build, how, args.timeout) for _ in range(args.reps)]
+            times = [measure(kind, args.build, how, args.timeout, args.worker)
+                     for _ in range(args.reps)]
             times = sorted(t for t in times if t is not None)
             rows[(how, kind)] = times[len(times) // 2] if times else None
             print(kind, how, ["%.3f" % t for t in times], flush=True)
@@ -111,7 +129,7 @@ def main():
         return f"did not recover within {args.timeout:.0f} s" if t == float("inf") else f"{t:.2f} s"
 
     print()
-    print(f"| node B goes away (median of {args.reps}) | ddprun | torchrun | target (ddprun) |")
+    print(f"| node B goes away ({args.worker} workers, median of {args.reps}) | ddprun | torchrun | target (ddprun) |")
     print("|---|---|---|---|")
     print(f"| kill -9 of B's agent + workers -> A's worker running again | {fmt(rows[('hard', 'ddprun')])} | {fmt(rows[('hard', 'torchrun')])} | < 2 s |")
     print(f"| SIGTERM to B's agent -> A's worker running again | {fmt(rows[('leave', 'ddprun')])} | {fmt(rows[('leave', 'torchrun')])} | < 0.5 s |")

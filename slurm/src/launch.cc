@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "ddprun/common/launch_flags.h"
 #include "ddprun/common/strings.h"
 #include "ddprun/slurm/hostlist.h"
 
@@ -13,41 +14,7 @@ extern char** environ;
 namespace ddprun::slurm {
 namespace {
 
-// ddprun's long flags (SPEC §2, launcher/src/cli.cc), canonical spelling. Only two facts matter
-// here: the name (abbreviations resolve as argparse does) and whether the flag takes a value, so
-// the scan finds where the program starts.
-struct KnownFlag {
-  const char* name;
-  bool takes_value;
-};
-const KnownFlag kDdprunFlags[] = {
-    {"nnodes", true},
-    {"nproc_per_node", true},
-    {"rdzv_backend", true},
-    {"rdzv_endpoint", true},
-    {"rdzv_id", true},
-    {"rdzv_conf", true},
-    {"standalone", false},
-    {"max_restarts", true},
-    {"monitor_interval", true},
-    {"start_method", true},
-    {"role", true},
-    {"module", false},
-    {"no_python", false},
-    {"log_dir", true},
-    {"redirects", true},
-    {"tee", true},
-    {"local_ranks_filter", true},
-    {"node_rank", true},
-    {"master_addr", true},
-    {"master_port", true},
-    {"local_addr", true},
-    {"shutdown_timeout", true},
-    {"signals_to_handle", true},
-    {"log_line_prefix_template", true},
-    {"exit_barrier_timeout", true},
-    {"snapshot_dir", true},
-};
+using KnownFlag = LaunchFlag;  // ddprun's long flags: the launcher's own table
 
 constexpr char kSrunArgsFlag[] = "srun_args";  // `ddprun slurm` only
 constexpr char kSlurmSignals[] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1";
@@ -70,7 +37,7 @@ std::string petName(const std::string& canon) {
 const KnownFlag* resolve(const std::string& canon) {
   const KnownFlag* found = nullptr;
   int prefixed = 0;
-  for (const auto& f : kDdprunFlags) {
+  for (const auto& f : launchFlags()) {
     if (canon == f.name) return &f;
     if (startsWith(f.name, canon)) {
       found = &f;
