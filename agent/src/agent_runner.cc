@@ -1,14 +1,13 @@
 #include "ddprun/agent/agent_runner.h"
 
 #include <arpa/inet.h>
+#include <grpc/support/log.h>
 #include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <grpc/support/log.h>
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
@@ -117,9 +116,8 @@ class WorkerPlanner {
       w.tee_stdout = hasOut(tee);
       w.tee_stderr = hasErr(tee);
       w.to_console = !cfg_.local_ranks_filter || cfg_.local_ranks_filter->count(lr) > 0;
-      std::string prefix = cfg_.log_line_prefix_template.empty()
-                               ? "[${role_name}${local_rank}]:"
-                               : cfg_.log_line_prefix_template;
+      std::string prefix = cfg_.log_line_prefix_template.empty() ? "[${role_name}${local_rank}]:"
+                                                                 : cfg_.log_line_prefix_template;
       prefix = replaceAll(prefix, "${role_name}", cfg_.role);
       prefix = replaceAll(prefix, "${local_rank}", std::to_string(lr));
       prefix = replaceAll(prefix, "${rank}", std::to_string(w.global_rank));
@@ -136,7 +134,6 @@ class WorkerPlanner {
   std::string hostname_;
   std::map<std::string, std::string> parent_env_;
 };
-
 
 bool isLoopbackOrLocal(const std::string& host, const std::string& local_addr,
                        const std::string& hostname) {
@@ -203,8 +200,7 @@ struct RendezvousSetup {
 // Picks the rendezvous for the job: in-process for one node, else ddprun's gRPC rendezvous at
 // --rdzv-endpoint (hosted by this agent when the endpoint is this host, as torchrun's is_host).
 StatusOr<RendezvousSetup> makeRendezvous(const AgentConfig& cfg, const std::string& local_addr,
-                                         const std::string& hostname,
-                                         boost::asio::io_context& io,
+                                         const std::string& hostname, boost::asio::io_context& io,
                                          GrpcRendezvous::EventSink sink) {
   auto log = logger("agent");
   RendezvousSetup out;
@@ -226,9 +222,10 @@ StatusOr<RendezvousSetup> makeRendezvous(const AgentConfig& cfg, const std::stri
     // The agents' own rendezvous sits next to the workers' store: MASTER_PORT+1 on the master.
     if (endpoint.empty()) {
       if (cfg.master_port >= 65535) {
-        return invalidArgument("--master-port: the static backend needs MASTER_PORT+1 free for "
-                               "the agents' rendezvous; pick a port below 65535 or give "
-                               "--rdzv-endpoint");
+        return invalidArgument(
+            "--master-port: the static backend needs MASTER_PORT+1 free for "
+            "the agents' rendezvous; pick a port below 65535 or give "
+            "--rdzv-endpoint");
       }
       endpoint = cfg.master_addr + ":" + std::to_string(cfg.master_port + 1);
     }
@@ -255,8 +252,7 @@ StatusOr<RendezvousSetup> makeRendezvous(const AgentConfig& cfg, const std::stri
   o.run_config.max_nodes = static_cast<uint32_t>(cfg.max_nodes);
   o.run_config.last_call_timeout = seconds(confSeconds(cfg, "last_call_timeout", 30));
   o.run_config.heartbeat_interval = seconds(confSeconds(cfg, "heartbeat_interval", 0.5));
-  o.run_config.heartbeat_misses =
-      static_cast<uint32_t>(confSeconds(cfg, "heartbeat_misses", 3));
+  o.run_config.heartbeat_misses = static_cast<uint32_t>(confSeconds(cfg, "heartbeat_misses", 3));
   o.join_timeout = seconds(confSeconds(cfg, "join_timeout", confSeconds(cfg, "timeout", 600)));
   o.exit_barrier_timeout = seconds(cfg.exit_barrier_timeout);
   o.client.endpoint = endpoint;
@@ -264,7 +260,8 @@ StatusOr<RendezvousSetup> makeRendezvous(const AgentConfig& cfg, const std::stri
   o.client.retry_timeout = o.join_timeout;
   if (cfg.rdzv_conf.count("token_file")) {
     auto token = rendezvous::readTokenFile(cfg.rdzv_conf.at("token_file"));
-    if (!token.isOk()) return invalidArgument("--rdzv-conf token_file: " + token.status().message());
+    if (!token.isOk())
+      return invalidArgument("--rdzv-conf token_file: " + token.status().message());
     o.client.token = *token;
   }
 
@@ -323,31 +320,32 @@ std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const A
   const auto* grpc = dynamic_cast<const GrpcRendezvous*>(rdzv);
   add("ddprun_agent_round", "Rendezvous round this node's workers run in.", "gauge",
       grpc != nullptr ? static_cast<double>(grpc->currentRound()) : sup.restartCount());
-  add("ddprun_agent_group_rank", "Group rank of this node in the round.", "gauge",
-      sup.groupRank());
+  add("ddprun_agent_group_rank", "Group rank of this node in the round.", "gauge", sup.groupRank());
   add("ddprun_agent_world_size", "WORLD_SIZE of the round.", "gauge", sup.worldSize());
   add("ddprun_agent_local_world_size", "Workers on this node.", "gauge", cfg.nproc_per_node);
   add("ddprun_agent_workers_running", "Workers of this node running now.", "gauge",
       sup.runningWorkers());
   std::string states;
-  for (auto s : {AgentState::kInit, AgentState::kRendezvous, AgentState::kRunning,
-                 AgentState::kStopping, AgentState::kRestarting, AgentState::kSucceeded,
-                 AgentState::kFailed}) {
+  for (auto s :
+       {AgentState::kInit, AgentState::kRendezvous, AgentState::kRunning, AgentState::kStopping,
+        AgentState::kRestarting, AgentState::kSucceeded, AgentState::kFailed}) {
     char line[128];
-    std::snprintf(line, sizeof(line), "ddprun_agent_state{state=\"%s\"} %d\n",
-                  agentStateName(s), sup.state() == s ? 1 : 0);
+    std::snprintf(line, sizeof(line), "ddprun_agent_state{state=\"%s\"} %d\n", agentStateName(s),
+                  sup.state() == s ? 1 : 0);
     states += line;
   }
-  out += "# HELP ddprun_agent_state Current state of the agent (1 for the current one).\n"
-         "# TYPE ddprun_agent_state gauge\n" + states;
+  out +=
+      "# HELP ddprun_agent_state Current state of the agent (1 for the current one).\n"
+      "# TYPE ddprun_agent_state gauge\n" +
+      states;
   add("ddprun_agent_restarts_total", "Restarts charged against --max-restarts.", "counter",
       sup.restartCount());
-  add("ddprun_agent_failures_total", "Worker-group failures (here or on another node).",
-      "counter", m.failures);
+  add("ddprun_agent_failures_total", "Worker-group failures (here or on another node).", "counter",
+      m.failures);
   add("ddprun_agent_membership_changes_total", "Restarts caused by nodes joining or leaving.",
       "counter", m.membership_changes);
-  add("ddprun_agent_last_change_timestamp_seconds", "Unix time of the last state change.",
-      "gauge", m.last_change);
+  add("ddprun_agent_last_change_timestamp_seconds", "Unix time of the last state change.", "gauge",
+      m.last_change);
   return out;
 }
 
@@ -381,7 +379,8 @@ std::string fullyQualifiedHostname() {
         found != nullptr && found->h_name != nullptr) {
       fqdn = found->h_name;
       std::vector<std::string> candidates{found->h_name};
-      for (char** a = found->h_aliases; a != nullptr && *a != nullptr; ++a) candidates.push_back(*a);
+      for (char** a = found->h_aliases; a != nullptr && *a != nullptr; ++a)
+        candidates.push_back(*a);
       for (const auto& c : candidates) {
         if (c.find('.') != std::string::npos) {
           fqdn = c;
@@ -449,13 +448,12 @@ int runAgent(const AgentConfig& cfg) {
   if (dynamic_cast<GrpcRendezvous*>(&rendezvous) != nullptr) {
     // Longer than the time the rendezvous takes to notice a dead peer (one heartbeat interval
     // after its watch stream broke), so a crash caused by that peer is not charged.
-    options.failure_grace = seconds(
-        confSeconds(cfg, "failure_grace", 2 * confSeconds(cfg, "heartbeat_interval", 0.5)));
+    options.failure_grace =
+        seconds(confSeconds(cfg, "failure_grace", 2 * confSeconds(cfg, "heartbeat_interval", 0.5)));
   }
-  Supervisor supervisor(options, launcher, rendezvous, clock,
-                        [&planner](const RoundInfo& r, int restarts) {
-                          return planner.plan(r, restarts);
-                        });
+  Supervisor supervisor(
+      options, launcher, rendezvous, clock,
+      [&planner](const RoundInfo& r, int restarts) { return planner.plan(r, restarts); });
 
   supervisor_ptr = &supervisor;
 

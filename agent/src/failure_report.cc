@@ -1,12 +1,11 @@
 #include "ddprun/agent/failure_report.h"
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <csignal>
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "ddprun/common/strings.h"

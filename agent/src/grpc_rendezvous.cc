@@ -140,8 +140,8 @@ StatusOr<RoundInfo> GrpcRendezvous::joinAndResolveMaster() {
     round.master_addr = joined.master_addr;
     round.master_port = static_cast<int>(joined.master_port);
   } else {
-    DDPRUN_ASSIGN_OR_RETURN(auto master, client_.waitMaster(options_.run_id, joined.round,
-                                                            options_.join_timeout));
+    DDPRUN_ASSIGN_OR_RETURN(
+        auto master, client_.waitMaster(options_.run_id, joined.round, options_.join_timeout));
     round.master_addr = master.addr;
     round.master_port = static_cast<int>(master.port);
   }

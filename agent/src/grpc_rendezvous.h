@@ -5,9 +5,8 @@
 // one thread. Lives as long as the agent; the destructor stops all threads.
 #pragma once
 
-#include <boost/asio/io_context.hpp>
-
 #include <atomic>
+#include <boost/asio/io_context.hpp>
 #include <condition_variable>
 #include <deque>
 #include <functional>

@@ -123,10 +123,12 @@ StatusOr<int> PosixProcessLauncher::spawn(const WorkerLaunch& launch) {
   const int out_console = launch.to_console ? STDOUT_FILENO : -1;
   const int err_console = launch.to_console ? STDERR_FILENO : -1;
   if (tee_out_read >= 0) {
-    DDPRUN_RETURN_IF_ERROR(addTee(tee_out_read, launch.stdout_file, out_console, launch.console_prefix));
+    DDPRUN_RETURN_IF_ERROR(
+        addTee(tee_out_read, launch.stdout_file, out_console, launch.console_prefix));
   }
   if (tee_err_read >= 0) {
-    DDPRUN_RETURN_IF_ERROR(addTee(tee_err_read, launch.stderr_file, err_console, launch.console_prefix));
+    DDPRUN_RETURN_IF_ERROR(
+        addTee(tee_err_read, launch.stderr_file, err_console, launch.console_prefix));
   }
   return static_cast<int>(pid);
 }

@@ -3,10 +3,9 @@
 // io_context into the log file and the console. Used from the io_context's thread only.
 #pragma once
 
+#include <array>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
-
-#include <array>
 #include <memory>
 #include <string>
 #include <vector>

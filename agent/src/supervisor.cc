@@ -8,13 +8,20 @@ namespace ddprun::agent {
 
 const char* agentStateName(AgentState s) {
   switch (s) {
-    case AgentState::kInit: return "INIT";
-    case AgentState::kRendezvous: return "RENDEZVOUS";
-    case AgentState::kRunning: return "RUNNING";
-    case AgentState::kStopping: return "STOPPING";
-    case AgentState::kRestarting: return "RESTARTING";
-    case AgentState::kSucceeded: return "SUCCEEDED";
-    case AgentState::kFailed: return "FAILED";
+    case AgentState::kInit:
+      return "INIT";
+    case AgentState::kRendezvous:
+      return "RENDEZVOUS";
+    case AgentState::kRunning:
+      return "RUNNING";
+    case AgentState::kStopping:
+      return "STOPPING";
+    case AgentState::kRestarting:
+      return "RESTARTING";
+    case AgentState::kSucceeded:
+      return "SUCCEEDED";
+    case AgentState::kFailed:
+      return "FAILED";
   }
   return "?";
 }
@@ -95,8 +102,8 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     }
     // A worker that cannot start fails the attempt like one that exits at once.
     logger("agent")->error("local rank {}: {}", w.launch.local_rank, pid.status().message());
-    WorkerFailure f{w.launch.local_rank, w.launch.global_rank, 0, ExitStatus{false, 127},
-                    clock_.wallSeconds(), w.launch.error_file};
+    WorkerFailure f{w.launch.local_rank,    w.launch.global_rank, 0,
+                    ExitStatus{false, 127}, clock_.wallSeconds(), w.launch.error_file};
     failures_.push_back(f);
     workers_.push_back(std::move(w));
   }
@@ -120,8 +127,7 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
       failures_.push_back(WorkerFailure{worker->launch.local_rank, worker->launch.global_rank, pid,
                                         status, clock_.wallSeconds(), worker->launch.error_file});
       logger("agent")->warn("worker local_rank {} (pid {}) {} {}", worker->launch.local_rank, pid,
-                            status.signaled ? "killed by signal" : "exited with code",
-                            status.code);
+                            status.signaled ? "killed by signal" : "exited with code", status.code);
       const bool first = stop_reason_ != StopReason::kFailure || state_ != AgentState::kStopping;
       beginStop(StopReason::kFailure, SIGTERM);
       if (first) {
@@ -181,8 +187,9 @@ void Supervisor::maybeFinishStop() {
         joinRound();
       } else {
         if (failures_.empty()) {
-          error_message_ = "workers on another node failed and the restart budget (--max-restarts=" +
-                           std::to_string(options_.max_restarts) + ") is spent";
+          error_message_ =
+              "workers on another node failed and the restart budget (--max-restarts=" +
+              std::to_string(options_.max_restarts) + ") is spent";
         }
         finish(AgentState::kFailed, 1);
       }
@@ -217,8 +224,9 @@ void Supervisor::onSignal(int sig) {
 void Supervisor::onMembershipChange() {
   if (state_ == AgentState::kStopping && stop_reason_ == StopReason::kFailure && report_deadline_) {
     // The local failure was the peer going away: not charged, not reported.
-    logger("agent")->info("the worker failure followed a membership change; not charging a "
-                          "restart");
+    logger("agent")->info(
+        "the worker failure followed a membership change; not charging a "
+        "restart");
     report_deadline_.reset();
     failures_.clear();
     stop_reason_ = StopReason::kMembership;
@@ -248,8 +256,10 @@ void Supervisor::onDeadline() {
   kill_deadline_.reset();
   for (auto& w : workers_) {
     if (w.running) {
-      logger("agent")->warn("local rank {} (pid {}) did not stop within the shutdown timeout; "
-                            "sending SIGKILL", w.launch.local_rank, w.pid);
+      logger("agent")->warn(
+          "local rank {} (pid {}) did not stop within the shutdown timeout; "
+          "sending SIGKILL",
+          w.launch.local_rank, w.pid);
       launcher_.signalGroup(w.pid, SIGKILL);
     }
   }

@@ -18,9 +18,9 @@ namespace {
 
 using FlagSpec = LaunchFlag;
 
-const char* const kRdzvConfKeys[] = {"join_timeout", "last_call_timeout", "close_timeout",
-                                     "heartbeat_interval", "heartbeat_misses", "is_host",
-                                     "read_timeout", "token_file", "timeout",
+const char* const kRdzvConfKeys[] = {"join_timeout",       "last_call_timeout", "close_timeout",
+                                     "heartbeat_interval", "heartbeat_misses",  "is_host",
+                                     "read_timeout",       "token_file",        "timeout",
                                      "failure_grace"};
 
 Status usage(const std::string& msg) { return invalidArgument(msg); }
@@ -85,7 +85,8 @@ StatusOr<double> secondsAtLeast(const Raw& raw, double lo, bool exclusive) {
 StatusOr<agent::StdStreams> stdValue(const Raw& raw, const std::string& text) {
   auto v = parseInt(text);
   if (!v || *v < 0 || *v > 3) {
-    return badValue(raw, "0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank like 0:3,1:1");
+    return badValue(raw,
+                    "0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank like 0:3,1:1");
   }
   return static_cast<agent::StdStreams>(*v);
 }
@@ -109,9 +110,9 @@ StatusOr<agent::PerRankStreams> perRankStreams(const Raw& raw) {
 
 std::optional<int> signalNumber(std::string name) {
   static const std::pair<const char*, int> kSignals[] = {
-      {"HUP", SIGHUP},   {"INT", SIGINT},   {"QUIT", SIGQUIT}, {"TERM", SIGTERM},
-      {"USR1", SIGUSR1}, {"USR2", SIGUSR2}, {"ALRM", SIGALRM}, {"CONT", SIGCONT},
-      {"WINCH", SIGWINCH}, {"PWR", SIGPWR}, {"XCPU", SIGXCPU}, {"TSTP", SIGTSTP}};
+      {"HUP", SIGHUP},     {"INT", SIGINT},   {"QUIT", SIGQUIT}, {"TERM", SIGTERM},
+      {"USR1", SIGUSR1},   {"USR2", SIGUSR2}, {"ALRM", SIGALRM}, {"CONT", SIGCONT},
+      {"WINCH", SIGWINCH}, {"PWR", SIGPWR},   {"XCPU", SIGXCPU}, {"TSTP", SIGTSTP}};
   for (char& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   if (startsWith(name, "SIG")) name = name.substr(3);
   for (const auto& [n, v] : kSignals) {
@@ -171,8 +172,8 @@ StatusOr<std::map<std::string, std::string>> rdzvConf(const Raw& raw) {
     for (const char* k : kRdzvConfKeys) known = known || key == k;
     if (!known) {
       std::vector<std::string> keys(std::begin(kRdzvConfKeys), std::end(kRdzvConfKeys));
-      return usage("argument " + raw.source + ": unknown key '" + key + "' (accepted: " +
-                   join(keys, ", ") + ")");
+      return usage("argument " + raw.source + ": unknown key '" + key +
+                   "' (accepted: " + join(keys, ", ") + ")");
     }
     if (key == "is_host") {
       if (value != "auto" && !parseBool(value)) {
@@ -182,8 +183,8 @@ StatusOr<std::map<std::string, std::string>> rdzvConf(const Raw& raw) {
     } else if (key == "heartbeat_misses") {
       auto v = parseInt(value);
       if (!v || *v < 1) {
-        return usage("argument " + raw.source + ": heartbeat_misses must be an integer >= 1, got '" +
-                     value + "'");
+        return usage("argument " + raw.source +
+                     ": heartbeat_misses must be an integer >= 1, got '" + value + "'");
       }
     } else if (key != "token_file") {
       auto v = parseDouble(value);
@@ -227,8 +228,8 @@ std::string randomUuid() {
   for (int i = 0; i < 32; ++i) {
     if (i == 8 || i == 12 || i == 16 || i == 20) out += '-';
     int d = hex(rd);
-    if (i == 12) d = 4;                 // version 4
-    if (i == 16) d = 8 + (d & 3);       // variant 10xx
+    if (i == 12) d = 4;            // version 4
+    if (i == 16) d = 8 + (d & 3);  // variant 10xx
     out += digits[d];
   }
   return out;
@@ -265,11 +266,11 @@ Status resolveProgram(agent::AgentConfig& cfg, bool module, bool no_python,
     auto resolved = findExecutable(program, env);
     if (!resolved) {
       struct stat st {};
-      const bool exists = program.find('/') != std::string::npos &&
-                          ::stat(program.c_str(), &st) == 0;
-      return failedPrecondition("program '" + program + "' " +
-                                (exists ? "is not an executable file"
-                                        : "not found (looked on PATH and as a path)"));
+      const bool exists =
+          program.find('/') != std::string::npos && ::stat(program.c_str(), &st) == 0;
+      return failedPrecondition(
+          "program '" + program + "' " +
+          (exists ? "is not an executable file" : "not found (looked on PATH and as a path)"));
     }
     argv = {*resolved};
   }
@@ -359,7 +360,9 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
     if (it == env.end()) continue;
     if (!f.takes_value) {
       auto b = parseBool(it->second);
-      if (!b) return usage("environment " + envName(f.name) + ": expected 0 or 1, got '" + it->second + "'");
+      if (!b)
+        return usage("environment " + envName(f.name) + ": expected 0 or 1, got '" + it->second +
+                     "'");
       if (*b) given[f.name] = Raw{"1", envName(f.name)};
       continue;
     }
@@ -389,7 +392,8 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
       cfg.nproc_per_node = host.cpu_count;
     } else if (v == "gpu") {
       if (host.gpu_count == 0) {
-        return usage("argument " + r.source + ": 'gpu' asks for one worker per CUDA device, "
+        return usage("argument " + r.source +
+                     ": 'gpu' asks for one worker per CUDA device, "
                      "but this host has none (use an integer, cpu or auto)");
       }
       cfg.nproc_per_node = host.gpu_count;
@@ -408,7 +412,8 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
     } else if (r.value == "grpc") {
       cfg.rdzv_backend = "c10d";
     } else if (r.value == "etcd" || r.value == "etcd-v2" || r.value == "etcd-v3") {
-      return usage("argument " + r.source + ": the etcd backends are not supported yet; use "
+      return usage("argument " + r.source +
+                   ": the etcd backends are not supported yet; use "
                    "static or c10d");
     } else {
       return badValue(r, "static, c10d or grpc");
@@ -477,7 +482,8 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
     cfg.local_addr = raw("local_addr").value;
   }
   if (has("shutdown_timeout")) {
-    DDPRUN_ASSIGN_OR_RETURN(cfg.shutdown_timeout, secondsAtLeast(raw("shutdown_timeout"), 0, false));
+    DDPRUN_ASSIGN_OR_RETURN(cfg.shutdown_timeout,
+                            secondsAtLeast(raw("shutdown_timeout"), 0, false));
   }
   if (has("exit_barrier_timeout")) {
     DDPRUN_ASSIGN_OR_RETURN(cfg.exit_barrier_timeout,
@@ -520,8 +526,8 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
                    raw("nnodes").value + " (use --rdzv-backend=c10d for elastic MIN:MAX)");
     }
     if (cfg.node_rank >= cfg.max_nodes) {
-      return usage("argument --node-rank: must be below --nnodes=" +
-                   std::to_string(cfg.max_nodes) + ", got " + std::to_string(cfg.node_rank));
+      return usage("argument --node-rank: must be below --nnodes=" + std::to_string(cfg.max_nodes) +
+                   ", got " + std::to_string(cfg.node_rank));
     }
   } else if (!cfg.standalone && cfg.rdzv_endpoint.empty()) {
     return usage("argument --rdzv-endpoint: the c10d backend needs HOST[:PORT] of the rendezvous");
@@ -550,7 +556,8 @@ std::string helpText() {
       "on failure. Every option may be spelled with '_' or '-', and defaults to the environment\n"
       "variable PET_<OPTION> (e.g. PET_NPROC_PER_NODE).\n\n"
       "positional arguments:\n"
-      "  training_script       a .py script (run as 'python3 -u', PYTHON_EXEC overrides) or a program\n"
+      "  training_script       a .py script (run as 'python3 -u', PYTHON_EXEC overrides) or a "
+      "program\n"
       "  training_script_args  arguments passed to the program\n\n"
       "options:\n"
       "  -h, --help            show this help message and exit\n";
@@ -561,8 +568,10 @@ std::string helpText() {
     if (std::string(f.name) == "tee") left += "-t, ";
     left += dashed(f.name);
     if (f.takes_value) left += std::string(" ") + f.metavar;
-    if (left.size() < 40) left.resize(40, ' ');
-    else left += "\n" + std::string(40, ' ');
+    if (left.size() < 40)
+      left.resize(40, ' ');
+    else
+      left += "\n" + std::string(40, ' ');
     out += left + f.help + "\n";
   }
   return out;

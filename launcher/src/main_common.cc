@@ -1,13 +1,12 @@
 #include "main_common.h"
 
-#include <cstdio>
-#include <exception>
-#include <iostream>
-
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <exception>
+#include <iostream>
 
 #include "ddprun/agent/agent_runner.h"
 #include "ddprun/common/strings.h"

@@ -1,10 +1,9 @@
-#include <catch2/catch.hpp>
+#include "ddprun/agent/failure_report.h"
 
+#include <catch2/catch.hpp>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
-
-#include "ddprun/agent/failure_report.h"
 
 using namespace ddprun::agent;
 

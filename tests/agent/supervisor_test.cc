@@ -1,8 +1,8 @@
-#include <catch2/catch.hpp>
+#include "ddprun/agent/supervisor.h"
 
+#include <catch2/catch.hpp>
 #include <csignal>
 
-#include "ddprun/agent/supervisor.h"
 #include "fake_clock.h"
 #include "fake_process_launcher.h"
 

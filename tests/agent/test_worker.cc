@@ -8,7 +8,8 @@
 //   --wait-for FILE          before anything else, wait (up to 60 s) until FILE exists
 //   --ignore-sigterm         ignore SIGTERM
 //   --on-signal-exit N       on TERM/INT/HUP/QUIT/USR1: record it in --state-dir, exit N
-//   --state-dir D            write D/pid.<RANK>.<RESTART> once started, D/sig.<RANK>.<SIG> on signals
+//   --state-dir D            write D/pid.<RANK>.<RESTART> once started, D/sig.<RANK>.<SIG> on
+//   signals
 //   --env-out D              write the environment to D/env.<RANK> ("NAME=value" lines, sorted)
 //   --write-error-file MSG   write torchrun's error JSON with MSG to TORCHELASTIC_ERROR_FILE
 //   --print TEXT / --eprint TEXT   a line on stdout / stderr
@@ -78,19 +79,32 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--exit-code") exit_code = std::atoi(next().c_str());
-    else if (a == "--only-rank") only_rank = std::atoi(next().c_str());
-    else if (a == "--fail-until-restart") fail_until_restart = std::atoi(next().c_str());
-    else if (a == "--sleep") sleep_s = std::atof(next().c_str());
-    else if (a == "--ignore-sigterm") ignore_sigterm = true;
-    else if (a == "--fail-fast") fail_fast = true;
-    else if (a == "--wait-for") wait_for = next();
-    else if (a == "--on-signal-exit") g_signal_exit = std::atoi(next().c_str());
-    else if (a == "--state-dir") g_state_dir = next();
-    else if (a == "--env-out") env_out = next();
-    else if (a == "--write-error-file") error_msg = next();
-    else if (a == "--print") prints.push_back({false, next()});
-    else if (a == "--eprint") prints.push_back({true, next()});
+    if (a == "--exit-code")
+      exit_code = std::atoi(next().c_str());
+    else if (a == "--only-rank")
+      only_rank = std::atoi(next().c_str());
+    else if (a == "--fail-until-restart")
+      fail_until_restart = std::atoi(next().c_str());
+    else if (a == "--sleep")
+      sleep_s = std::atof(next().c_str());
+    else if (a == "--ignore-sigterm")
+      ignore_sigterm = true;
+    else if (a == "--fail-fast")
+      fail_fast = true;
+    else if (a == "--wait-for")
+      wait_for = next();
+    else if (a == "--on-signal-exit")
+      g_signal_exit = std::atoi(next().c_str());
+    else if (a == "--state-dir")
+      g_state_dir = next();
+    else if (a == "--env-out")
+      env_out = next();
+    else if (a == "--write-error-file")
+      error_msg = next();
+    else if (a == "--print")
+      prints.push_back({false, next()});
+    else if (a == "--eprint")
+      prints.push_back({true, next()});
     else {
       std::fprintf(stderr, "test_worker: unknown flag %s\n", a.c_str());
       return 2;

@@ -1,6 +1,6 @@
-#include <catch2/catch.hpp>
-
 #include "ddprun/agent/worker_env.h"
+
+#include <catch2/catch.hpp>
 
 using namespace ddprun::agent;
 

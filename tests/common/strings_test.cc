@@ -1,6 +1,6 @@
-#include <catch2/catch.hpp>
-
 #include "ddprun/common/strings.h"
+
+#include <catch2/catch.hpp>
 
 using namespace ddprun;
 

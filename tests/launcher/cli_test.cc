@@ -1,14 +1,14 @@
-#include <catch2/catch.hpp>
+#include "ddprun/launcher/cli.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
 
 #include "ddprun/common/strings.h"
-#include "ddprun/launcher/cli.h"
 
 using namespace ddprun;
 using namespace ddprun::launcher;
@@ -70,16 +70,38 @@ TEST_CASE("torchrun's defaults apply when no flag is given", "[launcher]") {
   CHECK(r->notices.empty());
 }
 
-TEST_CASE("every flag is accepted with underscores, dashes and = or a separate value", "[launcher]") {
+TEST_CASE("every flag is accepted with underscores, dashes and = or a separate value",
+          "[launcher]") {
   Files f;
-  auto r = parse({"--nnodes=1", "--nproc_per_node", "3", "--rdzv-backend=static", "--rdzv_id=job7",
-                  "--max-restarts=4", "--monitor_interval=0.5", "--start-method", "spawn",
-                  "--role=trainer", "--log-dir", "/tmp/logs", "-r", "3", "-t0:1,1:2",
-                  "--local_ranks_filter=0,2", "--node-rank=0", "--master_addr=10.0.0.1",
-                  "--master-port=1234", "--local-addr=127.0.0.2", "--shutdown_timeout=2.5",
-                  "--signals-to-handle=SIGTERM,USR1", "--log_line_prefix_template=${rank}|",
-                  "--exit-barrier-timeout=9", "--snapshot-dir=/snap", "--rdzv_conf=join_timeout=5",
-                  f.exe, "--lr", "0.1"},
+  auto r = parse({"--nnodes=1",
+                  "--nproc_per_node",
+                  "3",
+                  "--rdzv-backend=static",
+                  "--rdzv_id=job7",
+                  "--max-restarts=4",
+                  "--monitor_interval=0.5",
+                  "--start-method",
+                  "spawn",
+                  "--role=trainer",
+                  "--log-dir",
+                  "/tmp/logs",
+                  "-r",
+                  "3",
+                  "-t0:1,1:2",
+                  "--local_ranks_filter=0,2",
+                  "--node-rank=0",
+                  "--master_addr=10.0.0.1",
+                  "--master-port=1234",
+                  "--local-addr=127.0.0.2",
+                  "--shutdown_timeout=2.5",
+                  "--signals-to-handle=SIGTERM,USR1",
+                  "--log_line_prefix_template=${rank}|",
+                  "--exit-barrier-timeout=9",
+                  "--snapshot-dir=/snap",
+                  "--rdzv_conf=join_timeout=5",
+                  f.exe,
+                  "--lr",
+                  "0.1"},
                  f.env());
   REQUIRE(r.isOk());
   const auto& c = r->config;
@@ -122,7 +144,8 @@ TEST_CASE("PET_ variables are defaults that the command line overrides", "[launc
   CHECK(r->config.max_restarts == 1);
   CHECK(r->config.standalone);
   env["PET_NNODES"] = "x";
-  CHECK(errorOf({f.exe}, env) == "argument PET_NNODES: expected N or MIN:MAX with 0 < MIN <= MAX, got 'x'");
+  CHECK(errorOf({f.exe}, env) ==
+        "argument PET_NNODES: expected N or MIN:MAX with 0 < MIN <= MAX, got 'x'");
 }
 
 TEST_CASE("--standalone uses the c10d backend on localhost:0 with a fresh run id", "[launcher]") {
@@ -163,8 +186,7 @@ TEST_CASE("nnodes and endpoints parse every documented form", "[launcher]") {
             ->config.rdzv_endpoint == "[::1]:29400");
 }
 
-TEST_CASE("malformed values are usage errors naming the flag and the accepted form",
-          "[launcher]") {
+TEST_CASE("malformed values are usage errors naming the flag and the accepted form", "[launcher]") {
   Files f;
   const std::string x = f.exe;
   struct Case {
@@ -173,39 +195,76 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
   };
   const std::vector<Case> cases = {
       {{"--nnodes=0", x}, "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got '0'"},
-      {{"--nnodes=3:1", x}, "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got '3:1'"},
-      {{"--nnodes=1:2:3", x}, "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got '1:2:3'"},
+      {{"--nnodes=3:1", x},
+       "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got '3:1'"},
+      {{"--nnodes=1:2:3", x},
+       "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got '1:2:3'"},
       {{"--nnodes=a", x}, "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got 'a'"},
-      {{"--nproc-per-node=0", x}, "argument --nproc-per-node: expected an integer >= 1, or cpu, gpu, auto, got '0'"},
-      {{"--nproc_per_node=two", x}, "argument --nproc-per-node: expected an integer >= 1, or cpu, gpu, auto, got 'two'"},
+      {{"--nproc-per-node=0", x},
+       "argument --nproc-per-node: expected an integer >= 1, or cpu, gpu, auto, got '0'"},
+      {{"--nproc_per_node=two", x},
+       "argument --nproc-per-node: expected an integer >= 1, or cpu, gpu, auto, got 'two'"},
       {{"--max-restarts=-1", x}, "argument --max-restarts: expected an integer >= 0, got '-1'"},
-      {{"--monitor-interval=0", x}, "argument --monitor-interval: expected a number of seconds > 0, got '0'"},
-      {{"--shutdown-timeout=soon", x}, "argument --shutdown-timeout: expected a number of seconds >= 0, got 'soon'"},
-      {{"--master-port=70000", x}, "argument --master-port: expected a port number in 1-65535, got '70000'"},
-      {{"--redirects=4", x}, "argument --redirects: expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank like 0:3,1:1, got '4'"},
-      {{"-t", "0:9", x}, "argument -t: expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank like 0:3,1:1, got '0:9'"},
-      {{"--tee=a:1", x}, "argument --tee: expected 0-3, or <local_rank>:<0-3> pairs separated by commas like 0:3,1:1, got 'a:1'"},
-      {{"--local-ranks-filter=0,x", x}, "argument --local-ranks-filter: expected local ranks separated by commas, like 0,1, got '0,x'"},
-      {{"--signals-to-handle=SIGFOO", x}, "argument --signals-to-handle: expected signal names separated by commas, like SIGTERM,SIGINT,SIGUSR1, got 'SIGFOO'"},
-      {{"--rdzv-backend=zookeeper", x}, "argument --rdzv-backend: expected static, c10d or grpc, got 'zookeeper'"},
-      {{"--rdzv-backend=c10d", "--rdzv-endpoint=host:99999", x}, "argument --rdzv-endpoint: expected HOST[:PORT] or [IPv6]:PORT with a port in 0-65535, got 'host:99999'"},
-      {{"--rdzv-backend=c10d", "--rdzv-endpoint=::1:5", x}, "argument --rdzv-endpoint: expected HOST[:PORT] or [IPv6]:PORT with a port in 0-65535 (bracket IPv6 addresses), got '::1:5'"},
-      {{"--rdzv-backend=c10d", x}, "argument --rdzv-endpoint: the c10d backend needs HOST[:PORT] of the rendezvous"},
-      {{"--rdzv-conf=join_timeout", x}, "argument --rdzv-conf: expected <key>=<value> pairs separated by commas, got 'join_timeout'"},
-      {{"--rdzv-conf=colour=blue", x}, "argument --rdzv-conf: unknown key 'colour' (accepted: join_timeout, last_call_timeout, close_timeout, heartbeat_interval, heartbeat_misses, is_host, read_timeout, token_file, timeout, failure_grace)"},
-      {{"--rdzv-conf=join_timeout=-3", x}, "argument --rdzv-conf: join_timeout must be a number of seconds > 0, got '-3'"},
-      {{"--rdzv-conf=is_host=maybe", x}, "argument --rdzv-conf: is_host must be auto, true or false, got 'maybe'"},
-      {{"--nnodes=1:2", x}, "argument --nnodes: the static rendezvous needs a fixed number of nodes, got 1:2 (use --rdzv-backend=c10d for elastic MIN:MAX)"},
+      {{"--monitor-interval=0", x},
+       "argument --monitor-interval: expected a number of seconds > 0, got '0'"},
+      {{"--shutdown-timeout=soon", x},
+       "argument --shutdown-timeout: expected a number of seconds >= 0, got 'soon'"},
+      {{"--master-port=70000", x},
+       "argument --master-port: expected a port number in 1-65535, got '70000'"},
+      {{"--redirects=4", x},
+       "argument --redirects: expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local "
+       "rank like 0:3,1:1, got '4'"},
+      {{"-t", "0:9", x},
+       "argument -t: expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank like "
+       "0:3,1:1, got '0:9'"},
+      {{"--tee=a:1", x},
+       "argument --tee: expected 0-3, or <local_rank>:<0-3> pairs separated by commas like "
+       "0:3,1:1, got 'a:1'"},
+      {{"--local-ranks-filter=0,x", x},
+       "argument --local-ranks-filter: expected local ranks separated by commas, like 0,1, got "
+       "'0,x'"},
+      {{"--signals-to-handle=SIGFOO", x},
+       "argument --signals-to-handle: expected signal names separated by commas, like "
+       "SIGTERM,SIGINT,SIGUSR1, got 'SIGFOO'"},
+      {{"--rdzv-backend=zookeeper", x},
+       "argument --rdzv-backend: expected static, c10d or grpc, got 'zookeeper'"},
+      {{"--rdzv-backend=c10d", "--rdzv-endpoint=host:99999", x},
+       "argument --rdzv-endpoint: expected HOST[:PORT] or [IPv6]:PORT with a port in 0-65535, got "
+       "'host:99999'"},
+      {{"--rdzv-backend=c10d", "--rdzv-endpoint=::1:5", x},
+       "argument --rdzv-endpoint: expected HOST[:PORT] or [IPv6]:PORT with a port in 0-65535 "
+       "(bracket IPv6 addresses), got '::1:5'"},
+      {{"--rdzv-backend=c10d", x},
+       "argument --rdzv-endpoint: the c10d backend needs HOST[:PORT] of the rendezvous"},
+      {{"--rdzv-conf=join_timeout", x},
+       "argument --rdzv-conf: expected <key>=<value> pairs separated by commas, got "
+       "'join_timeout'"},
+      {{"--rdzv-conf=colour=blue", x},
+       "argument --rdzv-conf: unknown key 'colour' (accepted: join_timeout, last_call_timeout, "
+       "close_timeout, heartbeat_interval, heartbeat_misses, is_host, read_timeout, token_file, "
+       "timeout, failure_grace)"},
+      {{"--rdzv-conf=join_timeout=-3", x},
+       "argument --rdzv-conf: join_timeout must be a number of seconds > 0, got '-3'"},
+      {{"--rdzv-conf=is_host=maybe", x},
+       "argument --rdzv-conf: is_host must be auto, true or false, got 'maybe'"},
+      {{"--nnodes=1:2", x},
+       "argument --nnodes: the static rendezvous needs a fixed number of nodes, got 1:2 (use "
+       "--rdzv-backend=c10d for elastic MIN:MAX)"},
       {{"--nnodes=2", "--node-rank=2", x}, "argument --node-rank: must be below --nnodes=2, got 2"},
-      {{"--standalone", "--nnodes=2", x}, "argument --standalone: runs a single node, but --nnodes asks for 2 (drop one of them)"},
+      {{"--standalone", "--nnodes=2", x},
+       "argument --standalone: runs a single node, but --nnodes asks for 2 (drop one of them)"},
       {{"--standalone=1", x}, "argument --standalone: takes no value"},
-      {{"--start-method=thread", x}, "argument --start-method: expected spawn, fork or forkserver, got 'thread'"},
-      {{"--rdzv-backend=etcd-v3", x}, "argument --rdzv-backend: the etcd backends are not supported yet; use static or c10d"},
+      {{"--start-method=thread", x},
+       "argument --start-method: expected spawn, fork or forkserver, got 'thread'"},
+      {{"--rdzv-backend=etcd-v3", x},
+       "argument --rdzv-backend: the etcd backends are not supported yet; use static or c10d"},
       {{"--bogus", x}, "unrecognized argument: --bogus (see ddprun --help)"},
       {{"-x", x}, "unrecognized argument: -x (see ddprun --help)"},
-      {{"--n", x}, "ambiguous option: --n could match --nnodes, --nproc-per-node, --no-python, --node-rank"},
+      {{"--n", x},
+       "ambiguous option: --n could match --nnodes, --nproc-per-node, --no-python, --node-rank"},
       {{"--nnodes"}, "argument --nnodes: expected one argument (MIN:MAX)"},
-      {{"--nproc-per-node=2"}, "the following arguments are required: training_script (the program to run)"},
+      {{"--nproc-per-node=2"},
+       "the following arguments are required: training_script (the program to run)"},
       {{"-m", "--no-python", "mod"}, "--no-python and -m/--module cannot be used together"},
   };
   for (const auto& c : cases) {
@@ -233,7 +292,8 @@ TEST_CASE("programs resolve: .py under python3 -u, -m module, --no-python, execu
   CHECK(parse({f.script}, with_exec)->config.worker_argv[0] == f.exe);
   auto mod = parse({"-m", "pkg.train", "x"}, f.env());
   REQUIRE(mod.isOk());
-  CHECK(mod->config.worker_argv == std::vector<std::string>{f.python, "-u", "-m", "pkg.train", "x"});
+  CHECK(mod->config.worker_argv ==
+        std::vector<std::string>{f.python, "-u", "-m", "pkg.train", "x"});
   auto direct = parse({"--no-python", "prog"}, f.env());  // found on PATH
   REQUIRE(direct.isOk());
   CHECK(direct->config.worker_argv == std::vector<std::string>{f.exe});
@@ -260,11 +320,16 @@ TEST_CASE("help describes every flag", "[launcher]") {
   REQUIRE(r.isOk());
   CHECK(r->show_help);
   const std::string help = helpText();
-  for (const char* flag : {"--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint",
-                           "--rdzv-id", "--rdzv-conf", "--standalone", "--max-restarts",
-                           "--monitor-interval", "--role", "-m, --module", "--no-python",
-                           "--log-dir", "-r, --redirects", "-t, --tee", "--local-ranks-filter",
-                           "--node-rank", "--master-addr", "--master-port", "--local-addr",
+  for (const char* flag : {"--nnodes",           "--nproc-per-node",
+                           "--rdzv-backend",     "--rdzv-endpoint",
+                           "--rdzv-id",          "--rdzv-conf",
+                           "--standalone",       "--max-restarts",
+                           "--monitor-interval", "--role",
+                           "-m, --module",       "--no-python",
+                           "--log-dir",          "-r, --redirects",
+                           "-t, --tee",          "--local-ranks-filter",
+                           "--node-rank",        "--master-addr",
+                           "--master-port",      "--local-addr",
                            "--shutdown-timeout", "--signals-to-handle"}) {
     INFO(flag);
     CHECK(help.find(flag) != std::string::npos);

@@ -1,7 +1,6 @@
 // End-to-end: the real ddprun binary, real worker processes (tests/agent/test_worker.cc), real
 // signals, and real PyTorch workers and torchrun from python3-torch.
 #include <catch2/catch.hpp>
-
 #include <csignal>
 #include <regex>
 #include <set>
@@ -46,7 +45,8 @@ bool torchAvailable() {
 
 int countOf(const std::string& haystack, const std::string& needle) {
   int n = 0;
-  for (size_t pos = 0; (pos = haystack.find(needle, pos)) != std::string::npos; pos += needle.size()) {
+  for (size_t pos = 0; (pos = haystack.find(needle, pos)) != std::string::npos;
+       pos += needle.size()) {
     ++n;
   }
   return n;
@@ -58,8 +58,8 @@ void compareWithTorchrun(const std::vector<std::string>& flags,
   TempDir ours, theirs;
   auto a = run(withWorker(flags, {"--env-out", ours.path()}));
   REQUIRE(a.exit_code == 0);
-  std::vector<std::string> ref = {torchPython(), "-m", "torch.distributed.run", "-r", "9:1",
-                                  "-t", "9:1", "--monitor_interval=0.1"};
+  std::vector<std::string> ref = {torchPython(), "-m",  "torch.distributed.run", "-r", "9:1",
+                                  "-t",          "9:1", "--monitor_interval=0.1"};
   ref.insert(ref.end(), flags.begin(), flags.end());
   ref.insert(ref.end(), {"--no_python", testWorkerBin(), "--env-out", theirs.path()});
   auto b = run(ref);
@@ -115,10 +115,10 @@ TEST_CASE("workers see the same environment under the static backend as under to
 
 TEST_CASE("a failed worker restarts the whole group with TORCHELASTIC_RESTART_COUNT+1", "[e2e]") {
   TempDir state, envs;
-  auto r = run(withWorker({"--standalone", "--nproc-per-node=2", "--max-restarts=2"},
-                          {"--exit-code", "3", "--only-rank", "1", "--fail-until-restart", "1",
-                           "--state-dir", state.path(), "--env-out", envs.path(),
-                           "--wait-for", state / "pid.0.0"}));
+  auto r = run(withWorker(
+      {"--standalone", "--nproc-per-node=2", "--max-restarts=2"},
+      {"--exit-code", "3", "--only-rank", "1", "--fail-until-restart", "1", "--state-dir",
+       state.path(), "--env-out", envs.path(), "--wait-for", state / "pid.0.0"}));
   INFO(r.err);
   CHECK(r.exit_code == 0);
   // Both ranks ran in attempt 0 and attempt 1, and only there.
@@ -131,9 +131,9 @@ TEST_CASE("a failed worker restarts the whole group with TORCHELASTIC_RESTART_CO
 TEST_CASE("workers failing past the budget end with exit 1 and torchrun's failure report",
           "[e2e]") {
   TempDir logs;
-  auto r = run(withWorker({"--nproc-per-node=2", "--max-restarts=1", "--log-dir", logs.path()},
-                          {"--exit-code", "7", "--only-rank", "1", "--write-error-file",
-                           "ValueError: bad batch"}));
+  auto r = run(withWorker(
+      {"--nproc-per-node=2", "--max-restarts=1", "--log-dir", logs.path()},
+      {"--exit-code", "7", "--only-rank", "1", "--write-error-file", "ValueError: bad batch"}));
   INFO(r.err);
   CHECK(r.exit_code == 1);
   CHECK(r.err.find("ddprun_test_worker FAILED") != std::string::npos);
@@ -162,9 +162,10 @@ TEST_CASE("a worker killed by a signal is reported with the signal's name", "[e2
 TEST_CASE("a worker ignoring SIGTERM is killed after --shutdown-timeout", "[e2e]") {
   TempDir state;
   // Rank 0 fails at once; rank 1 ignores the SIGTERM that stops the group.
-  Process p(withWorker({"--nproc-per-node=2", "--shutdown-timeout=1"},
-                       {"--exit-code", "1", "--only-rank", "0", "--fail-fast", "--ignore-sigterm", "--sleep", "600",
-                        "--state-dir", state.path(), "--wait-for", state / "pid.1.0"}));
+  Process p(
+      withWorker({"--nproc-per-node=2", "--shutdown-timeout=1"},
+                 {"--exit-code", "1", "--only-rank", "0", "--fail-fast", "--ignore-sigterm",
+                  "--sleep", "600", "--state-dir", state.path(), "--wait-for", state / "pid.1.0"}));
   auto r = p.wait(60s);
   REQUIRE(r);
   CHECK(r->exit_code == 1);
@@ -178,7 +179,8 @@ TEST_CASE("SIGTERM to ddprun is forwarded to every worker and ends it with 143",
   TempDir state;
   Process p(withWorker({"--nproc-per-node=2", "--max-restarts=3"},
                        {"--sleep", "600", "--on-signal-exit", "5", "--state-dir", state.path()}));
-  REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0"); }));
+  REQUIRE(
+      waitUntil([&] { return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0"); }));
   p.signal(SIGTERM);
   auto r = p.wait(60s);
   REQUIRE(r);
@@ -200,12 +202,12 @@ TEST_CASE("SIGINT ends ddprun with 130", "[e2e]") {
   CHECK(fileExists(state / ("sig.0." + std::to_string(SIGINT))));
 }
 
-TEST_CASE("a handled non-terminating signal is forwarded and a clean exit is success",
-          "[e2e]") {
+TEST_CASE("a handled non-terminating signal is forwarded and a clean exit is success", "[e2e]") {
   TempDir state;
   Process p(withWorker({"--nproc-per-node=2", "--signals-to-handle=SIGTERM,SIGUSR1"},
                        {"--sleep", "600", "--on-signal-exit", "0", "--state-dir", state.path()}));
-  REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0"); }));
+  REQUIRE(
+      waitUntil([&] { return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0"); }));
   p.signal(SIGUSR1);
   auto r = p.wait(60s);
   REQUIRE(r);
@@ -217,7 +219,8 @@ TEST_CASE("a handled non-terminating signal is forwarded and a clean exit is suc
 TEST_CASE("kill -9 of ddprun leaves no worker alive", "[e2e]") {
   TempDir state;
   Process p(withWorker({"--nproc-per-node=2"}, {"--sleep", "600", "--state-dir", state.path()}));
-  REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0"); }));
+  REQUIRE(
+      waitUntil([&] { return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0"); }));
   const int w0 = std::stoi(readFile(state / "pid.0.0"));
   const int w1 = std::stoi(readFile(state / "pid.1.0"));
   REQUIRE(pidAlive(w0));
@@ -228,9 +231,9 @@ TEST_CASE("kill -9 of ddprun leaves no worker alive", "[e2e]") {
 
 TEST_CASE("--redirects writes each rank's streams into the torchrun log layout", "[e2e]") {
   TempDir logs;
-  auto r = run(withWorker({"--nproc-per-node=2", "--rdzv-id=job42", "--log-dir", logs.path(),
-                           "--redirects=3"},
-                          {"--print", "to-out", "--eprint", "to-err"}));
+  auto r = run(withWorker(
+      {"--nproc-per-node=2", "--rdzv-id=job42", "--log-dir", logs.path(), "--redirects=3"},
+      {"--print", "to-out", "--eprint", "to-err"}));
   REQUIRE(r.exit_code == 0);
   CHECK(r.out.find("to-out") == std::string::npos);  // redirected, not tee'd
   auto runs = run({"/bin/sh", "-c", "ls -d " + logs.path() + "/job42_*"});
@@ -245,9 +248,9 @@ TEST_CASE("--redirects writes each rank's streams into the torchrun log layout",
 
 TEST_CASE("--tee prefixes console lines per rank and --local-ranks-filter selects ranks", "[e2e]") {
   TempDir logs;
-  auto r = run(withWorker({"--nproc-per-node=2", "--log-dir", logs.path(), "--tee=1",
-                           "--local-ranks-filter=1"},
-                          {"--print", "hello"}));
+  auto r = run(withWorker(
+      {"--nproc-per-node=2", "--log-dir", logs.path(), "--tee=1", "--local-ranks-filter=1"},
+      {"--print", "hello"}));
   REQUIRE(r.exit_code == 0);
   CHECK(r.out.find("[default1]:hello\n") != std::string::npos);
   CHECK(r.out.find("[default0]:") == std::string::npos);
@@ -255,19 +258,22 @@ TEST_CASE("--tee prefixes console lines per rank and --local-ranks-filter select
   auto files = run({"/bin/sh", "-c", "cat " + logs.path() + "/*/attempt_0/*/stdout.log"});
   CHECK(files.out == "hello\nhello\n");
 
-  auto templ = run(withWorker({"--nproc-per-node=2", "--log-dir", logs.path(), "--tee=3",
-                               "--role=trainer",
-                               "--log-line-prefix-template=<${role_name}|${rank}>"},
-                              {"--eprint", "warn"}));
+  auto templ =
+      run(withWorker({"--nproc-per-node=2", "--log-dir", logs.path(), "--tee=3", "--role=trainer",
+                      "--log-line-prefix-template=<${role_name}|${rank}>"},
+                     {"--eprint", "warn"}));
   REQUIRE(templ.exit_code == 0);
   CHECK(templ.err.find("<trainer|0>warn\n") != std::string::npos);
   CHECK(templ.err.find("<trainer|1>warn\n") != std::string::npos);
 }
 
 TEST_CASE("usage errors are one line naming the flag, with exit code 2", "[e2e]") {
-  for (const auto& args : std::vector<std::vector<std::string>>{
-           {"--nnodes=0", "x"}, {"--nproc-per-node=-1", "x"}, {"--unknown-flag", "x"},
-           {"--no-python", "/nonexistent/prog"}, {"--standalone"}}) {
+  for (const auto& args :
+       std::vector<std::vector<std::string>>{{"--nnodes=0", "x"},
+                                             {"--nproc-per-node=-1", "x"},
+                                             {"--unknown-flag", "x"},
+                                             {"--no-python", "/nonexistent/prog"},
+                                             {"--standalone"}}) {
     auto r = run(ddprunArgv(args));
     INFO(join(args, " ") << " -> " << r.err);
     CHECK(r.exit_code == 2);
@@ -285,7 +291,7 @@ TEST_CASE("a real PyTorch gloo all_reduce sums across ddprun's workers", "[e2e][
     return;
   }
   auto r = run(ddprunArgv({"--standalone", "--nproc_per_node=2",
-                       sourceDir() + "/examples/pytorch/allreduce_check.py"}),
+                           sourceDir() + "/examples/pytorch/allreduce_check.py"}),
                torchEnv());
   INFO(r.out << r.err);
   CHECK(r.exit_code == 0);
@@ -302,8 +308,8 @@ TEST_CASE("the DDP tutorial job survives a killed worker and resumes from its sn
   TempDir work;
   const std::string snapshot = work / "snapshot.pt";
   Process p(ddprunArgv({"--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                    sourceDir() + "/examples/pytorch/ddp_tutorial.py", "40", "1",
-                    "--snapshot_path", snapshot, "--step_delay", "0.004"}),
+                        sourceDir() + "/examples/pytorch/ddp_tutorial.py", "40", "1",
+                        "--snapshot_path", snapshot, "--step_delay", "0.004"}),
             torchEnv());
   // Mid-run: a few epochs done and snapshotted.
   REQUIRE(waitUntil([&] { return p.out().find("[RANK 0] Epoch 3 |") != std::string::npos; }, 120s));
@@ -315,7 +321,8 @@ TEST_CASE("the DDP tutorial job survives a killed worker and resumes from its sn
   INFO(r->out << r->err);
   CHECK(r->exit_code == 0);
   std::smatch m;
-  REQUIRE(std::regex_search(r->out, m, std::regex(R"(\[RANK 0\] Resuming training from snapshot at Epoch (\d+))")));
+  REQUIRE(std::regex_search(
+      r->out, m, std::regex(R"(\[RANK 0\] Resuming training from snapshot at Epoch (\d+))")));
   CHECK(std::stoi(m[1]) >= 3);  // not from epoch 0
   CHECK(countOf(r->out, "[RANK 0] Epoch 0 |") == 1);
   CHECK(r->out.find("[RANK 0] Epoch 39 |") != std::string::npos);

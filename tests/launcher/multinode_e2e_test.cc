@@ -1,12 +1,11 @@
 // Multi-node end to end on one machine: several agents on distinct loopback addresses
 // (127.0.0.2, 127.0.0.3, ...) form one job over the gRPC rendezvous, with real worker processes
 // and real PyTorch gloo workers whose collectives span the nodes.
-#include <catch2/catch.hpp>
-
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <catch2/catch.hpp>
 #include <csignal>
 #include <memory>
 #include <regex>
@@ -65,13 +64,13 @@ struct RendezvousDaemon {
 std::unique_ptr<Process> agent(const std::string& addr, const std::string& endpoint,
                                const std::string& nnodes, const std::string& run_id,
                                std::vector<std::string> extra, std::vector<std::string> program) {
-  std::vector<std::string> argv = {ddprunBin(), "--nnodes=" + nnodes, "--rdzv-backend=c10d",
-                                   "--rdzv-endpoint=" + endpoint, "--rdzv-id=" + run_id,
-                                   "--local-addr=" + addr};
+  std::vector<std::string> argv = {ddprunBin(),           "--nnodes=" + nnodes,
+                                   "--rdzv-backend=c10d", "--rdzv-endpoint=" + endpoint,
+                                   "--rdzv-id=" + run_id, "--local-addr=" + addr};
   argv.insert(argv.end(), extra.begin(), extra.end());
   argv.insert(argv.end(), program.begin(), program.end());
-  return std::make_unique<Process>(argv, std::map<std::string, std::string>{
-                                             {"PYTHON_EXEC", torchPython()}});
+  return std::make_unique<Process>(
+      argv, std::map<std::string, std::string>{{"PYTHON_EXEC", torchPython()}});
 }
 
 std::vector<std::string> testWorker(std::vector<std::string> args) {
@@ -126,7 +125,8 @@ TEST_CASE("agents on two loopback addresses form one job whose gloo all_reduce s
     for (int r = 0; r < 6; ++r) {
       const bool on_four = a_first ? r < 4 : r >= 2;
       INFO("rank " << r);
-      CHECK((on_four ? four : two).find("rank " + std::to_string(r) + "/6: all_reduce sum 21 (expected 21) OK") !=
+      CHECK((on_four ? four : two)
+                .find("rank " + std::to_string(r) + "/6: all_reduce sum 21 (expected 21) OK") !=
             std::string::npos);
     }
   }
@@ -137,8 +137,8 @@ TEST_CASE("a worker failing on one node restarts every node's workers, charged o
   RendezvousDaemon rdzv;
   TempDir state, envs;
   auto worker = testWorker({"--exit-code", "4", "--only-rank", "3", "--fail-until-restart", "1",
-                            "--fail-fast", "--sleep", "3", "--state-dir", state.path(),
-                            "--env-out", envs.path()});
+                            "--fail-fast", "--sleep", "3", "--state-dir", state.path(), "--env-out",
+                            envs.path()});
   auto a = agent("127.0.0.2", rdzv.endpoint, "2", "fail1",
                  {"--nproc-per-node=2", "--max-restarts=1"}, worker);
   auto b = agent("127.0.0.3", rdzv.endpoint, "2", "fail1",
@@ -151,9 +151,10 @@ TEST_CASE("a worker failing on one node restarts every node's workers, charged o
   CHECK(rb->exit_code == 0);
   for (int r = 0; r < 4; ++r) {
     INFO("rank " << r);
-    CHECK(fileExists(state / ("pid." + std::to_string(r) + ".1")));   // restarted once
+    CHECK(fileExists(state / ("pid." + std::to_string(r) + ".1")));  // restarted once
     CHECK_FALSE(fileExists(state / ("pid." + std::to_string(r) + ".2")));
-    CHECK(parseEnvFile(readFile(envs / ("env." + std::to_string(r))))["TORCHELASTIC_RESTART_COUNT"] == "1");
+    CHECK(parseEnvFile(
+              readFile(envs / ("env." + std::to_string(r))))["TORCHELASTIC_RESTART_COUNT"] == "1");
   }
 }
 
@@ -162,12 +163,17 @@ TEST_CASE("the static backend forms the job from the node ranks given, as torchr
   TempDir state, envs;
   const int port = freePort();
   auto worker = testWorker({"--exit-code", "9", "--only-rank", "1", "--fail-until-restart", "1",
-                            "--fail-fast", "--sleep", "3", "--state-dir", state.path(),
-                            "--env-out", envs.path()});
+                            "--fail-fast", "--sleep", "3", "--state-dir", state.path(), "--env-out",
+                            envs.path()});
   auto node = [&](int rank, const std::string& addr) {
-    std::vector<std::string> argv = {ddprunBin(), "--nnodes=2", "--node_rank=" + std::to_string(rank),
-                                     "--master_addr=127.0.0.1", "--master_port=" + std::to_string(port),
-                                     "--nproc_per_node=2", "--max-restarts=1", "--local-addr=" + addr};
+    std::vector<std::string> argv = {ddprunBin(),
+                                     "--nnodes=2",
+                                     "--node_rank=" + std::to_string(rank),
+                                     "--master_addr=127.0.0.1",
+                                     "--master_port=" + std::to_string(port),
+                                     "--nproc_per_node=2",
+                                     "--max-restarts=1",
+                                     "--local-addr=" + addr};
     argv.insert(argv.end(), worker.begin(), worker.end());
     return std::make_unique<Process>(argv);
   };
@@ -190,15 +196,18 @@ TEST_CASE("the static backend forms the job from the node ranks given, as torchr
   }
 }
 
-TEST_CASE("SIGTERM to one node: it leaves at once, the others re-form without it, and a new "
-          "node grows the world back", "[multinode]") {
+TEST_CASE(
+    "SIGTERM to one node: it leaves at once, the others re-form without it, and a new "
+    "node grows the world back",
+    "[multinode]") {
   RendezvousDaemon rdzv;
   TempDir state;
   // Heartbeats so slow that only the graceful leave can explain a quick re-form.
   const std::vector<std::string> flags = {
       "--nproc-per-node=1", "--max-restarts=0",
       "--rdzv-conf=last_call_timeout=1,heartbeat_interval=30,heartbeat_misses=3"};
-  auto worker = testWorker({"--sleep", "600", "--on-signal-exit", "0", "--state-dir", state.path()});
+  auto worker =
+      testWorker({"--sleep", "600", "--on-signal-exit", "0", "--state-dir", state.path()});
   auto a = agent("127.0.0.2", rdzv.endpoint, "1:2", "leave1", flags, worker);
   auto b = agent("127.0.0.3", rdzv.endpoint, "1:2", "leave1", flags, worker);
   REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "world size 2") == 2; }, 60s));
@@ -207,7 +216,8 @@ TEST_CASE("SIGTERM to one node: it leaves at once, the others re-form without it
   auto rb = b->wait(30s);
   REQUIRE(rb);
   CHECK(rb->exit_code == 128 + SIGTERM);
-  REQUIRE(waitUntil([&] { return a->err().find("group rank 0 of 1, world size 1") != std::string::npos; }, 20s));
+  REQUIRE(waitUntil(
+      [&] { return a->err().find("group rank 0 of 1, world size 1") != std::string::npos; }, 20s));
   CHECK(a->err().find("NODE_LEFT") != std::string::npos);
   // Scale back up.
   auto c = agent("127.0.0.4", rdzv.endpoint, "1:2", "leave1", flags, worker);
@@ -220,17 +230,23 @@ TEST_CASE("SIGTERM to one node: it leaves at once, the others re-form without it
   CHECK(c->wait(30s));
 }
 
-TEST_CASE("kill -9 of a node's agent: its workers die, the survivors re-form and finish from the "
-          "last snapshot", "[multinode][pytorch]") {
+TEST_CASE(
+    "kill -9 of a node's agent: its workers die, the survivors re-form and finish from the "
+    "last snapshot",
+    "[multinode][pytorch]") {
   if (!torchAvailable()) {
     WARN("skipped: no torch at " + torchPython());
     return;
   }
   RendezvousDaemon rdzv;
   TempDir work;
-  const std::vector<std::string> prog = {sourceDir() + "/examples/pytorch/ddp_tutorial.py", "30",
-                                         "1", "--snapshot_path", work / "snapshot.pt",
-                                         "--step_delay", "0.004"};
+  const std::vector<std::string> prog = {sourceDir() + "/examples/pytorch/ddp_tutorial.py",
+                                         "30",
+                                         "1",
+                                         "--snapshot_path",
+                                         work / "snapshot.pt",
+                                         "--step_delay",
+                                         "0.004"};
   const std::vector<std::string> flags = {"--nproc-per-node=1", "--max-restarts=3",
                                           "--rdzv-conf=last_call_timeout=1"};
   auto a = agent("127.0.0.2", rdzv.endpoint, "1:2", "kill9", flags, prog);
@@ -248,7 +264,8 @@ TEST_CASE("kill -9 of a node's agent: its workers die, the survivors re-form and
   CHECK(ra->exit_code == 0);
   CHECK(ra->err.find("group rank 0 of 1, world size 1") != std::string::npos);
   std::smatch m;
-  REQUIRE(std::regex_search(ra->out, m, std::regex(R"(\[RANK 0\] Resuming training from snapshot at Epoch (\d+))")));
+  REQUIRE(std::regex_search(
+      ra->out, m, std::regex(R"(\[RANK 0\] Resuming training from snapshot at Epoch (\d+))")));
   CHECK(std::stoi(m[1]) >= 3);
   CHECK(ra->out.find("[RANK 0] Epoch 29 |") != std::string::npos);
 }
@@ -294,20 +311,27 @@ TEST_CASE("the agent serves /healthz and Prometheus /metrics", "[multinode]") {
                  testWorker({"--sleep", "600", "--state-dir", state.path()}));
   std::smatch m;
   std::string port;
-  REQUIRE(waitUntil([&] {
-    std::string err = a->err();
-    if (!std::regex_search(err, m, std::regex(R"(metrics on http://127\.0\.0\.2:(\d+)/metrics)"))) return false;
-    port = m[1];
-    return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0");
-  }, 60s));
+  REQUIRE(waitUntil(
+      [&] {
+        std::string err = a->err();
+        if (!std::regex_search(err, m,
+                               std::regex(R"(metrics on http://127\.0\.0\.2:(\d+)/metrics)")))
+          return false;
+        port = m[1];
+        return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0");
+      },
+      60s));
   auto get = [&](const std::string& path) {
     return run({torchPython(), "-c",
                 "import urllib.request,sys\n"
                 "try:\n"
-                "  r=urllib.request.urlopen('http://127.0.0.2:" + port + path + "',timeout=10)\n"
-                "  print(r.status); print(r.read().decode())\n"
-                "except urllib.error.HTTPError as e:\n"
-                "  print(e.code)\n"}).out;
+                "  r=urllib.request.urlopen('http://127.0.0.2:" +
+                    port + path +
+                    "',timeout=10)\n"
+                    "  print(r.status); print(r.read().decode())\n"
+                    "except urllib.error.HTTPError as e:\n"
+                    "  print(e.code)\n"})
+        .out;
   };
   CHECK(startsWith(get("/healthz"), "200\nok"));
   const std::string metrics = get("/metrics");
@@ -394,19 +418,31 @@ TEST_CASE("a network cut makes the far node dead to the rendezvous and the survi
     return true;
   }));
   auto node = [&](const std::string& addr, bool in_a) {
-    std::vector<std::string> argv = {ddprunBin(), "--nnodes=1:2", "--nproc-per-node=1",
-                                     "--rdzv-backend=c10d", "--rdzv-endpoint=" + endpoint,
-                                     "--rdzv-id=netcut", "--local-addr=" + addr,
-                                     "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3",
-                                     "--no-python", testWorkerBin(), "--sleep", "600",
-                                     "--on-signal-exit", "0", "--state-dir", state.path()};
+    std::vector<std::string> argv = {
+        ddprunBin(),
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=" + endpoint,
+        "--rdzv-id=netcut",
+        "--local-addr=" + addr,
+        "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3",
+        "--no-python",
+        testWorkerBin(),
+        "--sleep",
+        "600",
+        "--on-signal-exit",
+        "0",
+        "--state-dir",
+        state.path()};
     return std::make_unique<Process>(in_a ? net.inA(argv) : net.inB(argv));
   };
   auto a = node("10.231.7.1", true);
   auto b = node("10.231.7.2", false);
   REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "world size 2") == 2; }, 60s));
   net.cutB();
-  REQUIRE(waitUntil([&] { return a->err().find("group rank 0 of 1, world size 1") != std::string::npos; }, 30s));
+  REQUIRE(waitUntil(
+      [&] { return a->err().find("group rank 0 of 1, world size 1") != std::string::npos; }, 30s));
   CHECK(a->err().find("NODE_DEAD") != std::string::npos);
   CHECK(a->err().find("restarting workers") == std::string::npos);  // not charged
   a->signal(SIGTERM);

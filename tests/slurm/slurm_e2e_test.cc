@@ -139,8 +139,9 @@ void survivesALostNode(Mode mode) {
   const std::string out = cluster.dir() / "elastic.out";
   const std::string script = cluster.dir() / "elastic.sh";
   std::ofstream(script) << "#!/bin/bash\nexec " << ddprunSlurm(mode)
-                        << " --nnodes=1:2 --max-restarts=3 --nproc_per_node=1 --tee=3 '" << trainBin()
-                        << "' 12 1 --snapshot-path '" << (cluster.dir() / "snap.pt") << "'\n";
+                        << " --nnodes=1:2 --max-restarts=3 --nproc_per_node=1 --tee=3 '"
+                        << trainBin() << "' 12 1 --snapshot-path '" << (cluster.dir() / "snap.pt")
+                        << "'\n";
   Process sbatch({"sbatch", "-N2", "--wait", "--chdir=" + cluster.dir().path(), "-o", out, script},
                  cluster.env(jobEnv()));
   // Both nodes train (world size 2) before n2's agent is killed.

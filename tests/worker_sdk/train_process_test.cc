@@ -72,7 +72,8 @@ TEST_CASE("train rejects bad arguments with a clear message and exit code 2", "[
   CHECK_THAT(r.output, Catch::Contains("WORLD_SIZE is not set"));
 }
 
-TEST_CASE("train runs the mlp and cnn models on two ranks and agrees on the loss", "[worker][train]") {
+TEST_CASE("train runs the mlp and cnn models on two ranks and agrees on the loss",
+          "[worker][train]") {
   for (std::string model : {"mlp", "cnn"}) {
     t::TempDir dir;
     const int port = t::freePort();
@@ -93,7 +94,8 @@ TEST_CASE("train runs the mlp and cnn models on two ranks and agrees on the loss
       const auto at = out.find("| loss ");
       REQUIRE(at != std::string::npos);
       lines[r] = out.substr(at, out.find('\n', at) - at);
-      CHECK_THAT(out, Catch::Contains("[RANK " + std::to_string(r) + "] Epoch 0 | Batchsize: 32 | Steps: 2"));
+      CHECK_THAT(out, Catch::Contains("[RANK " + std::to_string(r) +
+                                      "] Epoch 0 | Batchsize: 32 | Steps: 2"));
     }
     CHECK(lines[0] == lines[1]);  // the loss is averaged across ranks
   }

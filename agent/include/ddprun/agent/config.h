@@ -10,7 +10,8 @@
 
 namespace ddprun::agent {
 
-// Which of a worker's streams go to a log file (torchrun's Std): 0 none, 1 stdout, 2 stderr, 3 both.
+// Which of a worker's streams go to a log file (torchrun's Std): 0 none, 1 stdout, 2 stderr, 3
+// both.
 enum class StdStreams : int { kNone = 0, kOut = 1, kErr = 2, kAll = 3 };
 
 inline bool hasOut(StdStreams s) { return (static_cast<int>(s) & 1) != 0; }
@@ -39,9 +40,9 @@ struct AgentConfig {
   std::string rdzv_id = "none";
   std::map<std::string, std::string> rdzv_conf;
   bool standalone = false;
-  int node_rank = 0;                     // static backend only
+  int node_rank = 0;                      // static backend only
   std::string master_addr = "127.0.0.1";  // static backend only
-  int master_port = 29500;               // static backend only
+  int master_port = 29500;                // static backend only
   bool master_port_given = false;
   std::string local_addr;  // address this node advertises; empty: the host's FQDN
 
@@ -62,10 +63,10 @@ struct AgentConfig {
   PerRankStreams redirects;
   PerRankStreams tee;
   std::optional<std::set<int>> local_ranks_filter;  // nullopt: every rank reaches the console
-  std::string log_line_prefix_template;  // empty: "[${role_name}${local_rank}]:"
+  std::string log_line_prefix_template;             // empty: "[${role_name}${local_rank}]:"
 
   // Extras of ours.
-  int metrics_port = -1;  // >= 0: serve /healthz and /metrics on local_addr (0: any free port)
+  int metrics_port = -1;     // >= 0: serve /healthz and /metrics on local_addr (0: any free port)
   std::string snapshot_dir;  // DDPRUN_SNAPSHOT_DIR when non-empty
   bool set_omp_num_threads = false;  // OMP_NUM_THREADS=1 for workers (decided by the launcher)
 };

@@ -13,8 +13,8 @@ namespace ddprun::agent {
 
 struct ErrorFileContents {
   std::string message;
-  std::string traceback;             // py_callstack when present
-  std::optional<double> timestamp;   // unix seconds
+  std::string traceback;            // py_callstack when present
+  std::optional<double> timestamp;  // unix seconds
 };
 
 // Parses torchrun's error-file JSON:

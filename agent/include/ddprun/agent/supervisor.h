@@ -65,7 +65,9 @@ class Supervisor {
 
   std::optional<TimePoint> nextDeadline() const;
   AgentState state() const { return state_; }
-  bool finished() const { return state_ == AgentState::kSucceeded || state_ == AgentState::kFailed; }
+  bool finished() const {
+    return state_ == AgentState::kSucceeded || state_ == AgentState::kFailed;
+  }
   // 0 success, 1 workers failed past the budget, 128+n stopped by signal n.
   int exitCode() const { return exit_code_; }
   int restartCount() const { return restart_count_; }
@@ -79,7 +81,9 @@ class Supervisor {
   // Human-readable reason when the agent failed without local worker failures.
   const std::string& errorMessage() const { return error_message_; }
   // Called on every state change (logging, metrics).
-  void setStateListener(std::function<void(AgentState)> listener) { listener_ = std::move(listener); }
+  void setStateListener(std::function<void(AgentState)> listener) {
+    listener_ = std::move(listener);
+  }
 
  private:
   enum class StopReason { kNone, kFailure, kSignal, kMembership };

@@ -25,8 +25,8 @@ struct WorkerEnvInputs {
   std::string role;
   int restart_count = 0;
   int max_restarts = 0;
-  std::string error_file;       // per worker; filled by the caller for each local rank
-  std::string snapshot_dir;     // may be empty
+  std::string error_file;    // per worker; filled by the caller for each local rank
+  std::string snapshot_dir;  // may be empty
   bool set_omp_num_threads = false;
 };
 
@@ -35,7 +35,8 @@ int baseRank(const std::vector<int>& local_world_sizes, int group_rank);
 
 // The variables ddprun sets for local rank `local_rank`, on top of `parent_env` (the agent's own
 // environment, passed through as torchrun does). Returns the full environment, sorted by name.
-std::map<std::string, std::string> buildWorkerEnv(const WorkerEnvInputs& in, int local_rank,
-                                                  const std::map<std::string, std::string>& parent_env);
+std::map<std::string, std::string> buildWorkerEnv(
+    const WorkerEnvInputs& in, int local_rank,
+    const std::map<std::string, std::string>& parent_env);
 
 }  // namespace ddprun::agent

@@ -83,15 +83,15 @@ inline Status deadlineExceeded(std::string msg) {
 [[noreturn]] void checkFailed(const char* expr, const char* file, int line, const std::string& msg);
 
 // Aborts loudly on a broken invariant (never for input from the world).
-#define DDPRUN_CHECK(cond, msg)                                  \
-  do {                                                           \
+#define DDPRUN_CHECK(cond, msg)                                           \
+  do {                                                                    \
     if (!(cond)) ::ddprun::checkFailed(#cond, __FILE__, __LINE__, (msg)); \
   } while (0)
 
 template <typename T>
 class [[nodiscard]] StatusOr {
  public:
-  StatusOr(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  StatusOr(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
   StatusOr(Status status) : status_(std::move(status)) {  // NOLINT: implicit by design
     DDPRUN_CHECK(!status_.isOk(), "StatusOr constructed from an OK status without a value");
   }
@@ -124,10 +124,10 @@ class [[nodiscard]] StatusOr {
 }  // namespace ddprun
 
 // Returns early from a function returning Status or StatusOr when `expr` is not OK.
-#define DDPRUN_RETURN_IF_ERROR(expr)               \
-  do {                                             \
-    ::ddprun::Status _ddprun_st = (expr);          \
-    if (!_ddprun_st.isOk()) return _ddprun_st;     \
+#define DDPRUN_RETURN_IF_ERROR(expr)           \
+  do {                                         \
+    ::ddprun::Status _ddprun_st = (expr);      \
+    if (!_ddprun_st.isOk()) return _ddprun_st; \
   } while (0)
 
 #define DDPRUN_CONCAT_INNER(a, b) a##b
