@@ -14,15 +14,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::map<std::string, std::string> parseEnvFile(const std::string& text) {
-  std::map<std::string, std::string> env;
-  for (const auto& line : split(text, '\n')) {
-    auto eq = line.find('=');
-    if (eq != std::string::npos) env[line.substr(0, eq)] = line.substr(eq + 1);
-  }
-  return env;
-}
-
 std::vector<std::string> ddprunArgv(std::vector<std::string> flags) {
   flags.insert(flags.begin(), ddprunBin());
   return flags;
@@ -38,19 +29,6 @@ std::vector<std::string> withWorker(std::vector<std::string> flags,
 }
 
 std::map<std::string, std::string> torchEnv() { return {{"PYTHON_EXEC", torchPython()}}; }
-
-bool torchAvailable() {
-  return run({torchPython(), "-c", "import torch.distributed.run"}, {}, 60s).exit_code == 0;
-}
-
-int countOf(const std::string& haystack, const std::string& needle) {
-  int n = 0;
-  for (size_t pos = 0; (pos = haystack.find(needle, pos)) != std::string::npos;
-       pos += needle.size()) {
-    ++n;
-  }
-  return n;
-}
 
 // Compares the environments workers saw under ddprun and torchrun for the same flags.
 void compareWithTorchrun(const std::vector<std::string>& flags,

@@ -19,31 +19,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-int freePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-bool torchAvailable() {
-  return run({torchPython(), "-c", "import torch.distributed"}, {}, 60s).exit_code == 0;
-}
-
-std::map<std::string, std::string> parseEnvFile(const std::string& text) {
-  std::map<std::string, std::string> env;
-  for (const auto& line : split(text, '\n')) {
-    auto eq = line.find('=');
-    if (eq != std::string::npos) env[line.substr(0, eq)] = line.substr(eq + 1);
-  }
-  return env;
-}
-
 // A standalone ddprun-rendezvous on 127.0.0.1 and a free port.
 struct RendezvousDaemon {
   RendezvousDaemon()
@@ -76,12 +51,6 @@ std::unique_ptr<Process> agent(const std::string& addr, const std::string& endpo
 std::vector<std::string> testWorker(std::vector<std::string> args) {
   args.insert(args.begin(), {"--no-python", testWorkerBin()});
   return args;
-}
-
-int countOf(const std::string& haystack, const std::string& needle) {
-  int n = 0;
-  for (size_t p = 0; (p = haystack.find(needle, p)) != std::string::npos; p += needle.size()) ++n;
-  return n;
 }
 
 }  // namespace

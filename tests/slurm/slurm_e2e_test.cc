@@ -33,22 +33,6 @@ std::string probeBin() { return buildDir() + "/tests/slurm/ddprun_slurm_probe"; 
 std::string trainBin() { return buildDir() + "/examples/train"; }
 std::string allreduceScript() { return sourceDir() + "/examples/pytorch/allreduce_check.py"; }
 
-int freePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-bool torchAvailable() {
-  return run({torchPython(), "-c", "import torch.distributed"}, {}, 60s).exit_code == 0;
-}
-
 // The shell words that start `ddprun slurm` in a job script.
 std::string ddprunSlurm(Mode mode) {
   if (mode == Mode::kDdprunSlurm) return "'" + ddprunBin() + "' slurm";

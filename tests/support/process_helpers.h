@@ -3,9 +3,12 @@
 // the test's own thread.
 #pragma once
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -190,6 +193,42 @@ inline Finished run(const std::vector<std::string>& argv,
   auto f = p.wait(bound);
   if (!f) throw std::runtime_error("timed out: " + argv.at(0));
   return *f;
+}
+
+// A TCP port on 127.0.0.1 that was free a moment ago.
+inline int freePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Whether torchPython() can import torch.distributed (tests that need it skip otherwise).
+inline bool torchAvailable() {
+  return run({torchPython(), "-c", "import torch.distributed"}, {}, std::chrono::seconds(60))
+             .exit_code == 0;
+}
+
+// "NAME=value" lines (a worker's --env-out file) as a map.
+inline std::map<std::string, std::string> parseEnvFile(const std::string& text) {
+  std::map<std::string, std::string> env;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    auto eq = line.find('=');
+    if (eq != std::string::npos) env[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  return env;
+}
+
+inline int countOf(const std::string& haystack, const std::string& needle) {
+  int n = 0;
+  for (size_t p = 0; (p = haystack.find(needle, p)) != std::string::npos; p += needle.size()) ++n;
+  return n;
 }
 
 }  // namespace ddprun::testing
