@@ -385,11 +385,16 @@ class GrpcWatch final : public Watch {
 
   void onStreamDone(Stream* stream, const grpc::Status& grpc_status) {
     const bool closed = stream->closed && grpc_status.ok();
-    delete stream;
     Status st = fromGrpc(grpc_status);
     {
+      // Unpublish the stream before freeing it: ~GrpcWatch calls TryCancel on stream_ under
+      // mu_, and must never reach a stream that is already deleted.
       std::lock_guard<std::mutex> lock(mu_);
       stream_ = nullptr;
+    }
+    delete stream;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
       if (stop_ || closed) return finish();
     }
     if (on_break_) {

@@ -207,7 +207,7 @@ TEST_CASE("kill -9 of ddprun leaves no worker alive", "[e2e]") {
   CHECK(waitUntil([&] { return !pidAlive(w0) && !pidAlive(w1); }, 10s));
 }
 
-TEST_CASE("--redirects writes each rank's streams into the torchrun log layout", "[e2e]") {
+TEST_CASE("redirects write each rank's streams into the torchrun log layout", "[e2e]") {
   TempDir logs;
   auto r = run(withWorker(
       {"--nproc-per-node=2", "--rdzv-id=job42", "--log-dir", logs.path(), "--redirects=3"},
@@ -224,7 +224,7 @@ TEST_CASE("--redirects writes each rank's streams into the torchrun log layout",
   }
 }
 
-TEST_CASE("--tee prefixes console lines per rank and --local-ranks-filter selects ranks", "[e2e]") {
+TEST_CASE("tee prefixes console lines per rank and --local-ranks-filter selects ranks", "[e2e]") {
   TempDir logs;
   auto r = run(withWorker(
       {"--nproc-per-node=2", "--log-dir", logs.path(), "--tee=1", "--local-ranks-filter=1"},
