@@ -148,7 +148,8 @@ TEST_CASE("PET_ variables are defaults that the command line overrides", "[launc
         "argument PET_NNODES: expected N or MIN:MAX with 0 < MIN <= MAX, got 'x'");
 }
 
-TEST_CASE("standalone mode uses the c10d backend on localhost:0 with a fresh run id", "[launcher]") {
+TEST_CASE("standalone mode uses the c10d backend on localhost:0 with a fresh run id",
+          "[launcher]") {
   Files f;
   auto a = parse({"--standalone", f.exe}, f.env());
   auto b = parse({"--standalone", f.exe}, f.env());
