@@ -63,42 +63,34 @@ TEST_CASE("agents on two loopback addresses form one job whose gloo all_reduce s
   }
   const std::string ep = "127.0.0.1:" + std::to_string(freePort());
   const std::string prog = sourceDir() + "/examples/pytorch/allreduce_check.py";
-  SECTION("2 + 2 workers give world size 4") {
-    auto a = agent("127.0.0.2", ep, "2", "ws4", {"--nproc-per-node=2"}, {prog});
-    auto b = agent("127.0.0.3", ep, "2", "ws4", {"--nproc-per-node=2"}, {prog});
+  // Runs a job of two nodes with `na` and `nb` workers; checks every rank's sum, on the node
+  // that must hold it: the group-rank-0 node has ranks 0..n0-1, the other the block after.
+  auto check = [&](int na, int nb, const std::string& run_id) {
+    auto a =
+        agent("127.0.0.2", ep, "2", run_id, {"--nproc-per-node=" + std::to_string(na)}, {prog});
+    auto b =
+        agent("127.0.0.3", ep, "2", run_id, {"--nproc-per-node=" + std::to_string(nb)}, {prog});
     auto ra = a->wait(180s), rb = b->wait(180s);
     REQUIRE(ra);
     REQUIRE(rb);
     INFO(ra->err << rb->err);
     CHECK(ra->exit_code == 0);
     CHECK(rb->exit_code == 0);
-    const std::string all = ra->out + rb->out;
-    for (int r = 0; r < 4; ++r) {
-      CHECK(all.find("rank " + std::to_string(r) + "/4: all_reduce sum 10 (expected 10) OK") !=
-            std::string::npos);
-    }
-  }
-  SECTION("4 + 2 workers give world size 6 with contiguous rank blocks") {
-    auto a = agent("127.0.0.2", ep, "2", "ws6", {"--nproc-per-node=4"}, {prog});
-    auto b = agent("127.0.0.3", ep, "2", "ws6", {"--nproc-per-node=2"}, {prog});
-    auto ra = a->wait(180s), rb = b->wait(180s);
-    REQUIRE(ra);
-    REQUIRE(rb);
-    INFO(ra->err << rb->err);
-    CHECK(ra->exit_code == 0);
-    CHECK(rb->exit_code == 0);
-    // Whichever node got group rank 0 holds a contiguous block of its own size.
-    const bool a_first = ra->out.find("rank 0/6") != std::string::npos;
-    const std::string& four = ra->out;
-    const std::string& two = rb->out;
-    for (int r = 0; r < 6; ++r) {
-      const bool on_four = a_first ? r < 4 : r >= 2;
+    const int world = na + nb;
+    const std::string sum = std::to_string(world * (world + 1) / 2);
+    const bool a_first = ra->out.find("rank 0/" + std::to_string(world)) != std::string::npos;
+    const int first_block = a_first ? na : nb;
+    for (int r = 0; r < world; ++r) {
+      const bool on_a = (r < first_block) == a_first;
       INFO("rank " << r);
-      CHECK((on_four ? four : two)
-                .find("rank " + std::to_string(r) + "/6: all_reduce sum 21 (expected 21) OK") !=
+      CHECK((on_a ? ra->out : rb->out)
+                .find("rank " + std::to_string(r) + "/" + std::to_string(world) +
+                      ": all_reduce sum " + sum + " (expected " + sum + ") OK") !=
             std::string::npos);
     }
-  }
+  };
+  SECTION("2 + 2 workers give world size 4") { check(2, 2, "ws4"); }
+  SECTION("4 + 2 workers give world size 6 with contiguous rank blocks") { check(4, 2, "ws6"); }
 }
 
 TEST_CASE("a worker failing on one node restarts every node's workers, charged once",
