@@ -30,20 +30,8 @@
 #include "metrics_server.h"
 #include "posix_process_launcher.h"
 
-extern char** environ;
-
 namespace ddprun::agent {
 namespace {
-
-std::map<std::string, std::string> currentEnvironment() {
-  std::map<std::string, std::string> env;
-  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
-    std::string kv = *e;
-    auto eq = kv.find('=');
-    if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
-  return env;
-}
 
 Status makeDirs(const std::string& path) {
   std::string partial;
@@ -85,7 +73,7 @@ class WorkerPlanner {
       : cfg_(cfg),
         run_log_dir_(std::move(run_log_dir)),
         hostname_(std::move(hostname)),
-        parent_env_(currentEnvironment()) {}
+        parent_env_(environmentMap()) {}
 
   StatusOr<std::vector<WorkerLaunch>> plan(const RoundInfo& round, int restart_count) {
     const std::string attempt_dir = run_log_dir_ + "/attempt_" + std::to_string(restart_count);

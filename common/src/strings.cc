@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdlib>
 
+extern char** environ;
+
 namespace ddprun {
 
 std::vector<std::string> split(std::string_view s, char sep) {
@@ -78,6 +80,17 @@ std::optional<bool> parseBool(std::string_view s) {
   if (l == "1" || l == "true" || l == "yes" || l == "on") return true;
   if (l == "0" || l == "false" || l == "no" || l == "off") return false;
   return std::nullopt;
+}
+
+std::map<std::string, std::string> environmentMap() {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    std::string_view kv(*e);
+    auto eq = kv.find('=');
+    if (eq != std::string_view::npos)
+      env[std::string(kv.substr(0, eq))] = std::string(kv.substr(eq + 1));
+  }
+  return env;
 }
 
 }  // namespace ddprun

@@ -14,8 +14,6 @@
 #include "ddprun/slurm/launch.h"
 #include "ddprun/slurm/scontrol.h"
 
-extern char** environ;
-
 namespace ddprun::launcher {
 
 namespace {
@@ -58,12 +56,7 @@ int slurmMain(const char* program_name, const std::vector<std::string>& args,
 int launcherMain(const char* program_name, int argc, char** argv) {
   try {
     std::vector<std::string> args(argv + 1, argv + argc);
-    std::map<std::string, std::string> env;
-    for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
-      std::string kv = *e;
-      auto eq = kv.find('=');
-      if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
-    }
+    const std::map<std::string, std::string> env = environmentMap();
     const HostFacts host = probeHost();
     if (!args.empty() && args[0] == "slurm") return slurmMain(program_name, args, env, host);
     // As an srun task (one per node), derive --nnodes, --rdzv-* and --local-addr from Slurm.

@@ -9,8 +9,6 @@
 #include "ddprun/common/strings.h"
 #include "ddprun/slurm/hostlist.h"
 
-extern char** environ;
-
 namespace ddprun::slurm {
 namespace {
 
@@ -557,15 +555,7 @@ StatusOr<std::vector<std::string>> splitShellWords(const std::string& text) {
   return words;
 }
 
-Env processEnvironment() {
-  Env env;
-  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
-    std::string kv(*e);
-    auto eq = kv.find('=');
-    if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
-  return env;
-}
+Env processEnvironment() { return environmentMap(); }
 
 std::string slurmHelpText() {
   return R"(usage: ddprun slurm [--srun-args="SRUN OPTIONS"] [ddprun flags] prog [args]

@@ -2,6 +2,7 @@
 // Pure functions, no state.
 #pragma once
 
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -21,5 +22,8 @@ std::optional<long long> parseInt(std::string_view s);
 std::optional<double> parseDouble(std::string_view s);
 // "1"/"true"/"yes"/"on" and "0"/"false"/"no"/"off", case-insensitive.
 std::optional<bool> parseBool(std::string_view s);
+
+// This process's environment ("NAME=value" of environ) as a map.
+std::map<std::string, std::string> environmentMap();
 
 }  // namespace ddprun
