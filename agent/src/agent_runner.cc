@@ -96,6 +96,16 @@ class WorkerPlanner {
       w.argv = cfg_.worker_argv;
       w.error_file = dir + "/error.json";
       in.error_file = w.error_file;
+      if (cfg_.heartbeat_timeout > 0) {
+        // A new round after a membership change reuses the attempt's directory: the previous
+        // workers' file must not arm (or hang) the new worker before it touched it itself.
+        w.heartbeat_file = dir + "/heartbeat";
+        if (::unlink(w.heartbeat_file.c_str()) != 0 && errno != ENOENT) {
+          return failedPrecondition("cannot remove the old heartbeat file " + w.heartbeat_file +
+                                    ": " + std::strerror(errno));
+        }
+      }
+      in.heartbeat_file = w.heartbeat_file;
       for (const auto& [k, v] : buildWorkerEnv(in, lr, parent_env_)) w.env.push_back(k + "=" + v);
       const StdStreams tee = cfg_.tee.forRank(lr);
       const int files = static_cast<int>(cfg_.redirects.forRank(lr)) | static_cast<int>(tee);
@@ -121,6 +131,16 @@ class WorkerPlanner {
   std::string run_log_dir_;
   std::string hostname_;
   std::map<std::string, std::string> parent_env_;
+};
+
+// Hang detection's look at a worker's DDPRUN_HEARTBEAT_FILE.
+class StatHeartbeatProbe final : public HeartbeatProbe {
+ public:
+  std::optional<int64_t> modificationTime(const std::string& path) override {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+    return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  }
 };
 
 bool isLoopbackOrLocal(const std::string& host, const std::string& local_addr,
@@ -433,15 +453,18 @@ int runAgent(const AgentConfig& cfg) {
   SupervisorOptions options;
   options.max_restarts = cfg.max_restarts;
   options.shutdown_timeout = seconds(cfg.shutdown_timeout);
+  options.heartbeat_timeout = seconds(cfg.heartbeat_timeout);
   if (dynamic_cast<GrpcRendezvous*>(&rendezvous) != nullptr) {
     // Longer than the time the rendezvous takes to notice a dead peer (one heartbeat interval
     // after its watch stream broke), so a crash caused by that peer is not charged.
     options.failure_grace =
         seconds(confSeconds(cfg, "failure_grace", 2 * confSeconds(cfg, "heartbeat_interval", 0.5)));
   }
+  StatHeartbeatProbe heartbeat_probe;
   Supervisor supervisor(
       options, launcher, rendezvous, clock,
-      [&planner](const RoundInfo& r, int restarts) { return planner.plan(r, restarts); });
+      [&planner](const RoundInfo& r, int restarts) { return planner.plan(r, restarts); },
+      &heartbeat_probe);
 
   supervisor_ptr = &supervisor;
 
@@ -450,7 +473,8 @@ int runAgent(const AgentConfig& cfg) {
   boost::asio::signal_set handled(io);
   for (int sig : cfg.signals_to_handle) handled.add(sig);
 
-  // After every event: stop when done, otherwise re-arm the kill-deadline timer.
+  // After every event: stop when done, otherwise re-arm the timer for the supervisor's next
+  // deadline (SIGKILL, a delayed failure report, or the next look at the heartbeat files).
   std::function<void()> afterEvent = [&] {
     if (supervisor.finished()) {
       io.stop();

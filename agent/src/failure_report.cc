@@ -80,7 +80,14 @@ void formatEntry(std::ostringstream& os, const Entry& e, const std::string& host
   os << "  exitcode  : " << f.exit.torchrunExitCode() << " (pid: " << f.pid << ")\n";
   os << "  error_file: " << (e.error ? f.error_file : "<N/A>") << "\n";
   std::string traceback;
-  if (e.error) {
+  if (!f.hang.empty()) {
+    // The agent stopped it: its exit code and any error file (e.g. a SignalException written on
+    // our SIGTERM) are consequences; the hang is the cause.
+    traceback = f.hang + "; the agent stopped it";
+    if (e.error) {
+      traceback += "\n" + (e.error->traceback.empty() ? e.error->message : e.error->traceback);
+    }
+  } else if (e.error) {
     traceback = e.error->traceback.empty() ? e.error->message : e.error->traceback;
   } else if (f.exit.signaled) {
     traceback = "Signal " + std::to_string(f.exit.code) + " (" + signalName(f.exit.code) +
@@ -104,7 +111,8 @@ std::string formatFailureReport(const std::string& entrypoint, const std::string
   std::vector<Entry> entries;
   for (const auto& f : failures) {
     Entry e{&f, readErrorFile(f.error_file), f.wall_time};
-    if (e.error && e.error->timestamp) e.time = *e.error->timestamp;
+    // A hung worker failed when the hang was seen, not when it wrote its error file on our stop.
+    if (e.error && e.error->timestamp && f.hang.empty()) e.time = *e.error->timestamp;
     entries.push_back(std::move(e));
   }
   // Root cause: the earliest failure; ties go to the lower rank.

@@ -33,12 +33,14 @@ bool isTerminating(int sig) {
 }  // namespace
 
 Supervisor::Supervisor(SupervisorOptions options, ProcessLauncher& launcher,
-                       RendezvousClient& rendezvous, Clock& clock, Planner planner)
+                       RendezvousClient& rendezvous, Clock& clock, Planner planner,
+                       HeartbeatProbe* heartbeats)
     : options_(options),
       launcher_(launcher),
       rendezvous_(rendezvous),
       clock_(clock),
-      planner_(std::move(planner)) {}
+      planner_(std::move(planner)),
+      heartbeats_(heartbeats) {}
 
 void Supervisor::setState(AgentState s) {
   if (s == state_) return;
@@ -102,8 +104,9 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     }
     // A worker that cannot start fails the attempt like one that exits at once.
     logger("agent")->error("local rank {}: {}", w.launch.local_rank, pid.status().message());
-    WorkerFailure f{w.launch.local_rank,    w.launch.global_rank, 0,
-                    ExitStatus{false, 127}, clock_.wallSeconds(), w.launch.error_file};
+    WorkerFailure f{w.launch.local_rank,  w.launch.global_rank, 0, ExitStatus{false, 127},
+                    clock_.wallSeconds(), w.launch.error_file,
+                    /*hang=*/""};
     failures_.push_back(f);
     workers_.push_back(std::move(w));
   }
@@ -111,7 +114,54 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     beginStop(StopReason::kFailure, SIGTERM);
     reportLocalFailure();
     maybeFinishStop();
+    return;
   }
+  if (heartbeatsEnabled()) {
+    heartbeat_check_ = clock_.now() + heartbeatCheckInterval(options_.heartbeat_timeout);
+  }
+}
+
+bool Supervisor::heartbeatsEnabled() const {
+  return heartbeats_ != nullptr && options_.heartbeat_timeout > Duration::zero();
+}
+
+void Supervisor::recordFailure(const WorkerFailure& failure) {
+  failures_.push_back(failure);
+  if (!failure.hang.empty()) {
+    logger("agent")->warn("{} (rank {}, local_rank {}, pid {})", failure.hang, failure.global_rank,
+                          failure.local_rank, failure.pid);
+    return;
+  }
+  logger("agent")->warn("worker local_rank {} (pid {}) {} {}", failure.local_rank, failure.pid,
+                        failure.exit.signaled ? "killed by signal" : "exited with code",
+                        failure.exit.code);
+}
+
+void Supervisor::stopForLocalFailure() {
+  beginStop(StopReason::kFailure, SIGTERM);
+  if (options_.failure_grace > Duration::zero()) {
+    report_deadline_ = clock_.now() + options_.failure_grace;
+  } else {
+    reportLocalFailure();
+  }
+  maybeFinishStop();
+}
+
+void Supervisor::checkHeartbeats() {
+  const TimePoint now = clock_.now();
+  heartbeat_check_ = now + heartbeatCheckInterval(options_.heartbeat_timeout);
+  bool any_hung = false;
+  for (auto& w : workers_) {
+    if (!w.running || w.launch.heartbeat_file.empty()) continue;
+    w.heartbeat.observe(heartbeats_->modificationTime(w.launch.heartbeat_file), now);
+    if (!w.heartbeat.hung(now, options_.heartbeat_timeout)) continue;
+    // Its exit status is filled in once the stop below has ended it.
+    recordFailure(WorkerFailure{
+        w.launch.local_rank, w.launch.global_rank, w.pid, ExitStatus{}, clock_.wallSeconds(),
+        w.launch.error_file, hangMessage(w.heartbeat.silentFor(now), options_.heartbeat_timeout)});
+    any_hung = true;
+  }
+  if (any_hung) stopForLocalFailure();
 }
 
 void Supervisor::onWorkerExit(int pid, ExitStatus status) {
@@ -124,29 +174,24 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
 
   if (state_ == AgentState::kRunning) {
     if (!status.success()) {
-      failures_.push_back(WorkerFailure{worker->launch.local_rank, worker->launch.global_rank, pid,
-                                        status, clock_.wallSeconds(), worker->launch.error_file});
-      logger("agent")->warn("worker local_rank {} (pid {}) {} {}", worker->launch.local_rank, pid,
-                            status.signaled ? "killed by signal" : "exited with code", status.code);
-      const bool first = stop_reason_ != StopReason::kFailure || state_ != AgentState::kStopping;
-      beginStop(StopReason::kFailure, SIGTERM);
-      if (first) {
-        if (options_.failure_grace > Duration::zero()) {
-          report_deadline_ = clock_.now() + options_.failure_grace;
-        } else {
-          reportLocalFailure();
-        }
-      }
-      maybeFinishStop();
+      recordFailure(WorkerFailure{worker->launch.local_rank, worker->launch.global_rank, pid,
+                                  status, clock_.wallSeconds(), worker->launch.error_file,
+                                  /*hang=*/""});
+      stopForLocalFailure();
       return;
     }
     if (runningWorkers() == 0) finish(AgentState::kSucceeded, 0);
     return;
   }
+  // A worker stopped for hanging: the report shows how it ended.
+  for (auto& f : failures_) {
+    if (f.pid == pid && !f.hang.empty()) f.exit = status;
+  }
   if (state_ == AgentState::kStopping) maybeFinishStop();
 }
 
 void Supervisor::beginStop(StopReason reason, int sig) {
+  heartbeat_check_.reset();
   stop_reason_ = reason;
   stop_signal_ = sig;
   setState(AgentState::kStopping);
@@ -163,8 +208,11 @@ void Supervisor::reportLocalFailure() {
 }
 
 std::optional<TimePoint> Supervisor::nextDeadline() const {
-  if (kill_deadline_ && report_deadline_) return std::min(*kill_deadline_, *report_deadline_);
-  return kill_deadline_ ? kill_deadline_ : report_deadline_;
+  std::optional<TimePoint> next;
+  for (const auto& d : {kill_deadline_, report_deadline_, heartbeat_check_}) {
+    if (d && (!next || *d < *next)) next = d;
+  }
+  return next;
 }
 
 void Supervisor::maybeFinishStop() {
@@ -247,6 +295,10 @@ void Supervisor::onPeerFailure() {
 }
 
 void Supervisor::onDeadline() {
+  if (state_ == AgentState::kRunning && heartbeat_check_ && clock_.now() >= *heartbeat_check_) {
+    checkHeartbeats();
+    if (finished()) return;
+  }
   if (report_deadline_ && clock_.now() >= *report_deadline_) {
     reportLocalFailure();
     maybeFinishStop();
@@ -269,6 +321,7 @@ void Supervisor::finish(AgentState s, int exit_code) {
   exit_code_ = exit_code;
   kill_deadline_.reset();
   report_deadline_.reset();
+  heartbeat_check_.reset();
   setState(s);
 }
 

@@ -489,6 +489,15 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
     DDPRUN_ASSIGN_OR_RETURN(cfg.exit_barrier_timeout,
                             secondsAtLeast(raw("exit_barrier_timeout"), 0, false));
   }
+  if (has("heartbeat_timeout")) {
+    // Bounded so that the value fits the agent's clock arithmetic (nanoseconds in 64 bits).
+    const Raw& r = raw("heartbeat_timeout");
+    auto v = parseDouble(r.value);
+    if (!v || *v < 0 || *v > 1e9) {
+      return badValue(r, "a number of seconds >= 0 (0 disables hang detection, at most 1e9)");
+    }
+    cfg.heartbeat_timeout = *v;
+  }
   {
     Raw r = has("signals_to_handle") ? raw("signals_to_handle")
                                      : Raw{"SIGTERM,SIGINT,SIGHUP,SIGQUIT", "--signals-to-handle"};

@@ -33,8 +33,8 @@ TEST_CASE("the root cause is the failure with the earliest timestamp", "[agent]"
     std::ofstream out(path);
     out << R"({"message": {"message": "RuntimeError: first", "extraInfo": {"py_callstack": "Traceback: line 1\nRuntimeError: first", "timestamp": "1000"}}})";
   }
-  WorkerFailure late{0, 0, 11, ExitStatus{true, SIGSEGV}, 2000.0, ""};
-  WorkerFailure early{1, 1, 12, ExitStatus{false, 1}, 3000.0, path};  // error file says 1000
+  WorkerFailure late{0, 0, 11, ExitStatus{true, SIGSEGV}, 2000.0, "", ""};
+  WorkerFailure early{1, 1, 12, ExitStatus{false, 1}, 3000.0, path, ""};  // error file says 1000
   std::string report = formatFailureReport("train.py", "hostA", {late, early});
   std::remove(path);
   INFO(report);
@@ -52,9 +52,41 @@ TEST_CASE("the root cause is the failure with the earliest timestamp", "[agent]"
 }
 
 TEST_CASE("a single failure reports no other failures", "[agent]") {
-  WorkerFailure only{0, 0, 5, ExitStatus{false, 3}, 10.0, ""};
+  WorkerFailure only{0, 0, 5, ExitStatus{false, 3}, 10.0, "", ""};
   std::string report = formatFailureReport("prog", "h", {only});
   CHECK(report.find("<NO_OTHER_FAILURES>") != std::string::npos);
   CHECK(report.find("error_file: <N/A>") != std::string::npos);
   CHECK(signalName(SIGKILL) == "SIGKILL");
+}
+
+TEST_CASE("a hung worker's entry says it hung, whatever it wrote when it was stopped", "[agent]") {
+  char path[] = "/tmp/ddprun_errfile_XXXXXX";
+  int fd = mkstemp(path);
+  REQUIRE(fd >= 0);
+  close(fd);
+  {
+    // What a PyTorch worker's @record writes when our SIGTERM reaches it, after the hang.
+    std::ofstream out(path);
+    out << R"({"message": {"message": "SignalException: Process 77 got signal: 15", "extraInfo": {"py_callstack": "SignalException: Process 77 got signal: 15", "timestamp": "500"}}})";
+  }
+  WorkerFailure hung{1,
+                     3,
+                     77,
+                     ExitStatus{true, SIGTERM},
+                     1000.0,
+                     path,
+                     "worker hung: no heartbeat for 12.0 s (timeout 10 s)"};
+  WorkerFailure later{0, 2, 76, ExitStatus{false, 1}, 1001.0, "", ""};
+  std::string report = formatFailureReport("train", "hostB", {later, hung});
+  std::remove(path);
+  INFO(report);
+  auto root = report.find("Root Cause");
+  REQUIRE(root != std::string::npos);
+  // The hang (seen at 1000) is the root cause, not the error file's timestamp.
+  CHECK(report.find("rank      : 3 (local_rank: 1)", root) != std::string::npos);
+  CHECK(report.find("exitcode  : -15 (pid: 77)", root) != std::string::npos);
+  CHECK(report.find("traceback : worker hung: no heartbeat for 12.0 s (timeout 10 s); the agent "
+                    "stopped it\n  SignalException",
+                    root) != std::string::npos);
+  CHECK(report.find("worker hung") > root);  // only the hung rank says so
 }

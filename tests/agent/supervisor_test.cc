@@ -4,18 +4,21 @@
 #include <csignal>
 
 #include "fake_clock.h"
+#include "fake_heartbeat_probe.h"
 #include "fake_process_launcher.h"
 
 using namespace ddprun;
 using namespace ddprun::agent;
 using ddprun::testing::FakeClock;
+using ddprun::testing::FakeHeartbeatProbe;
 using ddprun::testing::FakeProcessLauncher;
 using ddprun::testing::FakeRendezvous;
 
 namespace {
 
 struct Fixture {
-  explicit Fixture(int nproc = 2, int max_restarts = 0, Duration grace = Duration::zero()) {
+  explicit Fixture(int nproc = 2, int max_restarts = 0, Duration grace = Duration::zero(),
+                   Duration heartbeat_timeout = Duration::zero()) {
     rdzv.round.local_world_sizes = {nproc};
     rdzv.round.master_addr = "host";
     rdzv.round.master_port = 1234;
@@ -23,19 +26,41 @@ struct Fixture {
     opts.max_restarts = max_restarts;
     opts.shutdown_timeout = std::chrono::seconds(5);
     opts.failure_grace = grace;
-    sup = std::make_unique<Supervisor>(opts, launcher, rdzv, clock,
-                                       [this](const RoundInfo& r, int restarts) {
-                                         rounds_planned.push_back({r.round, restarts});
-                                         std::vector<WorkerLaunch> out;
-                                         for (int i = 0; i < r.local_world_sizes[0]; ++i) {
-                                           WorkerLaunch w;
-                                           w.local_rank = i;
-                                           w.global_rank = i;
-                                           w.argv = {"/bin/worker"};
-                                           out.push_back(w);
-                                         }
-                                         return StatusOr<std::vector<WorkerLaunch>>(out);
-                                       });
+    opts.heartbeat_timeout = heartbeat_timeout;
+    sup = std::make_unique<Supervisor>(
+        opts, launcher, rdzv, clock,
+        [this](const RoundInfo& r, int restarts) {
+          rounds_planned.push_back({r.round, restarts});
+          std::vector<WorkerLaunch> out;
+          for (int i = 0; i < r.local_world_sizes[0]; ++i) {
+            WorkerLaunch w;
+            w.local_rank = i;
+            w.global_rank = i;
+            w.argv = {"/bin/worker"};
+            w.heartbeat_file = heartbeatFile(restarts, i);
+            out.push_back(w);
+          }
+          return StatusOr<std::vector<WorkerLaunch>>(out);
+        },
+        &heartbeats);
+  }
+  static std::string heartbeatFile(int attempt, int local_rank) {
+    return "/logs/attempt_" + std::to_string(attempt) + "/" + std::to_string(local_rank) +
+           "/heartbeat";
+  }
+  // Moves the fake time on by `d` in steps of `step`, firing every deadline that falls due (as
+  // the agent's timer does), and calls `each` before every step.
+  void runFor(
+      Duration d, Duration step, const std::function<void()>& each = [] {}) {
+    for (Duration done = Duration::zero(); done < d; done += step) {
+      each();
+      clock.advance(step);
+      while (sup->nextDeadline() && *sup->nextDeadline() <= clock.now()) {
+        const auto before = sup->nextDeadline();
+        sup->onDeadline();
+        if (sup->nextDeadline() == before) break;  // nothing more due now
+      }
+    }
   }
   // The pids of the latest attempt.
   std::vector<int> current() const {
@@ -48,6 +73,7 @@ struct Fixture {
   }
 
   FakeClock clock;
+  FakeHeartbeatProbe heartbeats;
   FakeProcessLauncher launcher;
   FakeRendezvous rdzv;
   std::vector<std::pair<int, int>> rounds_planned;
@@ -262,6 +288,137 @@ TEST_CASE("with a failure grace, a crash with no membership change is reported a
   REQUIRE(f.sup->nextDeadline().has_value());
   f.clock.advance(std::chrono::milliseconds(500));
   f.sup->onDeadline();
+  CHECK(f.rdzv.failures == 1);
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 1);
+}
+
+// Hang detection (SPEC §6): a stale DDPRUN_HEARTBEAT_FILE is a failure like a non-zero exit.
+
+TEST_CASE("heartbeat checks run every quarter timeout, at most 1 s and at least 10 ms", "[agent]") {
+  using std::chrono::milliseconds;
+  CHECK(heartbeatCheckInterval(std::chrono::seconds(300)) == std::chrono::seconds(1));
+  CHECK(heartbeatCheckInterval(std::chrono::seconds(2)) == milliseconds(500));
+  CHECK(heartbeatCheckInterval(milliseconds(20)) == milliseconds(10));
+}
+
+TEST_CASE("a heartbeat arms on the first touch and measures silence from the last change",
+          "[agent]") {
+  FakeClock clock;
+  Heartbeat hb;
+  const auto timeout = std::chrono::seconds(10);
+  hb.observe(std::nullopt, clock.now());
+  CHECK_FALSE(hb.armed());
+  clock.advance(std::chrono::hours(1));
+  CHECK_FALSE(hb.hung(clock.now(), timeout));  // never touched: never hung
+  hb.observe(5, clock.now());
+  CHECK(hb.armed());
+  clock.advance(std::chrono::seconds(8));
+  hb.observe(5, clock.now());  // unchanged
+  CHECK(hb.silentFor(clock.now()) == std::chrono::seconds(8));
+  hb.observe(6, clock.now());  // touched again
+  CHECK(hb.silentFor(clock.now()) == Duration::zero());
+  clock.advance(std::chrono::seconds(10));
+  CHECK_FALSE(hb.hung(clock.now(), timeout));  // exactly the timeout is not past it
+  hb.observe(std::nullopt, clock.now());       // the file vanished: still armed, still silent
+  clock.advance(std::chrono::milliseconds(1));
+  CHECK(hb.hung(clock.now(), timeout));
+  CHECK_FALSE(hb.hung(clock.now(), Duration::zero()));  // 0 disables
+  CHECK(hangMessage(std::chrono::milliseconds(12040), timeout) ==
+        "worker hung: no heartbeat for 12.0 s (timeout 10 s)");
+  CHECK(hangMessage(std::chrono::milliseconds(2500), std::chrono::milliseconds(1500)) ==
+        "worker hung: no heartbeat for 2.5 s (timeout 1.5 s)");
+}
+
+TEST_CASE("a worker whose heartbeat goes stale is stopped and the group restarts, charged",
+          "[agent]") {
+  Fixture f(2, /*max_restarts=*/1, Duration::zero(), std::chrono::seconds(10));
+  f.sup->start();
+  const auto first = f.current();
+  // Checked every min(1 s, timeout/4).
+  REQUIRE(f.sup->nextDeadline() == f.clock.now() + std::chrono::seconds(1));
+  const std::string hb0 = Fixture::heartbeatFile(0, 0), hb1 = Fixture::heartbeatFile(0, 1);
+  f.heartbeats.touch(hb1);  // rank 1 takes one step, then hangs; rank 0 keeps stepping
+  // Rank 1's touch is seen at the first check (t=1 s); at t=11 s it has been silent for exactly
+  // the timeout, which is not yet past it.
+  f.runFor(std::chrono::seconds(11), std::chrono::seconds(1), [&] { f.heartbeats.touch(hb0); });
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.launcher.signals.empty());
+  f.runFor(std::chrono::seconds(1), std::chrono::seconds(1), [&] { f.heartbeats.touch(hb0); });
+  // The same path as a worker exiting non-zero: SIGTERM to the group, reported to the rendezvous.
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.launcher.signalsSent(SIGTERM) == 2);
+  CHECK(f.rdzv.failures == 1);
+  REQUIRE(f.sup->failures().size() == 1);
+  const WorkerFailure hung = f.sup->failures()[0];
+  CHECK(hung.local_rank == 1);
+  CHECK(hung.pid == first[1]);
+  CHECK(hung.hang == "worker hung: no heartbeat for 11.0 s (timeout 10 s)");
+  // While stopping, nobody looks at heartbeats any more; the next deadline is the SIGKILL.
+  const int looks = f.heartbeats.looks;
+  CHECK(f.sup->nextDeadline() == f.clock.now() + std::chrono::seconds(5));
+  f.sup->onWorkerExit(first[0], ExitStatus{true, SIGTERM});
+  f.sup->onWorkerExit(first[1], ExitStatus{true, SIGTERM});
+  CHECK(f.heartbeats.looks == looks);
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 1);
+  CHECK(f.rounds_planned.back().second == 1);
+  // The new attempt's workers start unarmed: silence alone does not flag them.
+  f.runFor(std::chrono::seconds(60), std::chrono::seconds(1));
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 1);
+}
+
+TEST_CASE("a hung worker past the budget fails the agent with the hang in its failure", "[agent]") {
+  Fixture f(1, /*max_restarts=*/0, Duration::zero(), std::chrono::seconds(2));
+  f.sup->start();
+  const int pid = f.current()[0];
+  f.heartbeats.touch(Fixture::heartbeatFile(0, 0));
+  f.runFor(std::chrono::seconds(3), std::chrono::milliseconds(500));
+  REQUIRE(f.sup->state() == AgentState::kStopping);
+  // It ignores SIGTERM: SIGKILL after the shutdown timeout, and the report shows that exit.
+  f.runFor(std::chrono::seconds(5), std::chrono::milliseconds(500));
+  CHECK(f.launcher.signalsSent(SIGKILL) == 1);
+  f.sup->onWorkerExit(pid, ExitStatus{true, SIGKILL});
+  CHECK(f.sup->state() == AgentState::kFailed);
+  CHECK(f.sup->exitCode() == 1);
+  REQUIRE(f.sup->failures().size() == 1);
+  CHECK(f.sup->failures()[0].hang.find("worker hung: no heartbeat for 2.") == 0);
+  CHECK(f.sup->failures()[0].exit.signaled);
+  CHECK(f.sup->failures()[0].exit.code == SIGKILL);
+}
+
+TEST_CASE("workers that never touch their heartbeat file are never flagged", "[agent]") {
+  Fixture f(2, /*max_restarts=*/0, Duration::zero(), std::chrono::seconds(2));
+  f.sup->start();
+  f.runFor(std::chrono::seconds(120), std::chrono::milliseconds(500));
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.launcher.signals.empty());
+  CHECK(f.heartbeats.looks > 0);
+  f.exitAll(0);
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK_FALSE(f.sup->nextDeadline().has_value());
+}
+
+TEST_CASE("a zero heartbeat timeout turns hang detection off", "[agent]") {
+  Fixture f(1, /*max_restarts=*/0, Duration::zero(), Duration::zero());
+  f.sup->start();
+  f.heartbeats.touch(Fixture::heartbeatFile(0, 0));
+  CHECK_FALSE(f.sup->nextDeadline().has_value());  // no timer at all
+  f.runFor(std::chrono::hours(1), std::chrono::minutes(1));
+  CHECK(f.heartbeats.looks == 0);
+  CHECK(f.sup->state() == AgentState::kRunning);
+}
+
+TEST_CASE("with a failure grace, a hang is reported once the grace has passed", "[agent]") {
+  Fixture f(1, /*max_restarts=*/1, std::chrono::seconds(1), std::chrono::seconds(2));
+  f.sup->start();
+  f.heartbeats.touch(Fixture::heartbeatFile(0, 0));
+  f.runFor(std::chrono::seconds(3), std::chrono::milliseconds(500));
+  REQUIRE(f.sup->state() == AgentState::kStopping);
+  CHECK(f.rdzv.failures == 0);  // within the grace
+  f.sup->onWorkerExit(f.current()[0], ExitStatus{true, SIGTERM});
+  f.runFor(std::chrono::seconds(1), std::chrono::milliseconds(500));
   CHECK(f.rdzv.failures == 1);
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.sup->restartCount() == 1);

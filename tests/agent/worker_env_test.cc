@@ -43,6 +43,7 @@ TEST_CASE("worker env carries torchrun's variables with torchrun's values", "[ag
   CHECK(env["PATH"] == "/bin");  // the agent's own environment passes through
   CHECK(env.count("OMP_NUM_THREADS") == 0);
   CHECK(env.count("DDPRUN_SNAPSHOT_DIR") == 0);
+  CHECK(env.count("DDPRUN_HEARTBEAT_FILE") == 0);
 }
 
 TEST_CASE("nodes of different sizes get contiguous rank blocks", "[agent]") {
@@ -73,4 +74,16 @@ TEST_CASE("ddprun's own variables tell membership epoch and snapshot dir", "[age
   auto env = buildWorkerEnv(in, 0, {});
   CHECK(env["DDPRUN_MEMBERSHIP_EPOCH"] == "7");
   CHECK(env["DDPRUN_SNAPSHOT_DIR"] == "/snap");
+}
+
+TEST_CASE("each worker gets its own heartbeat file; none when hang detection is off", "[agent]") {
+  auto in = inputs({2}, 0);
+  in.heartbeat_file = "/logs/run/attempt_0/1/heartbeat";
+  auto env = buildWorkerEnv(in, 1, {{"DDPRUN_HEARTBEAT_FILE", "/parent/heartbeat"}});
+  CHECK(env["DDPRUN_HEARTBEAT_FILE"] == "/logs/run/attempt_0/1/heartbeat");
+  // Off: an inherited file (the agent itself runs as someone's worker) is not passed on, or
+  // every worker here would keep that other worker looking alive.
+  in.heartbeat_file.clear();
+  auto off = buildWorkerEnv(in, 1, {{"DDPRUN_HEARTBEAT_FILE", "/parent/heartbeat"}});
+  CHECK(off.count("DDPRUN_HEARTBEAT_FILE") == 0);
 }

@@ -64,6 +64,7 @@ TEST_CASE("torchrun's defaults apply when no flag is given", "[launcher]") {
   CHECK(c.master_addr == "127.0.0.1");
   CHECK(c.master_port == 29500);
   CHECK(c.shutdown_timeout == 30.0);
+  CHECK(c.heartbeat_timeout == 300.0);
   CHECK(c.signals_to_handle == std::vector<int>{SIGTERM, SIGINT, SIGHUP, SIGQUIT});
   CHECK(c.worker_argv == std::vector<std::string>{f.exe});
   CHECK_FALSE(c.set_omp_num_threads);
@@ -97,6 +98,7 @@ TEST_CASE("every flag is accepted with underscores, dashes and = or a separate v
                   "--signals-to-handle=SIGTERM,USR1",
                   "--log_line_prefix_template=${rank}|",
                   "--exit-barrier-timeout=9",
+                  "--heartbeat_timeout=12.5",
                   "--snapshot-dir=/snap",
                   "--rdzv_conf=join_timeout=5",
                   f.exe,
@@ -124,6 +126,7 @@ TEST_CASE("every flag is accepted with underscores, dashes and = or a separate v
   CHECK(c.signals_to_handle == std::vector<int>{SIGTERM, SIGUSR1});
   CHECK(c.log_line_prefix_template == "${rank}|");
   CHECK(c.exit_barrier_timeout == 9.0);
+  CHECK(c.heartbeat_timeout == 12.5);
   CHECK(c.snapshot_dir == "/snap");
   CHECK(c.rdzv_conf.at("join_timeout") == "5");
   // Everything after the program belongs to it, even what looks like our flags.
@@ -143,6 +146,14 @@ TEST_CASE("PET_ variables are defaults that the command line overrides", "[launc
   CHECK(r->config.nproc_per_node == 2);
   CHECK(r->config.max_restarts == 1);
   CHECK(r->config.standalone);
+  env["PET_HEARTBEAT_TIMEOUT"] = "0";
+  CHECK(parse({f.exe}, env)->config.heartbeat_timeout == 0.0);  // 0 disables hang detection
+  CHECK(parse({"--heartbeat-timeout", "7", f.exe}, env)->config.heartbeat_timeout == 7.0);
+  env["PET_HEARTBEAT_TIMEOUT"] = "soon";
+  CHECK(errorOf({f.exe}, env) ==
+        "argument PET_HEARTBEAT_TIMEOUT: expected a number of seconds >= 0 (0 disables hang "
+        "detection, at most 1e9), got 'soon'");
+  env.erase("PET_HEARTBEAT_TIMEOUT");
   env["PET_NNODES"] = "x";
   CHECK(errorOf({f.exe}, env) ==
         "argument PET_NNODES: expected N or MIN:MAX with 0 < MIN <= MAX, got 'x'");
@@ -210,6 +221,22 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
        "argument --monitor-interval: expected a number of seconds > 0, got '0'"},
       {{"--shutdown-timeout=soon", x},
        "argument --shutdown-timeout: expected a number of seconds >= 0, got 'soon'"},
+      {{"--heartbeat-timeout=-1", x},
+       "argument --heartbeat-timeout: expected a number of seconds >= 0 (0 disables hang "
+       "detection, at most 1e9), got '-1'"},
+      {{"--heartbeat_timeout=ten", x},
+       "argument --heartbeat-timeout: expected a number of seconds >= 0 (0 disables hang "
+       "detection, at most 1e9), got 'ten'"},
+      {{"--heartbeat-timeout=inf", x},
+       "argument --heartbeat-timeout: expected a number of seconds >= 0 (0 disables hang "
+       "detection, at most 1e9), got 'inf'"},
+      {{"--heartbeat-timeout=1e12", x},
+       "argument --heartbeat-timeout: expected a number of seconds >= 0 (0 disables hang "
+       "detection, at most 1e9), got '1e12'"},
+      {{"--heartbeat-timeout=", x},
+       "argument --heartbeat-timeout: expected a number of seconds >= 0 (0 disables hang "
+       "detection, at most 1e9), got ''"},
+      {{"--heartbeat-timeout"}, "argument --heartbeat-timeout: expected one argument (SECONDS)"},
       {{"--master-port=70000", x},
        "argument --master-port: expected a port number in 1-65535, got '70000'"},
       {{"--redirects=4", x},
@@ -331,7 +358,8 @@ TEST_CASE("help describes every flag", "[launcher]") {
                            "-t, --tee",          "--local-ranks-filter",
                            "--node-rank",        "--master-addr",
                            "--master-port",      "--local-addr",
-                           "--shutdown-timeout", "--signals-to-handle"}) {
+                           "--shutdown-timeout", "--signals-to-handle",
+                           "--heartbeat-timeout"}) {
     INFO(flag);
     CHECK(help.find(flag) != std::string::npos);
   }

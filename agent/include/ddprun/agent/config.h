@@ -51,6 +51,9 @@ struct AgentConfig {
   double monitor_interval = 0.1;  // accepted for compatibility; supervision is event-driven
   double shutdown_timeout = 30.0;
   double exit_barrier_timeout = 300.0;
+  // Hang detection: a worker that touched its DDPRUN_HEARTBEAT_FILE and then stopped touching it
+  // for this long fails like one that exited non-zero. 0 disables (and sets no variable).
+  double heartbeat_timeout = 300.0;
   std::vector<int> signals_to_handle;  // signal numbers forwarded to workers
   std::string role = "default";
 

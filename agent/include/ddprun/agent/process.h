@@ -26,6 +26,8 @@ struct WorkerLaunch {
   std::vector<std::string> argv;
   std::vector<std::string> env;  // "NAME=value", complete
   std::string error_file;
+  // DDPRUN_HEARTBEAT_FILE of this worker (hang detection); empty: none.
+  std::string heartbeat_file;
   // Files the worker's streams go to; empty: inherit the agent's.
   std::string stdout_file;
   std::string stderr_file;

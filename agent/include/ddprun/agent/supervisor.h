@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "ddprun/agent/heartbeat.h"
 #include "ddprun/agent/process.h"
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/common/clock.h"
@@ -25,9 +26,12 @@ struct WorkerFailure {
   int local_rank = 0;
   int global_rank = 0;
   int pid = 0;
-  ExitStatus exit;
-  double wall_time = 0;  // when the exit was observed (unix seconds)
+  ExitStatus exit;       // for a hung worker: how it ended once the agent stopped it
+  double wall_time = 0;  // when the exit (or the hang) was observed (unix seconds)
   std::string error_file;
+  // Non-empty when the agent stopped the worker because its heartbeat went stale:
+  // "worker hung: no heartbeat for 12.0 s (timeout 10 s)".
+  std::string hang;
 };
 
 struct SupervisorOptions {
@@ -38,6 +42,10 @@ struct SupervisorOptions {
   // the broken connection a moment before the rendezvous says so, and that is no failure of
   // theirs. Zero (single node) reports at once.
   Duration failure_grace = Duration::zero();
+  // A worker whose heartbeat file (WorkerLaunch::heartbeat_file) was touched once and then not
+  // for longer than this is hung: it fails the attempt like a worker exiting non-zero. Zero, a
+  // null HeartbeatProbe or an empty heartbeat_file turn the check off.
+  Duration heartbeat_timeout = Duration::zero();
 };
 
 class Supervisor {
@@ -46,8 +54,9 @@ class Supervisor {
   using Planner =
       std::function<StatusOr<std::vector<WorkerLaunch>>(const RoundInfo& round, int restart_count)>;
 
+  // `heartbeats` may be null (no hang detection); it must outlive the supervisor.
   Supervisor(SupervisorOptions options, ProcessLauncher& launcher, RendezvousClient& rendezvous,
-             Clock& clock, Planner planner);
+             Clock& clock, Planner planner, HeartbeatProbe* heartbeats = nullptr);
 
   // INIT -> RENDEZVOUS.
   void start();
@@ -60,7 +69,8 @@ class Supervisor {
   void onMembershipChange();
   // Workers on another node failed: every node restarts in one new round, charged once here too.
   void onPeerFailure();
-  // The time is at or past nextDeadline().
+  // The time is at or past nextDeadline(): SIGKILL after the shutdown timeout, a failure report
+  // after its grace, or a look at the workers' heartbeat files.
   void onDeadline();
 
   std::optional<TimePoint> nextDeadline() const;
@@ -91,11 +101,16 @@ class Supervisor {
     WorkerLaunch launch;
     int pid = 0;
     bool running = false;
+    Heartbeat heartbeat;
   };
 
   void setState(AgentState s);
   void joinRound();
   void onRound(StatusOr<RoundInfo> round);
+  void recordFailure(const WorkerFailure& failure);
+  void stopForLocalFailure();
+  void checkHeartbeats();
+  bool heartbeatsEnabled() const;
   void beginStop(StopReason reason, int sig);
   void maybeFinishStop();
   void reportLocalFailure();
@@ -106,6 +121,7 @@ class Supervisor {
   RendezvousClient& rendezvous_;
   Clock& clock_;
   Planner planner_;
+  HeartbeatProbe* heartbeats_;
   std::function<void(AgentState)> listener_;
 
   AgentState state_ = AgentState::kInit;
@@ -116,6 +132,7 @@ class Supervisor {
   int stop_signal_ = 0;
   std::optional<TimePoint> kill_deadline_;
   std::optional<TimePoint> report_deadline_;  // a local failure not yet reported (grace)
+  std::optional<TimePoint> heartbeat_check_;  // next look at the heartbeat files (RUNNING only)
   int restart_count_ = 0;
   int exit_code_ = 0;
   std::string error_message_;

@@ -25,7 +25,10 @@ struct WorkerEnvInputs {
   std::string role;
   int restart_count = 0;
   int max_restarts = 0;
-  std::string error_file;    // per worker; filled by the caller for each local rank
+  std::string error_file;  // per worker; filled by the caller for each local rank
+  // DDPRUN_HEARTBEAT_FILE, per worker like error_file; empty when hang detection is off (an
+  // inherited DDPRUN_HEARTBEAT_FILE is then dropped: it belongs to some other worker).
+  std::string heartbeat_file;
   std::string snapshot_dir;  // may be empty
   bool set_omp_num_threads = false;
 };

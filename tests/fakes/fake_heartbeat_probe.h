@@ -1,0 +1,30 @@
+// FakeHeartbeatProbe: heartbeat files as a map from path to modification time. A test "touches"
+// a worker's file by bumping its entry; a path not in the map does not exist. Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "ddprun/agent/heartbeat.h"
+
+namespace ddprun::testing {
+
+class FakeHeartbeatProbe final : public agent::HeartbeatProbe {
+ public:
+  std::optional<int64_t> modificationTime(const std::string& path) override {
+    ++looks;
+    auto it = mtimes.find(path);
+    if (it == mtimes.end()) return std::nullopt;
+    return it->second;
+  }
+  void touch(const std::string& path) { mtimes[path] = ++stamp_; }
+
+  std::map<std::string, int64_t> mtimes;
+  int looks = 0;
+
+ private:
+  int64_t stamp_ = 1700000000LL * 1000000000LL;
+};
+
+}  // namespace ddprun::testing
