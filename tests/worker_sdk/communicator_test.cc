@@ -14,27 +14,35 @@ TEST_CASE("all_reduce sums and averages across thread ranks for every size and d
   const int world = 3;
   std::mutex mu;
   std::vector<std::string> failures;
-  t::runRanks(world, [&](ProcessGroup& pg) {
-    auto fail = [&](const std::string& what) {
-      std::lock_guard<std::mutex> l(mu);
-      failures.push_back("rank " + std::to_string(pg.rank()) + ": " + what);
-    };
-    for (int64_t n : {0, 1, 17, 1000, 3 * 1024 * 1024 + 5}) {
-      // Rank r contributes (r + 1) * arange(n); the sum is 6 * arange(n).
-      auto f = torch::arange(n, torch::kFloat) * (pg.rank() + 1);
-      pg.comm().allReduce(f, ReduceOp::kSum);
-      if (!torch::allclose(f, torch::arange(n, torch::kFloat) * 6))
-        fail("float sum n=" + std::to_string(n));
-      auto d = torch::arange(n, torch::kDouble) * (pg.rank() + 1);
-      pg.comm().allReduce(d, ReduceOp::kAvg);
-      if (!torch::allclose(d, torch::arange(n, torch::kDouble) * 2))
-        fail("double avg n=" + std::to_string(n));
-      auto l = torch::full({n}, pg.rank() + 1, torch::kLong);
-      pg.comm().allReduce(l, ReduceOp::kSum);
-      if (!torch::equal(l, torch::full({n}, 6, torch::kLong)))
-        fail("int64 sum n=" + std::to_string(n));
-    }
-  });
+  // Thread ranks share the host, so all_reduce takes the shared-memory path unless it is off.
+  const bool shared_memory = GENERATE(true, false);
+  ProcessGroupOptions options = t::fastOptions();
+  options.shared_memory = shared_memory;
+  INFO("shared_memory = " << shared_memory);
+  t::runRanks(
+      world,
+      [&](ProcessGroup& pg) {
+        auto fail = [&](const std::string& what) {
+          std::lock_guard<std::mutex> l(mu);
+          failures.push_back("rank " + std::to_string(pg.rank()) + ": " + what);
+        };
+        for (int64_t n : {0, 1, 17, 1000, 3 * 1024 * 1024 + 5}) {
+          // Rank r contributes (r + 1) * arange(n); the sum is 6 * arange(n).
+          auto f = torch::arange(n, torch::kFloat) * (pg.rank() + 1);
+          pg.comm().allReduce(f, ReduceOp::kSum);
+          if (!torch::allclose(f, torch::arange(n, torch::kFloat) * 6))
+            fail("float sum n=" + std::to_string(n));
+          auto d = torch::arange(n, torch::kDouble) * (pg.rank() + 1);
+          pg.comm().allReduce(d, ReduceOp::kAvg);
+          if (!torch::allclose(d, torch::arange(n, torch::kDouble) * 2))
+            fail("double avg n=" + std::to_string(n));
+          auto l = torch::full({n}, pg.rank() + 1, torch::kLong);
+          pg.comm().allReduce(l, ReduceOp::kSum);
+          if (!torch::equal(l, torch::full({n}, 6, torch::kLong)))
+            fail("int64 sum n=" + std::to_string(n));
+        }
+      },
+      options);
   CHECK(failures.empty());
   for (auto& f : failures) UNSCOPED_INFO(f);
 }

@@ -16,6 +16,7 @@
 #include "ddprun/common/log.h"
 #include "ddprun/worker/errors.h"
 #include "op_queue.h"
+#include "shm_allreduce.h"
 
 namespace ddprun::worker {
 
@@ -70,11 +71,12 @@ void runAllReduce(const std::shared_ptr<gloo::Context>& ctx, T* ptr, size_t n, u
 class GlooCommunicator : public Communicator {
  public:
   GlooCommunicator(int rank, int size, std::shared_ptr<gloo::Context> ctx,
-                   std::chrono::milliseconds timeout)
+                   std::chrono::milliseconds timeout, std::unique_ptr<ShmAllReduce> shm)
       : rank_(rank),
         size_(size),
         ctx_(std::move(ctx)),
         timeout_(timeout),
+        shm_(std::move(shm)),
         queue_("gloo communicator") {}
 
   int rank() const override { return rank_; }
@@ -95,21 +97,10 @@ class GlooCommunicator : public Communicator {
       at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
       const size_t n = static_cast<size_t>(work.numel());
       if (n > 0 && size_ > 1) {
-        switch (work.scalar_type()) {
-          case at::kFloat:
-            runAllReduce(ctx_, work.data_ptr<float>(), n, tag, timeout_);
-            break;
-          case at::kDouble:
-            runAllReduce(ctx_, work.data_ptr<double>(), n, tag, timeout_);
-            break;
-          case at::kLong:
-            runAllReduce(ctx_, work.data_ptr<int64_t>(), n, tag, timeout_);
-            break;
-          case at::kInt:
-            runAllReduce(ctx_, work.data_ptr<int32_t>(), n, tag, timeout_);
-            break;
-          default:
-            break;  // rejected in checkReducible
+        if (shm_) {
+          shm_->allReduceSum(work.data_ptr(), n, shmType(work.scalar_type()));
+        } else {
+          allReduceOverGloo(work, n, tag);
         }
       }
       if (op == ReduceOp::kAvg) work.div_(size_);
@@ -119,6 +110,25 @@ class GlooCommunicator : public Communicator {
           std::chrono::duration<double, std::milli>(t0.time_since_epoch()).count(), n,
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     });
+  }
+
+  void allReduceOverGloo(at::Tensor& work, size_t n, uint32_t tag) {
+    switch (work.scalar_type()) {
+      case at::kFloat:
+        runAllReduce(ctx_, work.data_ptr<float>(), n, tag, timeout_);
+        break;
+      case at::kDouble:
+        runAllReduce(ctx_, work.data_ptr<double>(), n, tag, timeout_);
+        break;
+      case at::kLong:
+        runAllReduce(ctx_, work.data_ptr<int64_t>(), n, tag, timeout_);
+        break;
+      case at::kInt:
+        runAllReduce(ctx_, work.data_ptr<int32_t>(), n, tag, timeout_);
+        break;
+      default:
+        break;  // rejected in checkReducible
+    }
   }
 
   std::shared_ptr<Work> broadcastAsync(at::Tensor tensor, int root) override {
@@ -188,6 +198,18 @@ class GlooCommunicator : public Communicator {
                         t.device().str() + " (use the nccl backend for CUDA tensors)");
     }
   }
+  static ShmDType shmType(at::ScalarType t) {
+    switch (t) {
+      case at::kDouble:
+        return ShmDType::kFloat64;
+      case at::kLong:
+        return ShmDType::kInt64;
+      case at::kInt:
+        return ShmDType::kInt32;
+      default:
+        return ShmDType::kFloat32;  // checkReducible admitted only these four
+    }
+  }
   static void checkReducible(at::ScalarType t) {
     if (t != at::kFloat && t != at::kDouble && t != at::kLong && t != at::kInt) {
       throw WorkerError("all_reduce: dtype " + std::string(c10::toString(t)) +
@@ -206,7 +228,8 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
   std::atomic<uint32_t> tag_{0};
-  OpQueue queue_;  // last member: its thread stops before the context goes away
+  std::unique_ptr<ShmAllReduce> shm_;  // set when every rank shares this host
+  OpQueue queue_;                      // last member: its thread stops before the context goes away
 };
 
 }  // namespace
@@ -225,7 +248,7 @@ std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,
   }
   auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
   ctx->setTimeout(options.connect_timeout);
-  StoreAdapter adapter(std::move(store), options.prefix + "/gloo/", options.connect_timeout);
+  StoreAdapter adapter(store, options.prefix + "/gloo/", options.connect_timeout);
   try {
     ctx->connectFullMesh(adapter, device);
   } catch (const std::exception& e) {
@@ -233,7 +256,14 @@ std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,
                     std::to_string(size - 1) + " peers: " + e.what());
   }
   ctx->setTimeout(options.op_timeout);
-  return std::make_unique<GlooCommunicator>(rank, size, std::move(ctx), options.op_timeout);
+  ShmOptions shm_options;
+  shm_options.prefix = options.prefix;
+  shm_options.setup_timeout = options.connect_timeout;
+  shm_options.op_timeout = options.op_timeout;
+  shm_options.enabled = options.shared_memory;
+  auto shm = ShmAllReduce::tryCreate(rank, size, *store, shm_options);
+  return std::make_unique<GlooCommunicator>(rank, size, std::move(ctx), options.op_timeout,
+                                            std::move(shm));
 }
 
 }  // namespace ddprun::worker

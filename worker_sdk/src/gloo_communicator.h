@@ -18,6 +18,8 @@ struct GlooOptions {
   std::chrono::milliseconds connect_timeout;
   std::chrono::milliseconds op_timeout;
   int cuda_device = 0;  // NCCL only
+  // Gloo only: all-reduce through shared memory when every rank is on this host.
+  bool shared_memory = true;
 };
 
 std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,

@@ -56,8 +56,12 @@ std::unique_ptr<Communicator> makeCommunicator(int rank, int size,
                                                std::shared_ptr<KeyValueStore> store,
                                                const ProcessGroupOptions& options,
                                                const std::string& address) {
-  GlooOptions g{address, options.prefix, options.connect_timeout, options.op_timeout,
-                std::max(options.cuda_device, 0)};
+  GlooOptions g{address,
+                options.prefix,
+                options.connect_timeout,
+                options.op_timeout,
+                std::max(options.cuda_device, 0),
+                options.shared_memory};
   if (options.backend == Backend::kNccl) {
 #ifdef DDPRUN_WITH_NCCL
     return makeNcclCommunicator(rank, size, std::move(store), g);

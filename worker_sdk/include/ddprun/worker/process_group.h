@@ -25,6 +25,10 @@ struct ProcessGroupOptions {
   std::string prefix = "ddprun/pg0";
   // NCCL: the CUDA device of this rank; -1 = LOCAL_RANK (initFromEnv) or 0 (create).
   int cuda_device = -1;
+  // Gloo: when every rank turns out to share this host, all-reduce through a shared-memory
+  // segment instead of TCP loopback (broadcast, all_gather and barrier stay on Gloo). Off when
+  // false here or DDPRUN_SHM=0 in any rank's environment.
+  bool shared_memory = true;
 };
 
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {

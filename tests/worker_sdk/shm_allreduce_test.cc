@@ -1,0 +1,213 @@
+// The intra-host shared-memory all-reduce: exact sums for every dtype and size across 2-4 ranks
+// (threads, each with its own mapping), with slots small enough that most sizes take many chunks;
+// bit-identical results on every rank; the all-or-nobody fallback; nothing left in /dev/shm; and
+// a clear error when a peer process dies mid-collective.
+#include "shm_allreduce.h"
+
+#include <dirent.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ddprun/worker/errors.h"
+#include "ddprun/worker/store.h"
+#include "process_util.h"
+
+using namespace ddprun::worker;
+namespace t = ddprun::worker::testing;
+
+namespace {
+
+ShmOptions smallSlots(const std::string& prefix) {
+  ShmOptions o;
+  o.prefix = prefix;
+  o.slot_bytes = 4096;  // 1024 floats: sizes below cross many chunk boundaries
+  o.setup_timeout = std::chrono::seconds(30);
+  o.op_timeout = std::chrono::seconds(60);
+  return o;
+}
+
+// Runs `body(rank, shm)` on `world` threads; shm is null when the group fell back.
+void runShmRanks(int world, const std::function<ShmOptions(int)>& options_of,
+                 const std::function<void(int, ShmAllReduce*)>& body) {
+  auto store = KeyValueStore::inMemory(std::chrono::seconds(30));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto shm = ShmAllReduce::tryCreate(r, world, *store, options_of(r));
+        body(r, shm.get());
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+template <typename T>
+std::vector<T> contribution(int rank, size_t n) {
+  std::vector<T> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<T>((rank + 1) * static_cast<int64_t>(i % 1000));
+  return v;
+}
+
+template <typename T>
+std::string checkSum(ShmAllReduce& shm, int world, size_t n, ShmDType dtype) {
+  std::vector<T> v = contribution<T>(shm.rank(), n);
+  shm.allReduceSum(v.data(), n, dtype);
+  const int64_t factor = static_cast<int64_t>(world) * (world + 1) / 2;
+  for (size_t i = 0; i < n; ++i) {
+    if (v[i] != static_cast<T>(factor * static_cast<int64_t>(i % 1000))) {
+      return "n=" + std::to_string(n) + " element " + std::to_string(i) + " is " +
+             std::to_string(v[i]);
+    }
+  }
+  return "";
+}
+
+std::vector<std::string> ourSegments() {
+  std::vector<std::string> out;
+  const std::string mine = "ddprun-" + std::to_string(getpid()) + "-";
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d)) {
+      if (std::string(e->d_name).rfind(mine, 0) == 0) out.push_back(e->d_name);
+    }
+    closedir(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("shared-memory all-reduce sums every dtype and size exactly across 2, 3 and 4 ranks",
+          "[worker][shm]") {
+  for (int world : {2, 3, 4}) {
+    std::mutex mu;
+    std::vector<std::string> failures;
+    runShmRanks(
+        world, [&](int) { return smallSlots("sizes" + std::to_string(world)); },
+        [&](int rank, ShmAllReduce* shm) {
+          if (shm == nullptr) throw std::runtime_error("no shared-memory group on one host");
+          for (size_t n : {size_t{0}, size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{1023},
+                           size_t{1024}, size_t{1025}, size_t{5000}, size_t{70001}}) {
+            for (const std::string& err : {checkSum<float>(*shm, world, n, ShmDType::kFloat32),
+                                           checkSum<double>(*shm, world, n, ShmDType::kFloat64),
+                                           checkSum<int32_t>(*shm, world, n, ShmDType::kInt32),
+                                           checkSum<int64_t>(*shm, world, n, ShmDType::kInt64)}) {
+              if (!err.empty()) {
+                std::lock_guard<std::mutex> l(mu);
+                failures.push_back("world " + std::to_string(world) + " rank " +
+                                   std::to_string(rank) + ": " + err);
+              }
+            }
+          }
+        });
+    for (auto& f : failures) UNSCOPED_INFO(f);
+    CHECK(failures.empty());
+  }
+}
+
+TEST_CASE("shared-memory all-reduce gives bit-identical floats on every rank", "[worker][shm]") {
+  const int world = 3;
+  const size_t n = 10007;
+  std::vector<std::vector<float>> inputs(world, std::vector<float>(n));
+  std::mt19937 gen(7);
+  std::normal_distribution<float> dist;
+  for (auto& in : inputs)
+    for (auto& x : in) x = dist(gen);
+  std::vector<std::vector<float>> outputs = inputs;
+  runShmRanks(
+      world, [](int) { return smallSlots("bits"); },
+      [&](int rank, ShmAllReduce* shm) {
+        if (shm == nullptr) throw std::runtime_error("no shared-memory group on one host");
+        shm->allReduceSum(outputs[static_cast<size_t>(rank)].data(), n, ShmDType::kFloat32);
+      });
+  CHECK(outputs[0] == outputs[1]);
+  CHECK(outputs[0] == outputs[2]);
+  double worst = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double want = static_cast<double>(inputs[0][i]) + inputs[1][i] + inputs[2][i];
+    worst = std::max(worst, std::abs(want - outputs[0][i]));
+  }
+  CHECK(worst < 1e-5);
+}
+
+TEST_CASE("one rank without shared memory makes every rank fall back, leaving no segment",
+          "[worker][shm]") {
+  std::vector<int> got(3, -1);
+  runShmRanks(
+      3,
+      [](int rank) {
+        ShmOptions o = smallSlots("fallback");
+        o.enabled = rank != 2;
+        return o;
+      },
+      [&](int rank, ShmAllReduce* shm) { got[static_cast<size_t>(rank)] = shm ? 1 : 0; });
+  CHECK(got == std::vector<int>{0, 0, 0});
+  CHECK(ourSegments().empty());
+
+  // And when every rank attached, the name is already gone from /dev/shm while the group lives.
+  std::vector<std::string> during;
+  runShmRanks(
+      2, [](int) { return smallSlots("unlinked"); },
+      [&](int rank, ShmAllReduce* shm) {
+        if (shm == nullptr) throw std::runtime_error("no shared-memory group on one host");
+        int64_t x = 1;
+        shm->allReduceSum(&x, 1, ShmDType::kInt64);  // both ranks are past setup
+        if (rank == 0) during = ourSegments();
+      });
+  CHECK(during.empty());
+}
+
+TEST_CASE("a single rank never builds a shared-memory group", "[worker][shm]") {
+  auto store = KeyValueStore::inMemory(std::chrono::seconds(5));
+  CHECK(ShmAllReduce::tryCreate(0, 1, *store, smallSlots("single")) == nullptr);
+}
+
+TEST_CASE("ranks in separate processes share a segment; a peer that exits is named, not waited on",
+          "[worker][shm]") {
+  const std::string peer = std::string(DDPRUN_TEST_BUILD_DIR) + "/tests/worker_sdk/shm_peer";
+  auto store = KeyValueStore::tcpServer("127.0.0.1", 0, std::chrono::seconds(30));
+  const std::string port = std::to_string(store->port());
+  ShmOptions options = smallSlots("peer");
+
+  SECTION("a peer process reduces with us") {
+    t::Child child({peer, port, "1", "2", "sum", "5000"}, {}, "/tmp/ddprun_shm_peer_sum.log");
+    auto shm = ShmAllReduce::tryCreate(0, 2, *store, options);
+    REQUIRE(shm != nullptr);
+    std::vector<int64_t> v(5000, 1);
+    shm->allReduceSum(v.data(), v.size(), ShmDType::kInt64);
+    CHECK(v == std::vector<int64_t>(5000, 3));
+    INFO(child.output());
+    CHECK(child.wait(std::chrono::seconds(30)) == 0);
+  }
+
+  SECTION("a peer that exits mid-job") {
+    t::Child child({peer, port, "1", "2", "attach-exit"}, {}, "/tmp/ddprun_shm_peer_exit.log");
+    auto shm = ShmAllReduce::tryCreate(0, 2, *store, options);
+    REQUIRE(shm != nullptr);
+    INFO(child.output());
+    REQUIRE(child.wait(std::chrono::seconds(30)) == 0);  // reaped: its pid is gone
+    std::vector<float> v(100, 1.0f);
+    try {
+      shm->allReduceSum(v.data(), v.size(), ShmDType::kFloat32);
+      FAIL("all-reduce with a dead peer returned");
+    } catch (const CommError& e) {
+      const std::string msg = e.what();
+      INFO(msg);
+      CHECK(msg.find("rank 1") != std::string::npos);
+      CHECK(msg.find("exited") != std::string::npos);
+    }
+  }
+}
