@@ -549,8 +549,9 @@ int runAgent(const AgentConfig& cfg) {
 
   supervisor.setStateListener([&](AgentState s) {
     counters.onState(s, supervisor.restartCount(), clock.wallSeconds());
-    // Ends that come from a posted callback (a round that failed) must stop the loop too.
-    if (supervisor.finished()) boost::asio::post(io, [&] { afterEvent(); });
+    // Changes that come from a posted callback (a round that completed or failed) must stop the
+    // loop or arm the timer (the first look at the heartbeat files) too.
+    boost::asio::post(io, [&] { afterEvent(); });
     if (s == AgentState::kRunning) {
       log->info("started {} worker(s) (attempt {}, run id {})", cfg.nproc_per_node,
                 supervisor.restartCount(), cfg.rdzv_id);

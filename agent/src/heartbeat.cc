@@ -30,9 +30,12 @@ bool Heartbeat::hung(TimePoint now, Duration timeout) const {
 }
 
 std::string hangMessage(Duration silent, Duration timeout) {
+  // Tenths of a second rounded up, so a silence just past a 2 s timeout reads 2.1 s, not 2.0 s.
+  const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(silent).count();
+  const int64_t tenths = (std::max<int64_t>(ns, 0) + 99999999) / 100000000;
   char buf[128];
-  std::snprintf(buf, sizeof(buf), "worker hung: no heartbeat for %.1f s (timeout %g s)",
-                std::chrono::duration<double>(silent).count(),
+  std::snprintf(buf, sizeof(buf), "worker hung: no heartbeat for %lld.%lld s (timeout %g s)",
+                static_cast<long long>(tenths / 10), static_cast<long long>(tenths % 10),
                 std::chrono::duration<double>(timeout).count());
   return buf;
 }

@@ -57,9 +57,8 @@ const std::vector<LaunchFlag>& launchFlags() {
       {"exit_barrier_timeout", true, "SECONDS",
        "How long a node whose workers succeeded waits for the other nodes. Default 300."},
       {"heartbeat_timeout", true, "SECONDS",
-       "Hang detection: a worker that touched its DDPRUN_HEARTBEAT_FILE (the worker SDK does, "
-       "every step) and then not for SECONDS fails like one that exited non-zero. 0 disables. "
-       "Default 300."},
+       "Hang detection: a worker whose DDPRUN_HEARTBEAT_FILE, once touched, goes SECONDS "
+       "without a touch fails (0 disables). Default 300."},
       {"snapshot_dir", true, "DIR",
        "Directory for worker snapshots, passed to workers as DDPRUN_SNAPSHOT_DIR."},
       {"metrics_port", true, "PORT",

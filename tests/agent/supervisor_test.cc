@@ -324,8 +324,11 @@ TEST_CASE("a heartbeat arms on the first touch and measures silence from the las
   clock.advance(std::chrono::milliseconds(1));
   CHECK(hb.hung(clock.now(), timeout));
   CHECK_FALSE(hb.hung(clock.now(), Duration::zero()));  // 0 disables
-  CHECK(hangMessage(std::chrono::milliseconds(12040), timeout) ==
+  CHECK(hangMessage(std::chrono::milliseconds(12000), timeout) ==
         "worker hung: no heartbeat for 12.0 s (timeout 10 s)");
+  // Rounded up: just past the timeout never reads as the timeout itself.
+  CHECK(hangMessage(timeout + std::chrono::nanoseconds(1), timeout) ==
+        "worker hung: no heartbeat for 10.1 s (timeout 10 s)");
   CHECK(hangMessage(std::chrono::milliseconds(2500), std::chrono::milliseconds(1500)) ==
         "worker hung: no heartbeat for 2.5 s (timeout 1.5 s)");
 }
