@@ -13,10 +13,15 @@
 //   --env-out D              write the environment to D/env.<RANK> ("NAME=value" lines, sorted)
 //   --write-error-file MSG   write torchrun's error JSON with MSG to TORCHELASTIC_ERROR_FILE
 //   --print TEXT / --eprint TEXT   a line on stdout / stderr
+//   --hang-after-heartbeats N   where --only-rank and --fail-until-restart apply: touch
+//                            DDPRUN_HEARTBEAT_FILE N times, 20 ms apart (exit 3 when it is
+//                            unset), then never exit until a signal ends it
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -68,6 +73,7 @@ int main(int argc, char** argv) {
   double sleep_s = 0;
   bool ignore_sigterm = false;
   bool fail_fast = false;
+  int hang_after_heartbeats = -1;
   std::string env_out, error_msg, wait_for;
   std::vector<std::pair<bool, std::string>> prints;
   for (int i = 1; i < argc; ++i) {
@@ -101,6 +107,8 @@ int main(int argc, char** argv) {
       env_out = next();
     else if (a == "--write-error-file")
       error_msg = next();
+    else if (a == "--hang-after-heartbeats")
+      hang_after_heartbeats = std::atoi(next().c_str());
     else if (a == "--print")
       prints.push_back({false, next()});
     else if (a == "--eprint")
@@ -136,6 +144,25 @@ int main(int argc, char** argv) {
   }
   bool applies = (only_rank < 0 || only_rank == rank) &&
                  (fail_until_restart < 0 || restart < fail_until_restart);
+  if (hang_after_heartbeats >= 0 && applies) {
+    const std::string file = envOr("DDPRUN_HEARTBEAT_FILE", "");
+    if (file.empty()) {
+      std::fprintf(stderr,
+                   "test_worker: --hang-after-heartbeats: DDPRUN_HEARTBEAT_FILE is not set\n");
+      return 3;
+    }
+    for (int i = 0; i < hang_after_heartbeats; ++i) {
+      if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+      if (fd < 0 || ::futimens(fd, nullptr) != 0) {
+        std::fprintf(stderr, "test_worker: cannot touch %s: %s\n", file.c_str(),
+                     std::strerror(errno));
+        return 3;
+      }
+      ::close(fd);
+    }
+    while (true) ::pause();
+  }
   if (!wait_for.empty() && applies) {
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (::access(wait_for.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < until) {

@@ -28,6 +28,20 @@ std::vector<std::string> withWorker(std::vector<std::string> flags,
   return argv;
 }
 
+std::string trainBin() { return buildDir() + "/examples/train"; }
+
+// The run directory ddprun made under --log-dir (<run_id>_<random>); empty until it exists.
+std::string runDir(const std::string& log_dir) {
+  std::string found;
+  if (DIR* dir = ::opendir(log_dir.c_str())) {
+    while (dirent* e = ::readdir(dir)) {
+      if (e->d_name[0] != '.') found = log_dir + "/" + e->d_name;
+    }
+    ::closedir(dir);
+  }
+  return found;
+}
+
 std::map<std::string, std::string> torchEnv() { return {{"PYTHON_EXEC", torchPython()}}; }
 
 // Compares the environments workers saw under ddprun and torchrun for the same flags.
@@ -44,7 +58,7 @@ void compareWithTorchrun(const std::vector<std::string>& flags,
   INFO(b.err);
   REQUIRE(b.exit_code == 0);
   // Ours only: extras SPEC §3 adds. Either side: what the shell or Python put there.
-  const std::set<std::string> ours_only = {"DDPRUN_MEMBERSHIP_EPOCH",
+  const std::set<std::string> ours_only = {"DDPRUN_MEMBERSHIP_EPOCH", "DDPRUN_HEARTBEAT_FILE",
                                            "TORCH_NCCL_ASYNC_ERROR_HANDLING"};
   const std::set<std::string> ignored = {"_"};
   for (const char* rank : {"0", "1"}) {
@@ -305,4 +319,108 @@ TEST_CASE("the DDP tutorial job survives a killed worker and resumes from its sn
   CHECK(countOf(r->out, "[RANK 0] Epoch 0 |") == 1);
   CHECK(r->out.find("[RANK 0] Epoch 39 |") != std::string::npos);
   CHECK(r->out.find("[RANK 1] Epoch 39 |") != std::string::npos);
+}
+
+TEST_CASE("a worker whose heartbeat goes stale is stopped and restarted with RESTART_COUNT=1",
+          "[e2e][heartbeat]") {
+  TempDir logs, state, envs;
+  // Rank 1 touches its heartbeat file a few times, then hangs (attempt 0 only); rank 0 and the
+  // restarted rank 1 exit 0 without touching theirs.
+  Process p(withWorker({"--standalone", "--nproc-per-node=2", "--max-restarts=1",
+                        "--heartbeat-timeout=2", "--log-dir", logs.path()},
+                       {"--hang-after-heartbeats", "3", "--only-rank", "1", "--fail-until-restart",
+                        "1", "--state-dir", state.path(), "--env-out", envs.path()}));
+  auto r = p.wait(120s);  // a hang that is never detected would run into this bound
+  REQUIRE(r);
+  INFO(r->err);
+  CHECK(r->exit_code == 0);
+  CHECK(r->err.find("worker hung: no heartbeat for ") != std::string::npos);
+  CHECK(r->err.find("(timeout 2 s) (rank 1, local_rank 1, pid " + readFile(state / "pid.1.0") +
+                    ")") != std::string::npos);
+  CHECK(fileExists(state / "pid.1.1"));  // restarted, once
+  CHECK_FALSE(fileExists(state / "pid.1.2"));
+  const auto env1 = parseEnvFile(readFile(envs / "env.1"));
+  CHECK(env1.at("TORCHELASTIC_RESTART_COUNT") == "1");
+  // Each worker's heartbeat file sits next to its error file, in that attempt's directory.
+  const std::string dir = runDir(logs.path()) + "/attempt_1/1";
+  CHECK(env1.at("DDPRUN_HEARTBEAT_FILE") == dir + "/heartbeat");
+  CHECK(env1.at("TORCHELASTIC_ERROR_FILE") == dir + "/error.json");
+  CHECK(fileExists(runDir(logs.path()) + "/attempt_0/1/heartbeat"));
+}
+
+TEST_CASE("a hung worker past the budget ends ddprun with exit 1 and the hang in the report",
+          "[e2e][heartbeat]") {
+  TempDir state;
+  Process p(withWorker({"--nproc-per-node=2", "--max-restarts=0", "--heartbeat_timeout=2"},
+                       {"--hang-after-heartbeats", "3", "--only-rank", "1", "--sleep", "600",
+                        "--state-dir", state.path()}));
+  auto r = p.wait(120s);
+  REQUIRE(r);
+  INFO(r->err);
+  CHECK(r->exit_code == 1);
+  CHECK(r->err.find("ddprun_test_worker FAILED") != std::string::npos);
+  const auto root = r->err.find("Root Cause (first observed failure):");
+  REQUIRE(root != std::string::npos);
+  const std::string pid = readFile(state / "pid.1.0");
+  CHECK(r->err.find("rank      : 1 (local_rank: 1)", root) != std::string::npos);
+  CHECK(r->err.find("exitcode  : -15 (pid: " + pid + ")", root) != std::string::npos);
+  std::smatch m;
+  REQUIRE(std::regex_search(
+      r->err, m,
+      std::regex(R"(traceback : worker hung: no heartbeat for (\d+\.\d) s \(timeout 2 s\); the )"
+                 R"(agent stopped it)")));
+  CHECK(std::stod(m[1]) > 2.0);
+  // Rank 0, stopped with the group while it slept, is no failure of its own.
+  CHECK(r->err.find("<NO_OTHER_FAILURES>") != std::string::npos);
+}
+
+TEST_CASE("a worker that never touches its heartbeat file is not stopped however long it runs",
+          "[e2e][heartbeat]") {
+  TempDir logs, envs;
+  // Sleeps three timeouts: no SDK, no heartbeat, no hang.
+  auto r = run(withWorker({"--nproc-per-node=1", "--heartbeat-timeout=1", "--log-dir", logs.path()},
+                          {"--sleep", "3", "--env-out", envs.path()}));
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("hung") == std::string::npos);
+  const std::string file = parseEnvFile(readFile(envs / "env.0")).at("DDPRUN_HEARTBEAT_FILE");
+  CHECK(file == runDir(logs.path()) + "/attempt_0/0/heartbeat");
+  CHECK_FALSE(fileExists(file));
+
+  // With --heartbeat-timeout=0 there is no heartbeat file at all.
+  TempDir off;
+  auto o =
+      run(withWorker({"--nproc-per-node=1", "--heartbeat-timeout=0"}, {"--env-out", off.path()}));
+  CHECK(o.exit_code == 0);
+  CHECK(parseEnvFile(readFile(off / "env.0")).count("DDPRUN_HEARTBEAT_FILE") == 0);
+}
+
+TEST_CASE("SIGUSR1 to ddprun makes train snapshot at the next step and every rank exit 0",
+          "[e2e][signals]") {
+  TempDir logs, work;
+  const std::string snapshot = work / "snap.pt";
+  Process p({ddprunBin(), "--standalone", "--nproc-per-node=2",
+             "--signals-to-handle=SIGTERM,SIGUSR1", "--log-dir", logs.path(), trainBin(), "100000",
+             "0", "--snapshot-path", snapshot});
+  // Both ranks are past their first step once their heartbeat files exist.
+  REQUIRE(waitUntil(
+      [&] {
+        const std::string dir = runDir(logs.path());
+        return !dir.empty() && fileExists(dir + "/attempt_0/0/heartbeat") &&
+               fileExists(dir + "/attempt_0/1/heartbeat");
+      },
+      120s));
+  CHECK_FALSE(fileExists(snapshot));
+  p.signal(SIGUSR1);
+  auto r = p.wait(120s);
+  REQUIRE(r);
+  INFO(r->out << r->err);
+  CHECK(r->exit_code == 0);
+  CHECK(r->err.find("received SIGUSR1, forwarding it to the workers") != std::string::npos);
+  CHECK(fileExists(snapshot));
+  CHECK(r->out.find("Training snapshot saved at " + snapshot + " (checkpoint signal)") !=
+        std::string::npos);
+  CHECK(r->out.find("[RANK 0] stopped by checkpoint signal") != std::string::npos);
+  CHECK(r->out.find("[RANK 1] stopped by checkpoint signal") != std::string::npos);
+  CHECK(r->err.find("FAILED") == std::string::npos);
 }
