@@ -101,8 +101,12 @@ TEST_CASE("train runs the mlp and cnn models on two ranks and agrees on the loss
   }
 }
 
-TEST_CASE("SIGTERM mid-epoch writes a snapshot at the next step and every rank exits 0",
-          "[worker][train]") {
+namespace {
+
+// Two ranks of `train` run until `sig` reaches one of them (`signalled`) mid-epoch; every rank
+// must stop at the same step boundary, rank 0 must write the snapshot, and all must exit 0.
+// With `resume`, a new run then resumes from that snapshot.
+void checkpointOnSignal(int sig, int signalled, bool resume) {
   t::TempDir dir;
   const int port = t::freePort();
   const std::string snap = dir.str() + "/snap.pt";
@@ -121,7 +125,7 @@ TEST_CASE("SIGTERM mid-epoch writes a snapshot at the next step and every rank e
       120s));
   CHECK_FALSE(std::filesystem::exists(snap));
   // Only one rank gets the signal: the ranks must still agree on the same stopping step.
-  ranks[1]->signal(SIGTERM);
+  ranks[static_cast<size_t>(signalled)]->signal(sig);
   auto c0 = ranks[0]->wait(60s);
   auto c1 = ranks[1]->wait(60s);
   INFO("rank0: " << ranks[0]->output() << "\nrank1: " << ranks[1]->output());
@@ -138,6 +142,7 @@ TEST_CASE("SIGTERM mid-epoch writes a snapshot at the next step and every rank e
   for (auto& e : std::filesystem::directory_iterator(dir.path()))
     files += e.path().filename().string().rfind("snap", 0) == 0;
   CHECK(files == 1);
+  if (!resume) return;
 
   // The snapshot is usable: a new run resumes from it mid-epoch.
   const int port2 = t::freePort();
@@ -154,6 +159,18 @@ TEST_CASE("SIGTERM mid-epoch writes a snapshot at the next step and every rank e
     CHECK(*code == 0);
     CHECK_THAT(c->output(), Catch::Contains("Resuming training from snapshot at Epoch"));
   }
+}
+
+}  // namespace
+
+TEST_CASE("SIGTERM mid-epoch writes a snapshot at the next step and every rank exits 0",
+          "[worker][train]") {
+  checkpointOnSignal(SIGTERM, /*signalled=*/1, /*resume=*/true);
+}
+
+TEST_CASE("SIGUSR1 mid-epoch writes a snapshot at the next step and every rank exits 0",
+          "[worker][train]") {
+  checkpointOnSignal(SIGUSR1, /*signalled=*/0, /*resume=*/false);
 }
 
 TEST_CASE(
