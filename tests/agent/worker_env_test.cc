@@ -76,7 +76,8 @@ TEST_CASE("ddprun's own variables tell membership epoch and snapshot dir", "[age
   CHECK(env["DDPRUN_SNAPSHOT_DIR"] == "/snap");
 }
 
-TEST_CASE("each worker gets its own heartbeat file; none when hang detection is off", "[agent]") {
+TEST_CASE("each worker gets its own heartbeat file, and none when hang detection is off",
+          "[agent]") {
   auto in = inputs({2}, 0);
   in.heartbeat_file = "/logs/run/attempt_0/1/heartbeat";
   auto env = buildWorkerEnv(in, 1, {{"DDPRUN_HEARTBEAT_FILE", "/parent/heartbeat"}});
