@@ -65,7 +65,7 @@ std::vector<T> contribution(int rank, size_t n) {
 template <typename T>
 std::string checkSum(ShmAllReduce& shm, int world, size_t n, ShmDType dtype) {
   std::vector<T> v = contribution<T>(shm.rank(), n);
-  shm.allReduceSum(v.data(), n, dtype);
+  shm.allReduce(v.data(), n, dtype);
   const int64_t factor = static_cast<int64_t>(world) * (world + 1) / 2;
   for (size_t i = 0; i < n; ++i) {
     if (v[i] != static_cast<T>(factor * static_cast<int64_t>(i % 1000))) {
@@ -131,7 +131,7 @@ TEST_CASE("shared-memory all-reduce gives bit-identical floats on every rank", "
       world, [](int) { return smallSlots("bits"); },
       [&](int rank, ShmAllReduce* shm) {
         if (shm == nullptr) throw std::runtime_error("no shared-memory group on one host");
-        shm->allReduceSum(outputs[static_cast<size_t>(rank)].data(), n, ShmDType::kFloat32);
+        shm->allReduce(outputs[static_cast<size_t>(rank)].data(), n, ShmDType::kFloat32);
       });
   CHECK(outputs[0] == outputs[1]);
   CHECK(outputs[0] == outputs[2]);
@@ -164,7 +164,7 @@ TEST_CASE("one rank without shared memory makes every rank fall back, leaving no
       [&](int rank, ShmAllReduce* shm) {
         if (shm == nullptr) throw std::runtime_error("no shared-memory group on one host");
         int64_t x = 1;
-        shm->allReduceSum(&x, 1, ShmDType::kInt64);  // both ranks are past setup
+        shm->allReduce(&x, 1, ShmDType::kInt64);  // both ranks are past setup
         if (rank == 0) during = ourSegments();
       });
   CHECK(during.empty());
@@ -187,7 +187,7 @@ TEST_CASE("ranks in separate processes share a segment; a peer that exits is nam
     auto shm = ShmAllReduce::tryCreate(0, 2, *store, options);
     REQUIRE(shm != nullptr);
     std::vector<int64_t> v(5000, 1);
-    shm->allReduceSum(v.data(), v.size(), ShmDType::kInt64);
+    shm->allReduce(v.data(), v.size(), ShmDType::kInt64);
     CHECK(v == std::vector<int64_t>(5000, 3));
     INFO(child.output());
     CHECK(child.wait(std::chrono::seconds(30)) == 0);
@@ -201,7 +201,7 @@ TEST_CASE("ranks in separate processes share a segment; a peer that exits is nam
     REQUIRE(child.wait(std::chrono::seconds(30)) == 0);  // reaped: its pid is gone
     std::vector<float> v(100, 1.0f);
     try {
-      shm->allReduceSum(v.data(), v.size(), ShmDType::kFloat32);
+      shm->allReduce(v.data(), v.size(), ShmDType::kFloat32);
       FAIL("all-reduce with a dead peer returned");
     } catch (const CommError& e) {
       const std::string msg = e.what();
@@ -209,5 +209,34 @@ TEST_CASE("ranks in separate processes share a segment; a peer that exits is nam
       CHECK(msg.find("rank 1") != std::string::npos);
       CHECK(msg.find("exited") != std::string::npos);
     }
+  }
+}
+
+TEST_CASE("shared-memory average folds 1/size into the reduction; integers ignore the scale",
+          "[worker][shm]") {
+  for (int world : {2, 4}) {  // 1/2 and 1/4 are exact, so the averages below are too
+    std::vector<std::string> failures(static_cast<size_t>(world));
+    runShmRanks(
+        world, [&](int) { return smallSlots("avg" + std::to_string(world)); },
+        [&](int rank, ShmAllReduce* shm) {
+          if (shm == nullptr) throw std::runtime_error("no shared-memory group on one host");
+          std::vector<double> d(3001);
+          std::vector<int64_t> l(3001, rank + 1);
+          for (size_t i = 0; i < d.size(); ++i) d[i] = static_cast<double>(rank * 8 + i % 7);
+          shm->allReduce(d.data(), d.size(), ShmDType::kFloat64, 1.0 / world);
+          shm->allReduce(l.data(), l.size(), ShmDType::kInt64, 1.0 / world);
+          const double mean_rank8 = 8.0 * (world - 1) / 2.0;
+          for (size_t i = 0; i < d.size(); ++i) {
+            if (d[i] != mean_rank8 + static_cast<double>(i % 7)) {
+              failures[static_cast<size_t>(rank)] = "double element " + std::to_string(i);
+              return;
+            }
+            if (l[i] != world * (world + 1) / 2) {
+              failures[static_cast<size_t>(rank)] = "int64 element " + std::to_string(i);
+              return;
+            }
+          }
+        });
+    for (auto& f : failures) CHECK(f == "");
   }
 }

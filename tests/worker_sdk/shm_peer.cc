@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
     if (mode == "attach-exit") return 0;
     const size_t n = argc > 5 ? std::strtoul(argv[5], nullptr, 10) : 1000;
     std::vector<int64_t> v(n, rank + 1);
-    shm->allReduceSum(v.data(), n, ShmDType::kInt64);
+    shm->allReduce(v.data(), n, ShmDType::kInt64);
     const int64_t want = static_cast<int64_t>(size) * (size + 1) / 2;
     for (size_t i = 0; i < n; ++i) {
       if (v[i] != want) {

@@ -196,13 +196,14 @@ void DistributedDataParallel::onGradReady(std::size_t i) {
   torch::Tensor& view = views_[i];
   torch::Tensor& grad = params_[i].mutable_grad();
   {
+    // The bucket's all-reduce averages (kAvg), so nothing is scaled here: a gradient accumulated
+    // in place into the bucket needs no pass at all, and communicators that can fold the 1/world
+    // factor into the reduction (the shared-memory path) save a pass over the bucket.
     torch::NoGradGuard no_grad;
-    const double scale = 1.0 / group_->size();
     if (grad.defined() && grad.data_ptr() == view.data_ptr()) {
-      grad.mul_(scale);  // already accumulated in place into the bucket
+      // already accumulated in place into the bucket
     } else if (grad.defined()) {
-      // Scale while copying, as c10d does, to save a pass over the bucket.
-      at::mul_out(view, grad, at::scalar_tensor(scale, grad.options()));
+      view.copy_(grad);
       if (options_.gradient_as_bucket_view) grad = view;
     } else {
       view.zero_();
@@ -218,7 +219,7 @@ void DistributedDataParallel::launchReadyBuckets() {
     static const auto log = ddprun::logger("worker");
     log->trace("{:.3f} ms: bucket {} ({} params, {} elements) launched", nowMs(), next_bucket_,
                b.params.size(), b.flat.numel());
-    b.work = group_->comm().allReduceAsync(b.flat, ReduceOp::kSum);
+    b.work = group_->comm().allReduceAsync(b.flat, ReduceOp::kAvg);
     ++next_bucket_;
   }
 }

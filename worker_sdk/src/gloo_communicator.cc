@@ -96,14 +96,18 @@ class GlooCommunicator : public Communicator {
       const auto t0 = std::chrono::steady_clock::now();
       at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
       const size_t n = static_cast<size_t>(work.numel());
+      bool averaged = false;
       if (n > 0 && size_ > 1) {
         if (shm_) {
-          shm_->allReduceSum(work.data_ptr(), n, shmType(work.scalar_type()));
+          // The average's scaling rides on the reduction's last pass.
+          shm_->allReduce(work.data_ptr(), n, shmType(work.scalar_type()),
+                          op == ReduceOp::kAvg ? 1.0 / size_ : 1.0);
+          averaged = true;
         } else {
           allReduceOverGloo(work, n, tag);
         }
       }
-      if (op == ReduceOp::kAvg) work.div_(size_);
+      if (op == ReduceOp::kAvg && !averaged) work.div_(size_);
       if (!work.is_same(tensor)) tensor.copy_(work);
       log->trace(
           "{:.3f} ms: all_reduce of {} elements took {:.3f} ms",

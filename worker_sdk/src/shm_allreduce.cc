@@ -29,7 +29,9 @@ namespace {
 
 constexpr size_t kPageBytes = 4096;
 constexpr size_t kLineBytes = 64;
-constexpr int kSpins = 2000;  // ~50-150 us of pause before sleeping on the futex
+// Pause this often (a few microseconds) before sleeping on the futex: long spins steal the core
+// from the training thread when ranks outnumber cores.
+constexpr int kSpins = 200;
 constexpr auto kPeerCheck = std::chrono::milliseconds(100);
 
 static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word must be 32 bits");
@@ -85,9 +87,13 @@ bool disabledByEnvironment() {
   return s == "0" || s == "false" || s == "off" || s == "no";
 }
 
-// Element-wise dst += src, in 64-byte vectors (GCC vector extension: SIMD at -O2 on any target).
+// Element-wise dst = (dst + src) * scale, also stored to `mirror` when not null (one pass instead
+// of a sum, a scaling and a copy), in 64-byte vectors (GCC vector extension: SIMD at -O2 on any
+// target). scale == 1 skips the multiply (and is the only value integer sums get).
 template <typename T>
-void sumInto(char* dst_bytes, const char* src_bytes, size_t n) {
+void sumInto(char* dst_bytes, const char* src_bytes, char* mirror, size_t n, double scale) {
+  const bool scaled = scale != 1.0;
+  const T factor = static_cast<T>(scale);
   typedef T V __attribute__((vector_size(kLineBytes)));
   constexpr size_t kLanes = kLineBytes / sizeof(T);
   size_t i = 0;
@@ -97,23 +103,29 @@ void sumInto(char* dst_bytes, const char* src_bytes, size_t n) {
     std::memcpy(&a, dst_bytes + i * sizeof(T), sizeof(V));
     std::memcpy(&b, src_bytes + i * sizeof(T), sizeof(V));
     a += b;
+    if (scaled) a *= factor;
     std::memcpy(dst_bytes + i * sizeof(T), &a, sizeof(V));
+    if (mirror != nullptr) std::memcpy(mirror + i * sizeof(T), &a, sizeof(V));
   }
   auto* dst = reinterpret_cast<T*>(dst_bytes);
   const auto* src = reinterpret_cast<const T*>(src_bytes);
-  for (; i < n; ++i) dst[i] += src[i];
+  for (; i < n; ++i) {
+    dst[i] += src[i];
+    if (scaled) dst[i] *= factor;
+    if (mirror != nullptr) std::memcpy(mirror + i * sizeof(T), &dst[i], sizeof(T));
+  }
 }
 
-void sumInto(ShmDType t, char* dst, const char* src, size_t n) {
+void sumInto(ShmDType t, char* dst, const char* src, char* mirror, size_t n, double scale) {
   switch (t) {
     case ShmDType::kFloat32:
-      return sumInto<float>(dst, src, n);
+      return sumInto<float>(dst, src, mirror, n, scale);
     case ShmDType::kFloat64:
-      return sumInto<double>(dst, src, n);
+      return sumInto<double>(dst, src, mirror, n, scale);
     case ShmDType::kInt32:
-      return sumInto<int32_t>(dst, src, n);
+      return sumInto<int32_t>(dst, src, mirror, n, 1.0);
     case ShmDType::kInt64:
-      return sumInto<int64_t>(dst, src, n);
+      return sumInto<int64_t>(dst, src, mirror, n, 1.0);
   }
 }
 
@@ -380,35 +392,44 @@ void ShmAllReduce::barrier(const char* phase) {
   }
 }
 
-void ShmAllReduce::allReduceSum(void* data, size_t count, ShmDType dtype) {
+void ShmAllReduce::allReduce(void* data, size_t count, ShmDType dtype, double scale) {
   const size_t es = shmDTypeSize(dtype);
   const size_t chunk_elems = slot_bytes_ / es;
   const size_t align_elems = kLineBytes / es;
   char* out = static_cast<char*>(data);
   for (size_t done = 0; done < count;) {
     const size_t n = std::min(chunk_elems, count - done);
+    char* chunk = out + done * es;
     const int set = static_cast<int>(chunks_++ & 1u);
     char* mine = slot(set, rank_);
-    std::memcpy(mine, out + done * es, n * es);
-    barrier("copying in");
-
-    // Pieces of whole cache lines; the last ranks' pieces may be short or empty.
+    // Pieces of whole cache lines; the last ranks' pieces may be short or empty. Rank r reduces
+    // piece r, so its peers need every piece of this rank's chunk but piece r: only those are
+    // published.
     const size_t piece = roundUp((n + static_cast<size_t>(size_) - 1) / size_, align_elems);
     auto begin = [&](int r) { return std::min(n, static_cast<size_t>(r) * piece); };
     auto end = [&](int r) { return std::min(n, begin(r) + piece); };
     const size_t b = begin(rank_);
     const size_t e = end(rank_);
+    std::memcpy(mine, chunk, b * es);
+    std::memcpy(mine + e * es, chunk + e * es, (n - e) * es);
+    barrier("copying in");
+
+    // Own piece, in place in the caller's tensor: ours + every peer's, in rank order; the last
+    // pass also scales and publishes the result in our slot for the peers to copy out.
     if (e > b) {
+      const int last = size_ - 1 == rank_ ? size_ - 2 : size_ - 1;
       for (int r = 0; r < size_; ++r) {
-        if (r != rank_) sumInto(dtype, mine + b * es, slot(set, r) + b * es, e - b);
+        if (r == rank_) continue;
+        const bool final_pass = r == last;
+        sumInto(dtype, chunk + b * es, slot(set, r) + b * es, final_pass ? mine + b * es : nullptr,
+                e - b, final_pass ? scale : 1.0);
       }
     }
     barrier("reducing");
 
     for (int r = 0; r < size_; ++r) {
-      if (end(r) > begin(r)) {
-        std::memcpy(out + (done + begin(r)) * es, slot(set, r) + begin(r) * es,
-                    (end(r) - begin(r)) * es);
+      if (r != rank_ && end(r) > begin(r)) {
+        std::memcpy(chunk + begin(r) * es, slot(set, r) + begin(r) * es, (end(r) - begin(r)) * es);
       }
     }
     done += n;

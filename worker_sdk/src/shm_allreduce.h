@@ -49,8 +49,10 @@ class ShmAllReduce {
   ShmAllReduce(const ShmAllReduce&) = delete;
   ShmAllReduce& operator=(const ShmAllReduce&) = delete;
 
-  // In-place sum of `count` elements at `data` across all ranks. Collective, same order on all.
-  void allReduceSum(void* data, size_t count, ShmDType dtype);
+  // In place: the sum of `count` elements at `data` over all ranks, times `scale` (1/size for an
+  // average; floating dtypes only, integers always get the plain sum). Collective, same order on
+  // all ranks; every rank ends with bit-identical values.
+  void allReduce(void* data, size_t count, ShmDType dtype, double scale = 1.0);
 
   int rank() const { return rank_; }
   int size() const { return size_; }

@@ -3,10 +3,11 @@
 //
 // How: parameters are bucketed (computeBucketAssignment: reverse parameter order, first bucket
 // 1 MiB, then bucket_cap_mb). A post-hook on each parameter's gradient accumulator copies the
-// fresh gradient (scaled by 1/world) into its bucket's flat buffer; when a bucket is complete its
-// all-reduce is launched asynchronously (in bucket order, identical on every rank), overlapping the
-// rest of backward. An autograd final callback waits for all buckets and writes the averaged
-// gradients back before backward() returns, so the optimizer step needs nothing extra.
+// fresh gradient into its bucket's flat buffer (after the first step the gradient is accumulated
+// there in place); when a bucket is complete its averaging all-reduce (kAvg) is launched
+// asynchronously (in bucket order, identical on every rank), overlapping the rest of backward. An
+// autograd final callback waits for all buckets and writes the averaged gradients back before
+// backward() returns, so the optimizer step needs nothing extra.
 //
 // Threading: one DDP object per rank; forward/backward from one thread at a time. The module and
 // the process group must outlive this object. Parameters and buffers are broadcast from rank 0 in
