@@ -104,10 +104,9 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     }
     // A worker that cannot start fails the attempt like one that exits at once.
     logger("agent")->error("local rank {}: {}", w.launch.local_rank, pid.status().message());
-    WorkerFailure f{w.launch.local_rank,  w.launch.global_rank, 0, ExitStatus{false, 127},
-                    clock_.wallSeconds(), w.launch.error_file,
-                    /*hang=*/""};
-    failures_.push_back(f);
+    failures_.push_back(WorkerFailure{w.launch.local_rank, w.launch.global_rank, /*pid=*/0,
+                                      ExitStatus{false, 127}, clock_.wallSeconds(),
+                                      w.launch.error_file, /*hang=*/""});
     workers_.push_back(std::move(w));
   }
   if (!failures_.empty()) {
