@@ -78,7 +78,7 @@ class RendezvousService;
 struct RendezvousServer::Impl {
   explicit Impl(ServerOptions opts)
       : options(std::move(opts)),
-        state(options.limits),
+        state(options.limits, options.retention),
         work(boost::asio::make_work_guard(io)),
         timer(io) {}
 
@@ -160,6 +160,8 @@ struct RendezvousServer::Impl {
       }
     }
     armTimer();
+    std::lock_guard<std::mutex> lock(census_mu);
+    census = state.census();
   }
 
   void armTimer() {
@@ -206,6 +208,7 @@ struct RendezvousServer::Impl {
       r->second.erase(id);
       if (r->second.empty()) watchers_by_run.erase(r);
     }
+    state.watchClosed(it->second.run_id, now());  // may schedule collection: callers arm the timer
     watches.erase(it);
     reactor->Finish(status);  // the io thread's last touch of the reactor
   }
@@ -225,8 +228,9 @@ struct RendezvousServer::Impl {
     if (it == waits.end()) return;
     WaitReactor* reactor = it->second.reactor;
     waits.erase(it);
-    state.cancelWait(id);
+    state.cancelWait(id, now());
     reactor->Finish(grpc::Status::CANCELLED);
+    flush();
   }
 
   void onWatchWriteDone(CallId id, bool ok) {
@@ -235,6 +239,7 @@ struct RendezvousServer::Impl {
     it->second.writing = false;
     if (!ok) it->second.cancelled = true;
     pump(id);
+    flush();
   }
 
   void onWatchCancelled(CallId id) {
@@ -243,9 +248,9 @@ struct RendezvousServer::Impl {
     it->second.cancelled = true;
     if (!shutting_down && !it->second.node_id.empty()) {
       state.watchLost(it->second.run_id, it->second.node_id, now());
-      armTimer();
     }
     pump(id);
+    flush();
   }
 
   // Ends every long call; new calls are refused from now on.
@@ -287,6 +292,9 @@ struct RendezvousServer::Impl {
   std::unordered_map<CallId, PendingWait> waits;
   std::unordered_map<CallId, WatchSession> watches;
   std::unordered_map<std::string, std::set<CallId>> watchers_by_run;
+
+  mutable std::mutex census_mu;
+  StateCensus census;  // guarded by census_mu; refreshed by every flush()
 };
 
 namespace {
@@ -375,8 +383,10 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
 
   grpc::ServerUnaryReactor* Close(grpc::CallbackServerContext* ctx, const pb::CloseRequest* req,
                                   pb::CloseResponse*) override {
-    return unary(ctx, "Close",
-                 [req](Impl* impl) { return impl->state.close(req->run_id(), impl->now()); });
+    std::string reason = "by " + ctx->peer();
+    return unary(ctx, "Close", [req, reason = std::move(reason)](Impl* impl) {
+      return impl->state.close(req->run_id(), impl->now(), reason);
+    });
   }
 
   grpc::ServerUnaryReactor* PublishMaster(grpc::CallbackServerContext* ctx,
@@ -455,7 +465,7 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
                                      const pb::KvDeleteRequest* req,
                                      pb::KvDeleteResponse* resp) override {
     return unary(ctx, "KvDelete", [req, resp](Impl* impl) -> Status {
-      auto st = impl->state.kvDelete(req->run_id(), req->key());
+      auto st = impl->state.kvDelete(req->run_id(), req->key(), impl->now());
       if (!st.isOk()) return st.status();
       resp->set_deleted(st.value());
       return Status::ok();
@@ -561,6 +571,7 @@ grpc::ServerWriteReactor<pb::RoundChange>* RendezvousService::Watch(
     s.reactor = reactor;
     s.run_id = run_id;
     s.node_id = node_id;
+    impl->state.watchOpened(run_id, impl->now());
     if (!node_id.empty()) impl->state.watchStarted(run_id, node_id);
     impl->watchers_by_run[run_id].insert(id);
     RoundChange snapshot;
@@ -592,6 +603,11 @@ RendezvousServer::~RendezvousServer() { shutdown(); }
 int RendezvousServer::port() const { return impl_->port; }
 std::string RendezvousServer::address() const { return impl_->address; }
 
+StateCensus RendezvousServer::census() const {
+  std::lock_guard<std::mutex> lock(impl_->census_mu);
+  return impl_->census;
+}
+
 StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOptions options) {
   convert::routeGrpcLogs();
   auto colon = options.listen.rfind(':');
@@ -604,6 +620,11 @@ StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOption
   }
   if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
     return invalidArgument("TLS needs both a certificate and a key");
+  }
+  if (options.retention.closed_run_ttl <= Duration::zero() ||
+      options.retention.idle_run_ttl <= Duration::zero() ||
+      options.retention.closed_drain_timeout <= Duration::zero()) {
+    return invalidArgument("closed_run_ttl, idle_run_ttl and closed_drain_timeout must be > 0");
   }
   auto impl = std::make_unique<Impl>(std::move(options));
   Impl* raw = impl.get();
@@ -633,9 +654,11 @@ StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOption
   raw->address = raw->options.listen.substr(0, colon) + ":" + std::to_string(selected);
   raw->io_thread = std::thread([raw] { raw->io.run(); });
   logger("rendezvous")
-      ->info("rendezvous server listening on {}{}{}", raw->address,
-             raw->options.token.empty() ? "" : ", token required",
-             raw->options.tls_cert_pem.empty() ? "" : ", TLS");
+      ->info("rendezvous server listening on {}{}{}; closed runs kept {}s, idle runs {}s",
+             raw->address, raw->options.token.empty() ? "" : ", token required",
+             raw->options.tls_cert_pem.empty() ? "" : ", TLS",
+             std::chrono::duration<double>(raw->options.retention.closed_run_ttl).count(),
+             std::chrono::duration<double>(raw->options.retention.idle_run_ttl).count());
   return std::unique_ptr<RendezvousServer>(new RendezvousServer(std::move(impl)));
 }
 

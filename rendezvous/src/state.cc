@@ -79,6 +79,10 @@ struct RendezvousState::Run {
   std::string id;
   RunConfig config;
   bool closed = false;
+  TimePoint closed_at{};
+  std::string close_reason;
+  // When the run was last used: its idle clock, read once it has no node and no watch stream.
+  TimePoint last_active{};
   std::map<std::string, Node> nodes;  // every live node: participants, joiners, spares
   uint64_t arrivals = 0;
 
@@ -100,7 +104,8 @@ struct RendezvousState::Run {
   Duration expiry() const { return config.heartbeat_interval * config.heartbeat_misses; }
 };
 
-RendezvousState::RendezvousState(StateLimits limits) : limits_(limits) {}
+RendezvousState::RendezvousState(StateLimits limits, RunRetention retention)
+    : limits_(limits), retention_(retention) {}
 RendezvousState::~RendezvousState() = default;
 
 RendezvousState::Run* RendezvousState::findRun(const std::string& run_id) {
@@ -111,6 +116,31 @@ RendezvousState::Run* RendezvousState::findRun(const std::string& run_id) {
 const RendezvousState::Run* RendezvousState::findRun(const std::string& run_id) const {
   auto it = runs_.find(run_id);
   return it == runs_.end() ? nullptr : it->second.get();
+}
+
+const RendezvousState::Tombstone* RendezvousState::findTombstone(const std::string& run_id) const {
+  auto it = tombstones_.find(run_id);
+  return it == tombstones_.end() ? nullptr : &it->second;
+}
+
+RendezvousState::KvSpace& RendezvousState::kvSpace(const std::string& run_id, TimePoint now) {
+  auto [it, inserted] = kv_.try_emplace(run_id);
+  // A new space may belong to no run: make sure a collection check comes for it.
+  if (inserted) deadlines_.insert(now + retention_.idle_run_ttl);
+  it->second.last_active = now;
+  return it->second;
+}
+
+void RendezvousState::touch(const std::string& run_id, TimePoint now) {
+  if (Run* run = findRun(run_id)) run->last_active = now;
+  auto kv = kv_.find(run_id);
+  if (kv != kv_.end()) kv->second.last_active = now;
+}
+
+void RendezvousState::noteMaybeIdle(Run& run, TimePoint now) {
+  if (run.closed || !run.nodes.empty()) return;
+  run.last_active = now;
+  if (watchers_.count(run.id) == 0) deadlines_.insert(now + retention_.idle_run_ttl);
 }
 
 RunStatus RendezvousState::statusOf(const Run& run) const {
@@ -178,10 +208,14 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
   if (Status s = validateConfig(req.config); !s.isOk()) return fail(s);
 
   Run* run = findRun(req.run_id);
+  if (run == nullptr && findTombstone(req.run_id) != nullptr) {
+    return fail(failedPrecondition("run " + req.run_id + " is closed"));
+  }
   if (run == nullptr) {
     auto fresh = std::make_unique<Run>();
     fresh->id = req.run_id;
     fresh->config = req.config;
+    fresh->last_active = now;
     run = fresh.get();
     runs_.emplace(req.run_id, std::move(fresh));
     logger("rendezvous")
@@ -235,12 +269,13 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
       info.base_rank = run->base_ranks[r->second];
       info.world_size = run->world_size;
       info.participants = run->completed;
-      auto& kv = kv_[run->id];
-      auto m = kv.find(masterKey(info.round));
-      if (m != kv.end()) {
-        if (auto master = parseMaster(m->second)) {
-          info.master_addr = master->addr;
-          info.master_port = master->port;
+      if (auto kv = kv_.find(run->id); kv != kv_.end()) {
+        auto m = kv->second.data.find(masterKey(info.round));
+        if (m != kv->second.data.end()) {
+          if (auto master = parseMaster(m->second)) {
+            info.master_addr = master->addr;
+            info.master_port = master->port;
+          }
         }
       }
       outbox_.joins.push_back({id, std::move(info)});
@@ -421,6 +456,7 @@ void RendezvousState::removeNode(Run& run, const std::string& node_id, ChangeRea
   run.nodes.erase(it);
   logger("rendezvous")
       ->info("run {}: node {} removed ({})", run.id, node_id, changeReasonName(reason));
+  noteMaybeIdle(run, now);
   if (run.closed) return;
   if (in_completed) {
     openRound(run, reason, node_id, now);
@@ -454,12 +490,14 @@ void RendezvousState::cancelJoin(CallId id, TimePoint now) {
   } else if (!survivor) {
     run->nodes.erase(node_id);
     if (run->forming) promoteSpares(*run, now);
+    noteMaybeIdle(*run, now);
   }
 }
 
 StatusOr<RunStatus> RendezvousState::heartbeat(const std::string& run_id,
                                                const std::string& node_id, TimePoint now) {
   Run* run = findRun(run_id);
+  if (run == nullptr && findTombstone(run_id) != nullptr) return status(run_id);
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
   auto it = run->nodes.find(node_id);
   if (it == run->nodes.end()) {
@@ -489,9 +527,32 @@ void RendezvousState::watchStarted(const std::string& run_id, const std::string&
   if (it != run->nodes.end()) it->second.suspect_until.reset();
 }
 
+void RendezvousState::watchOpened(const std::string& run_id, TimePoint now) {
+  ++watchers_[run_id];
+  ++watch_streams_;
+  touch(run_id, now);
+}
+
+void RendezvousState::watchClosed(const std::string& run_id, TimePoint now) {
+  auto it = watchers_.find(run_id);
+  DDPRUN_CHECK(it != watchers_.end() && it->second > 0, "watchClosed without watchOpened");
+  --watch_streams_;
+  if (--it->second != 0) return;
+  watchers_.erase(it);
+  touch(run_id, now);
+  if (Run* run = findRun(run_id); run != nullptr && run->closed) {
+    deadlines_.insert(now);  // its watchers were told: shrink it to a tombstone at once
+  } else if (run != nullptr) {
+    noteMaybeIdle(*run, now);
+  } else if (kv_.count(run_id) != 0) {
+    deadlines_.insert(now + retention_.idle_run_ttl);
+  }
+}
+
 Status RendezvousState::leave(const std::string& run_id, const std::string& node_id,
                               TimePoint now) {
   Run* run = findRun(run_id);
+  if (run == nullptr && findTombstone(run_id) != nullptr) return Status::ok();
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
   removeNode(*run, node_id, ChangeReason::kNodeLeft,
              Status(StatusCode::kCancelled, "node " + node_id + " left the run"), now);
@@ -502,8 +563,10 @@ StatusOr<uint64_t> RendezvousState::reportFailure(const std::string& run_id,
                                                   const std::string& node_id, uint64_t round,
                                                   TimePoint now) {
   Run* run = findRun(run_id);
+  if ((run == nullptr && findTombstone(run_id) != nullptr) || (run != nullptr && run->closed)) {
+    return failedPrecondition("run " + run_id + " is closed");
+  }
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
-  if (run->closed) return failedPrecondition("run " + run_id + " is closed");
   if (run->nodes.count(node_id) == 0) {
     return notFound("node " + node_id + " is not part of run " + run_id);
   }
@@ -522,22 +585,33 @@ StatusOr<uint64_t> RendezvousState::reportFailure(const std::string& run_id,
   return run->forming ? run->round : run->completed_round;
 }
 
-Status RendezvousState::close(const std::string& run_id, TimePoint now) {
+Status RendezvousState::close(const std::string& run_id, TimePoint now, std::string reason) {
   Run* run = findRun(run_id);
+  if (run == nullptr && findTombstone(run_id) != nullptr) return Status::ok();
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
   if (run->closed) return Status::ok();
   run->closed = true;
+  ++closed_runs_;
+  run->closed_at = now;
+  run->close_reason = std::move(reason);
+  // Shrunk to a tombstone by tick() once its watch streams ended, or after the drain timeout.
+  deadlines_.insert(watchers_.count(run_id) == 0 ? now : now + retention_.closed_drain_timeout);
   for (auto& [id, node] : run->nodes) {
     finishJoin(node, failedPrecondition("run " + run_id + " is closed"));
   }
   run->spares.clear();
-  logger("rendezvous")->info("run {} closed", run_id);
+  logger("rendezvous")->info("run {} closed {}", run_id, run->close_reason);
   push(*run, ChangeKind::kClosed, ChangeReason::kNone, "", run->round);
   return Status::ok();
 }
 
 StatusOr<RunStatus> RendezvousState::status(const std::string& run_id) const {
   const Run* run = findRun(run_id);
+  if (run == nullptr && findTombstone(run_id) != nullptr) {
+    RunStatus s;
+    s.closed = true;
+    return s;
+  }
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
   return statusOf(*run);
 }
@@ -545,6 +619,9 @@ StatusOr<RunStatus> RendezvousState::status(const std::string& run_id) const {
 Status RendezvousState::publishMaster(const std::string& run_id, const std::string& node_id,
                                       uint64_t round, const MasterAddress& master, TimePoint now) {
   Run* run = findRun(run_id);
+  if (run == nullptr && findTombstone(run_id) != nullptr) {
+    return failedPrecondition("run " + run_id + " is closed");
+  }
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
   if (master.addr.empty() || master.port == 0 || master.port > 65535) {
     return invalidArgument("master address must be a non-empty host and a port in 1..65535");
@@ -554,13 +631,17 @@ Status RendezvousState::publishMaster(const std::string& run_id, const std::stri
     return failedPrecondition("node " + node_id + " is not rank 0 of round " +
                               std::to_string(round) + " of run " + run_id);
   }
-  kv_[run_id][masterKey(round)] = master.addr + ":" + std::to_string(master.port);
-  notifyKeys(run_id, masterKey(round));
+  kvSpace(run_id, now).data[masterKey(round)] = master.addr + ":" + std::to_string(master.port);
+  notifyKeys(run_id, masterKey(round), now);
   return Status::ok();
 }
 
 void RendezvousState::waitMaster(CallId id, const std::string& run_id, uint64_t round,
                                  Duration timeout, TimePoint now) {
+  if (findRun(run_id) == nullptr && findTombstone(run_id) != nullptr) {
+    outbox_.waits.push_back({id, failedPrecondition("run " + run_id + " is closed")});
+    return;
+  }
   kvWait(id, run_id, {masterKey(round)}, timeout, now);
   auto it = waits_.find(id);
   if (it == waits_.end()) return;  // answered at once
@@ -608,8 +689,10 @@ Status RendezvousState::validateKey(const std::string& run_id, const std::string
   return Status::ok();
 }
 
-void RendezvousState::notifyKeys(const std::string& run_id, const std::string& key) {
-  const auto& kv = kv_[run_id];
+void RendezvousState::notifyKeys(const std::string& run_id, const std::string& key, TimePoint now) {
+  auto space = kv_.find(run_id);
+  if (space == kv_.end()) return;
+  const auto& kv = space->second.data;
   std::vector<CallId> done;
   for (const auto& [id, wait] : waits_) {
     if (wait.run_id != run_id ||
@@ -626,6 +709,8 @@ void RendezvousState::notifyKeys(const std::string& run_id, const std::string& k
     waits_.erase(id);
     outbox_.waits.push_back({id, std::move(values)});
   }
+  // A wait kept the space in use; now only its idle clock does.
+  if (!done.empty()) deadlines_.insert(now + retention_.idle_run_ttl);
 }
 
 Status RendezvousState::kvSet(const std::string& run_id, const std::string& key, std::string value,
@@ -635,8 +720,9 @@ Status RendezvousState::kvSet(const std::string& run_id, const std::string& key,
     return invalidArgument("value of key " + key + " is " + std::to_string(value.size()) +
                            " bytes, above the limit of " + std::to_string(limits_.max_value_bytes));
   }
-  kv_[run_id][key] = std::move(value);
-  notifyKeys(run_id, key);
+  kvSpace(run_id, now).data[key] = std::move(value);
+  touch(run_id, now);
+  notifyKeys(run_id, key, now);
   return Status::ok();
 }
 
@@ -645,15 +731,16 @@ StatusOr<std::string> RendezvousState::kvGet(const std::string& run_id,
   DDPRUN_RETURN_IF_ERROR(validateKey(run_id, key));
   auto r = kv_.find(run_id);
   if (r == kv_.end()) return notFound("key " + key + " not found in run " + run_id);
-  auto it = r->second.find(key);
-  if (it == r->second.end()) return notFound("key " + key + " not found in run " + run_id);
+  auto it = r->second.data.find(key);
+  if (it == r->second.data.end()) return notFound("key " + key + " not found in run " + run_id);
   return it->second;
 }
 
 StatusOr<int64_t> RendezvousState::kvAdd(const std::string& run_id, const std::string& key,
                                          int64_t delta, TimePoint now) {
   DDPRUN_RETURN_IF_ERROR(validateWrite(run_id, key));
-  auto& kv = kv_[run_id];
+  auto& kv = kvSpace(run_id, now).data;
+  touch(run_id, now);
   int64_t value = 0;
   auto it = kv.find(key);
   if (it != kv.end()) {
@@ -671,7 +758,7 @@ StatusOr<int64_t> RendezvousState::kvAdd(const std::string& run_id, const std::s
   }
   value += delta;
   kv[key] = std::to_string(value);
-  notifyKeys(run_id, key);
+  notifyKeys(run_id, key, now);
   return value;
 }
 
@@ -684,25 +771,28 @@ StatusOr<std::string> RendezvousState::kvCompareSet(const std::string& run_id,
     return invalidArgument("value of key " + key + " is " + std::to_string(desired.size()) +
                            " bytes, above the limit of " + std::to_string(limits_.max_value_bytes));
   }
-  auto& kv = kv_[run_id];
+  auto& kv = kvSpace(run_id, now).data;
+  touch(run_id, now);
   auto it = kv.find(key);
   if (it == kv.end()) {
     if (!expected.empty()) return expected;  // c10d: absent key and non-empty expected
     kv[key] = desired;
-    notifyKeys(run_id, key);
+    notifyKeys(run_id, key, now);
     return desired;
   }
   if (it->second != expected) return it->second;
   it->second = desired;
-  notifyKeys(run_id, key);
+  notifyKeys(run_id, key, now);
   return desired;
 }
 
-StatusOr<bool> RendezvousState::kvDelete(const std::string& run_id, const std::string& key) {
+StatusOr<bool> RendezvousState::kvDelete(const std::string& run_id, const std::string& key,
+                                         TimePoint now) {
   DDPRUN_RETURN_IF_ERROR(validateWrite(run_id, key));
   auto r = kv_.find(run_id);
   if (r == kv_.end()) return false;
-  return r->second.erase(key) != 0;
+  touch(run_id, now);
+  return r->second.data.erase(key) != 0;
 }
 
 void RendezvousState::kvWait(CallId id, const std::string& run_id, std::vector<std::string> keys,
@@ -717,7 +807,8 @@ void RendezvousState::kvWait(CallId id, const std::string& run_id, std::vector<s
       return;
     }
   }
-  const auto& kv = kv_[run_id];
+  touch(run_id, now);
+  const auto& kv = kvSpace(run_id, now).data;
   bool all =
       std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return kv.count(k) != 0; });
   if (all) {
@@ -731,7 +822,13 @@ void RendezvousState::kvWait(CallId id, const std::string& run_id, std::vector<s
   deadlines_.insert(deadline);
 }
 
-void RendezvousState::cancelWait(CallId id) { waits_.erase(id); }
+void RendezvousState::cancelWait(CallId id, TimePoint now) {
+  auto it = waits_.find(id);
+  if (it == waits_.end()) return;
+  touch(it->second.run_id, now);
+  waits_.erase(it);
+  deadlines_.insert(now + retention_.idle_run_ttl);
+}
 
 void RendezvousState::tick(TimePoint now) {
   if (deadlines_.empty() || *deadlines_.begin() > now) return;
@@ -746,8 +843,10 @@ void RendezvousState::tick(TimePoint now) {
     outbox_.waits.push_back(
         {id, deadlineExceeded("timed out waiting for key(s) " + ddprun::join(w.keys, ", ") +
                               " of run " + w.run_id)});
+    touch(w.run_id, now);
     waits_.erase(id);
   }
+  if (!expired_waits.empty()) deadlines_.insert(now + retention_.idle_run_ttl);
 
   for (auto& [run_id, run_ptr] : runs_) {
     Run& run = *run_ptr;
@@ -805,6 +904,136 @@ void RendezvousState::tick(TimePoint now) {
     // Re-check no sooner than half an interval from now, so steady heartbeats cost few scans.
     if (earliest) deadlines_.insert(std::max(*earliest, now + run.config.heartbeat_interval / 2));
   }
+  collect(now);
+}
+
+void RendezvousState::collect(TimePoint now) {
+  auto log = logger("rendezvous");
+  // Tombstones past their TTL: the id is free again.
+  while (!tombstones_by_close_.empty() &&
+         tombstones_by_close_.begin()->first + retention_.closed_run_ttl <= now) {
+    auto oldest = tombstones_by_close_.begin();
+    log->debug("run {}: tombstone expired ({}s after its close)", oldest->second,
+               secondsOf(now - oldest->first));
+    tombstones_.erase(oldest->second);
+    tombstones_by_close_.erase(oldest);
+  }
+  if (!tombstones_by_close_.empty()) {
+    deadlines_.insert(tombstones_by_close_.begin()->first + retention_.closed_run_ttl);
+  }
+
+  std::set<std::string> waited;  // a pending wait keeps its run id in use
+  for (const auto& [id, wait] : waits_) waited.insert(wait.run_id);
+  auto idleSince = [&](const std::string& run_id, TimePoint last) {
+    auto kv = kv_.find(run_id);
+    return kv == kv_.end() ? last : std::max(last, kv->second.last_active);
+  };
+
+  std::vector<std::string> closed, unused;
+  for (const auto& [run_id, run_ptr] : runs_) {
+    const Run& run = *run_ptr;
+    const bool watched = watchers_.count(run_id) != 0;
+    if (run.closed) {
+      // Once no stream is left, every watcher has taken kClosed (or gave up); a stuck one does
+      // not keep the whole run alive past the drain timeout.
+      if (!watched || run.closed_at + retention_.closed_drain_timeout <= now) {
+        closed.push_back(run_id);
+      }
+      continue;
+    }
+    // A live node, a stream or a wait: in use. Each schedules a check when it ends.
+    if (!run.nodes.empty() || watched || waited.count(run_id) != 0) continue;
+    const TimePoint expires = idleSince(run_id, run.last_active) + retention_.idle_run_ttl;
+    if (expires <= now) {
+      unused.push_back(run_id);
+    } else {
+      deadlines_.insert(expires);
+    }
+  }
+  for (const std::string& run_id : closed) {
+    const Run& run = *runs_.at(run_id);
+    bury(run_id, run.closed_at, run.close_reason, now);
+  }
+  for (const std::string& run_id : unused) {
+    log->info("run {} dropped: no live node, watch stream or key write for {}s", run_id,
+              secondsOf(now - idleSince(run_id, runs_.at(run_id)->last_active)));
+    runs_.erase(run_id);
+    kv_.erase(run_id);
+  }
+
+  // Key-value spaces of run ids without a run (the store needs no join, and outlives a
+  // tombstone): the same idle rule.
+  std::vector<std::string> stale;
+  for (const auto& [run_id, space] : kv_) {
+    if (runs_.count(run_id) != 0 || watchers_.count(run_id) != 0 || waited.count(run_id) != 0) {
+      continue;
+    }
+    const TimePoint expires = space.last_active + retention_.idle_run_ttl;
+    if (expires <= now) {
+      stale.push_back(run_id);
+    } else {
+      deadlines_.insert(expires);
+    }
+  }
+  for (const std::string& run_id : stale) {
+    log->info("key-value store of run {} dropped: unused for {}s", run_id,
+              secondsOf(now - kv_.at(run_id).last_active));
+    kv_.erase(run_id);
+  }
+  if (!closed.empty() || !unused.empty() || !stale.empty()) {
+    const StateCensus c = census();
+    log->debug("rendezvous holds {} run(s) ({} closed), {} tombstone(s), {} key-value store(s)",
+               c.runs, c.closed_runs, c.tombstones, c.kv_spaces);
+  }
+}
+
+void RendezvousState::bury(const std::string& run_id, TimePoint closed_at, std::string reason,
+                           TimePoint now) {
+  // Waits on a closed run's keys would only run into their timeouts.
+  std::vector<CallId> failed;
+  for (const auto& [id, wait] : waits_) {
+    if (wait.run_id == run_id) failed.push_back(id);
+  }
+  for (CallId id : failed) {
+    outbox_.waits.push_back({id, failedPrecondition("run " + run_id + " is closed")});
+    waits_.erase(id);
+  }
+  const Run& run = *runs_.at(run_id);
+  for (const auto& [id, node] : run.nodes) {
+    if (node.join) joins_.erase(*node.join);  // answered at close; defensive
+  }
+  runs_.erase(run_id);
+  --closed_runs_;
+  kv_.erase(run_id);
+  if (closed_at + retention_.closed_run_ttl <= now || retention_.max_tombstones == 0) {
+    logger("rendezvous")
+        ->info("run {} dropped: closed {}s ago", run_id, secondsOf(now - closed_at));
+    return;
+  }
+  logger("rendezvous")
+      ->info("run {} shrunk to a tombstone (closed {}); joins refused for {}s more", run_id, reason,
+             secondsOf(closed_at + retention_.closed_run_ttl - now));
+  tombstones_[run_id] = Tombstone{closed_at, std::move(reason)};
+  tombstones_by_close_.emplace(closed_at, run_id);
+  while (tombstones_.size() > retention_.max_tombstones) {
+    auto oldest = tombstones_by_close_.begin();
+    logger("rendezvous")
+        ->debug("run {}: tombstone evicted, {} tombstones is the limit", oldest->second,
+                retention_.max_tombstones);
+    tombstones_.erase(oldest->second);
+    tombstones_by_close_.erase(oldest);
+  }
+  deadlines_.insert(tombstones_by_close_.begin()->first + retention_.closed_run_ttl);
+}
+
+StateCensus RendezvousState::census() const {
+  StateCensus c;
+  c.runs = runs_.size();
+  c.closed_runs = closed_runs_;
+  c.tombstones = tombstones_.size();
+  c.kv_spaces = kv_.size();
+  c.watch_streams = watch_streams_;
+  return c;
 }
 
 std::optional<TimePoint> RendezvousState::nextDeadline() const {

@@ -13,7 +13,8 @@ namespace {
 
 class Harness {
  public:
-  explicit Harness(uint32_t min, uint32_t max) {
+  explicit Harness(uint32_t min, uint32_t max, RunRetention retention = {})
+      : state(StateLimits{}, retention) {
     config.min_nodes = min;
     config.max_nodes = max;
     config.last_call_timeout = seconds(10);
@@ -24,7 +25,7 @@ class Harness {
   // Starts a join of `node` and returns its call id.
   RendezvousState::CallId join(const std::string& node, uint32_t lws = 1) {
     JoinRequest req;
-    req.run_id = "job";
+    req.run_id = run_id;
     req.node_id = node;
     req.address = node + ".host";
     req.local_world_size = lws;
@@ -76,6 +77,7 @@ class Harness {
 
   testing::FakeClock clock;
   RendezvousState state;
+  std::string run_id = "job";
   RunConfig config;
   Duration join_timeout = seconds(600);
   RendezvousState::CallId next_id = 1;
@@ -494,8 +496,8 @@ TEST_CASE("the key-value store supports set, get, add, compare-set, wait and del
   CHECK(s.kvGet("job", "new").value() == "x");
   CHECK(s.kvSet("job", "big", std::string((1 << 20) + 1, 'x'), now).code() ==
         StatusCode::kInvalidArgument);
-  CHECK(s.kvDelete("job", "k").value());
-  CHECK_FALSE(s.kvDelete("job", "k").value());
+  CHECK(s.kvDelete("job", "k", now).value());
+  CHECK_FALSE(s.kvDelete("job", "k", now).value());
 
   s.kvWait(1, "job", {"w1", "w2"}, seconds(5), now);
   s.kvWait(2, "job", {"never"}, seconds(5), now);
@@ -519,7 +521,7 @@ TEST_CASE("the server's own keys cannot be written through the key-value verbs",
   auto now = h.clock.now();
   CHECK(h.state.kvSet("job", "__ddprun/master/1", "x", now).code() == StatusCode::kInvalidArgument);
   CHECK(h.state.kvAdd("job", "__ddprun/n", 1, now).status().code() == StatusCode::kInvalidArgument);
-  CHECK(h.state.kvDelete("job", "__ddprun/master/1").status().code() ==
+  CHECK(h.state.kvDelete("job", "__ddprun/master/1", h.clock.now()).status().code() ==
         StatusCode::kInvalidArgument);
 }
 
@@ -587,4 +589,214 @@ TEST_CASE("a node whose watch stream broke is declared dead after one silent int
   state.heartbeat("w", a, t + 2500ms).value();
   state.tick(t + 3100ms);
   CHECK_FALSE(state.heartbeat("w", a, t + 3100ms).status().code() == ddprun::StatusCode::kNotFound);
+}
+
+// --- Collection of closed and abandoned runs (RunRetention) ---
+
+TEST_CASE(
+    "a closed run shrinks to a tombstone that refuses joins until its TTL, then starts afresh",
+    "[rendezvous][state][retention]") {
+  RunRetention retention;
+  retention.closed_run_ttl = std::chrono::hours(1);
+  Harness h(1, 1, retention);
+  h.join("a");
+  REQUIRE(h.completed("a"));
+  REQUIRE(h.state.kvSet("job", "k", "v", h.clock.now()).isOk());
+  REQUIRE(h.state.close("job", h.clock.now()).isOk());
+  h.collect();
+  REQUIRE(h.lastChange(ChangeKind::kClosed) != nullptr);
+  CHECK(h.state.census().runs == 1);  // not shrunk before a tick
+  CHECK(h.state.census().closed_runs == 1);
+
+  h.advance(Duration::zero());  // no watcher to tell: shrunk at once
+  CHECK(h.state.census().runs == 0);
+  CHECK(h.state.census().closed_runs == 0);
+  CHECK(h.state.census().tombstones == 1);
+  CHECK(h.state.census().kv_spaces == 0);  // the store went with the run
+  CHECK(h.state.kvGet("job", "k").status().code() == StatusCode::kNotFound);
+
+  h.clearAnswers();
+  h.join("b");
+  REQUIRE(h.errors.count("b"));
+  CHECK(h.errors["b"].code() == StatusCode::kFailedPrecondition);
+  CHECK(h.errors["b"].message() == "run job is closed");
+  CHECK(h.state.status("job")->closed);
+  // A late agent's beat and leave still learn the run is over instead of "unknown".
+  CHECK(h.state.heartbeat("job", "a", h.clock.now())->closed);
+  CHECK(h.state.leave("job", "a", h.clock.now()).isOk());
+  CHECK(h.state.close("job", h.clock.now()).isOk());
+  CHECK(h.state.reportFailure("job", "a", 1, h.clock.now()).status().code() ==
+        StatusCode::kFailedPrecondition);
+
+  h.advance(std::chrono::minutes(59));
+  h.join("c");
+  REQUIRE(h.errors.count("c"));
+  CHECK(h.errors["c"].message() == "run job is closed");
+  CHECK(h.state.census().tombstones == 1);
+
+  h.advance(std::chrono::minutes(1));  // an hour after the close
+  CHECK(h.state.census().tombstones == 0);
+  h.clearAnswers();
+  h.join("d");
+  REQUIRE(h.completed("d"));
+  CHECK(h.done["d"].round == 1);  // a fresh run, no history
+  CHECK_FALSE(h.state.status("job")->closed);
+}
+
+TEST_CASE("a closed run keeps its state until its last watch stream ended, or the drain timeout",
+          "[rendezvous][state][retention]") {
+  RunRetention retention;
+  retention.closed_drain_timeout = seconds(60);
+  Harness h(1, 1, retention);
+  h.join("a");
+  h.state.watchOpened("job", h.clock.now());
+  h.state.watchOpened("job", h.clock.now());
+  REQUIRE(h.state.close("job", h.clock.now()).isOk());
+  h.advance(seconds(30));
+  CHECK(h.state.census().runs == 1);
+  CHECK(h.state.census().watch_streams == 2);
+  h.state.watchClosed("job", h.clock.now());
+  h.advance(Duration::zero());
+  CHECK(h.state.census().runs == 1);  // one watcher has not taken kClosed yet
+  h.state.watchClosed("job", h.clock.now());
+  CHECK(h.state.nextDeadline() == h.clock.now());
+  h.advance(Duration::zero());
+  CHECK(h.state.census().runs == 0);
+  CHECK(h.state.census().tombstones == 1);
+  CHECK(h.state.census().watch_streams == 0);
+
+  // A stream that never ends (a stuck client) does not hold the run past the drain timeout.
+  h.run_id = "stuck";
+  h.join("b");
+  h.state.watchOpened("stuck", h.clock.now());
+  REQUIRE(h.state.close("stuck", h.clock.now()).isOk());
+  h.advance(seconds(59));
+  CHECK(h.state.census().runs == 1);
+  h.advance(seconds(1));
+  CHECK(h.state.census().runs == 0);
+  CHECK(h.state.census().tombstones == 2);
+  h.state.watchClosed("stuck", h.clock.now());  // ends later: nothing left to hold
+  h.advance(Duration::zero());
+  CHECK(h.state.census().tombstones == 2);
+  CHECK(h.state.status("stuck")->closed);
+}
+
+TEST_CASE("an abandoned run is dropped after the idle TTL, not before, and its id is free again",
+          "[rendezvous][state][retention]") {
+  RunRetention retention;
+  retention.idle_run_ttl = std::chrono::minutes(10);
+  Harness h(2, 2, retention);
+  h.join("a");
+  h.join("b");
+  REQUIRE(h.completed("b"));
+  REQUIRE(h.state.kvSet("job", "ckpt", "step-100", h.clock.now()).isOk());
+
+  // Every agent crashes: declared dead after heartbeat_interval x misses (15 s).
+  h.advance(seconds(15));
+  REQUIRE(h.state.status("job")->pending_round == 2);  // the dead were noticed
+  REQUIRE(h.state.census().runs == 1);
+  // The whole job restarting within the window finds its store (and its run) again.
+  h.advance(std::chrono::minutes(9) + seconds(59));
+  CHECK(h.state.census().runs == 1);
+  CHECK(h.state.kvGet("job", "ckpt").value() == "step-100");
+  h.advance(seconds(1));
+  CHECK(h.state.census().runs == 0);
+  CHECK(h.state.census().kv_spaces == 0);
+  CHECK(h.state.census().tombstones == 0);  // no tombstone: the id may be reused
+  CHECK(h.state.status("job").status().code() == StatusCode::kNotFound);
+
+  h.clearAnswers();
+  h.config.min_nodes = h.config.max_nodes = 1;  // a new job, other settings
+  h.join("c");
+  REQUIRE(h.completed("c"));
+  CHECK(h.done["c"].round == 1);
+}
+
+TEST_CASE("a run with a live node or an open watch stream is never dropped",
+          "[rendezvous][state][retention]") {
+  RunRetention retention;
+  retention.idle_run_ttl = std::chrono::minutes(1);
+  Harness h(1, 1, retention);
+  h.join("a");
+  REQUIRE(h.completed("a"));
+  for (int i = 0; i < 60; ++i) {  // ten minutes of beats
+    h.heartbeatAll({"a"});
+    h.advance(seconds(10));
+  }
+  CHECK(h.state.census().runs == 1);
+
+  // A joiner waiting below min_nodes is live too.
+  h.run_id = "waiting";
+  h.config.min_nodes = h.config.max_nodes = 2;
+  h.join_timeout = std::chrono::hours(1);
+  h.join("w");
+  h.advance(std::chrono::minutes(30));
+  CHECK(h.state.status("waiting")->waiting == 1);
+
+  // The node leaves, an observer still watches: kept.
+  h.state.watchOpened("job", h.clock.now());
+  REQUIRE(h.state.leave("job", "a", h.clock.now()).isOk());
+  h.advance(std::chrono::minutes(10));
+  CHECK(h.state.status("job").isOk());
+  // The idle clock starts when the stream ends.
+  h.state.watchClosed("job", h.clock.now());
+  h.advance(seconds(59));
+  CHECK(h.state.status("job").isOk());
+  h.advance(seconds(1));
+  CHECK(h.state.status("job").status().code() == StatusCode::kNotFound);
+  CHECK(h.state.status("waiting")->waiting == 1);
+}
+
+TEST_CASE("key writes and waits keep a store alive, and a store without a run is collected too",
+          "[rendezvous][state][retention]") {
+  RunRetention retention;
+  retention.idle_run_ttl = std::chrono::minutes(10);
+  Harness h(1, 1, retention);
+  REQUIRE(h.state.kvSet("store", "k", "1", h.clock.now()).isOk());
+  h.advance(std::chrono::minutes(9));
+  REQUIRE(h.state.kvAdd("store", "n", 1, h.clock.now()).isOk());  // restarts the idle clock
+  h.advance(std::chrono::minutes(9));
+  CHECK(h.state.kvGet("store", "k").isOk());
+  h.advance(std::chrono::minutes(1));
+  CHECK(h.state.census().kv_spaces == 0);
+  CHECK(h.state.kvGet("store", "k").status().code() == StatusCode::kNotFound);
+
+  // A pending wait holds the store; its timeout restarts the idle clock.
+  REQUIRE(h.state.kvSet("store", "k", "1", h.clock.now()).isOk());
+  h.state.kvWait(7, "store", {"never"}, std::chrono::minutes(30), h.clock.now());
+  h.advance(std::chrono::minutes(29));
+  CHECK(h.state.kvGet("store", "k").isOk());
+  h.advance(std::chrono::minutes(1));
+  REQUIRE(h.waits.count(7));
+  CHECK(h.waits.at(7).status().code() == StatusCode::kDeadlineExceeded);
+  h.advance(std::chrono::minutes(9));
+  CHECK(h.state.kvGet("store", "k").isOk());
+  h.advance(std::chrono::minutes(1));
+  CHECK(h.state.census().kv_spaces == 0);
+}
+
+TEST_CASE("tombstones are bounded in number, the oldest close evicted first",
+          "[rendezvous][state][retention]") {
+  RunRetention retention;
+  retention.max_tombstones = 3;
+  Harness h(1, 1, retention);
+  for (int i = 0; i < 5; ++i) {
+    h.run_id = "r" + std::to_string(i);
+    h.join("n" + std::to_string(i));
+    REQUIRE(h.state.close(h.run_id, h.clock.now()).isOk());
+    h.advance(seconds(1));
+  }
+  CHECK(h.state.census().tombstones == 3);
+  CHECK(h.state.census().runs == 0);
+  h.clearAnswers();
+  for (int i = 0; i < 5; ++i) {
+    h.run_id = "r" + std::to_string(i);
+    h.join("m" + std::to_string(i));
+  }
+  CHECK(h.completed("m0"));  // evicted: the id is free
+  CHECK(h.completed("m1"));
+  for (const char* node : {"m2", "m3", "m4"}) {
+    REQUIRE(h.errors.count(node));
+    CHECK(h.errors[node].message().find("is closed") != std::string::npos);
+  }
 }

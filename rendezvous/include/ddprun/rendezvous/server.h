@@ -20,6 +20,7 @@ struct ServerOptions {
   std::string tls_cert_pem;            // both set: TLS
   std::string tls_key_pem;
   StateLimits limits;
+  RunRetention retention;  // closed_run_ttl / idle_run_ttl: how long runs outlive their use
 };
 
 class RendezvousServer {
@@ -35,6 +36,9 @@ class RendezvousServer {
   std::string address() const;
   // Fails pending joins/waits with UNAVAILABLE, ends watch streams, stops listening.
   void shutdown();
+  // What the server holds (runs, tombstones, key-value stores, watch streams) as of its last
+  // event; any thread.
+  StateCensus census() const;
 
   struct Impl;
 

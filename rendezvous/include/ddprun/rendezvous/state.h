@@ -14,6 +14,11 @@
 // - Group ranks are stable: a node keeps its last rank when it is still below the group size;
 //   the others fill the free ranks. Ranks are contiguous 0..n-1.
 // - Close refuses later joins with FAILED_PRECONDITION.
+// - Runs do not live forever (a daemon serves many jobs): once a closed run has no open watch
+//   stream (its watchers got the kClosed change) it shrinks to a tombstone that keeps refusing
+//   joins for RunRetention::closed_run_ttl; a run nobody uses (no live node, no watch stream, no
+//   pending wait, no key written) for idle_run_ttl is dropped with its key-value store, and its id
+//   is free again. Collection happens in tick(), like every other expiry.
 //
 // Time is passed in; nothing here blocks, sleeps or does I/O. Results of long operations (joins,
 // key waits) and pushed changes are collected in an outbox the caller drains after each call.
@@ -42,6 +47,29 @@ struct StateLimits {
   size_t max_id_bytes = 1024;
 };
 
+// How long the state keeps what jobs leave behind.
+struct RunRetention {
+  // A closed run's tombstone (id, close time, reason) refuses joins this long after the close.
+  Duration closed_run_ttl = std::chrono::hours(1);
+  // A run (or a key-value space without a run) unused this long is dropped with its keys. Long
+  // enough for a job whose every node crashed to restart them all and find its store again.
+  Duration idle_run_ttl = std::chrono::minutes(10);
+  // Tombstones beyond this many are evicted oldest close first.
+  size_t max_tombstones = 100000;
+  // A closed run is shrunk to its tombstone at the latest this long after its close, even while
+  // a watch stream (a stuck client that never takes the kClosed message) is still open.
+  Duration closed_drain_timeout = std::chrono::minutes(1);
+};
+
+// What the state holds, for tests, logs and gauges.
+struct StateCensus {
+  size_t runs = 0;         // full runs, closed ones not yet shrunk included
+  size_t closed_runs = 0;  // of those, closed (waiting for their watchers to be told)
+  size_t tombstones = 0;
+  size_t kv_spaces = 0;  // run ids with a key-value store
+  size_t watch_streams = 0;
+};
+
 class RendezvousState {
  public:
   using CallId = uint64_t;  // chosen by the caller, unique among its pending calls
@@ -65,7 +93,7 @@ class RendezvousState {
     bool empty() const { return joins.empty() && waits.empty() && changes.empty(); }
   };
 
-  explicit RendezvousState(StateLimits limits = {});
+  explicit RendezvousState(StateLimits limits = {}, RunRetention retention = {});
   ~RendezvousState();
   RendezvousState(const RendezvousState&) = delete;
   RendezvousState& operator=(const RendezvousState&) = delete;
@@ -85,11 +113,18 @@ class RendezvousState {
   void watchLost(const std::string& run_id, const std::string& node_id, TimePoint now);
   // The node subscribed again: no longer suspect.
   void watchStarted(const std::string& run_id, const std::string& node_id);
+  // A watch stream on `run_id` (of a node or an observer) opened / ended for whatever reason; the
+  // server calls each once per stream. A run with an open stream is never collected, and a closed
+  // run keeps its full state until its last stream ended (its watchers took kClosed).
+  void watchOpened(const std::string& run_id, TimePoint now);
+  void watchClosed(const std::string& run_id, TimePoint now);
   // Returns the round every node must join next. Reports for a superseded round are absorbed
   // into the round already forming, so N nodes reporting one failure cost one round.
   StatusOr<uint64_t> reportFailure(const std::string& run_id, const std::string& node_id,
                                    uint64_t round, TimePoint now);
-  Status close(const std::string& run_id, TimePoint now);
+  // Refuses later joins; the run's watchers get kClosed. `reason` is kept in its tombstone.
+  Status close(const std::string& run_id, TimePoint now, std::string reason = "by a client");
+  // A tombstoned run reports closed (its round counters are gone: 0).
   StatusOr<RunStatus> status(const std::string& run_id) const;
 
   // Only the rank-0 node of `round` may publish; waiters on the round's master are answered.
@@ -110,17 +145,21 @@ class RendezvousState {
   StatusOr<std::string> kvCompareSet(const std::string& run_id, const std::string& key,
                                      const std::string& expected, std::string desired,
                                      TimePoint now);
-  StatusOr<bool> kvDelete(const std::string& run_id, const std::string& key);
+  StatusOr<bool> kvDelete(const std::string& run_id, const std::string& key, TimePoint now);
   void kvWait(CallId id, const std::string& run_id, std::vector<std::string> keys, Duration timeout,
               TimePoint now);
-  void cancelWait(CallId id);
+  void cancelWait(CallId id, TimePoint now);
 
-  // Expires last calls, join and wait timeouts and heartbeats due at `now`.
+  // Expires last calls, join and wait timeouts and heartbeats due at `now`, and collects closed,
+  // expired and abandoned runs (see RunRetention).
   void tick(TimePoint now);
   // The earliest time tick() has something to do, if any.
   std::optional<TimePoint> nextDeadline() const;
 
   Outbox drain();
+
+  StateCensus census() const;
+  const RunRetention& retention() const { return retention_; }
 
   // Fails every pending join and wait with `status` (server shutdown).
   void abortAll(const Status& status);
@@ -128,6 +167,14 @@ class RendezvousState {
  private:
   struct Run;
   struct Node;
+  struct KvSpace {
+    std::map<std::string, std::string> data;
+    TimePoint last_active{};  // last write or wait
+  };
+  struct Tombstone {
+    TimePoint closed_at;
+    std::string reason;
+  };
   Run* findRun(const std::string& run_id);
   const Run* findRun(const std::string& run_id) const;
   Status validateKey(const std::string& run_id, const std::string& key) const;
@@ -140,14 +187,28 @@ class RendezvousState {
                   std::optional<Status> join_status, TimePoint now);
   void detachFromRound(Run& run, Node& node);
   void finishJoin(Node& node, StatusOr<RoundInfo> result);
-  void notifyKeys(const std::string& run_id, const std::string& key);
+  void notifyKeys(const std::string& run_id, const std::string& key, TimePoint now);
   void abortMasterWaits(const Run& run);
   void push(Run& run, ChangeKind kind, ChangeReason reason, const std::string& node_id,
             uint64_t round);
   RunStatus statusOf(const Run& run) const;
+  const Tombstone* findTombstone(const std::string& run_id) const;
+  KvSpace& kvSpace(const std::string& run_id, TimePoint now);
+  // Records use of `run_id` (a write, a wait, a stream ending): its idle clock restarts.
+  void touch(const std::string& run_id, TimePoint now);
+  // Schedules a collection check for a run that may have just become unused.
+  void noteMaybeIdle(Run& run, TimePoint now);
+  void collect(TimePoint now);
+  void bury(const std::string& run_id, TimePoint closed_at, std::string reason, TimePoint now);
 
   StateLimits limits_;
+  RunRetention retention_;
   std::map<std::string, std::unique_ptr<Run>> runs_;
+  std::unordered_map<std::string, Tombstone> tombstones_;
+  std::set<std::pair<TimePoint, std::string>> tombstones_by_close_;  // eviction and expiry order
+  std::unordered_map<std::string, uint32_t> watchers_;               // open streams per run id
+  size_t closed_runs_ = 0;    // runs_ entries closed but not yet shrunk (census() is O(1))
+  size_t watch_streams_ = 0;  // sum of watchers_
   // Pending joins: call id -> (run id, node id).
   std::unordered_map<CallId, std::pair<std::string, std::string>> joins_;
   struct Wait {
@@ -157,7 +218,7 @@ class RendezvousState {
     uint64_t master_round = 0;  // a waitMaster: fails once a later round completed
   };
   std::unordered_map<CallId, Wait> waits_;
-  std::map<std::string, std::map<std::string, std::string>> kv_;
+  std::map<std::string, KvSpace> kv_;
   uint64_t next_node_seq_ = 1;
   // Times at which tick() has something to check (join/wait deadlines, last calls, heartbeat
   // expiries); a set, so the many joins of one instant cost one entry.
