@@ -1,9 +1,16 @@
 // ddprun-rendezvous: the standalone rendezvous daemon. Thin: flags, then RendezvousServer.
 //   ddprun-rendezvous --listen HOST:PORT [--token-file F] [--tls-cert F --tls-key F]
+//                     [--closed-run-ttl SECONDS] [--idle-run-ttl SECONDS]
+#include <cerrno>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
+#include <optional>
+#include <set>
 #include <string>
+#include <tuple>
 
 #include "ddprun/common/log.h"
 #include "ddprun/rendezvous/server.h"
@@ -12,18 +19,43 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: ddprun-rendezvous --listen HOST:PORT [--token-file FILE] "
-    "[--tls-cert FILE --tls-key FILE]";
+    "[--tls-cert FILE --tls-key FILE] [--closed-run-ttl SECONDS] [--idle-run-ttl SECONDS]";
+
+constexpr const char* kHelp =
+    "  --listen HOST:PORT         address to serve on; port 0 picks one (printed)\n"
+    "  --token-file FILE          require this shared token on every call\n"
+    "  --tls-cert FILE --tls-key FILE\n"
+    "                             serve TLS with this certificate and key (PEM)\n"
+    "  --closed-run-ttl SECONDS   how long a closed run's tombstone refuses joins (default 3600)\n"
+    "  --idle-run-ttl SECONDS     drop a run with no live node, watch stream or key write for\n"
+    "                             this long, with its key-value store (default 600)";
+
+// Longest TTL accepted: a year keeps every deadline far from the clock's range.
+constexpr double kMaxTtlSeconds = 365.0 * 24 * 3600;
 
 int usageError(const std::string& msg) {
   std::cerr << "ddprun-rendezvous: " << msg << " (" << kUsage << ")" << std::endl;
   return 2;
 }
 
+// A positive number of seconds (fractions allowed), at most a year.
+std::optional<ddprun::Duration> parseTtl(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  errno = 0;
+  char* end = nullptr;
+  double v = std::strtod(text.c_str(), &end);
+  if (*end != '\0' || errno != 0 || !std::isfinite(v) || v <= 0 || v > kMaxTtlSeconds) {
+    return std::nullopt;
+  }
+  return std::chrono::duration_cast<ddprun::Duration>(std::chrono::duration<double>(v));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace ddprun;
-  std::string listen, token_file, cert_file, key_file;
+  std::string listen, token_file, cert_file, key_file, closed_ttl, idle_ttl;
+  std::set<std::string> given;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     std::string value;
@@ -37,7 +69,7 @@ int main(int argc, char** argv) {
       if (c == '_') c = '-';
     }
     if (arg == "-h" || arg == "--help") {
-      std::cout << kUsage << std::endl;
+      std::cout << kUsage << "\n" << kHelp << std::endl;
       return 0;
     }
     std::string* target = nullptr;
@@ -45,12 +77,15 @@ int main(int argc, char** argv) {
     if (arg == "--token-file") target = &token_file;
     if (arg == "--tls-cert") target = &cert_file;
     if (arg == "--tls-key") target = &key_file;
+    if (arg == "--closed-run-ttl") target = &closed_ttl;
+    if (arg == "--idle-run-ttl") target = &idle_ttl;
     if (target == nullptr) return usageError("unknown argument '" + std::string(argv[i]) + "'");
     if (!has_inline) {
       if (i + 1 >= argc) return usageError(arg + " needs a value");
       value = argv[++i];
     }
     *target = value;
+    given.insert(arg);
   }
   if (listen.empty()) return usageError("--listen HOST:PORT is required");
   if (cert_file.empty() != key_file.empty()) {
@@ -59,6 +94,17 @@ int main(int argc, char** argv) {
 
   rendezvous::ServerOptions options;
   options.listen = listen;
+  for (auto [flag, text, ttl] :
+       {std::tuple{"--closed-run-ttl", &closed_ttl, &options.retention.closed_run_ttl},
+        std::tuple{"--idle-run-ttl", &idle_ttl, &options.retention.idle_run_ttl}}) {
+    if (given.count(flag) == 0) continue;
+    auto parsed = parseTtl(*text);
+    if (!parsed) {
+      return usageError(std::string(flag) + ": '" + *text +
+                        "' is not a number of seconds above 0 and at most one year");
+    }
+    *ttl = *parsed;
+  }
   if (!token_file.empty()) {
     auto token = rendezvous::readTokenFile(token_file);
     if (!token.isOk()) return usageError("--token-file: " + token.status().message());

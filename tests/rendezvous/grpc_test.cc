@@ -278,6 +278,41 @@ TEST_CASE("membership changes are pushed to every watcher and close ends the run
   CHECK(late.status().message() == "run push is closed");
 }
 
+TEST_CASE("a watched closed run becomes a tombstone once its watcher took kClosed, idle runs go",
+          "[rendezvous][grpc]") {
+  ServerOptions so;
+  so.retention.idle_run_ttl = 200ms;
+  auto server = startServer(so);
+  Client client(clientFor(*server));
+  ChangeLog log;
+  auto watch = client.watch("gc", "", log.onChange());
+  REQUIRE(log.waitUntil([](auto& cs) { return !cs.empty(); }));
+  REQUIRE(client.join(joinRequest("gc", 1, 1)).isOk());
+  CHECK(server->census().runs == 1);
+  CHECK(server->census().watch_streams == 1);
+
+  REQUIRE(client.close("gc").isOk());
+  REQUIRE(
+      log.waitUntil([](auto& cs) { return !cs.empty() && cs.back().kind == ChangeKind::kClosed; }));
+  CHECK(waitFor([&] {
+    auto c = server->census();
+    return c.watch_streams == 0 && c.runs == 0 && c.tombstones == 1;
+  }));
+  auto late = client.join(joinRequest("gc", 1, 1));
+  REQUIRE_FALSE(late.isOk());
+  CHECK(late.status().message() == "run gc is closed");
+  // A watcher subscribing after the shrink is still told the run is closed.
+  ChangeLog late_log;
+  auto late_watch = client.watch("gc", "", late_log.onChange());
+  CHECK(late_log.waitUntil(
+      [](auto& cs) { return !cs.empty() && cs.back().kind == ChangeKind::kClosed; }));
+
+  // A store nobody writes to any more is dropped after the idle TTL.
+  REQUIRE(client.kvSet("scratch", "k", "v").isOk());
+  CHECK(waitFor([&] { return server->census().kv_spaces == 0; }));
+  CHECK(client.kvGet("scratch", "k").status().code() == StatusCode::kNotFound);
+}
+
 TEST_CASE("bad input gets precise statuses and the server keeps serving", "[rendezvous][grpc]") {
   auto server = startServer();
   Client client(clientFor(*server));
@@ -386,14 +421,15 @@ std::string buildDir() {
   return d != nullptr ? d : ".";
 }
 
-// Runs the daemon with `args`; returns its pid and a FILE* on its stdout.
-pid_t spawnDaemon(const std::vector<std::string>& args, FILE** out) {
+// Runs the daemon with `args`; returns its pid and a FILE* on its stdout (and stderr, merged).
+pid_t spawnDaemon(const std::vector<std::string>& args, FILE** out, bool with_stderr = false) {
   int fds[2];
   REQUIRE(pipe(fds) == 0);
   pid_t pid = fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
     dup2(fds[1], 1);
+    if (with_stderr) dup2(fds[1], 2);
     close(fds[0]);
     close(fds[1]);
     std::vector<char*> argv;
@@ -408,6 +444,14 @@ pid_t spawnDaemon(const std::vector<std::string>& args, FILE** out) {
   close(fds[1]);
   *out = fdopen(fds[0], "r");
   return pid;
+}
+
+std::string readAll(FILE* in) {
+  std::string text;
+  char buf[512];
+  size_t n = 0;
+  while ((n = fread(buf, 1, sizeof buf, in)) > 0) text.append(buf, n);
+  return text;
 }
 
 int waitExit(pid_t pid) {
@@ -460,6 +504,64 @@ TEST_CASE("the daemon rejects bad flags with exit code 2", "[rendezvous][daemon]
     CHECK(waitExit(pid) == 2);
     fclose(out);
   }
+}
+
+TEST_CASE("the daemon validates --closed-run-ttl and --idle-run-ttl and lists them in --help",
+          "[rendezvous][daemon]") {
+  for (const auto& [flag, value] :
+       std::vector<std::pair<std::string, std::string>>{{"--closed-run-ttl", "0"},
+                                                        {"--closed-run-ttl", "-5"},
+                                                        {"--idle-run-ttl", "ten"},
+                                                        {"--idle-run-ttl", "1e12"},
+                                                        {"--idle-run-ttl", ""}}) {
+    FILE* out = nullptr;
+    pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0", flag + "=" + value}, &out, true);
+    const std::string text = readAll(out);
+    CHECK(waitExit(pid) == 2);
+    INFO(text);
+    CHECK(text.find(flag + ": '" + value + "' is not a number of seconds") != std::string::npos);
+    fclose(out);
+  }
+  FILE* out = nullptr;
+  pid_t pid = spawnDaemon({"--help"}, &out);
+  const std::string help = readAll(out);
+  CHECK(waitExit(pid) == 0);
+  CHECK(help.find("--closed-run-ttl SECONDS") != std::string::npos);
+  CHECK(help.find("--idle-run-ttl SECONDS") != std::string::npos);
+  fclose(out);
+}
+
+TEST_CASE("the daemon frees a closed run's id after --closed-run-ttl", "[rendezvous][daemon]") {
+  FILE* out = nullptr;
+  pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0", "--closed-run-ttl", "0.3"}, &out);
+  char line[256] = {0};
+  REQUIRE(fgets(line, sizeof line, out) != nullptr);
+  std::string text(line);
+  REQUIRE(text.rfind("listening on 127.0.0.1:", 0) == 0);
+  ClientOptions options;
+  options.endpoint = text.substr(13, text.find('\n') - 13);
+  Client client(options);
+
+  auto first = client.join(joinRequest("reused", 1, 1));
+  REQUIRE(first.isOk());
+  REQUIRE(client.kvSet("reused", "k", "old").isOk());
+  REQUIRE(client.close("reused").isOk());
+  auto refused = client.join(joinRequest("reused", 1, 1));
+  REQUIRE_FALSE(refused.isOk());
+  CHECK(refused.status().message() == "run reused is closed");
+  // Refused until the tombstone expires, then a fresh run under the same id.
+  StatusOr<RoundInfo> again = refused.status();
+  CHECK(waitFor([&] {
+    again = client.join(joinRequest("reused", 1, 1));
+    return again.isOk();
+  }));
+  REQUIRE(again.isOk());
+  CHECK(again->round == 1);
+  CHECK(client.kvGet("reused", "k").status().code() == StatusCode::kNotFound);
+
+  kill(pid, SIGTERM);
+  CHECK(waitExit(pid) == 0);
+  fclose(out);
 }
 
 TEST_CASE("TLS: a client trusting the server's certificate joins, a plaintext one cannot",
