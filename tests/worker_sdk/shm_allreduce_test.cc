@@ -42,7 +42,7 @@ void runShmRanks(int world, const std::function<ShmOptions(int)>& options_of,
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       try {
-        auto shm = ShmAllReduce::tryCreate(r, world, *store, options_of(r));
+        auto shm = ShmAllReduce::tryCreate(r, world, store, options_of(r));
         body(r, shm.get());
       } catch (...) {
         errors[static_cast<size_t>(r)] = std::current_exception();
@@ -172,11 +172,12 @@ TEST_CASE("one rank without shared memory makes every rank fall back, leaving no
 
 TEST_CASE("a single rank never builds a shared-memory group", "[worker][shm]") {
   auto store = KeyValueStore::inMemory(std::chrono::seconds(5));
-  CHECK(ShmAllReduce::tryCreate(0, 1, *store, smallSlots("single")) == nullptr);
+  CHECK(ShmAllReduce::tryCreate(0, 1, store, smallSlots("single")) == nullptr);
 }
 
-TEST_CASE("ranks in separate processes share a segment; a peer that exits is named, not waited on",
-          "[worker][shm]") {
+TEST_CASE(
+    "ranks in separate processes share a segment, and a peer that exits is named, not waited on",
+    "[worker][shm]") {
   const std::string peer = std::string(DDPRUN_TEST_BUILD_DIR) + "/tests/worker_sdk/shm_peer";
   auto store = KeyValueStore::tcpServer("127.0.0.1", 0, std::chrono::seconds(30));
   const std::string port = std::to_string(store->port());
@@ -184,7 +185,7 @@ TEST_CASE("ranks in separate processes share a segment; a peer that exits is nam
 
   SECTION("a peer process reduces with us") {
     t::Child child({peer, port, "1", "2", "sum", "5000"}, {}, "/tmp/ddprun_shm_peer_sum.log");
-    auto shm = ShmAllReduce::tryCreate(0, 2, *store, options);
+    auto shm = ShmAllReduce::tryCreate(0, 2, store, options);
     REQUIRE(shm != nullptr);
     std::vector<int64_t> v(5000, 1);
     shm->allReduce(v.data(), v.size(), ShmDType::kInt64);
@@ -195,7 +196,7 @@ TEST_CASE("ranks in separate processes share a segment; a peer that exits is nam
 
   SECTION("a peer that exits mid-job") {
     t::Child child({peer, port, "1", "2", "attach-exit"}, {}, "/tmp/ddprun_shm_peer_exit.log");
-    auto shm = ShmAllReduce::tryCreate(0, 2, *store, options);
+    auto shm = ShmAllReduce::tryCreate(0, 2, store, options);
     REQUIRE(shm != nullptr);
     INFO(child.output());
     REQUIRE(child.wait(std::chrono::seconds(30)) == 0);  // reaped: its pid is gone
@@ -212,7 +213,7 @@ TEST_CASE("ranks in separate processes share a segment; a peer that exits is nam
   }
 }
 
-TEST_CASE("shared-memory average folds 1/size into the reduction; integers ignore the scale",
+TEST_CASE("shared-memory average folds 1/size into the reduction and integers ignore the scale",
           "[worker][shm]") {
   for (int world : {2, 4}) {  // 1/2 and 1/4 are exact, so the averages below are too
     std::vector<std::string> failures(static_cast<size_t>(world));
@@ -238,5 +239,95 @@ TEST_CASE("shared-memory average folds 1/size into the reduction; integers ignor
           }
         });
     for (auto& f : failures) CHECK(f == "");
+  }
+}
+
+TEST_CASE("buffers from allocate() are reduced in place, whole or in part, between staged ops",
+          "[worker][shm]") {
+  for (int world : {2, 3}) {
+    std::vector<std::string> failures(static_cast<size_t>(world));
+    runShmRanks(
+        world, [&](int) { return smallSlots("inplace" + std::to_string(world)); },
+        [&](int rank, ShmAllReduce* shm) {
+          if (shm == nullptr) throw std::runtime_error("no shared-memory group on one host");
+          auto& fail = failures[static_cast<size_t>(rank)];
+          const int64_t total = static_cast<int64_t>(world) * (world + 1) / 2;
+          for (size_t n : {size_t{1}, size_t{5000}, size_t{300000}}) {
+            std::shared_ptr<void> mem = shm->allocate(n * sizeof(float));
+            if (!mem) throw std::runtime_error("allocate refused");
+            auto* f = static_cast<float*>(mem.get());
+            if (f[0] != 0.0f || f[n - 1] != 0.0f) fail = "allocate() memory is not zeroed";
+            for (size_t i = 0; i < n; ++i) f[i] = static_cast<float>((rank + 1) * (i % 100));
+            shm->allReduce(f, n, ShmDType::kFloat32);
+            std::vector<int32_t> staged(33, rank + 1);  // a staged op between in-place ones
+            shm->allReduce(staged.data(), staged.size(), ShmDType::kInt32);
+            if (staged[32] != total) fail = "staged op between in-place ones";
+            for (size_t i = 0; i < n; ++i) {
+              if (f[i] != static_cast<float>(total * static_cast<int64_t>(i % 100))) {
+                fail = "n=" + std::to_string(n) + " element " + std::to_string(i);
+                return;
+              }
+            }
+            if (n > 1000) {  // a sub-range, averaged; the rest of the buffer is untouched
+              for (size_t i = 100; i < 877; ++i) f[i] = static_cast<float>(rank * world);
+              shm->allReduce(f + 100, 777, ShmDType::kFloat32, 1.0 / world);
+              const float mean = static_cast<float>(world * (world - 1)) / 2.0f;
+              if (f[99] != static_cast<float>(total * 99) || f[100] != mean || f[876] != mean ||
+                  f[877] != static_cast<float>(total * 77)) {
+                fail = "sub-range n=" + std::to_string(n);
+              }
+            }
+          }
+        });
+    for (auto& f : failures) CHECK(f == "");
+  }
+}
+
+TEST_CASE("allocate() that /dev/shm cannot hold is refused on every rank", "[worker][shm]") {
+  std::vector<int> got(2, -1);
+  runShmRanks(
+      2, [](int) { return smallSlots("huge"); },
+      [&](int rank, ShmAllReduce* shm) {
+        if (shm == nullptr) throw std::runtime_error("no shared-memory group on one host");
+        got[static_cast<size_t>(rank)] = shm->allocate(size_t{1} << 50) ? 1 : 0;  // 1 PiB
+        int64_t x = 1;  // the group still works afterwards
+        shm->allReduce(&x, 1, ShmDType::kInt64);
+        if (x != 2) got[static_cast<size_t>(rank)] = -2;
+      });
+  CHECK(got == std::vector<int>{0, 0});
+}
+
+TEST_CASE("ranks that disagree on an all-reduce all get an error naming both sides",
+          "[worker][shm]") {
+  std::vector<std::string> errors(2);
+  auto body = [&](bool in_place_on_rank1) {
+    runShmRanks(
+        2, [&](int) { return smallSlots(in_place_on_rank1 ? "disagree-path" : "disagree-count"); },
+        [&](int rank, ShmAllReduce* shm) {
+          if (shm == nullptr) throw std::runtime_error("no shared-memory group on one host");
+          std::shared_ptr<void> mem = shm->allocate(64 * sizeof(float));
+          std::vector<float> plain(64, 1.0f);
+          float* data =
+              in_place_on_rank1 && rank == 1 ? static_cast<float*>(mem.get()) : plain.data();
+          const size_t n = !in_place_on_rank1 && rank == 1 ? 32 : 64;
+          try {
+            shm->allReduce(data, n, ShmDType::kFloat32);
+          } catch (const CommError& e) {
+            errors[static_cast<size_t>(rank)] = e.what();
+          }
+        });
+  };
+  body(false);
+  for (auto& e : errors) {
+    INFO(e);
+    CHECK(e.find("ranks disagree") != std::string::npos);
+    CHECK(e.find("64 float32 elements") != std::string::npos);
+    CHECK(e.find("32 float32 elements") != std::string::npos);
+  }
+  errors.assign(2, "");
+  body(true);
+  for (auto& e : errors) {
+    INFO(e);
+    CHECK(e.find("shared buffer") != std::string::npos);
   }
 }

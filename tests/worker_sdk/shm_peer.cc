@@ -25,7 +25,7 @@ int main(int argc, char** argv) {
     ShmOptions options;
     options.prefix = "peer";
     options.slot_bytes = 4096;
-    auto shm = ShmAllReduce::tryCreate(rank, size, *store, options);
+    auto shm = ShmAllReduce::tryCreate(rank, size, store, options);
     if (!shm) {
       std::fprintf(stderr, "shm_peer: no shared-memory group\n");
       return 3;

@@ -24,6 +24,10 @@ bool ncclAvailable() {
 #endif
 }
 
+at::Tensor Communicator::allocateBuffer(int64_t numel, const at::TensorOptions& options) {
+  return at::zeros({numel}, options);
+}
+
 void Communicator::allReduce(const at::Tensor& tensor, ReduceOp op) {
   allReduceAsync(tensor, op)->wait();
 }

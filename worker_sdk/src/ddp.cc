@@ -99,8 +99,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
       offset_of_[i] = static_cast<std::size_t>(n);
       n += params_[i].numel();
     }
+    // Communicator-provided memory: with the shared-memory path peers reduce it in place.
     bucket->flat =
-        torch::zeros({n}, params_[bucket->params.front()].options().requires_grad(false));
+        comm.allocateBuffer(n, params_[bucket->params.front()].options().requires_grad(false));
     buckets_.push_back(std::move(bucket));
   }
   // Plain aliases (from_blob), not autograd views: the optimizer's zero_grad() detaches grads in

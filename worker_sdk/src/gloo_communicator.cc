@@ -181,6 +181,21 @@ class GlooCommunicator : public Communicator {
     });
   }
 
+  at::Tensor allocateBuffer(int64_t numel, const at::TensorOptions& options) override {
+    const at::ScalarType dtype = c10::typeMetaToScalarType(options.dtype());
+    if (!shm_ || numel <= 0 || !options.device().is_cpu() ||
+        (dtype != at::kFloat && dtype != at::kDouble && dtype != at::kLong && dtype != at::kInt)) {
+      return Communicator::allocateBuffer(numel, options);
+    }
+    const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+    std::shared_ptr<void> memory;
+    // On the op thread, in order with the collectives: allocation is itself collective.
+    queue_.submit([&] { memory = shm_->allocate(bytes); })->wait();
+    if (!memory) return Communicator::allocateBuffer(numel, options);
+    return at::from_blob(
+        memory.get(), {numel}, [memory](void*) {}, options.requires_grad(false));
+  }
+
   std::shared_ptr<Work> barrierAsync() override {
     const uint32_t tag = nextTag();
     return queue_.submit([this, tag] {
@@ -265,7 +280,7 @@ std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,
   shm_options.setup_timeout = options.connect_timeout;
   shm_options.op_timeout = options.op_timeout;
   shm_options.enabled = options.shared_memory;
-  auto shm = ShmAllReduce::tryCreate(rank, size, *store, shm_options);
+  auto shm = ShmAllReduce::tryCreate(rank, size, store, shm_options);
   return std::make_unique<GlooCommunicator>(rank, size, std::move(ctx), options.op_timeout,
                                             std::move(shm));
 }

@@ -68,8 +68,8 @@ std::unique_ptr<Communicator> makeCommunicator(int rank, int size,
 #else
     throw ConfigError(
         "the nccl backend was requested but this build of ddprun's worker SDK has no NCCL support "
-        "(it needs the CUDA toolkit, NCCL and a CUDA-enabled LibTorch at build time); use "
-        "--backend gloo");
+        "(it needs the CUDA toolkit and NCCL >= 2.10 at build time; see the configure line "
+        "'ddprun worker SDK: NCCL backend ...'); use --backend gloo");
 #endif
   }
   return makeGlooCommunicator(rank, size, std::move(store), g);

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <new>
 #include <random>
 #include <sstream>
@@ -129,44 +130,42 @@ void sumInto(ShmDType t, char* dst, const char* src, char* mirror, size_t n, dou
   }
 }
 
-// A mapped segment; unmaps (and, for the creator until release(), unlinks) on destruction.
-struct Mapping {
+std::string errnoText(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+std::vector<char> bytesOf(const std::string& s) { return std::vector<char>(s.begin(), s.end()); }
+
+}  // namespace
+
+// One mapped segment; unmaps on destruction and, for its creator until every rank mapped it,
+// unlinks its name.
+struct ShmAllReduce::Segment {
   std::string name;
-  void* base = MAP_FAILED;
+  char* base = nullptr;
   size_t bytes = 0;
   bool unlink_on_close = false;
 
-  Mapping() = default;
-  Mapping(const Mapping&) = delete;
-  Mapping& operator=(const Mapping&) = delete;
-  ~Mapping() {
-    if (base != MAP_FAILED) munmap(base, bytes);
+  Segment() = default;
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment() {
+    if (base != nullptr) munmap(base, bytes);
     unlinkName();
   }
   void unlinkName() {
     if (unlink_on_close) shm_unlink(name.c_str());
     unlink_on_close = false;
   }
-  bool ok() const { return base != MAP_FAILED; }
-  void* release() {
-    void* b = base;
-    base = MAP_FAILED;
-    return b;
-  }
 };
 
-std::string errnoText(const std::string& what) { return what + ": " + std::strerror(errno); }
-
-}  // namespace
-
 struct ShmAllReduce::Header {
-  uint64_t magic;
+  uint64_t magic;  // first 8 bytes of every segment: proves ranks share /dev/shm
   uint32_t size;
   uint32_t reserved;
   uint64_t slot_bytes;
   alignas(kLineBytes) std::atomic<uint32_t> arrived;   // barrier arrivals, ever
   alignas(kLineBytes) std::atomic<uint32_t> sleepers;  // ranks sleeping on `arrived`
-  // Followed, on the next cache line, by `size` std::atomic<int32_t>: each rank's pid.
+  // Followed, on the next cache lines, by `size` std::atomic<int32_t> (each rank's pid), then by
+  // `size` OpDescriptor (each rank's current collective).
 };
 
 size_t shmDTypeSize(ShmDType t) {
@@ -181,80 +180,69 @@ size_t shmDTypeSize(ShmDType t) {
   return 0;
 }
 
+const char* shmDTypeName(ShmDType t) {
+  switch (t) {
+    case ShmDType::kFloat32:
+      return "float32";
+    case ShmDType::kFloat64:
+      return "float64";
+    case ShmDType::kInt32:
+      return "int32";
+    case ShmDType::kInt64:
+      return "int64";
+  }
+  return "?";
+}
+
 namespace {
+
+// What a rank is about to reduce; written before the op's first barrier, read after it.
+struct alignas(kLineBytes) OpDescriptor {
+  uint64_t count;
+  uint32_t dtype;
+  uint32_t in_place;  // 1 = a range of an allocate()d buffer
+  uint64_t buffer_id;
+  uint64_t offset;
+};
 
 size_t pidsOffset() { return roundUp(sizeof(ShmAllReduce::Header), kLineBytes); }
 
-size_t headerBytes(int size) {
+size_t descriptorsOffset(int size) {
   return roundUp(pidsOffset() + sizeof(std::atomic<int32_t>) * static_cast<size_t>(size),
+                 kLineBytes);
+}
+
+size_t headerBytes(int size) {
+  return roundUp(descriptorsOffset(size) + sizeof(OpDescriptor) * static_cast<size_t>(size),
                  kPageBytes);
 }
 
-std::atomic<int32_t>* pidsOf(void* base) {
-  return reinterpret_cast<std::atomic<int32_t>*>(static_cast<char*>(base) + pidsOffset());
+std::atomic<int32_t>* pidsOf(char* base) {
+  return reinterpret_cast<std::atomic<int32_t>*>(base + pidsOffset());
 }
 
-size_t segmentBytes(int size, size_t slot_bytes) {
-  return headerBytes(size) + 2 * static_cast<size_t>(size) * slot_bytes;
+OpDescriptor* descriptorsOf(char* base, int size) {
+  return reinterpret_cast<OpDescriptor*>(base + descriptorsOffset(size));
 }
 
-// Creates, reserves (so a full /dev/shm is an error now, not a SIGBUS later) and maps a segment.
-std::string createSegment(Mapping& m, int size, size_t slot_bytes) {
-  std::random_device rd;
-  std::ostringstream name;
-  name << "/ddprun-" << getpid() << "-" << std::hex << rd() << rd();
-  m.name = name.str();
-  const int fd = shm_open(m.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) return errnoText("shm_open " + m.name);
-  m.unlink_on_close = true;
-  m.bytes = segmentBytes(size, slot_bytes);
-  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(m.bytes));
-  if (rc != 0) {
-    close(fd);
-    return "reserving " + std::to_string(m.bytes) + " bytes in /dev/shm: " + std::strerror(rc);
-  }
-  m.base = mmap(nullptr, m.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (!m.ok()) return errnoText("mmap");
-  return "";
-}
-
-std::string openSegment(Mapping& m, const std::string& name, int size, size_t slot_bytes) {
-  m.name = name;
-  const int fd = shm_open(name.c_str(), O_RDWR, 0);
-  if (fd < 0) return errnoText("shm_open " + name);
-  struct stat st {};
-  m.bytes = segmentBytes(size, slot_bytes);
-  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != m.bytes) {
-    close(fd);
-    return "segment " + name + " has an unexpected size";
-  }
-  m.base = mmap(nullptr, m.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (!m.ok()) return errnoText("mmap");
-  return "";
-}
-
-std::vector<char> bytesOf(const std::string& s) { return std::vector<char>(s.begin(), s.end()); }
-
-}  // namespace
-
-std::unique_ptr<ShmAllReduce> ShmAllReduce::tryCreate(int rank, int size, KeyValueStore& store,
-                                                      const ShmOptions& options) {
-  static const auto log = ddprun::logger("worker");
-  if (size < 2) return nullptr;
-  const size_t slot_bytes =
-      options.slot_bytes > 0
-          ? roundUp(options.slot_bytes, kLineBytes)
-          : std::max<size_t>(roundUp(std::min<size_t>(4u << 20, (16u << 20) / size), kLineBytes),
-                             64u << 10);
-  const std::string key = options.prefix + "/shm/";
+// Rank 0 creates a segment of `bytes` (reserving the memory, so a full /dev/shm is a refusal now
+// rather than a SIGBUS later), lets `init` lay it out, and publishes it under `key`; the others
+// map it. Returns "" when every rank mapped it, else the first refusal ("rank r: why"). Either
+// way the name is unlinked before returning. Collective.
+std::string shareSegment(int rank, int size, KeyValueStore& store, const std::string& key,
+                         size_t bytes, bool enabled, std::chrono::milliseconds timeout,
+                         ShmAllReduce::Segment& seg, const std::function<void(char*)>& init) {
   const std::string identity = hostIdentity();
-  const bool enabled = options.enabled && !disabledByEnvironment();
-
-  Mapping mapping;
-  std::string why;  // empty = this rank attached
+  std::string why;  // empty = this rank mapped the segment
   uint64_t magic = 0;
+  auto mapFd = [&](int fd) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return errnoText("mmap");
+    seg.base = static_cast<char*>(p);
+    seg.bytes = bytes;
+    return std::string();
+  };
   if (rank == 0) {
     std::string record = "-";
     if (!enabled) {
@@ -262,21 +250,33 @@ std::unique_ptr<ShmAllReduce> ShmAllReduce::tryCreate(int rank, int size, KeyVal
     } else {
       std::random_device rd;
       magic = (static_cast<uint64_t>(rd()) << 32 | rd()) | 1u;
-      why = createSegment(mapping, size, slot_bytes);
+      std::ostringstream name;
+      name << "/ddprun-" << getpid() << "-" << std::hex << rd() << rd();
+      seg.name = name.str();
+      const int fd = shm_open(seg.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd < 0) {
+        why = errnoText("shm_open " + seg.name);
+      } else {
+        seg.unlink_on_close = true;
+        const int rc = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+        if (rc != 0) {
+          close(fd);
+          why = "reserving " + std::to_string(bytes) + " bytes in /dev/shm: " + std::strerror(rc);
+        } else {
+          why = mapFd(fd);
+        }
+      }
       if (why.empty()) {
-        auto* h = new (mapping.base) Header{};
-        h->magic = magic;
-        h->size = static_cast<uint32_t>(size);
-        h->slot_bytes = slot_bytes;
-        for (int r = 0; r < size; ++r) new (pidsOf(mapping.base) + r) std::atomic<int32_t>(0);
+        init(seg.base);
+        std::memcpy(seg.base, &magic, sizeof(magic));
         std::ostringstream rec;
-        rec << mapping.name << "\n" << magic << "\n" << identity;
+        rec << seg.name << "\n" << magic << "\n" << identity;
         record = rec.str();
       }
     }
     store.set(key + "segment", bytesOf(record));
   } else {
-    store.wait({key + "segment"}, options.setup_timeout);
+    store.wait({key + "segment"}, timeout);
     const std::vector<char> raw = store.get(key + "segment");
     const std::string record(raw.begin(), raw.end());
     std::istringstream in(record);
@@ -293,20 +293,27 @@ std::unique_ptr<ShmAllReduce> ShmAllReduce::tryCreate(int rank, int size, KeyVal
     } else if (theirs != identity) {
       why = "rank 0 runs on another host (or in another pid namespace)";
     } else {
-      why = openSegment(mapping, name, size, slot_bytes);
-      if (why.empty() && static_cast<Header*>(mapping.base)->magic != magic) {
-        why = "segment " + name + " belongs to another host's rank 0";
+      seg.name = name;
+      const int fd = shm_open(name.c_str(), O_RDWR, 0);
+      struct stat st {};
+      if (fd < 0) {
+        why = errnoText("shm_open " + name);
+      } else if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+        close(fd);
+        why = "segment " + name + " has an unexpected size";
+      } else {
+        why = mapFd(fd);
       }
+      uint64_t seen = 0;
+      if (why.empty()) std::memcpy(&seen, seg.base, sizeof(seen));
+      if (why.empty() && seen != magic) why = "segment " + name + " belongs to another host";
     }
-  }
-  if (why.empty()) {
-    pidsOf(mapping.base)[rank].store(static_cast<int32_t>(getpid()));
   }
   store.set(key + "ok/" + std::to_string(rank), bytesOf(why.empty() ? "1" : "0" + why));
 
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(key + "ok/" + std::to_string(r));
-  store.wait(keys, options.setup_timeout);
+  store.wait(keys, timeout);
   std::string refusal;
   for (int r = 0; r < size && refusal.empty(); ++r) {
     const std::vector<char> v = store.get(keys[static_cast<size_t>(r)]);
@@ -315,40 +322,132 @@ std::unique_ptr<ShmAllReduce> ShmAllReduce::tryCreate(int rank, int size, KeyVal
                 std::string(v.begin() + (v.empty() ? 0 : 1), v.end());
     }
   }
-  mapping.unlinkName();  // every rank that could attach has: nothing is left in /dev/shm
+  seg.unlinkName();  // every rank that could map it has: nothing is left in /dev/shm
+  return refusal;
+}
+
+}  // namespace
+
+std::unique_ptr<ShmAllReduce> ShmAllReduce::tryCreate(int rank, int size,
+                                                      std::shared_ptr<KeyValueStore> store,
+                                                      const ShmOptions& options) {
+  static const auto log = ddprun::logger("worker");
+  if (size < 2) return nullptr;
+  const size_t slot_bytes =
+      options.slot_bytes > 0
+          ? roundUp(options.slot_bytes, kLineBytes)
+          : std::max<size_t>(roundUp(std::min<size_t>(4u << 20, (16u << 20) / size), kLineBytes),
+                             64u << 10);
+  auto control = std::make_shared<Segment>();
+  const std::string refusal =
+      shareSegment(rank, size, *store, options.prefix + "/shm/control/",
+                   headerBytes(size) + 2 * static_cast<size_t>(size) * slot_bytes,
+                   options.enabled && !disabledByEnvironment(), options.setup_timeout, *control,
+                   [&](char* base) {
+                     auto* h = new (base) Header{};
+                     h->size = static_cast<uint32_t>(size);
+                     h->slot_bytes = slot_bytes;
+                     for (int r = 0; r < size; ++r) new (pidsOf(base) + r) std::atomic<int32_t>(0);
+                   });
   if (!refusal.empty()) {
     log->debug("rank {}: intra-host shared-memory all-reduce off ({}); using gloo TCP", rank,
                refusal);
     return nullptr;
   }
+  // Every rank mapped the segment before reporting, so no peer check can miss a pid.
+  pidsOf(control->base)[rank].store(static_cast<int32_t>(getpid()));
   log->debug("rank {}: all {} ranks share this host: shared-memory all-reduce, {} KiB slots", rank,
              size, slot_bytes >> 10);
-  const size_t bytes = mapping.bytes;
   return std::unique_ptr<ShmAllReduce>(
-      new ShmAllReduce(rank, size, mapping.release(), bytes, slot_bytes, options.op_timeout));
+      new ShmAllReduce(rank, size, std::move(control), slot_bytes, std::move(store), options));
 }
 
-ShmAllReduce::ShmAllReduce(int rank, int size, void* base, size_t mapped, size_t slot_bytes,
-                           std::chrono::milliseconds op_timeout)
+ShmAllReduce::ShmAllReduce(int rank, int size, std::shared_ptr<Segment> control, size_t slot_bytes,
+                           std::shared_ptr<KeyValueStore> store, const ShmOptions& options)
     : rank_(rank),
       size_(size),
-      base_(base),
-      mapped_(mapped),
+      control_(std::move(control)),
+      header_(reinterpret_cast<Header*>(control_->base)),
       slot_bytes_(slot_bytes),
-      op_timeout_(op_timeout),
-      header_(static_cast<Header*>(base)) {}
+      store_(std::move(store)),
+      options_(options) {}
 
-ShmAllReduce::~ShmAllReduce() { munmap(base_, mapped_); }
+ShmAllReduce::~ShmAllReduce() = default;
+
+std::shared_ptr<void> ShmAllReduce::allocate(size_t bytes) {
+  static const auto log = ddprun::logger("worker");
+  const uint64_t id = ++allocations_;
+  const size_t stride = roundUp(std::max<size_t>(bytes, 1), kPageBytes);
+  auto seg = std::make_shared<Segment>();
+  const std::string refusal = shareSegment(
+      rank_, size_, *store_, options_.prefix + "/shm/buffer" + std::to_string(id) + "/",
+      kPageBytes + static_cast<size_t>(size_) * stride, true, options_.setup_timeout, *seg,
+      [](char*) {});
+  if (!refusal.empty()) {
+    log->debug("rank {}: shared buffer {} of {} bytes refused ({}); it stays private", rank_, id,
+               bytes, refusal);
+    return nullptr;
+  }
+  char* rank0 = seg->base + kPageBytes;
+  char* own = rank0 + static_cast<size_t>(rank_) * stride;
+  buffers_.push_back(Buffer{id, own, bytes, stride, rank0, seg});
+  return std::shared_ptr<void>(seg, own);
+}
+
+const ShmAllReduce::Buffer* ShmAllReduce::findBuffer(const char* data, size_t bytes) {
+  // Forget freed buffers first: their addresses may have been reused by unrelated memory.
+  buffers_.erase(std::remove_if(buffers_.begin(), buffers_.end(),
+                                [](const Buffer& b) { return b.segment.expired(); }),
+                 buffers_.end());
+  for (const Buffer& b : buffers_) {
+    if (data >= b.own && data + bytes <= b.own + b.bytes) return &b;
+  }
+  return nullptr;
+}
 
 char* ShmAllReduce::slot(int set, int rank) const {
-  return static_cast<char*>(base_) + headerBytes(size_) +
+  return control_->base + headerBytes(size_) +
          (static_cast<size_t>(set) * static_cast<size_t>(size_) + static_cast<size_t>(rank)) *
              slot_bytes_;
 }
 
+void ShmAllReduce::publishDescriptor(size_t count, ShmDType dtype, const Buffer* buffer,
+                                     size_t offset) {
+  OpDescriptor& d = descriptorsOf(control_->base, size_)[rank_];
+  d.count = count;
+  d.dtype = static_cast<uint32_t>(dtype);
+  d.in_place = buffer != nullptr ? 1 : 0;
+  d.buffer_id = buffer != nullptr ? buffer->id : 0;
+  d.offset = offset;
+}
+
+void ShmAllReduce::verifyDescriptors() const {
+  const OpDescriptor* all = descriptorsOf(control_->base, size_);
+  auto describe = [&](int r) {
+    const OpDescriptor& d = all[r];
+    std::string s = "rank " + std::to_string(r) + " reduces " + std::to_string(d.count) + " " +
+                    shmDTypeName(static_cast<ShmDType>(d.dtype)) + " elements";
+    if (d.in_place) {
+      s += " at offset " + std::to_string(d.offset) + " of shared buffer " +
+           std::to_string(d.buffer_id);
+    }
+    return s;
+  };
+  for (int r = 0; r < size_; ++r) {
+    const OpDescriptor& a = all[r];
+    const OpDescriptor& b = all[rank_];
+    if (a.count != b.count || a.dtype != b.dtype || a.in_place != b.in_place ||
+        a.buffer_id != b.buffer_id || a.offset != b.offset) {
+      throw CommError("shared-memory all_reduce: ranks disagree on the collective: " +
+                      describe(rank_) + " but " + describe(r) +
+                      " (every rank must issue the same collectives in the same order)");
+    }
+  }
+}
+
 void ShmAllReduce::checkPeers(const char* phase) const {
   for (int r = 0; r < size_; ++r) {
-    const int32_t pid = pidsOf(base_)[r].load(std::memory_order_relaxed);
+    const int32_t pid = pidsOf(control_->base)[r].load(std::memory_order_relaxed);
     if (r != rank_ && pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
       throw CommError("shared-memory all_reduce: rank " + std::to_string(r) + " (pid " +
                       std::to_string(pid) + ") exited while rank " + std::to_string(rank_) +
@@ -378,11 +477,11 @@ void ShmAllReduce::barrier(const char* phase) {
     header_->sleepers.fetch_sub(1);
     if (reached(header_->arrived.load(), target)) return;
     const auto t = std::chrono::steady_clock::now();
-    if (t - start > op_timeout_) {
+    if (t - start > options_.op_timeout) {
       throw CommError(
           "shared-memory all_reduce: rank " + std::to_string(rank_) + " timed out after " +
           std::to_string(
-              std::chrono::duration_cast<std::chrono::milliseconds>(op_timeout_).count()) +
+              std::chrono::duration_cast<std::chrono::milliseconds>(options_.op_timeout).count()) +
           " ms waiting for its peers (" + phase + ")");
     }
     if (t >= next_check) {
@@ -393,26 +492,50 @@ void ShmAllReduce::barrier(const char* phase) {
 }
 
 void ShmAllReduce::allReduce(void* data, size_t count, ShmDType dtype, double scale) {
+  char* p = static_cast<char*>(data);
+  const size_t bytes = count * shmDTypeSize(dtype);
+  if (const Buffer* buffer = findBuffer(p, bytes)) {
+    publishDescriptor(count, dtype, buffer, static_cast<size_t>(p - buffer->own));
+    allReduceInPlace(*buffer, p, count, dtype, scale);
+  } else {
+    publishDescriptor(count, dtype, nullptr, 0);
+    allReduceStaged(p, count, dtype, scale);
+  }
+}
+
+namespace {
+
+// Rank r's share of n elements: whole cache lines; the last ranks' pieces may be short or empty.
+struct Pieces {
+  size_t n;
+  size_t piece;
+  size_t begin(int r) const { return std::min(n, static_cast<size_t>(r) * piece); }
+  size_t end(int r) const { return std::min(n, begin(r) + piece); }
+};
+
+Pieces piecesOf(size_t n, int size, size_t es) {
+  return Pieces{n, roundUp((n + static_cast<size_t>(size) - 1) / size, kLineBytes / es)};
+}
+
+}  // namespace
+
+void ShmAllReduce::allReduceStaged(char* data, size_t count, ShmDType dtype, double scale) {
   const size_t es = shmDTypeSize(dtype);
   const size_t chunk_elems = slot_bytes_ / es;
-  const size_t align_elems = kLineBytes / es;
-  char* out = static_cast<char*>(data);
   for (size_t done = 0; done < count;) {
     const size_t n = std::min(chunk_elems, count - done);
-    char* chunk = out + done * es;
+    char* chunk = data + done * es;
     const int set = static_cast<int>(chunks_++ & 1u);
     char* mine = slot(set, rank_);
-    // Pieces of whole cache lines; the last ranks' pieces may be short or empty. Rank r reduces
-    // piece r, so its peers need every piece of this rank's chunk but piece r: only those are
-    // published.
-    const size_t piece = roundUp((n + static_cast<size_t>(size_) - 1) / size_, align_elems);
-    auto begin = [&](int r) { return std::min(n, static_cast<size_t>(r) * piece); };
-    auto end = [&](int r) { return std::min(n, begin(r) + piece); };
-    const size_t b = begin(rank_);
-    const size_t e = end(rank_);
+    // Rank r reduces piece r, so its peers need every piece of this chunk but ours: only those
+    // are published.
+    const Pieces pieces = piecesOf(n, size_, es);
+    const size_t b = pieces.begin(rank_);
+    const size_t e = pieces.end(rank_);
     std::memcpy(mine, chunk, b * es);
     std::memcpy(mine + e * es, chunk + e * es, (n - e) * es);
     barrier("copying in");
+    if (done == 0) verifyDescriptors();
 
     // Own piece, in place in the caller's tensor: ours + every peer's, in rank order; the last
     // pass also scales and publishes the result in our slot for the peers to copy out.
@@ -428,12 +551,43 @@ void ShmAllReduce::allReduce(void* data, size_t count, ShmDType dtype, double sc
     barrier("reducing");
 
     for (int r = 0; r < size_; ++r) {
-      if (r != rank_ && end(r) > begin(r)) {
-        std::memcpy(chunk + begin(r) * es, slot(set, r) + begin(r) * es, (end(r) - begin(r)) * es);
+      if (r != rank_ && pieces.end(r) > pieces.begin(r)) {
+        std::memcpy(chunk + pieces.begin(r) * es, slot(set, r) + pieces.begin(r) * es,
+                    (pieces.end(r) - pieces.begin(r)) * es);
       }
     }
     done += n;
   }
+}
+
+void ShmAllReduce::allReduceInPlace(const Buffer& buffer, char* data, size_t count, ShmDType dtype,
+                                    double scale) {
+  const size_t es = shmDTypeSize(dtype);
+  const size_t offset = static_cast<size_t>(data - buffer.own);
+  auto peer = [&](int r) { return buffer.rank0 + static_cast<size_t>(r) * buffer.stride + offset; };
+  const Pieces pieces = piecesOf(count, size_, es);
+  const size_t b = pieces.begin(rank_);
+  const size_t e = pieces.end(rank_);
+  barrier("waiting for every rank's buffer");
+  verifyDescriptors();
+  // Own piece, in place: ours + every peer's, in rank order, scaled on the last pass. Peers read
+  // only their own pieces of our buffer meanwhile.
+  if (e > b) {
+    const int last = size_ - 1 == rank_ ? size_ - 2 : size_ - 1;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      sumInto(dtype, data + b * es, peer(r) + b * es, nullptr, e - b, r == last ? scale : 1.0);
+    }
+  }
+  barrier("reducing");
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_ && pieces.end(r) > pieces.begin(r)) {
+      std::memcpy(data + pieces.begin(r) * es, peer(r) + pieces.begin(r) * es,
+                  (pieces.end(r) - pieces.begin(r)) * es);
+    }
+  }
+  // Until every peer copied our piece, the caller must not touch the buffer.
+  barrier("copying out");
 }
 
 }  // namespace ddprun::worker

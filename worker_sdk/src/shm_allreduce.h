@@ -1,18 +1,24 @@
-// ShmAllReduce: all-reduce (sum) between ranks that share one host, over a POSIX shared-memory
-// segment instead of TCP loopback. Used by the Gloo communicator when *every* rank of the group
-// turned out to be on this host (single-node jobs); otherwise Gloo's TCP ring does the work.
+// ShmAllReduce: all-reduce (sum, optionally scaled) between ranks that share one host, over POSIX
+// shared memory instead of TCP loopback. Used by the Gloo communicator when *every* rank of the
+// group turned out to be on this host (single-node jobs); otherwise Gloo's TCP ring does the work.
 //
-// Algorithm, per chunk of at most slot_bytes: every rank copies its chunk into its own slot;
-// barrier; rank r sums piece r of all slots into its slot (reduce-scatter); barrier; every rank
-// copies the W reduced pieces out (all-gather). Two sets of slots alternate, so a chunk needs two
-// barriers and the next chunk's copy-in may start while slower ranks still read the previous one.
-// Barriers are an arrival counter in the segment: spin briefly, then sleep on a (shared) futex.
+// Two paths:
+// - Staged (any tensor): per chunk of at most slot_bytes, every rank publishes in its slot the
+//   pieces its peers reduce; barrier; rank r sums piece r of all ranks in place in its own tensor
+//   and publishes the result; barrier; every rank copies the other reduced pieces out. Two sets of
+//   slots alternate, so the next chunk's copy-in may start while slower ranks still read.
+// - In place (tensors inside a buffer from allocate(), e.g. DDP's gradient buckets): peers read
+//   each other's buffers directly, so nothing is staged: barrier; reduce own piece in place;
+//   barrier; copy the other pieces from their owners; barrier.
+// Every op first publishes a descriptor (element count, dtype, path); ranks that disagree all get
+// a CommError naming both sides instead of a silent mismatch.
+// Barriers are an arrival counter in the control segment: spin briefly, then sleep on a (shared)
+// futex. A wait that exceeds the op timeout, or sees a peer process gone, throws CommError naming
+// the rank. Segments are unlinked as soon as every rank mapped them: a crash leaves nothing in
+// /dev/shm.
 //
-// Failure: a wait that exceeds the op timeout, or sees a peer process gone, throws CommError
-// naming the rank; the segment is unlinked as soon as every rank attached, so a crash never
-// leaves it behind in /dev/shm.
-//
-// Thread-compatibility: one thread at a time per rank (the communicator's op thread).
+// Thread-compatibility: one thread at a time per rank (the communicator's op thread), for
+// allReduce() and allocate() alike.
 #pragma once
 
 #include <chrono>
@@ -20,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "ddprun/worker/store.h"
 
@@ -28,6 +35,7 @@ namespace ddprun::worker {
 enum class ShmDType { kFloat32, kFloat64, kInt32, kInt64 };
 
 size_t shmDTypeSize(ShmDType t);
+const char* shmDTypeName(ShmDType t);
 
 struct ShmOptions {
   std::string prefix;  // store key namespace (shared by all ranks of the group)
@@ -40,10 +48,14 @@ struct ShmOptions {
 
 class ShmAllReduce {
  public:
+  struct Header;   // the control segment's first page (defined in the .cc)
+  struct Segment;  // one mapped segment (defined in the .cc)
+
   // Collective over the store: every rank of the group must call it. Returns nullptr on every
   // rank when any rank is elsewhere, disabled, or cannot map the segment (each rank logs why at
   // debug level); throws CommError only when the store itself fails.
-  static std::unique_ptr<ShmAllReduce> tryCreate(int rank, int size, KeyValueStore& store,
+  static std::unique_ptr<ShmAllReduce> tryCreate(int rank, int size,
+                                                 std::shared_ptr<KeyValueStore> store,
                                                  const ShmOptions& options);
   ~ShmAllReduce();
   ShmAllReduce(const ShmAllReduce&) = delete;
@@ -54,28 +66,49 @@ class ShmAllReduce {
   // all ranks; every rank ends with bit-identical values.
   void allReduce(void* data, size_t count, ShmDType dtype, double scale = 1.0);
 
+  // Collective (same sizes in the same order on every rank): `bytes` of zeroed memory that peers
+  // can read in place, so all-reduces of ranges inside it skip the staging copy. Returns nullptr
+  // on every rank when /dev/shm cannot hold size() such buffers. The memory stays valid while the
+  // returned pointer (or a copy) lives.
+  std::shared_ptr<void> allocate(size_t bytes);
+
   int rank() const { return rank_; }
   int size() const { return size_; }
   size_t slotBytes() const { return slot_bytes_; }
 
-  struct Header;  // layout of the segment's first page (defined in the .cc)
-
  private:
-  ShmAllReduce(int rank, int size, void* base, size_t mapped, size_t slot_bytes,
-               std::chrono::milliseconds op_timeout);
+  struct Buffer {
+    uint64_t id;
+    char* own;      // this rank's region
+    size_t bytes;   // requested size
+    size_t stride;  // distance between ranks' regions
+    char* rank0;    // rank 0's region in this rank's mapping
+    std::weak_ptr<Segment> segment;
+  };
+
+  ShmAllReduce(int rank, int size, std::shared_ptr<Segment> control, size_t slot_bytes,
+               std::shared_ptr<KeyValueStore> store, const ShmOptions& options);
   char* slot(int set, int rank) const;
+  const Buffer* findBuffer(const char* data, size_t bytes);
+  void publishDescriptor(size_t count, ShmDType dtype, const Buffer* buffer, size_t offset);
+  void verifyDescriptors() const;
   void barrier(const char* phase);
   void checkPeers(const char* phase) const;
+  void allReduceStaged(char* data, size_t count, ShmDType dtype, double scale);
+  void allReduceInPlace(const Buffer& buffer, char* data, size_t count, ShmDType dtype,
+                        double scale);
 
   int rank_;
   int size_;
-  void* base_;
-  size_t mapped_;
-  size_t slot_bytes_;
-  std::chrono::milliseconds op_timeout_;
+  std::shared_ptr<Segment> control_;
   Header* header_;
+  size_t slot_bytes_;
+  std::shared_ptr<KeyValueStore> store_;
+  ShmOptions options_;
+  std::vector<Buffer> buffers_;
+  uint64_t allocations_ = 0;
   uint32_t barriers_ = 0;  // barriers this rank completed; identical on every rank
-  uint64_t chunks_ = 0;    // chunks done; picks the slot set
+  uint64_t chunks_ = 0;    // staged chunks done; picks the slot set
 };
 
 }  // namespace ddprun::worker

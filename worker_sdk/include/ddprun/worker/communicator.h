@@ -49,6 +49,12 @@ class Communicator {
   virtual std::shared_ptr<Work> allGatherAsync(at::Tensor input, at::Tensor output) = 0;
   virtual std::shared_ptr<Work> barrierAsync() = 0;
 
+  // A zeroed 1-D tensor for data this communicator will all-reduce again and again (DDP's
+  // gradient buckets). Collective: every rank allocates the same sizes in the same order. The
+  // Gloo communicator's shared-memory path places it where peers read it in place (no staging
+  // copy per all-reduce); otherwise, and by default, it is at::zeros.
+  virtual at::Tensor allocateBuffer(int64_t numel, const at::TensorOptions& options);
+
   void allReduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
   void broadcast(const at::Tensor& tensor, int root = 0);
   // Returns one tensor per rank, each shaped like `input`.
