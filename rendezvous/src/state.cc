@@ -126,9 +126,15 @@ const RendezvousState::Tombstone* RendezvousState::findTombstone(const std::stri
 RendezvousState::KvSpace& RendezvousState::kvSpace(const std::string& run_id, TimePoint now) {
   auto [it, inserted] = kv_.try_emplace(run_id);
   // A new space may belong to no run: make sure a collection check comes for it.
-  if (inserted) deadlines_.insert(now + retention_.idle_run_ttl);
+  if (inserted) scheduleCollect(now + retention_.idle_run_ttl);
   it->second.last_active = now;
   return it->second;
+}
+
+void RendezvousState::scheduleCollect(TimePoint at) {
+  // Collection deadlines are rounded up to whole seconds, so the expiries of many runs, stores
+  // and waits share a few ticks instead of one each; nothing is collected before its time.
+  deadlines_.insert(std::chrono::ceil<std::chrono::seconds>(at));
 }
 
 void RendezvousState::touch(const std::string& run_id, TimePoint now) {
@@ -140,7 +146,7 @@ void RendezvousState::touch(const std::string& run_id, TimePoint now) {
 void RendezvousState::noteMaybeIdle(Run& run, TimePoint now) {
   if (run.closed || !run.nodes.empty()) return;
   run.last_active = now;
-  if (watchers_.count(run.id) == 0) deadlines_.insert(now + retention_.idle_run_ttl);
+  if (watchers_.count(run.id) == 0) scheduleCollect(now + retention_.idle_run_ttl);
 }
 
 RunStatus RendezvousState::statusOf(const Run& run) const {
@@ -545,7 +551,7 @@ void RendezvousState::watchClosed(const std::string& run_id, TimePoint now) {
   } else if (run != nullptr) {
     noteMaybeIdle(*run, now);
   } else if (kv_.count(run_id) != 0) {
-    deadlines_.insert(now + retention_.idle_run_ttl);
+    scheduleCollect(now + retention_.idle_run_ttl);
   }
 }
 
@@ -595,7 +601,11 @@ Status RendezvousState::close(const std::string& run_id, TimePoint now, std::str
   run->closed_at = now;
   run->close_reason = std::move(reason);
   // Shrunk to a tombstone by tick() once its watch streams ended, or after the drain timeout.
-  deadlines_.insert(watchers_.count(run_id) == 0 ? now : now + retention_.closed_drain_timeout);
+  if (watchers_.count(run_id) == 0) {
+    deadlines_.insert(now);
+  } else {
+    scheduleCollect(now + retention_.closed_drain_timeout);
+  }
   for (auto& [id, node] : run->nodes) {
     finishJoin(node, failedPrecondition("run " + run_id + " is closed"));
   }
@@ -710,7 +720,7 @@ void RendezvousState::notifyKeys(const std::string& run_id, const std::string& k
     outbox_.waits.push_back({id, std::move(values)});
   }
   // A wait kept the space in use; now only its idle clock does.
-  if (!done.empty()) deadlines_.insert(now + retention_.idle_run_ttl);
+  if (!done.empty()) scheduleCollect(now + retention_.idle_run_ttl);
 }
 
 Status RendezvousState::kvSet(const std::string& run_id, const std::string& key, std::string value,
@@ -827,7 +837,7 @@ void RendezvousState::cancelWait(CallId id, TimePoint now) {
   if (it == waits_.end()) return;
   touch(it->second.run_id, now);
   waits_.erase(it);
-  deadlines_.insert(now + retention_.idle_run_ttl);
+  scheduleCollect(now + retention_.idle_run_ttl);
 }
 
 void RendezvousState::tick(TimePoint now) {
@@ -846,7 +856,7 @@ void RendezvousState::tick(TimePoint now) {
     touch(w.run_id, now);
     waits_.erase(id);
   }
-  if (!expired_waits.empty()) deadlines_.insert(now + retention_.idle_run_ttl);
+  if (!expired_waits.empty()) scheduleCollect(now + retention_.idle_run_ttl);
 
   for (auto& [run_id, run_ptr] : runs_) {
     Run& run = *run_ptr;
@@ -919,7 +929,7 @@ void RendezvousState::collect(TimePoint now) {
     tombstones_by_close_.erase(oldest);
   }
   if (!tombstones_by_close_.empty()) {
-    deadlines_.insert(tombstones_by_close_.begin()->first + retention_.closed_run_ttl);
+    scheduleCollect(tombstones_by_close_.begin()->first + retention_.closed_run_ttl);
   }
 
   std::set<std::string> waited;  // a pending wait keeps its run id in use
@@ -947,7 +957,7 @@ void RendezvousState::collect(TimePoint now) {
     if (expires <= now) {
       unused.push_back(run_id);
     } else {
-      deadlines_.insert(expires);
+      scheduleCollect(expires);
     }
   }
   for (const std::string& run_id : closed) {
@@ -972,7 +982,7 @@ void RendezvousState::collect(TimePoint now) {
     if (expires <= now) {
       stale.push_back(run_id);
     } else {
-      deadlines_.insert(expires);
+      scheduleCollect(expires);
     }
   }
   for (const std::string& run_id : stale) {
@@ -1023,7 +1033,7 @@ void RendezvousState::bury(const std::string& run_id, TimePoint closed_at, std::
     tombstones_.erase(oldest->second);
     tombstones_by_close_.erase(oldest);
   }
-  deadlines_.insert(tombstones_by_close_.begin()->first + retention_.closed_run_ttl);
+  scheduleCollect(tombstones_by_close_.begin()->first + retention_.closed_run_ttl);
 }
 
 StateCensus RendezvousState::census() const {

@@ -773,6 +773,14 @@ TEST_CASE("key writes and waits keep a store alive, and a store without a run is
   CHECK(h.state.kvGet("store", "k").isOk());
   h.advance(std::chrono::minutes(1));
   CHECK(h.state.census().kv_spaces == 0);
+
+  // Off whole seconds: never collected early, at most a second late (ticks are shared).
+  h.advance(std::chrono::milliseconds(300));
+  REQUIRE(h.state.kvSet("store", "k", "1", h.clock.now()).isOk());
+  h.advance(std::chrono::minutes(10) - std::chrono::milliseconds(1));
+  CHECK(h.state.census().kv_spaces == 1);
+  h.advance(std::chrono::seconds(1));
+  CHECK(h.state.census().kv_spaces == 0);
 }
 
 TEST_CASE("tombstones are bounded in number, the oldest close evicted first",

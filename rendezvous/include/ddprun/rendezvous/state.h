@@ -198,6 +198,7 @@ class RendezvousState {
   void touch(const std::string& run_id, TimePoint now);
   // Schedules a collection check for a run that may have just become unused.
   void noteMaybeIdle(Run& run, TimePoint now);
+  void scheduleCollect(TimePoint at);
   void collect(TimePoint now);
   void bury(const std::string& run_id, TimePoint closed_at, std::string reason, TimePoint now);
 
