@@ -114,6 +114,10 @@ struct RendezvousServer::Impl {
 
   void flush() {
     RendezvousState::Outbox out = state.drain();
+    {
+      std::lock_guard<std::mutex> lock(census_mu);  // before any answer leaves
+      census = state.census();
+    }
     for (auto& j : out.joins) {
       auto it = joins.find(j.id);
       if (it == joins.end()) continue;
@@ -160,8 +164,6 @@ struct RendezvousServer::Impl {
       }
     }
     armTimer();
-    std::lock_guard<std::mutex> lock(census_mu);
-    census = state.census();
   }
 
   void armTimer() {
@@ -511,8 +513,8 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
         return;
       }
       Status st = op(impl);
+      impl->flush();  // first: census() is current once the caller has its answer
       reactor->Finish(toGrpc(st));
-      impl->flush();
     });
     return reactor;
   }
@@ -592,6 +594,7 @@ grpc::ServerWriteReactor<pb::RoundChange>* RendezvousService::Watch(
       s.finish_after_queue = true;
     }
     impl->pump(id);
+    impl->flush();
   });
   return reactor;
 }

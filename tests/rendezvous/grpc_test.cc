@@ -309,6 +309,7 @@ TEST_CASE("a watched closed run becomes a tombstone once its watcher took kClose
 
   // A store nobody writes to any more is dropped after the idle TTL.
   REQUIRE(client.kvSet("scratch", "k", "v").isOk());
+  CHECK(server->census().kv_spaces == 1);  // current once the call returned
   CHECK(waitFor([&] { return server->census().kv_spaces == 0; }));
   CHECK(client.kvGet("scratch", "k").status().code() == StatusCode::kNotFound);
 }
