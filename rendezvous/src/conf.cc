@@ -1,5 +1,7 @@
 #include "ddprun/rendezvous/conf.h"
 
+#include <optional>
+
 #include "ddprun/common/strings.h"
 #include "ddprun/rendezvous/server.h"
 
@@ -7,14 +9,46 @@ namespace ddprun::rendezvous {
 
 namespace {
 
-StatusOr<Duration> positiveSeconds(const std::string& key, const std::string& value,
-                                   bool allow_zero) {
+// Larger values would overflow Duration; nobody means a timeout of 30 years.
+constexpr double kMaxSeconds = 1e9;
+constexpr long long kMaxHeartbeatMisses = 1000000;
+
+StatusOr<Duration> parseSeconds(const std::string& key, const std::string& value, bool allow_zero) {
   auto v = parseDouble(value);
   if (!v || *v < 0 || (!allow_zero && *v == 0)) {
-    return invalidArgument("--rdzv-conf " + key + "=" + value + ": expected " +
-                           (allow_zero ? "seconds >= 0" : "seconds > 0"));
+    return invalidArgument(key + " must be a number of seconds " + (allow_zero ? ">= 0" : "> 0") +
+                           ", got '" + value + "'");
+  }
+  if (*v > kMaxSeconds) {
+    return invalidArgument(key + " must be at most 1e9 seconds, got '" + value + "'");
   }
   return seconds(*v);
+}
+
+// Reads a PEM file named by a tls_* key and checks that it holds what the key needs, so a wrong
+// file is reported here and not as an obscure handshake or listen failure later.
+StatusOr<std::string> readPem(const std::string& key, const std::string& path, bool private_key) {
+  const std::string what = private_key ? "a PEM private key" : "a PEM certificate";
+  if (path.empty()) return invalidArgument(key + " needs the path of " + what + ", got ''");
+  auto pem = readFile(path);
+  if (!pem.isOk()) {
+    return invalidArgument(key + ": cannot read '" + path + "' (expected " + what + ")");
+  }
+  const std::string& text = pem.value();
+  const bool ok = private_key ? text.find("-----BEGIN ") != std::string::npos &&
+                                    text.find("PRIVATE KEY-----") != std::string::npos
+                              : text.find("-----BEGIN CERTIFICATE-----") != std::string::npos;
+  if (!ok) return invalidArgument(key + ": '" + path + "' is not " + what);
+  return text;
+}
+
+std::string keyList() {
+  std::string out;
+  for (const char* k : kRendezvousConfKeys) {
+    if (!out.empty()) out += ", ";
+    out += k;
+  }
+  return out;
 }
 
 }  // namespace
@@ -24,58 +58,83 @@ StatusOr<RendezvousConf> parseRendezvousConf(const std::map<std::string, std::st
   RendezvousConf out;
   out.run.min_nodes = min_nodes;
   out.run.max_nodes = max_nodes;
+  out.run.heartbeat_interval = kDefaultHeartbeatInterval;
+  out.run.heartbeat_misses = kDefaultHeartbeatMisses;
+  bool join_timeout_given = false;
+  std::optional<Duration> timeout_alias;
+  bool failure_grace_given = false;
+  std::string tls_cert_file, tls_key_file;
   for (const auto& [raw_key, value] : conf) {
     std::string key = raw_key;
     for (char& c : key) {
       if (c == '-') c = '_';
     }
     if (key == "join_timeout") {
-      DDPRUN_ASSIGN_OR_RETURN(out.join_timeout, positiveSeconds(key, value, false));
+      DDPRUN_ASSIGN_OR_RETURN(out.join_timeout, parseSeconds(key, value, false));
+      join_timeout_given = true;
+    } else if (key == "timeout") {
+      // torchrun's name for the join timeout; an explicit join_timeout wins whatever the order.
+      DDPRUN_ASSIGN_OR_RETURN(Duration t, parseSeconds(key, value, false));
+      timeout_alias = t;
     } else if (key == "last_call_timeout") {
-      DDPRUN_ASSIGN_OR_RETURN(out.run.last_call_timeout, positiveSeconds(key, value, true));
+      DDPRUN_ASSIGN_OR_RETURN(out.run.last_call_timeout, parseSeconds(key, value, true));
     } else if (key == "close_timeout") {
-      DDPRUN_ASSIGN_OR_RETURN(out.close_timeout, positiveSeconds(key, value, true));
+      DDPRUN_ASSIGN_OR_RETURN(out.close_timeout, parseSeconds(key, value, true));
     } else if (key == "heartbeat_interval") {
-      DDPRUN_ASSIGN_OR_RETURN(out.run.heartbeat_interval, positiveSeconds(key, value, false));
+      DDPRUN_ASSIGN_OR_RETURN(out.run.heartbeat_interval, parseSeconds(key, value, false));
     } else if (key == "read_timeout") {
-      DDPRUN_ASSIGN_OR_RETURN(out.read_timeout, positiveSeconds(key, value, false));
+      DDPRUN_ASSIGN_OR_RETURN(out.read_timeout, parseSeconds(key, value, false));
+    } else if (key == "failure_grace") {
+      DDPRUN_ASSIGN_OR_RETURN(out.failure_grace, parseSeconds(key, value, true));
+      failure_grace_given = true;
     } else if (key == "heartbeat_misses") {
       auto v = parseInt(value);
-      if (!v || *v < 1 || *v > 1000000) {
-        return invalidArgument("--rdzv-conf heartbeat_misses=" + value +
-                               ": expected an integer >= 1");
+      if (!v || *v < 1 || *v > kMaxHeartbeatMisses) {
+        return invalidArgument("heartbeat_misses must be an integer from 1 to " +
+                               std::to_string(kMaxHeartbeatMisses) + ", got '" + value + "'");
       }
       out.run.heartbeat_misses = static_cast<uint32_t>(*v);
     } else if (key == "is_host") {
-      const std::string v = toLower(value);
-      if (v == "auto") {
+      if (toLower(value) == "auto") {
         out.is_host = IsHost::kAuto;
-      } else if (auto b = parseBool(v)) {
+      } else if (auto b = parseBool(value)) {
         out.is_host = *b ? IsHost::kTrue : IsHost::kFalse;
       } else {
-        return invalidArgument("--rdzv-conf is_host=" + value + ": expected auto, true or false");
+        return invalidArgument("is_host must be auto, true or false, got '" + value + "'");
       }
     } else if (key == "token_file") {
+      if (value.empty()) return invalidArgument("token_file needs a path, got ''");
       auto token = readTokenFile(value);
-      if (!token.isOk())
-        return invalidArgument("--rdzv-conf token_file: " + token.status().message());
+      if (!token.isOk()) return invalidArgument("token_file: " + token.status().message());
       out.token = token.value();
-    } else if (key == "tls_cert" || key == "tls_key" || key == "tls_ca") {
-      auto pem = readFile(value);
-      if (!pem.isOk()) return invalidArgument("--rdzv-conf " + key + ": " + pem.status().message());
-      (key == "tls_cert"  ? out.tls_cert_pem
-       : key == "tls_key" ? out.tls_key_pem
-                          : out.tls_ca_pem) = pem.value();
+    } else if (key == "tls_cert") {
+      DDPRUN_ASSIGN_OR_RETURN(out.tls_cert_pem, readPem(key, value, false));
+      tls_cert_file = value;
+    } else if (key == "tls_key") {
+      DDPRUN_ASSIGN_OR_RETURN(out.tls_key_pem, readPem(key, value, true));
+      tls_key_file = value;
+    } else if (key == "tls_ca") {
+      DDPRUN_ASSIGN_OR_RETURN(out.tls_ca_pem, readPem(key, value, false));
+      out.tls_ca_file = value;
     } else {
-      return invalidArgument("--rdzv-conf: unknown key '" + raw_key +
-                             "' (known: join_timeout, last_call_timeout, close_timeout, "
-                             "heartbeat_interval, heartbeat_misses, is_host, read_timeout, "
-                             "token_file, tls_cert, tls_key, tls_ca)");
+      return invalidArgument("unknown key '" + raw_key + "' (accepted: " + keyList() + ")");
     }
   }
-  if (out.tls_cert_pem.empty() != out.tls_key_pem.empty()) {
-    return invalidArgument("--rdzv-conf: tls_cert and tls_key must be given together");
+  if (timeout_alias && !join_timeout_given) out.join_timeout = *timeout_alias;
+  if (!tls_cert_file.empty() && tls_key_file.empty()) {
+    return invalidArgument("tls_cert=" + tls_cert_file +
+                           " needs tls_key= too (the certificate's private key)");
   }
+  if (!tls_key_file.empty() && tls_cert_file.empty()) {
+    return invalidArgument("tls_key=" + tls_key_file +
+                           " needs tls_cert= too (the certificate it belongs to)");
+  }
+  if (!tls_cert_file.empty() && out.tls_ca_pem.empty()) {
+    return invalidArgument(
+        "tls_cert= and tls_key= (serve TLS) need tls_ca= too: the certificate every agent trusts, "
+        "this one included (for a self-signed certificate, the same file as tls_cert)");
+  }
+  if (!failure_grace_given) out.failure_grace = 2 * out.run.heartbeat_interval;
   return out;
 }
 

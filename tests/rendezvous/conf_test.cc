@@ -45,7 +45,7 @@ TEST_CASE("rdzv-conf rejects unknown keys and malformed values", "[rendezvous][c
   CHECK(parseRendezvousConf({{"bogus", "1"}}, 1, 1).status().code() ==
         StatusCode::kInvalidArgument);
   CHECK(parseRendezvousConf({{"join_timeout", "-1"}}, 1, 1).status().message() ==
-        "--rdzv-conf join_timeout=-1: expected seconds > 0");
+        "join_timeout must be a number of seconds > 0, got '-1'");
   CHECK_FALSE(parseRendezvousConf({{"heartbeat_misses", "0"}}, 1, 1).isOk());
   CHECK_FALSE(parseRendezvousConf({{"is_host", "maybe"}}, 1, 1).isOk());
   CHECK_FALSE(parseRendezvousConf({{"token_file", "/nonexistent/t"}}, 1, 1).isOk());
