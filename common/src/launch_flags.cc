@@ -15,7 +15,9 @@ const std::vector<LaunchFlag>& launchFlags() {
        "Rendezvous backend endpoint; usually in form <host>:<port> (default port 29400)."},
       {"rdzv_id", true, "ID", "User-defined group id. Default none."},
       {"rdzv_conf", true, "K=V,...",
-       "Additional rendezvous configuration (<key1>=<value1>,<key2>=<value2>,...)."},
+       "Additional rendezvous configuration (<key1>=<value1>,<key2>=<value2>,...): "
+       "join_timeout, timeout, last_call_timeout, close_timeout, read_timeout, heartbeat_interval, "
+       "heartbeat_misses, failure_grace, is_host, token_file, tls_ca, tls_cert, tls_key."},
       {"standalone", false, nullptr,
        "Start a local standalone rendezvous backend on a free port, with a fresh run id. Single "
        "node only."},

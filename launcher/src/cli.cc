@@ -12,16 +12,12 @@
 
 #include "ddprun/common/launch_flags.h"
 #include "ddprun/common/strings.h"
+#include "ddprun/rendezvous/conf.h"
 
 namespace ddprun::launcher {
 namespace {
 
 using FlagSpec = LaunchFlag;
-
-const char* const kRdzvConfKeys[] = {"join_timeout",       "last_call_timeout", "close_timeout",
-                                     "heartbeat_interval", "heartbeat_misses",  "is_host",
-                                     "read_timeout",       "token_file",        "timeout",
-                                     "failure_grace"};
 
 Status usage(const std::string& msg) { return invalidArgument(msg); }
 
@@ -158,6 +154,9 @@ StatusOr<std::string> endpoint(const Raw& raw, int default_port) {
   return host + ":" + std::to_string(port);
 }
 
+// Splits k=v,... and validates the pairs with the rendezvous' own parser, which the agent uses
+// too: the same keys, spellings and defaults everywhere. The agent gets the pairs and parses them
+// again (files are read there).
 StatusOr<std::map<std::string, std::string>> rdzvConf(const Raw& raw) {
   std::map<std::string, std::string> out;
   if (trim(raw.value).empty()) return out;
@@ -166,37 +165,10 @@ StatusOr<std::map<std::string, std::string>> rdzvConf(const Raw& raw) {
     if (eq == std::string::npos || eq == 0) {
       return badValue(raw, "<key>=<value> pairs separated by commas");
     }
-    std::string key = trim(item.substr(0, eq));
-    std::string value = trim(item.substr(eq + 1));
-    bool known = false;
-    for (const char* k : kRdzvConfKeys) known = known || key == k;
-    if (!known) {
-      std::vector<std::string> keys(std::begin(kRdzvConfKeys), std::end(kRdzvConfKeys));
-      return usage("argument " + raw.source + ": unknown key '" + key +
-                   "' (accepted: " + join(keys, ", ") + ")");
-    }
-    if (key == "is_host") {
-      if (value != "auto" && !parseBool(value)) {
-        return usage("argument " + raw.source + ": is_host must be auto, true or false, got '" +
-                     value + "'");
-      }
-    } else if (key == "heartbeat_misses") {
-      auto v = parseInt(value);
-      if (!v || *v < 1) {
-        return usage("argument " + raw.source +
-                     ": heartbeat_misses must be an integer >= 1, got '" + value + "'");
-      }
-    } else if (key != "token_file") {
-      auto v = parseDouble(value);
-      if (!v || *v <= 0) {
-        return usage("argument " + raw.source + ": " + key +
-                     " must be a number of seconds > 0, got '" + value + "'");
-      }
-    } else if (value.empty()) {
-      return usage("argument " + raw.source + ": token_file needs a path");
-    }
-    out[key] = value;
+    out[trim(item.substr(0, eq))] = trim(item.substr(eq + 1));
   }
+  auto parsed = rendezvous::parseRendezvousConf(out, 1, 1);
+  if (!parsed.isOk()) return usage("argument " + raw.source + ": " + parsed.status().message());
   return out;
 }
 

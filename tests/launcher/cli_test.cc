@@ -201,6 +201,8 @@ TEST_CASE("nnodes and endpoints parse every documented form", "[launcher]") {
 TEST_CASE("malformed values are usage errors naming the flag and the accepted form", "[launcher]") {
   Files f;
   const std::string x = f.exe;
+  const std::string cert = f.dir + "/cert.pem";
+  std::ofstream(cert) << "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
   struct Case {
     std::vector<std::string> args;
     std::string expected;
@@ -270,11 +272,24 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
       {{"--rdzv-conf=colour=blue", x},
        "argument --rdzv-conf: unknown key 'colour' (accepted: join_timeout, last_call_timeout, "
        "close_timeout, heartbeat_interval, heartbeat_misses, is_host, read_timeout, token_file, "
-       "timeout, failure_grace)"},
+       "timeout, failure_grace, tls_cert, tls_key, tls_ca)"},
       {{"--rdzv-conf=join_timeout=-3", x},
        "argument --rdzv-conf: join_timeout must be a number of seconds > 0, got '-3'"},
       {{"--rdzv-conf=is_host=maybe", x},
        "argument --rdzv-conf: is_host must be auto, true or false, got 'maybe'"},
+      {{"--rdzv-conf=tls_ca=" + f.dir + "/missing-ca.pem", x},
+       "argument --rdzv-conf: tls_ca: cannot read '" + f.dir +
+           "/missing-ca.pem' (expected a PEM certificate)"},
+      {{"--rdzv-conf=tls_ca=" + cert + ",tls_cert=" + cert, x},
+       "argument --rdzv-conf: tls_cert=" + cert +
+           " needs tls_key= too (the certificate's private "
+           "key)"},
+      {{"--rdzv-conf=tls_ca=" + f.plain, x},
+       "argument --rdzv-conf: tls_ca: '" + f.plain + "' is not a PEM certificate"},
+      {{"--rdzv-conf=token_file=" + f.dir + "/missing-token", x},
+       "argument --rdzv-conf: token_file: cannot read " + f.dir + "/missing-token"},
+      {{"--rdzv-conf=heartbeat_misses=0", x},
+       "argument --rdzv-conf: heartbeat_misses must be an integer from 1 to 1000000, got '0'"},
       {{"--nnodes=1:2", x},
        "argument --nnodes: the static rendezvous needs a fixed number of nodes, got 1:2 (use "
        "--rdzv-backend=c10d for elastic MIN:MAX)"},
@@ -299,6 +314,33 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
     INFO(join(c.args, " "));
     CHECK(errorOf(c.args, f.env()) == c.expected);
   }
+}
+
+TEST_CASE("rdzv-conf accepts every key of the rendezvous' parser and keeps the pairs for the agent",
+          "[launcher]") {
+  Files f;
+  const std::string cert = f.dir + "/cert.pem", key = f.dir + "/key.pem";
+  std::ofstream(cert) << "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+  std::ofstream(key) << "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n";
+  auto r = parse({"--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400",
+                  "--rdzv-conf= timeout=20 ,failure_grace=0,last_call_timeout=0,tls_ca=" + cert +
+                      ",tls_cert=" + cert + ",tls-key=" + key + ",is_host=false",
+                  f.exe},
+                 f.env());
+  REQUIRE(r.isOk());
+  const auto& conf = r->config.rdzv_conf;
+  CHECK(conf.at("timeout") == "20");
+  CHECK(conf.at("failure_grace") == "0");
+  CHECK(conf.at("last_call_timeout") == "0");
+  CHECK(conf.at("tls_ca") == cert);
+  CHECK(conf.at("tls_cert") == cert);
+  CHECK(conf.at("tls-key") == key);
+  CHECK(conf.at("is_host") == "false");
+  // From the environment, the error names PET_RDZV_CONF.
+  auto env = f.env();
+  env["PET_RDZV_CONF"] = "tls_cert=" + cert + ",tls_ca=" + cert;
+  CHECK(errorOf({f.exe}, env) == "argument PET_RDZV_CONF: tls_cert=" + cert +
+                                     " needs tls_key= too (the certificate's private key)");
 }
 
 TEST_CASE("a unique prefix of a flag is accepted as argparse does", "[launcher]") {
