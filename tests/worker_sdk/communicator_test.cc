@@ -273,3 +273,63 @@ TEST_CASE("with an agent-hosted store every rank connects as a client", "[worker
   }
   CHECK(sums == std::vector<float>{3, 3});
 }
+
+namespace {
+
+// Thread ranks whose host identity comes from `hosts` (rank r is on hosts[r]).
+void runOnHosts(const std::vector<std::string>& hosts,
+                const std::function<void(ProcessGroup&)>& body) {
+  t::runRanks(static_cast<int>(hosts.size()), body, [&](int rank) {
+    ProcessGroupOptions o = t::fastOptions();
+    o.host_identity = hosts[static_cast<size_t>(rank)];
+    return o;
+  });
+}
+
+}  // namespace
+
+TEST_CASE("all_reduce is hierarchical across simulated hosts and exact for every size and dtype",
+          "[worker][comm]") {
+  const auto layout = GENERATE(std::vector<std::string>{"A", "A", "B", "B"},
+                               std::vector<std::string>{"A", "B", "A", "B", "A", "B"},
+                               std::vector<std::string>{"A", "A", "B"});
+  const int world = static_cast<int>(layout.size());
+  const bool hierarchical = world != 3;  // uneven hosts fall back to the ring
+  std::mutex mu;
+  std::vector<std::string> failures;
+  std::vector<std::string> plans(layout.size());
+  runOnHosts(layout, [&](ProcessGroup& pg) {
+    plans[static_cast<size_t>(pg.rank())] = pg.comm().describe();
+    auto fail = [&](const std::string& what) {
+      std::lock_guard<std::mutex> l(mu);
+      failures.push_back("rank " + std::to_string(pg.rank()) + ": " + what);
+    };
+    const int64_t total = static_cast<int64_t>(world) * (world + 1) / 2;
+    for (int64_t n : {0, 1, 17, 1000, 3 * 1024 * 1024 + 5}) {
+      auto f = torch::arange(n, torch::kFloat) * (pg.rank() + 1);
+      pg.comm().allReduce(f, ReduceOp::kSum);
+      if (!torch::allclose(f, torch::arange(n, torch::kFloat) * total))
+        fail("float sum n=" + std::to_string(n));
+      auto d = torch::full({n}, static_cast<double>(pg.rank()), torch::kDouble);
+      pg.comm().allReduce(d, ReduceOp::kAvg);
+      if (!torch::allclose(d, torch::full({n}, (world - 1) / 2.0, torch::kDouble)))
+        fail("double avg n=" + std::to_string(n));
+      auto l = torch::full({n}, pg.rank() + 1, torch::kLong);
+      pg.comm().allReduce(l, ReduceOp::kSum);
+      if (!torch::equal(l, torch::full({n}, total, torch::kLong)))
+        fail("int64 sum n=" + std::to_string(n));
+    }
+    // A DDP-style buffer, reduced in place within each host.
+    auto buf = pg.comm().allocateBuffer(70000, torch::dtype(torch::kFloat));
+    buf.fill_(static_cast<float>(pg.rank() + 1));
+    pg.comm().allReduce(buf, ReduceOp::kSum);
+    if (!torch::equal(buf, torch::full({70000}, static_cast<float>(total))))
+      fail("allocateBuffer sum");
+  });
+  for (auto& f : failures) UNSCOPED_INFO(f);
+  CHECK(failures.empty());
+  INFO(plans[0]);
+  for (auto& p : plans) CHECK(p == plans[0]);
+  CHECK((plans[0].find("2 hosts") != std::string::npos) == hierarchical);
+  if (!hierarchical) CHECK(plans[0].find("gloo TCP ring") != std::string::npos);
+}

@@ -41,6 +41,7 @@ struct Scenario {
   double first_bucket_mb = 1;
   bool overlap = true;
   bool grad_views = true;
+  std::vector<std::string> hosts;  // simulated host of each rank; empty = all on this host
 };
 
 // Trains W thread-ranks with DDP on shards and one reference model on the whole batch; returns
@@ -68,33 +69,41 @@ std::pair<double, bool> trainAndCompare(const Scenario& s) {
   }
 
   std::vector<torch::nn::Sequential> models(static_cast<size_t>(s.world));
-  t::runRanks(s.world, [&](ProcessGroup& pg) {
-    auto model = makeModel();  // random init: DDP must replace it by rank 0's
-    if (pg.rank() == 0) copyParams(*init, *model);
-    DdpOptions o;
-    o.bucket_cap_mb = s.bucket_cap_mb;
-    o.first_bucket_mb = s.first_bucket_mb;
-    o.overlap = s.overlap;
-    o.gradient_as_bucket_view = s.grad_views;
-    DistributedDataParallel ddp(model.ptr(), pg.shared_from_this(), o);
-    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
-    for (int st = 0; st < s.steps; ++st) {
-      opt.zero_grad();
-      for (int m = 0; m < s.micro; ++m) {
-        auto k = static_cast<size_t>(st * s.micro + m);
-        auto x = xs[k].narrow(0, pg.rank() * per_rank, per_rank);
-        auto y = ys[k].narrow(0, pg.rank() * per_rank, per_rank);
-        if (m + 1 < s.micro) {
-          auto guard = ddp.noSync();
-          torch::mse_loss(model->forward(x), y).backward();
-        } else {
-          torch::mse_loss(model->forward(x), y).backward();
+  auto options_of = [&](int rank) {
+    ProcessGroupOptions o = t::fastOptions();
+    if (!s.hosts.empty()) o.host_identity = s.hosts[static_cast<size_t>(rank)];
+    return o;
+  };
+  t::runRanks(
+      s.world,
+      [&](ProcessGroup& pg) {
+        auto model = makeModel();  // random init: DDP must replace it by rank 0's
+        if (pg.rank() == 0) copyParams(*init, *model);
+        DdpOptions o;
+        o.bucket_cap_mb = s.bucket_cap_mb;
+        o.first_bucket_mb = s.first_bucket_mb;
+        o.overlap = s.overlap;
+        o.gradient_as_bucket_view = s.grad_views;
+        DistributedDataParallel ddp(model.ptr(), pg.shared_from_this(), o);
+        torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+        for (int st = 0; st < s.steps; ++st) {
+          opt.zero_grad();
+          for (int m = 0; m < s.micro; ++m) {
+            auto k = static_cast<size_t>(st * s.micro + m);
+            auto x = xs[k].narrow(0, pg.rank() * per_rank, per_rank);
+            auto y = ys[k].narrow(0, pg.rank() * per_rank, per_rank);
+            if (m + 1 < s.micro) {
+              auto guard = ddp.noSync();
+              torch::mse_loss(model->forward(x), y).backward();
+            } else {
+              torch::mse_loss(model->forward(x), y).backward();
+            }
+          }
+          opt.step();
         }
-      }
-      opt.step();
-    }
-    models[static_cast<size_t>(pg.rank())] = model;
-  });
+        models[static_cast<size_t>(pg.rank())] = model;
+      },
+      options_of);
   double worst = 0;
   bool same = true;
   for (auto& m : models) {
@@ -119,6 +128,21 @@ TEST_CASE("DDP over W thread-ranks on a split batch equals one process on the wh
       CHECK(diff < 1e-6);
       CHECK(same);
     }
+  }
+}
+
+TEST_CASE("DDP across simulated hosts (shared memory within, gloo across) equals one process",
+          "[worker][ddp]") {
+  for (double cap : {25.0, 0.0005}) {
+    Scenario s;
+    s.world = 4;
+    s.hosts = {"A", "A", "B", "B"};
+    s.bucket_cap_mb = cap;
+    s.first_bucket_mb = cap < 1 ? cap : 1.0;
+    auto [diff, same] = trainAndCompare(s);
+    INFO("bucket_cap_mb=" << cap << " max diff=" << diff);
+    CHECK(diff < 1e-6);
+    CHECK(same);
   }
 }
 

@@ -21,15 +21,16 @@ inline ProcessGroupOptions fastOptions() {
   return o;
 }
 
+// Rank r's group gets options_of(r) (e.g. a simulated host per rank).
 inline void runRanks(int world, const std::function<void(ProcessGroup&)>& body,
-                     const ProcessGroupOptions& options = fastOptions()) {
-  auto store = KeyValueStore::inMemory(options.connect_timeout);
+                     const std::function<ProcessGroupOptions(int)>& options_of) {
+  auto store = KeyValueStore::inMemory(options_of(0).connect_timeout);
   std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       try {
-        auto pg = ProcessGroup::create(r, world, store, options);
+        auto pg = ProcessGroup::create(r, world, store, options_of(r));
         body(*pg);
       } catch (...) {
         errors[static_cast<size_t>(r)] = std::current_exception();
@@ -40,6 +41,11 @@ inline void runRanks(int world, const std::function<void(ProcessGroup&)>& body,
   for (auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
+}
+
+inline void runRanks(int world, const std::function<void(ProcessGroup&)>& body,
+                     const ProcessGroupOptions& options = fastOptions()) {
+  runRanks(world, body, [&](int) { return options; });
 }
 
 }  // namespace ddprun::worker::testing

@@ -10,6 +10,7 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 
@@ -68,16 +69,47 @@ void runAllReduce(const std::shared_ptr<gloo::Context>& ctx, T* ptr, size_t n, u
   gloo::allreduce(opts);
 }
 
+// Gloo's ring all-reduce of a CPU buffer of one of the four reducible dtypes.
+void allReduceBuffer(const std::shared_ptr<gloo::Context>& ctx, void* data, size_t n,
+                     at::ScalarType dtype, uint32_t tag, std::chrono::milliseconds timeout) {
+  switch (dtype) {
+    case at::kFloat:
+      return runAllReduce(ctx, static_cast<float*>(data), n, tag, timeout);
+    case at::kDouble:
+      return runAllReduce(ctx, static_cast<double*>(data), n, tag, timeout);
+    case at::kLong:
+      return runAllReduce(ctx, static_cast<int64_t*>(data), n, tag, timeout);
+    case at::kInt:
+      return runAllReduce(ctx, static_cast<int32_t*>(data), n, tag, timeout);
+    default:
+      throw WorkerError("all_reduce: dtype " + std::string(c10::toString(dtype)) +
+                        " is not supported by the gloo backend");
+  }
+}
+
+// How all_reduce runs: over Gloo's TCP ring alone; over shared memory (every rank on one host);
+// or hierarchically: shared memory within each host, and for each local index a Gloo ring
+// ("column") across the hosts that sums that local rank's piece.
+struct AllReducePlan {
+  std::unique_ptr<ShmAllReduce> shm;      // this host's group, if any
+  std::shared_ptr<gloo::Context> column;  // hierarchical only
+  std::string description = "gloo TCP ring";
+};
+
 class GlooCommunicator : public Communicator {
  public:
   GlooCommunicator(int rank, int size, std::shared_ptr<gloo::Context> ctx,
-                   std::chrono::milliseconds timeout, std::unique_ptr<ShmAllReduce> shm)
+                   std::chrono::milliseconds timeout, AllReducePlan plan)
       : rank_(rank),
         size_(size),
         ctx_(std::move(ctx)),
         timeout_(timeout),
-        shm_(std::move(shm)),
+        shm_(std::move(plan.shm)),
+        column_(std::move(plan.column)),
+        description_(std::move(plan.description)),
         queue_("gloo communicator") {}
+
+  std::string describe() const override { return "gloo: all_reduce over " + description_; }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -100,11 +132,19 @@ class GlooCommunicator : public Communicator {
       if (n > 0 && size_ > 1) {
         if (shm_) {
           // The average's scaling rides on the reduction's last pass.
+          ShmAllReduce::PieceHook across_hosts;
+          if (column_) {
+            const at::ScalarType dtype = work.scalar_type();
+            across_hosts = [this, dtype](void* piece, size_t count) {
+              // Each column collective its own tag (same sequence on every host of the column).
+              allReduceBuffer(column_, piece, count, dtype, column_tag_++ & 0x7fffffffu, timeout_);
+            };
+          }
           shm_->allReduce(work.data_ptr(), n, shmType(work.scalar_type()),
-                          op == ReduceOp::kAvg ? 1.0 / size_ : 1.0);
+                          op == ReduceOp::kAvg ? 1.0 / size_ : 1.0, across_hosts);
           averaged = true;
         } else {
-          allReduceOverGloo(work, n, tag);
+          allReduceBuffer(ctx_, work.data_ptr(), n, work.scalar_type(), tag, timeout_);
         }
       }
       if (op == ReduceOp::kAvg && !averaged) work.div_(size_);
@@ -114,25 +154,6 @@ class GlooCommunicator : public Communicator {
           std::chrono::duration<double, std::milli>(t0.time_since_epoch()).count(), n,
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     });
-  }
-
-  void allReduceOverGloo(at::Tensor& work, size_t n, uint32_t tag) {
-    switch (work.scalar_type()) {
-      case at::kFloat:
-        runAllReduce(ctx_, work.data_ptr<float>(), n, tag, timeout_);
-        break;
-      case at::kDouble:
-        runAllReduce(ctx_, work.data_ptr<double>(), n, tag, timeout_);
-        break;
-      case at::kLong:
-        runAllReduce(ctx_, work.data_ptr<int64_t>(), n, tag, timeout_);
-        break;
-      case at::kInt:
-        runAllReduce(ctx_, work.data_ptr<int32_t>(), n, tag, timeout_);
-        break;
-      default:
-        break;  // rejected in checkReducible
-    }
   }
 
   std::shared_ptr<Work> broadcastAsync(at::Tensor tensor, int root) override {
@@ -189,8 +210,24 @@ class GlooCommunicator : public Communicator {
     }
     const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
     std::shared_ptr<void> memory;
-    // On the op thread, in order with the collectives: allocation is itself collective.
-    queue_.submit([&] { memory = shm_->allocate(bytes); })->wait();
+    // On the op thread, in order with the collectives: allocation is itself collective. With
+    // several hosts every host must agree, or the hosts' pieces would be cut differently.
+    const uint32_t tag = nextTag();
+    queue_
+        .submit([&] {
+          memory = shm_->allocate(bytes);
+          if (column_) {
+            int32_t all_shared = memory ? 1 : 0;
+            gloo::AllreduceOptions opts(ctx_);
+            opts.setOutput(&all_shared, 1);
+            opts.setReduceFunction(static_cast<ReduceFn>(&gloo::min<int32_t>));
+            opts.setTag(tag);
+            opts.setTimeout(timeout_);
+            gloo::allreduce(opts);
+            if (all_shared == 0) memory.reset();
+          }
+        })
+        ->wait();
     if (!memory) return Communicator::allocateBuffer(numel, options);
     return at::from_blob(
         memory.get(), {numel}, [memory](void*) {}, options.requires_grad(false));
@@ -247,9 +284,117 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
   std::atomic<uint32_t> tag_{0};
-  std::unique_ptr<ShmAllReduce> shm_;  // set when every rank shares this host
-  OpQueue queue_;                      // last member: its thread stops before the context goes away
+  std::unique_ptr<ShmAllReduce> shm_;      // this host's ranks, when all_reduce uses shared memory
+  std::shared_ptr<gloo::Context> column_;  // the same local index on every host (hierarchical)
+  uint32_t column_tag_ = 0;                // only touched on the op thread
+  std::string description_;
+  OpQueue queue_;  // last member: its thread stops before the context goes away
 };
+
+}  // namespace
+
+namespace {
+
+// FNV-1a: the same on every rank and build, unlike std::hash.
+uint64_t fingerprint(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// Collective over `ctx`. Finds which ranks share a host (a fingerprint of the host identity,
+// all-gathered), then sets up shared memory per host and, when there are several hosts with the
+// same number of ranks each, one Gloo context per local index across the hosts. Any rank or host
+// that cannot take part makes every rank fall back to the plain ring.
+AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueStore>& store,
+                            const GlooOptions& options, const std::shared_ptr<gloo::Context>& ctx,
+                            std::shared_ptr<gloo::transport::Device> device) {
+  static const auto log = ddprun::logger("worker");
+  AllReducePlan plan;
+  const bool wanted = options.shared_memory && !shmDisabledByEnvironment();
+  if (size < 2) return plan;
+  const std::string identity =
+      options.host_identity.empty() ? localHostIdentity() : options.host_identity;
+  // A rank that does not want shared memory poses as a host of its own: no host is then shared
+  // by all ranks equally, so every rank falls back together.
+  const uint64_t mine =
+      wanted ? fingerprint(identity) : fingerprint("no-shm/" + std::to_string(rank));
+  std::vector<uint64_t> hosts(static_cast<size_t>(size));
+  {
+    gloo::AllgatherOptions opts(ctx);
+    opts.setInput(const_cast<uint64_t*>(&mine), 1);
+    opts.setOutput(hosts.data(), hosts.size());
+    opts.setTag(0x7ffffff0u);
+    opts.setTimeout(options.connect_timeout);
+    gloo::allgather(opts);
+  }
+  // Hosts in order of their lowest rank; this rank's host index and local index.
+  std::vector<uint64_t> order;
+  std::vector<int> per_host;
+  int host_index = -1;
+  int local_rank = 0;
+  for (int r = 0; r < size; ++r) {
+    const uint64_t h = hosts[static_cast<size_t>(r)];
+    auto it = std::find(order.begin(), order.end(), h);
+    const auto idx = static_cast<size_t>(it - order.begin());
+    if (it == order.end()) {
+      order.push_back(h);
+      per_host.push_back(0);
+    }
+    if (r == rank) {
+      host_index = static_cast<int>(idx);
+      local_rank = per_host[idx];
+    }
+    ++per_host[idx];
+  }
+  const int num_hosts = static_cast<int>(order.size());
+  const int local_size = per_host[static_cast<size_t>(host_index)];
+  const bool uniform =
+      std::all_of(per_host.begin(), per_host.end(), [&](int n) { return n == per_host.front(); });
+  if (local_size < 2 || !uniform) {
+    log->debug("rank {}: {} host(s) with {} rank(s) each: no shared-memory all-reduce", rank,
+               num_hosts, uniform ? std::to_string(local_size) : std::string("uneven numbers of"));
+    return plan;
+  }
+
+  ShmOptions shm_options;
+  shm_options.prefix = options.prefix + "/host" + std::to_string(host_index);
+  shm_options.setup_timeout = options.connect_timeout;
+  shm_options.op_timeout = options.op_timeout;
+  shm_options.host_identity = identity;
+  auto shm = ShmAllReduce::tryCreate(local_rank, local_size, store, shm_options);
+  if (num_hosts > 1) {
+    // Every host must have its group, or nobody uses one.
+    int32_t ok = shm ? 1 : 0;
+    gloo::AllreduceOptions opts(ctx);
+    opts.setOutput(&ok, 1);
+    opts.setReduceFunction(static_cast<ReduceFn>(&gloo::min<int32_t>));
+    opts.setTag(0x7ffffff1u);
+    opts.setTimeout(options.connect_timeout);
+    gloo::allreduce(opts);
+    if (ok == 0) return plan;
+    auto column = std::make_shared<gloo::rendezvous::Context>(host_index, num_hosts);
+    column->setTimeout(options.connect_timeout);
+    StoreAdapter adapter(store, options.prefix + "/column" + std::to_string(local_rank) + "/",
+                         options.connect_timeout);
+    try {
+      column->connectFullMesh(adapter, device);
+    } catch (const std::exception& e) {
+      throw CommError("gloo: rank " + std::to_string(rank) +
+                      " could not connect to its peers on the other hosts: " + e.what());
+    }
+    column->setTimeout(options.op_timeout);
+    plan.column = std::move(column);
+  }
+  if (!shm) return plan;
+  plan.shm = std::move(shm);
+  plan.description = num_hosts == 1
+                         ? "shared memory (" + std::to_string(size) + " ranks on one host)"
+                         : "shared memory within each of " + std::to_string(num_hosts) +
+                               " hosts (" + std::to_string(local_size) +
+                               " ranks each) + gloo TCP rings across hosts";
+  return plan;
+}
 
 }  // namespace
 
@@ -275,14 +420,10 @@ std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,
                     std::to_string(size - 1) + " peers: " + e.what());
   }
   ctx->setTimeout(options.op_timeout);
-  ShmOptions shm_options;
-  shm_options.prefix = options.prefix;
-  shm_options.setup_timeout = options.connect_timeout;
-  shm_options.op_timeout = options.op_timeout;
-  shm_options.enabled = options.shared_memory;
-  auto shm = ShmAllReduce::tryCreate(rank, size, store, shm_options);
+  AllReducePlan plan = planAllReduce(rank, size, store, options, ctx, device);
+  if (rank == 0) ddprun::logger("worker")->info("all_reduce over {}", plan.description);
   return std::make_unique<GlooCommunicator>(rank, size, std::move(ctx), options.op_timeout,
-                                            std::move(shm));
+                                            std::move(plan));
 }
 
 }  // namespace ddprun::worker

@@ -20,6 +20,7 @@ struct GlooOptions {
   int cuda_device = 0;  // NCCL only
   // Gloo only: all-reduce through shared memory when every rank is on this host.
   bool shared_memory = true;
+  std::string host_identity;  // empty = this host's; tests simulate several hosts with it
 };
 
 std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,

@@ -61,7 +61,8 @@ std::unique_ptr<Communicator> makeCommunicator(int rank, int size,
                 options.connect_timeout,
                 options.op_timeout,
                 std::max(options.cuda_device, 0),
-                options.shared_memory};
+                options.shared_memory,
+                options.host_identity};
   if (options.backend == Backend::kNccl) {
 #ifdef DDPRUN_WITH_NCCL
     return makeNcclCommunicator(rank, size, std::move(store), g);

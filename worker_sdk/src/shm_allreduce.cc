@@ -72,21 +72,23 @@ std::string readFirstLine(const char* path) {
   return line;
 }
 
-// Ranks that see the same boot id and pid namespace share a kernel and can check each other's
-// pids; the segment's random magic then proves they also share /dev/shm.
-std::string hostIdentity() {
+}  // namespace
+
+std::string localHostIdentity() {
   char ns[128] = {0};
   const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
   return readFirstLine("/proc/sys/kernel/random/boot_id") + "/" +
          (n > 0 ? std::string(ns, static_cast<size_t>(n)) : std::string());
 }
 
-bool disabledByEnvironment() {
+bool shmDisabledByEnvironment() {
   const char* v = std::getenv("DDPRUN_SHM");
   if (v == nullptr) return false;
   const std::string s(v);
   return s == "0" || s == "false" || s == "off" || s == "no";
 }
+
+namespace {
 
 // Element-wise dst = (dst + src) * scale, also stored to `mirror` when not null (one pass instead
 // of a sum, a scaling and a copy), in 64-byte vectors (GCC vector extension: SIMD at -O2 on any
@@ -128,6 +130,17 @@ void sumInto(ShmDType t, char* dst, const char* src, char* mirror, size_t n, dou
     case ShmDType::kInt64:
       return sumInto<int64_t>(dst, src, mirror, n, 1.0);
   }
+}
+
+void scaleInPlace(ShmDType t, char* data, size_t n, double scale) {
+  if (t == ShmDType::kFloat32) {
+    auto* f = reinterpret_cast<float*>(data);
+    const auto s = static_cast<float>(scale);
+    for (size_t i = 0; i < n; ++i) f[i] *= s;
+  } else if (t == ShmDType::kFloat64) {
+    auto* d = reinterpret_cast<double*>(data);
+    for (size_t i = 0; i < n; ++i) d[i] *= scale;
+  }  // integers: plain sums
 }
 
 std::string errnoText(const std::string& what) { return what + ": " + std::strerror(errno); }
@@ -230,9 +243,9 @@ OpDescriptor* descriptorsOf(char* base, int size) {
 // map it. Returns "" when every rank mapped it, else the first refusal ("rank r: why"). Either
 // way the name is unlinked before returning. Collective.
 std::string shareSegment(int rank, int size, KeyValueStore& store, const std::string& key,
-                         size_t bytes, bool enabled, std::chrono::milliseconds timeout,
-                         ShmAllReduce::Segment& seg, const std::function<void(char*)>& init) {
-  const std::string identity = hostIdentity();
+                         size_t bytes, bool enabled, const std::string& identity,
+                         std::chrono::milliseconds timeout, ShmAllReduce::Segment& seg,
+                         const std::function<void(char*)>& init) {
   std::string why;  // empty = this rank mapped the segment
   uint64_t magic = 0;
   auto mapFd = [&](int fd) {
@@ -342,8 +355,9 @@ std::unique_ptr<ShmAllReduce> ShmAllReduce::tryCreate(int rank, int size,
   const std::string refusal =
       shareSegment(rank, size, *store, options.prefix + "/shm/control/",
                    headerBytes(size) + 2 * static_cast<size_t>(size) * slot_bytes,
-                   options.enabled && !disabledByEnvironment(), options.setup_timeout, *control,
-                   [&](char* base) {
+                   options.enabled && !shmDisabledByEnvironment(),
+                   options.host_identity.empty() ? localHostIdentity() : options.host_identity,
+                   options.setup_timeout, *control, [&](char* base) {
                      auto* h = new (base) Header{};
                      h->size = static_cast<uint32_t>(size);
                      h->slot_bytes = slot_bytes;
@@ -381,8 +395,9 @@ std::shared_ptr<void> ShmAllReduce::allocate(size_t bytes) {
   auto seg = std::make_shared<Segment>();
   const std::string refusal = shareSegment(
       rank_, size_, *store_, options_.prefix + "/shm/buffer" + std::to_string(id) + "/",
-      kPageBytes + static_cast<size_t>(size_) * stride, true, options_.setup_timeout, *seg,
-      [](char*) {});
+      kPageBytes + static_cast<size_t>(size_) * stride, true,
+      options_.host_identity.empty() ? localHostIdentity() : options_.host_identity,
+      options_.setup_timeout, *seg, [](char*) {});
   if (!refusal.empty()) {
     log->debug("rank {}: shared buffer {} of {} bytes refused ({}); it stays private", rank_, id,
                bytes, refusal);
@@ -491,15 +506,16 @@ void ShmAllReduce::barrier(const char* phase) {
   }
 }
 
-void ShmAllReduce::allReduce(void* data, size_t count, ShmDType dtype, double scale) {
+void ShmAllReduce::allReduce(void* data, size_t count, ShmDType dtype, double scale,
+                             const PieceHook& hook) {
   char* p = static_cast<char*>(data);
   const size_t bytes = count * shmDTypeSize(dtype);
   if (const Buffer* buffer = findBuffer(p, bytes)) {
     publishDescriptor(count, dtype, buffer, static_cast<size_t>(p - buffer->own));
-    allReduceInPlace(*buffer, p, count, dtype, scale);
+    allReduceInPlace(*buffer, p, count, dtype, scale, hook);
   } else {
     publishDescriptor(count, dtype, nullptr, 0);
-    allReduceStaged(p, count, dtype, scale);
+    allReduceStaged(p, count, dtype, scale, hook);
   }
 }
 
@@ -519,7 +535,25 @@ Pieces piecesOf(size_t n, int size, size_t es) {
 
 }  // namespace
 
-void ShmAllReduce::allReduceStaged(char* data, size_t count, ShmDType dtype, double scale) {
+void ShmAllReduce::reduceOwnPiece(char* own, const std::function<const char*(int)>& peer_piece,
+                                  char* publish, size_t n, ShmDType dtype, double scale,
+                                  const PieceHook& hook) {
+  if (n == 0) return;
+  // Ours + every peer's, in rank order.
+  const int last = size_ - 1 == rank_ ? size_ - 2 : size_ - 1;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const bool fused = r == last && !hook;
+    sumInto(dtype, own, peer_piece(r), fused ? publish : nullptr, n, fused ? scale : 1.0);
+  }
+  if (!hook) return;
+  hook(own, n);
+  if (scale != 1.0) scaleInPlace(dtype, own, n, scale);
+  if (publish != nullptr) std::memcpy(publish, own, n * shmDTypeSize(dtype));
+}
+
+void ShmAllReduce::allReduceStaged(char* data, size_t count, ShmDType dtype, double scale,
+                                   const PieceHook& hook) {
   const size_t es = shmDTypeSize(dtype);
   const size_t chunk_elems = slot_bytes_ / es;
   for (size_t done = 0; done < count;) {
@@ -537,17 +571,10 @@ void ShmAllReduce::allReduceStaged(char* data, size_t count, ShmDType dtype, dou
     barrier("copying in");
     if (done == 0) verifyDescriptors();
 
-    // Own piece, in place in the caller's tensor: ours + every peer's, in rank order; the last
-    // pass also scales and publishes the result in our slot for the peers to copy out.
-    if (e > b) {
-      const int last = size_ - 1 == rank_ ? size_ - 2 : size_ - 1;
-      for (int r = 0; r < size_; ++r) {
-        if (r == rank_) continue;
-        const bool final_pass = r == last;
-        sumInto(dtype, chunk + b * es, slot(set, r) + b * es, final_pass ? mine + b * es : nullptr,
-                e - b, final_pass ? scale : 1.0);
-      }
-    }
+    // Own piece, in place in the caller's tensor, published in our slot for the peers.
+    reduceOwnPiece(
+        chunk + b * es, [&](int r) { return slot(set, r) + b * es; }, mine + b * es, e - b, dtype,
+        scale, hook);
     barrier("reducing");
 
     for (int r = 0; r < size_; ++r) {
@@ -561,7 +588,7 @@ void ShmAllReduce::allReduceStaged(char* data, size_t count, ShmDType dtype, dou
 }
 
 void ShmAllReduce::allReduceInPlace(const Buffer& buffer, char* data, size_t count, ShmDType dtype,
-                                    double scale) {
+                                    double scale, const PieceHook& hook) {
   const size_t es = shmDTypeSize(dtype);
   const size_t offset = static_cast<size_t>(data - buffer.own);
   auto peer = [&](int r) { return buffer.rank0 + static_cast<size_t>(r) * buffer.stride + offset; };
@@ -570,15 +597,10 @@ void ShmAllReduce::allReduceInPlace(const Buffer& buffer, char* data, size_t cou
   const size_t e = pieces.end(rank_);
   barrier("waiting for every rank's buffer");
   verifyDescriptors();
-  // Own piece, in place: ours + every peer's, in rank order, scaled on the last pass. Peers read
-  // only their own pieces of our buffer meanwhile.
-  if (e > b) {
-    const int last = size_ - 1 == rank_ ? size_ - 2 : size_ - 1;
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_) continue;
-      sumInto(dtype, data + b * es, peer(r) + b * es, nullptr, e - b, r == last ? scale : 1.0);
-    }
-  }
+  // Own piece, in place in our buffer, where the peers copy it from. Meanwhile they read only
+  // their own pieces of our buffer.
+  reduceOwnPiece(
+      data + b * es, [&](int r) { return peer(r) + b * es; }, nullptr, e - b, dtype, scale, hook);
   barrier("reducing");
   for (int r = 0; r < size_; ++r) {
     if (r != rank_ && pieces.end(r) > pieces.begin(r)) {

@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,7 +45,15 @@ struct ShmOptions {
   // Per-rank slot size; 0 = min(4 MiB, 16 MiB / size), so the segment stays <= 32 MiB + header.
   size_t slot_bytes = 0;
   bool enabled = true;  // false on any rank (or DDPRUN_SHM=0 in its environment) = nobody uses it
+  // Who counts as "this host": empty = localHostIdentity(). Tests set it to simulate several
+  // hosts with thread ranks.
+  std::string host_identity;
 };
+
+// This kernel's boot id and pid namespace: ranks that share it can share memory and check each
+// other's pids. (A random cookie in each segment then proves they also share /dev/shm.)
+std::string localHostIdentity();
+bool shmDisabledByEnvironment();  // DDPRUN_SHM=0|false|off|no
 
 class ShmAllReduce {
  public:
@@ -61,10 +70,16 @@ class ShmAllReduce {
   ShmAllReduce(const ShmAllReduce&) = delete;
   ShmAllReduce& operator=(const ShmAllReduce&) = delete;
 
+  // Runs on this rank's piece once the local ranks' contributions are summed into it, before the
+  // peers copy it: the hierarchical (multi-host) all-reduce sums it across hosts here. Every rank
+  // with the same local index sees the same sequence of piece sizes (empty pieces are skipped).
+  using PieceHook = std::function<void(void* piece, size_t count)>;
+
   // In place: the sum of `count` elements at `data` over all ranks, times `scale` (1/size for an
   // average; floating dtypes only, integers always get the plain sum). Collective, same order on
-  // all ranks; every rank ends with bit-identical values.
-  void allReduce(void* data, size_t count, ShmDType dtype, double scale = 1.0);
+  // all ranks; every rank ends with bit-identical values. With `hook`, `scale` is applied after it.
+  void allReduce(void* data, size_t count, ShmDType dtype, double scale = 1.0,
+                 const PieceHook& hook = nullptr);
 
   // Collective (same sizes in the same order on every rank): `bytes` of zeroed memory that peers
   // can read in place, so all-reduces of ranges inside it skip the staging copy. Returns nullptr
@@ -94,9 +109,15 @@ class ShmAllReduce {
   void verifyDescriptors() const;
   void barrier(const char* phase);
   void checkPeers(const char* phase) const;
-  void allReduceStaged(char* data, size_t count, ShmDType dtype, double scale);
+  void allReduceStaged(char* data, size_t count, ShmDType dtype, double scale,
+                       const PieceHook& hook);
   void allReduceInPlace(const Buffer& buffer, char* data, size_t count, ShmDType dtype,
-                        double scale);
+                        double scale, const PieceHook& hook);
+  // Sums the peers' copies of [b, e) into `own` (in rank order); the last pass scales and, when
+  // `publish` is set, also stores the result there. With a hook: plain sums, then the hook, then
+  // the scaling and the publishing.
+  void reduceOwnPiece(char* own, const std::function<const char*(int)>& peer_piece, char* publish,
+                      size_t n, ShmDType dtype, double scale, const PieceHook& hook);
 
   int rank_;
   int size_;

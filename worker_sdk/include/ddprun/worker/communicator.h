@@ -40,6 +40,8 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual Backend backend() const = 0;
+  // One line on how collectives run here (e.g. "gloo: all_reduce over shared memory (...)").
+  virtual std::string describe() const { return backendName(backend()); }
 
   // In place. kAvg divides by size() (floating dtypes only).
   virtual std::shared_ptr<Work> allReduceAsync(at::Tensor tensor, ReduceOp op) = 0;

@@ -29,6 +29,11 @@ struct ProcessGroupOptions {
   // segment instead of TCP loopback (broadcast, all_gather and barrier stay on Gloo). Off when
   // false here or DDPRUN_SHM=0 in any rank's environment.
   bool shared_memory = true;
+  // With several hosts holding the same number of ranks each, all_reduce is hierarchical: shared
+  // memory within each host, Gloo rings across hosts. Ranks are on one host when they share the
+  // kernel (boot id, pid namespace); a non-empty value here replaces that identity, which lets
+  // tests simulate several hosts with thread ranks.
+  std::string host_identity;
 };
 
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
