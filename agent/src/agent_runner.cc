@@ -24,6 +24,7 @@
 #include "ddprun/agent/worker_env.h"
 #include "ddprun/common/log.h"
 #include "ddprun/common/strings.h"
+#include "ddprun/rendezvous/conf.h"
 #include "ddprun/rendezvous/server.h"
 #include "grpc_rendezvous.h"
 #include "local_rendezvous.h"
@@ -194,12 +195,6 @@ bool isLoopbackOrLocal(const std::string& host, const std::string& local_addr,
   return found;
 }
 
-double confSeconds(const AgentConfig& cfg, const std::string& key, double fallback) {
-  auto it = cfg.rdzv_conf.find(key);
-  if (it == cfg.rdzv_conf.end()) return fallback;
-  return parseDouble(it->second).value_or(fallback);  // validated by the CLI
-}
-
 struct RendezvousSetup {
   std::unique_ptr<rendezvous::RendezvousServer> server;  // when this agent hosts it
   std::unique_ptr<RendezvousClient> client;
@@ -207,8 +202,10 @@ struct RendezvousSetup {
 
 // Picks the rendezvous for the job: in-process for one node, else ddprun's gRPC rendezvous at
 // --rdzv-endpoint (hosted by this agent when the endpoint is this host, as torchrun's is_host).
-StatusOr<RendezvousSetup> makeRendezvous(const AgentConfig& cfg, const std::string& local_addr,
-                                         const std::string& hostname, boost::asio::io_context& io,
+StatusOr<RendezvousSetup> makeRendezvous(const AgentConfig& cfg,
+                                         const rendezvous::RendezvousConf& conf,
+                                         const std::string& local_addr, const std::string& hostname,
+                                         boost::asio::io_context& io,
                                          GrpcRendezvous::EventSink sink) {
   auto log = logger("agent");
   RendezvousSetup out;
@@ -245,42 +242,37 @@ StatusOr<RendezvousSetup> makeRendezvous(const AgentConfig& cfg, const std::stri
   } else {
     o.master_port = cfg.master_port_given ? cfg.master_port : 0;
     const std::string host = endpoint.substr(0, endpoint.rfind(':'));
-    auto is_host = cfg.rdzv_conf.count("is_host") ? cfg.rdzv_conf.at("is_host") : "auto";
-    if (is_host == "auto") {
+    if (conf.is_host == rendezvous::IsHost::kAuto) {
       may_host = isLoopbackOrLocal(host, local_addr, hostname);
     } else {
-      must_host = parseBool(is_host).value_or(false);
+      must_host = conf.is_host == rendezvous::IsHost::kTrue;
       may_host = must_host;
     }
   }
   o.run_id = cfg.rdzv_id;
   o.local_addr = local_addr;
   o.local_world_size = cfg.nproc_per_node;
-  o.run_config.min_nodes = static_cast<uint32_t>(cfg.min_nodes);
-  o.run_config.max_nodes = static_cast<uint32_t>(cfg.max_nodes);
-  o.run_config.last_call_timeout = seconds(confSeconds(cfg, "last_call_timeout", 30));
-  o.run_config.heartbeat_interval = seconds(confSeconds(cfg, "heartbeat_interval", 0.5));
-  o.run_config.heartbeat_misses = static_cast<uint32_t>(confSeconds(cfg, "heartbeat_misses", 3));
-  o.join_timeout = seconds(confSeconds(cfg, "join_timeout", confSeconds(cfg, "timeout", 600)));
+  o.run_config = conf.run;  // min/max nodes, last call, heartbeats
+  o.join_timeout = conf.join_timeout;
   o.exit_barrier_timeout = seconds(cfg.exit_barrier_timeout);
   o.client.endpoint = endpoint;
-  o.client.rpc_timeout = seconds(confSeconds(cfg, "read_timeout", 60));
+  o.client.rpc_timeout = conf.read_timeout;
   o.client.retry_timeout = o.join_timeout;
-  if (cfg.rdzv_conf.count("token_file")) {
-    auto token = rendezvous::readTokenFile(cfg.rdzv_conf.at("token_file"));
-    if (!token.isOk())
-      return invalidArgument("--rdzv-conf token_file: " + token.status().message());
-    o.client.token = *token;
-  }
+  o.client.token = conf.token;
+  o.client.tls_root_cert_pem = conf.tls_ca_pem;
+  o.tls_ca_file = conf.tls_ca_file;
 
   if (may_host) {
     rendezvous::ServerOptions so;
     so.listen = endpoint;
-    so.token = o.client.token;
+    so.token = conf.token;
+    so.tls_cert_pem = conf.tls_cert_pem;
+    so.tls_key_pem = conf.tls_key_pem;
     auto server = rendezvous::RendezvousServer::start(so);
     if (server.isOk()) {
       out.server = std::move(server).value();
-      log->info("hosting the rendezvous at {}", out.server->address());
+      log->info("hosting the rendezvous at {}{}", out.server->address(),
+                conf.tls_cert_pem.empty() ? "" : " (TLS)");
     } else if (must_host) {
       return unavailable("cannot host the rendezvous at " + endpoint + ": " +
                          server.status().message());
@@ -408,6 +400,13 @@ int runAgent(const AgentConfig& cfg) {
     logger("grpc")->debug("{}:{} {}", args->file, args->line, args->message);
   });
   ::signal(SIGPIPE, SIG_IGN);
+  // The launcher validated --rdzv-conf with the same parser; this reads the files it names.
+  auto rdzv_conf = rendezvous::parseRendezvousConf(
+      cfg.rdzv_conf, static_cast<uint32_t>(cfg.min_nodes), static_cast<uint32_t>(cfg.max_nodes));
+  if (!rdzv_conf.isOk()) {
+    log->error("--rdzv-conf: {}", rdzv_conf.status().message());
+    return 2;
+  }
   const std::string hostname = fullyQualifiedHostname();
   const std::string local_addr = cfg.local_addr.empty() ? hostname : cfg.local_addr;
 
@@ -433,7 +432,7 @@ int runAgent(const AgentConfig& cfg) {
 
   Supervisor* supervisor_ptr = nullptr;
   std::function<void()> after_event;  // set below; pushed events reach it on this thread
-  auto rendezvous_or = makeRendezvous(cfg, local_addr, hostname, io, [&](PeerEvent e) {
+  auto rendezvous_or = makeRendezvous(cfg, *rdzv_conf, local_addr, hostname, io, [&](PeerEvent e) {
     if (supervisor_ptr == nullptr) return;
     if (e == PeerEvent::kPeerFailure) {
       supervisor_ptr->onPeerFailure();
@@ -457,8 +456,7 @@ int runAgent(const AgentConfig& cfg) {
   if (dynamic_cast<GrpcRendezvous*>(&rendezvous) != nullptr) {
     // Longer than the time the rendezvous takes to notice a dead peer (one heartbeat interval
     // after its watch stream broke), so a crash caused by that peer is not charged.
-    options.failure_grace =
-        seconds(confSeconds(cfg, "failure_grace", 2 * confSeconds(cfg, "heartbeat_interval", 0.5)));
+    options.failure_grace = rdzv_conf->failure_grace;
   }
   StatHeartbeatProbe heartbeat_probe;
   Supervisor supervisor(

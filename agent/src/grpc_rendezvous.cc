@@ -1,6 +1,12 @@
 #include "grpc_rendezvous.h"
 
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <boost/asio/post.hpp>
+#include <cerrno>
 #include <future>
 
 #include "ddprun/common/log.h"
@@ -8,6 +14,45 @@
 #include "local_rendezvous.h"
 
 namespace ddprun::agent {
+
+namespace {
+
+// True when a TCP connection to `endpoint` (HOST:PORT or [V6]:PORT) completes within `timeout`.
+bool acceptsConnections(const std::string& endpoint, std::chrono::milliseconds timeout) {
+  const auto colon = endpoint.rfind(':');
+  if (colon == std::string::npos) return false;
+  std::string host = endpoint.substr(0, colon);
+  const std::string port = endpoint.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) return false;
+  bool connected = false;
+  for (addrinfo* a = res; a != nullptr && !connected; a = a->ai_next) {
+    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    int rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
+    if (rc != 0 && errno == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      if (::poll(&p, 1, static_cast<int>(timeout.count())) == 1) {
+        int err = 0;
+        socklen_t len = sizeof(err);
+        rc = ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0 ? 0 : -1;
+      } else {
+        rc = -1;
+      }
+    }
+    connected = rc == 0;
+    ::close(fd);
+  }
+  ::freeaddrinfo(res);
+  return connected;
+}
+
+}  // namespace
 
 GrpcRendezvous::GrpcRendezvous(boost::asio::io_context& io, GrpcRendezvousOptions options,
                                EventSink sink)
@@ -71,7 +116,39 @@ void GrpcRendezvous::heartbeatLoop() {
   }
 }
 
+// gRPC 1.51 (Debian 12's): a TLS channel whose first connection attempts were refused never
+// completes a handshake afterwards (each later attempt is shut down), while a plaintext channel
+// and a TLS channel that was connected once (server restarts) recover. An agent that starts
+// before its rendezvous (the usual race with an is_host peer) would wait out its join timeout, so
+// over TLS the first call waits until the endpoint accepts connections.
+Status GrpcRendezvous::waitForListener() {
+  const std::string& endpoint = options_.client.endpoint;
+  const auto give_up = std::chrono::steady_clock::now() + options_.join_timeout;
+  Duration backoff = std::chrono::milliseconds(50);
+  bool logged = false;
+  while (!acceptsConnections(endpoint, std::chrono::seconds(1))) {
+    if (std::chrono::steady_clock::now() + backoff > give_up) {
+      return unavailable("rendezvous at " + endpoint +
+                         " unreachable: nothing accepted a connection within the join timeout");
+    }
+    if (!logged) {
+      logger("agent")->info("waiting for the rendezvous at {} to accept connections", endpoint);
+      logged = true;
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    if (cv_.wait_for(lock, backoff, [this] { return stopping_ || left_.load(); })) {
+      return Status(StatusCode::kCancelled, "cancelled");
+    }
+    backoff = std::min<Duration>(backoff * 2, std::chrono::seconds(1));
+  }
+  return Status::ok();
+}
+
 StatusOr<RoundInfo> GrpcRendezvous::joinAndResolveMaster() {
+  if (!listener_seen_ && !options_.client.tls_root_cert_pem.empty()) {
+    DDPRUN_RETURN_IF_ERROR(waitForListener());
+  }
+  listener_seen_ = true;
   rendezvous::JoinRequest req;
   req.run_id = options_.run_id;
   {
@@ -151,9 +228,28 @@ StatusOr<RoundInfo> GrpcRendezvous::joinAndResolveMaster() {
   return round;
 }
 
+Status GrpcRendezvous::explainUnavailable(const Status& st) const {
+  const std::string& endpoint = options_.client.endpoint;
+  if (options_.client.tls_root_cert_pem.empty()) {
+    return Status(st.code(), st.message() +
+                                 " (this agent speaks plaintext gRPC: if the rendezvous at " +
+                                 endpoint +
+                                 " serves TLS, give --rdzv-conf tls_ca=<the CA certificate of "
+                                 "its certificate>)");
+  }
+  const std::string host = endpoint.substr(0, endpoint.rfind(':'));
+  return Status(st.code(), st.message() + " (this agent speaks TLS to " + endpoint +
+                               ", trusting tls_ca=" + options_.tls_ca_file +
+                               ": check that the rendezvous serves TLS with a certificate for " +
+                               host + " signed by that CA)");
+}
+
 void GrpcRendezvous::nextRound(RoundCallback done) {
   enqueue([this, done = std::move(done)]() mutable {
     auto result = joinAndResolveMaster();
+    if (!result.isOk() && result.status().code() == StatusCode::kUnavailable) {
+      result = explainUnavailable(result.status());
+    }
     boost::asio::post(io_, [this, done = std::move(done), result = std::move(result)]() mutable {
       if (result.isOk()) {
         current_round_ = static_cast<uint64_t>(result->round);

@@ -21,7 +21,8 @@
 namespace ddprun::agent {
 
 struct GrpcRendezvousOptions {
-  rendezvous::ClientOptions client;
+  rendezvous::ClientOptions client;  // TLS when client.tls_root_cert_pem is set
+  std::string tls_ca_file;           // where that certificate came from, for error messages
   std::string run_id;
   std::string local_addr;  // advertised; MASTER_ADDR when this node is group rank 0
   int local_world_size = 1;
@@ -59,6 +60,12 @@ class GrpcRendezvous final : public RendezvousClient {
   void heartbeatLoop();
   void startWatch();
   StatusOr<RoundInfo> joinAndResolveMaster();
+  // An UNAVAILABLE rendezvous with what to check: gRPC says the same for a server that is down
+  // and for a TLS mismatch (plaintext client, TLS server or the reverse, untrusted certificate).
+  Status explainUnavailable(const Status& st) const;
+  // Waits (bounded by the join timeout; ends early when stopping or leaving) until something
+  // accepts TCP connections at the endpoint. See the .cc for why TLS needs it.
+  Status waitForListener();
   void onChange(const rendezvous::RoundChange& change);  // io thread
 
   boost::asio::io_context& io_;
@@ -76,6 +83,7 @@ class GrpcRendezvous final : public RendezvousClient {
   std::vector<std::string> last_members_;
   int membership_epoch_ = 0;
   uint64_t joined_round_ = 0;
+  bool listener_seen_ = false;
 
   // io-thread state.
   uint64_t current_round_ = 0;
