@@ -7,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 #include <csignal>
+#include <fstream>
 #include <memory>
 #include <regex>
 
@@ -19,10 +20,17 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// A standalone ddprun-rendezvous on 127.0.0.1 and a free port.
+std::vector<std::string> daemonArgv(std::vector<std::string> extra) {
+  std::vector<std::string> argv = {buildDir() + "/rendezvous/ddprun-rendezvous", "--listen",
+                                   "127.0.0.1:0"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
+// A standalone ddprun-rendezvous on 127.0.0.1 and a free port; `extra` flags (TLS, token).
 struct RendezvousDaemon {
-  RendezvousDaemon()
-      : process({buildDir() + "/rendezvous/ddprun-rendezvous", "--listen", "127.0.0.1:0"}) {
+  explicit RendezvousDaemon(std::vector<std::string> extra = {})
+      : process(daemonArgv(std::move(extra))) {
     std::smatch m;
     REQUIRE(waitUntil([&] {
       std::string out = process.out();
@@ -263,6 +271,171 @@ TEST_CASE("joining a run that was closed is refused with a clear error", "[multi
   REQUIRE(r2);
   CHECK(r2->exit_code == 1);
   CHECK(r2->err.find("closedrun is closed") != std::string::npos);
+}
+
+namespace {
+
+// A throwaway CA and a server certificate for 127.0.0.1 (SAN IP:127.0.0.1) signed by it, made
+// with the openssl command line in `dir`. ok is false, with the reason in `why`, where openssl is
+// missing or fails.
+struct TestPki {
+  explicit TestPki(const TempDir& dir)
+      : ca(dir / "ca.pem"), cert(dir / "server.pem"), key(dir / "server.key") {
+    std::ofstream(dir / "ca.cnf") << "[req]\n"
+                                     "distinguished_name = dn\n"
+                                     "prompt = no\n"
+                                     "x509_extensions = v3_ca\n"
+                                     "[dn]\n"
+                                     "CN = ddprun test CA\n"
+                                     "[v3_ca]\n"
+                                     "basicConstraints = critical, CA:TRUE\n"
+                                     "keyUsage = critical, keyCertSign, cRLSign\n"
+                                     "subjectKeyIdentifier = hash\n";
+    std::ofstream(dir / "server.cnf") << "[req]\n"
+                                         "distinguished_name = dn\n"
+                                         "prompt = no\n"
+                                         "[dn]\n"
+                                         "CN = 127.0.0.1\n"
+                                         "[ext]\n"
+                                         "basicConstraints = CA:FALSE\n"
+                                         "keyUsage = critical, digitalSignature\n"
+                                         "extendedKeyUsage = serverAuth\n"
+                                         "subjectAltName = IP:127.0.0.1\n";
+    const std::vector<std::string> ec = {"-newkey", "ec", "-pkeyopt",
+                                         "ec_paramgen_curve:prime256v1", "-nodes"};
+    std::vector<std::string> make_ca = {"openssl",      "req",   "-x509", "-config",
+                                        dir / "ca.cnf", "-days", "2",     "-keyout",
+                                        dir / "ca.key", "-out",  ca};
+    make_ca.insert(make_ca.end(), ec.begin(), ec.end());
+    std::vector<std::string> make_csr = {"openssl",          "req",     "-new", "-config",
+                                         dir / "server.cnf", "-keyout", key,    "-out",
+                                         dir / "server.csr"};
+    make_csr.insert(make_csr.end(), ec.begin(), ec.end());
+    const std::vector<std::string> sign = {"openssl",
+                                           "x509",
+                                           "-req",
+                                           "-in",
+                                           dir / "server.csr",
+                                           "-CA",
+                                           ca,
+                                           "-CAkey",
+                                           dir / "ca.key",
+                                           "-CAcreateserial",
+                                           "-days",
+                                           "2",
+                                           "-out",
+                                           cert,
+                                           "-extfile",
+                                           dir / "server.cnf",
+                                           "-extensions",
+                                           "ext"};
+    for (const auto& argv : {make_ca, make_csr, sign}) {
+      Finished f = run(argv);
+      if (f.exit_code == 127) {
+        why = "openssl is not installed (deploy/install-deps.sh installs it)";
+        return;
+      }
+      if (f.exit_code != 0) {
+        why = join(argv, " ") + " failed: " + f.err;
+        return;
+      }
+    }
+    ok = true;
+  }
+  bool ok = false;
+  std::string why;
+  std::string ca, cert, key;
+};
+
+}  // namespace
+
+TEST_CASE(
+    "with tls_ca agents speak TLS to a TLS ddprun-rendezvous; without it, or trusting another "
+    "CA, an agent fails within its join timeout naming TLS and the endpoint",
+    "[multinode][tls]") {
+  TempDir dir, other_dir, envs;
+  TestPki pki(dir), other(other_dir);
+  if (!pki.ok || !other.ok) {
+    WARN("skipped: " + (pki.ok ? other.why : pki.why));
+    return;
+  }
+  const std::string token = dir / "token";
+  std::ofstream(token) << "tls-and-token\n";
+  RendezvousDaemon rdzv({"--tls-cert", pki.cert, "--tls-key", pki.key, "--token-file", token});
+  CHECK(rdzv.process.err().find(", TLS") != std::string::npos);
+
+  // A two-node job over TLS, with the shared token on every call too.
+  const std::string conf =
+      "--rdzv-conf=last_call_timeout=1,join_timeout=60,token_file=" + token + ",tls_ca=" + pki.ca;
+  auto worker = testWorker({"--env-out", envs.path()});
+  auto a = agent("127.0.0.2", rdzv.endpoint, "2", "tls2", {conf}, worker);
+  auto b = agent("127.0.0.3", rdzv.endpoint, "2", "tls2", {conf}, worker);
+  auto ra = a->wait(120s), rb = b->wait(120s);
+  REQUIRE(ra);
+  REQUIRE(rb);
+  INFO(ra->err << rb->err);
+  CHECK(ra->exit_code == 0);
+  CHECK(rb->exit_code == 0);
+  for (int r = 0; r < 2; ++r) {
+    auto env = parseEnvFile(readFile(envs / ("env." + std::to_string(r))));
+    INFO("rank " << r);
+    CHECK(env["WORLD_SIZE"] == "2");
+    CHECK(env["GROUP_WORLD_SIZE"] == "2");
+  }
+
+  // Plaintext gRPC to the TLS daemon: refused by the handshake, reported after join_timeout.
+  const auto started = std::chrono::steady_clock::now();
+  auto plain = agent("127.0.0.4", rdzv.endpoint, "1", "tls-plain",
+                     {"--rdzv-conf=join_timeout=3,token_file=" + token}, testWorker({}));
+  auto rp = plain->wait(60s);
+  REQUIRE(rp);
+  INFO(rp->err);
+  CHECK(rp->exit_code == 1);
+  CHECK(std::chrono::steady_clock::now() - started < 30s);
+  CHECK(rp->err.find("rendezvous at " + rdzv.endpoint + " unreachable") != std::string::npos);
+  CHECK(rp->err.find("this agent speaks plaintext gRPC: if the rendezvous at " + rdzv.endpoint +
+                     " serves TLS, give --rdzv-conf tls_ca=") != std::string::npos);
+
+  // TLS trusting a CA that did not sign the daemon's certificate.
+  auto wrong = agent("127.0.0.5", rdzv.endpoint, "1", "tls-wrong-ca",
+                     {"--rdzv-conf=join_timeout=3,token_file=" + token + ",tls_ca=" + other.ca},
+                     testWorker({}));
+  auto rw = wrong->wait(60s);
+  REQUIRE(rw);
+  INFO(rw->err);
+  CHECK(rw->exit_code == 1);
+  CHECK(rw->err.find("this agent speaks TLS to " + rdzv.endpoint +
+                     ", trusting tls_ca=" + other.ca) != std::string::npos);
+}
+
+TEST_CASE("an agent hosting the rendezvous in-process serves TLS with tls_cert and tls_key",
+          "[multinode][tls]") {
+  TempDir dir, envs;
+  TestPki pki(dir);
+  if (!pki.ok) {
+    WARN("skipped: " + pki.why);
+    return;
+  }
+  const std::string ep = "127.0.0.1:" + std::to_string(freePort());
+  auto worker = testWorker({"--env-out", envs.path()});
+  auto host = agent("127.0.0.2", ep, "2", "tlshost",
+                    {"--rdzv-conf=is_host=true,last_call_timeout=1,tls_ca=" + pki.ca +
+                     ",tls_cert=" + pki.cert + ",tls_key=" + pki.key},
+                    worker);
+  // The other node only trusts the CA: it can reach the host only over TLS.
+  auto other = agent("127.0.0.3", ep, "2", "tlshost",
+                     {"--rdzv-conf=is_host=false,last_call_timeout=1,tls_ca=" + pki.ca}, worker);
+  auto rh = host->wait(120s), ro = other->wait(120s);
+  INFO("hosting agent:\n" << host->err() << "other agent:\n" << other->err());
+  REQUIRE(rh);
+  REQUIRE(ro);
+  CHECK(rh->exit_code == 0);
+  CHECK(ro->exit_code == 0);
+  CHECK(rh->err.find("hosting the rendezvous at " + ep + " (TLS)") != std::string::npos);
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK(parseEnvFile(readFile(envs / ("env." + std::to_string(r))))["WORLD_SIZE"] == "2");
+  }
 }
 
 TEST_CASE("the agent serves /healthz and Prometheus /metrics", "[multinode]") {
