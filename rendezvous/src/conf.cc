@@ -64,10 +64,16 @@ StatusOr<RendezvousConf> parseRendezvousConf(const std::map<std::string, std::st
   std::optional<Duration> timeout_alias;
   bool failure_grace_given = false;
   std::string tls_cert_file, tls_key_file;
+  std::map<std::string, std::string> spelled;  // key -> how it was given
   for (const auto& [raw_key, value] : conf) {
     std::string key = raw_key;
     for (char& c : key) {
       if (c == '-') c = '_';
+    }
+    if (auto [it, fresh] = spelled.emplace(key, raw_key); !fresh) {
+      // Which one was meant is anybody's guess (e.g. a user's is-host and a tool's is_host).
+      return invalidArgument(key + " is given twice, as '" + it->second + "' and '" + raw_key +
+                             "'; give it once");
     }
     if (key == "join_timeout") {
       DDPRUN_ASSIGN_OR_RETURN(out.join_timeout, parseSeconds(key, value, false));

@@ -175,6 +175,8 @@ TEST_CASE("malformed rdzv-conf values are one line naming the key and the accept
       {{{"heartbeat_misses", "99999999999"}},
        "heartbeat_misses must be an integer from 1 to 1000000, got '99999999999'"},
       {{{"is_host", "maybe"}}, "is_host must be auto, true or false, got 'maybe'"},
+      {{{"is-host", "true"}, {"is_host", "false"}},
+       "is_host is given twice, as 'is-host' and 'is_host'; give it once"},
       {{{"token_file", ""}}, "token_file needs a path, got ''"},
       {{{"token_file", f.dir + "/nope"}}, "token_file: cannot read " + f.dir + "/nope"},
       {{{"token_file", f.empty_token}}, "token_file: token file " + f.empty_token + " is empty"},

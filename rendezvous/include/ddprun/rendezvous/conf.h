@@ -37,7 +37,8 @@ struct RendezvousConf {
   std::string tls_ca_file;   // the path given as tls_ca=, for messages
 };
 
-// Keys accepted, in the order error messages list them. Keys may be spelled with '-' for '_'.
+// Keys accepted, in the order error messages list them. Keys may be spelled with '-' for '_'
+// (one spelling per key: both at once is an error).
 inline constexpr const char* kRendezvousConfKeys[] = {"join_timeout",
                                                       "last_call_timeout",
                                                       "close_timeout",
