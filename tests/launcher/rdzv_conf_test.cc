@@ -128,7 +128,7 @@ TEST_CASE("torchrun's timeout is the join timeout unless join_timeout is given",
         "timeout must be a number of seconds > 0, got '0'");
 }
 
-TEST_CASE("the failure grace follows the heartbeat interval unless given; 0 reports at once",
+TEST_CASE("the failure grace follows the heartbeat interval unless given, and 0 reports at once",
           "[conf]") {
   CHECK(parseRendezvousConf({{"heartbeat_interval", "3"}}, 1, 1)->failure_grace == 6s);
   CHECK(parseRendezvousConf({{"heartbeat_interval", "3"}, {"failure_grace", "1"}}, 1, 1)
