@@ -267,6 +267,16 @@ void GrpcRendezvous::startWatch() {
     node = node_id_;
   }
   watch_ = client_.watch(options_.run_id, node, [this](const rendezvous::RoundChange& change) {
+    // Recorded here, not on the io loop: the exit barrier runs after that loop stopped.
+    if (!change.node_id.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (change.reason == rendezvous::ChangeReason::kNodeDead ||
+          change.reason == rendezvous::ChangeReason::kNodeLeft) {
+        gone_.insert(change.node_id);
+      } else if (change.reason == rendezvous::ChangeReason::kNodeJoined) {
+        gone_.erase(change.node_id);
+      }
+    }
     boost::asio::post(io_, [this, change] { onChange(change); });
   });
 }
@@ -353,28 +363,51 @@ void GrpcRendezvous::finish(bool succeeded, bool left) {
   auto log = logger("agent");
   const std::string run = options_.run_id;
   const std::string prefix = "exit_barrier/" + std::to_string(joined_round_) + "/";
+  // The members still expected: a node the rendezvous declared dead (or that left) never
+  // arrives, so waiting for it would only hold this node for the whole barrier timeout.
   auto keysOf = [&](const std::string& phase) {
     std::vector<std::string> keys;
-    for (const auto& member : last_members_) keys.push_back(prefix + phase + "/" + member);
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& member : last_members_) {
+      if (member == node || gone_.count(member) == 0) keys.push_back(prefix + phase + "/" + member);
+    }
     return keys;
+  };
+  // Waits for the keys of the members still expected, re-reading who is gone every slice.
+  auto waitFor = [&](const std::string& phase, Duration timeout) -> Status {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      const auto left = deadline - std::chrono::steady_clock::now();
+      const Duration slice =
+          std::clamp<Duration>(left, std::chrono::milliseconds(1), std::chrono::milliseconds(500));
+      auto all = client.kvWait(run, keysOf(phase), slice);
+      if (all.isOk()) return Status::ok();
+      if (all.status().code() != StatusCode::kDeadlineExceeded ||
+          std::chrono::steady_clock::now() >= deadline) {
+        return all.status();
+      }
+    }
   };
   const bool closer = !last_members_.empty() && last_members_.front() == node;  // group rank 0
   if (succeeded) {
     // Exit barrier, in two phases: wait (bounded) until every node's workers are done, then
     // say so; the node that closes the run waits for everyone's departure first, so a node
     // hosting the rendezvous never takes it away from a node still inside the barrier.
+    log->info(
+        "local workers finished; waiting up to {:.0f} s for the other nodes to finish (exit "
+        "barrier)",
+        std::chrono::duration<double>(options_.exit_barrier_timeout).count());
     Status st = client.kvSet(run, prefix + "arrive/" + node, "1");
     if (st.isOk()) {
-      auto all = client.kvWait(run, keysOf("arrive"), options_.exit_barrier_timeout);
-      st = all.isOk() ? Status::ok() : all.status();
+      st = waitFor("arrive", options_.exit_barrier_timeout);
     }
     if (!st.isOk()) {
       log->warn("exit barrier: not every node finished ({}); exiting anyway", st.toString());
     }
     auto departed = client.kvSet(run, prefix + "depart/" + node, "1");
     if (departed.isOk() && closer) {
-      auto all = client.kvWait(run, keysOf("depart"), std::chrono::seconds(10));
-      if (!all.isOk()) log->debug("exit barrier departures: {}", all.status().toString());
+      const Status all = waitFor("depart", std::chrono::seconds(10));
+      if (!all.isOk()) log->debug("exit barrier departures: {}", all.toString());
     }
     if (!closer) {
       auto st = client.leave(run, node);  // done: not dead, and nothing to wait for

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -78,6 +79,8 @@ class GrpcRendezvous final : public RendezvousClient {
   std::deque<std::function<void()>> tasks_;  // guarded by mu_
   bool stopping_ = false;                    // guarded by mu_
   std::string node_id_;                      // guarded by mu_ (set after the first join)
+  std::set<std::string> gone_;  // guarded by mu_: nodes the rendezvous saw leave or die (and not
+                                // rejoin); the exit barrier does not wait for them
 
   // Task-thread state.
   std::vector<std::string> last_members_;

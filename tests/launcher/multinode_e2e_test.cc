@@ -583,3 +583,22 @@ TEST_CASE("a network cut makes the far node dead to the rendezvous and the survi
   CHECK(a->wait(30s));
   b->signal(SIGKILL);
 }
+
+TEST_CASE("a node that dies while the others wait in the exit barrier does not hold them",
+          "[multinode]") {
+  RendezvousDaemon rdzv;
+  const std::vector<std::string> flags = {"--nproc-per-node=1", "--rdzv-conf=last_call_timeout=1"};
+  auto a =
+      agent("127.0.0.2", rdzv.endpoint, "2:2", "barrierdead", flags, testWorker({"--sleep", "1"}));
+  auto b = agent("127.0.0.3", rdzv.endpoint, "2:2", "barrierdead", flags,
+                 testWorker({"--sleep", "600"}));
+  // One round of both nodes; a's worker is done and a waits for b; then b's node disappears.
+  REQUIRE(waitUntil([&] { return a->err().find("exit barrier") != std::string::npos; }, 60s));
+  CHECK(countOf(a->err() + b->err(), "world size 2") == 2);
+  b->signal(SIGKILL);
+  // Without noticing the death, a would sit out the whole 300 s barrier.
+  auto r = a->wait(120s);
+  REQUIRE(r);
+  INFO(r->err);
+  CHECK(r->exit_code == 0);
+}

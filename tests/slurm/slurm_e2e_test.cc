@@ -124,11 +124,13 @@ void survivesALostNode(Mode mode) {
   const std::string script = cluster.dir() / "elastic.sh";
   std::ofstream(script) << "#!/bin/bash\nexec " << ddprunSlurm(mode)
                         << " --nnodes=1:2 --max-restarts=3 --nproc_per_node=1 --tee=3 '"
-                        << trainBin() << "' 12 1 --snapshot-path '" << (cluster.dir() / "snap.pt")
-                        << "'\n";
+                        << trainBin() << "' 12 1 --dataset-size 262144 --snapshot-path '"
+                        << (cluster.dir() / "snap.pt") << "'\n";
   Process sbatch({"sbatch", "-N2", "--wait", "--chdir=" + cluster.dir().path(), "-o", out, script},
                  cluster.env(jobEnv()));
-  // Both nodes train (world size 2) before n2's agent is killed.
+  // Both nodes train (world size 2) before n2's agent is killed. The dataset is large enough
+  // (4096 steps of 32 per rank and epoch) that the job is still running when the kill lands: the
+  // default 2048 samples take only milliseconds per epoch over shared memory.
   REQUIRE(waitUntil([&] { return readFile(out).find("[RANK 1] Epoch 0 |") != std::string::npos; },
                     240s));
   auto victim = agentOn("n2");
