@@ -56,6 +56,17 @@ std::unique_ptr<Process> agent(const std::string& addr, const std::string& endpo
       argv, std::map<std::string, std::string>{{"PYTHON_EXEC", torchPython()}});
 }
 
+// Waits (bounded) for two nodes' agents and checks that both succeeded.
+std::pair<Finished, Finished> bothSucceed(Process& a, Process& b) {
+  auto ra = a.wait(120s), rb = b.wait(120s);
+  INFO("first agent:\n" << a.err() << "second agent:\n" << b.err());
+  REQUIRE(ra);
+  REQUIRE(rb);
+  CHECK(ra->exit_code == 0);
+  CHECK(rb->exit_code == 0);
+  return {*ra, *rb};
+}
+
 std::vector<std::string> testWorker(std::vector<std::string> args) {
   args.insert(args.begin(), {"--no-python", testWorkerBin()});
   return args;
@@ -112,12 +123,7 @@ TEST_CASE("a worker failing on one node restarts every node's workers, charged o
                  {"--nproc-per-node=2", "--max-restarts=1"}, worker);
   auto b = agent("127.0.0.3", rdzv.endpoint, "2", "fail1",
                  {"--nproc-per-node=2", "--max-restarts=1"}, worker);
-  auto ra = a->wait(120s), rb = b->wait(120s);
-  REQUIRE(ra);
-  REQUIRE(rb);
-  INFO(ra->err << rb->err);
-  CHECK(ra->exit_code == 0);
-  CHECK(rb->exit_code == 0);
+  bothSucceed(*a, *b);
   for (int r = 0; r < 4; ++r) {
     INFO("rank " << r);
     CHECK(fileExists(state / ("pid." + std::to_string(r) + ".1")));  // restarted once
@@ -148,12 +154,7 @@ TEST_CASE("the static backend forms the job from the node ranks given, as torchr
   };
   auto n1 = node(1, "127.0.0.3");  // rank 1 first: it waits for rank 0's rendezvous
   auto n0 = node(0, "127.0.0.2");
-  auto r0 = n0->wait(120s), r1 = n1->wait(120s);
-  REQUIRE(r0);
-  REQUIRE(r1);
-  INFO(r0->err << r1->err);
-  CHECK(r0->exit_code == 0);
-  CHECK(r1->exit_code == 0);
+  bothSucceed(*n0, *n1);
   for (int r = 0; r < 4; ++r) {
     auto env = parseEnvFile(readFile(envs / ("env." + std::to_string(r))));
     INFO("rank " << r);
@@ -370,12 +371,7 @@ TEST_CASE(
   auto worker = testWorker({"--env-out", envs.path()});
   auto a = agent("127.0.0.2", rdzv.endpoint, "2", "tls2", {conf}, worker);
   auto b = agent("127.0.0.3", rdzv.endpoint, "2", "tls2", {conf}, worker);
-  auto ra = a->wait(120s), rb = b->wait(120s);
-  REQUIRE(ra);
-  REQUIRE(rb);
-  INFO(ra->err << rb->err);
-  CHECK(ra->exit_code == 0);
-  CHECK(rb->exit_code == 0);
+  bothSucceed(*a, *b);
   for (int r = 0; r < 2; ++r) {
     auto env = parseEnvFile(readFile(envs / ("env." + std::to_string(r))));
     INFO("rank " << r);
@@ -425,13 +421,8 @@ TEST_CASE("an agent hosting the rendezvous in-process serves TLS with tls_cert a
   // The other node only trusts the CA: it can reach the host only over TLS.
   auto other = agent("127.0.0.3", ep, "2", "tlshost",
                      {"--rdzv-conf=is_host=false,last_call_timeout=1,tls_ca=" + pki.ca}, worker);
-  auto rh = host->wait(120s), ro = other->wait(120s);
-  INFO("hosting agent:\n" << host->err() << "other agent:\n" << other->err());
-  REQUIRE(rh);
-  REQUIRE(ro);
-  CHECK(rh->exit_code == 0);
-  CHECK(ro->exit_code == 0);
-  CHECK(rh->err.find("hosting the rendezvous at " + ep + " (TLS)") != std::string::npos);
+  const auto [rh, ro] = bothSucceed(*host, *other);
+  CHECK(rh.err.find("hosting the rendezvous at " + ep + " (TLS)") != std::string::npos);
   for (int r = 0; r < 2; ++r) {
     INFO("rank " << r);
     CHECK(parseEnvFile(readFile(envs / ("env." + std::to_string(r))))["WORLD_SIZE"] == "2");
