@@ -9,6 +9,42 @@
 using namespace ddprun::worker;
 namespace t = ddprun::worker::testing;
 
+namespace {
+
+// Two thread ranks made by initFromEnv against a store at 127.0.0.1:port (hosted by rank 0, or
+// by somebody else with use_agent_store); each all-reduces rank + 1 and returns what it got.
+std::vector<float> sumsFromEnv(int port, bool use_agent_store) {
+  std::vector<float> sums(2, 0);
+  std::vector<std::exception_ptr> errs(2);
+  std::vector<std::thread> th;
+  for (int r = 0; r < 2; ++r) {
+    th.emplace_back([&, r] {
+      try {
+        WorkerEnv env;
+        env.rank = r;
+        env.world_size = 2;
+        env.master_addr = "127.0.0.1";
+        env.master_port = port;
+        env.use_agent_store = use_agent_store;
+        auto pg = ProcessGroup::initFromEnv(env, t::fastOptions());
+        auto x = torch::full({4}, float(r + 1));
+        pg->comm().allReduce(x);
+        sums[static_cast<size_t>(r)] = x[0].item<float>();
+        pg->comm().barrier();
+      } catch (...) {
+        errs[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& x : th) x.join();
+  for (auto& e : errs) {
+    if (e) std::rethrow_exception(e);
+  }
+  return sums;
+}
+
+}  // namespace
+
 TEST_CASE("all_reduce sums and averages across thread ranks for every size and dtype",
           "[worker][comm]") {
   const int world = 3;
@@ -158,32 +194,7 @@ TEST_CASE("initFromEnv builds a group over the TCP store hosted by rank 0", "[wo
     auto s = KeyValueStore::tcpServer("127.0.0.1", 0, std::chrono::seconds(5));
     port = s->port();
   }
-  std::vector<float> sums(2, 0);
-  std::vector<std::exception_ptr> errs(2);
-  std::vector<std::thread> th;
-  for (int r = 0; r < 2; ++r) {
-    th.emplace_back([&, r] {
-      try {
-        WorkerEnv env;
-        env.rank = r;
-        env.world_size = 2;
-        env.master_addr = "127.0.0.1";
-        env.master_port = port;
-        auto pg = ProcessGroup::initFromEnv(env, t::fastOptions());
-        auto x = torch::full({4}, float(r + 1));
-        pg->comm().allReduce(x);
-        sums[static_cast<size_t>(r)] = x[0].item<float>();
-        pg->comm().barrier();
-      } catch (...) {
-        errs[static_cast<size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& x : th) x.join();
-  for (auto& e : errs) {
-    if (e) std::rethrow_exception(e);
-  }
-  CHECK(sums == std::vector<float>{3, 3});
+  CHECK(sumsFromEnv(port, /*use_agent_store=*/false) == std::vector<float>{3, 3});
 }
 
 TEST_CASE("asking for NCCL in a build without it is a clear error", "[worker][comm]") {
@@ -246,32 +257,7 @@ TEST_CASE("NCCL all_reduce and broadcast on CUDA tensors (GPU only)", "[worker][
 TEST_CASE("with an agent-hosted store every rank connects as a client", "[worker][comm]") {
   // The "agent" hosts the store, as torchrun's static backend does (TORCHELASTIC_USE_AGENT_STORE).
   auto agent_store = KeyValueStore::tcpServer("127.0.0.1", 0, std::chrono::seconds(10));
-  std::vector<float> sums(2, 0);
-  std::vector<std::exception_ptr> errs(2);
-  std::vector<std::thread> th;
-  for (int r = 0; r < 2; ++r) {
-    th.emplace_back([&, r] {
-      try {
-        WorkerEnv env;
-        env.rank = r;
-        env.world_size = 2;
-        env.master_addr = "127.0.0.1";
-        env.master_port = agent_store->port();
-        env.use_agent_store = true;
-        auto pg = ProcessGroup::initFromEnv(env, t::fastOptions());
-        auto x = torch::full({4}, float(r + 1));
-        pg->comm().allReduce(x);
-        sums[static_cast<size_t>(r)] = x[0].item<float>();
-      } catch (...) {
-        errs[static_cast<size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& x : th) x.join();
-  for (auto& e : errs) {
-    if (e) std::rethrow_exception(e);
-  }
-  CHECK(sums == std::vector<float>{3, 3});
+  CHECK(sumsFromEnv(agent_store->port(), /*use_agent_store=*/true) == std::vector<float>{3, 3});
 }
 
 namespace {
