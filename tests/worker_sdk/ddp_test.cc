@@ -117,32 +117,22 @@ std::pair<double, bool> trainAndCompare(const Scenario& s) {
 
 TEST_CASE("DDP over W thread-ranks on a split batch equals one process on the whole batch",
           "[worker][ddp]") {
-  for (int world : {2, 3}) {
+  // One host (shared memory), and two simulated hosts (shared memory within, gloo across).
+  const std::vector<std::vector<std::string>> layouts = {
+      {"", ""}, {"", "", ""}, {"A", "A", "B", "B"}};
+  for (const auto& hosts : layouts) {
     for (double cap : {25.0, 0.0005}) {
       Scenario s;
-      s.world = world;
+      s.world = static_cast<int>(hosts.size());
+      if (!hosts.front().empty()) s.hosts = hosts;
       s.bucket_cap_mb = cap;
       s.first_bucket_mb = cap < 1 ? cap : 1.0;
       auto [diff, same] = trainAndCompare(s);
-      INFO("world=" << world << " bucket_cap_mb=" << cap << " max diff=" << diff);
+      INFO("world=" << s.world << " hosts=" << (s.hosts.empty() ? "one" : "two")
+                    << " bucket_cap_mb=" << cap << " max diff=" << diff);
       CHECK(diff < 1e-6);
       CHECK(same);
     }
-  }
-}
-
-TEST_CASE("DDP across simulated hosts (shared memory within, gloo across) equals one process",
-          "[worker][ddp]") {
-  for (double cap : {25.0, 0.0005}) {
-    Scenario s;
-    s.world = 4;
-    s.hosts = {"A", "A", "B", "B"};
-    s.bucket_cap_mb = cap;
-    s.first_bucket_mb = cap < 1 ? cap : 1.0;
-    auto [diff, same] = trainAndCompare(s);
-    INFO("bucket_cap_mb=" << cap << " max diff=" << diff);
-    CHECK(diff < 1e-6);
-    CHECK(same);
   }
 }
 
