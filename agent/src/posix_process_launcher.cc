@@ -133,6 +133,34 @@ StatusOr<int> PosixProcessLauncher::spawn(const WorkerLaunch& launch) {
   return static_cast<int>(pid);
 }
 
+void PosixProcessLauncher::watchExits(ExitCallback on_exit, std::function<void()> after) {
+  on_exit_ = std::move(on_exit);
+  after_exits_ = std::move(after);
+  waitForExits();
+}
+
+void PosixProcessLauncher::waitForExits() {
+  sigchld_.async_wait([this](const boost::system::error_code& ec, int) {
+    if (ec) return;
+    reap();
+    waitForExits();
+  });
+}
+
+void PosixProcessLauncher::reap() {
+  while (true) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid <= 0) break;
+    if (WIFSIGNALED(status)) {
+      on_exit_(pid, ExitStatus{true, WTERMSIG(status)});
+    } else if (WIFEXITED(status)) {
+      on_exit_(pid, ExitStatus{false, WEXITSTATUS(status)});
+    }
+  }
+  if (after_exits_) after_exits_();
+}
+
 void PosixProcessLauncher::signalGroup(int pid, int sig) {
   if (::kill(-pid, sig) != 0 && errno == ESRCH) ::kill(pid, sig);
 }

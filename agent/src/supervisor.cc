@@ -18,6 +18,8 @@ const char* agentStateName(AgentState s) {
       return "STOPPING";
     case AgentState::kRestarting:
       return "RESTARTING";
+    case AgentState::kExitBarrier:
+      return "EXIT_BARRIER";
     case AgentState::kSucceeded:
       return "SUCCEEDED";
     case AgentState::kFailed:
@@ -68,9 +70,9 @@ void Supervisor::start() {
 
 void Supervisor::joinRound() {
   setState(AgentState::kRendezvous);
-  const unsigned generation = ++join_generation_;
+  const unsigned generation = ++generation_;
   rendezvous_.nextRound([this, generation](StatusOr<RoundInfo> round) {
-    if (generation != join_generation_ || state_ != AgentState::kRendezvous) return;
+    if (generation != generation_ || state_ != AgentState::kRendezvous) return;
     onRound(std::move(round));
   });
 }
@@ -118,6 +120,25 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
   if (heartbeatsEnabled()) {
     heartbeat_check_ = clock_.now() + heartbeatCheckInterval(options_.heartbeat_timeout);
   }
+}
+
+void Supervisor::enterExitBarrier() {
+  heartbeat_check_.reset();
+  setState(AgentState::kExitBarrier);
+  barrier_deadline_ = clock_.now() + options_.exit_barrier_timeout;
+  const unsigned generation = ++generation_;
+  rendezvous_.exitBarrier(options_.exit_barrier_timeout, [this, generation](Status status) {
+    if (generation != generation_ || state_ != AgentState::kExitBarrier) return;
+    onExitBarrier(status);
+  });
+}
+
+void Supervisor::onExitBarrier(const Status& status) {
+  if (!status.isOk()) {
+    logger("agent")->warn("exit barrier: not every node finished ({}); exiting anyway",
+                          status.toString());
+  }
+  finish(AgentState::kSucceeded, 0);
 }
 
 bool Supervisor::heartbeatsEnabled() const {
@@ -179,7 +200,7 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
       stopForLocalFailure();
       return;
     }
-    if (runningWorkers() == 0) finish(AgentState::kSucceeded, 0);
+    if (runningWorkers() == 0) enterExitBarrier();
     return;
   }
   // A worker stopped for hanging: the report shows how it ended.
@@ -208,7 +229,7 @@ void Supervisor::reportLocalFailure() {
 
 std::optional<TimePoint> Supervisor::nextDeadline() const {
   std::optional<TimePoint> next;
-  for (const auto& d : {kill_deadline_, report_deadline_, heartbeat_check_}) {
+  for (const auto& d : {kill_deadline_, report_deadline_, heartbeat_check_, barrier_deadline_}) {
     if (d && (!next || *d < *next)) next = d;
   }
   return next;
@@ -249,6 +270,16 @@ void Supervisor::maybeFinishStop() {
 
 void Supervisor::onSignal(int sig) {
   if (finished()) return;
+  if (state_ == AgentState::kExitBarrier) {
+    // No worker left to signal; a terminating signal ends the wait (and leaves the run).
+    if (!isTerminating(sig)) return;
+    ++generation_;
+    rendezvous_.leave();
+    stop_reason_ = StopReason::kSignal;
+    stop_signal_ = sig;
+    finish(AgentState::kFailed, 128 + sig);
+    return;
+  }
   if (!isTerminating(sig)) {
     for (auto& w : workers_) {
       if (w.running) launcher_.signalGroup(w.pid, sig);
@@ -264,7 +295,7 @@ void Supervisor::onSignal(int sig) {
   }
   report_deadline_.reset();  // leaving: a failure seen just before is not the others' business
   rendezvous_.leave();
-  ++join_generation_;  // a pending join's answer no longer matters
+  ++generation_;  // a pending join's answer no longer matters
   beginStop(StopReason::kSignal, sig);
 }
 
@@ -294,6 +325,14 @@ void Supervisor::onPeerFailure() {
 }
 
 void Supervisor::onDeadline() {
+  if (state_ == AgentState::kExitBarrier && barrier_deadline_ &&
+      clock_.now() >= *barrier_deadline_) {
+    ++generation_;  // the rendezvous' late answer no longer matters
+    onExitBarrier(
+        deadlineExceeded("the other nodes did not finish within the exit barrier "
+                         "timeout"));
+    return;
+  }
   if (state_ == AgentState::kRunning && heartbeat_check_ && clock_.now() >= *heartbeat_check_) {
     checkHeartbeats();
     if (finished()) return;
@@ -321,6 +360,7 @@ void Supervisor::finish(AgentState s, int exit_code) {
   kill_deadline_.reset();
   report_deadline_.reset();
   heartbeat_check_.reset();
+  barrier_deadline_.reset();
   setState(s);
 }
 

@@ -6,6 +6,7 @@
 #include "fake_clock.h"
 #include "fake_heartbeat_probe.h"
 #include "fake_process_launcher.h"
+#include "fake_rendezvous.h"
 
 using namespace ddprun;
 using namespace ddprun::agent;
@@ -18,7 +19,8 @@ namespace {
 
 struct Fixture {
   explicit Fixture(int nproc = 2, int max_restarts = 0, Duration grace = Duration::zero(),
-                   Duration heartbeat_timeout = Duration::zero()) {
+                   Duration heartbeat_timeout = Duration::zero(),
+                   Duration exit_barrier_timeout = std::chrono::seconds(300)) {
     rdzv.round.local_world_sizes = {nproc};
     rdzv.round.master_addr = "host";
     rdzv.round.master_port = 1234;
@@ -27,6 +29,7 @@ struct Fixture {
     opts.shutdown_timeout = std::chrono::seconds(5);
     opts.failure_grace = grace;
     opts.heartbeat_timeout = heartbeat_timeout;
+    opts.exit_barrier_timeout = exit_barrier_timeout;
     sup = std::make_unique<Supervisor>(
         opts, launcher, rdzv, clock,
         [this](const RoundInfo& r, int restarts) {
@@ -425,4 +428,81 @@ TEST_CASE("with a failure grace, a hang is reported once the grace has passed", 
   CHECK(f.rdzv.failures == 1);
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.sup->restartCount() == 1);
+}
+
+TEST_CASE("agent waits in the exit barrier once every worker succeeded, then succeeds",
+          "[agent][barrier]") {
+  Fixture f(2, 0, Duration::zero(), Duration::zero(), std::chrono::seconds(42));
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  CHECK(f.sup->state() == AgentState::kExitBarrier);
+  CHECK_FALSE(f.sup->finished());
+  CHECK(f.rdzv.barriers == 1);
+  CHECK(f.rdzv.barrier_timeout == std::chrono::seconds(42));
+  REQUIRE(f.sup->nextDeadline().has_value());
+  CHECK(*f.sup->nextDeadline() == f.clock.now() + std::chrono::seconds(42));
+  f.rdzv.pending_barrier(Status::ok());
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK(f.sup->exitCode() == 0);
+  CHECK_FALSE(f.sup->nextDeadline().has_value());
+}
+
+TEST_CASE("the exit barrier ends at its timeout when the rendezvous never answers",
+          "[agent][barrier]") {
+  Fixture f(1, 0, Duration::zero(), Duration::zero(), std::chrono::seconds(10));
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  f.runFor(std::chrono::seconds(9), std::chrono::seconds(1));
+  CHECK(f.sup->state() == AgentState::kExitBarrier);
+  f.runFor(std::chrono::seconds(2), std::chrono::seconds(1));
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK(f.sup->exitCode() == 0);
+  // The rendezvous' late answer changes nothing.
+  f.rdzv.pending_barrier(unavailable("gone"));
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+}
+
+TEST_CASE("an exit barrier that ends in an error still succeeds", "[agent][barrier]") {
+  Fixture f(1);
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  f.rdzv.pending_barrier(unavailable("rendezvous gone"));
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK(f.sup->exitCode() == 0);
+}
+
+TEST_CASE("a terminating signal in the exit barrier leaves the run and exits 128+signal",
+          "[agent][barrier]") {
+  Fixture f(2);
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  f.sup->onSignal(SIGUSR1);  // not terminating: nothing to forward, still waiting
+  CHECK(f.sup->state() == AgentState::kExitBarrier);
+  f.sup->onSignal(SIGTERM);
+  CHECK(f.sup->state() == AgentState::kFailed);
+  CHECK(f.sup->exitCode() == 128 + SIGTERM);
+  CHECK(f.sup->leftRun());
+  CHECK(f.rdzv.leaves == 1);
+  CHECK(f.launcher.signals.empty());
+  f.rdzv.pending_barrier(Status::ok());
+  CHECK(f.sup->state() == AgentState::kFailed);
+}
+
+TEST_CASE("membership changes and peer failures do not disturb the exit barrier",
+          "[agent][barrier]") {
+  Fixture f(2, /*max_restarts=*/3);
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  f.sup->onMembershipChange();
+  f.sup->onPeerFailure();
+  CHECK(f.sup->state() == AgentState::kExitBarrier);
+  CHECK(f.rdzv.joins == 1);
+  CHECK(f.sup->restartCount() == 0);
+  f.rdzv.pending_barrier(Status::ok());
+  CHECK(f.sup->state() == AgentState::kSucceeded);
 }
