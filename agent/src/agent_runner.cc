@@ -48,7 +48,7 @@ StatusOr<std::vector<WorkerLaunch>> prepareAttempt(AttemptPlan plan) {
   for (const auto& dir : plan.dirs) DDPRUN_RETURN_IF_ERROR(makeDirs(dir));
   for (const auto& file : plan.stale_files) {
     Status st = removeIfExists(file);
-    if (!st.isOk()) return Status(st.code(), "old heartbeat file: " + st.message());
+    if (!st.isOk()) return Status(st.code(), "a file of the previous round: " + st.message());
   }
   return std::move(plan.launches);
 }
@@ -109,6 +109,7 @@ int runAgent(const AgentConfig& cfg) {
   options.heartbeat_timeout = seconds(cfg.heartbeat_timeout);
   options.exit_barrier_timeout = seconds(cfg.exit_barrier_timeout);
   options.failure_grace = choice->failure_grace;
+  options.multi_node = choice->kind != RendezvousKind::kLocal;
   StatHeartbeatProbe heartbeat_probe;
   Supervisor supervisor(
       options, launcher, rendezvous, clock,

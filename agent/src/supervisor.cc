@@ -90,6 +90,7 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     return;
   }
   round_ = *round;
+  signal_forwarded_ = false;
   workers_.clear();
   failures_.clear();
   stop_reason_ = StopReason::kNone;
@@ -139,6 +140,12 @@ void Supervisor::onExitBarrier(const Status& status) {
                           status.toString());
   }
   finish(AgentState::kSucceeded, 0);
+}
+
+bool Supervisor::stoppedForPeer(const Worker& worker) const {
+  return options_.multi_node && !signal_forwarded_ && heartbeats_ != nullptr &&
+         !worker.launch.stop_file.empty() &&
+         heartbeats_->modificationTime(worker.launch.stop_file).has_value();
 }
 
 bool Supervisor::heartbeatsEnabled() const {
@@ -198,6 +205,14 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
                                   status, clock_.wallSeconds(), worker->launch.error_file,
                                   /*hang=*/""});
       stopForLocalFailure();
+      return;
+    }
+    if (stoppedForPeer(*worker)) {
+      logger("agent")->warn(
+          "local rank {} stopped because a rank on another node was asked to checkpoint, not "
+          "because training finished; re-forming with the other nodes",
+          worker->launch.local_rank);
+      beginStop(StopReason::kMembership, SIGTERM);
       return;
     }
     if (runningWorkers() == 0) enterExitBarrier();
@@ -281,6 +296,7 @@ void Supervisor::onSignal(int sig) {
     return;
   }
   if (!isTerminating(sig)) {
+    signal_forwarded_ = true;
     for (auto& w : workers_) {
       if (w.running) launcher_.signalGroup(w.pid, sig);
     }

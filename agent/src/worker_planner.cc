@@ -53,6 +53,9 @@ AttemptPlan WorkerPlanner::plan(const RoundInfo& round, int restart_count) const
       out.stale_files.push_back(w.heartbeat_file);
     }
     in.heartbeat_file = w.heartbeat_file;
+    w.stop_file = dir + "/stopped";
+    out.stale_files.push_back(w.stop_file);
+    in.stop_file = w.stop_file;
     for (const auto& [k, v] : buildWorkerEnv(in, lr, parent_env_)) w.env.push_back(k + "=" + v);
     const StdStreams tee = cfg_.tee.forRank(lr);
     const int files = static_cast<int>(cfg_.redirects.forRank(lr)) | static_cast<int>(tee);

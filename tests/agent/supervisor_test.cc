@@ -20,7 +20,8 @@ namespace {
 struct Fixture {
   explicit Fixture(int nproc = 2, int max_restarts = 0, Duration grace = Duration::zero(),
                    Duration heartbeat_timeout = Duration::zero(),
-                   Duration exit_barrier_timeout = std::chrono::seconds(300)) {
+                   Duration exit_barrier_timeout = std::chrono::seconds(300),
+                   bool multi_node = false) {
     rdzv.round.local_world_sizes = {nproc};
     rdzv.round.master_addr = "host";
     rdzv.round.master_port = 1234;
@@ -30,6 +31,7 @@ struct Fixture {
     opts.failure_grace = grace;
     opts.heartbeat_timeout = heartbeat_timeout;
     opts.exit_barrier_timeout = exit_barrier_timeout;
+    opts.multi_node = multi_node;
     sup = std::make_unique<Supervisor>(
         opts, launcher, rdzv, clock,
         [this](const RoundInfo& r, int restarts) {
@@ -41,11 +43,16 @@ struct Fixture {
             w.global_rank = i;
             w.argv = {"/bin/worker"};
             w.heartbeat_file = heartbeatFile(restarts, i);
+            w.stop_file = stopFile(restarts, i);
             out.push_back(w);
           }
           return StatusOr<std::vector<WorkerLaunch>>(out);
         },
         &heartbeats);
+  }
+  static std::string stopFile(int attempt, int local_rank) {
+    return "/logs/attempt_" + std::to_string(attempt) + "/" + std::to_string(local_rank) +
+           "/stopped";
   }
   static std::string heartbeatFile(int attempt, int local_rank) {
     return "/logs/attempt_" + std::to_string(attempt) + "/" + std::to_string(local_rank) +
@@ -504,5 +511,52 @@ TEST_CASE("membership changes and peer failures do not disturb the exit barrier"
   CHECK(f.rdzv.joins == 1);
   CHECK(f.sup->restartCount() == 0);
   f.rdzv.pending_barrier(Status::ok());
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+}
+
+TEST_CASE(
+    "in a multi-node job, an exit 0 after a peer's checkpoint stop re-forms instead of "
+    "succeeding",
+    "[agent][peer-stop]") {
+  Fixture f(2, /*max_restarts=*/0, std::chrono::seconds(1), Duration::zero(),
+            std::chrono::seconds(300), /*multi_node=*/true);
+  f.sup->start();
+  const auto first = f.current();
+  f.heartbeats.touch(Fixture::stopFile(0, 0));
+  f.heartbeats.touch(Fixture::stopFile(0, 1));
+  f.sup->onWorkerExit(first[0], ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.rdzv.barriers == 0);
+  f.sup->onWorkerExit(first[1], ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kRunning);  // the next round, free of charge
+  CHECK(f.rdzv.joins == 2);
+  CHECK(f.sup->restartCount() == 0);
+  CHECK(f.rdzv.failures == 0);
+  // The next round's workers finish for real (the shell removed the old stop files): success.
+  f.heartbeats.mtimes.clear();
+  f.exitAll(0);
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+}
+
+TEST_CASE("a checkpoint signal this agent forwarded makes the exit 0 that follows a success",
+          "[agent][peer-stop]") {
+  Fixture f(2, 0, std::chrono::seconds(1), Duration::zero(), std::chrono::seconds(300),
+            /*multi_node=*/true);
+  f.sup->start();
+  f.sup->onSignal(SIGUSR1);
+  f.heartbeats.touch(Fixture::stopFile(0, 0));
+  f.heartbeats.touch(Fixture::stopFile(0, 1));
+  f.exitAll(0);
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK(f.rdzv.joins == 1);
+}
+
+TEST_CASE("a single-node job takes a stopped worker's exit 0 as it always did",
+          "[agent][peer-stop]") {
+  Fixture f(2);
+  f.sup->start();
+  f.heartbeats.touch(Fixture::stopFile(0, 0));
+  f.heartbeats.touch(Fixture::stopFile(0, 1));
+  f.exitAll(0);
   CHECK(f.sup->state() == AgentState::kSucceeded);
 }

@@ -50,7 +50,9 @@ TEST_CASE("the planner lays out one attempt's workers without touching the disk"
   CHECK(plan.dirs ==
         std::vector<std::string>{"/logs/run_x/attempt_2/0", "/logs/run_x/attempt_2/1"});
   CHECK(plan.stale_files == std::vector<std::string>{"/logs/run_x/attempt_2/0/heartbeat",
-                                                     "/logs/run_x/attempt_2/1/heartbeat"});
+                                                     "/logs/run_x/attempt_2/0/stopped",
+                                                     "/logs/run_x/attempt_2/1/heartbeat",
+                                                     "/logs/run_x/attempt_2/1/stopped"});
   const WorkerLaunch& w0 = plan.launches[0];
   const WorkerLaunch& w1 = plan.launches[1];
   CHECK(w0.local_rank == 0);
@@ -65,6 +67,7 @@ TEST_CASE("the planner lays out one attempt's workers without touching the disk"
   CHECK(envOf(w0, "TORCHELASTIC_RESTART_COUNT") == "2");
   CHECK(envOf(w0, "TORCHELASTIC_ERROR_FILE") == w0.error_file);
   CHECK(envOf(w0, "DDPRUN_HEARTBEAT_FILE") == w0.heartbeat_file);
+  CHECK(envOf(w0, "DDPRUN_STOP_FILE") == "/logs/run_x/attempt_2/0/stopped");
   CHECK(envOf(w0, "PATH") == "/bin");
   // Rank 0: stderr redirected to a file, nothing tee'd; rank 1: stdout tee'd (per-rank tee).
   CHECK(w0.stdout_file.empty());
@@ -84,7 +87,8 @@ TEST_CASE("without hang detection no heartbeat file is planned", "[agent]") {
   WorkerPlanner planner(cfg, "/l", "h", {});
   const AttemptPlan plan = planner.plan(round4And2(0), 0);
   REQUIRE(plan.launches.size() == 4);
-  CHECK(plan.stale_files.empty());
+  CHECK(plan.stale_files.size() == 4);  // the stop files only
+  CHECK(plan.stale_files[0] == "/l/attempt_0/0/stopped");
   CHECK(plan.launches[3].heartbeat_file.empty());
   CHECK(envOf(plan.launches[3], "DDPRUN_HEARTBEAT_FILE") == "<unset>");
   CHECK(plan.launches[3].console_prefix == "[default3]:");

@@ -59,7 +59,7 @@ void compareWithTorchrun(const std::vector<std::string>& flags,
   REQUIRE(b.exit_code == 0);
   // Ours only: extras SPEC §3 adds. Either side: what the shell or Python put there.
   const std::set<std::string> ours_only = {"DDPRUN_MEMBERSHIP_EPOCH", "DDPRUN_HEARTBEAT_FILE",
-                                           "TORCH_NCCL_ASYNC_ERROR_HANDLING"};
+                                           "DDPRUN_STOP_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"};
   const std::set<std::string> ignored = {"_"};
   for (const char* rank : {"0", "1"}) {
     auto e1 = parseEnvFile(readFile(ours / (std::string("env.") + rank)));

@@ -71,6 +71,14 @@ void touchFile(const std::string& path) {
   ::close(fd);
 }
 
+void writeSmallFile(const std::string& path, const std::string& content) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail("cannot write", path);
+  const ssize_t n = ::write(fd, content.data(), content.size());
+  ::close(fd);
+  if (n != static_cast<ssize_t>(content.size())) fail("cannot write", path);
+}
+
 void saveSnapshot(const std::string& path, const torch::nn::Module& model,
                   const torch::optim::Optimizer& optimizer, const TrainingProgress& progress) {
   torch::serialize::OutputArchive root;

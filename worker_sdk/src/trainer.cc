@@ -94,6 +94,13 @@ Trainer::Outcome Trainer::train() {
   };
   auto finishStop = [&]() {
     if (stop_work) stop_work->wait();
+    if (!options_.stop_file.empty()) {
+      // The exit 0 that follows is a stop, not the end of training: an agent that did not ask
+      // for it (a peer rank's node did) re-forms the job instead of finishing.
+      writeSmallFile(options_.stop_file, checkpointRequested()
+                                             ? "checkpoint requested by a signal to this rank\n"
+                                             : "checkpoint requested by a peer rank\n");
+    }
     if (!options_.snapshot_path.empty()) save(progress_.epoch, " (checkpoint signal)");
     comm.barrier();  // nobody exits before the snapshot is on disk
     return Outcome::kStoppedBySignal;

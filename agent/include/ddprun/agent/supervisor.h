@@ -58,6 +58,11 @@ struct SupervisorOptions {
   // for longer than this is hung: it fails the attempt like a worker exiting non-zero. Zero, a
   // null HeartbeatProbe or an empty heartbeat_file turn the check off.
   Duration heartbeat_timeout = Duration::zero();
+  // The job spans nodes: a worker that exits 0 after stopping on a checkpoint request this agent
+  // did not forward (its WorkerLaunch::stop_file exists) stopped because a peer rank on another
+  // node was asked to (that node is leaving or re-forming); it is re-formed with the others like
+  // a membership change, never taken for the job's success.
+  bool multi_node = false;
   // The longest the exit barrier holds this node after its workers succeeded.
   Duration exit_barrier_timeout = std::chrono::seconds(300);
 };
@@ -122,6 +127,8 @@ class Supervisor {
   void joinRound();
   void onRound(StatusOr<RoundInfo> round);
   void enterExitBarrier();
+  // The worker exited 0 only because a peer's checkpoint stop was agreed across ranks.
+  bool stoppedForPeer(const Worker& worker) const;
   void onExitBarrier(const Status& status);
   void recordFailure(const WorkerFailure& failure);
   void stopForLocalFailure();
@@ -146,6 +153,7 @@ class Supervisor {
   std::vector<WorkerFailure> failures_;
   StopReason stop_reason_ = StopReason::kNone;
   int stop_signal_ = 0;
+  bool signal_forwarded_ = false;  // a non-terminating signal reached this round's workers
   std::optional<TimePoint> kill_deadline_;
   std::optional<TimePoint> report_deadline_;   // a local failure not yet reported (grace)
   std::optional<TimePoint> heartbeat_check_;   // next look at the heartbeat files (RUNNING only)

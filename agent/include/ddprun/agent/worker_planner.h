@@ -20,7 +20,8 @@ struct AttemptPlan {
   std::vector<std::string> dirs;       // to create (with parents) before spawning
   // Files of an earlier round in the same attempt directory that must be gone first: a new
   // round after a membership change reuses the directory, and the previous workers' heartbeat
-  // file must not arm (or hang) the new worker before it touched it itself.
+  // file must not arm (or hang) the new worker before it touched it itself, nor their stop file
+  // make its exit look like a stop.
   std::vector<std::string> stale_files;
 };
 

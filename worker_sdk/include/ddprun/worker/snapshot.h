@@ -33,5 +33,7 @@ void writeFileAtomically(const std::string& path, const std::string& bytes);
 
 // Creates `path` if missing and sets its modification time to now (heartbeat).
 void touchFile(const std::string& path);
+// Replaces `path` with `content` (a small status file such as DDPRUN_STOP_FILE).
+void writeSmallFile(const std::string& path, const std::string& content);
 
 }  // namespace ddprun::worker
