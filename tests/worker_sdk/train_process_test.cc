@@ -22,6 +22,7 @@ std::map<std::string, std::string> rankEnv(int rank, int world, int port, const 
           {"MASTER_PORT", std::to_string(port)},
           {"OMP_NUM_THREADS", "1"},
           {"DDPRUN_HEARTBEAT_FILE", dir + "/hb" + std::to_string(rank)},
+          {"DDPRUN_STOP_FILE", dir + "/stop" + std::to_string(rank)},
           {"TORCHELASTIC_RESTART_COUNT", "0"}};
 }
 
@@ -98,6 +99,9 @@ TEST_CASE("train runs the mlp and cnn models on two ranks and agrees on the loss
                                       "] Epoch 0 | Batchsize: 32 | Steps: 2"));
     }
     CHECK(lines[0] == lines[1]);  // the loss is averaged across ranks
+    // Training finished: no rank claims it merely stopped.
+    CHECK_FALSE(std::filesystem::exists(dir.path() / "stop0"));
+    CHECK_FALSE(std::filesystem::exists(dir.path() / "stop1"));
   }
 }
 
@@ -137,6 +141,13 @@ void checkpointOnSignal(int sig, int signalled, bool resume) {
   CHECK_THAT(ranks[0]->output(),
              Catch::Contains("Training snapshot saved at " + snap + " (checkpoint signal)"));
   CHECK_THAT(ranks[1]->output(), Catch::Contains("stopped by checkpoint signal"));
+  // Each rank says it stopped rather than finished, and why: the agent of a rank that was not
+  // signalled must not take its exit 0 for the job's success.
+  for (int r = 0; r < 2; ++r) {
+    const std::string why = t::readFile(dir.str() + "/stop" + std::to_string(r));
+    CHECK_THAT(why,
+               Catch::Contains(r == signalled ? "by a signal to this rank" : "by a peer rank"));
+  }
   // No temp files are left next to the snapshot.
   int files = 0;
   for (auto& e : std::filesystem::directory_iterator(dir.path()))
