@@ -34,6 +34,10 @@ Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn:
                       ")");
   }
   if (!options_.snapshot_path.empty()) {
+    if (group_->rank() == 0 && removeStaleTempFiles(options_.snapshot_path) > 0) {
+      log() << "[RANK 0] removed temp files of an interrupted snapshot write next to "
+            << options_.snapshot_path << std::endl;
+    }
     resumed_ = loadSnapshot(options_.snapshot_path, *model_, *optimizer_, progress_);
     if (resumed_)
       log() << "[RANK " << group_->rank() << "] Resuming training from snapshot at Epoch "

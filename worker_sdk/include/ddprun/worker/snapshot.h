@@ -1,7 +1,10 @@
 // Training snapshots: model parameters and buffers, optimizer state, progress counters and the
 // CPU RNG state, in one torch::serialize archive. Writes are atomic (temp file in the same
 // directory, fsync, rename, fsync of the directory): a crash mid-write leaves the previous
-// snapshot intact. Call save on one rank only; every rank loads. Not thread-safe per path.
+// snapshot intact. The archive is followed by a trailer with its length and CRC-32: a damaged
+// or truncated file, or a snapshot of a model with other shapes, is refused with an error naming
+// the file (snapshots written before the trailer existed still load). Call save on one rank
+// only; every rank loads. Not thread-safe per path.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -27,6 +30,10 @@ void saveSnapshot(const std::string& path, const torch::nn::Module& model,
 // read (naming the path). Restores the CPU RNG state too.
 bool loadSnapshot(const std::string& path, torch::nn::Module& model,
                   torch::optim::Optimizer& optimizer, TrainingProgress& progress);
+
+// Removes the temp files an interrupted writeFileAtomically(path, ...) left behind
+// (`<path>.tmp.<pid>.<random>` whose writer is no longer alive on this host); returns how many.
+int removeStaleTempFiles(const std::string& path);
 
 // Writes `bytes` to `path` atomically (exposed for tests).
 void writeFileAtomically(const std::string& path, const std::string& bytes);
