@@ -221,3 +221,62 @@ TEST_CASE(
   REQUIRE(a.size() == 21 * 4);  // Linear(20, 1): 20 weights + 1 bias
   CHECK(a == b);
 }
+
+namespace {
+
+// Runs `train <epochs> 1` on two ranks, rank r with --snapshot-path paths[r]; returns each rank's
+// output after both exited 0.
+std::vector<std::string> trainTwoRanks(const t::TempDir& dir, const std::string& epochs,
+                                       const std::vector<std::string>& paths,
+                                       const std::string& tag) {
+  const int port = t::freePort();
+  std::vector<std::unique_ptr<t::Child>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back(std::make_unique<t::Child>(
+        std::vector<std::string>{trainBin(), epochs, "1", "--dataset-size", "128",
+                                 "--snapshot-path", paths[static_cast<size_t>(r)]},
+        rankEnv(r, 2, port, dir.str()), dir.str() + "/" + tag + std::to_string(r)));
+  }
+  std::vector<std::string> out;
+  for (auto& c : ranks) {
+    auto code = c->wait(180s);
+    INFO(tag << ":\n" << c->output());
+    REQUIRE(code.has_value());
+    REQUIRE(*code == 0);
+    out.push_back(c->output());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("ranks with their own snapshot files resume from the newest any of them holds",
+          "[worker][train]") {
+  t::TempDir dir;
+  const std::string shared = dir.str() + "/shared.pt";
+  const std::string older = dir.str() + "/older.pt";
+  trainTwoRanks(dir, "1", {shared, shared}, "first");  // snapshot: epoch 1
+  std::filesystem::copy_file(shared, older);
+  trainTwoRanks(dir, "2", {shared, shared}, "second");  // snapshot: epoch 2
+
+  // Rank 0 holds nothing (a fresh disk), rank 1 the newest: rank 0 gets it from rank 1.
+  const std::string empty0 = dir.str() + "/r0/snap.pt";
+  std::filesystem::create_directories(dir.path() / "r0");
+  auto out = trainTwoRanks(dir, "3", {empty0, shared}, "fresh");
+  CHECK_THAT(out[0], Catch::Contains("received the newest snapshot"));
+  CHECK_THAT(out[0], Catch::Contains("from rank 1"));
+  CHECK_THAT(out[1], !Catch::Contains("received the newest snapshot"));
+  for (const auto& o : out)
+    CHECK_THAT(o, Catch::Contains("Resuming training from snapshot at Epoch 2"));
+  CHECK(std::filesystem::exists(empty0));
+
+  // Rank 0 holds an older snapshot than rank 1: the newer one wins, and replaces the older.
+  const std::string stale0 = dir.str() + "/stale0.pt";
+  std::filesystem::copy_file(older, stale0);
+  const std::string newest1 = dir.str() + "/newest1.pt";
+  std::filesystem::copy_file(empty0, newest1);  // epoch 3 after the run above
+  out = trainTwoRanks(dir, "4", {stale0, newest1}, "stale");
+  CHECK_THAT(out[0], Catch::Contains("received the newest snapshot"));
+  for (const auto& o : out)
+    CHECK_THAT(o, Catch::Contains("Resuming training from snapshot at Epoch 3"));
+}

@@ -190,17 +190,58 @@ void saveSnapshot(const std::string& path, const torch::nn::Module& model,
   writeFileAtomically(path, bytes);
 }
 
+std::string readSnapshotFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open snapshot", path);
+  std::string bytes(std::istreambuf_iterator<char>(in), {});
+  if (in.bad()) fail("cannot read snapshot", path);
+  return bytes;
+}
+
+namespace {
+TrainingProgress readProgress(torch::serialize::InputArchive& root) {
+  auto readTensor = [&root](const char* key) {
+    torch::Tensor t;  // undefined: read() assigns instead of set_() into existing storage
+    root.read(key, t);
+    return t;
+  };
+  TrainingProgress progress;
+  progress.epoch = readTensor("epoch").item<int64_t>();
+  progress.step_in_epoch = readTensor("step_in_epoch").item<int64_t>();
+  progress.global_step = readTensor("global_step").item<int64_t>();
+  progress.epoch_loss_sum = readTensor("epoch_loss_sum").item<double>();
+  return progress;
+}
+
+[[noreturn]] void unreadable(const std::string& path, const char* detail) {
+  throw WorkerError("cannot load snapshot '" + path +
+                    "': the file is unreadable or not a snapshot of this model (delete it to "
+                    "start afresh): " +
+                    detail);
+}
+}  // namespace
+
+std::optional<TrainingProgress> readSnapshotProgress(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return std::nullopt;
+  const std::string bytes = readSnapshotFile(path);
+  const std::string_view archive = checkedArchive(bytes, path);
+  try {
+    torch::serialize::InputArchive root;
+    root.load_from(archive.data(), archive.size());
+    return readProgress(root);
+  } catch (const c10::Error& e) {
+    unreadable(path, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    unreadable(path, e.what());
+  }
+}
+
 bool loadSnapshot(const std::string& path, torch::nn::Module& model,
                   torch::optim::Optimizer& optimizer, TrainingProgress& progress) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return false;
-  std::string bytes;
-  {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) fail("cannot open snapshot", path);
-    bytes.assign(std::istreambuf_iterator<char>(in), {});
-    if (in.bad()) fail("cannot read snapshot", path);
-  }
+  const std::string bytes = readSnapshotFile(path);
   const std::string_view archive = checkedArchive(bytes, path);
   const auto shapes = shapesOf(model);
   try {
@@ -217,32 +258,19 @@ bool loadSnapshot(const std::string& path, torch::nn::Module& model,
     torch::serialize::InputArchive opt_ar;
     root.read("optimizer", opt_ar);
     optimizer.load(opt_ar);
-    auto readTensor = [&root](const char* key) {
-      torch::Tensor t;  // undefined: read() assigns instead of set_() into existing storage
-      root.read(key, t);
-      return t;
-    };
-    progress.epoch = readTensor("epoch").item<int64_t>();
-    progress.step_in_epoch = readTensor("step_in_epoch").item<int64_t>();
-    progress.global_step = readTensor("global_step").item<int64_t>();
-    progress.epoch_loss_sum = readTensor("epoch_loss_sum").item<double>();
-    torch::Tensor t = readTensor("rng_cpu");
+    progress = readProgress(root);
+    torch::Tensor t;
+    root.read("rng_cpu", t);
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(t);
   } catch (const c10::Error& e) {
-    throw WorkerError("cannot load snapshot '" + path +
-                      "': the file is unreadable or not a snapshot of this model (delete it to "
-                      "start afresh): " +
-                      e.what_without_backtrace());
+    unreadable(path, e.what_without_backtrace());
   } catch (const WorkerError&) {
     throw;
   } catch (const std::exception& e) {
     // A damaged archive can fail deep inside the reader with a message that names nothing.
-    throw WorkerError("cannot load snapshot '" + path +
-                      "': the file is unreadable or not a snapshot of this model (delete it to "
-                      "start afresh): " +
-                      e.what());
+    unreadable(path, e.what());
   }
   return true;
 }

@@ -11,6 +11,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace ddprun::worker {
@@ -34,6 +35,12 @@ bool loadSnapshot(const std::string& path, torch::nn::Module& model,
 // Removes the temp files an interrupted writeFileAtomically(path, ...) left behind
 // (`<path>.tmp.<pid>.<random>` whose writer is no longer alive on this host); returns how many.
 int removeStaleTempFiles(const std::string& path);
+
+// The progress recorded in the snapshot at `path` (nothing else is loaded); nullopt when there is
+// none. Throws WorkerError naming the path when it exists but cannot be read.
+std::optional<TrainingProgress> readSnapshotProgress(const std::string& path);
+// The snapshot file's bytes as they are on disk (to hand to a rank that lacks it).
+std::string readSnapshotFile(const std::string& path);
 
 // Writes `bytes` to `path` atomically (exposed for tests).
 void writeFileAtomically(const std::string& path, const std::string& bytes);

@@ -71,6 +71,8 @@ class Trainer {
   TrainerOptions options_;
   TrainingProgress progress_;
   bool resumed_ = false;
+
+  bool resumeFromNewestSnapshot();
   std::unique_ptr<DistributedDataParallel> ddp_;
 };
 
