@@ -142,6 +142,21 @@ void Supervisor::onExitBarrier(const Status& status) {
   finish(AgentState::kSucceeded, 0);
 }
 
+bool Supervisor::failedOnItsOwn(const Worker& worker, ExitStatus status) const {
+  if (status.success()) return false;
+  // It wrote an error file: it failed (a worker that merely obeys the stop does not).
+  if (heartbeats_ != nullptr && !worker.launch.error_file.empty() &&
+      heartbeats_->modificationTime(worker.launch.error_file).has_value()) {
+    return true;
+  }
+  // Ended by the stop itself (SIGTERM, or SIGKILL after the timeout; or exiting 128+that signal
+  // from a handler) is no failure of its own.
+  for (int sig : {stop_signal_, SIGKILL}) {
+    if (status.signaled ? status.code == sig : status.code == 128 + sig) return false;
+  }
+  return true;
+}
+
 bool Supervisor::stoppedForPeer(const Worker& worker) const {
   return options_.multi_node && !signal_forwarded_ && heartbeats_ != nullptr &&
          !worker.launch.stop_file.empty() &&
@@ -218,9 +233,19 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
     if (runningWorkers() == 0) enterExitBarrier();
     return;
   }
-  // A worker stopped for hanging: the report shows how it ended.
+  bool known = false;
   for (auto& f : failures_) {
-    if (f.pid == pid && !f.hang.empty()) f.exit = status;
+    if (f.pid != pid) continue;
+    known = true;
+    if (!f.hang.empty()) f.exit = status;  // stopped for hanging: the report shows how it ended
+  }
+  // (Only when this node's failure caused the stop: after a peer's, local exits are its echo.)
+  if (!known && state_ == AgentState::kStopping && stop_reason_ == StopReason::kFailure &&
+      !failures_.empty() && failedOnItsOwn(*worker, status)) {
+    // It had failed too by the time the group was stopped: the report lists it after the root
+    // cause (SPEC §4), which stays the earliest failure.
+    recordFailure(WorkerFailure{worker->launch.local_rank, worker->launch.global_rank, pid, status,
+                                clock_.wallSeconds(), worker->launch.error_file, /*hang=*/""});
   }
   if (state_ == AgentState::kStopping) maybeFinishStop();
 }

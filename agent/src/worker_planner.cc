@@ -48,6 +48,7 @@ AttemptPlan WorkerPlanner::plan(const RoundInfo& round, int restart_count) const
     w.argv = cfg_.worker_argv;
     w.error_file = dir + "/error.json";
     in.error_file = w.error_file;
+    out.stale_files.push_back(w.error_file);  // a previous round's, in the same attempt
     if (cfg_.heartbeat_timeout > 0) {
       w.heartbeat_file = dir + "/heartbeat";
       out.stale_files.push_back(w.heartbeat_file);

@@ -560,3 +560,23 @@ TEST_CASE("a single-node job takes a stopped worker's exit 0 as it always did",
   f.exitAll(0);
   CHECK(f.sup->state() == AgentState::kSucceeded);
 }
+
+TEST_CASE(
+    "every worker that failed by the time the group stopped is a failure, not only the "
+    "first",
+    "[agent]") {
+  Fixture f(4);
+  f.sup->start();
+  const auto pids = f.current();
+  f.sup->onWorkerExit(pids[2], ExitStatus{false, 1});  // the root cause
+  REQUIRE(f.sup->state() == AgentState::kStopping);
+  f.sup->onWorkerExit(pids[0], ExitStatus{false, 7});          // failed on its own meanwhile
+  f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGTERM});     // merely stopped
+  f.runFor(std::chrono::seconds(6), std::chrono::seconds(1));  // past the shutdown timeout
+  f.sup->onWorkerExit(pids[3], ExitStatus{true, SIGKILL});     // killed by us
+  CHECK(f.sup->state() == AgentState::kFailed);
+  REQUIRE(f.sup->failures().size() == 2);
+  CHECK(f.sup->failures()[0].local_rank == 2);
+  CHECK(f.sup->failures()[1].local_rank == 0);
+  CHECK(f.sup->failures()[1].exit.code == 7);
+}

@@ -49,10 +49,11 @@ TEST_CASE("the planner lays out one attempt's workers without touching the disk"
   REQUIRE(plan.launches.size() == 2);  // group rank 1 runs 2 workers
   CHECK(plan.dirs ==
         std::vector<std::string>{"/logs/run_x/attempt_2/0", "/logs/run_x/attempt_2/1"});
-  CHECK(plan.stale_files == std::vector<std::string>{"/logs/run_x/attempt_2/0/heartbeat",
-                                                     "/logs/run_x/attempt_2/0/stopped",
-                                                     "/logs/run_x/attempt_2/1/heartbeat",
-                                                     "/logs/run_x/attempt_2/1/stopped"});
+  CHECK(plan.stale_files ==
+        std::vector<std::string>{
+            "/logs/run_x/attempt_2/0/error.json", "/logs/run_x/attempt_2/0/heartbeat",
+            "/logs/run_x/attempt_2/0/stopped", "/logs/run_x/attempt_2/1/error.json",
+            "/logs/run_x/attempt_2/1/heartbeat", "/logs/run_x/attempt_2/1/stopped"});
   const WorkerLaunch& w0 = plan.launches[0];
   const WorkerLaunch& w1 = plan.launches[1];
   CHECK(w0.local_rank == 0);
@@ -87,8 +88,9 @@ TEST_CASE("without hang detection no heartbeat file is planned", "[agent]") {
   WorkerPlanner planner(cfg, "/l", "h", {});
   const AttemptPlan plan = planner.plan(round4And2(0), 0);
   REQUIRE(plan.launches.size() == 4);
-  CHECK(plan.stale_files.size() == 4);  // the stop files only
-  CHECK(plan.stale_files[0] == "/l/attempt_0/0/stopped");
+  CHECK(plan.stale_files.size() == 8);  // error and stop files, no heartbeat file
+  CHECK(plan.stale_files[0] == "/l/attempt_0/0/error.json");
+  CHECK(plan.stale_files[1] == "/l/attempt_0/0/stopped");
   CHECK(plan.launches[3].heartbeat_file.empty());
   CHECK(envOf(plan.launches[3], "DDPRUN_HEARTBEAT_FILE") == "<unset>");
   CHECK(plan.launches[3].console_prefix == "[default3]:");

@@ -129,6 +129,8 @@ class Supervisor {
   void enterExitBarrier();
   // The worker exited 0 only because a peer's checkpoint stop was agreed across ranks.
   bool stoppedForPeer(const Worker& worker) const;
+  // While the group stops after a failure: this worker failed too, not merely stopped.
+  bool failedOnItsOwn(const Worker& worker, ExitStatus status) const;
   void onExitBarrier(const Status& status);
   void recordFailure(const WorkerFailure& failure);
   void stopForLocalFailure();
