@@ -209,7 +209,7 @@ StatusOr<RendezvousSetup> makeRendezvous(const AgentConfig& cfg,
                                          GrpcRendezvous::EventSink sink) {
   auto log = logger("agent");
   RendezvousSetup out;
-  if (cfg.standalone || (cfg.rdzv_backend == "static" && cfg.max_nodes == 1)) {
+  if (cfg.standalone || (cfg.rdzv_backend == RendezvousBackend::kStatic && cfg.max_nodes == 1)) {
     RoundInfo base;
     base.run_id = cfg.rdzv_id;
     base.local_world_sizes = {cfg.nproc_per_node};
@@ -223,7 +223,7 @@ StatusOr<RendezvousSetup> makeRendezvous(const AgentConfig& cfg,
   std::string endpoint = cfg.rdzv_endpoint;
   bool must_host = false;
   bool may_host = false;
-  if (cfg.rdzv_backend == "static") {
+  if (cfg.rdzv_backend == RendezvousBackend::kStatic) {
     // The agents' own rendezvous sits next to the workers' store: MASTER_PORT+1 on the master.
     if (endpoint.empty()) {
       if (cfg.master_port >= 65535) {
@@ -400,13 +400,8 @@ int runAgent(const AgentConfig& cfg) {
     logger("grpc")->debug("{}:{} {}", args->file, args->line, args->message);
   });
   ::signal(SIGPIPE, SIG_IGN);
-  // The launcher validated --rdzv-conf with the same parser; this reads the files it names.
-  auto rdzv_conf = rendezvous::parseRendezvousConf(
-      cfg.rdzv_conf, static_cast<uint32_t>(cfg.min_nodes), static_cast<uint32_t>(cfg.max_nodes));
-  if (!rdzv_conf.isOk()) {
-    log->error("--rdzv-conf: {}", rdzv_conf.status().message());
-    return 2;
-  }
+  // The launcher parsed --rdzv-conf (and read the files it names).
+  const rendezvous::RendezvousConf* rdzv_conf = &cfg.rdzv_conf;
   const std::string hostname = fullyQualifiedHostname();
   const std::string local_addr = cfg.local_addr.empty() ? hostname : cfg.local_addr;
 
