@@ -58,17 +58,10 @@ StatusOr<std::vector<WorkerLaunch>> prepareAttempt(AttemptPlan plan) {
 int runAgent(const AgentConfig& cfg) {
   auto log = logger("agent");
   ::signal(SIGPIPE, SIG_IGN);
-  // The launcher validated --rdzv-conf with the same parser; this reads the files it names.
-  auto rdzv_conf = rendezvous::parseRendezvousConf(
-      cfg.rdzv_conf, static_cast<uint32_t>(cfg.min_nodes), static_cast<uint32_t>(cfg.max_nodes));
-  if (!rdzv_conf.isOk()) {
-    log->error("--rdzv-conf: {}", rdzv_conf.status().message());
-    return 2;
-  }
   const std::string hostname = fullyQualifiedHostname();
   const std::string local_addr = cfg.local_addr.empty() ? hostname : cfg.local_addr;
 
-  auto choice = chooseRendezvous(cfg, *rdzv_conf, local_addr, [&](const std::string& host) {
+  auto choice = chooseRendezvous(cfg, local_addr, [&](const std::string& host) {
     return isThisHost(host, local_addr, hostname);
   });
   if (!choice.isOk()) {
@@ -86,7 +79,7 @@ int runAgent(const AgentConfig& cfg) {
   PosixProcessLauncher launcher(io);
   Supervisor* supervisor_ptr = nullptr;
   std::function<void()> after_event;  // set below; pushed events reach it on this thread
-  auto rendezvous_or = makeRendezvous(*choice, *rdzv_conf, io, [&](PeerEvent e) {
+  auto rendezvous_or = makeRendezvous(*choice, cfg.rdzv_conf, io, [&](PeerEvent e) {
     if (supervisor_ptr == nullptr) return;
     if (e == PeerEvent::kPeerFailure) {
       supervisor_ptr->onPeerFailure();

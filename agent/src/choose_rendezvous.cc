@@ -2,12 +2,11 @@
 
 namespace ddprun::agent {
 
-StatusOr<RendezvousChoice> chooseRendezvous(const AgentConfig& cfg,
-                                            const rendezvous::RendezvousConf& conf,
-                                            const std::string& local_addr,
+StatusOr<RendezvousChoice> chooseRendezvous(const AgentConfig& cfg, const std::string& local_addr,
                                             const IsThisHost& is_this_host) {
+  const rendezvous::RendezvousConf& conf = cfg.rdzv_conf;
   RendezvousChoice out;
-  const bool static_backend = cfg.rdzv_backend == "static";
+  const bool static_backend = cfg.rdzv_backend == RendezvousBackend::kStatic;
   if (cfg.standalone || (static_backend && cfg.max_nodes == 1)) {
     out.kind = RendezvousKind::kLocal;
     out.local_round.run_id = cfg.rdzv_id;

@@ -13,7 +13,7 @@ rendezvous::RendezvousConf conf() {
   return *c;
 }
 
-AgentConfig multiNode(const std::string& backend, const std::string& endpoint) {
+AgentConfig multiNode(RendezvousBackend backend, const std::string& endpoint) {
   AgentConfig cfg;
   cfg.min_nodes = 2;
   cfg.max_nodes = 2;
@@ -21,6 +21,7 @@ AgentConfig multiNode(const std::string& backend, const std::string& endpoint) {
   cfg.rdzv_backend = backend;
   cfg.rdzv_endpoint = endpoint;
   cfg.rdzv_id = "job7";
+  cfg.rdzv_conf = conf();
   return cfg;
 }
 
@@ -33,7 +34,7 @@ TEST_CASE("standalone and one-node static jobs use the in-process rendezvous", "
   cfg.standalone = true;
   cfg.nproc_per_node = 4;
   cfg.rdzv_id = "r1";
-  auto c = chooseRendezvous(cfg, conf(), "me.host", never);
+  auto c = chooseRendezvous(cfg, "me.host", never);
   REQUIRE(c.isOk());
   CHECK(c->kind == RendezvousKind::kLocal);
   CHECK(c->pick_free_port);
@@ -45,7 +46,7 @@ TEST_CASE("standalone and one-node static jobs use the in-process rendezvous", "
   AgentConfig one;  // static, --nnodes=1
   one.master_addr = "10.0.0.1";
   one.master_port = 29501;
-  c = chooseRendezvous(one, conf(), "me.host", never);
+  c = chooseRendezvous(one, "me.host", never);
   REQUIRE(c.isOk());
   CHECK(c->kind == RendezvousKind::kLocal);
   CHECK_FALSE(c->pick_free_port);
@@ -55,7 +56,7 @@ TEST_CASE("standalone and one-node static jobs use the in-process rendezvous", "
 
 TEST_CASE("a c10d job hosts the rendezvous when the endpoint is this host", "[agent]") {
   std::string asked;
-  auto c = chooseRendezvous(multiNode("c10d", "node1:29400"), conf(), "node1",
+  auto c = chooseRendezvous(multiNode(RendezvousBackend::kC10d, "node1:29400"), "node1",
                             [&](const std::string& host) {
                               asked = host;
                               return true;
@@ -73,41 +74,40 @@ TEST_CASE("a c10d job hosts the rendezvous when the endpoint is this host", "[ag
   CHECK(c->multinode.run_config.min_nodes == 2);
   CHECK(c->failure_grace == conf().failure_grace);
 
-  c = chooseRendezvous(multiNode("c10d", "[::1]:29400"), conf(), "x", never);
+  c = chooseRendezvous(multiNode(RendezvousBackend::kC10d, "[::1]:29400"), "x", never);
   REQUIRE(c.isOk());
   CHECK(c->hosting == Hosting::kNo);
 }
 
 TEST_CASE("is_host overrides the host check either way", "[agent]") {
-  auto yes = conf();
-  yes.is_host = rendezvous::IsHost::kTrue;
-  auto c = chooseRendezvous(multiNode("c10d", "elsewhere:1"), yes, "me", never);
+  auto yes = multiNode(RendezvousBackend::kC10d, "elsewhere:1");
+  yes.rdzv_conf.is_host = rendezvous::IsHost::kTrue;
+  auto c = chooseRendezvous(yes, "me", never);
   REQUIRE(c.isOk());
   CHECK(c->hosting == Hosting::kMust);
-  auto no = conf();
-  no.is_host = rendezvous::IsHost::kFalse;
-  c = chooseRendezvous(multiNode("c10d", "me:1"), no, "me",
-                       [](const std::string&) { return true; });
+  auto no = multiNode(RendezvousBackend::kC10d, "me:1");
+  no.rdzv_conf.is_host = rendezvous::IsHost::kFalse;
+  c = chooseRendezvous(no, "me", [](const std::string&) { return true; });
   REQUIRE(c.isOk());
   CHECK(c->hosting == Hosting::kNo);
 }
 
 TEST_CASE("--master-port given to a c10d job is the workers' master port", "[agent]") {
-  auto cfg = multiNode("c10d", "h:1");
+  auto cfg = multiNode(RendezvousBackend::kC10d, "h:1");
   cfg.master_port = 40000;
   cfg.master_port_given = true;
-  auto c = chooseRendezvous(cfg, conf(), "me", never);
+  auto c = chooseRendezvous(cfg, "me", never);
   REQUIRE(c.isOk());
   CHECK(c->multinode.master_port == 40000);
 }
 
 TEST_CASE("the static backend puts the agents' rendezvous on MASTER_PORT+1 of node rank 0",
           "[agent]") {
-  auto cfg = multiNode("static", "");
+  auto cfg = multiNode(RendezvousBackend::kStatic, "");
   cfg.master_addr = "m";
   cfg.master_port = 29500;
   cfg.node_rank = 0;
-  auto c = chooseRendezvous(cfg, conf(), "me", never);
+  auto c = chooseRendezvous(cfg, "me", never);
   REQUIRE(c.isOk());
   CHECK(c->endpoint == "m:29501");
   CHECK(c->hosting == Hosting::kMust);
@@ -116,20 +116,20 @@ TEST_CASE("the static backend puts the agents' rendezvous on MASTER_PORT+1 of no
   CHECK(c->multinode.master_port == 29500);
 
   cfg.node_rank = 1;
-  c = chooseRendezvous(cfg, conf(), "me", never);
+  c = chooseRendezvous(cfg, "me", never);
   REQUIRE(c.isOk());
   CHECK(c->hosting == Hosting::kNo);
 
   cfg.rdzv_endpoint = "other:7";  // an explicit endpoint wins
-  c = chooseRendezvous(cfg, conf(), "me", never);
+  c = chooseRendezvous(cfg, "me", never);
   REQUIRE(c.isOk());
   CHECK(c->endpoint == "other:7");
 }
 
 TEST_CASE("the static backend refuses a master port with no room above it", "[agent]") {
-  auto cfg = multiNode("static", "");
+  auto cfg = multiNode(RendezvousBackend::kStatic, "");
   cfg.master_port = 65535;
-  auto c = chooseRendezvous(cfg, conf(), "me", never);
+  auto c = chooseRendezvous(cfg, "me", never);
   REQUIRE_FALSE(c.isOk());
   CHECK(c.status().code() == StatusCode::kInvalidArgument);
   CHECK(c.status().message().find("--master-port") != std::string::npos);

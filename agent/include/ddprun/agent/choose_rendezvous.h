@@ -38,9 +38,7 @@ using IsThisHost = std::function<bool(const std::string& host)>;
 
 // INVALID_ARGUMENT for a combination that cannot work (the static backend's MASTER_PORT+1
 // beyond 65535).
-StatusOr<RendezvousChoice> chooseRendezvous(const AgentConfig& cfg,
-                                            const rendezvous::RendezvousConf& conf,
-                                            const std::string& local_addr,
+StatusOr<RendezvousChoice> chooseRendezvous(const AgentConfig& cfg, const std::string& local_addr,
                                             const IsThisHost& is_this_host);
 
 }  // namespace ddprun::agent
