@@ -417,12 +417,17 @@ StatusOr<StepArgs> stepArgs(const std::vector<std::string>& args, const Env& env
   std::optional<std::string> merged_note;
   if (first_node_hosts && !(conf && conf->find("is_host") != std::string::npos)) {
     const std::string item = std::string("is_host=") + (ctx.node_id == 0 ? "true" : "false");
-    if (auto given = scan.given.find("rdzv_conf"); given != scan.given.end()) {
+    auto given = scan.given.find("rdzv_conf");
+    const ArgToken* user_conf =
+        given == scan.given.end() ? nullptr : &scan.tokens.tokens[given->second.token];
+    if (user_conf != nullptr && !user_conf->value) {
+      // A trailing --rdzv-conf without its value: left alone for the launcher to report.
+    } else if (user_conf != nullptr) {
       // Merged into the user's own --rdzv-conf: a second flag would replace theirs.
       const std::string value =
           trim(given->second.value).empty() ? item : given->second.value + "," + item;
       // Without --srun-args (not read here) `rest` starts as `args`: token indexes hold.
-      const ArgToken& at = scan.tokens.tokens[given->second.token];
+      const ArgToken& at = *user_conf;
       if (at.inline_value) {
         scan.rest[at.begin] =
             scan.rest[at.begin].substr(0, scan.rest[at.begin].find('=') + 1) + value;
