@@ -185,14 +185,18 @@ class UnaryCall final : public IoWait, public std::enable_shared_from_this<Unary
     if (cancelled) return complete(cancelledStatus());
     response_ = Resp();
     auto self = this->shared_from_this();
-    start_(impl_->stub.get(), ctx_.get(), &response_, [self](grpc::Status status) {
+    // The completion only posts back to the io thread, handing over its reference: the call (and
+    // with the last one the channel) is never destroyed on a gRPC thread.
+    start_(impl_->stub.get(), ctx_.get(), &response_, [self](grpc::Status status) mutable {
       Impl* impl = self->impl_.get();
       {
         std::lock_guard<std::mutex> lock(impl->mu);
         impl->contexts.erase(self->ctx_.get());
       }
-      boost::asio::post(impl->io,
-                        [self, status = std::move(status)] { self->onAttemptDone(status); });
+      boost::asio::io_context& io = impl->io;
+      boost::asio::post(io, [self = std::move(self), status = std::move(status)] {
+        self->onAttemptDone(status);
+      });
     });
   }
 

@@ -14,9 +14,10 @@
 // connection attempts were refused, so an agent that starts before its rendezvous would otherwise
 // wait out its whole join timeout. Once a connection was accepted the probe is not repeated.
 //
-// Threading: methods may be called from any thread (the agent calls them from its io thread);
-// callbacks run on a thread running `io`, one at a time when one thread runs it. A Watch's
-// on_change is posted to `io` as well.
+// Threading: methods may be called from any thread (the agent calls them from its io thread).
+// `io` must be run by one thread (the loop's own state of the client is not locked); callbacks
+// run there, one at a time. A Watch's on_change is posted to `io` as well. No thread of its own
+// (Asio may resolve a host name on its internal resolver thread for the TLS probe).
 // Lifetime: `io` must outlive the client. The destructor (and cancelAll) cancels the calls in
 // flight; after the destructor returned no callback of this client runs (it may be destroyed from
 // inside one of its callbacks). Destroy every Watch before its client.
