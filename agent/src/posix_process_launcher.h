@@ -1,6 +1,7 @@
-// PosixProcessLauncher: starts workers with fork/exec — each in its own process group, with
-// PR_SET_PDEATHSIG so none outlives the agent — and pumps tee'd streams through the agent's
-// io_context into the log file and the console. Used from the io_context's thread only.
+// PosixProcessLauncher: starts workers with fork/exec — each in its own process group, under a
+// guardian process so that nothing the worker starts outlives the agent (worker_guardian.h) — and
+// pumps tee'd streams through the agent's io_context into the log file and the console. Used from
+// the io_context's thread only.
 #pragma once
 
 #include <array>
