@@ -127,8 +127,9 @@ void forEachChild(pid_t self, F f) {
     i += 4;  // ") S " -> ppid
     int ppid = 0;
     bool any = false;
-    for (; i < n && stat[i] >= '0' && stat[i] <= '9'; ++i, any = true)
+    for (; i < n && stat[i] >= '0' && stat[i] <= '9'; ++i, any = true) {
       ppid = ppid * 10 + (stat[i] - '0');
+    }
     if (any && ppid == self) f(pid);
   });
   ::close(proc);
@@ -159,14 +160,15 @@ void drainSignalfd(int sfd) {
 
 // SIGKILLs and reaps every child but `keep` (the worker's zombie, or -1), over and over — the
 // children of a killed one are reparented to us — until none is left or the bound has passed.
+// Each round reads /proc/<pid>/stat of every process; it only runs at the end of a worker.
 void killDescendants(pid_t self, pid_t keep, int sfd) {
   const int64_t deadline = monotonicMs() + kTeardownBoundMs;
   while (true) {
     int others = 0;
     forEachChild(self, [&](int pid) {
       if (pid == keep) return;
-      ++others;
-      ::kill(pid, SIGKILL);
+      // One we may not signal (it ran a set-user-ID program) is not waited for.
+      if (::kill(pid, SIGKILL) == 0 || errno != EPERM) ++others;
       ::waitpid(pid, nullptr, WNOHANG);
     });
     if (others == 0 || monotonicMs() >= deadline) return;
@@ -267,9 +269,9 @@ void writeReport(int fd, const Report& r) {
       continue;
     }
     if (fds[0].revents != 0) {
+      // Nobody writes to the lifeline: it reads EOF once the agent is gone.
       char c;
-      const ssize_t r =
-          ::read(lifeline.read_fd, &c, 1);  // nobody writes: EOF once the agent is gone
+      const ssize_t r = ::read(lifeline.read_fd, &c, 1);
       if (r == 0 || (r < 0 && errno != EINTR && errno != EAGAIN)) agent_gone = true;
     }
     if (fds[1].revents != 0) drainSignalfd(sfd);
