@@ -92,7 +92,7 @@ TEST_CASE("is_host overrides the host check either way", "[agent]") {
   CHECK(c->hosting == Hosting::kNo);
 }
 
-TEST_CASE("--master-port given to a c10d job is the workers' master port", "[agent]") {
+TEST_CASE("a --master-port given to a c10d job is the workers' master port", "[agent]") {
   auto cfg = multiNode(RendezvousBackend::kC10d, "h:1");
   cfg.master_port = 40000;
   cfg.master_port_given = true;

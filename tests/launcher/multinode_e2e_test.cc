@@ -671,3 +671,33 @@ TEST_CASE("after the rendezvous server restarts, a PyTorch job re-forms and fini
   surviveServerRestart({"127.0.0.2", "127.0.0.3"}, prog, "srvrestart-py", "] Epoch 2 |",
                        "] Epoch 11 |");
 }
+
+TEST_CASE(
+    "a checkpoint stop that one node's worker was asked for directly is no success: every node "
+    "re-forms and the job finishes",
+    "[multinode][restart]") {
+  RendezvousDaemon rdzv;
+  TempDir work;
+  const std::vector<std::string> prog = {
+      "--no-python",     trainBin(),      "30", "1", "--model", "mlp", "--dataset-size", "192",
+      "--snapshot-path", work / "snap.pt"};
+  const std::vector<std::string> flags = {"--nproc-per-node=1", "--max-restarts=0",
+                                          "--rdzv-conf=last_call_timeout=1"};
+  auto a = agent("127.0.0.2", rdzv.endpoint, "2", "peerstop", flags, prog);
+  auto b = agent("127.0.0.3", rdzv.endpoint, "2", "peerstop", flags, prog);
+  REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("] Epoch 3 |") != std::string::npos; },
+                    180s));
+  // SIGTERM straight to b's worker, not through its agent: the SDK stops every rank at the same
+  // step, and every worker exits 0 although training is not over.
+  auto workers = workerPids(b->pid());
+  REQUIRE(workers.size() == 1);
+  ::kill(workers[0], SIGTERM);
+  auto [ra, rb] = bothSucceed(*a, *b);
+  for (const auto* r : {&ra, &rb}) {
+    INFO(r->out << r->err);
+    CHECK(r->out.find("] Epoch 29 |") != std::string::npos);  // ran to the end
+    CHECK(r->err.find("stopped because a rank on another node was asked to checkpoint") !=
+          std::string::npos);
+    CHECK(r->out.find("Resuming training from snapshot at Epoch") != std::string::npos);
+  }
+}
