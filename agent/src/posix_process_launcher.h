@@ -1,6 +1,8 @@
-// PosixProcessLauncher: starts workers with fork/exec — each in its own process group, with
-// PR_SET_PDEATHSIG so none outlives the agent — pumps tee'd streams through the agent's
-// io_context into the log file and the console, and reaps exited children on SIGCHLD. Used from
+// PosixProcessLauncher: starts workers with fork/exec — each in its own process group, under a
+// guardian process so that nothing the worker starts outlives the agent (worker_guardian.h) —
+// pumps tee'd streams through the agent's io_context into the log file and the console, and reaps
+// exited children on SIGCHLD (the agent is a child subreaper: a worker's zombie is handed to it by
+// its guardian, so waitpid sees the worker's own pid and status). Used from
 // the io_context's thread only.
 #pragma once
 

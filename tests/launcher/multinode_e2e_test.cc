@@ -223,7 +223,7 @@ TEST_CASE(
   auto b = agent("127.0.0.3", rdzv.endpoint, "1:2", "kill9", flags, prog);
   REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 3 |") != std::string::npos; },
                     180s));
-  auto b_workers = childPids(b->pid());
+  auto b_workers = workerPids(b->pid());
   REQUIRE(b_workers.size() == 1);
   b->signal(SIGKILL);
   REQUIRE(b->wait(10s));

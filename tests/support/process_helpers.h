@@ -115,6 +115,16 @@ inline std::vector<int> childPids(int pid) {
   return out;
 }
 
+// The workers of a running ddprun: each is the child of a guardian process the agent forked for
+// it (agent/src/worker_guardian.h), so a grandchild of the agent.
+inline std::vector<int> workerPids(int agent_pid) {
+  std::vector<int> out;
+  for (int guardian : childPids(agent_pid)) {
+    for (int worker : childPids(guardian)) out.push_back(worker);
+  }
+  return out;
+}
+
 struct Finished {
   int exit_code = -1;  // exit status, or 128+signal when killed
   std::string out;
