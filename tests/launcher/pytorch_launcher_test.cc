@@ -1,0 +1,286 @@
+// PyTorch's own launcher tests (test/distributed/launcher/test_run.py and launch_test.py), their
+// flags and expectations, run against ddprun with small equivalents of PyTorch's bin/ programs
+// (tests/launcher/pytorch_launcher_bin/). The Python is /usr/bin/python3 (torch 1.13) through
+// PYTHON_EXEC; the cases whose program imports torch skip without it.
+#include <catch2/catch.hpp>
+#include <csignal>
+#include <fstream>
+#include <set>
+
+#include "ddprun/common/strings.h"
+#include "process_helpers.h"
+
+using namespace ddprun;
+using namespace ddprun::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string bin(const std::string& name) {
+  return sourceDir() + "/tests/launcher/pytorch_launcher_bin/" + name;
+}
+
+std::map<std::string, std::string> pythonEnv() { return {{"PYTHON_EXEC", torchPython()}}; }
+
+Finished runDdprun(std::vector<std::string> args,
+                   std::map<std::string, std::string> env = pythonEnv()) {
+  args.insert(args.begin(), ddprunBin());
+  return run(args, env, 180s);
+}
+
+// The names of the files in `dir`: test_script.py touches one per global rank.
+std::set<std::string> filesIn(const std::string& dir) {
+  std::set<std::string> out;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      if (e->d_name[0] != '.') out.insert(e->d_name);
+    }
+    ::closedir(d);
+  }
+  return out;
+}
+
+std::set<std::string> ranks(int n) {
+  std::set<std::string> out;
+  for (int i = 0; i < n; ++i) out.insert(std::to_string(i));
+  return out;
+}
+
+std::string endpoint() { return "localhost:" + std::to_string(freePort()); }
+
+#define REQUIRE_TORCH()                            \
+  if (!torchAvailable()) {                         \
+    WARN("skipped: no torch at " + torchPython()); \
+    return;                                        \
+  }
+
+}  // namespace
+
+TEST_CASE("test_run: a Python script runs on every rank over the c10d rendezvous",
+          "[e2e][pytorch_launcher]") {
+  TempDir touched;
+  auto r = runDdprun({"--nnodes=1", "--nproc-per-node=4", "--rdzv-backend=c10d",
+                      "--rdzv-endpoint=" + endpoint(), "--rdzv-id=test_run_python",
+                      "--monitor-interval=1", "--start-method=spawn", bin("test_script.py"),
+                      "--touch-file-dir=" + touched.path()});
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(filesIn(touched.path()) == ranks(4));
+}
+
+TEST_CASE("test_run: every flag from PET_ variables", "[e2e][pytorch_launcher]") {
+  TempDir touched;
+  auto env = pythonEnv();
+  env["PET_NNODES"] = "1";
+  env["PET_NPROC_PER_NODE"] = "4";
+  env["PET_RDZV_BACKEND"] = "c10d";
+  env["PET_RDZV_ENDPOINT"] = endpoint();
+  env["PET_RDZV_ID"] = "test_run_env";
+  env["PET_MONITOR_INTERVAL"] = "1";
+  env["PET_START_METHOD"] = "spawn";
+  env["PET_NO_PYTHON"] = "0";
+  auto r = runDdprun({bin("test_script.py"), "--touch-file-dir=" + touched.path()}, env);
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(filesIn(touched.path()) == ranks(4));
+}
+
+TEST_CASE("test_run: --standalone", "[e2e][pytorch_launcher]") {
+  TempDir touched;
+  auto r = runDdprun({"--standalone", "--nproc-per-node=4", "--monitor-interval=1",
+                      "--start-method=spawn", bin("test_script.py"),
+                      "--touch-file-dir=" + touched.path()});
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(filesIn(touched.path()) == ranks(4));
+}
+
+TEST_CASE("test_run: --run-path and --run_path run the script under the interpreter",
+          "[e2e][pytorch_launcher]") {
+  for (const char* flag : {"--run-path", "--run_path"}) {
+    TempDir touched;
+    // (--master-port: a free one, so that parallel tests do not meet on 29500.)
+    auto r = runDdprun({flag, "--nnodes=1", "--nproc-per-node=4", "--monitor-interval=1",
+                        "--start-method=spawn", "--master-port=" + std::to_string(freePort()),
+                        bin("test_script.py"), "--touch-file-dir=" + touched.path()});
+    INFO(flag << "\n" << r.out << r.err);
+    CHECK(r.exit_code == 0);
+    CHECK(filesIn(touched.path()) == ranks(4));
+  }
+}
+
+TEST_CASE("test_run: the quoted --rdzv_conf of an elastic job is understood",
+          "[e2e][pytorch_launcher]") {
+  TempDir touched;
+  // As test_run.py passes it: the quotes are inside the argument.
+  auto ok = runDdprun({"--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                       "--rdzv-endpoint=" + endpoint(), "--rdzv-id=elastic",
+                       "--rdzv_conf='join_timeout=5,last_call_timeout=1,timeout=5'",
+                       "--max-restarts=0", "--monitor-interval=1", bin("test_script.py"),
+                       "--touch-file-dir=" + touched.path()});
+  INFO(ok.out << ok.err);
+  CHECK(ok.exit_code == 0);
+  CHECK(filesIn(touched.path()) == ranks(2));
+  CHECK(ok.err.find("warning") == std::string::npos);
+  // test_launch_elastic_worker_raise_exception: the workers fail, the launcher exits 1.
+  auto failed = runDdprun(
+      {"--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=" + endpoint(),
+       "--rdzv-id=elastic_fail", "--rdzv_conf='join_timeout=5,last_call_timeout=1,timeout=5'",
+       "--max-restarts=0", "--monitor-interval=1", bin("test_script.py"), "--fail"});
+  CHECK(failed.exit_code == 1);
+  CHECK(failed.err.find("test_script.py FAILED") != std::string::npos);
+}
+
+TEST_CASE("unknown --rdzv-conf keys run with one warning naming them", "[e2e][pytorch_launcher]") {
+  TempDir touched;
+  auto r = runDdprun({"--standalone", "--nproc-per-node=1", "--rdzv-conf=store_type=tcp",
+                      bin("test_script.py"), "--touch-file-dir=" + touched.path()});
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(countOf(r.err, "store_type") == 1);
+  CHECK(r.err.find("ddprun: warning: --rdzv-conf: ddprun's rendezvous does not use store_type") !=
+        std::string::npos);
+}
+
+TEST_CASE("test_run: is_torchelastic_launched is True under ddprun, False without it",
+          "[e2e][pytorch_launcher]") {
+  REQUIRE_TORCH();
+  TempDir out;
+  auto r = runDdprun({"--run-path", "--nnodes=1", "--nproc-per-node=1", "--monitor-interval=1",
+                      "--master-port=" + std::to_string(freePort()),
+                      bin("test_script_is_torchelastic_launched.py"), "--out-file=" + out / "is"});
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(readFile(out / "is") == "True");
+  auto direct = run(
+      {torchPython(), bin("test_script_is_torchelastic_launched.py"), "--out-file=" + out / "not"});
+  CHECK(direct.exit_code == 0);
+  CHECK(readFile(out / "not") == "False");
+}
+
+TEST_CASE("test_run: init_method env:// and tcp:// with ddprun's RANK and WORLD_SIZE",
+          "[e2e][pytorch_launcher]") {
+  REQUIRE_TORCH();
+  const std::string tcp = "tcp://localhost:" + std::to_string(freePort());
+  for (const std::string& init : {std::string("env://"), tcp}) {
+    auto r = runDdprun({"--nnodes=1", "--nproc-per-node=4", "--master-addr=localhost",
+                        "--master-port=" + std::to_string(freePort()), "--monitor-interval=1",
+                        "--start-method=spawn", bin("test_script_init_method.py"),
+                        "--init-method=" + init});
+    INFO(init << "\n" << r.out << r.err);
+    CHECK(r.exit_code == 0);
+    for (int rank = 0; rank < 4; ++rank) {
+      CHECK(r.out.find("rank " + std::to_string(rank) + ": all_reduce sum 4 OK") !=
+            std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("launch_test: without --use-env the script gets --local-rank (ddprun launch)",
+          "[e2e][pytorch_launcher]") {
+  const std::string port = std::to_string(freePort());
+  auto r = runDdprun({"launch", "--nnodes=1", "--nproc-per-node=4", "--monitor-interval=1",
+                      "--start-method=spawn", "--master-addr=localhost", "--master-port=" + port,
+                      "--node-rank=0", bin("test_script_local_rank.py")});
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  for (int lr = 0; lr < 4; ++lr) {
+    CHECK(r.out.find("Finished execution with local_rank: " + std::to_string(lr)) !=
+          std::string::npos);
+  }
+  // The deprecation notice, once, pointing at LOCAL_RANK.
+  CHECK(countOf(r.err, "torch.distributed.launch") == 1);
+  CHECK(r.err.find("os.environ['LOCAL_RANK']") != std::string::npos);
+  // A torch 1.x script declares only --local_rank.
+  auto v1 = runDdprun({"launch", "--local-rank-arg=local_rank", "--nproc-per-node=2",
+                       "--master-port=" + std::to_string(freePort()),
+                       bin("test_script_local_rank.py"), "--spelling=local_rank"});
+  INFO(v1.out << v1.err);
+  CHECK(v1.exit_code == 0);
+  CHECK(v1.out.find("Finished execution with local_rank: 1") != std::string::npos);
+  // Plain ddprun passes no argument, so the same script fails as under torchrun.
+  auto plain = runDdprun({"--nproc-per-node=1", "--master-port=" + std::to_string(freePort()),
+                          bin("test_script_local_rank.py")});
+  CHECK(plain.exit_code == 1);
+}
+
+TEST_CASE("launch_test: with --use-env the local rank is in LOCAL_RANK only",
+          "[e2e][pytorch_launcher]") {
+  for (const std::vector<std::string>& head :
+       {std::vector<std::string>{"launch", "--use-env"}, std::vector<std::string>{"--use_env"}}) {
+    TempDir touched;
+    std::vector<std::string> args = head;
+    for (const std::string& a :
+         {std::string("--nnodes=1"), std::string("--nproc-per-node=4"),
+          std::string("--monitor-interval=1"), std::string("--start-method=spawn"),
+          std::string("--master-addr=localhost"), "--master-port=" + std::to_string(freePort()),
+          std::string("--node-rank=0"), bin("test_script.py"),
+          "--touch-file-dir=" + touched.path()}) {
+      args.push_back(a);
+    }
+    auto r = runDdprun(args);
+    INFO(join(head, " ") << "\n" << r.out << r.err);
+    CHECK(r.exit_code == 0);
+    CHECK(filesIn(touched.path()) == ranks(4));
+  }
+}
+
+TEST_CASE("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE prefixes the tee'd lines",
+          "[e2e][pytorch_launcher]") {
+  TempDir touched;
+  auto env = pythonEnv();
+  env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:";
+  auto r = runDdprun({"--standalone", "--nproc-per-node=2", "--tee=3", bin("test_script.py"),
+                      "--touch-file-dir=" + touched.path()},
+                     env);
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("[rank0]:Distributed env vars set by agent:") != std::string::npos);
+  CHECK(r.out.find("[rank1]:Distributed env vars set by agent:") != std::string::npos);
+  CHECK(r.out.find("[default0]:") == std::string::npos);
+}
+
+TEST_CASE("--virtual-local-rank: every worker sees LOCAL_RANK=0", "[e2e][pytorch_launcher]") {
+  TempDir touched;
+  auto r = runDdprun({"--standalone", "--nproc-per-node=2", "--virtual-local-rank", "--tee=1",
+                      bin("test_script.py"), "--touch-file-dir=" + touched.path()});
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(filesIn(touched.path()) == ranks(2));
+  CHECK(countOf(r.out, "LOCAL_RANK = 0") == 2);
+  CHECK(r.out.find("[default1]:CUDA") == std::string::npos);  // (not printed by the script)
+}
+
+TEST_CASE("zombie_test: a failed worker's children do not outlive the job",
+          "[e2e][pytorch_launcher]") {
+  TempDir pids;
+  auto r = runDdprun({"--standalone", "--nproc-per-node=2", "--shutdown-timeout=2",
+                      bin("zombie_test.py"), "--pid-dir", pids.path()});
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 1);
+  REQUIRE(filesIn(pids.path()) == ranks(2));
+  for (const char* rank : {"0", "1"}) {
+    const int child = std::stoi(readFile(pids / rank));
+    INFO("rank " << rank << "'s child " << child);
+    CHECK(waitUntil([&] { return !pidAlive(child); }, 10s));
+  }
+}
+
+TEST_CASE("a worker's ModuleNotFoundError points at PYTHON_EXEC", "[e2e][pytorch_launcher]") {
+  TempDir work;
+  const std::string script = work / "needs_module.py";
+  std::ofstream(script) << "import ddprun_surely_missing_module\n";
+  auto r = runDdprun(
+      {"--standalone", "--nproc-per-node=1", "--redirects=2", "--log-dir", work / "logs", script});
+  INFO(r.err);
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("hint: a worker failed with 'ModuleNotFoundError: No module named "
+                   "'ddprun_surely_missing_module'': the workers ran under " +
+                   torchPython() + " (PYTHON_EXEC)") != std::string::npos);
+  // Without a redirected stderr there is nothing to read: the report still names the interpreter.
+  auto plain = runDdprun({"--standalone", "--nproc-per-node=1", script});
+  CHECK(plain.exit_code == 1);
+  CHECK(plain.err.find("note: the workers ran under " + torchPython() +
+                       " (PYTHON_EXEC); set PYTHON_EXEC to run another interpreter") !=
+        std::string::npos);
+}
