@@ -284,3 +284,48 @@ TEST_CASE("a worker's ModuleNotFoundError points at PYTHON_EXEC", "[e2e][pytorch
                        " (PYTHON_EXEC); set PYTHON_EXEC to run another interpreter") !=
         std::string::npos);
 }
+
+TEST_CASE("the static form names MASTER_PORT+1 when it is taken, on both nodes",
+          "[e2e][pytorch_launcher]") {
+  // Something else listens on MASTER_PORT+1 (the agents' coordination port of the static form).
+  int port = 0;
+  int holder = -1;
+  for (int attempt = 0; attempt < 20 && holder < 0; ++attempt) {
+    port = freePort();
+    if (port >= 65535) continue;
+    holder = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port + 1));
+    if (::bind(holder, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::listen(holder, 4) != 0) {
+      ::close(holder);
+      holder = -1;
+    }
+  }
+  REQUIRE(holder >= 0);
+  const std::string taken = "127.0.0.1:" + std::to_string(port + 1);
+  const std::string note = "the static backend's agents meet on MASTER_PORT+1 = " + taken +
+                           ", which must be free on node 0 and reachable from every node; pick "
+                           "another --master-port, or place it with --rdzv-endpoint=HOST:PORT";
+  auto node = [&](const char* rank) {
+    return runDdprun({"--nnodes=2", std::string("--node-rank=") + rank, "--master-addr=127.0.0.1",
+                      "--master-port=" + std::to_string(port), "--rdzv-conf=join_timeout=3",
+                      "--no-python", "/bin/true"});
+  };
+  auto node0 = node("0");
+  INFO(node0.err);
+  CHECK(node0.exit_code == 1);
+  CHECK(node0.err.find("cannot host the rendezvous at " + taken) != std::string::npos);
+  CHECK(node0.err.find(note) != std::string::npos);
+  // Node 1 says what it waits for, and gives up after the join timeout with the same fix.
+  auto node1 = node("1");
+  INFO(node1.err);
+  CHECK(node1.exit_code == 1);
+  CHECK(node1.err.find("waiting up to 3 s (join_timeout) for 2 node(s) to join the rendezvous at " +
+                       taken + " (" + note + ")") != std::string::npos);
+  CHECK(node1.err.find("rendezvous failed: ") != std::string::npos);
+  CHECK(countOf(node1.err, note) == 2);
+  ::close(holder);
+}
