@@ -49,6 +49,9 @@ AttemptPlan WorkerPlanner::plan(const RoundInfo& round, int restart_count) const
     w.local_rank = lr;
     w.global_rank = base + lr;
     w.argv = cfg_.worker_argv;
+    if (static_cast<size_t>(lr) < cfg_.cpu_affinity.size()) {
+      w.cpu_affinity = cfg_.cpu_affinity[static_cast<size_t>(lr)];
+    }
     if (!cfg_.local_rank_arg.empty()) {
       // The value LOCAL_RANK has (0 under --virtual-local-rank), so both say the same.
       const int shown = cfg_.virtual_local_rank ? 0 : lr;

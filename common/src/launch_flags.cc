@@ -13,6 +13,9 @@ const std::vector<LaunchFlag>& launchFlags() {
        "1:1."},
       {"nproc_per_node", 0, true, "NPROC",
        "Number of workers per node; supported values: [auto, cpu, gpu, xpu, int]. Default 1."},
+      {"numa_binding", 0, true, "POLICY",
+       "Bind each worker's CPU affinity from the NUMA topology in /sys: node, socket, exclusive "
+       "or core-complex (local ranks go to NUMA nodes in contiguous blocks)."},
       {"rdzv_backend", 0, true, "BACKEND",
        "Rendezvous backend: static, c10d (ddprun's gRPC rendezvous; alias grpc). Default static."},
       {"rdzv_endpoint", 0, true, "HOST[:PORT]",

@@ -15,6 +15,7 @@
 #include <thread>
 #include <tuple>
 
+#include "ddprun/agent/numa_binding.h"
 #include "ddprun/common/launch_flags.h"
 #include "ddprun/common/strings.h"
 #include "ddprun/rendezvous/conf.h"
@@ -347,6 +348,15 @@ Apply applierOf(const std::string& name) {
       {"nproc_per_node",
        [](const Raw& r, const HostFacts& h, AgentConfig& c) -> Status {
          DDPRUN_ASSIGN_OR_RETURN(c.nproc_per_node, nprocPerNode(r, h));
+         return Status::ok();
+       }},
+      {"numa_binding",
+       [](const Raw& r, const HostFacts& h, AgentConfig& c) -> Status {
+         auto policy = agent::parseNumaPolicy(r.value);
+         if (!policy) return badValue(r, "node, socket, exclusive or core-complex");
+         DDPRUN_ASSIGN_OR_RETURN(auto topology, agent::readCpuTopology(h.sysfs_root));
+         DDPRUN_ASSIGN_OR_RETURN(c.cpu_affinity,
+                                 agent::planNumaBinding(*policy, topology, c.nproc_per_node));
          return Status::ok();
        }},
       {"rdzv_backend",

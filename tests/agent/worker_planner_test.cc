@@ -128,3 +128,15 @@ TEST_CASE("virtual local rank: LOCAL_RANK=0 and one CUDA device per worker", "[a
   CHECK(envOf(plain.plan(round4And2(0), 0).launches[3], "LOCAL_RANK") == "3");
   CHECK(envOf(plain.plan(round4And2(0), 0).launches[3], "CUDA_VISIBLE_DEVICES") == "<unset>");
 }
+
+TEST_CASE("numa binding: each worker gets its local rank's CPUs", "[agent]") {
+  AgentConfig cfg;
+  cfg.worker_argv = {"/bin/prog"};
+  cfg.cpu_affinity = {{0, 1}, {2, 3}, {4}, {5}};
+  WorkerPlanner planner(cfg, "/logs/r", "h", {});
+  const AttemptPlan plan = planner.plan(round4And2(0), 0);
+  CHECK(plan.launches[1].cpu_affinity == std::vector<int>{2, 3});
+  CHECK(plan.launches[3].cpu_affinity == std::vector<int>{5});
+  cfg.cpu_affinity.clear();
+  CHECK(planner.plan(round4And2(0), 0).launches[1].cpu_affinity.empty());
+}

@@ -300,7 +300,8 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
       {{"--bogus", x}, "unrecognized argument: --bogus (see ddprun --help)"},
       {{"-x", x}, "unrecognized argument: -x (see ddprun --help)"},
       {{"--n", x},
-       "ambiguous option: --n could match --nnodes, --nproc-per-node, --no-python, --node-rank"},
+       "ambiguous option: --n could match --nnodes, --nproc-per-node, --numa-binding, --no-python, "
+       "--node-rank"},
       {{"--nnodes"}, "argument --nnodes: expected one argument (MIN:MAX)"},
       {{"--nproc-per-node=2"},
        "the following arguments are required: training_script (the program to run)"},
@@ -615,4 +616,31 @@ TEST_CASE("torchrun 2.x flags: --virtual-local-rank, xpu, and the Python plug-in
   CHECK(specs->notices[0].find("--logs-specs=my_specs ignored: it names a Python plug-in") == 0);
   CHECK(specs->notices[1].find("--event-log-handler=console ignored") == 0);
   CHECK(parse({"--event_log_handler=null", f.exe}, f.env())->notices.empty());
+}
+
+TEST_CASE("--numa-binding plans each local rank's CPUs or says why it cannot", "[launcher]") {
+  Files f;
+  HostFacts host{8, 0};
+  CHECK(errorOf({"--numa-binding=cores", f.exe}, f.env()) ==
+        "argument --numa-binding: expected node, socket, exclusive or core-complex, got 'cores'");
+  CHECK(errorOf({"--numa_binding="}, f.env()) ==
+        "argument --numa-binding: expected node, socket, exclusive or core-complex, got ''");
+  CHECK(errorOf({"--numa-binding"}, f.env()) ==
+        "argument --numa-binding: expected one argument (POLICY)");
+  Env env = f.env();
+  env["PET_NUMA_BINDING"] = "sockets";
+  CHECK(errorOf({f.exe}, env) ==
+        "argument PET_NUMA_BINDING: expected node, socket, exclusive or core-complex, got "
+        "'sockets'");
+  host.sysfs_root = f.dir + "/no-sysfs";
+  CHECK(errorOf({"--numa-binding=node", f.exe}, f.env(), host) ==
+        "--numa-binding: cannot read the CPU topology from " + f.dir +
+            "/no-sysfs/node/node*/cpulist (is /sys mounted? drop --numa-binding to run unbound)");
+  // This machine's own topology: one CPU list per local rank.
+  auto r = parse({"--numa-binding=node", "--nproc-per-node=2", f.exe}, f.env());
+  if (r.isOk()) {
+    CHECK(r->config.cpu_affinity.size() == 2u);
+    CHECK_FALSE(r->config.cpu_affinity[0].empty());
+  }
+  CHECK(parse({f.exe}, f.env())->config.cpu_affinity.empty());
 }

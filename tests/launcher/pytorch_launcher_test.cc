@@ -329,3 +329,34 @@ TEST_CASE("the static form names MASTER_PORT+1 when it is taken, on both nodes",
   CHECK(countOf(node1.err, note) == 2);
   ::close(holder);
 }
+
+TEST_CASE("--numa-binding=exclusive gives the workers disjoint CPU affinities",
+          "[e2e][pytorch_launcher]") {
+  TempDir touched;
+  auto r = runDdprun({"--standalone", "--nproc-per-node=2", "--numa-binding=exclusive", "--tee=1",
+                      bin("test_script.py"), "--touch-file-dir=" + touched.path()});
+  INFO(r.out << r.err);
+  if (r.exit_code == 2 && r.err.find("cores for 2 local ranks") != std::string::npos) {
+    WARN("skipped: this machine has fewer than 2 cores on its first NUMA node");
+    return;
+  }
+  REQUIRE(r.exit_code == 0);
+  auto affinity = [&](const std::string& prefix) {
+    auto at = r.out.find(prefix + "CPU affinity = [");
+    REQUIRE(at != std::string::npos);
+    at += prefix.size() + 16;
+    return r.out.substr(at, r.out.find(']', at) - at);
+  };
+  const std::string a = affinity("[default0]:"), b = affinity("[default1]:");
+  CHECK_FALSE(a.empty());
+  CHECK_FALSE(b.empty());
+  std::set<std::string> seen;
+  for (const auto& cpu : split(a, ',')) seen.insert(trim(cpu));
+  for (const auto& cpu : split(b, ',')) CHECK(seen.count(trim(cpu)) == 0);
+  // An unknown policy is a usage error before anything starts.
+  auto bad = runDdprun({"--numa-binding=cores", bin("test_script.py")});
+  CHECK(bad.exit_code == 2);
+  CHECK(bad.err ==
+        "ddprun: error: argument --numa-binding: expected node, socket, exclusive or "
+        "core-complex, got 'cores'\n");
+}

@@ -22,6 +22,7 @@ def main():
     print("Distributed env vars set by agent:")
     for name in ENV_VARS:
         print(f"{name} = {os.environ.get(name)}")
+    print(f"CPU affinity = {sorted(os.sched_getaffinity(0))}")
     if args.fail:
         raise RuntimeError("raising exception since --fail flag was set")
     path = os.path.join(args.touch_file_dir, os.environ["RANK"])

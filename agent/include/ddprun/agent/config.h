@@ -89,6 +89,8 @@ struct AgentConfig {
   std::string python_interpreter_source;
   // --virtual-local-rank: LOCAL_RANK=0 for every worker, CUDA_VISIBLE_DEVICES its own device.
   bool virtual_local_rank = false;
+  // --numa-binding: the CPUs of each local rank (index = local rank); empty: no binding.
+  std::vector<std::vector<int>> cpu_affinity;
 
   // Logs.
   std::string log_dir;  // empty: a fresh temp dir

@@ -17,6 +17,7 @@ struct HostFacts {
   int cpu_count = 1;
   int gpu_count = 0;
   int xpu_count = 0;  // Intel GPUs (render nodes of vendor 0x8086), for --nproc-per-node=xpu
+  std::string sysfs_root = "/sys/devices/system";  // the CPU topology, for --numa-binding
 };
 
 // Which launcher's command line: torchrun's (`ddprun ...`), or torch.distributed.launch's
