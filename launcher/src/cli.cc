@@ -333,6 +333,13 @@ StatusOr<std::vector<int>> signalList(const Raw& r) {
 
 using Apply = Status (*)(const Raw&, const HostFacts&, agent::AgentConfig&);
 
+// Refused rather than ignored: a job that relies on the filtered file would silently miss it.
+Status refuseDuplicateFilters(const Raw& r, const HostFacts&, agent::AgentConfig&) {
+  return usage("argument " + r.source +
+               ": not supported by ddprun yet; tee the streams into files instead (-t 3 "
+               "--log-dir DIR) and filter <DIR>/<run>/attempt_<n>/<local_rank>/stdout.log");
+}
+
 // The launcher's column of the flag table (common/launch_flags.h): what each flag does to the
 // AgentConfig. Flags bound to nullptr act through the cross-flag rules and the program lookup.
 // Applied in table order, so --nnodes is known when --rdzv-conf is parsed.
@@ -423,6 +430,8 @@ Apply applierOf(const std::string& name) {
          c.virtual_local_rank = true;
          return Status::ok();
        }},
+      {"duplicate_stdout_filters", refuseDuplicateFilters},
+      {"duplicate_stderr_filters", refuseDuplicateFilters},
       {"logs_specs",
        [](const Raw& r, const HostFacts&, AgentConfig&) -> Status {
          return nonBlank(r, "the name of a LogsSpecs plug-in").status();

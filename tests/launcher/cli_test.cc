@@ -336,6 +336,16 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
        "argument --event-log-handler: expected the name of an event-log handler (e.g. null), got "
        "' '"},
       {{"--event_log_handler"}, "argument --event-log-handler: expected one argument (NAME)"},
+      {{"--duplicate-stdout-filters=loss", x},
+       "argument --duplicate-stdout-filters: not supported by ddprun yet; tee the streams into "
+       "files instead (-t 3 --log-dir DIR) and filter <DIR>/<run>/attempt_<n>/<local_rank>/"
+       "stdout.log"},
+      {{"--duplicate_stderr_filters", "err", x},
+       "argument --duplicate-stderr-filters: not supported by ddprun yet; tee the streams into "
+       "files instead (-t 3 --log-dir DIR) and filter <DIR>/<run>/attempt_<n>/<local_rank>/"
+       "stdout.log"},
+      {{"--duplicate-stdout-filters"},
+       "argument --duplicate-stdout-filters: expected one argument (FILTERS)"},
       {{"--nproc-per-node=xpu", x},
        "argument --nproc-per-node: 'xpu' asks for one worker per Intel XPU device, but this host "
        "has none (use an integer, cpu, gpu or auto)"},
