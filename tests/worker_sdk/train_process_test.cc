@@ -3,7 +3,6 @@
 #include <catch2/catch.hpp>
 #include <filesystem>
 
-#include "process_util.h"
 #include "test_util.h"
 
 namespace t = ddprun::worker::testing;
@@ -24,6 +23,11 @@ std::map<std::string, std::string> rankEnv(int rank, int world, int port, const 
           {"DDPRUN_HEARTBEAT_FILE", dir + "/hb" + std::to_string(rank)},
           {"DDPRUN_STOP_FILE", dir + "/stop" + std::to_string(rank)},
           {"TORCHELASTIC_RESTART_COUNT", "0"}};
+}
+
+// One rank's log, in a process group of its own.
+t::ProcessOptions ranked(const std::string& prefix, int rank) {
+  return {prefix + std::to_string(rank), /*own_process_group=*/true};
 }
 
 // argv that runs `args` on 2 local workers with one restart allowed.
@@ -78,16 +82,16 @@ TEST_CASE("train runs the mlp and cnn models on two ranks and agrees on the loss
   for (std::string model : {"mlp", "cnn"}) {
     t::TempDir dir;
     const int port = t::freePort();
-    std::vector<std::unique_ptr<t::Child>> ranks;
+    std::vector<std::unique_ptr<t::Process>> ranks;
     for (int r = 0; r < 2; ++r) {
-      ranks.push_back(std::make_unique<t::Child>(
+      ranks.push_back(std::make_unique<t::Process>(
           std::vector<std::string>{trainBin(), "1", "1", "--model", model, "--dataset-size", "128",
                                    "--snapshot-path", dir.str() + "/s.pt"},
-          rankEnv(r, 2, port, dir.str()), dir.str() + "/out" + std::to_string(r)));
+          rankEnv(r, 2, port, dir.str()), ranked(dir.str() + "/out", r)));
     }
     std::string lines[2];
     for (int r = 0; r < 2; ++r) {
-      auto code = ranks[static_cast<size_t>(r)]->wait(180s);
+      auto code = ranks[static_cast<size_t>(r)]->waitExit(180s);
       const std::string out = ranks[static_cast<size_t>(r)]->output();
       INFO(model << " rank " << r << ":\n" << out);
       REQUIRE(code.has_value());
@@ -114,11 +118,11 @@ void checkpointOnSignal(int sig, int signalled, bool resume) {
   t::TempDir dir;
   const int port = t::freePort();
   const std::string snap = dir.str() + "/snap.pt";
-  std::vector<std::unique_ptr<t::Child>> ranks;
+  std::vector<std::unique_ptr<t::Process>> ranks;
   for (int r = 0; r < 2; ++r) {
-    ranks.push_back(std::make_unique<t::Child>(
+    ranks.push_back(std::make_unique<t::Process>(
         std::vector<std::string>{trainBin(), "100000", "0", "--snapshot-path", snap},
-        rankEnv(r, 2, port, dir.str()), dir.str() + "/out" + std::to_string(r)));
+        rankEnv(r, 2, port, dir.str()), ranked(dir.str() + "/out", r)));
   }
   // Both ranks are past step 1 once their heartbeat files exist.
   REQUIRE(t::waitUntil(
@@ -130,8 +134,8 @@ void checkpointOnSignal(int sig, int signalled, bool resume) {
   CHECK_FALSE(std::filesystem::exists(snap));
   // Only one rank gets the signal: the ranks must still agree on the same stopping step.
   ranks[static_cast<size_t>(signalled)]->signal(sig);
-  auto c0 = ranks[0]->wait(60s);
-  auto c1 = ranks[1]->wait(60s);
+  auto c0 = ranks[0]->waitExit(60s);
+  auto c1 = ranks[1]->waitExit(60s);
   INFO("rank0: " << ranks[0]->output() << "\nrank1: " << ranks[1]->output());
   REQUIRE(c0.has_value());
   REQUIRE(c1.has_value());
@@ -157,14 +161,14 @@ void checkpointOnSignal(int sig, int signalled, bool resume) {
 
   // The snapshot is usable: a new run resumes from it mid-epoch.
   const int port2 = t::freePort();
-  std::vector<std::unique_ptr<t::Child>> again;
+  std::vector<std::unique_ptr<t::Process>> again;
   for (int r = 0; r < 2; ++r) {
-    again.push_back(std::make_unique<t::Child>(
+    again.push_back(std::make_unique<t::Process>(
         std::vector<std::string>{trainBin(), "1", "0", "--snapshot-path", snap},
-        rankEnv(r, 2, port2, dir.str()), dir.str() + "/again" + std::to_string(r)));
+        rankEnv(r, 2, port2, dir.str()), ranked(dir.str() + "/again", r)));
   }
   for (auto& c : again) {
-    auto code = c->wait(120s);
+    auto code = c->waitExit(120s);
     INFO(c->output());
     REQUIRE(code.has_value());
     CHECK(*code == 0);
@@ -196,8 +200,9 @@ TEST_CASE(
   auto args = common;
   args.insert(args.end(),
               {"--snapshot-path", dir.str() + "/a/snap.pt", "--dump-params", dir.str() + "/a.bin"});
-  t::Child clean(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}}, dir.str() + "/clean.log");
-  auto c = clean.wait(240s);
+  t::Process clean(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}},
+                   {dir.str() + "/clean.log", /*own_process_group=*/true});
+  auto c = clean.waitExit(240s);
   INFO(which << " clean run:\n" << clean.output());
   REQUIRE(c.has_value());
   REQUIRE(*c == 0);
@@ -207,9 +212,9 @@ TEST_CASE(
   args = common;
   args.insert(args.end(), {"--snapshot-path", dir.str() + "/b/snap.pt", "--dump-params",
                            dir.str() + "/b.bin", "--fail-at-step", "20"});
-  t::Child crashed(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}},
-                   dir.str() + "/crashed.log");
-  c = crashed.wait(240s);
+  t::Process crashed(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}},
+                     {dir.str() + "/crashed.log", /*own_process_group=*/true});
+  c = crashed.waitExit(240s);
   const std::string out = crashed.output();
   INFO(which << " interrupted run:\n" << out);
   REQUIRE(c.has_value());
@@ -230,16 +235,16 @@ std::vector<std::string> trainTwoRanks(const t::TempDir& dir, const std::string&
                                        const std::vector<std::string>& paths,
                                        const std::string& tag) {
   const int port = t::freePort();
-  std::vector<std::unique_ptr<t::Child>> ranks;
+  std::vector<std::unique_ptr<t::Process>> ranks;
   for (int r = 0; r < 2; ++r) {
-    ranks.push_back(std::make_unique<t::Child>(
+    ranks.push_back(std::make_unique<t::Process>(
         std::vector<std::string>{trainBin(), epochs, "1", "--dataset-size", "128",
                                  "--snapshot-path", paths[static_cast<size_t>(r)]},
-        rankEnv(r, 2, port, dir.str()), dir.str() + "/" + tag + std::to_string(r)));
+        rankEnv(r, 2, port, dir.str()), ranked(dir.str() + "/" + tag, r)));
   }
   std::vector<std::string> out;
   for (auto& c : ranks) {
-    auto code = c->wait(180s);
+    auto code = c->waitExit(180s);
     INFO(tag << ":\n" << c->output());
     REQUIRE(code.has_value());
     REQUIRE(*code == 0);
