@@ -208,7 +208,9 @@ int runAgent(const AgentConfig& cfg) {
   std::cout.flush();
   if (supervisor.state() == AgentState::kFailed) {
     if (!supervisor.failures().empty() && supervisor.exitCode() == 1) {
-      std::cerr << formatFailureReport(cfg.entrypoint, hostname, supervisor.failures());
+      std::cerr << formatFailureReport(cfg.entrypoint, hostname, supervisor.failures())
+                << pythonInterpreterHint(cfg.python_interpreter, cfg.python_interpreter_source,
+                                         supervisor.failures());
     } else if (!supervisor.errorMessage().empty()) {
       log->error("{}", supervisor.errorMessage());
     }

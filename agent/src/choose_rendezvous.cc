@@ -29,6 +29,9 @@ StatusOr<RendezvousChoice> chooseRendezvous(const AgentConfig& cfg, const std::s
             "rendezvous; pick a port below 65535 or give --rdzv-endpoint");
       }
       out.endpoint = cfg.master_addr + ":" + std::to_string(cfg.master_port + 1);
+      out.endpoint_note = "the static backend's agents meet on MASTER_PORT+1 = " + out.endpoint +
+                          ", which must be free on node 0 and reachable from every node; pick "
+                          "another --master-port, or place it with --rdzv-endpoint=HOST:PORT";
     }
     o.static_node_rank = cfg.node_rank;
     o.static_master_addr = cfg.master_addr;

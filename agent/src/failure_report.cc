@@ -137,4 +137,51 @@ std::string formatFailureReport(const std::string& entrypoint, const std::string
   return os.str();
 }
 
+namespace {
+
+// The first line of `text` that names a missing Python module, or "".
+std::string missingModuleLine(const std::string& text) {
+  for (const auto& line : split(text, '\n')) {
+    if (line.find("ModuleNotFoundError") != std::string::npos ||
+        line.find("No module named") != std::string::npos) {
+      return trim(line);
+    }
+  }
+  return "";
+}
+
+std::string readText(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+std::string pythonInterpreterHint(const std::string& interpreter, const std::string& source,
+                                  const std::vector<WorkerFailure>& failures) {
+  if (interpreter.empty()) return "";
+  std::string missing;
+  for (const auto& f : failures) {
+    if (!missing.empty()) break;
+    if (auto error = readErrorFile(f.error_file)) {
+      missing = missingModuleLine(error->message + "\n" + error->traceback);
+    }
+    if (missing.empty() && !f.error_file.empty()) {
+      const std::string dir = f.error_file.substr(0, f.error_file.rfind('/') + 1);
+      missing = missingModuleLine(readText(dir + "stderr.log"));
+    }
+  }
+  const std::string used = "the workers ran under " + interpreter + " (" +
+                           (source == "PYTHON_EXEC" ? "PYTHON_EXEC" : "python3 found on PATH") +
+                           ")";
+  if (!missing.empty()) {
+    return "hint: a worker failed with '" + missing + "': " + used +
+           ", which lacks it; set PYTHON_EXEC to the interpreter that has it (e.g. "
+           "PYTHON_EXEC=/path/to/venv/bin/python)\n";
+  }
+  return "note: " + used + "; set PYTHON_EXEC to run another interpreter\n";
+}
+
 }  // namespace ddprun::agent

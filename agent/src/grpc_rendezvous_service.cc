@@ -75,6 +75,9 @@ void GrpcRendezvousService::cancelAll() { client_.cancelAll(); }
 
 Status GrpcRendezvousService::explainUnavailable(const Status& st) const {
   const std::string& endpoint = options_.client.endpoint;
+  if (!options_.unreachable_note.empty() && options_.client.tls_root_cert_pem.empty()) {
+    return Status(st.code(), st.message() + " (" + options_.unreachable_note + ")");
+  }
   if (options_.client.tls_root_cert_pem.empty()) {
     return Status(st.code(), st.message() +
                                  " (this agent speaks plaintext gRPC: if the rendezvous at " +

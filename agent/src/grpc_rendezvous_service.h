@@ -18,6 +18,9 @@ struct GrpcServiceOptions {
   std::string run_id;
   rendezvous::ClientOptions client;  // endpoint, token, TLS, timeouts
   std::string tls_ca_file;           // where client.tls_root_cert_pem came from, for messages
+  // What an unreachable endpoint most likely means, when the caller knows better than the TLS
+  // guess (the static backend's MASTER_PORT+1).
+  std::string unreachable_note;
 };
 
 class GrpcRendezvousService final : public RendezvousService {

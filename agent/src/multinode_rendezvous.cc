@@ -61,7 +61,10 @@ void MultiNodeRendezvous::join(RoundCallback done, std::function<void()> next) {
                       next = std::move(next)](StatusOr<rendezvous::RoundInfo> joined) mutable {
     if (!joined.isOk()) {
       Status st = joined.status();
-      if (st.code() == StatusCode::kUnavailable) st = service_.explainUnavailable(st);
+      // (A port held by something that is not our rendezvous ends in a deadline, not a refusal.)
+      if (st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kDeadlineExceeded) {
+        st = service_.explainUnavailable(st);
+      }
       done(st);
       next();
       return;

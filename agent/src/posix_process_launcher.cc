@@ -76,7 +76,11 @@ StatusOr<int> PosixProcessLauncher::spawn(const WorkerLaunch& launch) {
 
   // A guardian process sits between the agent and the worker, so nothing the worker starts
   // outlives the agent (worker_guardian.h); the pid is the worker's own.
-  auto pid = spawnGuardedWorker(GuardedExec{argv.data(), envp.data(), child_out, child_err});
+  cpu_set_t affinity;
+  CPU_ZERO(&affinity);
+  for (int cpu : launch.cpu_affinity) CPU_SET(cpu, &affinity);
+  auto pid = spawnGuardedWorker(GuardedExec{argv.data(), envp.data(), child_out, child_err,
+                                            launch.cpu_affinity.empty() ? nullptr : &affinity});
   if (child_out >= 0) ::close(child_out);
   if (child_err >= 0) ::close(child_err);
   if (!pid.isOk()) {

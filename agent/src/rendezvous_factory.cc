@@ -16,6 +16,7 @@ StatusOr<RendezvousSetup> makeRendezvous(const RendezvousChoice& choice,
     return out;
   }
   auto log = logger("agent");
+  const std::string note = choice.endpoint_note.empty() ? "" : " (" + choice.endpoint_note + ")";
   if (choice.hosting != Hosting::kNo) {
     rendezvous::ServerOptions so;
     so.listen = choice.endpoint;
@@ -29,11 +30,16 @@ StatusOr<RendezvousSetup> makeRendezvous(const RendezvousChoice& choice,
                 conf.tls_cert_pem.empty() ? "" : " (TLS)");
     } else if (choice.hosting == Hosting::kMust) {
       return unavailable("cannot host the rendezvous at " + choice.endpoint + ": " +
-                         server.status().message());
+                         server.status().message() + note);
     } else {
       log->info("rendezvous at {} is hosted by another agent", choice.endpoint);
     }
   }
+  // Say what this node waits for, and where, before the wait (it may be long).
+  const int min_nodes = static_cast<int>(choice.multinode.run_config.min_nodes);
+  log->info("waiting up to {:.0f} s (join_timeout) for {} node(s) to join the rendezvous at {}{}",
+            std::chrono::duration<double>(conf.join_timeout).count(), min_nodes, choice.endpoint,
+            note);
   GrpcServiceOptions o;
   o.run_id = choice.multinode.run_id;
   o.client.endpoint = choice.endpoint;
@@ -42,6 +48,7 @@ StatusOr<RendezvousSetup> makeRendezvous(const RendezvousChoice& choice,
   o.client.token = conf.token;
   o.client.tls_root_cert_pem = conf.tls_ca_pem;
   o.tls_ca_file = conf.tls_ca_file;
+  o.unreachable_note = choice.endpoint_note;
   out.service = std::make_unique<GrpcRendezvousService>(io, std::move(o));
   out.client =
       std::make_unique<MultiNodeRendezvous>(io, choice.multinode, *out.service, std::move(sink));

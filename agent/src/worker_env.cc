@@ -3,6 +3,7 @@
 #include <numeric>
 
 #include "ddprun/common/status.h"
+#include "ddprun/common/strings.h"
 
 namespace ddprun::agent {
 
@@ -48,6 +49,15 @@ std::map<std::string, std::string> buildWorkerEnv(
     set("TORCH_NCCL_ASYNC_ERROR_HANDLING", nccl_value);
   }
   if (in.set_omp_num_threads && !parent_env.count("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
+  if (in.virtual_local_rank) {
+    std::string device = std::to_string(local_rank);
+    if (auto visible = parent_env.find("CUDA_VISIBLE_DEVICES"); visible != parent_env.end()) {
+      auto devices = split(visible->second, ',');
+      if (local_rank < static_cast<int>(devices.size())) device = trim(devices[local_rank]);
+    }
+    set("LOCAL_RANK", "0");
+    set("CUDA_VISIBLE_DEVICES", device);
+  }
   set("DDPRUN_MEMBERSHIP_EPOCH", std::to_string(r.membership_epoch));
   if (!in.snapshot_dir.empty()) set("DDPRUN_SNAPSHOT_DIR", in.snapshot_dir);
   if (in.stop_file.empty()) {

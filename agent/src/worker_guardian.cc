@@ -228,6 +228,7 @@ void writeReport(int fd, const Report& r) {
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != self) ::_exit(127);  // the guardian died before prctl took effect
+    if (exec.cpu_affinity != nullptr) ::sched_setaffinity(0, sizeof(cpu_set_t), exec.cpu_affinity);
     if (exec.stdout_fd >= 0) ::dup2(exec.stdout_fd, STDOUT_FILENO);
     if (exec.stderr_fd >= 0) ::dup2(exec.stderr_fd, STDERR_FILENO);
     sigset_t none;

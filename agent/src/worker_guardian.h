@@ -20,6 +20,8 @@
 // both for the rest of the process's life.
 #pragma once
 
+#include <sched.h>
+
 #include <string>
 
 #include "ddprun/common/status.h"
@@ -28,10 +30,11 @@ namespace ddprun::agent {
 
 // What the worker is started with, prepared before fork (nothing is allocated after it).
 struct GuardedExec {
-  char* const* argv = nullptr;  // null-terminated; argv[0] is the program's path
-  char* const* envp = nullptr;  // null-terminated, complete
-  int stdout_fd = -1;           // dup2'd onto the worker's stdout; -1: inherit
-  int stderr_fd = -1;           // dup2'd onto the worker's stderr; -1: inherit
+  char* const* argv = nullptr;              // null-terminated; argv[0] is the program's path
+  char* const* envp = nullptr;              // null-terminated, complete
+  int stdout_fd = -1;                       // dup2'd onto the worker's stdout; -1: inherit
+  int stderr_fd = -1;                       // dup2'd onto the worker's stderr; -1: inherit
+  const cpu_set_t* cpu_affinity = nullptr;  // set on the worker before exec; null: inherit
 };
 
 // Forks a guardian that starts the worker and returns the worker's pid (also its process group

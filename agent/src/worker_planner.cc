@@ -1,5 +1,7 @@
 #include "ddprun/agent/worker_planner.h"
 
+#include <algorithm>
+
 namespace ddprun::agent {
 
 namespace {
@@ -36,6 +38,7 @@ AttemptPlan WorkerPlanner::plan(const RoundInfo& round, int restart_count) const
   in.max_restarts = cfg_.max_restarts;
   in.snapshot_dir = cfg_.snapshot_dir;
   in.set_omp_num_threads = cfg_.set_omp_num_threads;
+  in.virtual_local_rank = cfg_.virtual_local_rank;
   const int local_world_size = round.local_world_sizes.at(round.group_rank);
   const int base = baseRank(round.local_world_sizes, round.group_rank);
   AttemptPlan out;
@@ -46,6 +49,16 @@ AttemptPlan WorkerPlanner::plan(const RoundInfo& round, int restart_count) const
     w.local_rank = lr;
     w.global_rank = base + lr;
     w.argv = cfg_.worker_argv;
+    if (static_cast<size_t>(lr) < cfg_.cpu_affinity.size()) {
+      w.cpu_affinity = cfg_.cpu_affinity[static_cast<size_t>(lr)];
+    }
+    if (!cfg_.local_rank_arg.empty()) {
+      // The value LOCAL_RANK has (0 under --virtual-local-rank), so both say the same.
+      const int shown = cfg_.virtual_local_rank ? 0 : lr;
+      const size_t at = std::min(cfg_.local_rank_arg_at, w.argv.size());
+      w.argv.insert(w.argv.begin() + static_cast<long>(at),
+                    "--" + cfg_.local_rank_arg + "=" + std::to_string(shown));
+    }
     w.error_file = dir + "/error.json";
     in.error_file = w.error_file;
     out.stale_files.push_back(w.error_file);  // a previous round's, in the same attempt

@@ -12,7 +12,10 @@ const std::vector<LaunchFlag>& launchFlags() {
        "Number of nodes, or the range of nodes in form <minimum_nodes>:<maximum_nodes>. Default "
        "1:1."},
       {"nproc_per_node", 0, true, "NPROC",
-       "Number of workers per node; supported values: [auto, cpu, gpu, int]. Default 1."},
+       "Number of workers per node; supported values: [auto, cpu, gpu, xpu, int]. Default 1."},
+      {"numa_binding", 0, true, "POLICY",
+       "Bind each worker's CPU affinity from the NUMA topology in /sys: node, socket, exclusive "
+       "or core-complex (local ranks go to NUMA nodes in contiguous blocks)."},
       {"rdzv_backend", 0, true, "BACKEND",
        "Rendezvous backend: static, c10d (ddprun's gRPC rendezvous; alias grpc). Default static."},
       {"rdzv_endpoint", 0, true, "HOST[:PORT]",
@@ -36,6 +39,28 @@ const std::vector<LaunchFlag>& launchFlags() {
        "Change each process to interpret the launch script as a Python module (python3 -u -m)."},
       {"no_python", 0, false, nullptr,
        "Skip prepending the training script with 'python3 -u' - just execute it directly."},
+      {"run_path", 0, false, nullptr,
+       "Run the training script (any file Python can run: a .py, a directory or zip with "
+       "__main__.py) under the Python interpreter, as torchrun's runpy.run_path does."},
+      {"use_env", 0, false, nullptr,
+       "Pass the local rank only as LOCAL_RANK (torch.distributed.launch's flag; ddprun always "
+       "sets LOCAL_RANK). Under 'ddprun launch' it stops the --local-rank=N script argument."},
+      {"local_rank_arg", 0, true, "NAME",
+       "Also pass the local rank to the script as --NAME=N: local-rank (torch 2.x), local_rank "
+       "(torch 1.x) or none. 'ddprun launch' defaults to local-rank; plain ddprun to none."},
+      {"virtual_local_rank", 0, false, nullptr,
+       "Every worker sees LOCAL_RANK=0 and only its own GPU in CUDA_VISIBLE_DEVICES."},
+      {"logs_specs", 0, true, "NAME",
+       "torchrun's Python LogsSpecs plug-in: accepted and ignored with a notice (ddprun has no "
+       "Python plug-ins; see --log-dir, -r, -t)."},
+      {"event_log_handler", 0, true, "NAME",
+       "torchrun's Python event-log handler plug-in: accepted and ignored with a notice unless "
+       "'null' (ddprun has no Python plug-ins)."},
+      {"duplicate_stdout_filters", 0, true, "FILTERS",
+       "torchrun 2.x: copy workers' stdout lines containing one of FILTERS to a file. Not "
+       "supported yet: refused (use -t/--tee with --log-dir and grep the logs)."},
+      {"duplicate_stderr_filters", 0, true, "FILTERS",
+       "As --duplicate-stdout-filters, for stderr. Not supported yet: refused."},
       {"log_dir", 0, true, "DIR", "Base directory for log files (a temp dir by default)."},
       {"redirects", 'r', true, "STD",
        "Redirect std streams into a log file: 0 none, 1 stdout, 2 stderr, 3 both; or per local "
@@ -59,7 +84,7 @@ const std::vector<LaunchFlag>& launchFlags() {
        "Signals forwarded to workers. Default SIGTERM,SIGINT,SIGHUP,SIGQUIT."},
       {"log_line_prefix_template", 0, true, "TEMPLATE",
        "Prefix of tee'd lines, from ${role_name} ${local_rank} ${rank} ${hostname}. Default "
-       "[${role_name}${local_rank}]:"},
+       "$TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, else [${role_name}${local_rank}]:"},
       {"exit_barrier_timeout", 0, true, "SECONDS",
        "How long a node whose workers succeeded waits for the other nodes. Default 300."},
       {"heartbeat_timeout", 0, true, "SECONDS",

@@ -8,12 +8,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <optional>
 #include <random>
 #include <set>
 #include <thread>
 #include <tuple>
 
+#include "ddprun/agent/numa_binding.h"
 #include "ddprun/common/launch_flags.h"
 #include "ddprun/common/strings.h"
 #include "ddprun/rendezvous/conf.h"
@@ -119,17 +121,28 @@ StatusOr<std::string> endpoint(const Raw& raw, int default_port) {
   return host + ":" + std::to_string(port);
 }
 
+// One pair of matching quotes around `s` removed: PyTorch's own tests (and shell scripts that
+// quote twice) pass --rdzv_conf='join_timeout=5,...' with the quotes inside the argument.
+std::string unquote(const std::string& s) {
+  std::string t = trim(s);
+  if (t.size() >= 2 && (t.front() == '\'' || t.front() == '"') && t.back() == t.front()) {
+    return t.substr(1, t.size() - 2);
+  }
+  return t;
+}
+
 // --rdzv-conf k=v,... parsed once, by the rendezvous' own parser, for the --nnodes range: the
 // agent takes the typed result (files named in it are read here).
 StatusOr<rendezvous::RendezvousConf> rdzvConf(const Raw& raw, int min_nodes, int max_nodes) {
   std::map<std::string, std::string> pairs;
-  if (!trim(raw.value).empty()) {
-    for (const auto& item : split(raw.value, ',')) {
+  const std::string text = unquote(raw.value);
+  if (!trim(text).empty()) {
+    for (const auto& item : split(text, ',')) {
       auto eq = item.find('=');
       if (eq == std::string::npos || eq == 0) {
         return badValue(raw, "<key>=<value> pairs separated by commas");
       }
-      pairs[trim(item.substr(0, eq))] = trim(item.substr(eq + 1));
+      pairs[unquote(item.substr(0, eq))] = unquote(item.substr(eq + 1));
     }
   }
   auto parsed = rendezvous::parseRendezvousConf(pairs, static_cast<uint32_t>(min_nodes),
@@ -173,31 +186,46 @@ std::string randomUuid() {
   return out;
 }
 
-Status resolveProgram(agent::AgentConfig& cfg, bool module, bool no_python,
-                      const std::string& program, const std::vector<std::string>& program_args,
+// How the program is run: -m, --no-python, --run-path (each at most one).
+struct ProgramKind {
+  bool module = false;
+  bool no_python = false;
+  bool run_path = false;
+};
+
+Status resolveProgram(agent::AgentConfig& cfg, const ProgramKind& kind, const std::string& program,
+                      const std::vector<std::string>& program_args,
                       const std::map<std::string, std::string>& env) {
-  if (module && no_python) {
+  if (kind.module && kind.no_python) {
     return usage("--no-python and -m/--module cannot be used together");
   }
+  if (kind.run_path && (kind.module || kind.no_python)) {
+    return usage(std::string("--run-path and ") + (kind.module ? "-m/--module" : "--no-python") +
+                 " cannot be used together");
+  }
   cfg.entrypoint = program;
-  const bool python = module || (!no_python && endsWith(program, ".py"));
+  const bool python = kind.module || kind.run_path || (!kind.no_python && endsWith(program, ".py"));
   std::vector<std::string> argv;
   if (python) {
     auto exec = env.find("PYTHON_EXEC");
-    std::string interpreter = exec != env.end() && !exec->second.empty() ? exec->second : "python3";
+    const bool from_env = exec != env.end() && !exec->second.empty();
+    std::string interpreter = from_env ? exec->second : "python3";
     auto resolved = findExecutable(interpreter, env);
     if (!resolved) {
       return failedPrecondition("cannot find the Python interpreter '" + interpreter +
                                 "' (on PATH, or set PYTHON_EXEC to its path)");
     }
+    cfg.python_interpreter = *resolved;
+    cfg.python_interpreter_source = from_env ? "PYTHON_EXEC" : "PATH";
     argv = {*resolved, "-u"};
-    if (module) {
+    if (kind.module) {
       argv.push_back("-m");
     } else {
+      // --run-path runs what runpy.run_path runs: a file, or a directory or zip with __main__.py.
       struct stat st {};
-      if (::stat(program.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
-        return failedPrecondition("training script '" + program + "' does not exist");
-      }
+      const bool exists = ::stat(program.c_str(), &st) == 0 &&
+                          (S_ISREG(st.st_mode) || (kind.run_path && S_ISDIR(st.st_mode)));
+      if (!exists) return failedPrecondition("training script '" + program + "' does not exist");
     }
     argv.push_back(program);
   } else {
@@ -212,6 +240,7 @@ Status resolveProgram(agent::AgentConfig& cfg, bool module, bool no_python,
     }
     argv = {*resolved};
   }
+  cfg.local_rank_arg_at = argv.size();
   argv.insert(argv.end(), program_args.begin(), program_args.end());
   cfg.worker_argv = std::move(argv);
   return Status::ok();
@@ -240,8 +269,16 @@ StatusOr<int> nprocPerNode(const Raw& r, const HostFacts& host) {
     }
     return host.gpu_count;
   }
+  if (v == "xpu") {
+    if (host.xpu_count == 0) {
+      return usage("argument " + r.source +
+                   ": 'xpu' asks for one worker per Intel XPU device, "
+                   "but this host has none (use an integer, cpu, gpu or auto)");
+    }
+    return host.xpu_count;
+  }
   if (v == "auto") return host.gpu_count > 0 ? host.gpu_count : host.cpu_count;
-  return intIn(r, 1, 4096, "an integer >= 1, or cpu, gpu, auto");
+  return intIn(r, 1, 4096, "an integer >= 1, or cpu, gpu, xpu, auto");
 }
 
 StatusOr<agent::RendezvousBackend> rdzvBackend(const Raw& r) {
@@ -296,6 +333,13 @@ StatusOr<std::vector<int>> signalList(const Raw& r) {
 
 using Apply = Status (*)(const Raw&, const HostFacts&, agent::AgentConfig&);
 
+// Refused rather than ignored: a job that relies on the filtered file would silently miss it.
+Status refuseDuplicateFilters(const Raw& r, const HostFacts&, agent::AgentConfig&) {
+  return usage("argument " + r.source +
+               ": not supported by ddprun yet; tee the streams into files instead (-t 3 "
+               "--log-dir DIR) and filter <DIR>/<run>/attempt_<n>/<local_rank>/stdout.log");
+}
+
 // The launcher's column of the flag table (common/launch_flags.h): what each flag does to the
 // AgentConfig. Flags bound to nullptr act through the cross-flag rules and the program lookup.
 // Applied in table order, so --nnodes is known when --rdzv-conf is parsed.
@@ -311,6 +355,15 @@ Apply applierOf(const std::string& name) {
       {"nproc_per_node",
        [](const Raw& r, const HostFacts& h, AgentConfig& c) -> Status {
          DDPRUN_ASSIGN_OR_RETURN(c.nproc_per_node, nprocPerNode(r, h));
+         return Status::ok();
+       }},
+      {"numa_binding",
+       [](const Raw& r, const HostFacts& h, AgentConfig& c) -> Status {
+         auto policy = agent::parseNumaPolicy(r.value);
+         if (!policy) return badValue(r, "node, socket, exclusive or core-complex");
+         DDPRUN_ASSIGN_OR_RETURN(auto topology, agent::readCpuTopology(h.sysfs_root));
+         DDPRUN_ASSIGN_OR_RETURN(c.cpu_affinity,
+                                 agent::planNumaBinding(*policy, topology, c.nproc_per_node));
          return Status::ok();
        }},
       {"rdzv_backend",
@@ -359,6 +412,34 @@ Apply applierOf(const std::string& name) {
        }},
       {"module", nullptr},
       {"no_python", nullptr},
+      {"run_path", nullptr},
+      {"use_env", nullptr},
+      {"local_rank_arg",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         if (r.value == "local-rank" || r.value == "local_rank") {
+           c.local_rank_arg = r.value;
+         } else if (r.value == "none") {
+           c.local_rank_arg.clear();
+         } else {
+           return badValue(r, "local-rank (torch 2.x), local_rank (torch 1.x) or none");
+         }
+         return Status::ok();
+       }},
+      {"virtual_local_rank",
+       [](const Raw&, const HostFacts&, AgentConfig& c) -> Status {
+         c.virtual_local_rank = true;
+         return Status::ok();
+       }},
+      {"duplicate_stdout_filters", refuseDuplicateFilters},
+      {"duplicate_stderr_filters", refuseDuplicateFilters},
+      {"logs_specs",
+       [](const Raw& r, const HostFacts&, AgentConfig&) -> Status {
+         return nonBlank(r, "the name of a LogsSpecs plug-in").status();
+       }},
+      {"event_log_handler",
+       [](const Raw& r, const HostFacts&, AgentConfig&) -> Status {
+         return nonBlank(r, "the name of an event-log handler (e.g. null)").status();
+       }},
       {"log_dir",
        [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
          c.log_dir = r.value;
@@ -492,11 +573,62 @@ Status applyCrossFlagRules(const Values& given, agent::AgentConfig& cfg) {
   return Status::ok();
 }
 
+// torch.distributed.launch's --local-rank=N argument: on by default under `ddprun launch`, off
+// with --use-env; --local-rank-arg chooses the spelling (or asks for it under plain ddprun).
+Status applyLocalRankArg(const Values& given, CliMode mode, agent::AgentConfig& cfg) {
+  const bool use_env = given.count("use_env") > 0;
+  const bool named = given.count("local_rank_arg") > 0;
+  if (use_env && named && !cfg.local_rank_arg.empty()) {
+    return usage("argument " + given.at("local_rank_arg").source + ": asks for --" +
+                 cfg.local_rank_arg + "=N, but " + given.at("use_env").source +
+                 " passes the local rank only as LOCAL_RANK (drop one of them)");
+  }
+  if (mode != CliMode::kLaunch || use_env || named) return Status::ok();
+  if (given.count("no_python")) {
+    // As torch.distributed.launch: a program run directly is not assumed to parse --local-rank.
+    return usage(
+        "ddprun launch: --no-python needs --use-env too (or --local-rank-arg to pass the local "
+        "rank as an argument anyway)");
+  }
+  cfg.local_rank_arg = "local-rank";
+  return Status::ok();
+}
+
+// One-line notices for flags that are accepted but change nothing, so that nobody believes a
+// torchrun plug-in or rendezvous key took effect.
+void addNotices(const Values& given, CliMode mode, const agent::AgentConfig& cfg,
+                std::vector<std::string>& notices) {
+  if (mode == CliMode::kLaunch) {
+    notices.push_back(
+        "'ddprun launch' does what the deprecated torch.distributed.launch did: " +
+        (cfg.local_rank_arg.empty()
+             ? std::string("the local rank is in LOCAL_RANK only (--use-env)")
+             : "each script gets --" + cfg.local_rank_arg + "=<local rank>") +
+        ". Read os.environ['LOCAL_RANK'] instead and run plain ddprun, which sets LOCAL_RANK "
+        "(as torchrun)");
+  }
+  if (!cfg.rdzv_conf.unknown_keys.empty()) {
+    const auto& raw = given.count("rdzv_conf") ? given.at("rdzv_conf").source : "--rdzv-conf";
+    notices.push_back("warning: " + raw + ": ddprun's rendezvous does not use " +
+                      join(cfg.rdzv_conf.unknown_keys, ", ") +
+                      " (torchrun would pass them to its backend); ignoring them");
+  }
+  if (auto it = given.find("logs_specs"); it != given.end()) {
+    notices.push_back(it->second.source + "=" + it->second.value +
+                      " ignored: it names a Python plug-in of torchrun, and ddprun has none "
+                      "(logs go to --log-dir as <run>/attempt_<n>/<local_rank>/*.log)");
+  }
+  if (auto it = given.find("event_log_handler"); it != given.end() && it->second.value != "null") {
+    notices.push_back(it->second.source + "=" + it->second.value +
+                      " ignored: it names a Python plug-in of torchrun, and ddprun has none");
+  }
+}
+
 }  // namespace
 
 StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
                                      const std::map<std::string, std::string>& env,
-                                     const HostFacts& host) {
+                                     const HostFacts& host, CliMode mode) {
   CliResult result;
   const TokenizedArgs tokens = tokenizeLaunchArgs(args, launchFlags());
   DDPRUN_ASSIGN_OR_RETURN(FlagValues flags, resolveFlagValues(tokens, env, launchFlags()));
@@ -505,8 +637,16 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
     return result;
   }
   agent::AgentConfig& cfg = result.config;
+  // torch >= 2.2 reads the template's default from the environment.
+  if (!flags.values.count("log_line_prefix_template")) {
+    if (auto it = env.find("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"); it != env.end()) {
+      flags.values["log_line_prefix_template"] =
+          Raw{it->second, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"};
+    }
+  }
   DDPRUN_RETURN_IF_ERROR(applyFlags(flags.values, host, cfg));
   DDPRUN_RETURN_IF_ERROR(applyCrossFlagRules(flags.values, cfg));
+  DDPRUN_RETURN_IF_ERROR(applyLocalRankArg(flags.values, mode, cfg));
 
   if (!tokens.program) {
     return usage("the following arguments are required: training_script (the program to run)");
@@ -514,9 +654,10 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
   const std::string& program = args[*tokens.program];
   const std::vector<std::string> program_args(args.begin() + static_cast<long>(*tokens.program) + 1,
                                               args.end());
-  DDPRUN_RETURN_IF_ERROR(resolveProgram(cfg, flags.values.count("module") > 0,
-                                        flags.values.count("no_python") > 0, program, program_args,
-                                        env));
+  const ProgramKind kind{flags.values.count("module") > 0, flags.values.count("no_python") > 0,
+                         flags.values.count("run_path") > 0};
+  DDPRUN_RETURN_IF_ERROR(resolveProgram(cfg, kind, program, program_args, env));
+  addNotices(flags.values, mode, cfg, result.notices);
 
   if (cfg.nproc_per_node > 1 && !env.count("OMP_NUM_THREADS")) {
     cfg.set_omp_num_threads = true;
@@ -527,9 +668,18 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
   return result;
 }
 
-std::string helpText() {
+std::string helpText(CliMode mode) {
   std::string out =
-      "usage: ddprun [options] training_script [training_script_args ...]\n\n"
+      mode == CliMode::kLaunch
+          ? "usage: ddprun launch [options] training_script [training_script_args ...]\n\n"
+            "torch.distributed.launch's behaviour: as ddprun, and each script also gets\n"
+            "--local-rank=<local rank> (--local-rank-arg=local_rank: the torch 1.x spelling)\n"
+            "unless --use-env is given. Deprecated as in torch: read LOCAL_RANK instead.\n\n"
+          : "usage: ddprun [options] training_script [training_script_args ...]\n"
+            "       ddprun launch [options] ...   torch.distributed.launch's --local-rank "
+            "argument\n"
+            "       ddprun slurm [options] ...    one agent per node of a Slurm allocation\n\n";
+  out +=
       "Torchrun-compatible elastic launcher. Starts --nproc-per-node workers on this node, sets\n"
       "RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ... for them, and restarts them\n"
       "on failure. Every option may be spelled with '_' or '-', and defaults to the environment\n"
@@ -571,6 +721,17 @@ HostFacts probeHost() {
     count = v.empty() ? 0 : std::min(count, static_cast<int>(split(v, ',').size()));
   }
   facts.gpu_count = count;
+  // Intel GPUs: DRM render nodes whose PCI vendor is Intel's (what torch.xpu would drive).
+  if (DIR* dir = ::opendir("/sys/class/drm")) {
+    while (dirent* e = ::readdir(dir)) {
+      std::string name = e->d_name;
+      if (!startsWith(name, "renderD")) continue;
+      std::string vendor;
+      std::ifstream("/sys/class/drm/" + name + "/device/vendor") >> vendor;
+      if (vendor == "0x8086") ++facts.xpu_count;
+    }
+    ::closedir(dir);
+  }
   return facts;
 }
 

@@ -59,6 +59,12 @@ int launcherMain(const char* program_name, int argc, char** argv) {
     const std::map<std::string, std::string> env = environmentMap();
     const HostFacts host = probeHost();
     if (!args.empty() && args[0] == "slurm") return slurmMain(program_name, args, env, host);
+    // `ddprun launch ...`: torch.distributed.launch's command line (--local-rank=N for scripts).
+    CliMode mode = CliMode::kTorchrun;
+    if (!args.empty() && args[0] == "launch") {
+      mode = CliMode::kLaunch;
+      args.erase(args.begin());
+    }
     // As an srun task (one per node), derive --nnodes, --rdzv-* and --local-addr from Slurm.
     auto step = slurm::stepArgs(args, env, slurm::scontrolAddressLookup());
     if (!step.isOk()) {
@@ -70,13 +76,13 @@ int launcherMain(const char* program_name, int argc, char** argv) {
                    join(step->added, " ").c_str());
     }
     args = step->args;
-    auto parsed = parseCommandLine(args, env, host);
+    auto parsed = parseCommandLine(args, env, host, mode);
     if (!parsed.isOk()) {
       std::fprintf(stderr, "%s: error: %s\n", program_name, parsed.status().message().c_str());
       return 2;
     }
     if (parsed->show_help) {
-      std::cout << helpText();
+      std::cout << helpText(mode);
       return 0;
     }
     for (const auto& notice : parsed->notices) {

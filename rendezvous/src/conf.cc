@@ -42,15 +42,6 @@ StatusOr<std::string> readPem(const std::string& key, const std::string& path, b
   return text;
 }
 
-std::string keyList() {
-  std::string out;
-  for (const char* k : kRendezvousConfKeys) {
-    if (!out.empty()) out += ", ";
-    out += k;
-  }
-  return out;
-}
-
 }  // namespace
 
 StatusOr<RendezvousConf> parseRendezvousConf(const std::map<std::string, std::string>& conf,
@@ -123,7 +114,8 @@ StatusOr<RendezvousConf> parseRendezvousConf(const std::map<std::string, std::st
       DDPRUN_ASSIGN_OR_RETURN(out.tls_ca_pem, readPem(key, value, false));
       out.tls_ca_file = value;
     } else {
-      return invalidArgument("unknown key '" + raw_key + "' (accepted: " + keyList() + ")");
+      // torchrun hands keys it does not know to the backend; ours has none, so the caller warns.
+      out.unknown_keys.push_back(raw_key);
     }
   }
   if (timeout_alias && !join_timeout_given) out.join_timeout = *timeout_alias;

@@ -114,6 +114,11 @@ TEST_CASE("the static backend puts the agents' rendezvous on MASTER_PORT+1 of no
   CHECK(c->multinode.static_node_rank == 0);
   CHECK(c->multinode.static_master_addr == "m");
   CHECK(c->multinode.master_port == 29500);
+  // Every message about the endpoint says where the second port comes from and how to move it.
+  CHECK(c->endpoint_note ==
+        "the static backend's agents meet on MASTER_PORT+1 = m:29501, which must be free on node "
+        "0 and reachable from every node; pick another --master-port, or place it with "
+        "--rdzv-endpoint=HOST:PORT");
 
   cfg.node_rank = 1;
   c = chooseRendezvous(cfg, "me", never);
@@ -124,6 +129,7 @@ TEST_CASE("the static backend puts the agents' rendezvous on MASTER_PORT+1 of no
   c = chooseRendezvous(cfg, "me", never);
   REQUIRE(c.isOk());
   CHECK(c->endpoint == "other:7");
+  CHECK(c->endpoint_note.empty());
 }
 
 TEST_CASE("the static backend refuses a master port with no room above it", "[agent]") {

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 
 using namespace ddprun::agent;
@@ -89,4 +90,33 @@ TEST_CASE("a hung worker's entry says it hung, whatever it wrote when it was sto
                     "stopped it\n  SignalException",
                     root) != std::string::npos);
   CHECK(report.find("worker hung") > root);  // only the hung rank says so
+}
+
+TEST_CASE(
+    "a Python worker's failure names the interpreter, and says PYTHON_EXEC on a missing module",
+    "[agent]") {
+  char templ[] = "/tmp/ddprun_hint_XXXXXX";
+  const std::string dir = mkdtemp(templ);
+  WorkerFailure f{0, 0, 5, ExitStatus{false, 1}, 10.0, dir + "/error.json", ""};
+  CHECK(pythonInterpreterHint("", "PATH", {f}).empty());  // not a Python program
+  CHECK(pythonInterpreterHint("/usr/bin/python3", "PATH", {f}) ==
+        "note: the workers ran under /usr/bin/python3 (python3 found on PATH); set PYTHON_EXEC "
+        "to run another interpreter\n");
+  // A redirected stderr.log beside the error file shows the import failure.
+  std::ofstream(dir + "/stderr.log") << "Traceback (most recent call last):\n"
+                                     << "  File \"train.py\", line 1, in <module>\n"
+                                     << "ModuleNotFoundError: No module named 'torch'\n";
+  CHECK(pythonInterpreterHint("/usr/bin/python3", "PATH", {f}) ==
+        "hint: a worker failed with 'ModuleNotFoundError: No module named 'torch'': the workers "
+        "ran under /usr/bin/python3 (python3 found on PATH), which lacks it; set PYTHON_EXEC to "
+        "the interpreter that has it (e.g. PYTHON_EXEC=/path/to/venv/bin/python)\n");
+  std::remove((dir + "/stderr.log").c_str());
+  // So does an error file.
+  std::ofstream(dir + "/error.json")
+      << R"({"message":{"message":"ModuleNotFoundError: No module named 'apex'",)"
+      << R"("extraInfo":{"py_callstack":"","timestamp":"1"}}})";
+  CHECK(pythonInterpreterHint("/venv/bin/python", "PYTHON_EXEC", {f})
+            .find("'ModuleNotFoundError: No module named 'apex'': the workers ran under "
+                  "/venv/bin/python (PYTHON_EXEC)") != std::string::npos);
+  std::system(("rm -rf " + dir).c_str());
 }

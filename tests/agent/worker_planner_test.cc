@@ -95,3 +95,48 @@ TEST_CASE("without hang detection no heartbeat file is planned", "[agent]") {
   CHECK(envOf(plan.launches[3], "DDPRUN_HEARTBEAT_FILE") == "<unset>");
   CHECK(plan.launches[3].console_prefix == "[default3]:");
 }
+
+TEST_CASE("legacy launch mode gives each worker --local-rank=N after the script", "[agent]") {
+  AgentConfig cfg;
+  cfg.worker_argv = {"/usr/bin/python3", "-u", "train.py", "--lr=1"};
+  cfg.local_rank_arg = "local_rank";
+  cfg.local_rank_arg_at = 3;
+  WorkerPlanner planner(cfg, "/logs/r", "h", {});
+  const AttemptPlan plan = planner.plan(round4And2(0), 0);
+  REQUIRE(plan.launches.size() == 4);
+  CHECK(plan.launches[2].argv ==
+        std::vector<std::string>{"/usr/bin/python3", "-u", "train.py", "--local_rank=2", "--lr=1"});
+  cfg.local_rank_arg.clear();
+  CHECK(planner.plan(round4And2(0), 0).launches[2].argv == cfg.worker_argv);
+}
+
+TEST_CASE("virtual local rank: LOCAL_RANK=0 and one CUDA device per worker", "[agent]") {
+  AgentConfig cfg;
+  cfg.worker_argv = {"/bin/prog"};
+  cfg.virtual_local_rank = true;
+  cfg.local_rank_arg = "local-rank";
+  cfg.local_rank_arg_at = 1;
+  WorkerPlanner mapped(cfg, "/logs/r", "h", {{"CUDA_VISIBLE_DEVICES", "4,5,6,7"}});
+  const AttemptPlan plan = mapped.plan(round4And2(0), 0);
+  CHECK(envOf(plan.launches[1], "LOCAL_RANK") == "0");
+  CHECK(envOf(plan.launches[1], "RANK") == "1");
+  CHECK(envOf(plan.launches[1], "CUDA_VISIBLE_DEVICES") == "5");
+  CHECK(plan.launches[1].argv == std::vector<std::string>{"/bin/prog", "--local-rank=0"});
+  WorkerPlanner plain(cfg, "/logs/r", "h", {});
+  CHECK(envOf(plain.plan(round4And2(0), 0).launches[3], "CUDA_VISIBLE_DEVICES") == "3");
+  cfg.virtual_local_rank = false;
+  CHECK(envOf(plain.plan(round4And2(0), 0).launches[3], "LOCAL_RANK") == "3");
+  CHECK(envOf(plain.plan(round4And2(0), 0).launches[3], "CUDA_VISIBLE_DEVICES") == "<unset>");
+}
+
+TEST_CASE("numa binding: each worker gets its local rank's CPUs", "[agent]") {
+  AgentConfig cfg;
+  cfg.worker_argv = {"/bin/prog"};
+  cfg.cpu_affinity = {{0, 1}, {2, 3}, {4}, {5}};
+  WorkerPlanner planner(cfg, "/logs/r", "h", {});
+  const AttemptPlan plan = planner.plan(round4And2(0), 0);
+  CHECK(plan.launches[1].cpu_affinity == std::vector<int>{2, 3});
+  CHECK(plan.launches[3].cpu_affinity == std::vector<int>{5});
+  cfg.cpu_affinity.clear();
+  CHECK(planner.plan(round4And2(0), 0).launches[1].cpu_affinity.empty());
+}

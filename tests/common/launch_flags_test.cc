@@ -109,8 +109,10 @@ TEST_CASE("an unambiguous prefix names its flag, an ambiguous one is an error", 
   CHECK(v.at("nproc_per_node").source == "--nproc-per-node");
   CHECK(v.at("max_restarts").value == "3");
   CHECK(v.count("standalone") == 1);
-  CHECK(errorOf({"--n", "prog"}) ==
-        "ambiguous option: --n could match --nnodes, --nproc-per-node, --no-python, --node-rank");
+  CHECK(
+      errorOf({"--n", "prog"}) ==
+      "ambiguous option: --n could match --nnodes, --nproc-per-node, --numa-binding, --no-python, "
+      "--node-rank");
   CHECK(errorOf({"--rdzv", "x", "prog"}) ==
         "ambiguous option: --rdzv could match --rdzv-backend, --rdzv-endpoint, --rdzv-id, "
         "--rdzv-conf");

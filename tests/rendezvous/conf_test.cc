@@ -155,10 +155,6 @@ TEST_CASE("malformed rdzv-conf values are one line naming the key and the accept
           "[conf]") {
   Files f;
   const std::vector<std::pair<Conf, std::string>> cases = {
-      {{{"colour", "blue"}},
-       "unknown key 'colour' (accepted: join_timeout, last_call_timeout, close_timeout, "
-       "heartbeat_interval, heartbeat_misses, is_host, read_timeout, token_file, timeout, "
-       "failure_grace, tls_cert, tls_key, tls_ca)"},
       {{{"join_timeout", "-3"}}, "join_timeout must be a number of seconds > 0, got '-3'"},
       {{{"join_timeout", "soon"}}, "join_timeout must be a number of seconds > 0, got 'soon'"},
       {{{"join_timeout", ""}}, "join_timeout must be a number of seconds > 0, got ''"},
@@ -258,9 +254,19 @@ TEST_CASE("rdzv-conf keys set timeouts, heartbeats, hosting and the token", "[re
   CHECK(conf->token == "abc");
 }
 
-TEST_CASE("rdzv-conf rejects unknown keys and malformed values", "[rendezvous][conf]") {
-  CHECK(parseRendezvousConf({{"bogus", "1"}}, 1, 1).status().code() ==
-        StatusCode::kInvalidArgument);
+TEST_CASE("rdzv-conf accepts unknown keys as torchrun does and lists them for a notice",
+          "[rendezvous][conf]") {
+  auto conf =
+      parseRendezvousConf({{"store_type", "tcp"}, {"join_timeout", "5"}, {"colour", ""}}, 1, 1);
+  REQUIRE(conf.isOk());
+  CHECK(conf->unknown_keys == std::vector<std::string>{"colour", "store_type"});
+  CHECK(conf->join_timeout == std::chrono::seconds(5));  // known keys are still read
+  CHECK(parseRendezvousConf({{"join_timeout", "5"}}, 1, 1)->unknown_keys.empty());
+  // A known key's malformed value stays an error even beside unknown keys.
+  CHECK_FALSE(parseRendezvousConf({{"store_type", "tcp"}, {"join_timeout", "x"}}, 1, 1).isOk());
+}
+
+TEST_CASE("rdzv-conf rejects malformed values", "[rendezvous][conf]") {
   CHECK(parseRendezvousConf({{"join_timeout", "-1"}}, 1, 1).status().message() ==
         "join_timeout must be a number of seconds > 0, got '-1'");
   CHECK_FALSE(parseRendezvousConf({{"heartbeat_misses", "0"}}, 1, 1).isOk());

@@ -30,6 +30,10 @@ struct RendezvousChoice {
   std::string endpoint;  // HOST:PORT of the rendezvous
   Hosting hosting = Hosting::kNo;
   MultiNodeOptions multinode;
+  // Static backend without --rdzv-endpoint: the endpoint is MASTER_PORT+1 on --master-addr, a
+  // second port users do not expect; this says so, and how to move it, in every message about
+  // the endpoint (waiting for it, failing to bind or reach it). Empty otherwise.
+  std::string endpoint_note;
   // How long a local worker failure is held before it is reported (SupervisorOptions).
   Duration failure_grace = Duration::zero();
 };

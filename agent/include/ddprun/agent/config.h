@@ -2,6 +2,7 @@
 // command line (launcher/cli.h). A plain value type.
 #pragma once
 
+#include <cstddef>
 #include <map>
 #include <optional>
 #include <set>
@@ -77,6 +78,19 @@ struct AgentConfig {
   // Program: argv[0] is the executable (already resolved to a path), the rest its arguments.
   std::vector<std::string> worker_argv;
   std::string entrypoint;  // what the user named (script, module or binary), for the report
+  // torch.distributed.launch's script argument: each worker's argv gets "--<local_rank_arg>=N"
+  // inserted at worker_argv[local_rank_arg_at] (after the script, before its arguments). Empty:
+  // none (torchrun and --use-env: the local rank is in LOCAL_RANK only).
+  std::string local_rank_arg;
+  size_t local_rank_arg_at = 0;
+  // The interpreter worker_argv[0] is, when the program runs under Python (empty otherwise), and
+  // where it came from ("PYTHON_EXEC" or "PATH"), for the failure report's hint.
+  std::string python_interpreter;
+  std::string python_interpreter_source;
+  // --virtual-local-rank: LOCAL_RANK=0 for every worker, CUDA_VISIBLE_DEVICES its own device.
+  bool virtual_local_rank = false;
+  // --numa-binding: the CPUs of each local rank (index = local rank); empty: no binding.
+  std::vector<std::vector<int>> cpu_affinity;
 
   // Logs.
   std::string log_dir;  // empty: a fresh temp dir

@@ -39,6 +39,8 @@ struct WorkerLaunch {
   bool tee_stderr = false;
   bool to_console = true;  // false: tee'd output goes to the file only (--local-ranks-filter)
   std::string console_prefix;
+  // CPUs the worker may run on (--numa-binding); empty: the agent's own affinity.
+  std::vector<int> cpu_affinity;
 };
 
 class ProcessLauncher {

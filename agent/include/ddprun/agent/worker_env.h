@@ -34,6 +34,9 @@ struct WorkerEnvInputs {
   std::string stop_file;
   std::string snapshot_dir;  // may be empty
   bool set_omp_num_threads = false;
+  // --virtual-local-rank: LOCAL_RANK=0, and CUDA_VISIBLE_DEVICES names only this worker's device
+  // (the local rank-th entry of the agent's CUDA_VISIBLE_DEVICES, or the local rank itself).
+  bool virtual_local_rank = false;
 };
 
 // Base global rank of `group_rank`: the sum of the local world sizes of lower group ranks.

@@ -16,7 +16,13 @@ namespace ddprun::launcher {
 struct HostFacts {
   int cpu_count = 1;
   int gpu_count = 0;
+  int xpu_count = 0;  // Intel GPUs (render nodes of vendor 0x8086), for --nproc-per-node=xpu
+  std::string sysfs_root = "/sys/devices/system";  // the CPU topology, for --numa-binding
 };
+
+// Which launcher's command line: torchrun's (`ddprun ...`), or torch.distributed.launch's
+// (`ddprun launch ...`), whose scripts get --local-rank=N unless --use-env is given.
+enum class CliMode { kTorchrun, kLaunch };
 
 struct CliResult {
   bool show_help = false;
@@ -28,11 +34,11 @@ struct CliResult {
 // "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got '3:1'".
 StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
                                      const std::map<std::string, std::string>& env,
-                                     const HostFacts& host);
+                                     const HostFacts& host, CliMode mode = CliMode::kTorchrun);
 
-std::string helpText();
+std::string helpText(CliMode mode = CliMode::kTorchrun);
 
-// Counts this host's CPUs and CUDA devices.
+// Counts this host's CPUs, CUDA devices and Intel GPUs.
 HostFacts probeHost();
 
 }  // namespace ddprun::launcher

@@ -6,6 +6,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "ddprun/common/status.h"
 #include "ddprun/rendezvous/types.h"
@@ -35,6 +36,9 @@ struct RendezvousConf {
   std::string tls_key_pem;   // tls_key=
   std::string tls_ca_pem;    // tls_ca= (client: speak TLS, trusting this certificate)
   std::string tls_ca_file;   // the path given as tls_ca=, for messages
+  // Keys of none of kRendezvousConfKeys, as given. torchrun hands such keys to its backend
+  // (e.g. store_type=tcp for c10d) and runs; so do we, and the launcher names them in one notice.
+  std::vector<std::string> unknown_keys;
 };
 
 // Keys accepted, in the order error messages list them. Keys may be spelled with '-' for '_'
@@ -60,9 +64,10 @@ inline constexpr const char* kRendezvousConfKeys[] = {"join_timeout",
 //   token_file: a file holding the shared token;  tls_ca: a PEM certificate that clients trust
 //   (TLS on);  tls_cert + tls_key: the PEM certificate and key served when hosting (need tls_ca,
 //   which this agent's own client uses; for a self-signed certificate, the same file).
-// Unknown keys and malformed values are INVALID_ARGUMENT with one line naming the key and the
-// accepted form, e.g. "join_timeout must be a number of seconds > 0, got '-3'". The message does
-// not say where the pairs came from: callers prefix that ("argument --rdzv-conf: ").
+// Unknown keys are accepted and listed in `unknown_keys` (torchrun passes them to its backend).
+// Malformed values are INVALID_ARGUMENT with one line naming the key and the accepted form, e.g.
+// "join_timeout must be a number of seconds > 0, got '-3'". The message does not say where the
+// pairs came from: callers prefix that ("argument --rdzv-conf: ").
 StatusOr<RendezvousConf> parseRendezvousConf(const std::map<std::string, std::string>& conf,
                                              uint32_t min_nodes, uint32_t max_nodes);
 
