@@ -20,8 +20,7 @@ if(DDPRUN_WORKER_SHARED)
   install(TARGETS ddprun_worker EXPORT ddprunTargets
           LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
           ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
-          RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
-          INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+          RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
   # Public headers: LibTorch and the standard library only (no gRPC, protobuf, Asio, common).
   install(FILES
     worker_sdk/include/ddprun/worker/bucket_assignment.h
