@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# systemd-analyze verify on ddprun-rendezvous.service as installed (the unit, its EnvironmentFile
-# and the binary under a temp root). Skips (77) where systemd-analyze is missing.
+# systemd-analyze verify on ddprun-rendezvous.service, the unit's wiring to /etc/default and the
+# daemon's flags; the daemon starts with the default file's listen address (port 0). Skips (77)
+# where systemd-analyze is missing.
 #   systemd_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src=$1 build=$2
