@@ -10,7 +10,7 @@ PACKAGES=(
   libboost-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev nlohmann-json3-dev
   # worker SDK
-  libtorch-dev libgloo-dev libopenblas0-pthread
+  libtorch-dev libgloo-dev libopenblas0-pthread zlib1g-dev
   # tests: reference peer (torchrun, PyTorch workers) and the tools the tests drive
   catch2 python3-torch procps iproute2 hostname
   # rendezvous TLS test: a self-signed certificate

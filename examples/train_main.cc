@@ -174,6 +174,7 @@ int main(int argc, char** argv) {
           env.snapshot_dir.empty() ? "snapshot.pt" : env.snapshot_dir + "/snapshot.pt";
     o.batch_size = args.batch_size;
     o.heartbeat_file = env.heartbeat_file;
+    o.stop_file = env.stop_file;
     o.ddp.bucket_cap_mb = args.bucket_cap_mb;
     o.ddp.overlap = args.overlap;
     // Step timing (--timing): steady-state mean, skipping the first kWarmup steps of this run.

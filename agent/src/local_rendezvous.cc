@@ -53,4 +53,13 @@ void LocalRendezvous::nextRound(RoundCallback done) {
   });
 }
 
+void LocalRendezvous::exitBarrier(Duration, StatusCallback done) {
+  boost::asio::post(io_, [done = std::move(done)] { done(Status::ok()); });
+}
+
+void LocalRendezvous::shutdown(bool, bool, std::function<void()> done) {
+  closed_ = true;
+  boost::asio::post(io_, std::move(done));
+}
+
 }  // namespace ddprun::agent

@@ -19,7 +19,12 @@ class LocalRendezvous final : public RendezvousClient {
   void nextRound(RoundCallback done) override;
   void reportFailure() override {}  // no other node to tell
   void leave() override {}
-  void finish(bool, bool) override { closed_ = true; }
+  // One node: nobody to wait for.
+  void exitBarrier(Duration, StatusCallback done) override;
+  void shutdown(bool succeeded, bool left, std::function<void()> done) override;
+  uint64_t currentRound() const override {
+    return next_round_ == 0 ? 0 : static_cast<uint64_t>(next_round_ - 1);
+  }
 
  private:
   boost::asio::io_context& io_;

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "ddprun/common/log.h"
+#include "worker_guardian.h"
 
 namespace ddprun::agent {
 namespace {
@@ -68,56 +69,20 @@ StatusOr<int> PosixProcessLauncher::spawn(const WorkerLaunch& launch) {
   };
   Status st = prepare(launch.tee_stdout, launch.stdout_file, child_out, tee_out_read);
   if (st.isOk()) st = prepare(launch.tee_stderr, launch.stderr_file, child_err, tee_err_read);
-  int exec_pipe[2] = {-1, -1};
-  if (st.isOk() && ::pipe2(exec_pipe, O_CLOEXEC) != 0) {
-    st = internalError("pipe: " + errnoText(errno));
-  }
   if (!st.isOk()) {
     closeAll();
     return st;
   }
 
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid < 0) {
-    int err = errno;
-    closeAll();
-    ::close(exec_pipe[0]);
-    ::close(exec_pipe[1]);
-    return internalError("fork: " + errnoText(err));
-  }
-  if (pid == 0) {
-    ::setpgid(0, 0);
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(127);  // the agent died before prctl took effect
-    sigset_t all;
-    sigemptyset(&all);
-    ::sigprocmask(SIG_SETMASK, &all, nullptr);
-    for (int sig = 1; sig < NSIG; ++sig) ::signal(sig, SIG_DFL);
-    if (child_out >= 0) ::dup2(child_out, STDOUT_FILENO);
-    if (child_err >= 0) ::dup2(child_err, STDERR_FILENO);
-    ::execve(argv[0], argv.data(), envp.data());
-    int err = errno;
-    ssize_t ignored = ::write(exec_pipe[1], &err, sizeof(err));
-    (void)ignored;
-    ::_exit(127);
-  }
-  ::setpgid(pid, pid);  // also from here, so a signal sent right away reaches the group
-  ::close(exec_pipe[1]);
+  // A guardian process sits between the agent and the worker, so nothing the worker starts
+  // outlives the agent (worker_guardian.h); the pid is the worker's own.
+  auto pid = spawnGuardedWorker(GuardedExec{argv.data(), envp.data(), child_out, child_err});
   if (child_out >= 0) ::close(child_out);
   if (child_err >= 0) ::close(child_err);
-  int exec_errno = 0;
-  ssize_t n;
-  do {
-    n = ::read(exec_pipe[0], &exec_errno, sizeof(exec_errno));
-  } while (n < 0 && errno == EINTR);
-  ::close(exec_pipe[0]);
-  if (n > 0) {
+  if (!pid.isOk()) {
     if (tee_out_read >= 0) ::close(tee_out_read);
     if (tee_err_read >= 0) ::close(tee_err_read);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    return failedPrecondition("cannot execute " + launch.argv[0] + ": " + errnoText(exec_errno));
+    return pid.status();
   }
 
   const int out_console = launch.to_console ? STDOUT_FILENO : -1;
@@ -130,7 +95,35 @@ StatusOr<int> PosixProcessLauncher::spawn(const WorkerLaunch& launch) {
     DDPRUN_RETURN_IF_ERROR(
         addTee(tee_err_read, launch.stderr_file, err_console, launch.console_prefix));
   }
-  return static_cast<int>(pid);
+  return *pid;
+}
+
+void PosixProcessLauncher::watchExits(ExitCallback on_exit, std::function<void()> after) {
+  on_exit_ = std::move(on_exit);
+  after_exits_ = std::move(after);
+  waitForExits();
+}
+
+void PosixProcessLauncher::waitForExits() {
+  sigchld_.async_wait([this](const boost::system::error_code& ec, int) {
+    if (ec) return;
+    reap();
+    waitForExits();
+  });
+}
+
+void PosixProcessLauncher::reap() {
+  while (true) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid <= 0) break;
+    if (WIFSIGNALED(status)) {
+      on_exit_(pid, ExitStatus{true, WTERMSIG(status)});
+    } else if (WIFEXITED(status)) {
+      on_exit_(pid, ExitStatus{false, WEXITSTATUS(status)});
+    }
+  }
+  if (after_exits_) after_exits_();
 }
 
 void PosixProcessLauncher::signalGroup(int pid, int sig) {

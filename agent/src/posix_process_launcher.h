@@ -1,11 +1,16 @@
-// PosixProcessLauncher: starts workers with fork/exec — each in its own process group, with
-// PR_SET_PDEATHSIG so none outlives the agent — and pumps tee'd streams through the agent's
-// io_context into the log file and the console. Used from the io_context's thread only.
+// PosixProcessLauncher: starts workers with fork/exec — each in its own process group, under a
+// guardian process so that nothing the worker starts outlives the agent (worker_guardian.h) —
+// pumps tee'd streams through the agent's io_context into the log file and the console, and reaps
+// exited children on SIGCHLD (the agent is a child subreaper: a worker's zombie is handed to it by
+// its guardian, so waitpid sees the worker's own pid and status). Used from
+// the io_context's thread only.
 #pragma once
 
 #include <array>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,8 +21,14 @@ namespace ddprun::agent {
 
 class PosixProcessLauncher final : public ProcessLauncher {
  public:
-  explicit PosixProcessLauncher(boost::asio::io_context& io) : io_(io) {}
+  using ExitCallback = std::function<void(int pid, ExitStatus status)>;
+
+  explicit PosixProcessLauncher(boost::asio::io_context& io) : io_(io), sigchld_(io, SIGCHLD) {}
   ~PosixProcessLauncher() override;
+
+  // From now on, every child that exits is reaped on the loop and reported to `on_exit` (then
+  // `after` runs once per batch). Call before the first spawn.
+  void watchExits(ExitCallback on_exit, std::function<void()> after);
 
   StatusOr<int> spawn(const WorkerLaunch& launch) override;
   void signalGroup(int pid, int sig) override;
@@ -42,9 +53,14 @@ class PosixProcessLauncher final : public ProcessLauncher {
   void readMore(const std::shared_ptr<TeeStream>& s);
   static void consume(TeeStream& s, const char* data, size_t n);
   static void closeStream(TeeStream& s);
+  void waitForExits();
+  void reap();
 
   boost::asio::io_context& io_;
   std::vector<std::shared_ptr<TeeStream>> streams_;
+  boost::asio::signal_set sigchld_;
+  ExitCallback on_exit_;
+  std::function<void()> after_exits_;
 };
 
 }  // namespace ddprun::agent

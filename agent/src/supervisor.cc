@@ -18,6 +18,8 @@ const char* agentStateName(AgentState s) {
       return "STOPPING";
     case AgentState::kRestarting:
       return "RESTARTING";
+    case AgentState::kExitBarrier:
+      return "EXIT_BARRIER";
     case AgentState::kSucceeded:
       return "SUCCEEDED";
     case AgentState::kFailed:
@@ -68,9 +70,9 @@ void Supervisor::start() {
 
 void Supervisor::joinRound() {
   setState(AgentState::kRendezvous);
-  const unsigned generation = ++join_generation_;
+  const unsigned generation = ++generation_;
   rendezvous_.nextRound([this, generation](StatusOr<RoundInfo> round) {
-    if (generation != join_generation_ || state_ != AgentState::kRendezvous) return;
+    if (generation != generation_ || state_ != AgentState::kRendezvous) return;
     onRound(std::move(round));
   });
 }
@@ -88,6 +90,7 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     return;
   }
   round_ = *round;
+  signal_forwarded_ = false;
   workers_.clear();
   failures_.clear();
   stop_reason_ = StopReason::kNone;
@@ -118,6 +121,46 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
   if (heartbeatsEnabled()) {
     heartbeat_check_ = clock_.now() + heartbeatCheckInterval(options_.heartbeat_timeout);
   }
+}
+
+void Supervisor::enterExitBarrier() {
+  heartbeat_check_.reset();
+  setState(AgentState::kExitBarrier);
+  barrier_deadline_ = clock_.now() + options_.exit_barrier_timeout;
+  const unsigned generation = ++generation_;
+  rendezvous_.exitBarrier(options_.exit_barrier_timeout, [this, generation](Status status) {
+    if (generation != generation_ || state_ != AgentState::kExitBarrier) return;
+    onExitBarrier(status);
+  });
+}
+
+void Supervisor::onExitBarrier(const Status& status) {
+  if (!status.isOk()) {
+    logger("agent")->warn("exit barrier: not every node finished ({}); exiting anyway",
+                          status.toString());
+  }
+  finish(AgentState::kSucceeded, 0);
+}
+
+bool Supervisor::failedOnItsOwn(const Worker& worker, ExitStatus status) const {
+  if (status.success()) return false;
+  // It wrote an error file: it failed (a worker that merely obeys the stop does not).
+  if (heartbeats_ != nullptr && !worker.launch.error_file.empty() &&
+      heartbeats_->modificationTime(worker.launch.error_file).has_value()) {
+    return true;
+  }
+  // Ended by the stop itself (SIGTERM, or SIGKILL after the timeout; or exiting 128+that signal
+  // from a handler) is no failure of its own.
+  for (int sig : {stop_signal_, SIGKILL}) {
+    if (status.signaled ? status.code == sig : status.code == 128 + sig) return false;
+  }
+  return true;
+}
+
+bool Supervisor::stoppedForPeer(const Worker& worker) const {
+  return options_.multi_node && !signal_forwarded_ && heartbeats_ != nullptr &&
+         !worker.launch.stop_file.empty() &&
+         heartbeats_->modificationTime(worker.launch.stop_file).has_value();
 }
 
 bool Supervisor::heartbeatsEnabled() const {
@@ -179,12 +222,30 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
       stopForLocalFailure();
       return;
     }
-    if (runningWorkers() == 0) finish(AgentState::kSucceeded, 0);
+    if (stoppedForPeer(*worker)) {
+      logger("agent")->warn(
+          "local rank {} stopped because a rank on another node was asked to checkpoint, not "
+          "because training finished; re-forming with the other nodes",
+          worker->launch.local_rank);
+      beginStop(StopReason::kMembership, SIGTERM);
+      return;
+    }
+    if (runningWorkers() == 0) enterExitBarrier();
     return;
   }
-  // A worker stopped for hanging: the report shows how it ended.
+  bool known = false;
   for (auto& f : failures_) {
-    if (f.pid == pid && !f.hang.empty()) f.exit = status;
+    if (f.pid != pid) continue;
+    known = true;
+    if (!f.hang.empty()) f.exit = status;  // stopped for hanging: the report shows how it ended
+  }
+  // (Only when this node's failure caused the stop: after a peer's, local exits are its echo.)
+  if (!known && state_ == AgentState::kStopping && stop_reason_ == StopReason::kFailure &&
+      !failures_.empty() && failedOnItsOwn(*worker, status)) {
+    // It had failed too by the time the group was stopped: the report lists it after the root
+    // cause (SPEC §4), which stays the earliest failure.
+    recordFailure(WorkerFailure{worker->launch.local_rank, worker->launch.global_rank, pid, status,
+                                clock_.wallSeconds(), worker->launch.error_file, /*hang=*/""});
   }
   if (state_ == AgentState::kStopping) maybeFinishStop();
 }
@@ -208,7 +269,7 @@ void Supervisor::reportLocalFailure() {
 
 std::optional<TimePoint> Supervisor::nextDeadline() const {
   std::optional<TimePoint> next;
-  for (const auto& d : {kill_deadline_, report_deadline_, heartbeat_check_}) {
+  for (const auto& d : {kill_deadline_, report_deadline_, heartbeat_check_, barrier_deadline_}) {
     if (d && (!next || *d < *next)) next = d;
   }
   return next;
@@ -249,7 +310,18 @@ void Supervisor::maybeFinishStop() {
 
 void Supervisor::onSignal(int sig) {
   if (finished()) return;
+  if (state_ == AgentState::kExitBarrier) {
+    // No worker left to signal; a terminating signal ends the wait (and leaves the run).
+    if (!isTerminating(sig)) return;
+    ++generation_;
+    rendezvous_.leave();
+    stop_reason_ = StopReason::kSignal;
+    stop_signal_ = sig;
+    finish(AgentState::kFailed, 128 + sig);
+    return;
+  }
   if (!isTerminating(sig)) {
+    signal_forwarded_ = true;
     for (auto& w : workers_) {
       if (w.running) launcher_.signalGroup(w.pid, sig);
     }
@@ -264,7 +336,7 @@ void Supervisor::onSignal(int sig) {
   }
   report_deadline_.reset();  // leaving: a failure seen just before is not the others' business
   rendezvous_.leave();
-  ++join_generation_;  // a pending join's answer no longer matters
+  ++generation_;  // a pending join's answer no longer matters
   beginStop(StopReason::kSignal, sig);
 }
 
@@ -294,6 +366,14 @@ void Supervisor::onPeerFailure() {
 }
 
 void Supervisor::onDeadline() {
+  if (state_ == AgentState::kExitBarrier && barrier_deadline_ &&
+      clock_.now() >= *barrier_deadline_) {
+    ++generation_;  // the rendezvous' late answer no longer matters
+    onExitBarrier(
+        deadlineExceeded("the other nodes did not finish within the exit barrier "
+                         "timeout"));
+    return;
+  }
   if (state_ == AgentState::kRunning && heartbeat_check_ && clock_.now() >= *heartbeat_check_) {
     checkHeartbeats();
     if (finished()) return;
@@ -321,6 +401,7 @@ void Supervisor::finish(AgentState s, int exit_code) {
   kill_deadline_.reset();
   report_deadline_.reset();
   heartbeat_check_.reset();
+  barrier_deadline_.reset();
   setState(s);
 }
 

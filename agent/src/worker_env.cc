@@ -50,6 +50,11 @@ std::map<std::string, std::string> buildWorkerEnv(
   if (in.set_omp_num_threads && !parent_env.count("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
   set("DDPRUN_MEMBERSHIP_EPOCH", std::to_string(r.membership_epoch));
   if (!in.snapshot_dir.empty()) set("DDPRUN_SNAPSHOT_DIR", in.snapshot_dir);
+  if (in.stop_file.empty()) {
+    env.erase("DDPRUN_STOP_FILE");
+  } else {
+    set("DDPRUN_STOP_FILE", in.stop_file);
+  }
   if (in.heartbeat_file.empty()) {
     env.erase("DDPRUN_HEARTBEAT_FILE");
   } else {

@@ -5,10 +5,14 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <random>
+#include <set>
 #include <thread>
+#include <tuple>
 
 #include "ddprun/common/launch_flags.h"
 #include "ddprun/common/strings.h"
@@ -17,48 +21,9 @@
 namespace ddprun::launcher {
 namespace {
 
-using FlagSpec = LaunchFlag;
+using Raw = FlagValue;  // a value and where it came from, for error messages
 
 Status usage(const std::string& msg) { return invalidArgument(msg); }
-
-std::string dashed(const std::string& canonical) {
-  std::string out = "--" + canonical;
-  for (size_t i = 2; i < out.size(); ++i) {
-    if (out[i] == '_') out[i] = '-';
-  }
-  return out;
-}
-
-std::string envName(const std::string& canonical) {
-  std::string out = "PET_";
-  for (char c : canonical) out += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return out;
-}
-
-StatusOr<const FlagSpec*> findFlag(const std::string& name) {
-  std::string canon = name;
-  for (char& c : canon) {
-    if (c == '-') c = '_';
-  }
-  std::vector<const FlagSpec*> prefixed;
-  for (const auto& f : launchFlags()) {
-    if (canon == f.name) return &f;
-    if (startsWith(f.name, canon)) prefixed.push_back(&f);
-  }
-  if (prefixed.size() == 1) return prefixed[0];
-  if (prefixed.size() > 1) {
-    std::vector<std::string> names;
-    for (auto* f : prefixed) names.push_back(dashed(f->name));
-    return usage("ambiguous option: --" + name + " could match " + join(names, ", "));
-  }
-  return usage("unrecognized argument: --" + name + " (see ddprun --help)");
-}
-
-// A raw value and where it came from, for error messages.
-struct Raw {
-  std::string value;
-  std::string source;  // "--nnodes" or "PET_NNODES"
-};
 
 Status badValue(const Raw& raw, const std::string& expected) {
   return usage("argument " + raw.source + ": expected " + expected + ", got '" + raw.value + "'");
@@ -154,22 +119,23 @@ StatusOr<std::string> endpoint(const Raw& raw, int default_port) {
   return host + ":" + std::to_string(port);
 }
 
-// Splits k=v,... and validates the pairs with the rendezvous' own parser, which the agent uses
-// too: the same keys, spellings and defaults everywhere. The agent gets the pairs and parses them
-// again (files are read there).
-StatusOr<std::map<std::string, std::string>> rdzvConf(const Raw& raw) {
-  std::map<std::string, std::string> out;
-  if (trim(raw.value).empty()) return out;
-  for (const auto& item : split(raw.value, ',')) {
-    auto eq = item.find('=');
-    if (eq == std::string::npos || eq == 0) {
-      return badValue(raw, "<key>=<value> pairs separated by commas");
+// --rdzv-conf k=v,... parsed once, by the rendezvous' own parser, for the --nnodes range: the
+// agent takes the typed result (files named in it are read here).
+StatusOr<rendezvous::RendezvousConf> rdzvConf(const Raw& raw, int min_nodes, int max_nodes) {
+  std::map<std::string, std::string> pairs;
+  if (!trim(raw.value).empty()) {
+    for (const auto& item : split(raw.value, ',')) {
+      auto eq = item.find('=');
+      if (eq == std::string::npos || eq == 0) {
+        return badValue(raw, "<key>=<value> pairs separated by commas");
+      }
+      pairs[trim(item.substr(0, eq))] = trim(item.substr(eq + 1));
     }
-    out[trim(item.substr(0, eq))] = trim(item.substr(eq + 1));
   }
-  auto parsed = rendezvous::parseRendezvousConf(out, 1, 1);
+  auto parsed = rendezvous::parseRendezvousConf(pairs, static_cast<uint32_t>(min_nodes),
+                                                static_cast<uint32_t>(max_nodes));
   if (!parsed.isOk()) return usage("argument " + raw.source + ": " + parsed.status().message());
-  return out;
+  return parsed;
 }
 
 bool isExecutableFile(const std::string& path) {
@@ -251,260 +217,270 @@ Status resolveProgram(agent::AgentConfig& cfg, bool module, bool no_python,
   return Status::ok();
 }
 
-}  // namespace
+// --- Each flag's value into the AgentConfig. ---------------------------------------------------
 
-StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
-                                     const std::map<std::string, std::string>& env,
-                                     const HostFacts& host) {
-  CliResult result;
-  std::map<std::string, Raw> given;  // canonical flag name -> raw value (last one wins)
-  std::string program;
-  std::vector<std::string> program_args;
-  bool have_program = false;
+StatusOr<std::pair<int, int>> nodeRange(const Raw& r) {
+  const std::string expected = "N or MIN:MAX with 0 < MIN <= MAX";
+  auto parts = split(r.value, ':');
+  if (parts.size() > 2) return badValue(r, expected);
+  auto lo = parseInt(parts[0]);
+  auto hi = parts.size() == 2 ? parseInt(parts[1]) : lo;
+  if (!lo || !hi || *lo <= 0 || *lo > *hi || *hi > 1000000) return badValue(r, expected);
+  return std::make_pair(static_cast<int>(*lo), static_cast<int>(*hi));
+}
 
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& arg = args[i];
-    if (arg == "-h" || arg == "--help") {
-      result.show_help = true;
-      return result;
-    }
-    if (arg == "--") {
-      if (i + 1 < args.size()) {
-        have_program = true;
-        program = args[i + 1];
-        program_args.assign(args.begin() + static_cast<long>(i) + 2, args.end());
-      }
-      break;
-    }
-    if (startsWith(arg, "--")) {
-      std::string body = arg.substr(2);
-      std::optional<std::string> inline_value;
-      if (auto eq = body.find('='); eq != std::string::npos) {
-        inline_value = body.substr(eq + 1);
-        body = body.substr(0, eq);
-      }
-      DDPRUN_ASSIGN_OR_RETURN(const FlagSpec* flag, findFlag(body));
-      const std::string shown = dashed(flag->name);
-      if (!flag->takes_value) {
-        if (inline_value) return usage("argument " + shown + ": takes no value");
-        given[flag->name] = Raw{"1", shown};
-        continue;
-      }
-      if (!inline_value) {
-        if (i + 1 >= args.size()) {
-          return usage("argument " + shown + ": expected one argument (" + flag->metavar + ")");
-        }
-        inline_value = args[++i];
-      }
-      given[flag->name] = Raw{*inline_value, shown};
-      continue;
-    }
-    if (startsWith(arg, "-") && arg.size() > 1) {
-      const char letter = arg[1];
-      if (letter == 'm' && arg.size() == 2) {
-        given["module"] = Raw{"1", "-m"};
-        continue;
-      }
-      if (letter == 'r' || letter == 't') {
-        const char* name = letter == 'r' ? "redirects" : "tee";
-        std::string value = arg.substr(2);
-        if (value.empty()) {
-          if (i + 1 >= args.size()) {
-            return usage(std::string("argument -") + letter + ": expected one argument (STD)");
-          }
-          value = args[++i];
-        }
-        given[name] = Raw{value, std::string("-") + letter};
-        continue;
-      }
-      return usage("unrecognized argument: " + arg + " (see ddprun --help)");
-    }
-    have_program = true;
-    program = arg;
-    program_args.assign(args.begin() + static_cast<long>(i) + 1, args.end());
-    break;
-  }
-
-  // PET_<NAME> supplies what the command line did not.
-  for (const auto& f : launchFlags()) {
-    if (given.count(f.name)) continue;
-    auto it = env.find(envName(f.name));
-    if (it == env.end()) continue;
-    if (!f.takes_value) {
-      auto b = parseBool(it->second);
-      if (!b)
-        return usage("environment " + envName(f.name) + ": expected 0 or 1, got '" + it->second +
-                     "'");
-      if (*b) given[f.name] = Raw{"1", envName(f.name)};
-      continue;
-    }
-    given[f.name] = Raw{it->second, envName(f.name)};
-  }
-  auto has = [&](const char* name) { return given.count(name) > 0; };
-  auto raw = [&](const char* name) -> const Raw& { return given.at(name); };
-
-  agent::AgentConfig& cfg = result.config;
-
-  if (has("nnodes")) {
-    const Raw& r = raw("nnodes");
-    const std::string expected = "N or MIN:MAX with 0 < MIN <= MAX";
-    auto parts = split(r.value, ':');
-    if (parts.size() > 2) return badValue(r, expected);
-    auto lo = parseInt(parts[0]);
-    auto hi = parts.size() == 2 ? parseInt(parts[1]) : lo;
-    if (!lo || !hi || *lo <= 0 || *lo > *hi || *hi > 1000000) return badValue(r, expected);
-    cfg.min_nodes = static_cast<int>(*lo);
-    cfg.max_nodes = static_cast<int>(*hi);
-  }
-
-  if (has("nproc_per_node")) {
-    const Raw& r = raw("nproc_per_node");
-    const std::string v = toLower(r.value);
-    if (v == "cpu") {
-      cfg.nproc_per_node = host.cpu_count;
-    } else if (v == "gpu") {
-      if (host.gpu_count == 0) {
-        return usage("argument " + r.source +
-                     ": 'gpu' asks for one worker per CUDA device, "
-                     "but this host has none (use an integer, cpu or auto)");
-      }
-      cfg.nproc_per_node = host.gpu_count;
-    } else if (v == "auto") {
-      cfg.nproc_per_node = host.gpu_count > 0 ? host.gpu_count : host.cpu_count;
-    } else {
-      DDPRUN_ASSIGN_OR_RETURN(cfg.nproc_per_node,
-                              intIn(r, 1, 4096, "an integer >= 1, or cpu, gpu, auto"));
-    }
-  }
-
-  if (has("rdzv_backend")) {
-    const Raw& r = raw("rdzv_backend");
-    if (r.value == "static" || r.value == "c10d") {
-      cfg.rdzv_backend = r.value;
-    } else if (r.value == "grpc") {
-      cfg.rdzv_backend = "c10d";
-    } else if (r.value == "etcd" || r.value == "etcd-v2" || r.value == "etcd-v3") {
+StatusOr<int> nprocPerNode(const Raw& r, const HostFacts& host) {
+  const std::string v = toLower(r.value);
+  if (v == "cpu") return host.cpu_count;
+  if (v == "gpu") {
+    if (host.gpu_count == 0) {
       return usage("argument " + r.source +
-                   ": the etcd backends are not supported yet; use "
-                   "static or c10d");
-    } else {
-      return badValue(r, "static, c10d or grpc");
+                   ": 'gpu' asks for one worker per CUDA device, "
+                   "but this host has none (use an integer, cpu or auto)");
     }
+    return host.gpu_count;
   }
-  if (has("rdzv_endpoint") && !trim(raw("rdzv_endpoint").value).empty()) {
-    DDPRUN_ASSIGN_OR_RETURN(cfg.rdzv_endpoint, endpoint(raw("rdzv_endpoint"), 29400));
-  }
-  if (has("rdzv_id")) {
-    if (raw("rdzv_id").value.empty()) return badValue(raw("rdzv_id"), "a non-empty job id");
-    cfg.rdzv_id = raw("rdzv_id").value;
-  }
-  if (has("rdzv_conf")) {
-    DDPRUN_ASSIGN_OR_RETURN(cfg.rdzv_conf, rdzvConf(raw("rdzv_conf")));
-  }
-  if (has("max_restarts")) {
-    DDPRUN_ASSIGN_OR_RETURN(cfg.max_restarts,
-                            intIn(raw("max_restarts"), 0, 1000000, "an integer >= 0"));
-  }
-  if (has("monitor_interval")) {
-    DDPRUN_ASSIGN_OR_RETURN(cfg.monitor_interval, secondsAtLeast(raw("monitor_interval"), 0, true));
-  }
-  if (has("start_method")) {
-    const std::string& v = raw("start_method").value;
-    if (v != "spawn" && v != "fork" && v != "forkserver") {
-      return badValue(raw("start_method"), "spawn, fork or forkserver");
-    }
-  }
-  if (has("role")) {
-    if (raw("role").value.empty()) return badValue(raw("role"), "a non-empty role name");
-    cfg.role = raw("role").value;
-  }
-  if (has("log_dir")) cfg.log_dir = raw("log_dir").value;
-  if (has("redirects")) {
-    DDPRUN_ASSIGN_OR_RETURN(cfg.redirects, perRankStreams(raw("redirects")));
-  }
-  if (has("tee")) {
-    DDPRUN_ASSIGN_OR_RETURN(cfg.tee, perRankStreams(raw("tee")));
-  }
-  if (has("local_ranks_filter")) {
-    const Raw& r = raw("local_ranks_filter");
-    std::set<int> ranks;
-    for (const auto& item : split(r.value, ',')) {
-      auto v = parseInt(trim(item));
-      if (!v || *v < 0) return badValue(r, "local ranks separated by commas, like 0,1");
-      ranks.insert(static_cast<int>(*v));
-    }
-    cfg.local_ranks_filter = ranks;
-  }
-  if (has("node_rank")) {
-    DDPRUN_ASSIGN_OR_RETURN(cfg.node_rank, intIn(raw("node_rank"), 0, 1000000, "an integer >= 0"));
-  }
-  if (has("master_addr")) {
-    if (trim(raw("master_addr").value).empty()) {
-      return badValue(raw("master_addr"), "a host name or address");
-    }
-    cfg.master_addr = raw("master_addr").value;
-  }
-  if (has("master_port")) {
-    DDPRUN_ASSIGN_OR_RETURN(cfg.master_port,
-                            intIn(raw("master_port"), 1, 65535, "a port number in 1-65535"));
-    cfg.master_port_given = true;
-  }
-  if (has("local_addr")) {
-    if (trim(raw("local_addr").value).empty()) return badValue(raw("local_addr"), "an address");
-    cfg.local_addr = raw("local_addr").value;
-  }
-  if (has("shutdown_timeout")) {
-    DDPRUN_ASSIGN_OR_RETURN(cfg.shutdown_timeout,
-                            secondsAtLeast(raw("shutdown_timeout"), 0, false));
-  }
-  if (has("exit_barrier_timeout")) {
-    DDPRUN_ASSIGN_OR_RETURN(cfg.exit_barrier_timeout,
-                            secondsAtLeast(raw("exit_barrier_timeout"), 0, false));
-  }
-  if (has("heartbeat_timeout")) {
-    // Bounded so that the value fits the agent's clock arithmetic (nanoseconds in 64 bits).
-    const Raw& r = raw("heartbeat_timeout");
-    auto v = parseDouble(r.value);
-    if (!v || *v < 0 || *v > 1e9) {
-      return badValue(r, "a number of seconds >= 0 (0 disables hang detection, at most 1e9)");
-    }
-    cfg.heartbeat_timeout = *v;
-  }
-  {
-    Raw r = has("signals_to_handle") ? raw("signals_to_handle")
-                                     : Raw{"SIGTERM,SIGINT,SIGHUP,SIGQUIT", "--signals-to-handle"};
-    for (const auto& name : split(r.value, ',')) {
-      auto sig = signalNumber(trim(name));
-      if (!sig) {
-        return badValue(r, "signal names separated by commas, like SIGTERM,SIGINT,SIGUSR1");
-      }
-      cfg.signals_to_handle.push_back(*sig);
-    }
-  }
-  if (has("log_line_prefix_template")) {
-    cfg.log_line_prefix_template = raw("log_line_prefix_template").value;
-  }
-  if (has("snapshot_dir")) cfg.snapshot_dir = raw("snapshot_dir").value;
-  if (has("metrics_port")) {
-    DDPRUN_ASSIGN_OR_RETURN(cfg.metrics_port,
-                            intIn(raw("metrics_port"), 0, 65535, "a port number in 0-65535"));
-  }
+  if (v == "auto") return host.gpu_count > 0 ? host.gpu_count : host.cpu_count;
+  return intIn(r, 1, 4096, "an integer >= 1, or cpu, gpu, auto");
+}
 
-  // Cross-flag rules.
-  if (has("standalone")) {
-    if (has("nnodes") && cfg.max_nodes != 1) {
+StatusOr<agent::RendezvousBackend> rdzvBackend(const Raw& r) {
+  if (r.value == "static") return agent::RendezvousBackend::kStatic;
+  if (r.value == "c10d" || r.value == "grpc") return agent::RendezvousBackend::kC10d;
+  if (r.value == "etcd" || r.value == "etcd-v2" || r.value == "etcd-v3") {
+    return usage("argument " + r.source +
+                 ": the etcd backends are not supported yet; use "
+                 "static or c10d");
+  }
+  return badValue(r, "static, c10d or grpc");
+}
+
+StatusOr<std::string> nonEmpty(const Raw& r, const std::string& expected) {
+  if (r.value.empty()) return badValue(r, expected);
+  return r.value;
+}
+
+StatusOr<std::string> nonBlank(const Raw& r, const std::string& expected) {
+  if (trim(r.value).empty()) return badValue(r, expected);
+  return r.value;
+}
+
+StatusOr<std::set<int>> localRanks(const Raw& r) {
+  std::set<int> ranks;
+  for (const auto& item : split(r.value, ',')) {
+    auto v = parseInt(trim(item));
+    if (!v || *v < 0) return badValue(r, "local ranks separated by commas, like 0,1");
+    ranks.insert(static_cast<int>(*v));
+  }
+  return ranks;
+}
+
+// Bounded so that the value fits the agent's clock arithmetic (nanoseconds in 64 bits).
+StatusOr<double> heartbeatTimeout(const Raw& r) {
+  auto v = parseDouble(r.value);
+  if (!v || *v < 0 || *v > 1e9) {
+    return badValue(r, "a number of seconds >= 0 (0 disables hang detection, at most 1e9)");
+  }
+  return *v;
+}
+
+StatusOr<std::vector<int>> signalList(const Raw& r) {
+  std::vector<int> out;
+  for (const auto& name : split(r.value, ',')) {
+    auto sig = signalNumber(trim(name));
+    if (!sig) return badValue(r, "signal names separated by commas, like SIGTERM,SIGINT,SIGUSR1");
+    out.push_back(*sig);
+  }
+  return out;
+}
+
+using Apply = Status (*)(const Raw&, const HostFacts&, agent::AgentConfig&);
+
+// The launcher's column of the flag table (common/launch_flags.h): what each flag does to the
+// AgentConfig. Flags bound to nullptr act through the cross-flag rules and the program lookup.
+// Applied in table order, so --nnodes is known when --rdzv-conf is parsed.
+Apply applierOf(const std::string& name) {
+  using agent::AgentConfig;
+  static const std::map<std::string, Apply> kApply = {
+      {"nnodes",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(auto range, nodeRange(r));
+         std::tie(c.min_nodes, c.max_nodes) = range;
+         return Status::ok();
+       }},
+      {"nproc_per_node",
+       [](const Raw& r, const HostFacts& h, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.nproc_per_node, nprocPerNode(r, h));
+         return Status::ok();
+       }},
+      {"rdzv_backend",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.rdzv_backend, rdzvBackend(r));
+         return Status::ok();
+       }},
+      {"rdzv_endpoint",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         if (trim(r.value).empty()) return Status::ok();
+         DDPRUN_ASSIGN_OR_RETURN(c.rdzv_endpoint, endpoint(r, 29400));
+         return Status::ok();
+       }},
+      {"rdzv_id",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.rdzv_id, nonEmpty(r, "a non-empty job id"));
+         return Status::ok();
+       }},
+      {"rdzv_conf",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.rdzv_conf, rdzvConf(r, c.min_nodes, c.max_nodes));
+         return Status::ok();
+       }},
+      {"standalone", nullptr},
+      {"max_restarts",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.max_restarts, intIn(r, 0, 1000000, "an integer >= 0"));
+         return Status::ok();
+       }},
+      {"monitor_interval",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.monitor_interval, secondsAtLeast(r, 0, true));
+         return Status::ok();
+       }},
+      {"start_method",
+       [](const Raw& r, const HostFacts&, AgentConfig&) -> Status {
+         if (r.value != "spawn" && r.value != "fork" && r.value != "forkserver") {
+           return badValue(r, "spawn, fork or forkserver");
+         }
+         return Status::ok();
+       }},
+      {"role",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.role, nonEmpty(r, "a non-empty role name"));
+         return Status::ok();
+       }},
+      {"module", nullptr},
+      {"no_python", nullptr},
+      {"log_dir",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         c.log_dir = r.value;
+         return Status::ok();
+       }},
+      {"redirects",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.redirects, perRankStreams(r));
+         return Status::ok();
+       }},
+      {"tee",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.tee, perRankStreams(r));
+         return Status::ok();
+       }},
+      {"local_ranks_filter",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.local_ranks_filter, localRanks(r));
+         return Status::ok();
+       }},
+      {"node_rank",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.node_rank, intIn(r, 0, 1000000, "an integer >= 0"));
+         return Status::ok();
+       }},
+      {"master_addr",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.master_addr, nonBlank(r, "a host name or address"));
+         return Status::ok();
+       }},
+      {"master_port",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.master_port, intIn(r, 1, 65535, "a port number in 1-65535"));
+         c.master_port_given = true;
+         return Status::ok();
+       }},
+      {"local_addr",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.local_addr, nonBlank(r, "an address"));
+         return Status::ok();
+       }},
+      {"shutdown_timeout",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.shutdown_timeout, secondsAtLeast(r, 0, false));
+         return Status::ok();
+       }},
+      {"signals_to_handle",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.signals_to_handle, signalList(r));
+         return Status::ok();
+       }},
+      {"log_line_prefix_template",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         c.log_line_prefix_template = r.value;
+         return Status::ok();
+       }},
+      {"exit_barrier_timeout",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.exit_barrier_timeout, secondsAtLeast(r, 0, false));
+         return Status::ok();
+       }},
+      {"heartbeat_timeout",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.heartbeat_timeout, heartbeatTimeout(r));
+         return Status::ok();
+       }},
+      {"snapshot_dir",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         c.snapshot_dir = r.value;
+         return Status::ok();
+       }},
+      {"metrics_port",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.metrics_port, intIn(r, 0, 65535, "a port number in 0-65535"));
+         return Status::ok();
+       }},
+  };
+  auto it = kApply.find(name);
+  if (it == kApply.end()) {
+    // A row added to launchFlags() without saying what it does: a bug, not a usage error.
+    std::fprintf(stderr, "ddprun: internal error: flag --%s has no meaning in the launcher\n",
+                 name.c_str());
+    std::abort();
+  }
+  return it->second;
+}
+
+using Values = std::map<std::string, Raw>;
+
+// Every flag given (or defaulted by PET_<NAME>) into the config, in table order.
+Status applyFlags(const Values& given, const HostFacts& host, agent::AgentConfig& cfg) {
+  for (const auto& f : launchFlags()) {
+    Apply apply = applierOf(f.name);
+    auto it = given.find(f.name);
+    if (it == given.end() || apply == nullptr) continue;
+    DDPRUN_RETURN_IF_ERROR(apply(it->second, host, cfg));
+  }
+  if (!given.count("signals_to_handle")) cfg.signals_to_handle = {SIGTERM, SIGINT, SIGHUP, SIGQUIT};
+  // Without --rdzv-conf the agent still gets the rendezvous defaults for the --nnodes range.
+  if (!given.count("rdzv_conf")) {
+    DDPRUN_ASSIGN_OR_RETURN(cfg.rdzv_conf,
+                            rdzvConf(Raw{"", "--rdzv-conf"}, cfg.min_nodes, cfg.max_nodes));
+  }
+  return Status::ok();
+}
+
+// Rules between flags: --standalone, and what the static backend needs.
+Status applyCrossFlagRules(const Values& given, agent::AgentConfig& cfg) {
+  if (given.count("standalone")) {
+    if (given.count("nnodes") && cfg.max_nodes != 1) {
       return usage("argument --standalone: runs a single node, but --nnodes asks for " +
-                   raw("nnodes").value + " (drop one of them)");
+                   given.at("nnodes").value + " (drop one of them)");
     }
     cfg.standalone = true;
-    cfg.rdzv_backend = "c10d";
+    cfg.rdzv_backend = agent::RendezvousBackend::kC10d;
     cfg.rdzv_endpoint = "localhost:0";
     cfg.rdzv_id = randomUuid();
   }
-  if (cfg.rdzv_backend == "static") {
+  if (cfg.rdzv_backend == agent::RendezvousBackend::kStatic) {
     if (cfg.min_nodes != cfg.max_nodes) {
       return usage("argument --nnodes: the static rendezvous needs a fixed number of nodes, got " +
-                   raw("nnodes").value + " (use --rdzv-backend=c10d for elastic MIN:MAX)");
+                   given.at("nnodes").value + " (use --rdzv-backend=c10d for elastic MIN:MAX)");
     }
     if (cfg.node_rank >= cfg.max_nodes) {
       return usage("argument --node-rank: must be below --nnodes=" + std::to_string(cfg.max_nodes) +
@@ -513,12 +489,34 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
   } else if (!cfg.standalone && cfg.rdzv_endpoint.empty()) {
     return usage("argument --rdzv-endpoint: the c10d backend needs HOST[:PORT] of the rendezvous");
   }
+  return Status::ok();
+}
 
-  if (!have_program) {
+}  // namespace
+
+StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
+                                     const std::map<std::string, std::string>& env,
+                                     const HostFacts& host) {
+  CliResult result;
+  const TokenizedArgs tokens = tokenizeLaunchArgs(args, launchFlags());
+  DDPRUN_ASSIGN_OR_RETURN(FlagValues flags, resolveFlagValues(tokens, env, launchFlags()));
+  if (flags.help) {
+    result.show_help = true;
+    return result;
+  }
+  agent::AgentConfig& cfg = result.config;
+  DDPRUN_RETURN_IF_ERROR(applyFlags(flags.values, host, cfg));
+  DDPRUN_RETURN_IF_ERROR(applyCrossFlagRules(flags.values, cfg));
+
+  if (!tokens.program) {
     return usage("the following arguments are required: training_script (the program to run)");
   }
-  DDPRUN_RETURN_IF_ERROR(
-      resolveProgram(cfg, has("module"), has("no_python"), program, program_args, env));
+  const std::string& program = args[*tokens.program];
+  const std::vector<std::string> program_args(args.begin() + static_cast<long>(*tokens.program) + 1,
+                                              args.end());
+  DDPRUN_RETURN_IF_ERROR(resolveProgram(cfg, flags.values.count("module") > 0,
+                                        flags.values.count("no_python") > 0, program, program_args,
+                                        env));
 
   if (cfg.nproc_per_node > 1 && !env.count("OMP_NUM_THREADS")) {
     cfg.set_omp_num_threads = true;
@@ -544,10 +542,8 @@ std::string helpText() {
       "  -h, --help            show this help message and exit\n";
   for (const auto& f : launchFlags()) {
     std::string left = "  ";
-    if (std::string(f.name) == "module") left += "-m, ";
-    if (std::string(f.name) == "redirects") left += "-r, ";
-    if (std::string(f.name) == "tee") left += "-t, ";
-    left += dashed(f.name);
+    if (f.short_name != 0) left += std::string("-") + f.short_name + ", ";
+    left += dashedFlagName(f.name);
     if (f.takes_value) left += std::string(" ") + f.metavar;
     if (left.size() < 40)
       left.resize(40, ' ');

@@ -3,7 +3,7 @@
 #include <optional>
 
 #include "ddprun/common/strings.h"
-#include "ddprun/rendezvous/server.h"
+#include "ddprun/rendezvous/files.h"
 
 namespace ddprun::rendezvous {
 

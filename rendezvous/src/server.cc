@@ -8,8 +8,6 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <deque>
-#include <fstream>
-#include <sstream>
 #include <thread>
 #include <unordered_map>
 
@@ -139,16 +137,20 @@ struct RendezvousServer::Impl {
         p.reactor->Finish(toGrpc(w.values.status()));
         continue;
       }
-      if (p.kv != nullptr) {
-        for (auto& v : w.values.value()) p.kv->add_values(std::move(v));
-      } else {
-        // Written only by publishMaster (the prefix is reserved), so always "addr:port".
-        const std::string& v = w.values.value().front();
-        auto colon = v.rfind(':');
-        auto port = parseInt(v.substr(colon + 1));
-        p.master->set_master_addr(v.substr(0, colon));
-        p.master->set_master_port(port ? static_cast<uint32_t>(*port) : 0);
+      for (auto& v : w.values.value()) p.kv->add_values(std::move(v));
+      p.reactor->Finish(grpc::Status::OK);
+    }
+    for (auto& m : out.masters) {
+      auto it = waits.find(m.id);
+      if (it == waits.end()) continue;
+      PendingWait p = it->second;
+      waits.erase(it);
+      if (!m.master.isOk()) {
+        p.reactor->Finish(toGrpc(m.master.status()));
+        continue;
       }
+      p.master->set_master_addr(m.master.value().addr);
+      p.master->set_master_port(m.master.value().port);
       p.reactor->Finish(grpc::Status::OK);
     }
     for (auto& c : out.changes) {
@@ -576,22 +578,11 @@ grpc::ServerWriteReactor<pb::RoundChange>* RendezvousService::Watch(
     impl->state.watchOpened(run_id, impl->now());
     if (!node_id.empty()) impl->state.watchStarted(run_id, node_id);
     impl->watchers_by_run[run_id].insert(id);
-    RoundChange snapshot;
-    snapshot.kind = ChangeKind::kSnapshot;
-    auto st = impl->state.status(run_id);
-    if (st.isOk()) snapshot.status = st.value();
-    snapshot.round = snapshot.status.pending_round != 0 ? snapshot.status.pending_round
-                                                        : snapshot.status.completed_round;
-    pb::RoundChange msg;
-    toProto(snapshot, &msg);
-    s.queue.push_back(std::move(msg));
-    if (snapshot.status.closed) {
-      RoundChange closed = snapshot;
-      closed.kind = ChangeKind::kClosed;
-      pb::RoundChange cmsg;
-      toProto(closed, &cmsg);
-      s.queue.push_back(std::move(cmsg));
-      s.finish_after_queue = true;
+    for (const RoundChange& c : impl->state.watchSnapshot(run_id)) {
+      pb::RoundChange msg;
+      toProto(c, &msg);
+      s.queue.push_back(std::move(msg));
+      if (c.kind == ChangeKind::kClosed) s.finish_after_queue = true;
     }
     impl->pump(id);
     impl->flush();
@@ -678,21 +669,6 @@ void RendezvousServer::shutdown() {
   impl->post([impl] { impl->timer.cancel(); });
   impl->io_thread.join();
   logger("rendezvous")->info("rendezvous server on {} stopped", impl->address);
-}
-
-StatusOr<std::string> readFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return notFound("cannot read " + path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-StatusOr<std::string> readTokenFile(const std::string& path) {
-  DDPRUN_ASSIGN_OR_RETURN(std::string content, readFile(path));
-  std::string token = trim(content);
-  if (token.empty()) return invalidArgument("token file " + path + " is empty");
-  return token;
 }
 
 }  // namespace ddprun::rendezvous

@@ -12,48 +12,34 @@
 namespace ddprun::slurm {
 namespace {
 
-using KnownFlag = LaunchFlag;  // ddprun's long flags: the launcher's own table
-
 constexpr char kSrunArgsFlag[] = "srun_args";  // `ddprun slurm` only
 constexpr char kSlurmSignals[] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1";
 
-std::string canonical(std::string name) {
-  for (char& c : name) {
-    if (c == '-') c = '_';
-  }
-  return name;
-}
-
-std::string petName(const std::string& canon) {
-  std::string out = "PET_";
-  for (char c : canon) out += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return out;
-}
-
-// Exact name, else the one flag it abbreviates; nullptr when unknown or ambiguous (the
-// launcher's parser reports those).
-const KnownFlag* resolve(const std::string& canon) {
-  const KnownFlag* found = nullptr;
-  int prefixed = 0;
-  for (const auto& f : launchFlags()) {
-    if (canon == f.name) return &f;
-    if (startsWith(f.name, canon)) {
-      found = &f;
-      ++prefixed;
-    }
-  }
-  return prefixed == 1 ? found : nullptr;
+// `ddprun slurm` reads ddprun's flags plus its own --srun-args. Its metavar completes the
+// tokenizer's "expected one argument (...)" message.
+const std::vector<LaunchFlag>& wrapperFlags() {
+  static const std::vector<LaunchFlag> kFlags = [] {
+    std::vector<LaunchFlag> flags = launchFlags();
+    flags.push_back({kSrunArgsFlag, 0, true,
+                     "srun options in one string, e.g. --srun-args=\"--exclusive --time=10\"",
+                     "Extra srun options (shell quoting)."});
+    return flags;
+  }();
+  return kFlags;
 }
 
 struct GivenFlag {
   std::string value;
-  size_t index = 0;  // position in args of the flag itself
-  bool inline_value = false;
+  size_t token = 0;  // index in Scan::tokens.tokens: where it is in the arguments
 };
 
-// The user's arguments: flags before the program (last one wins, as in the launcher), where the
-// program starts, and the wrapper-only --srun-args (removed from `rest`).
+// The user's arguments as the shared tokenizer reads them: flags before the program (last one
+// wins, as in the launcher), where the program starts, and the wrapper-only --srun-args (removed
+// from `rest`). Malformed flags are not this code's business: they pass through to the ddprun on
+// each node, whose parser reports them (main validates the result once before srun). A flag
+// known but malformed still counts as given (a valueless one as "1").
 struct Scan {
+  TokenizedArgs tokens;
   std::map<std::string, GivenFlag> given;  // canonical name -> value
   std::vector<std::string> rest;           // args without --srun-args
   std::optional<std::string> srun_args;
@@ -63,61 +49,22 @@ struct Scan {
 
 StatusOr<Scan> scanArgs(const std::vector<std::string>& args, bool wrapper) {
   Scan scan;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& arg = args[i];
-    if (arg == "--") {
-      scan.has_program = i + 1 < args.size();
-      scan.rest.insert(scan.rest.end(), args.begin() + static_cast<long>(i), args.end());
-      return scan;
-    }
-    if (arg == "-h" || arg == "--help") scan.help = true;
-    if (startsWith(arg, "--") && arg.size() > 2) {
-      std::string body = arg.substr(2);
-      std::optional<std::string> value;
-      if (auto eq = body.find('='); eq != std::string::npos) {
-        value = body.substr(eq + 1);
-        body = body.substr(0, eq);
-      }
-      const std::string canon = canonical(body);
-      if (wrapper && canon == kSrunArgsFlag) {
-        if (!value) {
-          if (i + 1 >= args.size()) {
-            return invalidArgument(
-                "ddprun slurm: argument --srun-args: expected one argument (srun options in one "
-                "string, e.g. --srun-args=\"--exclusive --time=10\")");
-          }
-          value = args[++i];
-        }
-        scan.srun_args = *value;
-        continue;
-      }
-      const KnownFlag* flag = resolve(canon);
-      const size_t at = scan.rest.size();
-      scan.rest.push_back(arg);
-      // An unknown flag is taken as valueless; the launcher's parser rejects it anyway.
-      if (flag != nullptr && flag->takes_value && !value && i + 1 < args.size()) {
-        value = args[++i];
-        scan.rest.push_back(*value);
-      }
-      if (flag != nullptr) {
-        scan.given[flag->name] =
-            GivenFlag{value.value_or("1"), at, arg.find('=') != std::string::npos};
-      }
+  scan.tokens = tokenizeLaunchArgs(args, wrapper ? wrapperFlags() : launchFlags());
+  for (size_t i = 0; i < scan.tokens.tokens.size(); ++i) {
+    const ArgToken& t = scan.tokens.tokens[i];
+    if (t.kind == ArgToken::Kind::kHelp) scan.help = true;
+    if (t.flag != nullptr && t.flag->name == std::string(kSrunArgsFlag)) {
+      if (!t.value) return invalidArgument("ddprun slurm: " + t.error);
+      scan.srun_args = *t.value;
       continue;
     }
-    if (arg.size() > 1 && arg[0] == '-') {
-      scan.rest.push_back(arg);
-      if (arg == "-m") {
-        scan.given["module"] = GivenFlag{"1", scan.rest.size() - 1, false};
-      } else if ((arg == "-r" || arg == "-t") && i + 1 < args.size()) {
-        scan.rest.push_back(args[++i]);
-      }
-      continue;
-    }
-    scan.has_program = true;
-    scan.rest.insert(scan.rest.end(), args.begin() + static_cast<long>(i), args.end());
-    return scan;
+    if (t.flag != nullptr) scan.given[t.flag->name] = GivenFlag{t.value.value_or("1"), i};
+    scan.rest.insert(scan.rest.end(), args.begin() + static_cast<long>(t.begin),
+                     args.begin() + static_cast<long>(t.end));
   }
+  scan.has_program = scan.tokens.program.has_value();
+  scan.rest.insert(scan.rest.end(), args.begin() + static_cast<long>(scan.tokens.rest_begin),
+                   args.end());
   return scan;
 }
 
@@ -470,15 +417,22 @@ StatusOr<StepArgs> stepArgs(const std::vector<std::string>& args, const Env& env
   std::optional<std::string> merged_note;
   if (first_node_hosts && !(conf && conf->find("is_host") != std::string::npos)) {
     const std::string item = std::string("is_host=") + (ctx.node_id == 0 ? "true" : "false");
-    if (auto given = scan.given.find("rdzv_conf"); given != scan.given.end()) {
+    auto given = scan.given.find("rdzv_conf");
+    const ArgToken* user_conf =
+        given == scan.given.end() ? nullptr : &scan.tokens.tokens[given->second.token];
+    if (user_conf != nullptr && !user_conf->value) {
+      // A trailing --rdzv-conf without its value: left alone for the launcher to report.
+    } else if (user_conf != nullptr) {
       // Merged into the user's own --rdzv-conf: a second flag would replace theirs.
       const std::string value =
           trim(given->second.value).empty() ? item : given->second.value + "," + item;
-      const size_t at = given->second.index;
-      if (given->second.inline_value) {
-        scan.rest[at] = scan.rest[at].substr(0, scan.rest[at].find('=') + 1) + value;
+      // Without --srun-args (not read here) `rest` starts as `args`: token indexes hold.
+      const ArgToken& at = *user_conf;
+      if (at.inline_value) {
+        scan.rest[at.begin] =
+            scan.rest[at.begin].substr(0, scan.rest[at.begin].find('=') + 1) + value;
       } else {
-        scan.rest[at + 1] = value;
+        scan.rest[at.begin + 1] = value;
       }
       merged_note = item + " (into your --rdzv-conf)";
     } else if (conf && !trim(*conf).empty()) {

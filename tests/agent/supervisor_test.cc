@@ -6,6 +6,7 @@
 #include "fake_clock.h"
 #include "fake_heartbeat_probe.h"
 #include "fake_process_launcher.h"
+#include "fake_rendezvous.h"
 
 using namespace ddprun;
 using namespace ddprun::agent;
@@ -18,7 +19,9 @@ namespace {
 
 struct Fixture {
   explicit Fixture(int nproc = 2, int max_restarts = 0, Duration grace = Duration::zero(),
-                   Duration heartbeat_timeout = Duration::zero()) {
+                   Duration heartbeat_timeout = Duration::zero(),
+                   Duration exit_barrier_timeout = std::chrono::seconds(300),
+                   bool multi_node = false) {
     rdzv.round.local_world_sizes = {nproc};
     rdzv.round.master_addr = "host";
     rdzv.round.master_port = 1234;
@@ -27,6 +30,8 @@ struct Fixture {
     opts.shutdown_timeout = std::chrono::seconds(5);
     opts.failure_grace = grace;
     opts.heartbeat_timeout = heartbeat_timeout;
+    opts.exit_barrier_timeout = exit_barrier_timeout;
+    opts.multi_node = multi_node;
     sup = std::make_unique<Supervisor>(
         opts, launcher, rdzv, clock,
         [this](const RoundInfo& r, int restarts) {
@@ -38,11 +43,16 @@ struct Fixture {
             w.global_rank = i;
             w.argv = {"/bin/worker"};
             w.heartbeat_file = heartbeatFile(restarts, i);
+            w.stop_file = stopFile(restarts, i);
             out.push_back(w);
           }
           return StatusOr<std::vector<WorkerLaunch>>(out);
         },
         &heartbeats);
+  }
+  static std::string stopFile(int attempt, int local_rank) {
+    return "/logs/attempt_" + std::to_string(attempt) + "/" + std::to_string(local_rank) +
+           "/stopped";
   }
   static std::string heartbeatFile(int attempt, int local_rank) {
     return "/logs/attempt_" + std::to_string(attempt) + "/" + std::to_string(local_rank) +
@@ -425,4 +435,148 @@ TEST_CASE("with a failure grace, a hang is reported once the grace has passed", 
   CHECK(f.rdzv.failures == 1);
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.sup->restartCount() == 1);
+}
+
+TEST_CASE("agent waits in the exit barrier once every worker succeeded, then succeeds",
+          "[agent][barrier]") {
+  Fixture f(2, 0, Duration::zero(), Duration::zero(), std::chrono::seconds(42));
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  CHECK(f.sup->state() == AgentState::kExitBarrier);
+  CHECK_FALSE(f.sup->finished());
+  CHECK(f.rdzv.barriers == 1);
+  CHECK(f.rdzv.barrier_timeout == std::chrono::seconds(42));
+  REQUIRE(f.sup->nextDeadline().has_value());
+  CHECK(*f.sup->nextDeadline() == f.clock.now() + std::chrono::seconds(42));
+  f.rdzv.pending_barrier(Status::ok());
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK(f.sup->exitCode() == 0);
+  CHECK_FALSE(f.sup->nextDeadline().has_value());
+}
+
+TEST_CASE("the exit barrier ends at its timeout when the rendezvous never answers",
+          "[agent][barrier]") {
+  Fixture f(1, 0, Duration::zero(), Duration::zero(), std::chrono::seconds(10));
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  f.runFor(std::chrono::seconds(9), std::chrono::seconds(1));
+  CHECK(f.sup->state() == AgentState::kExitBarrier);
+  f.runFor(std::chrono::seconds(2), std::chrono::seconds(1));
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK(f.sup->exitCode() == 0);
+  // The rendezvous' late answer changes nothing.
+  f.rdzv.pending_barrier(unavailable("gone"));
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+}
+
+TEST_CASE("an exit barrier that ends in an error still succeeds", "[agent][barrier]") {
+  Fixture f(1);
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  f.rdzv.pending_barrier(unavailable("rendezvous gone"));
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK(f.sup->exitCode() == 0);
+}
+
+TEST_CASE("a terminating signal in the exit barrier leaves the run and exits 128+signal",
+          "[agent][barrier]") {
+  Fixture f(2);
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  f.sup->onSignal(SIGUSR1);  // not terminating: nothing to forward, still waiting
+  CHECK(f.sup->state() == AgentState::kExitBarrier);
+  f.sup->onSignal(SIGTERM);
+  CHECK(f.sup->state() == AgentState::kFailed);
+  CHECK(f.sup->exitCode() == 128 + SIGTERM);
+  CHECK(f.sup->leftRun());
+  CHECK(f.rdzv.leaves == 1);
+  CHECK(f.launcher.signals.empty());
+  f.rdzv.pending_barrier(Status::ok());
+  CHECK(f.sup->state() == AgentState::kFailed);
+}
+
+TEST_CASE("membership changes and peer failures do not disturb the exit barrier",
+          "[agent][barrier]") {
+  Fixture f(2, /*max_restarts=*/3);
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  f.sup->onMembershipChange();
+  f.sup->onPeerFailure();
+  CHECK(f.sup->state() == AgentState::kExitBarrier);
+  CHECK(f.rdzv.joins == 1);
+  CHECK(f.sup->restartCount() == 0);
+  f.rdzv.pending_barrier(Status::ok());
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+}
+
+TEST_CASE(
+    "in a multi-node job, an exit 0 after a peer's checkpoint stop re-forms instead of "
+    "succeeding",
+    "[agent][peer-stop]") {
+  Fixture f(2, /*max_restarts=*/0, std::chrono::seconds(1), Duration::zero(),
+            std::chrono::seconds(300), /*multi_node=*/true);
+  f.sup->start();
+  const auto first = f.current();
+  f.heartbeats.touch(Fixture::stopFile(0, 0));
+  f.heartbeats.touch(Fixture::stopFile(0, 1));
+  f.sup->onWorkerExit(first[0], ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.rdzv.barriers == 0);
+  f.sup->onWorkerExit(first[1], ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kRunning);  // the next round, free of charge
+  CHECK(f.rdzv.joins == 2);
+  CHECK(f.sup->restartCount() == 0);
+  CHECK(f.rdzv.failures == 0);
+  // The next round's workers finish for real (the shell removed the old stop files): success.
+  f.heartbeats.mtimes.clear();
+  f.exitAll(0);
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+}
+
+TEST_CASE("a checkpoint signal this agent forwarded makes the exit 0 that follows a success",
+          "[agent][peer-stop]") {
+  Fixture f(2, 0, std::chrono::seconds(1), Duration::zero(), std::chrono::seconds(300),
+            /*multi_node=*/true);
+  f.sup->start();
+  f.sup->onSignal(SIGUSR1);
+  f.heartbeats.touch(Fixture::stopFile(0, 0));
+  f.heartbeats.touch(Fixture::stopFile(0, 1));
+  f.exitAll(0);
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK(f.rdzv.joins == 1);
+}
+
+TEST_CASE("a single-node job takes a stopped worker's exit 0 as it always did",
+          "[agent][peer-stop]") {
+  Fixture f(2);
+  f.sup->start();
+  f.heartbeats.touch(Fixture::stopFile(0, 0));
+  f.heartbeats.touch(Fixture::stopFile(0, 1));
+  f.exitAll(0);
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+}
+
+TEST_CASE(
+    "every worker that failed by the time the group stopped is a failure, not only the "
+    "first",
+    "[agent]") {
+  Fixture f(4);
+  f.sup->start();
+  const auto pids = f.current();
+  f.sup->onWorkerExit(pids[2], ExitStatus{false, 1});  // the root cause
+  REQUIRE(f.sup->state() == AgentState::kStopping);
+  f.sup->onWorkerExit(pids[0], ExitStatus{false, 7});          // failed on its own meanwhile
+  f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGTERM});     // merely stopped
+  f.runFor(std::chrono::seconds(6), std::chrono::seconds(1));  // past the shutdown timeout
+  f.sup->onWorkerExit(pids[3], ExitStatus{true, SIGKILL});     // killed by us
+  CHECK(f.sup->state() == AgentState::kFailed);
+  REQUIRE(f.sup->failures().size() == 2);
+  CHECK(f.sup->failures()[0].local_rank == 2);
+  CHECK(f.sup->failures()[1].local_rank == 0);
+  CHECK(f.sup->failures()[1].exit.code == 7);
 }

@@ -45,27 +45,4 @@ class FakeProcessLauncher final : public agent::ProcessLauncher {
   int next_pid_ = 1000;
 };
 
-// FakeRendezvous: answers nextRound at once (or holds it when `hold` is set) and counts calls.
-class FakeRendezvous final : public agent::RendezvousClient {
- public:
-  void nextRound(RoundCallback done) override {
-    ++joins;
-    if (hold) {
-      pending = std::move(done);
-      return;
-    }
-    agent::RoundInfo r = round;
-    r.round = joins - 1;
-    done(r);
-  }
-  void reportFailure() override { ++failures; }
-  void leave() override { ++leaves; }
-  void finish(bool, bool) override { ++closes; }
-
-  agent::RoundInfo round;
-  bool hold = false;
-  RoundCallback pending;
-  int joins = 0, failures = 0, leaves = 0, closes = 0;
-};
-
 }  // namespace ddprun::testing

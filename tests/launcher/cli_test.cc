@@ -57,7 +57,7 @@ TEST_CASE("torchrun's defaults apply when no flag is given", "[launcher]") {
   CHECK(c.min_nodes == 1);
   CHECK(c.max_nodes == 1);
   CHECK(c.nproc_per_node == 1);
-  CHECK(c.rdzv_backend == "static");
+  CHECK(c.rdzv_backend == agent::RendezvousBackend::kStatic);
   CHECK(c.rdzv_id == "none");
   CHECK(c.max_restarts == 0);
   CHECK(c.role == "default");
@@ -128,7 +128,7 @@ TEST_CASE("every flag is accepted with underscores, dashes and = or a separate v
   CHECK(c.exit_barrier_timeout == 9.0);
   CHECK(c.heartbeat_timeout == 12.5);
   CHECK(c.snapshot_dir == "/snap");
-  CHECK(c.rdzv_conf.at("join_timeout") == "5");
+  CHECK(c.rdzv_conf.join_timeout == std::chrono::seconds(5));
   // Everything after the program belongs to it, even what looks like our flags.
   CHECK(c.worker_argv == std::vector<std::string>{f.exe, "--lr", "0.1"});
   CHECK(r->notices.size() == 1);  // OMP_NUM_THREADS
@@ -167,7 +167,7 @@ TEST_CASE("standalone mode uses the c10d backend on localhost:0 with a fresh run
   REQUIRE(a.isOk());
   REQUIRE(b.isOk());
   CHECK(a->config.standalone);
-  CHECK(a->config.rdzv_backend == "c10d");
+  CHECK(a->config.rdzv_backend == agent::RendezvousBackend::kC10d);
   CHECK(a->config.rdzv_endpoint == "localhost:0");
   CHECK(a->config.rdzv_id.size() == 36);
   CHECK(a->config.rdzv_id != b->config.rdzv_id);
@@ -192,7 +192,7 @@ TEST_CASE("nnodes and endpoints parse every documented form", "[launcher]") {
   CHECK(r->config.rdzv_endpoint == "node1:29400");
   auto v6 = parse({"--rdzv-backend=grpc", "--rdzv-endpoint=[::1]:1234", f.exe}, f.env());
   REQUIRE(v6.isOk());
-  CHECK(v6->config.rdzv_backend == "c10d");
+  CHECK(v6->config.rdzv_backend == agent::RendezvousBackend::kC10d);
   CHECK(v6->config.rdzv_endpoint == "[::1]:1234");
   CHECK(parse({"--rdzv-backend=c10d", "--rdzv-endpoint=[::1]", f.exe}, f.env())
             ->config.rdzv_endpoint == "[::1]:29400");
@@ -328,19 +328,48 @@ TEST_CASE("rdzv-conf accepts every key of the rendezvous' parser and keeps the p
                   f.exe},
                  f.env());
   REQUIRE(r.isOk());
+  // Parsed once, here: the agent takes the typed settings (files already read).
   const auto& conf = r->config.rdzv_conf;
-  CHECK(conf.at("timeout") == "20");
-  CHECK(conf.at("failure_grace") == "0");
-  CHECK(conf.at("last_call_timeout") == "0");
-  CHECK(conf.at("tls_ca") == cert);
-  CHECK(conf.at("tls_cert") == cert);
-  CHECK(conf.at("tls-key") == key);
-  CHECK(conf.at("is_host") == "false");
+  CHECK(conf.join_timeout == std::chrono::seconds(20));
+  CHECK(conf.failure_grace == std::chrono::seconds(0));
+  CHECK(conf.run.last_call_timeout == std::chrono::seconds(0));
+  CHECK(conf.tls_ca_file == cert);
+  CHECK(conf.tls_ca_pem.find("BEGIN CERTIFICATE") != std::string::npos);
+  CHECK(conf.tls_cert_pem.find("BEGIN CERTIFICATE") != std::string::npos);
+  CHECK(conf.tls_key_pem.find("PRIVATE KEY") != std::string::npos);
+  CHECK(conf.is_host == rendezvous::IsHost::kFalse);
   // From the environment, the error names PET_RDZV_CONF.
   auto env = f.env();
   env["PET_RDZV_CONF"] = "tls_cert=" + cert + ",tls_ca=" + cert;
   CHECK(errorOf({f.exe}, env) == "argument PET_RDZV_CONF: tls_cert=" + cert +
                                      " needs tls_key= too (the certificate's private key)");
+}
+
+TEST_CASE("the agent gets --rdzv-conf parsed for the --nnodes range, defaults included",
+          "[launcher]") {
+  Files f;
+  auto none = parse({"--nnodes=2:4", "--rdzv-backend=c10d", "--rdzv-endpoint=h", f.exe}, f.env());
+  REQUIRE(none.isOk());
+  CHECK(none->config.rdzv_conf.run.min_nodes == 2u);
+  CHECK(none->config.rdzv_conf.run.max_nodes == 4u);
+  CHECK(none->config.rdzv_conf.run.heartbeat_interval == rendezvous::kDefaultHeartbeatInterval);
+  CHECK(none->config.rdzv_conf.join_timeout == std::chrono::seconds(600));
+  auto given = parse({"--rdzv-conf=heartbeat_interval=2", "--nnodes=3", "--rdzv-backend=c10d",
+                      "--rdzv-endpoint=h", f.exe},
+                     f.env());
+  REQUIRE(given.isOk());
+  CHECK(given->config.rdzv_conf.run.min_nodes == 3u);
+  CHECK(given->config.rdzv_conf.run.max_nodes == 3u);
+  CHECK(given->config.rdzv_conf.run.heartbeat_interval == std::chrono::seconds(2));
+  CHECK(given->config.rdzv_conf.failure_grace == std::chrono::seconds(4));
+  // A default AgentConfig carries what an empty --rdzv-conf gives for one node.
+  auto empty = rendezvous::parseRendezvousConf({}, 1, 1);
+  REQUIRE(empty.isOk());
+  const agent::AgentConfig d;
+  CHECK(d.rdzv_conf.run.heartbeat_interval == empty->run.heartbeat_interval);
+  CHECK(d.rdzv_conf.run.heartbeat_misses == empty->run.heartbeat_misses);
+  CHECK(d.rdzv_conf.failure_grace == empty->failure_grace);
+  CHECK(d.rdzv_conf.join_timeout == empty->join_timeout);
 }
 
 TEST_CASE("a unique prefix of a flag is accepted as argparse does", "[launcher]") {

@@ -1,7 +1,9 @@
 // End-to-end: the real ddprun binary, real worker processes (tests/agent/test_worker.cc), real
 // signals, and real PyTorch workers and torchrun from python3-torch.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <csignal>
+#include <random>
 #include <regex>
 #include <set>
 
@@ -44,6 +46,55 @@ std::string runDir(const std::string& log_dir) {
 
 std::map<std::string, std::string> torchEnv() { return {{"PYTHON_EXEC", torchPython()}}; }
 
+// A value no other test's processes carry: ddprun gets DDPRUN_TEST_MARKER=<it> in its
+// environment, and so every process the workers start inherits it.
+std::string newMarker() {
+  std::random_device rd;
+  return std::to_string(rd()) + std::to_string(rd());
+}
+
+// Live processes whose environment holds DDPRUN_TEST_MARKER=<marker>.
+std::vector<int> markedPids(const std::string& marker) {
+  const std::string entry = "DDPRUN_TEST_MARKER=" + marker;
+  std::vector<int> out;
+  DIR* dir = ::opendir("/proc");
+  if (dir == nullptr) return out;
+  while (dirent* e = ::readdir(dir)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    const int pid = std::atoi(e->d_name);
+    const std::string env = readFile(std::string("/proc/") + e->d_name + "/environ");
+    for (size_t start = 0; start < env.size();) {
+      size_t end = env.find('\0', start);
+      if (end == std::string::npos) end = env.size();
+      if (env.compare(start, end - start, entry) == 0) {
+        if (pidAlive(pid)) out.push_back(pid);
+        break;
+      }
+      start = end + 1;
+    }
+  }
+  ::closedir(dir);
+  return out;
+}
+
+// Waits (bounded) until no process carries `marker`; otherwise lists those that still do.
+std::string survivors(const std::string& marker) {
+  std::vector<int> left;
+  if (waitUntil([&] { return (left = markedPids(marker)).empty(); }, 10s)) return "";
+  std::string out;
+  for (int pid : left) {
+    std::string cmd = readFile("/proc/" + std::to_string(pid) + "/cmdline");
+    std::replace(cmd.begin(), cmd.end(), '\0', ' ');
+    out += std::to_string(pid) + ": " + cmd + "\n";
+  }
+  return out;
+}
+
+// ddprun running one worker: `/bin/sh -c <script>`.
+std::vector<std::string> shellWorker(const std::string& script) {
+  return ddprunArgv({"--nproc-per-node=1", "--no-python", "/bin/sh", "-c", script});
+}
+
 // Compares the environments workers saw under ddprun and torchrun for the same flags.
 void compareWithTorchrun(const std::vector<std::string>& flags,
                          const std::set<std::string>& differing_values) {
@@ -59,7 +110,7 @@ void compareWithTorchrun(const std::vector<std::string>& flags,
   REQUIRE(b.exit_code == 0);
   // Ours only: extras SPEC §3 adds. Either side: what the shell or Python put there.
   const std::set<std::string> ours_only = {"DDPRUN_MEMBERSHIP_EPOCH", "DDPRUN_HEARTBEAT_FILE",
-                                           "TORCH_NCCL_ASYNC_ERROR_HANDLING"};
+                                           "DDPRUN_STOP_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"};
   const std::set<std::string> ignored = {"_"};
   for (const char* rank : {"0", "1"}) {
     auto e1 = parseEnvFile(readFile(ours / (std::string("env.") + rank)));
@@ -221,6 +272,73 @@ TEST_CASE("kill -9 of ddprun leaves no worker alive", "[e2e]") {
   CHECK(waitUntil([&] { return !pidAlive(w0) && !pidAlive(w1); }, 10s));
 }
 
+TEST_CASE("kill -9 of ddprun leaves no process a worker started alive", "[e2e]") {
+  TempDir state;
+  const std::string marker = newMarker();
+  // A shell worker with a background child and a wrapped Python: neither is the agent's child.
+  Process p(shellWorker("sleep 300 & " + torchPython() +
+                        " -c 'import time; time.sleep(300)' & echo ready > " + state / "ready" +
+                        "; wait"),
+            {{"DDPRUN_TEST_MARKER", marker}});
+  REQUIRE(waitUntil([&] { return fileExists(state / "ready"); }));
+  REQUIRE(markedPids(marker).size() >= 4);  // ddprun, sh, sleep, python at least
+  p.signal(SIGKILL);
+  REQUIRE(p.wait(10s));
+  CHECK(survivors(marker) == "");
+}
+
+TEST_CASE("kill -9 of ddprun also ends a worker's descendant in a new session", "[e2e]") {
+  TempDir state;
+  const std::string marker = newMarker();
+  // One setsid'd child of the worker, and one setsid'd and orphaned at once (a daemon).
+  Process p(shellWorker("setsid sleep 300 & (setsid sleep 300 &); echo ready > " + state / "ready" +
+                        "; wait"),
+            {{"DDPRUN_TEST_MARKER", marker}});
+  REQUIRE(waitUntil([&] { return fileExists(state / "ready"); }));
+  REQUIRE(markedPids(marker).size() >= 4);  // ddprun, sh, two sleeps at least
+  p.signal(SIGKILL);
+  REQUIRE(p.wait(10s));
+  CHECK(survivors(marker) == "");
+}
+
+TEST_CASE("a worker's background process does not outlive the worker's success", "[e2e]") {
+  TempDir state;
+  const std::string marker = newMarker();
+  auto r = run(shellWorker("setsid sleep 300 & echo $! > " + state / "bg" + "; exit 0"),
+               {{"DDPRUN_TEST_MARKER", marker}});
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  REQUIRE(fileExists(state / "bg"));
+  CHECK(survivors(marker) == "");
+}
+
+TEST_CASE("a shell worker's exit code and fatal signal reach the failure report", "[e2e]") {
+  TempDir state;
+  auto code = run(shellWorker("echo $$ > " + state / "pid" + "; sleep 300 & exit 3"));
+  INFO(code.err);
+  CHECK(code.exit_code == 1);
+  CHECK(code.err.find("exitcode  : 3 (pid: " + trim(readFile(state / "pid")) + ")") !=
+        std::string::npos);
+
+  auto sig = run(shellWorker("ulimit -c 0; echo $$ > " + state / "pid" + "; kill -SEGV $$"));
+  INFO(sig.err);
+  CHECK(sig.exit_code == 1);
+  const std::string pid = trim(readFile(state / "pid"));
+  CHECK(sig.err.find("exitcode  : -11 (pid: " + pid + ")") != std::string::npos);
+  CHECK(sig.err.find("Signal 11 (SIGSEGV) received by PID " + pid) != std::string::npos);
+}
+
+TEST_CASE("a worker whose exec fails is reported with the reason at once", "[e2e]") {
+  TempDir dir;
+  const std::string prog = dir / "bad_interpreter";
+  run({"/bin/sh", "-c", "printf '#!/nonexistent/interpreter\\n' > " + prog + "; chmod +x " + prog});
+  auto r = run(ddprunArgv({"--nproc-per-node=1", "--no-python", prog}));
+  INFO(r.err);
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("cannot execute " + prog + ": No such file or directory") != std::string::npos);
+  CHECK(r.err.find("exitcode  : 127") != std::string::npos);
+}
+
 TEST_CASE("redirects write each rank's streams into the torchrun log layout", "[e2e]") {
   TempDir logs;
   auto r = run(withWorker(
@@ -305,7 +423,7 @@ TEST_CASE("the DDP tutorial job survives a killed worker and resumes from its sn
             torchEnv());
   // Mid-run: a few epochs done and snapshotted.
   REQUIRE(waitUntil([&] { return p.out().find("[RANK 0] Epoch 3 |") != std::string::npos; }, 120s));
-  auto workers = childPids(p.pid());
+  auto workers = workerPids(p.pid());
   REQUIRE(workers.size() == 2);
   ::kill(workers[1], SIGKILL);
   auto r = p.wait(300s);

@@ -129,39 +129,6 @@ TEST_CASE("32 clients joining at once over loopback form one round with distinct
   CHECK(results[0]->world_size == world);
 }
 
-TEST_CASE("joinAsync reports the round through its callback", "[rendezvous][grpc]") {
-  auto server = startServer();
-  Client client(clientFor(*server));
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<StatusOr<RoundInfo>> results;
-  for (const char* node : {"a", "b"}) {
-    client.joinAsync(joinRequest("async", 2, 2, node), [&](StatusOr<RoundInfo> r) {
-      std::lock_guard<std::mutex> lock(mu);
-      results.push_back(std::move(r));
-      cv.notify_all();
-    });
-  }
-  std::unique_lock<std::mutex> lock(mu);
-  REQUIRE(cv.wait_for(lock, 20s, [&] { return results.size() == 2; }));
-  REQUIRE(results[0].isOk());
-  REQUIRE(results[1].isOk());
-  CHECK(results[0]->group_rank + results[1]->group_rank == 1);
-}
-
-TEST_CASE("destroying a client cancels its pending async join", "[rendezvous][grpc]") {
-  auto server = startServer();
-  std::atomic<int> code{-1};
-  {
-    Client client(clientFor(*server));
-    client.joinAsync(joinRequest("abandoned", 2, 2, "lonely"),
-                     [&](StatusOr<RoundInfo> r) { code = static_cast<int>(r.status().code()); });
-    Client probe(clientFor(*server));
-    REQUIRE(waitFor([&] { return probe.heartbeat("abandoned", "lonely").isOk(); }));
-  }
-  CHECK(code == static_cast<int>(StatusCode::kCancelled));
-}
-
 TEST_CASE("a client that gives up mid-join is removed and the others still complete",
           "[rendezvous][grpc]") {
   auto server = startServer();
@@ -669,36 +636,4 @@ TEST_CASE("a node that stops heartbeating is declared dead and watchers are told
   REQUIRE(again.isOk());
   CHECK(again->group_world_size == 1);
   CHECK(again->group_rank == 0);
-}
-
-TEST_CASE("keepAlive keeps a node alive until it is destroyed", "[rendezvous][grpc]") {
-  auto server = startServer();
-  Client client(clientFor(*server));
-  ChangeLog log;
-  auto watch = client.watch("alive", "", log.onChange());
-  REQUIRE(log.waitUntil([](auto& cs) { return !cs.empty(); }));
-  auto req = joinRequest("alive", 1, 1, "a");
-  req.config.heartbeat_interval = 200ms;
-  req.config.heartbeat_misses = 5;  // dead after 1 s of silence: room for a loaded machine
-  REQUIRE(client.join(req).isOk());
-  auto dead = [](auto& cs) {
-    for (auto& c : cs) {
-      if (c.reason == ChangeReason::kNodeDead) return true;
-    }
-    return false;
-  };
-  {
-    auto alive = client.keepAlive("alive", "a", 50ms);
-    // More than the expiry passes without the node being declared dead.
-    CHECK_FALSE(log.waitUntil(dead, 1500ms));
-  }
-  REQUIRE(log.waitUntil(dead, 20s));
-  std::atomic<int> errors{0};
-  std::atomic<int> last_code{0};
-  auto lost = client.keepAlive("alive", "a", 20ms, [&](const Status& s) {
-    last_code = static_cast<int>(s.code());
-    ++errors;
-  });
-  REQUIRE(waitFor([&] { return errors.load() > 0; }));
-  CHECK(last_code == static_cast<int>(StatusCode::kNotFound));
 }

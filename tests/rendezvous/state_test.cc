@@ -54,6 +54,7 @@ class Harness {
       }
     }
     for (auto& w : out.waits) waits.emplace(w.id, w.values);
+    for (auto& m : out.masters) masters.emplace(m.id, m.master);
     for (auto& c : out.changes) changes.push_back(c.change);
   }
 
@@ -85,6 +86,7 @@ class Harness {
   std::map<std::string, RoundInfo> done;
   std::map<std::string, Status> errors;
   std::map<RendezvousState::CallId, StatusOr<std::vector<std::string>>> waits;
+  std::map<RendezvousState::CallId, StatusOr<MasterAddress>> masters;  // waitMaster answers
   std::vector<RoundChange> changes;
 };
 
@@ -438,11 +440,14 @@ TEST_CASE("only rank 0 of a completed round may publish the master", "[rendezvou
   CHECK(st.code() == StatusCode::kFailedPrecondition);
   h.state.waitMaster(7, "job", 1, seconds(5), h.clock.now());
   h.collect();
-  CHECK(h.waits.empty());
+  CHECK(h.masters.empty());
   REQUIRE(h.state.publishMaster("job", "a", 1, {"a.host", 1234}, h.clock.now()).isOk());
   h.collect();
-  REQUIRE(h.waits.count(7));
-  CHECK(h.waits.at(7).value() == std::vector<std::string>{"a.host:1234"});
+  REQUIRE(h.masters.count(7));
+  CHECK(h.masters.at(7).value().addr == "a.host");
+  CHECK(h.masters.at(7).value().port == 1234);
+  // The server's reserved key still reads it, derived from the typed master.
+  CHECK(h.state.kvGet("job", "__ddprun/master/1").value() == "a.host:1234");
 }
 
 TEST_CASE("waiting for the master of a superseded round fails with ABORTED",
@@ -456,11 +461,11 @@ TEST_CASE("waiting for the master of a superseded round fails with ABORTED",
   REQUIRE(h.state.reportFailure("job", "b", 1, h.clock.now()).isOk());
   h.collect();
   // Round 2 is only forming: rank 0 of round 1 can still publish, and the waiters get it.
-  CHECK(h.waits.empty());
+  CHECK(h.masters.empty());
   REQUIRE(h.state.publishMaster("job", rank0, 1, {"m", 1}, h.clock.now()).isOk());
   h.collect();
-  REQUIRE(h.waits.count(7));
-  CHECK(h.waits.at(7).isOk());
+  REQUIRE(h.masters.count(7));
+  CHECK(h.masters.at(7).isOk());
   // Waiting for round 2's master, which round 3 then supersedes before anyone published it.
   h.join("a");
   h.join("b");
@@ -469,13 +474,13 @@ TEST_CASE("waiting for the master of a superseded round fails with ABORTED",
   REQUIRE(h.state.reportFailure("job", "a", 2, h.clock.now()).isOk());
   h.join("a");
   h.join("b");
-  REQUIRE(h.waits.count(11));
-  CHECK(h.waits.at(11).status().code() == StatusCode::kAborted);
+  REQUIRE(h.masters.count(11));
+  CHECK(h.masters.at(11).status().code() == StatusCode::kAborted);
   // Asking for round 2's master now fails at once.
   h.state.waitMaster(12, "job", 2, seconds(60), h.clock.now());
   h.collect();
-  REQUIRE(h.waits.count(12));
-  CHECK(h.waits.at(12).status().code() == StatusCode::kAborted);
+  REQUIRE(h.masters.count(12));
+  CHECK(h.masters.at(12).status().code() == StatusCode::kAborted);
 }
 
 TEST_CASE("the key-value store supports set, get, add, compare-set, wait and delete",

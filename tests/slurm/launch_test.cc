@@ -316,6 +316,19 @@ TEST_CASE("inside an srun step the flags the user gave are kept and not derived"
   }
 }
 
+TEST_CASE("inside an srun step a malformed flag is passed on for the launcher to report",
+          "[slurm]") {
+  FakeSlurm slurm;
+  // --rdzv-conf without its value, last: nothing is merged into a value that is not there.
+  auto trailing = stepArgs({"--rdzv-conf"}, stepEnv(0), slurm.lookup());
+  REQUIRE(trailing.isOk());
+  CHECK(trailing->args.back() == "--rdzv-conf");
+  CHECK(std::count(trailing->args.begin(), trailing->args.end(), "--rdzv-conf") == 1);
+  auto unknown = stepArgs({"--bogus", "--n", "-x", "p.py"}, stepEnv(0), slurm.lookup());
+  REQUIRE(unknown.isOk());
+  CHECK(Args(unknown->args.end() - 4, unknown->args.end()) == Args{"--bogus", "--n", "-x", "p.py"});
+}
+
 TEST_CASE("nodes sharing one address still get exactly one rendezvous host", "[slurm]") {
   // Two slurmd on one host: n1 and n2 have the same NodeAddr.
   FakeSlurm slurm;

@@ -1,6 +1,7 @@
-// Helpers for integration tests that drive real processes: start a program with its output in
-// files, wait for it (or for a condition) with a bound, inspect /proc. Header-only; used from
-// the test's own thread.
+// Helpers for tests that drive real processes: start a program with its output in files (or one
+// log), wait for it (or for a condition) with a bound, signal it, kill it on destruction so no test
+// leaves a process behind, inspect /proc, find a free port. Header-only; used from the test's own
+// thread. Shared by the launcher, slurm and worker_sdk tests.
 #pragma once
 
 #include <arpa/inet.h>
@@ -48,7 +49,7 @@ inline std::string testWorkerBin() { return buildDir() + "/tests/agent/ddprun_te
 inline std::string torchPython() { return envOr("PYTHON_EXEC", "/usr/bin/python3"); }
 
 inline std::string readFile(const std::string& path) {
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
@@ -115,22 +116,49 @@ inline std::vector<int> childPids(int pid) {
   return out;
 }
 
+// The workers of a running ddprun: each is the child of a guardian process the agent forked for
+// it (agent/src/worker_guardian.h), so a grandchild of the agent.
+inline std::vector<int> workerPids(int agent_pid) {
+  std::vector<int> out;
+  for (int guardian : childPids(agent_pid)) {
+    for (int worker : childPids(guardian)) out.push_back(worker);
+  }
+  return out;
+}
+
 struct Finished {
   int exit_code = -1;  // exit status, or 128+signal when killed
   std::string out;
   std::string err;
 };
 
-// A program started with stdout and stderr captured in files.
+// How Process starts a program; the defaults suit the launcher tests.
+struct ProcessOptions {
+  // When set, stdout and stderr both go to this one file (interleaved as written); otherwise to
+  // separate files in a temp dir of the Process.
+  std::string log_path;
+  // In a process group of its own, so that destroying the Process also kills what it started
+  // (a launcher's workers).
+  bool own_process_group = false;
+};
+
+// A program started with stdout and stderr captured in files; killed (SIGKILL) and reaped on
+// destruction if it is still running.
 class Process {
  public:
-  Process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {})
-      : out_path_(dir_ / "stdout"), err_path_(dir_ / "stderr") {
+  Process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {},
+          const ProcessOptions& options = {})
+      : out_path_(options.log_path.empty() ? dir_ / "stdout" : options.log_path),
+        err_path_(options.log_path.empty() ? dir_ / "stderr" : options.log_path),
+        own_group_(options.own_process_group) {
     pid_ = ::fork();
     if (pid_ < 0) throw std::runtime_error("fork failed");
     if (pid_ == 0) {
+      if (own_group_) ::setpgid(0, 0);
       int out = ::open(out_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      int err = ::open(err_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      int err = out_path_ == err_path_
+                    ? out
+                    : ::open(err_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       int in = ::open("/dev/null", O_RDONLY);
       ::dup2(out, 1);
       ::dup2(err, 2);
@@ -145,6 +173,7 @@ class Process {
   }
   ~Process() {
     if (!finished_) {
+      if (own_group_) ::kill(-pid_, SIGKILL);
       ::kill(pid_, SIGKILL);
       int st;
       ::waitpid(pid_, &st, 0);
@@ -157,6 +186,8 @@ class Process {
   void signal(int sig) { ::kill(pid_, sig); }
   std::string out() const { return readFile(out_path_); }
   std::string err() const { return readFile(err_path_); }
+  // Everything it printed: the one log with ProcessOptions::log_path, else stdout then stderr.
+  std::string output() const { return out_path_ == err_path_ ? out() : out() + err(); }
 
   // Waits up to `bound`; nullopt (and the process is still running) on timeout.
   std::optional<Finished> wait(std::chrono::milliseconds bound = std::chrono::seconds(120)) {
@@ -176,10 +207,17 @@ class Process {
     }
     return Finished{code_, out(), err()};
   }
+  // The exit code alone (128+signal when killed), or nullopt if still running after `bound`.
+  std::optional<int> waitExit(std::chrono::milliseconds bound = std::chrono::seconds(120)) {
+    auto f = wait(bound);
+    if (!f) return std::nullopt;
+    return f->exit_code;
+  }
 
  private:
   TempDir dir_;
   std::string out_path_, err_path_;
+  bool own_group_ = false;
   int pid_ = -1;
   bool finished_ = false;
   int code_ = -1;
@@ -195,13 +233,16 @@ inline Finished run(const std::vector<std::string>& argv,
   return *f;
 }
 
-// A TCP port on 127.0.0.1 that was free a moment ago.
+// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
 inline int freePort() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    if (fd >= 0) ::close(fd);
+    throw std::runtime_error("freePort: bind to 127.0.0.1:0 failed");
+  }
   socklen_t len = sizeof(addr);
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   ::close(fd);

@@ -3,7 +3,6 @@
 #include <fstream>
 
 #include "ddprun/worker/ddp.h"
-#include "process_util.h"
 #include "test_util.h"
 #include "thread_ranks.h"
 #include "torch_catch.h"

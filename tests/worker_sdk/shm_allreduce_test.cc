@@ -17,10 +17,10 @@
 
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/store.h"
-#include "process_util.h"
+#include "process_helpers.h"
 
 using namespace ddprun::worker;
-namespace t = ddprun::worker::testing;
+namespace t = ddprun::testing;
 
 namespace {
 
@@ -184,22 +184,24 @@ TEST_CASE(
   ShmOptions options = smallSlots("peer");
 
   SECTION("a peer process reduces with us") {
-    t::Child child({peer, port, "1", "2", "sum", "5000"}, {}, "/tmp/ddprun_shm_peer_sum.log");
+    t::Process child({peer, port, "1", "2", "sum", "5000"}, {},
+                     {"/tmp/ddprun_shm_peer_sum.log", /*own_process_group=*/true});
     auto shm = ShmAllReduce::tryCreate(0, 2, store, options);
     REQUIRE(shm != nullptr);
     std::vector<int64_t> v(5000, 1);
     shm->allReduce(v.data(), v.size(), ShmDType::kInt64);
     CHECK(v == std::vector<int64_t>(5000, 3));
     INFO(child.output());
-    CHECK(child.wait(std::chrono::seconds(30)) == 0);
+    CHECK(child.waitExit(std::chrono::seconds(30)) == 0);
   }
 
   SECTION("a peer that exits mid-job") {
-    t::Child child({peer, port, "1", "2", "attach-exit"}, {}, "/tmp/ddprun_shm_peer_exit.log");
+    t::Process child({peer, port, "1", "2", "attach-exit"}, {},
+                     {"/tmp/ddprun_shm_peer_exit.log", /*own_process_group=*/true});
     auto shm = ShmAllReduce::tryCreate(0, 2, store, options);
     REQUIRE(shm != nullptr);
     INFO(child.output());
-    REQUIRE(child.wait(std::chrono::seconds(30)) == 0);  // reaped: its pid is gone
+    REQUIRE(child.waitExit(std::chrono::seconds(30)) == 0);  // reaped: its pid is gone
     std::vector<float> v(100, 1.0f);
     try {
       shm->allReduce(v.data(), v.size(), ShmDType::kFloat32);

@@ -1,7 +1,10 @@
 #include "ddprun/worker/snapshot.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "ddprun/worker/errors.h"
 #include "test_util.h"
@@ -89,4 +92,64 @@ TEST_CASE("the heartbeat touch creates the file and advances its mtime", "[worke
   std::filesystem::last_write_time(hb, old_time);
   touchFile(hb);
   CHECK(std::filesystem::last_write_time(hb) > old_time);
+}
+
+TEST_CASE("a damaged snapshot is an error naming the file, however it is damaged",
+          "[worker][snapshot]") {
+  t::TempDir dir;
+  torch::nn::Linear m(3, 1);
+  torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.1));
+  TrainingProgress p;
+  const std::string good = dir.str() + "/good.pt";
+  saveSnapshot(good, *m, opt, p);
+  std::string bytes;
+  {
+    std::ifstream in(good, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  REQUIRE(bytes.size() > 100);
+  auto check = [&](const std::string& name, const std::string& content) {
+    const std::string path = dir.str() + "/" + name;
+    std::ofstream(path, std::ios::binary) << content;
+    INFO(name);
+    CHECK_THROWS_WITH(
+        loadSnapshot(path, *m, opt, p),
+        Catch::Contains("cannot load snapshot '" + path + "'") && Catch::Contains("unreadable"));
+  };
+  check("truncated.pt", bytes.substr(0, bytes.size() / 2));
+  std::string flipped = bytes;
+  for (size_t i = bytes.size() / 3; i < bytes.size() / 3 + 64; ++i) flipped[i] ^= 0x5a;
+  check("flipped.pt", flipped);
+  check("empty.pt", "");
+  // A valid archive of something else (no model, no progress).
+  torch::serialize::OutputArchive other;
+  other.write("x", torch::ones({2}));
+  const std::string other_path = dir.str() + "/other.pt";
+  other.save_to(other_path);
+  CHECK_THROWS_WITH(loadSnapshot(other_path, *m, opt, p),
+                    Catch::Contains("cannot load snapshot '" + other_path + "'"));
+  // A snapshot of another model.
+  torch::nn::Linear big(7, 4);
+  torch::optim::SGD big_opt(big->parameters(), torch::optim::SGDOptions(0.1));
+  const std::string big_path = dir.str() + "/big.pt";
+  saveSnapshot(big_path, *big, big_opt, p);
+  CHECK_THROWS_WITH(loadSnapshot(big_path, *m, opt, p),
+                    Catch::Contains("cannot load snapshot '" + big_path + "'"));
+}
+
+TEST_CASE("temp files of an interrupted snapshot write are removed, a live writer's are kept",
+          "[worker][snapshot]") {
+  t::TempDir dir;
+  const std::string snap = dir.str() + "/snap.pt";
+  const std::string dead = snap + ".tmp.2147483646.12345";
+  const std::string alive = snap + ".tmp." + std::to_string(::getpid()) + ".99";
+  const std::string other = snap + ".bak";
+  const std::string odd = snap + ".tmp.notapid.1";
+  for (const auto& f : {dead, alive, other, odd}) std::ofstream(f) << "partial";
+  CHECK(removeStaleTempFiles(snap) == 1);
+  CHECK_FALSE(std::filesystem::exists(dead));
+  CHECK(std::filesystem::exists(alive));
+  CHECK(std::filesystem::exists(other));
+  CHECK(std::filesystem::exists(odd));
+  CHECK(removeStaleTempFiles(dir.str() + "/missing/snap.pt") == 0);
 }

@@ -1,6 +1,9 @@
-// Helpers shared by the worker SDK tests: locating the build/source trees, running a command and
-// capturing its output, temp dirs.
+// Helpers shared by the worker SDK tests: those of tests/support/process_helpers.h (build/source
+// trees, processes, ports, waiting with a bound) under this namespace, plus running a shell command
+// and capturing its output, and temp dirs as std::filesystem paths.
 #pragma once
+
+#include <sys/wait.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -9,14 +12,19 @@
 #include <stdexcept>
 #include <string>
 
+#include "process_helpers.h"
+
 namespace ddprun::worker::testing {
 
-inline std::string envOr(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::string(v) : fallback;
-}
-inline std::string sourceDir() { return envOr("DDPRUN_SOURCE_DIR", DDPRUN_TEST_SOURCE_DIR); }
-inline std::string buildDir() { return envOr("DDPRUN_BUILD_DIR", DDPRUN_TEST_BUILD_DIR); }
+using ddprun::testing::buildDir;
+using ddprun::testing::envOr;
+using ddprun::testing::freePort;
+using ddprun::testing::Process;
+using ddprun::testing::ProcessOptions;
+using ddprun::testing::readFile;
+using ddprun::testing::sourceDir;
+using ddprun::testing::waitUntil;
+
 inline std::string python() { return "/usr/bin/python3"; }
 
 struct CommandResult {

@@ -3,7 +3,6 @@
 #include <catch2/catch.hpp>
 #include <filesystem>
 
-#include "process_util.h"
 #include "test_util.h"
 
 namespace t = ddprun::worker::testing;
@@ -22,7 +21,13 @@ std::map<std::string, std::string> rankEnv(int rank, int world, int port, const 
           {"MASTER_PORT", std::to_string(port)},
           {"OMP_NUM_THREADS", "1"},
           {"DDPRUN_HEARTBEAT_FILE", dir + "/hb" + std::to_string(rank)},
+          {"DDPRUN_STOP_FILE", dir + "/stop" + std::to_string(rank)},
           {"TORCHELASTIC_RESTART_COUNT", "0"}};
+}
+
+// One rank's log, in a process group of its own.
+t::ProcessOptions ranked(const std::string& prefix, int rank) {
+  return {prefix + std::to_string(rank), /*own_process_group=*/true};
 }
 
 // argv that runs `args` on 2 local workers with one restart allowed.
@@ -77,16 +82,16 @@ TEST_CASE("train runs the mlp and cnn models on two ranks and agrees on the loss
   for (std::string model : {"mlp", "cnn"}) {
     t::TempDir dir;
     const int port = t::freePort();
-    std::vector<std::unique_ptr<t::Child>> ranks;
+    std::vector<std::unique_ptr<t::Process>> ranks;
     for (int r = 0; r < 2; ++r) {
-      ranks.push_back(std::make_unique<t::Child>(
+      ranks.push_back(std::make_unique<t::Process>(
           std::vector<std::string>{trainBin(), "1", "1", "--model", model, "--dataset-size", "128",
                                    "--snapshot-path", dir.str() + "/s.pt"},
-          rankEnv(r, 2, port, dir.str()), dir.str() + "/out" + std::to_string(r)));
+          rankEnv(r, 2, port, dir.str()), ranked(dir.str() + "/out", r)));
     }
     std::string lines[2];
     for (int r = 0; r < 2; ++r) {
-      auto code = ranks[static_cast<size_t>(r)]->wait(180s);
+      auto code = ranks[static_cast<size_t>(r)]->waitExit(180s);
       const std::string out = ranks[static_cast<size_t>(r)]->output();
       INFO(model << " rank " << r << ":\n" << out);
       REQUIRE(code.has_value());
@@ -98,6 +103,9 @@ TEST_CASE("train runs the mlp and cnn models on two ranks and agrees on the loss
                                       "] Epoch 0 | Batchsize: 32 | Steps: 2"));
     }
     CHECK(lines[0] == lines[1]);  // the loss is averaged across ranks
+    // Training finished: no rank claims it merely stopped.
+    CHECK_FALSE(std::filesystem::exists(dir.path() / "stop0"));
+    CHECK_FALSE(std::filesystem::exists(dir.path() / "stop1"));
   }
 }
 
@@ -110,11 +118,11 @@ void checkpointOnSignal(int sig, int signalled, bool resume) {
   t::TempDir dir;
   const int port = t::freePort();
   const std::string snap = dir.str() + "/snap.pt";
-  std::vector<std::unique_ptr<t::Child>> ranks;
+  std::vector<std::unique_ptr<t::Process>> ranks;
   for (int r = 0; r < 2; ++r) {
-    ranks.push_back(std::make_unique<t::Child>(
+    ranks.push_back(std::make_unique<t::Process>(
         std::vector<std::string>{trainBin(), "100000", "0", "--snapshot-path", snap},
-        rankEnv(r, 2, port, dir.str()), dir.str() + "/out" + std::to_string(r)));
+        rankEnv(r, 2, port, dir.str()), ranked(dir.str() + "/out", r)));
   }
   // Both ranks are past step 1 once their heartbeat files exist.
   REQUIRE(t::waitUntil(
@@ -126,8 +134,8 @@ void checkpointOnSignal(int sig, int signalled, bool resume) {
   CHECK_FALSE(std::filesystem::exists(snap));
   // Only one rank gets the signal: the ranks must still agree on the same stopping step.
   ranks[static_cast<size_t>(signalled)]->signal(sig);
-  auto c0 = ranks[0]->wait(60s);
-  auto c1 = ranks[1]->wait(60s);
+  auto c0 = ranks[0]->waitExit(60s);
+  auto c1 = ranks[1]->waitExit(60s);
   INFO("rank0: " << ranks[0]->output() << "\nrank1: " << ranks[1]->output());
   REQUIRE(c0.has_value());
   REQUIRE(c1.has_value());
@@ -137,6 +145,13 @@ void checkpointOnSignal(int sig, int signalled, bool resume) {
   CHECK_THAT(ranks[0]->output(),
              Catch::Contains("Training snapshot saved at " + snap + " (checkpoint signal)"));
   CHECK_THAT(ranks[1]->output(), Catch::Contains("stopped by checkpoint signal"));
+  // Each rank says it stopped rather than finished, and why: the agent of a rank that was not
+  // signalled must not take its exit 0 for the job's success.
+  for (int r = 0; r < 2; ++r) {
+    const std::string why = t::readFile(dir.str() + "/stop" + std::to_string(r));
+    CHECK_THAT(why,
+               Catch::Contains(r == signalled ? "by a signal to this rank" : "by a peer rank"));
+  }
   // No temp files are left next to the snapshot.
   int files = 0;
   for (auto& e : std::filesystem::directory_iterator(dir.path()))
@@ -146,14 +161,14 @@ void checkpointOnSignal(int sig, int signalled, bool resume) {
 
   // The snapshot is usable: a new run resumes from it mid-epoch.
   const int port2 = t::freePort();
-  std::vector<std::unique_ptr<t::Child>> again;
+  std::vector<std::unique_ptr<t::Process>> again;
   for (int r = 0; r < 2; ++r) {
-    again.push_back(std::make_unique<t::Child>(
+    again.push_back(std::make_unique<t::Process>(
         std::vector<std::string>{trainBin(), "1", "0", "--snapshot-path", snap},
-        rankEnv(r, 2, port2, dir.str()), dir.str() + "/again" + std::to_string(r)));
+        rankEnv(r, 2, port2, dir.str()), ranked(dir.str() + "/again", r)));
   }
   for (auto& c : again) {
-    auto code = c->wait(120s);
+    auto code = c->waitExit(120s);
     INFO(c->output());
     REQUIRE(code.has_value());
     CHECK(*code == 0);
@@ -185,8 +200,9 @@ TEST_CASE(
   auto args = common;
   args.insert(args.end(),
               {"--snapshot-path", dir.str() + "/a/snap.pt", "--dump-params", dir.str() + "/a.bin"});
-  t::Child clean(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}}, dir.str() + "/clean.log");
-  auto c = clean.wait(240s);
+  t::Process clean(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}},
+                   {dir.str() + "/clean.log", /*own_process_group=*/true});
+  auto c = clean.waitExit(240s);
   INFO(which << " clean run:\n" << clean.output());
   REQUIRE(c.has_value());
   REQUIRE(*c == 0);
@@ -196,9 +212,9 @@ TEST_CASE(
   args = common;
   args.insert(args.end(), {"--snapshot-path", dir.str() + "/b/snap.pt", "--dump-params",
                            dir.str() + "/b.bin", "--fail-at-step", "20"});
-  t::Child crashed(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}},
-                   dir.str() + "/crashed.log");
-  c = crashed.wait(240s);
+  t::Process crashed(launcherArgv(args, &which), {{"OMP_NUM_THREADS", "1"}},
+                     {dir.str() + "/crashed.log", /*own_process_group=*/true});
+  c = crashed.waitExit(240s);
   const std::string out = crashed.output();
   INFO(which << " interrupted run:\n" << out);
   REQUIRE(c.has_value());
@@ -209,4 +225,63 @@ TEST_CASE(
   const std::string b = t::readFile(dir.str() + "/b.bin");
   REQUIRE(a.size() == 21 * 4);  // Linear(20, 1): 20 weights + 1 bias
   CHECK(a == b);
+}
+
+namespace {
+
+// Runs `train <epochs> 1` on two ranks, rank r with --snapshot-path paths[r]; returns each rank's
+// output after both exited 0.
+std::vector<std::string> trainTwoRanks(const t::TempDir& dir, const std::string& epochs,
+                                       const std::vector<std::string>& paths,
+                                       const std::string& tag) {
+  const int port = t::freePort();
+  std::vector<std::unique_ptr<t::Child>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back(std::make_unique<t::Child>(
+        std::vector<std::string>{trainBin(), epochs, "1", "--dataset-size", "128",
+                                 "--snapshot-path", paths[static_cast<size_t>(r)]},
+        rankEnv(r, 2, port, dir.str()), dir.str() + "/" + tag + std::to_string(r)));
+  }
+  std::vector<std::string> out;
+  for (auto& c : ranks) {
+    auto code = c->wait(180s);
+    INFO(tag << ":\n" << c->output());
+    REQUIRE(code.has_value());
+    REQUIRE(*code == 0);
+    out.push_back(c->output());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("ranks with their own snapshot files resume from the newest any of them holds",
+          "[worker][train]") {
+  t::TempDir dir;
+  const std::string shared = dir.str() + "/shared.pt";
+  const std::string older = dir.str() + "/older.pt";
+  trainTwoRanks(dir, "1", {shared, shared}, "first");  // snapshot: epoch 1
+  std::filesystem::copy_file(shared, older);
+  trainTwoRanks(dir, "2", {shared, shared}, "second");  // snapshot: epoch 2
+
+  // Rank 0 holds nothing (a fresh disk), rank 1 the newest: rank 0 gets it from rank 1.
+  const std::string empty0 = dir.str() + "/r0/snap.pt";
+  std::filesystem::create_directories(dir.path() / "r0");
+  auto out = trainTwoRanks(dir, "3", {empty0, shared}, "fresh");
+  CHECK_THAT(out[0], Catch::Contains("received the newest snapshot"));
+  CHECK_THAT(out[0], Catch::Contains("from rank 1"));
+  CHECK_THAT(out[1], !Catch::Contains("received the newest snapshot"));
+  for (const auto& o : out)
+    CHECK_THAT(o, Catch::Contains("Resuming training from snapshot at Epoch 2"));
+  CHECK(std::filesystem::exists(empty0));
+
+  // Rank 0 holds an older snapshot than rank 1: the newer one wins, and replaces the older.
+  const std::string stale0 = dir.str() + "/stale0.pt";
+  std::filesystem::copy_file(older, stale0);
+  const std::string newest1 = dir.str() + "/newest1.pt";
+  std::filesystem::copy_file(empty0, newest1);  // epoch 3 after the run above
+  out = trainTwoRanks(dir, "4", {stale0, newest1}, "stale");
+  CHECK_THAT(out[0], Catch::Contains("received the newest snapshot"));
+  for (const auto& o : out)
+    CHECK_THAT(o, Catch::Contains("Resuming training from snapshot at Epoch 3"));
 }

@@ -18,6 +18,7 @@
 #include "ddprun/worker/errors.h"
 #include "op_queue.h"
 #include "shm_allreduce.h"
+#include "topology.h"
 
 namespace ddprun::worker {
 
@@ -87,9 +88,9 @@ void allReduceBuffer(const std::shared_ptr<gloo::Context>& ctx, void* data, size
   }
 }
 
-// How all_reduce runs: over Gloo's TCP ring alone; over shared memory (every rank on one host);
-// or hierarchically: shared memory within each host, and for each local index a Gloo ring
-// ("column") across the hosts that sums that local rank's piece.
+// How all_reduce runs (topology.h decides which): over Gloo's TCP ring alone; over shared memory
+// (every rank on one host); or hierarchically: shared memory within each host, and for each local
+// index a Gloo ring ("column") across the hosts that sums that local rank's piece.
 struct AllReducePlan {
   std::unique_ptr<ShmAllReduce> shm;      // this host's group, if any
   std::shared_ptr<gloo::Context> column;  // hierarchical only
@@ -303,9 +304,9 @@ uint64_t fingerprint(const std::string& s) {
 }
 
 // Collective over `ctx`. Finds which ranks share a host (a fingerprint of the host identity,
-// all-gathered), then sets up shared memory per host and, when there are several hosts with the
-// same number of ranks each, one Gloo context per local index across the hosts. Any rank or host
-// that cannot take part makes every rank fall back to the plain ring.
+// all-gathered), plans the topology from that (planTopology), then sets up shared memory per host
+// and, for a hierarchical plan, one Gloo context per local index across the hosts. Any rank or
+// host that cannot take part makes every rank fall back to the plain ring.
 AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueStore>& store,
                             const GlooOptions& options, const std::shared_ptr<gloo::Context>& ctx,
                             std::shared_ptr<gloo::transport::Device> device) {
@@ -317,43 +318,26 @@ AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueSt
       options.host_identity.empty() ? localHostIdentity() : options.host_identity;
   // A rank that does not want shared memory poses as a host of its own: no host is then shared
   // by all ranks equally, so every rank falls back together.
-  const uint64_t mine =
+  const HostKey mine =
       wanted ? fingerprint(identity) : fingerprint("no-shm/" + std::to_string(rank));
-  std::vector<uint64_t> hosts(static_cast<size_t>(size));
+  std::vector<HostKey> hosts(static_cast<size_t>(size));
   {
     gloo::AllgatherOptions opts(ctx);
-    opts.setInput(const_cast<uint64_t*>(&mine), 1);
+    opts.setInput(const_cast<HostKey*>(&mine), 1);
     opts.setOutput(hosts.data(), hosts.size());
     opts.setTag(0x7ffffff0u);
     opts.setTimeout(options.connect_timeout);
     gloo::allgather(opts);
   }
-  // Hosts in order of their lowest rank; this rank's host index and local index.
-  std::vector<uint64_t> order;
-  std::vector<int> per_host;
-  int host_index = -1;
-  int local_rank = 0;
-  for (int r = 0; r < size; ++r) {
-    const uint64_t h = hosts[static_cast<size_t>(r)];
-    auto it = std::find(order.begin(), order.end(), h);
-    const auto idx = static_cast<size_t>(it - order.begin());
-    if (it == order.end()) {
-      order.push_back(h);
-      per_host.push_back(0);
-    }
-    if (r == rank) {
-      host_index = static_cast<int>(idx);
-      local_rank = per_host[idx];
-    }
-    ++per_host[idx];
-  }
-  const int num_hosts = static_cast<int>(order.size());
-  const int local_size = per_host[static_cast<size_t>(host_index)];
-  const bool uniform =
-      std::all_of(per_host.begin(), per_host.end(), [&](int n) { return n == per_host.front(); });
-  if (local_size < 2 || !uniform) {
-    log->debug("rank {}: {} host(s) with {} rank(s) each: no shared-memory all-reduce", rank,
-               num_hosts, uniform ? std::to_string(local_size) : std::string("uneven numbers of"));
+  const TopologyPlan topology = planTopology(hosts, rank);
+  const int num_hosts = topology.num_hosts;
+  const int host_index = topology.host_index;
+  const int local_rank = topology.local_rank;
+  const int local_size = static_cast<int>(topology.host_ranks.size());
+  if (topology.kind == TopologyKind::kFlat) {
+    log->debug(
+        "rank {}: {} host(s) with {} rank(s) each: no shared-memory all-reduce", rank, num_hosts,
+        topology.equalHosts() ? std::to_string(local_size) : std::string("uneven numbers of"));
     return plan;
   }
 
@@ -363,7 +347,7 @@ AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueSt
   shm_options.op_timeout = options.op_timeout;
   shm_options.host_identity = identity;
   auto shm = ShmAllReduce::tryCreate(local_rank, local_size, store, shm_options);
-  if (num_hosts > 1) {
+  if (topology.kind == TopologyKind::kHierarchical) {
     // Every host must have its group, or nobody uses one.
     int32_t ok = shm ? 1 : 0;
     gloo::AllreduceOptions opts(ctx);
@@ -388,11 +372,7 @@ AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueSt
   }
   if (!shm) return plan;
   plan.shm = std::move(shm);
-  plan.description = num_hosts == 1
-                         ? "shared memory (" + std::to_string(size) + " ranks on one host)"
-                         : "shared memory within each of " + std::to_string(num_hosts) +
-                               " hosts (" + std::to_string(local_size) +
-                               " ranks each) + gloo TCP rings across hosts";
+  plan.description = topology.describe();
   return plan;
 }
 

@@ -18,7 +18,7 @@ struct GlooOptions {
   std::chrono::milliseconds connect_timeout;
   std::chrono::milliseconds op_timeout;
   int cuda_device = 0;  // NCCL only
-  // Gloo only: all-reduce through shared memory when every rank is on this host.
+  // Gloo only: all-reduce through shared memory among the ranks on one host (topology.h).
   bool shared_memory = true;
   std::string host_identity;  // empty = this host's; tests simulate several hosts with it
 };

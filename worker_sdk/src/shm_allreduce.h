@@ -1,17 +1,23 @@
-// ShmAllReduce: all-reduce (sum, optionally scaled) between ranks that share one host, over POSIX
-// shared memory instead of TCP loopback. Used by the Gloo communicator when *every* rank of the
-// group turned out to be on this host (single-node jobs); otherwise Gloo's TCP ring does the work.
+// ShmAllReduce: all-reduce (sum, optionally scaled) between the ranks that share one host, over
+// POSIX shared memory instead of TCP loopback. The Gloo communicator builds one group per host when
+// every host holds the same number of ranks (see topology.h): with one host it does the whole
+// all-reduce; with several, a PieceHook sums each rank's reduced piece across the hosts (one Gloo
+// ring per local index) before the host's peers copy it. Otherwise Gloo's TCP ring does the work.
+//
+// Each rank reduces one piece of the tensor (whole cache lines; the last ranks' pieces may be
+// short or empty): the sum of its own and its peers' copies of that piece, in rank order.
 //
 // Two paths:
 // - Staged (any tensor): per chunk of at most slot_bytes, every rank publishes in its slot the
 //   pieces its peers reduce; barrier; rank r sums piece r of all ranks in place in its own tensor
-//   and publishes the result; barrier; every rank copies the other reduced pieces out. Two sets of
-//   slots alternate, so the next chunk's copy-in may start while slower ranks still read.
+//   (then the hook, then the scaling) and publishes the result; barrier; every rank copies the
+//   other reduced pieces out. Two sets of slots alternate, so the next chunk's copy-in may start
+//   while slower ranks still read.
 // - In place (tensors inside a buffer from allocate(), e.g. DDP's gradient buckets): peers read
 //   each other's buffers directly, so nothing is staged: barrier; reduce own piece in place;
 //   barrier; copy the other pieces from their owners; barrier.
-// Every op first publishes a descriptor (element count, dtype, path); ranks that disagree all get
-// a CommError naming both sides instead of a silent mismatch.
+// Every op first publishes a descriptor (element count, dtype, path), checked after its first
+// barrier; ranks that disagree all get a CommError naming both sides instead of a silent mismatch.
 // Barriers are an arrival counter in the control segment: spin briefly, then sleep on a (shared)
 // futex. A wait that exceeds the op timeout, or sees a peer process gone, throws CommError naming
 // the rank. Segments are unlinked as soon as every rank mapped them: a crash leaves nothing in

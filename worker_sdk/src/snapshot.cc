@@ -5,12 +5,21 @@
 #include <sys/stat.h>
 #include <torch/serialize.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <cerrno>
+#include <csignal>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
 #include <random>
 #include <sstream>
+#include <string_view>
+#include <vector>
 
 #include "ddprun/worker/errors.h"
 
@@ -20,6 +29,59 @@ namespace {
 
 [[noreturn]] void fail(const std::string& what, const std::string& path) {
   throw WorkerError(what + " '" + path + "': " + std::strerror(errno));
+}
+
+// Every snapshot ends in a trailer: magic, the archive's length and its CRC-32, so a file damaged
+// at rest or in transit is refused instead of loading garbage (torch's archive checks neither).
+constexpr char kTrailerMagic[8] = {'D', 'D', 'P', 'S', 'N', 'A', 'P', '1'};
+constexpr size_t kTrailerSize = 8 + 8 + 4;
+
+uint32_t crc32Of(const char* data, size_t n) {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  while (n > 0) {
+    const uInt chunk = static_cast<uInt>(std::min<size_t>(n, 1u << 30));
+    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(data), chunk);
+    data += chunk;
+    n -= chunk;
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+void appendTrailer(std::string& bytes) {
+  const uint64_t length = bytes.size();
+  const uint32_t crc = crc32Of(bytes.data(), bytes.size());
+  bytes.append(kTrailerMagic, sizeof(kTrailerMagic));
+  for (int i = 0; i < 8; ++i) bytes.push_back(static_cast<char>((length >> (8 * i)) & 0xff));
+  for (int i = 0; i < 4; ++i) bytes.push_back(static_cast<char>((crc >> (8 * i)) & 0xff));
+}
+
+// The archive inside `bytes`: checked against its trailer, or the whole content for a snapshot
+// written before trailers existed. Throws WorkerError naming `path` when the check fails.
+std::string_view checkedArchive(const std::string& bytes, const std::string& path) {
+  if (bytes.size() < kTrailerSize || std::memcmp(bytes.data() + bytes.size() - kTrailerSize,
+                                                 kTrailerMagic, sizeof(kTrailerMagic)) != 0) {
+    return bytes;
+  }
+  const auto* t =
+      reinterpret_cast<const unsigned char*>(bytes.data() + bytes.size() - kTrailerSize + 8);
+  uint64_t length = 0;
+  for (int i = 0; i < 8; ++i) length |= static_cast<uint64_t>(t[i]) << (8 * i);
+  uint32_t crc = 0;
+  for (int i = 0; i < 4; ++i) crc |= static_cast<uint32_t>(t[8 + i]) << (8 * i);
+  if (length != bytes.size() - kTrailerSize || crc32Of(bytes.data(), length) != crc) {
+    throw WorkerError("cannot load snapshot '" + path +
+                      "': the file is unreadable (its checksum does not match: damaged or "
+                      "truncated; delete it to start afresh)");
+  }
+  return std::string_view(bytes.data(), length);
+}
+
+// Shapes of every parameter and buffer, by name: a snapshot of another model must not load.
+std::map<std::string, std::vector<int64_t>> shapesOf(const torch::nn::Module& model) {
+  std::map<std::string, std::vector<int64_t>> out;
+  for (const auto& p : model.named_parameters()) out[p.key()] = p.value().sizes().vec();
+  for (const auto& b : model.named_buffers()) out[b.key()] = b.value().sizes().vec();
+  return out;
 }
 
 void fsyncDir(const std::filesystem::path& dir) {
@@ -71,6 +133,38 @@ void touchFile(const std::string& path) {
   ::close(fd);
 }
 
+int removeStaleTempFiles(const std::string& path) {
+  const std::filesystem::path target(path);
+  const std::filesystem::path dir = target.parent_path().empty() ? "." : target.parent_path();
+  const std::string prefix = target.filename().string() + ".tmp.";
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir, ec);
+  if (ec) return 0;
+  int removed = 0;
+  for (const auto& entry : it) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    // <path>.tmp.<pid>.<random>, as writeFileAtomically names them: a writer that is still alive
+    // on this host keeps its file.
+    const std::string rest = name.substr(prefix.size());
+    const size_t dot = rest.find('.');
+    if (dot == std::string::npos || dot == 0) continue;
+    if (rest.find_first_not_of("0123456789") != dot) continue;
+    const long pid = std::strtol(rest.substr(0, dot).c_str(), nullptr, 10);
+    if (pid > 0 && pid <= INT32_MAX && ::kill(static_cast<pid_t>(pid), 0) == 0) continue;
+    if (std::filesystem::remove(entry.path(), ec)) ++removed;
+  }
+  return removed;
+}
+
+void writeSmallFile(const std::string& path, const std::string& content) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail("cannot write", path);
+  const ssize_t n = ::write(fd, content.data(), content.size());
+  ::close(fd);
+  if (n != static_cast<ssize_t>(content.size())) fail("cannot write", path);
+}
+
 void saveSnapshot(const std::string& path, const torch::nn::Module& model,
                   const torch::optim::Optimizer& optimizer, const TrainingProgress& progress) {
   torch::serialize::OutputArchive root;
@@ -91,38 +185,92 @@ void saveSnapshot(const std::string& path, const torch::nn::Module& model,
   }
   std::ostringstream out;
   root.save_to(out);
-  writeFileAtomically(path, out.str());
+  std::string bytes = std::move(out).str();
+  appendTrailer(bytes);
+  writeFileAtomically(path, bytes);
+}
+
+std::string readSnapshotFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open snapshot", path);
+  std::string bytes(std::istreambuf_iterator<char>(in), {});
+  if (in.bad()) fail("cannot read snapshot", path);
+  return bytes;
+}
+
+namespace {
+TrainingProgress readProgress(torch::serialize::InputArchive& root) {
+  auto readTensor = [&root](const char* key) {
+    torch::Tensor t;  // undefined: read() assigns instead of set_() into existing storage
+    root.read(key, t);
+    return t;
+  };
+  TrainingProgress progress;
+  progress.epoch = readTensor("epoch").item<int64_t>();
+  progress.step_in_epoch = readTensor("step_in_epoch").item<int64_t>();
+  progress.global_step = readTensor("global_step").item<int64_t>();
+  progress.epoch_loss_sum = readTensor("epoch_loss_sum").item<double>();
+  return progress;
+}
+
+[[noreturn]] void unreadable(const std::string& path, const char* detail) {
+  throw WorkerError("cannot load snapshot '" + path +
+                    "': the file is unreadable or not a snapshot of this model (delete it to "
+                    "start afresh): " +
+                    detail);
+}
+}  // namespace
+
+std::optional<TrainingProgress> readSnapshotProgress(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return std::nullopt;
+  const std::string bytes = readSnapshotFile(path);
+  const std::string_view archive = checkedArchive(bytes, path);
+  try {
+    torch::serialize::InputArchive root;
+    root.load_from(archive.data(), archive.size());
+    return readProgress(root);
+  } catch (const c10::Error& e) {
+    unreadable(path, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    unreadable(path, e.what());
+  }
 }
 
 bool loadSnapshot(const std::string& path, torch::nn::Module& model,
                   torch::optim::Optimizer& optimizer, TrainingProgress& progress) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return false;
+  const std::string bytes = readSnapshotFile(path);
+  const std::string_view archive = checkedArchive(bytes, path);
+  const auto shapes = shapesOf(model);
   try {
     torch::serialize::InputArchive root;
-    root.load_from(path);
+    root.load_from(archive.data(), archive.size());
     torch::serialize::InputArchive model_ar;
     root.read("model", model_ar);
     model.load(model_ar);
+    if (shapesOf(model) != shapes) {
+      throw WorkerError("cannot load snapshot '" + path +
+                        "': the file is unreadable as a snapshot of this model (its parameters "
+                        "have other shapes; delete it to start afresh)");
+    }
     torch::serialize::InputArchive opt_ar;
     root.read("optimizer", opt_ar);
     optimizer.load(opt_ar);
-    auto readTensor = [&root](const char* key) {
-      torch::Tensor t;  // undefined: read() assigns instead of set_() into existing storage
-      root.read(key, t);
-      return t;
-    };
-    progress.epoch = readTensor("epoch").item<int64_t>();
-    progress.step_in_epoch = readTensor("step_in_epoch").item<int64_t>();
-    progress.global_step = readTensor("global_step").item<int64_t>();
-    progress.epoch_loss_sum = readTensor("epoch_loss_sum").item<double>();
-    torch::Tensor t = readTensor("rng_cpu");
+    progress = readProgress(root);
+    torch::Tensor t;
+    root.read("rng_cpu", t);
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(t);
   } catch (const c10::Error& e) {
-    throw WorkerError("cannot load snapshot '" + path +
-                      "' (delete it to start afresh): " + e.what_without_backtrace());
+    unreadable(path, e.what_without_backtrace());
+  } catch (const WorkerError&) {
+    throw;
+  } catch (const std::exception& e) {
+    // A damaged archive can fail deep inside the reader with a message that names nothing.
+    unreadable(path, e.what());
   }
   return true;
 }

@@ -3,8 +3,11 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <cstring>
 #include <iomanip>
 #include <iostream>
+#include <optional>
+#include <tuple>
 
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/sampler.h"
@@ -34,7 +37,11 @@ Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn:
                       ")");
   }
   if (!options_.snapshot_path.empty()) {
-    resumed_ = loadSnapshot(options_.snapshot_path, *model_, *optimizer_, progress_);
+    if (group_->rank() == 0 && removeStaleTempFiles(options_.snapshot_path) > 0) {
+      log() << "[RANK 0] removed temp files of an interrupted snapshot write next to "
+            << options_.snapshot_path << std::endl;
+    }
+    resumed_ = resumeFromNewestSnapshot();
     if (resumed_)
       log() << "[RANK " << group_->rank() << "] Resuming training from snapshot at Epoch "
             << progress_.epoch
@@ -42,23 +49,63 @@ Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn:
                                             : "")
             << std::endl;
   }
-  // Every rank must resume from the same point, or their collectives would not line up.
-  auto mine = torch::tensor({progress_.epoch, progress_.step_in_epoch}, torch::kLong);
-  auto all = group_->comm().allGather(mine);
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (!torch::equal(all[r], mine)) {
-      throw WorkerError(
-          "Trainer: rank " + std::to_string(r) + " resumes at epoch " +
-          std::to_string(all[r][0].item<int64_t>()) + " but rank " +
-          std::to_string(group_->rank()) + " at epoch " + std::to_string(progress_.epoch) +
-          ": all ranks must see the same snapshot file (use a shared --snapshot-path)");
-    }
-  }
   ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, options_.ddp);
   installCheckpointSignalHandlers();
 }
 
 Trainer::~Trainer() = default;
+
+bool Trainer::resumeFromNewestSnapshot() {
+  // Ranks may see different files (local disks, a node that replaced a lost one): they agree on
+  // the newest snapshot any of them holds, and the lowest rank holding it sends it to every rank
+  // that does not, so all resume from the same point.
+  Communicator& comm = group_->comm();
+  const std::string& path = options_.snapshot_path;
+  const std::optional<TrainingProgress> mine = readSnapshotProgress(path);
+  auto key = [](int64_t global_step, int64_t epoch, int64_t step) {
+    return std::make_tuple(global_step, epoch, step);
+  };
+  auto all = comm.allGather(torch::tensor({int64_t{mine ? 1 : 0}, mine ? mine->global_step : 0,
+                                           mine ? mine->epoch : 0, mine ? mine->step_in_epoch : 0},
+                                          torch::kLong));
+  int source = -1;
+  std::tuple<int64_t, int64_t, int64_t> newest{};
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> held(all.size());
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r][0].item<int64_t>() == 0) continue;
+    held[r] = key(all[r][1].item<int64_t>(), all[r][2].item<int64_t>(), all[r][3].item<int64_t>());
+    if (source < 0 || held[r] > newest) {
+      newest = held[r];
+      source = static_cast<int>(r);
+    }
+  }
+  if (source < 0) return false;  // nobody has one: a fresh start everywhere
+  bool anyone_lacks = false;
+  for (size_t r = 0; r < all.size(); ++r) {
+    anyone_lacks = anyone_lacks || all[r][0].item<int64_t>() == 0 || held[r] != newest;
+  }
+  const int rank = group_->rank();
+  if (anyone_lacks) {
+    std::string bytes;
+    auto length = torch::zeros({1}, torch::kLong);
+    if (rank == source) {
+      bytes = readSnapshotFile(path);
+      length[0] = static_cast<int64_t>(bytes.size());
+    }
+    comm.broadcast(length, source);
+    const int64_t n = length[0].item<int64_t>();
+    auto buffer = torch::empty({n}, torch::kUInt8);
+    if (rank == source) std::memcpy(buffer.data_ptr(), bytes.data(), bytes.size());
+    comm.broadcast(buffer, source);
+    if (!mine || key(mine->global_step, mine->epoch, mine->step_in_epoch) != newest) {
+      writeFileAtomically(
+          path, std::string(static_cast<const char*>(buffer.data_ptr()), static_cast<size_t>(n)));
+      log() << "[RANK " << rank << "] received the newest snapshot (" << n << " bytes) from rank "
+            << source << ", written to " << path << std::endl;
+    }
+  }
+  return loadSnapshot(path, *model_, *optimizer_, progress_);
+}
 
 std::ostream& Trainer::log() { return options_.log != nullptr ? *options_.log : std::cout; }
 
@@ -94,6 +141,13 @@ Trainer::Outcome Trainer::train() {
   };
   auto finishStop = [&]() {
     if (stop_work) stop_work->wait();
+    if (!options_.stop_file.empty()) {
+      // The exit 0 that follows is a stop, not the end of training: an agent that did not ask
+      // for it (a peer rank's node did) re-forms the job instead of finishing.
+      writeSmallFile(options_.stop_file, checkpointRequested()
+                                             ? "checkpoint requested by a signal to this rank\n"
+                                             : "checkpoint requested by a peer rank\n");
+    }
     if (!options_.snapshot_path.empty()) save(progress_.epoch, " (checkpoint signal)");
     comm.barrier();  // nobody exits before the snapshot is on disk
     return Outcome::kStoppedBySignal;

@@ -8,7 +8,22 @@
 #include <string>
 #include <vector>
 
+#include "ddprun/rendezvous/conf.h"
+
 namespace ddprun::agent {
+
+// --rdzv-backend: the launcher maps grpc to kC10d (etcd is refused there).
+enum class RendezvousBackend { kStatic, kC10d };
+
+// ddprun's --rdzv-conf defaults, as parseRendezvousConf gives them for an empty --rdzv-conf on
+// one node; the launcher replaces them with the parsed --rdzv-conf for the --nnodes range.
+inline rendezvous::RendezvousConf defaultRendezvousConf() {
+  rendezvous::RendezvousConf conf;
+  conf.run.heartbeat_interval = rendezvous::kDefaultHeartbeatInterval;
+  conf.run.heartbeat_misses = rendezvous::kDefaultHeartbeatMisses;
+  conf.failure_grace = 2 * rendezvous::kDefaultHeartbeatInterval;
+  return conf;
+}
 
 // Which of a worker's streams go to a log file (torchrun's Std): 0 none, 1 stdout, 2 stderr, 3
 // both.
@@ -35,10 +50,12 @@ struct AgentConfig {
   int nproc_per_node = 1;
 
   // Rendezvous.
-  std::string rdzv_backend = "static";  // "static" or "c10d"
-  std::string rdzv_endpoint;            // "host:port" after normalisation, may be empty
+  RendezvousBackend rdzv_backend = RendezvousBackend::kStatic;
+  std::string rdzv_endpoint;  // "host:port" after normalisation, may be empty
   std::string rdzv_id = "none";
-  std::map<std::string, std::string> rdzv_conf;
+  // --rdzv-conf, parsed once by the launcher (the token and TLS files already read); its
+  // run.min_nodes/max_nodes are --nnodes.
+  rendezvous::RendezvousConf rdzv_conf = defaultRendezvousConf();
   bool standalone = false;
   int node_rank = 0;                      // static backend only
   std::string master_addr = "127.0.0.1";  // static backend only

@@ -20,6 +20,7 @@
 
 namespace ddprun::agent {
 
+// The supervisor also asks it whether a worker's DDPRUN_STOP_FILE exists (a time: it does).
 class HeartbeatProbe {
  public:
   virtual ~HeartbeatProbe() = default;

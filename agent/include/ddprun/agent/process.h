@@ -28,6 +28,9 @@ struct WorkerLaunch {
   std::string error_file;
   // DDPRUN_HEARTBEAT_FILE of this worker (hang detection); empty: none.
   std::string heartbeat_file;
+  // DDPRUN_STOP_FILE of this worker: present after an exit 0 when the worker only stopped on a
+  // checkpoint request (worker SDK); empty: none.
+  std::string stop_file;
   // Files the worker's streams go to; empty: inherit the agent's.
   std::string stdout_file;
   std::string stderr_file;

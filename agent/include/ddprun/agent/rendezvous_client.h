@@ -1,11 +1,17 @@
 // RendezvousClient: how the agent's supervisor talks to the rendezvous for its run. The
 // single-node implementation (local_rendezvous.h) completes every round at once; the multi-node
-// one speaks gRPC. Callbacks are always invoked on the agent's event-loop thread.
+// one (multinode_rendezvous.h) speaks to a RendezvousBackend (rendezvous_backend.h).
+//
+// Threading: called from the agent's event-loop thread only; every callback is invoked on that
+// thread, never inline from the call that passed it (so the caller's state is consistent).
+// Lifetime: outlives the supervisor that uses it.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 
 #include "ddprun/agent/worker_env.h"
+#include "ddprun/common/clock.h"
 #include "ddprun/common/status.h"
 
 namespace ddprun::agent {
@@ -13,18 +19,27 @@ namespace ddprun::agent {
 class RendezvousClient {
  public:
   using RoundCallback = std::function<void(StatusOr<RoundInfo>)>;
+  using StatusCallback = std::function<void(Status)>;
   virtual ~RendezvousClient() = default;
 
   // Joins the next round; `done` runs once with the round or the reason there is none.
   virtual void nextRound(RoundCallback done) = 0;
   // This node's workers failed: every node must restart into a new round.
   virtual void reportFailure() = 0;
-  // Graceful departure (SIGTERM): the others re-form without this node at once.
+  // Graceful departure (SIGTERM): the others re-form without this node at once. Calls in flight
+  // (a join) are abandoned; their callbacks may still run and must be ignored by the caller.
   virtual void leave() = 0;
-  // The agent's loop has ended: on success wait (bounded) for the other nodes to finish (the
-  // exit barrier), then close the run unless this node merely left. Blocking; called once,
-  // from the agent's thread after its event loop stopped.
-  virtual void finish(bool succeeded, bool left) = 0;
+  // Exit barrier (SPEC §4): this node's workers all succeeded. `done` runs once every other node
+  // still in the job has finished too, or with the reason the wait ended early; never later than
+  // about `timeout` from now.
+  virtual void exitBarrier(Duration timeout, StatusCallback done) = 0;
+  // The agent is done with the run. After a success: say so, and the node that closes the run
+  // waits (bounded) for the others to say so too before closing it. After a failure past the
+  // restart budget: close the run. After leave(): nothing more. `done` runs once that is said or
+  // given up (bounded: the rendezvous may be gone).
+  virtual void shutdown(bool succeeded, bool left, std::function<void()> done) = 0;
+  // The round this node's workers run in (for metrics); 0 before the first.
+  virtual uint64_t currentRound() const = 0;
 };
 
 }  // namespace ddprun::agent

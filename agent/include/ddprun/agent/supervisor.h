@@ -1,5 +1,6 @@
 // Supervisor: the agent's state machine (SPEC §4) for one node — rendezvous, run the worker
-// group, stop it on a failure or a signal, restart while restarts remain, decide the exit code.
+// group, stop it on a failure or a signal, restart while restarts remain, wait in the exit
+// barrier once the workers succeeded, decide the exit code.
 //
 // Pure: it acts only through ProcessLauncher, RendezvousClient and Clock, and learns of the
 // world through its on*() methods. The shell (agent_runner.h) calls them from one thread and
@@ -18,7 +19,18 @@
 
 namespace ddprun::agent {
 
-enum class AgentState { kInit, kRendezvous, kRunning, kStopping, kRestarting, kSucceeded, kFailed };
+// kExitBarrier: every local worker succeeded; waiting (bounded) for the other nodes to finish
+// before SUCCEEDED, so this node does not tear down what they still need.
+enum class AgentState {
+  kInit,
+  kRendezvous,
+  kRunning,
+  kStopping,
+  kRestarting,
+  kExitBarrier,
+  kSucceeded,
+  kFailed
+};
 const char* agentStateName(AgentState s);
 
 // One worker that ended badly, as the failure report shows it.
@@ -46,6 +58,13 @@ struct SupervisorOptions {
   // for longer than this is hung: it fails the attempt like a worker exiting non-zero. Zero, a
   // null HeartbeatProbe or an empty heartbeat_file turn the check off.
   Duration heartbeat_timeout = Duration::zero();
+  // The job spans nodes: a worker that exits 0 after stopping on a checkpoint request this agent
+  // did not forward (its WorkerLaunch::stop_file exists) stopped because a peer rank on another
+  // node was asked to (that node is leaving or re-forming); it is re-formed with the others like
+  // a membership change, never taken for the job's success.
+  bool multi_node = false;
+  // The longest the exit barrier holds this node after its workers succeeded.
+  Duration exit_barrier_timeout = std::chrono::seconds(300);
 };
 
 class Supervisor {
@@ -70,7 +89,7 @@ class Supervisor {
   // Workers on another node failed: every node restarts in one new round, charged once here too.
   void onPeerFailure();
   // The time is at or past nextDeadline(): SIGKILL after the shutdown timeout, a failure report
-  // after its grace, or a look at the workers' heartbeat files.
+  // after its grace, a look at the workers' heartbeat files, or the end of the exit barrier.
   void onDeadline();
 
   std::optional<TimePoint> nextDeadline() const;
@@ -107,6 +126,12 @@ class Supervisor {
   void setState(AgentState s);
   void joinRound();
   void onRound(StatusOr<RoundInfo> round);
+  void enterExitBarrier();
+  // The worker exited 0 only because a peer's checkpoint stop was agreed across ranks.
+  bool stoppedForPeer(const Worker& worker) const;
+  // While the group stops after a failure: this worker failed too, not merely stopped.
+  bool failedOnItsOwn(const Worker& worker, ExitStatus status) const;
+  void onExitBarrier(const Status& status);
   void recordFailure(const WorkerFailure& failure);
   void stopForLocalFailure();
   void checkHeartbeats();
@@ -130,14 +155,17 @@ class Supervisor {
   std::vector<WorkerFailure> failures_;
   StopReason stop_reason_ = StopReason::kNone;
   int stop_signal_ = 0;
+  bool signal_forwarded_ = false;  // a non-terminating signal reached this round's workers
   std::optional<TimePoint> kill_deadline_;
-  std::optional<TimePoint> report_deadline_;  // a local failure not yet reported (grace)
-  std::optional<TimePoint> heartbeat_check_;  // next look at the heartbeat files (RUNNING only)
+  std::optional<TimePoint> report_deadline_;   // a local failure not yet reported (grace)
+  std::optional<TimePoint> heartbeat_check_;   // next look at the heartbeat files (RUNNING only)
+  std::optional<TimePoint> barrier_deadline_;  // EXIT_BARRIER only
   int restart_count_ = 0;
   int exit_code_ = 0;
   std::string error_message_;
-  // Guards against callbacks of a round that was superseded (e.g. a signal arrived mid-join).
-  unsigned join_generation_ = 0;
+  // Guards against callbacks of a join or barrier that was superseded (e.g. a signal arrived
+  // mid-join, or the barrier timed out before the rendezvous answered).
+  unsigned generation_ = 0;
 };
 
 }  // namespace ddprun::agent

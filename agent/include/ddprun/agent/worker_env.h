@@ -29,6 +29,9 @@ struct WorkerEnvInputs {
   // DDPRUN_HEARTBEAT_FILE, per worker like error_file; empty when hang detection is off (an
   // inherited DDPRUN_HEARTBEAT_FILE is then dropped: it belongs to some other worker).
   std::string heartbeat_file;
+  // DDPRUN_STOP_FILE: where the worker SDK says it stopped on a checkpoint request (its exit 0
+  // is then no success); empty: not set.
+  std::string stop_file;
   std::string snapshot_dir;  // may be empty
   bool set_omp_num_threads = false;
 };

@@ -1,15 +1,17 @@
-// Client: the agent's side of the rendezvous service, over gRPC.
+// Client: a blocking face of AsyncClient, for tests, benchmarks and tools (the agent uses
+// AsyncClient from its event loop).
 //
 // Every call has a deadline and is retried with exponential backoff while the server is
-// UNAVAILABLE (restarting, not up yet) for up to `retry_timeout`; any other error is returned
-// at once. A Watch re-subscribes by itself when its stream breaks; the first message of every
-// (re)subscription is a kSnapshot, so a watcher never misses a change across a reconnect.
+// UNAVAILABLE (restarting, not up yet) for up to `retry_timeout`; any other error is returned at
+// once (AsyncClient's rules, including the TLS listener probe). A Watch re-subscribes by itself
+// when its stream breaks; the first message of every (re)subscription is a kSnapshot.
 //
-// Threading: all methods are thread-safe and blocking (call them off the agent's event loop).
-// Watch callbacks run on a gRPC callback thread, one at a time per watch: keep them short and
-// non-blocking (post to your event loop), and never destroy a Watch from its own callback.
-// cancelAll() unblocks every call in flight.
-// Lifetime: destroy every Watch before its Client.
+// Threading: all methods are thread-safe and blocking. The client runs one thread of its own (an
+// io_context driving its AsyncClient); Watch callbacks run there, one at a time: keep them short
+// and never call the blocking methods of the same client from them. cancelAll() unblocks every
+// call in flight with CANCELLED.
+// Lifetime: destroy every Watch before its Client, and no call may be in flight when the Client
+// is destroyed (cancelAll() and wait for them first).
 #pragma once
 
 #include <functional>
@@ -19,38 +21,15 @@
 
 #include "ddprun/common/clock.h"
 #include "ddprun/common/status.h"
+#include "ddprun/rendezvous/async_client.h"
 #include "ddprun/rendezvous/types.h"
 
 namespace ddprun::rendezvous {
 
-struct ClientOptions {
-  std::string endpoint;           // HOST:PORT of the rendezvous server
-  std::string token;              // sent as "authorization: Bearer <token>" when non-empty
-  std::string tls_root_cert_pem;  // non-empty: TLS, trusting this certificate
-  std::string tls_server_name;    // overrides the name checked against the certificate
-  Duration rpc_timeout = std::chrono::seconds(30);    // deadline of each short call
-  Duration retry_timeout = std::chrono::seconds(60);  // how long UNAVAILABLE is retried
-  Duration initial_backoff = std::chrono::milliseconds(50);
-  Duration max_backoff = std::chrono::seconds(1);
-};
-
-// A running subscription; destroying it ends the stream and waits until no callback runs.
-class Watch {
- public:
-  virtual ~Watch() = default;
-};
-
-// Heartbeats a node on a thread of its own until destroyed (see Client::keepAlive).
-class KeepAlive {
- public:
-  virtual ~KeepAlive() = default;
-};
-
 class Client {
  public:
-  using ChangeCallback = std::function<void(const RoundChange&)>;
-  // Called when a stream breaks (before re-subscribing); informational.
-  using BreakCallback = std::function<void(const Status&)>;
+  using ChangeCallback = AsyncClient::ChangeCallback;
+  using BreakCallback = AsyncClient::BreakCallback;
 
   explicit Client(ClientOptions options);
   ~Client();
@@ -60,11 +39,6 @@ class Client {
   // Blocks until this node's round completes (or join_timeout, a closed run, bad input).
   // Pass the node id of the previous round (RoundInfo::node_id) to keep the group rank.
   StatusOr<RoundInfo> join(const JoinRequest& req, bool include_participants = true);
-  // join() on a thread of the client's own; `done` runs on that thread (post it to your event
-  // loop; do not destroy the client from it). Destroying the client cancels and waits for async
-  // joins still running.
-  void joinAsync(const JoinRequest& req, std::function<void(StatusOr<RoundInfo>)> done,
-                 bool include_participants = true);
   StatusOr<RunStatus> heartbeat(const std::string& run_id, const std::string& node_id);
   Status leave(const std::string& run_id, const std::string& node_id);
   // Returns the round every node must join next.
@@ -89,13 +63,7 @@ class Client {
                                             const std::vector<std::string>& keys, Duration timeout);
   StatusOr<bool> kvDelete(const std::string& run_id, const std::string& key);
 
-  // Heartbeats (run_id, node_id) every `interval` until the returned object is destroyed. Each
-  // beat is one attempt with `interval` as its deadline; `on_error` runs on the keep-alive's
-  // thread for every failed beat (NOT_FOUND: the server declared the node dead, join again).
-  std::unique_ptr<KeepAlive> keepAlive(const std::string& run_id, const std::string& node_id,
-                                       Duration interval,
-                                       std::function<void(const Status&)> on_error = {});
-
+  // Callbacks run on the client's thread (see above).
   std::unique_ptr<Watch> watch(const std::string& run_id, const std::string& node_id,
                                ChangeCallback on_change, BreakCallback on_break = {});
 
@@ -105,7 +73,7 @@ class Client {
   struct Impl;
 
  private:
-  std::shared_ptr<Impl> impl_;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace ddprun::rendezvous

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "ddprun/common/status.h"
+#include "ddprun/rendezvous/files.h"  // readTokenFile, readFile (moved to the core)
 #include "ddprun/rendezvous/state.h"
 
 namespace ddprun::rendezvous {
@@ -46,10 +47,5 @@ class RendezvousServer {
   explicit RendezvousServer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
-
-// Reads a token file: its content without surrounding whitespace; an empty token is an error.
-StatusOr<std::string> readTokenFile(const std::string& path);
-// Reads a whole file (certificates, keys).
-StatusOr<std::string> readFile(const std::string& path);
 
 }  // namespace ddprun::rendezvous

@@ -82,6 +82,10 @@ class RendezvousState {
     CallId id;
     StatusOr<std::vector<std::string>> values;  // in the order of the keys waited for
   };
+  struct MasterDone {
+    CallId id;
+    StatusOr<MasterAddress> master;  // a waitMaster's answer
+  };
   struct Change {
     std::string run_id;
     RoundChange change;
@@ -89,8 +93,11 @@ class RendezvousState {
   struct Outbox {
     std::vector<JoinDone> joins;
     std::vector<WaitDone> waits;
+    std::vector<MasterDone> masters;
     std::vector<Change> changes;
-    bool empty() const { return joins.empty() && waits.empty() && changes.empty(); }
+    bool empty() const {
+      return joins.empty() && waits.empty() && masters.empty() && changes.empty();
+    }
   };
 
   explicit RendezvousState(StateLimits limits = {}, RunRetention retention = {});
@@ -113,6 +120,10 @@ class RendezvousState {
   void watchLost(const std::string& run_id, const std::string& node_id, TimePoint now);
   // The node subscribed again: no longer suspect.
   void watchStarted(const std::string& run_id, const std::string& node_id);
+  // The messages a new watch stream on `run_id` starts with: a kSnapshot of the run as it is now
+  // (round: the pending one, else the last completed; an unknown run reads as all zero), then a
+  // kClosed when the run is closed or tombstoned (the stream ends after it).
+  std::vector<RoundChange> watchSnapshot(const std::string& run_id) const;
   // A watch stream on `run_id` (of a node or an observer) opened / ended for whatever reason; the
   // server calls each once per stream. A run with an open stream is never collected, and a closed
   // run keeps its full state until its last stream ended (its watchers took kClosed).
@@ -130,14 +141,17 @@ class RendezvousState {
   // Only the rank-0 node of `round` may publish; waiters on the round's master are answered.
   Status publishMaster(const std::string& run_id, const std::string& node_id, uint64_t round,
                        const MasterAddress& master, TimePoint now);
-  // Long-poll for the master of `round`; the answer (one value "addr:port") arrives in the outbox.
+  // Long-poll for the master of `round`; the answer arrives in the outbox (Outbox::masters).
   // ABORTED once a later round completed without the master of `round` published (rank 0 of
   // `round` can publish until then, even while the next round is forming).
   void waitMaster(CallId id, const std::string& run_id, uint64_t round, Duration timeout,
                   TimePoint now);
+  // The published master of `round`, if any.
+  std::optional<MasterAddress> masterOf(const std::string& run_id, uint64_t round) const;
 
   // Key-value store per run id (run ids need no join to use it). Keys under "__ddprun/" are the
-  // server's own (master addresses): readable, not writable.
+  // server's own: readable, not writable. "__ddprun/master/<round>" reads the published master of
+  // that round as "addr:port" (derived from the typed master, which is what the run holds).
   Status kvSet(const std::string& run_id, const std::string& key, std::string value, TimePoint now);
   StatusOr<std::string> kvGet(const std::string& run_id, const std::string& key) const;
   StatusOr<int64_t> kvAdd(const std::string& run_id, const std::string& key, int64_t delta,
@@ -189,6 +203,16 @@ class RendezvousState {
   void finishJoin(Node& node, StatusOr<RoundInfo> result);
   void notifyKeys(const std::string& run_id, const std::string& key, TimePoint now);
   void abortMasterWaits(const Run& run);
+  void answerMasterWaits(const Run& run, uint64_t round);
+  // Whether `key` of `run_id` has a value, and the value (reserved keys derived from typed state).
+  bool hasKey(const std::string& run_id, const std::string& key) const;
+  std::optional<std::string> lookup(const std::string& run_id, const std::string& key) const;
+  // Answers a pending wait (a key wait or a waitMaster) with an error and forgets it.
+  void failWait(CallId id, Status status);
+  // tick(), by concern: key and master waits, joins and last calls, heartbeats.
+  void expireWaits(TimePoint now);
+  void expireJoins(Run& run, TimePoint now);
+  void expireHeartbeats(Run& run, TimePoint now);
   void push(Run& run, ChangeKind kind, ChangeReason reason, const std::string& node_id,
             uint64_t round);
   RunStatus statusOf(const Run& run) const;
@@ -214,9 +238,10 @@ class RendezvousState {
   std::unordered_map<CallId, std::pair<std::string, std::string>> joins_;
   struct Wait {
     std::string run_id;
-    std::vector<std::string> keys;
+    std::vector<std::string> keys;  // a key wait; empty for a waitMaster
     TimePoint deadline;
-    uint64_t master_round = 0;  // a waitMaster: fails once a later round completed
+    bool master = false;        // a waitMaster: answered in Outbox::masters
+    uint64_t master_round = 0;  // its round: fails once a later round completed
   };
   std::unordered_map<CallId, Wait> waits_;
   std::map<std::string, KvSpace> kv_;

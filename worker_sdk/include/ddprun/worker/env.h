@@ -21,6 +21,7 @@ struct WorkerEnv {
   bool use_agent_store = false;
   std::string snapshot_dir;    // DDPRUN_SNAPSHOT_DIR, may be empty
   std::string heartbeat_file;  // DDPRUN_HEARTBEAT_FILE, may be empty
+  std::string stop_file;       // DDPRUN_STOP_FILE, may be empty
 
   using Lookup = std::function<std::optional<std::string>(const std::string&)>;
 

@@ -1,13 +1,17 @@
 // Training snapshots: model parameters and buffers, optimizer state, progress counters and the
 // CPU RNG state, in one torch::serialize archive. Writes are atomic (temp file in the same
 // directory, fsync, rename, fsync of the directory): a crash mid-write leaves the previous
-// snapshot intact. Call save on one rank only; every rank loads. Not thread-safe per path.
+// snapshot intact. The archive is followed by a trailer with its length and CRC-32: a damaged
+// or truncated file, or a snapshot of a model with other shapes, is refused with an error naming
+// the file (snapshots written before the trailer existed still load). Call save on one rank
+// only; every rank loads. Not thread-safe per path.
 #pragma once
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace ddprun::worker {
@@ -28,10 +32,22 @@ void saveSnapshot(const std::string& path, const torch::nn::Module& model,
 bool loadSnapshot(const std::string& path, torch::nn::Module& model,
                   torch::optim::Optimizer& optimizer, TrainingProgress& progress);
 
+// Removes the temp files an interrupted writeFileAtomically(path, ...) left behind
+// (`<path>.tmp.<pid>.<random>` whose writer is no longer alive on this host); returns how many.
+int removeStaleTempFiles(const std::string& path);
+
+// The progress recorded in the snapshot at `path` (nothing else is loaded); nullopt when there is
+// none. Throws WorkerError naming the path when it exists but cannot be read.
+std::optional<TrainingProgress> readSnapshotProgress(const std::string& path);
+// The snapshot file's bytes as they are on disk (to hand to a rank that lacks it).
+std::string readSnapshotFile(const std::string& path);
+
 // Writes `bytes` to `path` atomically (exposed for tests).
 void writeFileAtomically(const std::string& path, const std::string& bytes);
 
 // Creates `path` if missing and sets its modification time to now (heartbeat).
 void touchFile(const std::string& path);
+// Replaces `path` with `content` (a small status file such as DDPRUN_STOP_FILE).
+void writeSmallFile(const std::string& path, const std::string& content);
 
 }  // namespace ddprun::worker

@@ -29,6 +29,9 @@ struct TrainerOptions {
   bool shuffle = true;
   std::uint64_t seed = 0;
   std::string heartbeat_file;  // empty = none
+  // DDPRUN_STOP_FILE: written when training stops on a checkpoint request instead of finishing,
+  // so the agent does not take the exit 0 that follows for the job's success. Empty = none.
+  std::string stop_file;
   DdpOptions ddp;
   std::ostream* log = nullptr;  // per-epoch lines; nullptr = std::cout
   // Called after every optimizer step (metrics, fault injection in tests).
@@ -68,6 +71,8 @@ class Trainer {
   TrainerOptions options_;
   TrainingProgress progress_;
   bool resumed_ = false;
+
+  bool resumeFromNewestSnapshot();
   std::unique_ptr<DistributedDataParallel> ddp_;
 };
 

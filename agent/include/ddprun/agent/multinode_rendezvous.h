@@ -1,0 +1,107 @@
+// MultiNodeRendezvous: the agent's side of a multi-node rendezvous (SPEC §5), over any
+// RendezvousService (rendezvous_service.h). It turns completed rounds into RoundInfo (membership
+// epoch, the workers' master address, static node ranks), heartbeats on a timer, turns pushed
+// round changes into PeerEvents, and runs the exit barrier and the run's close through the
+// service's key-value store.
+//
+// Calls that must keep their order (join, failure report, leave, barrier, shutdown) run one at a
+// time in the order made; heartbeats and the watch run beside them. Everything happens on the
+// agent's event loop: no thread, no lock.
+// Threading: loop thread only; callbacks (round results, events) run on that loop.
+// Lifetime: outlives every callback it was given; destroy it (then the service) after the loop
+// stopped.
+#pragma once
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <deque>
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "ddprun/agent/rendezvous_client.h"
+#include "ddprun/agent/rendezvous_service.h"
+#include "ddprun/rendezvous/types.h"
+
+namespace ddprun::agent {
+
+struct MultiNodeOptions {
+  std::string run_id;
+  std::string local_addr;  // advertised; MASTER_ADDR when this node is group rank 0
+  int local_world_size = 1;
+  rendezvous::RunConfig run_config;  // min/max nodes, last call, heartbeat interval and misses
+  Duration join_timeout = std::chrono::seconds(600);
+  int master_port = 0;  // 0: a free port found when this node is rank 0
+  // Static backend (--node-rank given): group rank and master are fixed by the command line;
+  // nodes exchange their node ranks through the run's key-value store.
+  int static_node_rank = -1;
+  std::string static_master_addr;
+  // How long the endgame (barrier keys, departures, close) retries an unreachable service: the
+  // others may be gone already, with the server of the node that hosted it.
+  Duration endgame_retry = std::chrono::seconds(2);
+  // How long the node that closes the run waits for the others' departures.
+  Duration departure_timeout = std::chrono::seconds(10);
+};
+
+// Pushed changes the supervisor must act on.
+enum class PeerEvent { kMembershipChange, kPeerFailure };
+
+class MultiNodeRendezvous final : public RendezvousClient {
+ public:
+  using EventSink = std::function<void(PeerEvent)>;  // runs on the loop
+
+  MultiNodeRendezvous(boost::asio::io_context& io, MultiNodeOptions options,
+                      RendezvousService& service, EventSink sink);
+  ~MultiNodeRendezvous() override;
+
+  void nextRound(RoundCallback done) override;
+  void reportFailure() override;
+  void leave() override;
+  void exitBarrier(Duration timeout, StatusCallback done) override;
+  void shutdown(bool succeeded, bool left, std::function<void()> done) override;
+  uint64_t currentRound() const override { return current_round_; }
+
+  // The service's node id for this node ("" before the first join).
+  const std::string& nodeId() const { return node_id_; }
+
+ private:
+  // One queued operation; it calls `next` exactly once when it is done.
+  using Op = std::function<void(std::function<void()> next)>;
+  void enqueue(Op op);
+  void runNext();
+
+  void join(RoundCallback done, std::function<void()> next);
+  void resolveMaster(rendezvous::RoundInfo joined, RoundInfo round, RoundCallback done,
+                     std::function<void()> next);
+  void resolveStaticRanks(const rendezvous::RoundInfo& joined, RoundInfo round, RoundCallback done);
+  void onChange(const rendezvous::RoundChange& change);
+  void scheduleHeartbeat();
+  // Waits until every member still expected (not gone) has written `<prefix><phase>/<member>`,
+  // re-reading who is gone every slice, until `deadline`.
+  void waitForMembers(const std::string& phase, TimePoint deadline, StatusCallback done);
+  std::vector<std::string> barrierKeys(const std::string& phase) const;
+  std::string barrierPrefix() const;
+
+  boost::asio::io_context& io_;
+  MultiNodeOptions options_;
+  RendezvousService& service_;
+  EventSink sink_;
+
+  std::deque<Op> ops_;
+  bool op_running_ = false;
+
+  std::string node_id_;
+  std::vector<std::string> last_members_;  // node ids of the last round, in group-rank order
+  std::set<std::string> gone_;             // nodes the service saw leave or die (and not rejoin)
+  int membership_epoch_ = 0;
+  uint64_t joined_round_ = 0;
+  uint64_t current_round_ = 0;
+  bool watching_ = false;
+  bool left_ = false;
+  bool shut_down_ = false;
+  boost::asio::steady_timer heartbeat_timer_;
+  bool heartbeating_ = false;
+};
+
+}  // namespace ddprun::agent

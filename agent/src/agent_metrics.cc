@@ -1,0 +1,63 @@
+#include "agent_metrics.h"
+
+#include <cstdio>
+
+namespace ddprun::agent {
+
+void AgentMetrics::onState(AgentState s, int restart_count, double now) {
+  if (s == AgentState::kRestarting || s == AgentState::kRendezvous) {
+    if (last == AgentState::kStopping) {
+      if (restart_count > last_restart_count) {
+        ++failures;
+      } else {
+        ++membership_changes;
+      }
+    }
+  }
+  if (s == AgentState::kRunning) last_restart_count = restart_count;
+  last = s;
+  last_change = now;
+}
+
+std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const AgentMetrics& m,
+                          const RendezvousClient& rdzv) {
+  std::string out;
+  auto add = [&](const std::string& name, const std::string& help, const std::string& type,
+                 double value, const std::string& labels = "") {
+    out += "# HELP " + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.17g", value);
+    out += name + labels + " " + buf + "\n";
+  };
+  add("ddprun_agent_round", "Rendezvous round this node's workers run in.", "gauge",
+      static_cast<double>(rdzv.currentRound()));
+  add("ddprun_agent_group_rank", "Group rank of this node in the round.", "gauge", sup.groupRank());
+  add("ddprun_agent_world_size", "WORLD_SIZE of the round.", "gauge", sup.worldSize());
+  add("ddprun_agent_local_world_size", "Workers on this node.", "gauge", cfg.nproc_per_node);
+  add("ddprun_agent_workers_running", "Workers of this node running now.", "gauge",
+      sup.runningWorkers());
+  std::string states;
+  for (auto s : {AgentState::kInit, AgentState::kRendezvous, AgentState::kRunning,
+                 AgentState::kStopping, AgentState::kRestarting, AgentState::kExitBarrier,
+                 AgentState::kSucceeded, AgentState::kFailed}) {
+    char line[128];
+    std::snprintf(line, sizeof(line), "ddprun_agent_state{state=\"%s\"} %d\n", agentStateName(s),
+                  sup.state() == s ? 1 : 0);
+    states += line;
+  }
+  out +=
+      "# HELP ddprun_agent_state Current state of the agent (1 for the current one).\n"
+      "# TYPE ddprun_agent_state gauge\n" +
+      states;
+  add("ddprun_agent_restarts_total", "Restarts charged against --max-restarts.", "counter",
+      sup.restartCount());
+  add("ddprun_agent_failures_total", "Worker-group failures (here or on another node).", "counter",
+      m.failures);
+  add("ddprun_agent_membership_changes_total", "Restarts caused by nodes joining or leaving.",
+      "counter", m.membership_changes);
+  add("ddprun_agent_last_change_timestamp_seconds", "Unix time of the last state change.", "gauge",
+      m.last_change);
+  return out;
+}
+
+}  // namespace ddprun::agent

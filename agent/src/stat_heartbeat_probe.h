@@ -1,0 +1,20 @@
+// StatHeartbeatProbe: hang detection's look at a worker's DDPRUN_HEARTBEAT_FILE (its mtime).
+// Stateless; any thread.
+#pragma once
+
+#include <sys/stat.h>
+
+#include "ddprun/agent/heartbeat.h"
+
+namespace ddprun::agent {
+
+class StatHeartbeatProbe final : public HeartbeatProbe {
+ public:
+  std::optional<int64_t> modificationTime(const std::string& path) override {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+    return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  }
+};
+
+}  // namespace ddprun::agent

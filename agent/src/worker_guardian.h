@@ -1,0 +1,42 @@
+// Worker guardian: a small process the agent forks between itself and each worker, so that no
+// process of the worker's tree outlives the agent — not even one that left the worker's process
+// group or session (setsid), which the worker's own parent-death signal cannot reach.
+//
+// The guardian makes itself a child subreaper, so every orphaned descendant of the worker is
+// reparented to it. It learns of the agent's death from EOF on a lifeline pipe whose write end
+// only the agent holds (and from PR_SET_PDEATHSIG as a second, checked, source); it then SIGKILLs
+// the worker's process group and every remaining descendant, and exits. While the agent lives it
+// reaps orphans, and once the worker exits it kills what is left of the tree and exits without
+// reaping the worker: the worker's zombie is handed to the agent, a child subreaper too, so the
+// agent's waitpid sees the worker's own pid and status exactly as if it had forked it. The
+// guardian's own exit is a pid the supervisor does not know and ignores.
+//
+// The worker is started by the guardian in a process group of its own (its pid), with
+// PR_SET_PDEATHSIG(SIGKILL) against the guardian. The guardian is a fork of a possibly
+// multi-threaded agent: after fork it runs async-signal-safe code only (raw syscalls, no heap).
+//
+// Threading: call spawnGuardedWorker from one thread at a time (the agent's event loop).
+// Lifetime: the first call makes the calling process a child subreaper and opens the lifeline,
+// both for the rest of the process's life.
+#pragma once
+
+#include <string>
+
+#include "ddprun/common/status.h"
+
+namespace ddprun::agent {
+
+// What the worker is started with, prepared before fork (nothing is allocated after it).
+struct GuardedExec {
+  char* const* argv = nullptr;  // null-terminated; argv[0] is the program's path
+  char* const* envp = nullptr;  // null-terminated, complete
+  int stdout_fd = -1;           // dup2'd onto the worker's stdout; -1: inherit
+  int stderr_fd = -1;           // dup2'd onto the worker's stderr; -1: inherit
+};
+
+// Forks a guardian that starts the worker and returns the worker's pid (also its process group
+// id) once the worker's exec succeeded. A failed exec is reported here ("cannot execute <argv[0]>:
+// <reason>") with the guardian already reaped. The caller keeps ownership of stdout_fd/stderr_fd.
+StatusOr<int> spawnGuardedWorker(const GuardedExec& exec);
+
+}  // namespace ddprun::agent

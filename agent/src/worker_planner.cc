@@ -1,0 +1,75 @@
+#include "ddprun/agent/worker_planner.h"
+
+namespace ddprun::agent {
+
+namespace {
+std::string replaceAll(std::string s, const std::string& from, const std::string& to) {
+  for (size_t pos = 0; (pos = s.find(from, pos)) != std::string::npos; pos += to.size()) {
+    s.replace(pos, from.size(), to);
+  }
+  return s;
+}
+}  // namespace
+
+std::string expandLogLinePrefix(const std::string& templ, const std::string& role, int local_rank,
+                                int rank, const std::string& hostname) {
+  std::string prefix = templ.empty() ? "[${role_name}${local_rank}]:" : templ;
+  prefix = replaceAll(prefix, "${role_name}", role);
+  prefix = replaceAll(prefix, "${local_rank}", std::to_string(local_rank));
+  prefix = replaceAll(prefix, "${rank}", std::to_string(rank));
+  return replaceAll(prefix, "${hostname}", hostname);
+}
+
+WorkerPlanner::WorkerPlanner(const AgentConfig& cfg, std::string run_log_dir, std::string hostname,
+                             std::map<std::string, std::string> parent_env)
+    : cfg_(cfg),
+      run_log_dir_(std::move(run_log_dir)),
+      hostname_(std::move(hostname)),
+      parent_env_(std::move(parent_env)) {}
+
+AttemptPlan WorkerPlanner::plan(const RoundInfo& round, int restart_count) const {
+  const std::string attempt_dir = run_log_dir_ + "/attempt_" + std::to_string(restart_count);
+  WorkerEnvInputs in;
+  in.round = round;
+  in.role = cfg_.role;
+  in.restart_count = restart_count;
+  in.max_restarts = cfg_.max_restarts;
+  in.snapshot_dir = cfg_.snapshot_dir;
+  in.set_omp_num_threads = cfg_.set_omp_num_threads;
+  const int local_world_size = round.local_world_sizes.at(round.group_rank);
+  const int base = baseRank(round.local_world_sizes, round.group_rank);
+  AttemptPlan out;
+  for (int lr = 0; lr < local_world_size; ++lr) {
+    const std::string dir = attempt_dir + "/" + std::to_string(lr);
+    out.dirs.push_back(dir);
+    WorkerLaunch w;
+    w.local_rank = lr;
+    w.global_rank = base + lr;
+    w.argv = cfg_.worker_argv;
+    w.error_file = dir + "/error.json";
+    in.error_file = w.error_file;
+    out.stale_files.push_back(w.error_file);  // a previous round's, in the same attempt
+    if (cfg_.heartbeat_timeout > 0) {
+      w.heartbeat_file = dir + "/heartbeat";
+      out.stale_files.push_back(w.heartbeat_file);
+    }
+    in.heartbeat_file = w.heartbeat_file;
+    w.stop_file = dir + "/stopped";
+    out.stale_files.push_back(w.stop_file);
+    in.stop_file = w.stop_file;
+    for (const auto& [k, v] : buildWorkerEnv(in, lr, parent_env_)) w.env.push_back(k + "=" + v);
+    const StdStreams tee = cfg_.tee.forRank(lr);
+    const int files = static_cast<int>(cfg_.redirects.forRank(lr)) | static_cast<int>(tee);
+    if (files & 1) w.stdout_file = dir + "/stdout.log";
+    if (files & 2) w.stderr_file = dir + "/stderr.log";
+    w.tee_stdout = hasOut(tee);
+    w.tee_stderr = hasErr(tee);
+    w.to_console = !cfg_.local_ranks_filter || cfg_.local_ranks_filter->count(lr) > 0;
+    w.console_prefix =
+        expandLogLinePrefix(cfg_.log_line_prefix_template, cfg_.role, lr, w.global_rank, hostname_);
+    out.launches.push_back(std::move(w));
+  }
+  return out;
+}
+
+}  // namespace ddprun::agent

@@ -1,0 +1,376 @@
+#include "ddprun/agent/multinode_rendezvous.h"
+
+#include <catch2/catch.hpp>
+#include <optional>
+
+#include "fake_rendezvous_service.h"
+
+using namespace ddprun;
+using namespace ddprun::agent;
+using ddprun::testing::FakeRendezvousService;
+using namespace std::chrono_literals;
+
+namespace {
+
+rendezvous::RoundInfo roundOf(uint64_t round, const std::string& me,
+                              const std::vector<std::pair<std::string, uint32_t>>& members) {
+  rendezvous::RoundInfo r;
+  r.round = round;
+  r.node_id = me;
+  auto participants = std::make_shared<std::vector<rendezvous::Participant>>();
+  uint32_t world = 0;
+  for (size_t i = 0; i < members.size(); ++i) {
+    participants->push_back({members[i].first, members[i].first + ".host", members[i].second,
+                             static_cast<uint32_t>(i)});
+    if (members[i].first == me) {
+      r.group_rank = static_cast<uint32_t>(i);
+      r.base_rank = world;
+    }
+    world += members[i].second;
+  }
+  r.world_size = world;
+  r.group_world_size = static_cast<uint32_t>(members.size());
+  r.participants = participants;
+  return r;
+}
+
+rendezvous::RoundChange pending(uint64_t round, rendezvous::ChangeReason reason,
+                                const std::string& node) {
+  rendezvous::RoundChange c;
+  c.kind = rendezvous::ChangeKind::kRoundPending;
+  c.reason = reason;
+  c.node_id = node;
+  c.round = round;
+  return c;
+}
+
+struct Fixture {
+  explicit Fixture(MultiNodeOptions o = defaults()) : service(io) {
+    rdzv = std::make_unique<MultiNodeRendezvous>(io, o, service,
+                                                 [this](PeerEvent e) { events.push_back(e); });
+  }
+  static MultiNodeOptions defaults() {
+    MultiNodeOptions o;
+    o.run_id = "job";
+    o.local_addr = "a.host";
+    o.local_world_size = 2;
+    o.master_port = 1234;  // no free-port lookup in unit tests
+    o.run_config.heartbeat_interval = std::chrono::hours(1);
+    return o;
+  }
+  void poll() {
+    io.restart();
+    io.poll();
+  }
+  // Starts nextRound; the result lands in `result`.
+  void nextRound() {
+    result.reset();
+    rdzv->nextRound([this](StatusOr<RoundInfo> r) { result = std::move(r); });
+    poll();
+  }
+  // A completed round where this node ("a") is rank 0 of a and b.
+  void formRound(uint64_t round = 1) {
+    nextRound();
+    service.answer(service.joins, roundOf(round, "a", {{"a", 2}, {"b", 2}}));
+    poll();
+    service.answer(service.publishes, Status::ok());
+    poll();
+  }
+
+  boost::asio::io_context io;
+  FakeRendezvousService service;
+  std::vector<PeerEvent> events;
+  std::optional<StatusOr<RoundInfo>> result;
+  std::unique_ptr<MultiNodeRendezvous> rdzv;
+};
+
+}  // namespace
+
+TEST_CASE("rank 0 of a completed round publishes its master address and gets its round",
+          "[agent][multinode]") {
+  Fixture f;
+  f.nextRound();
+  REQUIRE(f.service.joins.size() == 1);
+  CHECK(f.service.last_join.run_id == "job");
+  CHECK(f.service.last_join.node_id.empty());  // first join: the service names the node
+  CHECK(f.service.last_join.address == "a.host");
+  CHECK(f.service.last_join.local_world_size == 2);
+  f.service.answer(f.service.joins, roundOf(3, "a", {{"a", 2}, {"b", 4}}));
+  f.poll();
+  REQUIRE(f.service.publishes.size() == 1);
+  CHECK(f.service.publishes.front().first == "a.host:1234");
+  CHECK_FALSE(f.result.has_value());  // not before the master is published
+  f.service.answer(f.service.publishes, Status::ok());
+  f.poll();
+  REQUIRE(f.result.has_value());
+  REQUIRE(f.result->isOk());
+  const RoundInfo& r = f.result->value();
+  CHECK(r.round == 3);
+  CHECK(r.group_rank == 0);
+  CHECK(r.local_world_sizes == std::vector<int>{2, 4});
+  CHECK(r.master_addr == "a.host");
+  CHECK(r.master_port == 1234);
+  CHECK(r.run_id == "job");
+  CHECK(f.rdzv->currentRound() == 3);
+  CHECK(f.rdzv->nodeId() == "a");
+  CHECK(f.service.watches == 1);
+}
+
+TEST_CASE("a non-zero rank takes the master from the round, or waits for it",
+          "[agent][multinode]") {
+  Fixture f;
+  f.nextRound();
+  auto joined = roundOf(1, "a", {{"b", 1}, {"a", 2}});
+  joined.master_addr = "b.host";
+  joined.master_port = 555;
+  f.service.answer(f.service.joins, joined);
+  f.poll();
+  REQUIRE(f.result.has_value());
+  CHECK(f.result->value().group_rank == 1);
+  CHECK(f.result->value().master_addr == "b.host");
+  CHECK(f.service.publishes.empty());
+
+  f.nextRound();
+  CHECK(f.service.last_join.node_id == "a");  // keeps its node id (and so its rank)
+  f.service.answer(f.service.joins, roundOf(2, "a", {{"b", 1}, {"a", 2}}));
+  f.poll();
+  REQUIRE(f.service.master_waits.size() == 1);
+  CHECK(f.service.master_waits.front().first == "2");
+  f.service.answer(f.service.master_waits, rendezvous::MasterAddress{"b.host", 777});
+  f.poll();
+  REQUIRE(f.result.has_value());
+  CHECK(f.result->value().master_port == 777);
+}
+
+TEST_CASE("the membership epoch bumps only when the members change", "[agent][multinode]") {
+  Fixture f;
+  f.formRound(1);
+  CHECK(f.result->value().membership_epoch == 0);
+  f.formRound(2);  // a failure restart: same members
+  CHECK(f.result->value().membership_epoch == 0);
+  f.nextRound();
+  f.service.answer(f.service.joins, roundOf(3, "a", {{"a", 2}, {"c", 2}}));
+  f.poll();
+  f.service.answer(f.service.publishes, Status::ok());
+  f.poll();
+  CHECK(f.result->value().membership_epoch == 1);
+}
+
+TEST_CASE("a join that fails says what to check when the service is unreachable",
+          "[agent][multinode]") {
+  Fixture f;
+  f.nextRound();
+  f.service.answer(f.service.joins, StatusOr<rendezvous::RoundInfo>(unavailable("down")));
+  f.poll();
+  REQUIRE(f.result.has_value());
+  CHECK(f.result->status().code() == StatusCode::kUnavailable);
+  CHECK(f.result->status().message() == "down (check the fake)");
+}
+
+TEST_CASE("pushed round changes become membership changes and peer failures",
+          "[agent][multinode]") {
+  Fixture f;
+  f.formRound(4);
+  f.service.push(pending(4, rendezvous::ChangeReason::kNodeJoined, "c"));       // a round it holds
+  f.service.push(pending(5, rendezvous::ChangeReason::kFailureReported, "a"));  // its own report
+  f.poll();
+  CHECK(f.events.empty());
+  f.service.push(pending(5, rendezvous::ChangeReason::kFailureReported, "b"));
+  f.service.push(pending(5, rendezvous::ChangeReason::kNodeLeft, "b"));
+  f.service.push(pending(5, rendezvous::ChangeReason::kNodeDead, "b"));
+  f.poll();
+  CHECK(f.events == std::vector<PeerEvent>{PeerEvent::kPeerFailure, PeerEvent::kMembershipChange,
+                                           PeerEvent::kMembershipChange});
+}
+
+TEST_CASE("static node ranks order the nodes by --node-rank", "[agent][multinode]") {
+  auto o = Fixture::defaults();
+  o.static_node_rank = 0;
+  o.static_master_addr = "master";
+  o.master_port = 29500;
+  Fixture f(o);
+  f.nextRound();
+  // The service ranked b first; --node-rank says a is 0.
+  f.service.answer(f.service.joins, roundOf(1, "a", {{"b", 4}, {"a", 2}}));
+  f.poll();
+  REQUIRE(f.service.kv_sets.size() == 1);
+  CHECK(f.service.kv_sets.front().first == "static_rank/1/a=0");
+  f.service.answer(f.service.kv_sets, Status::ok());
+  f.poll();
+  REQUIRE(f.service.kv_waits.size() == 1);
+  CHECK(f.service.kv_waits.front().first == "static_rank/1/b,static_rank/1/a");
+  f.service.answer(f.service.kv_waits, std::vector<std::string>{"1", "0"});
+  f.poll();
+  REQUIRE(f.result.has_value());
+  REQUIRE(f.result->isOk());
+  CHECK(f.result->value().group_rank == 0);
+  CHECK(f.result->value().local_world_sizes == std::vector<int>{2, 4});
+  CHECK(f.result->value().master_addr == "master");
+  CHECK(f.result->value().master_port == 29500);
+  CHECK(f.service.publishes.empty());
+}
+
+TEST_CASE("a --node-rank used twice fails the round naming the flag", "[agent][multinode]") {
+  auto o = Fixture::defaults();
+  o.static_node_rank = 1;
+  Fixture f(o);
+  f.nextRound();
+  f.service.answer(f.service.joins, roundOf(1, "a", {{"a", 2}, {"b", 2}}));
+  f.poll();
+  f.service.answer(f.service.kv_sets, Status::ok());
+  f.poll();
+  f.service.answer(f.service.kv_waits, std::vector<std::string>{"1", "1"});
+  f.poll();
+  REQUIRE(f.result.has_value());
+  CHECK(f.result->status().code() == StatusCode::kFailedPrecondition);
+  CHECK(f.result->status().message().find("--node-rank") != std::string::npos);
+}
+
+TEST_CASE("calls run one at a time in the order made, and leave cancels a join in flight",
+          "[agent][multinode]") {
+  Fixture f;
+  f.formRound(1);
+  f.nextRound();
+  f.rdzv->reportFailure();  // queued behind the join
+  f.poll();
+  CHECK(f.service.failure_reports.empty());
+  f.rdzv->leave();
+  f.poll();
+  CHECK(f.service.cancels == 1);
+  REQUIRE(f.result.has_value());  // the join ended (cancelled)
+  CHECK(f.result->status().code() == StatusCode::kCancelled);
+  REQUIRE(f.service.failure_reports.size() == 1);
+  CHECK(f.service.failure_reports.front().first == "a@1");
+  CHECK(f.service.leaves.empty());  // still behind the report
+  f.service.answer(f.service.failure_reports, uint64_t{2});
+  f.poll();
+  REQUIRE(f.service.leaves.size() == 1);
+  CHECK(f.service.leaves.front().first == "a");
+}
+
+TEST_CASE("the exit barrier waits only for the members that are still in the job",
+          "[agent][multinode][barrier]") {
+  Fixture f;
+  f.nextRound();
+  f.service.answer(f.service.joins, roundOf(1, "a", {{"a", 1}, {"b", 1}, {"c", 1}}));
+  f.poll();
+  f.service.answer(f.service.publishes, Status::ok());
+  f.poll();
+  f.service.push(pending(2, rendezvous::ChangeReason::kNodeDead, "c"));
+  f.poll();
+  std::optional<Status> barrier;
+  f.rdzv->exitBarrier(60s, [&](Status st) { barrier = st; });
+  f.poll();
+  REQUIRE(f.service.kv_sets.size() == 1);
+  CHECK(f.service.kv_sets.front().first == "exit_barrier/1/arrive/a=1");
+  f.service.answer(f.service.kv_sets, Status::ok());
+  f.poll();
+  REQUIRE(f.service.kv_waits.size() == 1);
+  CHECK(f.service.kv_waits.front().first == "exit_barrier/1/arrive/a,exit_barrier/1/arrive/b");
+  // A slice ran out: it asks again, now without b, which left meanwhile.
+  f.service.push(pending(2, rendezvous::ChangeReason::kNodeLeft, "b"));
+  f.service.answer(f.service.kv_waits,
+                   StatusOr<std::vector<std::string>>(deadlineExceeded("slice")));
+  f.poll();
+  CHECK_FALSE(barrier.has_value());
+  REQUIRE(f.service.kv_waits.size() == 1);
+  CHECK(f.service.kv_waits.front().first == "exit_barrier/1/arrive/a");
+  f.service.answer(f.service.kv_waits, std::vector<std::string>{"1"});
+  f.poll();
+  REQUIRE(barrier.has_value());
+  CHECK(barrier->isOk());
+}
+
+TEST_CASE("after a success the closer waits for departures, then closes the run",
+          "[agent][multinode][barrier]") {
+  Fixture f;
+  f.formRound(1);  // a is group rank 0: the closer
+  bool done = false;
+  f.rdzv->shutdown(/*succeeded=*/true, /*left=*/false, [&] { done = true; });
+  f.poll();
+  REQUIRE(f.service.kv_sets.size() == 1);
+  CHECK(f.service.kv_sets.front().first == "exit_barrier/1/depart/a=1");
+  f.service.answer(f.service.kv_sets, Status::ok());
+  f.poll();
+  REQUIRE(f.service.kv_waits.size() == 1);
+  CHECK(f.service.kv_waits.front().first == "exit_barrier/1/depart/a,exit_barrier/1/depart/b");
+  f.service.answer(f.service.kv_waits, std::vector<std::string>{"1", "1"});
+  f.poll();
+  REQUIRE(f.service.closes.size() == 1);
+  CHECK_FALSE(done);
+  f.service.answer(f.service.closes, Status::ok());
+  f.poll();
+  CHECK(done);
+  CHECK(f.service.stopped_watches == 1);
+}
+
+TEST_CASE("after a success a node that does not close the run departs and leaves",
+          "[agent][multinode][barrier]") {
+  Fixture f;
+  f.nextRound();
+  auto joined = roundOf(1, "a", {{"b", 1}, {"a", 1}});
+  joined.master_addr = "b.host";
+  joined.master_port = 1;
+  f.service.answer(f.service.joins, joined);
+  f.poll();
+  bool done = false;
+  f.rdzv->shutdown(true, false, [&] { done = true; });
+  f.poll();
+  f.service.answer(f.service.kv_sets, Status::ok());
+  f.poll();
+  CHECK(f.service.kv_waits.empty());
+  REQUIRE(f.service.leaves.size() == 1);
+  f.service.answer(f.service.leaves, Status::ok());
+  f.poll();
+  CHECK(done);
+  CHECK(f.service.closes.empty());
+}
+
+TEST_CASE("after a failure past the budget the run is closed; after a leave nothing is said",
+          "[agent][multinode]") {
+  Fixture f;
+  f.formRound(1);
+  bool done = false;
+  f.rdzv->shutdown(false, false, [&] { done = true; });
+  f.poll();
+  REQUIRE(f.service.closes.size() == 1);
+  f.service.answer(f.service.closes, unavailable("gone"));  // the server may be gone: still done
+  f.poll();
+  CHECK(done);
+
+  Fixture g;
+  g.formRound(1);
+  g.rdzv->leave();
+  g.poll();
+  g.service.answer(g.service.leaves, Status::ok());
+  g.poll();
+  const auto before = g.service.calls.size();
+  bool left = false;
+  g.rdzv->shutdown(false, true, [&] { left = true; });
+  g.poll();
+  CHECK(left);
+  CHECK(g.service.calls.size() == before);
+}
+
+TEST_CASE("a heartbeat the service no longer knows makes the node join again",
+          "[agent][multinode]") {
+  auto o = Fixture::defaults();
+  o.run_config.heartbeat_interval = 1ms;
+  Fixture f(o);
+  f.formRound(1);
+  // Wait (bounded) for the heartbeat timer to fire once.
+  const auto give_up = std::chrono::steady_clock::now() + 10s;
+  while (f.service.heartbeats.empty() && std::chrono::steady_clock::now() < give_up) {
+    f.io.restart();
+    f.io.run_one_for(100ms);
+  }
+  REQUIRE_FALSE(f.service.heartbeats.empty());
+  CHECK(f.service.heartbeats.front().first == "a");
+  REQUIRE(f.service.heartbeat_policy.retry_for.has_value());
+  CHECK(*f.service.heartbeat_policy.retry_for == Duration::zero());  // one attempt per beat
+  f.service.answer(f.service.heartbeats,
+                   StatusOr<rendezvous::RunStatus>(notFound("node a is not in run job")));
+  f.poll();
+  REQUIRE_FALSE(f.events.empty());
+  CHECK(f.events.front() == PeerEvent::kMembershipChange);
+}

@@ -1,0 +1,97 @@
+#include "ddprun/agent/worker_planner.h"
+
+#include <catch2/catch.hpp>
+
+using namespace ddprun;
+using namespace ddprun::agent;
+
+namespace {
+
+std::string envOf(const WorkerLaunch& w, const std::string& name) {
+  for (const auto& kv : w.env) {
+    if (kv.rfind(name + "=", 0) == 0) return kv.substr(name.size() + 1);
+  }
+  return "<unset>";
+}
+
+RoundInfo round4And2(int group_rank) {
+  RoundInfo r;
+  r.round = 2;
+  r.group_rank = group_rank;
+  r.local_world_sizes = {4, 2};
+  r.master_addr = "m";
+  r.master_port = 9;
+  r.run_id = "job";
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("the log line prefix template expands every variable", "[agent]") {
+  CHECK(expandLogLinePrefix("", "trainer", 3, 7, "h") == "[trainer3]:");
+  CHECK(expandLogLinePrefix("${hostname}/${rank}/${local_rank}/${role_name} ${rank}", "r", 1, 5,
+                            "node") == "node/5/1/r 5");
+  CHECK(expandLogLinePrefix("plain", "r", 1, 5, "node") == "plain");
+}
+
+TEST_CASE("the planner lays out one attempt's workers without touching the disk", "[agent]") {
+  AgentConfig cfg;
+  cfg.worker_argv = {"/bin/prog", "--x"};
+  cfg.role = "trainer";
+  cfg.max_restarts = 3;
+  cfg.heartbeat_timeout = 10;
+  cfg.redirects.all = StdStreams::kErr;
+  cfg.tee.per_rank = {{1, StdStreams::kOut}};
+  cfg.local_ranks_filter = std::set<int>{0};
+  cfg.log_line_prefix_template = "${rank}>";
+  WorkerPlanner planner(cfg, "/logs/run_x", "host1", {{"PATH", "/bin"}});
+  const AttemptPlan plan = planner.plan(round4And2(1), /*restart_count=*/2);
+  REQUIRE(plan.launches.size() == 2);  // group rank 1 runs 2 workers
+  CHECK(plan.dirs ==
+        std::vector<std::string>{"/logs/run_x/attempt_2/0", "/logs/run_x/attempt_2/1"});
+  CHECK(plan.stale_files ==
+        std::vector<std::string>{
+            "/logs/run_x/attempt_2/0/error.json", "/logs/run_x/attempt_2/0/heartbeat",
+            "/logs/run_x/attempt_2/0/stopped", "/logs/run_x/attempt_2/1/error.json",
+            "/logs/run_x/attempt_2/1/heartbeat", "/logs/run_x/attempt_2/1/stopped"});
+  const WorkerLaunch& w0 = plan.launches[0];
+  const WorkerLaunch& w1 = plan.launches[1];
+  CHECK(w0.local_rank == 0);
+  CHECK(w0.global_rank == 4);
+  CHECK(w1.global_rank == 5);
+  CHECK(w0.argv == cfg.worker_argv);
+  CHECK(w0.error_file == "/logs/run_x/attempt_2/0/error.json");
+  CHECK(w0.heartbeat_file == "/logs/run_x/attempt_2/0/heartbeat");
+  CHECK(envOf(w0, "RANK") == "4");
+  CHECK(envOf(w1, "LOCAL_RANK") == "1");
+  CHECK(envOf(w0, "WORLD_SIZE") == "6");
+  CHECK(envOf(w0, "TORCHELASTIC_RESTART_COUNT") == "2");
+  CHECK(envOf(w0, "TORCHELASTIC_ERROR_FILE") == w0.error_file);
+  CHECK(envOf(w0, "DDPRUN_HEARTBEAT_FILE") == w0.heartbeat_file);
+  CHECK(envOf(w0, "DDPRUN_STOP_FILE") == "/logs/run_x/attempt_2/0/stopped");
+  CHECK(envOf(w0, "PATH") == "/bin");
+  // Rank 0: stderr redirected to a file, nothing tee'd; rank 1: stdout tee'd (per-rank tee).
+  CHECK(w0.stdout_file.empty());
+  CHECK(w0.stderr_file == "/logs/run_x/attempt_2/0/stderr.log");
+  CHECK_FALSE(w0.tee_stdout);
+  CHECK(w1.stdout_file == "/logs/run_x/attempt_2/1/stdout.log");
+  CHECK(w1.tee_stdout);
+  CHECK(w0.to_console);
+  CHECK_FALSE(w1.to_console);  // --local-ranks-filter=0
+  CHECK(w1.console_prefix == "5>");
+}
+
+TEST_CASE("without hang detection no heartbeat file is planned", "[agent]") {
+  AgentConfig cfg;
+  cfg.worker_argv = {"/bin/prog"};
+  cfg.heartbeat_timeout = 0;
+  WorkerPlanner planner(cfg, "/l", "h", {});
+  const AttemptPlan plan = planner.plan(round4And2(0), 0);
+  REQUIRE(plan.launches.size() == 4);
+  CHECK(plan.stale_files.size() == 8);  // error and stop files, no heartbeat file
+  CHECK(plan.stale_files[0] == "/l/attempt_0/0/error.json");
+  CHECK(plan.stale_files[1] == "/l/attempt_0/0/stopped");
+  CHECK(plan.launches[3].heartbeat_file.empty());
+  CHECK(envOf(plan.launches[3], "DDPRUN_HEARTBEAT_FILE") == "<unset>");
+  CHECK(plan.launches[3].console_prefix == "[default3]:");
+}
