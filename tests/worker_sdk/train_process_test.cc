@@ -235,16 +235,16 @@ std::vector<std::string> trainTwoRanks(const t::TempDir& dir, const std::string&
                                        const std::vector<std::string>& paths,
                                        const std::string& tag) {
   const int port = t::freePort();
-  std::vector<std::unique_ptr<t::Child>> ranks;
+  std::vector<std::unique_ptr<t::Process>> ranks;
   for (int r = 0; r < 2; ++r) {
-    ranks.push_back(std::make_unique<t::Child>(
+    ranks.push_back(std::make_unique<t::Process>(
         std::vector<std::string>{trainBin(), epochs, "1", "--dataset-size", "128",
                                  "--snapshot-path", paths[static_cast<size_t>(r)]},
-        rankEnv(r, 2, port, dir.str()), dir.str() + "/" + tag + std::to_string(r)));
+        rankEnv(r, 2, port, dir.str()), ranked(dir.str() + "/" + tag, r)));
   }
   std::vector<std::string> out;
   for (auto& c : ranks) {
-    auto code = c->wait(180s);
+    auto code = c->waitExit(180s);
     INFO(tag << ":\n" << c->output());
     REQUIRE(code.has_value());
     REQUIRE(*code == 0);
