@@ -113,10 +113,11 @@ rc, out = run_probe(argv[1:], pet)
 print("ddprun " + " ".join(argv[1:]) + "\n  -> " + out.replace("\n", "\n  -> "))
 if rc != 0:
     fail("ddprun rejects the trainer's command line and environment: " + out)
-for want in (f"nnodes={lo}:{hi}", f"nproc_per_node={pet['PET_NPROC_PER_NODE']}",
+for want in [f"nnodes={lo}:{hi}", f"nproc_per_node={pet['PET_NPROC_PER_NODE']}",
              "rdzv_backend=c10d", f"rdzv_endpoint={pet['PET_RDZV_ENDPOINT']}",
              f"max_restarts={pet['PET_MAX_RESTARTS']}", "local_addr=10.0.0.7",
-             "snapshot_dir=/snapshots", f"rdzv_id={pet['PET_RDZV_ID']}"):
+             "snapshot_dir=/snapshots", f"rdzv_id={pet['PET_RDZV_ID']}"] + [
+                 kv for kv in pet["PET_RDZV_CONF"].split(",")]:
     if want not in out.split():
         fail(f"ddprun did not take {want} from the manifest: {out}")
 

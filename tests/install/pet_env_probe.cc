@@ -5,6 +5,7 @@
 //   pet_env_probe [ddprun args ...]      (environment: this process's)
 #include <unistd.h>
 
+#include <chrono>
 #include <iostream>
 #include <map>
 #include <string>
@@ -27,12 +28,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   const auto& c = result.value().config;
+  const auto secs = [](auto d) { return std::chrono::duration<double>(d).count(); };
   std::cout << "OK nnodes=" << c.min_nodes << ":" << c.max_nodes
-            << " nproc_per_node=" << c.nproc_per_node << " rdzv_backend=" << c.rdzv_backend
+            << " nproc_per_node=" << c.nproc_per_node << " rdzv_backend="
+            << (c.rdzv_backend == ddprun::agent::RendezvousBackend::kC10d ? "c10d" : "static")
             << " rdzv_endpoint=" << c.rdzv_endpoint << " rdzv_id=" << c.rdzv_id
             << " max_restarts=" << c.max_restarts << " shutdown_timeout=" << c.shutdown_timeout
             << " local_addr=" << c.local_addr << " snapshot_dir=" << c.snapshot_dir
             << " program=" << c.entrypoint << std::endl;
-  for (const auto& [k, v] : c.rdzv_conf) std::cout << "rdzv_conf " << k << "=" << v << std::endl;
+  std::cout << "rdzv_conf join_timeout=" << secs(c.rdzv_conf.join_timeout)
+            << " last_call_timeout=" << secs(c.rdzv_conf.run.last_call_timeout) << std::endl;
   return 0;
 }
