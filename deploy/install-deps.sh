@@ -15,6 +15,9 @@ PACKAGES=(
   catch2 python3-torch procps iproute2 hostname
   # rendezvous TLS test: a self-signed certificate
   openssl
+  # install and packaging (cmake --install, cpack -G DEB; tests/install): man pages from --help,
+  # dpkg-shlibdeps, the Kubernetes manifest check
+  help2man dpkg-dev file python3-yaml
   # Slurm tests: a real two-node cluster on this machine (tests/slurm/cluster.sh)
   slurm-wlm slurmctld slurmd slurm-client munge
 )
