@@ -672,10 +672,8 @@ TEST_CASE("after the rendezvous server restarts, a PyTorch job re-forms and fini
                        "] Epoch 11 |");
 }
 
-TEST_CASE(
-    "a checkpoint stop that one node's worker was asked for directly is no success: every node "
-    "re-forms and the job finishes",
-    "[multinode][restart]") {
+TEST_CASE("a worker's checkpoint stop is no job success, every node re-forms",
+          "[multinode][restart]") {
   RendezvousDaemon rdzv;
   TempDir work;
   const std::vector<std::string> prog = {
