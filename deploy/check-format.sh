@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Fails (listing the files) when a C++ source is not clang-formatted (.clang-format: Google, 100).
+# Fails (listing the files) when a C++ source is not clang-formatted (.clang-format: Google, 100),
+# or when a Catch2 test name starts with '-' (ctest passes the name to the test binary, which then
+# reads it as an option and runs nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if git rev-parse --git-dir >/dev/null 2>&1; then
@@ -14,6 +16,11 @@ for f in "${files[@]}"; do
 done
 if [ ${#bad[@]} -gt 0 ]; then
   echo "not clang-formatted (run: clang-format -i FILE): ${bad[*]}" >&2
+  exit 1
+fi
+dashed=$(grep -nE 'TEST_CASE\(\s*"-' "${files[@]}" || true)
+if [ -n "$dashed" ]; then
+  echo "test names must not start with '-' (Catch2 reads them as options): $dashed" >&2
   exit 1
 fi
 echo "${#files[@]} files clang-formatted"

@@ -264,12 +264,21 @@ StatusOr<FlagValues> resolveFlagValues(const TokenizedArgs& tokens,
         break;
     }
   }
-  // PET_<NAME> supplies what the command line did not.
+  // PET_<NAME> supplies what the command line did not. The Kubeflow training operator spells one
+  // of them its own way (PET_N_PROC_PER_NODE); PET_NPROC_PER_NODE wins when both are set.
+  static const std::map<std::string, std::string> kOtherSpellings = {
+      {"nproc_per_node", "PET_N_PROC_PER_NODE"}};
   for (const auto& f : table) {
     if (out.values.count(f.name)) continue;
-    const std::string var = petName(f.name);
+    std::string var = petName(f.name);
     auto it = env.find(var);
-    if (it == env.end()) continue;
+    if (it == env.end()) {
+      auto other = kOtherSpellings.find(f.name);
+      if (other == kOtherSpellings.end()) continue;
+      var = other->second;
+      it = env.find(var);
+      if (it == env.end()) continue;
+    }
     if (!f.takes_value) {
       auto b = parseBool(it->second);
       if (!b)

@@ -155,6 +155,12 @@ TEST_CASE("the last value wins, and PET_<NAME> fills in what the command line di
     REQUIRE(from_env.count(f.name) == 1);
     CHECK(from_env.at(f.name).source == petName(f.name));
   }
+  // The Kubeflow training operator's spelling of PET_NPROC_PER_NODE; ours wins over it.
+  auto kubeflow = valuesOf({"prog"}, {{"PET_N_PROC_PER_NODE", "4"}});
+  CHECK(kubeflow.at("nproc_per_node").value == "4");
+  CHECK(kubeflow.at("nproc_per_node").source == "PET_N_PROC_PER_NODE");
+  auto both = valuesOf({"prog"}, {{"PET_N_PROC_PER_NODE", "4"}, {"PET_NPROC_PER_NODE", "2"}});
+  CHECK(both.at("nproc_per_node").value == "2");
   CHECK(errorOf({"prog"}, {{"PET_STANDALONE", "maybe"}}) ==
         "environment PET_STANDALONE: expected 0 or 1, got 'maybe'");
 }

@@ -547,7 +547,8 @@ TEST_CASE("plain ddprun accepts --use-env as a no-op and passes --local-rank onl
   CHECK(errorOf({f.script}, env) == "environment PET_USE_ENV: expected 0 or 1, got 'yes please'");
 }
 
-TEST_CASE("--run-path runs any file or directory under the Python interpreter", "[launcher]") {
+TEST_CASE("the flag --run-path runs any file or directory under the Python interpreter",
+          "[launcher]") {
   Files f;
   auto r = parse({"--run_path", f.exe, "a"}, f.env());  // no .py suffix needed
   REQUIRE(r.isOk());
@@ -570,7 +571,8 @@ TEST_CASE("--run-path runs any file or directory under the Python interpreter", 
   CHECK(parse({f.exe}, f.env())->config.python_interpreter.empty());
 }
 
-TEST_CASE("--rdzv-conf strips quotes and passes unknown keys on with one warning", "[launcher]") {
+TEST_CASE("the flag --rdzv-conf strips quotes and passes unknown keys on with one warning",
+          "[launcher]") {
   Files f;
   // As PyTorch's test_run.py passes it: the quotes are part of the argument.
   auto r = parse({"--rdzv_conf='join_timeout=5,last_call_timeout=1,timeout=5'", f.exe}, f.env());
@@ -628,7 +630,8 @@ TEST_CASE("torchrun 2.x flags: --virtual-local-rank, xpu, and the Python plug-in
   CHECK(parse({"--event_log_handler=null", f.exe}, f.env())->notices.empty());
 }
 
-TEST_CASE("--numa-binding plans each local rank's CPUs or says why it cannot", "[launcher]") {
+TEST_CASE("the flag --numa-binding plans each local rank's CPUs or says why it cannot",
+          "[launcher]") {
   Files f;
   HostFacts host{8, 0};
   CHECK(errorOf({"--numa-binding=cores", f.exe}, f.env()) ==

@@ -240,7 +240,7 @@ TEST_CASE("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE prefixes the tee'd lines",
   CHECK(r.out.find("[default0]:") == std::string::npos);
 }
 
-TEST_CASE("--virtual-local-rank: every worker sees LOCAL_RANK=0", "[e2e][pytorch_launcher]") {
+TEST_CASE("with --virtual-local-rank every worker sees LOCAL_RANK=0", "[e2e][pytorch_launcher]") {
   TempDir touched;
   auto r = runDdprun({"--standalone", "--nproc-per-node=2", "--virtual-local-rank", "--tee=1",
                       bin("test_script.py"), "--touch-file-dir=" + touched.path()});
@@ -330,7 +330,7 @@ TEST_CASE("the static form names MASTER_PORT+1 when it is taken, on both nodes",
   ::close(holder);
 }
 
-TEST_CASE("--numa-binding=exclusive gives the workers disjoint CPU affinities",
+TEST_CASE("the flag --numa-binding=exclusive gives the workers disjoint CPU affinities",
           "[e2e][pytorch_launcher]") {
   TempDir touched;
   auto r = runDdprun({"--standalone", "--nproc-per-node=2", "--numa-binding=exclusive", "--tee=1",

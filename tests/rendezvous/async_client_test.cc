@@ -15,10 +15,13 @@
 
 #include "ddprun/rendezvous/client.h"
 #include "ddprun/rendezvous/server.h"
+#include "server_fixture.h"
 
 using namespace ddprun;
 using namespace ddprun::rendezvous;
 using namespace std::chrono_literals;
+using ddprun::rendezvous::testing::startServer;
+using ddprun::rendezvous::testing::waitUntil;
 
 namespace {
 
@@ -71,22 +74,6 @@ struct Results {
     return values.size();
   }
 };
-
-template <typename Pred>
-bool eventually(Pred pred, Duration bound = 20s) {
-  auto until = std::chrono::steady_clock::now() + bound;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
-
-std::unique_ptr<RendezvousServer> startServer(ServerOptions options = {}) {
-  auto server = RendezvousServer::start(std::move(options));
-  REQUIRE(server.isOk());
-  return std::move(server).value();
-}
 
 ClientOptions clientFor(const std::string& address) {
   ClientOptions o;
@@ -193,7 +180,7 @@ TEST_CASE("heartbeats from the io loop keep a node alive, and without them it is
   CHECK(beats > 5);
   beating = false;
   loop.run([&] { timer.cancel(); });
-  REQUIRE(eventually(dead));
+  REQUIRE(waitUntil(dead));
   Results<StatusOr<RunStatus>> after;
   client.heartbeat("alive", "a", after.callback(loop));
   REQUIRE(after.waitFor(1));
@@ -211,7 +198,7 @@ TEST_CASE("cancelAll completes the calls in flight with CANCELLED, callbacks sti
   Results<StatusOr<std::vector<std::string>>> waits;
   client.join(joinRequest("cancel", 2, 2, "victim"), joins.callback(loop));
   client.kvWait("cancel", {"never"}, 30s, waits.callback(loop));
-  REQUIRE(eventually([&] { return probe.heartbeat("cancel", "victim").isOk(); }));
+  REQUIRE(waitUntil([&] { return probe.heartbeat("cancel", "victim").isOk(); }));
   client.cancelAll();
   REQUIRE(joins.waitFor(1));
   REQUIRE(waits.waitFor(1));
@@ -220,7 +207,7 @@ TEST_CASE("cancelAll completes the calls in flight with CANCELLED, callbacks sti
   CHECK(joins.all_on_loop);
   CHECK(waits.all_on_loop);
   // The server forgot the victim's join.
-  REQUIRE(eventually([&] {
+  REQUIRE(waitUntil([&] {
     return probe.heartbeat("cancel", "victim").status().code() == StatusCode::kNotFound;
   }));
   // Calls after cancelAll are not affected.
@@ -240,10 +227,10 @@ TEST_CASE("destroying the client cancels an abandoned async join and no callback
   client->join(joinRequest("abandoned", 2, 2, "lonely"), [&](StatusOr<RoundInfo>) { ++callbacks; });
   client->kvWait("abandoned", {"never"}, 30s,
                  [&](StatusOr<std::vector<std::string>>) { ++callbacks; });
-  REQUIRE(eventually([&] { return probe.heartbeat("abandoned", "lonely").isOk(); }));
+  REQUIRE(waitUntil([&] { return probe.heartbeat("abandoned", "lonely").isOk(); }));
   loop.run([&] { client.reset(); });  // on the loop, as the agent would
   // The join was cancelled: the server drops the node that no longer waits.
-  REQUIRE(eventually([&] {
+  REQUIRE(waitUntil([&] {
     return probe.heartbeat("abandoned", "lonely").status().code() == StatusCode::kNotFound;
   }));
   loop.run([&] {});  // whatever was posted before has run
@@ -325,7 +312,7 @@ TEST_CASE("a watch delivers the snapshot and a membership change on the io threa
     }
     return false;
   };
-  REQUIRE(eventually(pending_for_b));
+  REQUIRE(waitUntil(pending_for_b));
   CHECK(changes.all_on_loop);
   client.cancelAll();
   REQUIRE(joins.waitFor(2));

@@ -15,29 +15,15 @@
 
 #include "ddprun/rendezvous/client.h"
 #include "ddprun/rendezvous/server.h"
+#include "server_fixture.h"
 
 using namespace ddprun;
 using namespace ddprun::rendezvous;
 using namespace std::chrono_literals;
+using ddprun::rendezvous::testing::startServer;
+using ddprun::rendezvous::testing::waitUntil;
 
 namespace {
-
-// Polls `pred` until it holds or `bound` passes; for events with no push notification.
-template <typename Pred>
-bool waitFor(Pred pred, Duration bound = 20s) {
-  auto until = std::chrono::steady_clock::now() + bound;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
-
-std::unique_ptr<RendezvousServer> startServer(ServerOptions options = {}) {
-  auto server = RendezvousServer::start(std::move(options));
-  REQUIRE(server.isOk());
-  return std::move(server).value();
-}
 
 ClientOptions clientFor(const RendezvousServer& server) {
   ClientOptions o;
@@ -136,13 +122,13 @@ TEST_CASE("a client that gives up mid-join is removed and the others still compl
   Client probe(clientFor(*server));
   StatusOr<RoundInfo> victim_result = Status(StatusCode::kUnknown, "not run");
   std::thread t([&] { victim_result = victim.join(joinRequest("cancel", 3, 3, "victim")); });
-  REQUIRE(waitFor([&] { return probe.heartbeat("cancel", "victim").isOk(); }));
+  REQUIRE(waitUntil([&] { return probe.heartbeat("cancel", "victim").isOk(); }));
   victim.cancelAll();
   t.join();
   REQUIRE_FALSE(victim_result.isOk());
   CHECK(victim_result.status().code() == StatusCode::kCancelled);
   // The server forgot the victim: it is no longer a pending participant.
-  REQUIRE(waitFor([&] {
+  REQUIRE(waitUntil([&] {
     return probe.heartbeat("cancel", "victim").status().code() == StatusCode::kNotFound;
   }));
 
@@ -261,7 +247,7 @@ TEST_CASE("a watched closed run becomes a tombstone once its watcher took kClose
   REQUIRE(client.close("gc").isOk());
   REQUIRE(
       log.waitUntil([](auto& cs) { return !cs.empty() && cs.back().kind == ChangeKind::kClosed; }));
-  CHECK(waitFor([&] {
+  CHECK(waitUntil([&] {
     auto c = server->census();
     return c.watch_streams == 0 && c.runs == 0 && c.tombstones == 1;
   }));
@@ -277,7 +263,7 @@ TEST_CASE("a watched closed run becomes a tombstone once its watcher took kClose
   // A store nobody writes to any more is dropped after the idle TTL.
   REQUIRE(client.kvSet("scratch", "k", "v").isOk());
   CHECK(server->census().kv_spaces == 1);  // current once the call returned
-  CHECK(waitFor([&] { return server->census().kv_spaces == 0; }));
+  CHECK(waitUntil([&] { return server->census().kv_spaces == 0; }));
   CHECK(client.kvGet("scratch", "k").status().code() == StatusCode::kNotFound);
 }
 
@@ -297,7 +283,7 @@ TEST_CASE("bad input gets precise statuses and the server keeps serving", "[rend
 
   StatusOr<RoundInfo> first = Status(StatusCode::kUnknown, "");
   std::thread t([&] { first = client.join(joinRequest("bad", 2, 2, "first")); });
-  REQUIRE(waitFor([&] { return client.heartbeat("bad", "first").isOk(); }));
+  REQUIRE(waitUntil([&] { return client.heartbeat("bad", "first").isOk(); }));
   auto mismatch = client.join(joinRequest("bad", 1, 2, "other"));
   CHECK(mismatch.status().code() == StatusCode::kFailedPrecondition);
   CHECK(mismatch.status().message() == "run bad has nnodes 2:2 but this node asked for 1:2");
@@ -519,7 +505,7 @@ TEST_CASE("the daemon frees a closed run's id after --closed-run-ttl", "[rendezv
   CHECK(refused.status().message() == "run reused is closed");
   // Refused until the tombstone expires, then a fresh run under the same id.
   StatusOr<RoundInfo> again = refused.status();
-  CHECK(waitFor([&] {
+  CHECK(waitUntil([&] {
     again = client.join(joinRequest("reused", 1, 1));
     return again.isOk();
   }));
@@ -575,10 +561,10 @@ TEST_CASE("an agent process killed mid-join is dropped and the others complete w
     _exit(127);
   }
   // The doomed agent is waiting in its join; kill it without any chance to clean up.
-  REQUIRE(waitFor([&] { return probe.heartbeat("killed", "doomed").isOk(); }));
+  REQUIRE(waitUntil([&] { return probe.heartbeat("killed", "doomed").isOk(); }));
   kill(pid, SIGKILL);
   CHECK(waitExit(pid) == 128 + SIGKILL);
-  REQUIRE(waitFor([&] {
+  REQUIRE(waitUntil([&] {
     return probe.heartbeat("killed", "doomed").status().code() == StatusCode::kNotFound;
   }));
   StatusOr<RoundInfo> a = Status(StatusCode::kUnknown, ""), b = a;
