@@ -18,9 +18,12 @@ if [ ${#bad[@]} -gt 0 ]; then
   echo "not clang-formatted (run: clang-format -i FILE): ${bad[*]}" >&2
   exit 1
 fi
-dashed=$(grep -nE 'TEST_CASE\(\s*"-' "${files[@]}" || true)
-if [ -n "$dashed" ]; then
-  echo "test names must not start with '-' (Catch2 reads them as options): $dashed" >&2
+# A test name that starts with '-' (Catch2 reads it as an option) or holds ';' (ctest splits the
+# name there): either way the test silently runs nothing.
+bad_names=$(perl -0ne 'while (/TEST_CASE\(\s*((?:"(?:[^"\\]|\\.)*"\s*)+)/g) {
+    (my $n = $1) =~ s/"\s*"//g; print "$ARGV: $n\n" if $n =~ /^"-/ || $n =~ /;/ }' "${files[@]}")
+if [ -n "$bad_names" ]; then
+  echo "test names must not start with '-' or contain ';': $bad_names" >&2
   exit 1
 fi
 echo "${#files[@]} files clang-formatted"

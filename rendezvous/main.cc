@@ -111,10 +111,10 @@ int main(int argc, char** argv) {
     options.token = token.value();
   }
   if (!cert_file.empty()) {
-    auto cert = rendezvous::readFile(cert_file);
-    if (!cert.isOk()) return usageError("--tls-cert: " + cert.status().message());
-    auto key = rendezvous::readFile(key_file);
-    if (!key.isOk()) return usageError("--tls-key: " + key.status().message());
+    auto cert = rendezvous::readPem("--tls-cert", cert_file, /*private_key=*/false);
+    if (!cert.isOk()) return usageError(cert.status().message());
+    auto key = rendezvous::readPem("--tls-key", key_file, /*private_key=*/true);
+    if (!key.isOk()) return usageError(key.status().message());
     options.tls_cert_pem = cert.value();
     options.tls_key_pem = key.value();
   }
@@ -128,8 +128,7 @@ int main(int argc, char** argv) {
 
   auto server = rendezvous::RendezvousServer::start(options);
   if (!server.isOk()) {
-    std::cerr << "ddprun-rendezvous: --listen " << listen << ": " << server.status().message()
-              << std::endl;
+    std::cerr << "ddprun-rendezvous: " << server.status().message() << std::endl;
     return server.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
   std::cout << "listening on " << server.value()->address() << std::endl;

@@ -569,6 +569,12 @@ Status applyCrossFlagRules(const Values& given, agent::AgentConfig& cfg) {
     }
   } else if (!cfg.standalone && cfg.rdzv_endpoint.empty()) {
     return usage("argument --rdzv-endpoint: the c10d backend needs HOST[:PORT] of the rendezvous");
+  } else if (!cfg.standalone && endsWith(cfg.rdzv_endpoint, ":0")) {
+    // An agent would host on a random port and then dial port 0: every node must know the port.
+    return usage(
+        "argument --rdzv-endpoint: port 0 cannot be dialled; give the rendezvous' real "
+        "port (HOST:PORT, default 29400), got '" +
+        given.at("rdzv_endpoint").value + "'");
   }
   return Status::ok();
 }

@@ -25,23 +25,6 @@ StatusOr<Duration> parseSeconds(const std::string& key, const std::string& value
   return seconds(*v);
 }
 
-// Reads a PEM file named by a tls_* key and checks that it holds what the key needs, so a wrong
-// file is reported here and not as an obscure handshake or listen failure later.
-StatusOr<std::string> readPem(const std::string& key, const std::string& path, bool private_key) {
-  const std::string what = private_key ? "a PEM private key" : "a PEM certificate";
-  if (path.empty()) return invalidArgument(key + " needs the path of " + what + ", got ''");
-  auto pem = readFile(path);
-  if (!pem.isOk()) {
-    return invalidArgument(key + ": cannot read '" + path + "' (expected " + what + ")");
-  }
-  const std::string& text = pem.value();
-  const bool ok = private_key ? text.find("-----BEGIN ") != std::string::npos &&
-                                    text.find("PRIVATE KEY-----") != std::string::npos
-                              : text.find("-----BEGIN CERTIFICATE-----") != std::string::npos;
-  if (!ok) return invalidArgument(key + ": '" + path + "' is not " + what);
-  return text;
-}
-
 }  // namespace
 
 StatusOr<RendezvousConf> parseRendezvousConf(const std::map<std::string, std::string>& conf,

@@ -612,6 +612,13 @@ StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOption
   if (!port || *port < 0 || *port > 65535) {
     return invalidArgument("listen address '" + options.listen + "' has no valid port");
   }
+  const std::string host = options.listen.substr(0, colon);
+  const bool bracketed = host.front() == '[';
+  if (bracketed != (host.back() == ']') || (bracketed && host.size() < 3) ||
+      (!bracketed && host.find(':') != std::string::npos)) {
+    return invalidArgument("listen address '" + options.listen +
+                           "' is not HOST:PORT (an IPv6 address goes in brackets: [::1]:PORT)");
+  }
   if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
     return invalidArgument("TLS needs both a certificate and a key");
   }
@@ -640,6 +647,18 @@ StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOption
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(4 << 20);
   raw->server = builder.BuildAndStart();
+  if ((!raw->server || selected == 0) && !raw->options.tls_cert_pem.empty()) {
+    // Tell bad TLS material from a bad address: the same credentials on loopback port 0.
+    grpc::ServerBuilder probe;
+    int probe_port = 0;
+    probe.AddListeningPort("127.0.0.1:0", creds, &probe_port);
+    auto probe_server = probe.BuildAndStart();
+    if (!probe_server || probe_port == 0) {
+      return invalidArgument(
+          "the TLS certificate and key cannot be used (not a matching pair, or not valid PEM)");
+    }
+    probe_server->Shutdown();
+  }
   if (!raw->server || selected == 0) {
     return unavailable("cannot listen on " + raw->options.listen +
                        " (address in use, not local, or malformed)");

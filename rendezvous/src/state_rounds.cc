@@ -40,6 +40,15 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
   if (req.local_world_size == 0) {
     return fail(invalidArgument("local_world_size must be >= 1, got 0"));
   }
+  if (req.local_world_size > limits_.max_local_world_size) {
+    return fail(invalidArgument("local_world_size must be at most " +
+                                std::to_string(limits_.max_local_world_size) + ", got " +
+                                std::to_string(req.local_world_size)));
+  }
+  if (req.config.max_nodes > limits_.max_nodes) {
+    return fail(invalidArgument("nnodes MAX must be at most " + std::to_string(limits_.max_nodes) +
+                                ", got " + std::to_string(req.config.max_nodes)));
+  }
   if (req.join_timeout <= Duration::zero()) {
     return fail(invalidArgument("join_timeout must be > 0"));
   }

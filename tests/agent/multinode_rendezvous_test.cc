@@ -326,7 +326,7 @@ TEST_CASE("after a success a node that does not close the run departs and leaves
   CHECK(f.service.closes.empty());
 }
 
-TEST_CASE("after a failure past the budget the run is closed; after a leave nothing is said",
+TEST_CASE("after a failure past the budget the run is closed, after a leave nothing is said",
           "[agent][multinode]") {
   Fixture f;
   f.formRound(1);

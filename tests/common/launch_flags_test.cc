@@ -166,7 +166,7 @@ TEST_CASE("the last value wins, and PET_<NAME> fills in what the command line di
 }
 
 TEST_CASE(
-    "help before any error wins; an error before help is reported; after the program "
+    "help before any error wins, an error before help is reported, after the program "
     "neither counts",
     "[common]") {
   auto help = resolveFlagValues(tokenize({"--nnodes=2", "--help", "--bogus"}), {}, launchFlags());

@@ -266,6 +266,12 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
        "(bracket IPv6 addresses), got '::1:5'"},
       {{"--rdzv-backend=c10d", x},
        "argument --rdzv-endpoint: the c10d backend needs HOST[:PORT] of the rendezvous"},
+      {{"--rdzv-backend=c10d", "--rdzv-endpoint=node1:0", x},
+       "argument --rdzv-endpoint: port 0 cannot be dialled; give the rendezvous' real port "
+       "(HOST:PORT, default 29400), got 'node1:0'"},
+      {{"--rdzv-backend=c10d", "--rdzv-endpoint=[::1]:0", x},
+       "argument --rdzv-endpoint: port 0 cannot be dialled; give the rendezvous' real port "
+       "(HOST:PORT, default 29400), got '[::1]:0'"},
       {{"--rdzv-conf=join_timeout", x},
        "argument --rdzv-conf: expected <key>=<value> pairs separated by commas, got "
        "'join_timeout'"},

@@ -4,6 +4,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 
 #include <catch2/catch.hpp>
 #include <csignal>
@@ -351,7 +352,7 @@ struct TestPki {
 }  // namespace
 
 TEST_CASE(
-    "with tls_ca agents speak TLS to a TLS ddprun-rendezvous; without it, or trusting another "
+    "with tls_ca agents speak TLS to a TLS ddprun-rendezvous, without it or trusting another "
     "CA, an agent fails within its join timeout naming TLS and the endpoint",
     "[multinode][tls]") {
   TempDir dir, other_dir, envs;
@@ -698,4 +699,52 @@ TEST_CASE("a worker's checkpoint stop is no job success, every node re-forms",
           std::string::npos);
     CHECK(r->out.find("Resuming training from snapshot at Epoch") != std::string::npos);
   }
+}
+
+TEST_CASE("ddprun-rendezvous refuses bad listen addresses, tokens and TLS files with exit 2",
+          "[multinode][hardening]") {
+  TempDir dir;
+  const std::string bin = buildDir() + "/rendezvous/ddprun-rendezvous";
+  auto refused = [&](std::vector<std::string> args, const std::string& says) {
+    args.insert(args.begin(), bin);
+    auto r = run(args, {}, 20s);  // never hangs: a FIFO or a device is refused, not read
+    INFO(args.back() << ": " << r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find(says) != std::string::npos);
+    CHECK(countOf(r.err, "\n") == 1);  // one line
+  };
+  refused({"--listen", "[::1"}, "is not HOST:PORT (an IPv6 address goes in brackets");
+  refused({"--listen", "::1:5"}, "is not HOST:PORT");
+  refused({"--listen", "127.0.0.1:99999"}, "has no valid port");
+
+  const std::string control = dir / "control";
+  std::ofstream(control) << "abc\x01"
+                            "def\n";
+  refused({"--listen", "127.0.0.1:0", "--token-file", control},
+          "the token must be printable ASCII without spaces; byte 3 is 0x01");
+  const std::string utf8 = dir / "utf8";
+  std::ofstream(utf8) << "t\xc3\xa9st\n";
+  refused({"--listen", "127.0.0.1:0", "--token-file", utf8}, "byte 1 is 0xc3");
+  refused({"--listen", "127.0.0.1:0", "--token-file", "/dev/zero"}, "is not a regular file");
+  const std::string fifo = dir / "fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  refused({"--listen", "127.0.0.1:0", "--token-file", fifo}, "is not a regular file");
+  const std::string huge = dir / "huge";
+  std::ofstream(huge) << std::string(100000, 'x');
+  refused({"--listen", "127.0.0.1:0", "--token-file", huge}, "is larger than 65536 bytes");
+
+  const std::string junk = dir / "junk.pem";
+  std::ofstream(junk) << "not a certificate\n";
+  refused({"--listen", "127.0.0.1:0", "--tls-cert", junk, "--tls-key", junk},
+          "--tls-cert: '" + junk + "' is not a PEM certificate");
+
+  TempDir a_dir, b_dir;
+  TestPki a(a_dir), b(b_dir);
+  if (!a.ok || !b.ok) {
+    WARN("TLS pair case skipped: " + (a.ok ? b.why : a.why));
+    return;
+  }
+  // Two valid PEM files that do not belong together: a TLS problem, not an address problem.
+  refused({"--listen", "127.0.0.1:0", "--tls-cert", a.cert, "--tls-key", b.key},
+          "the TLS certificate and key cannot be used");
 }

@@ -813,3 +813,18 @@ TEST_CASE("tombstones are bounded in number, the oldest close evicted first",
     CHECK(h.errors[node].message().find("is closed") != std::string::npos);
   }
 }
+
+TEST_CASE("a join whose local world size or node count could wrap WORLD_SIZE is refused",
+          "[rendezvous][state]") {
+  Harness h(1, 2);
+  h.join("huge", 0xFFFFFFFFu);
+  REQUIRE(h.errors.count("huge"));
+  CHECK(h.errors["huge"].code() == StatusCode::kInvalidArgument);
+  CHECK(h.errors["huge"].message() == "local_world_size must be at most 32768, got 4294967295");
+  h.join("fine", 32768);
+  CHECK(h.errors.count("fine") == 0);
+  Harness many(1, 0xFFFFFFFFu);
+  many.join("a");
+  REQUIRE(many.errors.count("a"));
+  CHECK(many.errors["a"].message() == "nnodes MAX must be at most 65536, got 4294967295");
+}

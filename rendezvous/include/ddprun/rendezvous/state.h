@@ -45,6 +45,9 @@ struct StateLimits {
   size_t max_value_bytes = 1 << 20;
   size_t max_key_bytes = 4096;
   size_t max_id_bytes = 1024;
+  // Bounds that keep WORLD_SIZE (a sum of local world sizes, uint32) from wrapping.
+  uint32_t max_local_world_size = 1u << 15;
+  uint32_t max_nodes = 1u << 16;
 };
 
 // How long the state keeps what jobs leave behind.
