@@ -42,6 +42,11 @@ StatusOr<double> secondsAtLeast(const Raw& raw, double lo, bool exclusive) {
   if (!v || (exclusive ? *v <= lo : *v < lo)) {
     return badValue(raw, exclusive ? "a number of seconds > 0" : "a number of seconds >= 0");
   }
+  if (*v > kMaxDurationSeconds) {
+    return badValue(
+        raw, std::string(exclusive ? "a number of seconds > 0" : "a number of seconds >= 0") +
+                 " and at most 1e9");
+  }
   return *v;
 }
 

@@ -9,8 +9,6 @@ namespace ddprun::rendezvous {
 
 namespace {
 
-// Larger values would overflow Duration; nobody means a timeout of 30 years.
-constexpr double kMaxSeconds = 1e9;
 constexpr long long kMaxHeartbeatMisses = 1000000;
 
 StatusOr<Duration> parseSeconds(const std::string& key, const std::string& value, bool allow_zero) {
@@ -19,7 +17,7 @@ StatusOr<Duration> parseSeconds(const std::string& key, const std::string& value
     return invalidArgument(key + " must be a number of seconds " + (allow_zero ? ">= 0" : "> 0") +
                            ", got '" + value + "'");
   }
-  if (*v > kMaxSeconds) {
+  if (*v > kMaxDurationSeconds) {
     return invalidArgument(key + " must be at most 1e9 seconds, got '" + value + "'");
   }
   return seconds(*v);

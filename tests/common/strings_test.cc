@@ -1,6 +1,9 @@
 #include "ddprun/common/strings.h"
 
 #include <catch2/catch.hpp>
+#include <cmath>
+
+#include "ddprun/common/clock.h"
 
 using namespace ddprun;
 
@@ -23,4 +26,13 @@ TEST_CASE("number parsers reject partial and malformed input", "[common]") {
   CHECK(parseBool("TRUE") == true);
   CHECK(parseBool("off") == false);
   CHECK_FALSE(parseBool("maybe").has_value());
+}
+
+TEST_CASE("seconds() converts without overflow, clamping to 0 .. 1e9 s", "[common]") {
+  CHECK(ddprun::seconds(1.5) == std::chrono::milliseconds(1500));
+  CHECK(ddprun::seconds(1e9) == std::chrono::seconds(1000000000));
+  CHECK(ddprun::seconds(1e300) == std::chrono::seconds(1000000000));
+  CHECK(ddprun::seconds(-5) == ddprun::Duration::zero());
+  CHECK(ddprun::seconds(std::nan("")) == ddprun::Duration::zero());
+  CHECK(ddprun::seconds(1e9) > ddprun::Duration::zero());
 }

@@ -223,6 +223,19 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
        "argument --monitor-interval: expected a number of seconds > 0, got '0'"},
       {{"--shutdown-timeout=soon", x},
        "argument --shutdown-timeout: expected a number of seconds >= 0, got 'soon'"},
+      // Huge durations are refused, not wrapped (1e300 once killed after 0.05 s).
+      {{"--shutdown-timeout=1e300", x},
+       "argument --shutdown-timeout: expected a number of seconds >= 0 and at most 1e9, got "
+       "'1e300'"},
+      {{"--shutdown-timeout=9.3e9", x},
+       "argument --shutdown-timeout: expected a number of seconds >= 0 and at most 1e9, got "
+       "'9.3e9'"},
+      {{"--exit-barrier-timeout=1e300", x},
+       "argument --exit-barrier-timeout: expected a number of seconds >= 0 and at most 1e9, got "
+       "'1e300'"},
+      {{"--monitor-interval=1e10", x},
+       "argument --monitor-interval: expected a number of seconds > 0 and at most 1e9, got "
+       "'1e10'"},
       {{"--heartbeat-timeout=-1", x},
        "argument --heartbeat-timeout: expected a number of seconds >= 0 (0 disables hang "
        "detection, at most 1e9), got '-1'"},

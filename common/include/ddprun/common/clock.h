@@ -26,8 +26,15 @@ class SteadyClock final : public Clock {
   }
 };
 
-// Seconds as a Duration; for options given in (fractional) seconds.
+// The largest number of seconds any duration flag or --rdzv-conf key takes: larger values would
+// overflow Duration (and nobody means a timeout of 30 years). Parsers refuse more with a message.
+inline constexpr double kMaxDurationSeconds = 1e9;
+
+// Seconds as a Duration; for options given in (fractional) seconds. Clamped to
+// [0, kMaxDurationSeconds] (NaN gives 0), so no input can overflow the conversion.
 inline Duration seconds(double s) {
+  if (!(s > 0)) return Duration::zero();
+  if (s > kMaxDurationSeconds) s = kMaxDurationSeconds;
   return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
 }
 
