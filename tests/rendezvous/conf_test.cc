@@ -12,6 +12,8 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "ddprun/rendezvous/files.h"
+
 using namespace ddprun;
 using namespace ddprun::rendezvous;
 using namespace std::chrono_literals;
@@ -272,4 +274,25 @@ TEST_CASE("rdzv-conf rejects malformed values", "[rendezvous][conf]") {
   CHECK_FALSE(parseRendezvousConf({{"heartbeat_misses", "0"}}, 1, 1).isOk());
   CHECK_FALSE(parseRendezvousConf({{"is_host", "maybe"}}, 1, 1).isOk());
   CHECK_FALSE(parseRendezvousConf({{"token_file", "/nonexistent/t"}}, 1, 1).isOk());
+}
+
+TEST_CASE("a token file with a control or non-ASCII byte, or that is no regular file, is refused",
+          "[conf]") {
+  Files f;
+  const std::string control = f.dir + "/control";
+  std::ofstream(control) << "abc\x07"
+                            "def\n";
+  auto bad = parseRendezvousConf({{"token_file", control}}, 1, 1);
+  REQUIRE_FALSE(bad.isOk());
+  CHECK(bad.status().message() == "token_file: token file " + control +
+                                      ": the token must be printable ASCII without spaces; byte "
+                                      "3 is 0x07");
+  const std::string spaced = f.dir + "/spaced";
+  std::ofstream(spaced) << "two words\n";
+  CHECK_FALSE(parseRendezvousConf({{"token_file", spaced}}, 1, 1).isOk());
+  auto dev = parseRendezvousConf({{"token_file", "/dev/urandom"}}, 1, 1);
+  REQUIRE_FALSE(dev.isOk());
+  CHECK(dev.status().message() == "token_file: /dev/urandom is not a regular file");
+  CHECK(validateToken(std::string(kMaxTokenBytes, 'a')).isOk());
+  CHECK_FALSE(validateToken(std::string(kMaxTokenBytes + 1, 'a')).isOk());
 }
