@@ -20,6 +20,7 @@
 using namespace ddprun;
 using namespace ddprun::rendezvous;
 using namespace std::chrono_literals;
+using ddprun::rendezvous::testing::selfSignedTls;
 using ddprun::rendezvous::testing::startServer;
 using ddprun::rendezvous::testing::waitUntil;
 
@@ -321,18 +322,7 @@ TEST_CASE("a watch delivers the snapshot and a membership change on the io threa
 
 TEST_CASE("TLS: a client started before its server's listener still joins",
           "[rendezvous][async][tls]") {
-  char dir_template[] = "/tmp/ddprun-tls-XXXXXX";
-  REQUIRE(mkdtemp(dir_template) != nullptr);
-  const std::string dir = dir_template;
-  const std::string cmd =
-      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
-      " -addext subjectAltName=DNS:localhost,IP:127.0.0.1"
-      " -keyout " +
-      dir + "/key.pem -out " + dir + "/cert.pem 2>/dev/null";
-  REQUIRE(std::system(cmd.c_str()) == 0);
-  ServerOptions options;
-  options.tls_cert_pem = readFile(dir + "/cert.pem").value();
-  options.tls_key_pem = readFile(dir + "/key.pem").value();
+  ServerOptions options = selfSignedTls();
   options.listen = "127.0.0.1:" + std::to_string(freePort());
 
   Loop loop;
@@ -348,5 +338,4 @@ TEST_CASE("TLS: a client started before its server's listener still joins",
   REQUIRE(joins.waitFor(1));
   REQUIRE(joins.values[0].isOk());
   CHECK(joins.values[0]->group_world_size == 1);
-  std::system(("rm -rf " + dir).c_str());
 }

@@ -20,6 +20,7 @@
 using namespace ddprun;
 using namespace ddprun::rendezvous;
 using namespace std::chrono_literals;
+using ddprun::rendezvous::testing::selfSignedTls;
 using ddprun::rendezvous::testing::startServer;
 using ddprun::rendezvous::testing::waitUntil;
 
@@ -520,18 +521,7 @@ TEST_CASE("the daemon frees a closed run's id after --closed-run-ttl", "[rendezv
 
 TEST_CASE("TLS: a client trusting the server's certificate joins, a plaintext one cannot",
           "[rendezvous][grpc][tls]") {
-  char dir_template[] = "/tmp/ddprun-tls-XXXXXX";
-  REQUIRE(mkdtemp(dir_template) != nullptr);
-  const std::string dir = dir_template;
-  const std::string cmd =
-      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
-      " -addext subjectAltName=DNS:localhost,IP:127.0.0.1"
-      " -keyout " +
-      dir + "/key.pem -out " + dir + "/cert.pem 2>/dev/null";
-  REQUIRE(std::system(cmd.c_str()) == 0);
-  ServerOptions options;
-  options.tls_cert_pem = readFile(dir + "/cert.pem").value();
-  options.tls_key_pem = readFile(dir + "/key.pem").value();
+  ServerOptions options = selfSignedTls();
   auto server = startServer(options);
 
   ClientOptions secure = clientFor(*server);
@@ -545,7 +535,6 @@ TEST_CASE("TLS: a client trusting the server's certificate joins, a plaintext on
   plain.retry_timeout = 200ms;
   Client insecure(plain);
   CHECK_FALSE(insecure.kvGet("tls", "k").isOk());
-  std::system(("rm -rf " + dir).c_str());
 }
 
 TEST_CASE("an agent process killed mid-join is dropped and the others complete without it",
