@@ -119,6 +119,16 @@ void MultiNodeRendezvous::resolveMaster(rendezvous::RoundInfo joined, RoundInfo 
         [finish, world_size](StatusOr<RoundInfo> r) mutable { finish(std::move(r), world_size); });
     return;
   }
+  if (!joined.master_addr.empty() && joined.master_port != 0) {
+    // The round's master is already published. Rank 0 too takes it when it re-joins the same
+    // round (the service answers a participant of the completed round with that round, e.g.
+    // after a checkpoint stop every node re-forms without a membership change): a new port here
+    // would send its workers to another store than the others'.
+    round.master_addr = joined.master_addr;
+    round.master_port = static_cast<int>(joined.master_port);
+    finish(round, world_size);
+    return;
+  }
   if (joined.group_rank == 0) {
     rendezvous::MasterAddress master{options_.local_addr,
                                      static_cast<uint32_t>(options_.master_port)};
@@ -140,12 +150,6 @@ void MultiNodeRendezvous::resolveMaster(rendezvous::RoundInfo joined, RoundInfo 
                                finish(round, world_size);
                              }
                            });
-    return;
-  }
-  if (!joined.master_addr.empty() && joined.master_port != 0) {
-    round.master_addr = joined.master_addr;
-    round.master_port = static_cast<int>(joined.master_port);
-    finish(round, world_size);
     return;
   }
   service_.waitMaster(

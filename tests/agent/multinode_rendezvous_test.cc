@@ -374,3 +374,26 @@ TEST_CASE("a heartbeat the service no longer knows makes the node join again",
   REQUIRE_FALSE(f.events.empty());
   CHECK(f.events.front() == PeerEvent::kMembershipChange);
 }
+
+TEST_CASE("rank 0 re-joining a round whose master is published keeps that master",
+          "[agent][multinode]") {
+  Fixture f;
+  f.formRound(1);
+  CHECK(f.result->value().master_port == 1234);
+  // Every node re-forms without a membership change: the service answers the same round, with
+  // the master rank 0 published the first time. A fresh port would split the workers' stores.
+  auto o = Fixture::defaults();
+  o.master_port = 0;  // would pick a free port
+  Fixture g(o);
+  g.nextRound();
+  auto joined = roundOf(1, "a", {{"a", 2}, {"b", 2}});
+  joined.master_addr = "a.host";
+  joined.master_port = 4321;
+  g.service.answer(g.service.joins, joined);
+  g.poll();
+  CHECK(g.service.publishes.empty());
+  REQUIRE(g.result.has_value());
+  REQUIRE(g.result->isOk());
+  CHECK(g.result->value().group_rank == 0);
+  CHECK(g.result->value().master_port == 4321);
+}
