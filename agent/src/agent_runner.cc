@@ -46,7 +46,7 @@ StatusOr<std::string> makeRunLogDir(const AgentConfig& cfg) {
 // The planner's launches, once the directories and files they name are ready.
 StatusOr<std::vector<WorkerLaunch>> prepareAttempt(AttemptPlan plan) {
   for (const auto& dir : plan.dirs) DDPRUN_RETURN_IF_ERROR(makeDirs(dir));
-  for (const auto& file : plan.stale_files) {  // error, heartbeat and stop files
+  for (const auto& file : plan.stale_files) {  // error, heartbeat, stop and filtered files
     Status st = removeIfExists(file);
     if (!st.isOk()) return Status(st.code(), "a file of the previous round: " + st.message());
   }

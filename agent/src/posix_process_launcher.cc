@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <string_view>
 
 #include "ddprun/common/log.h"
 #include "worker_guardian.h"
@@ -27,6 +28,22 @@ void writeAll(int fd, const char* data, size_t n) {
 
 int openLog(const std::string& path) {
   return ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+}
+
+// Shared by every worker of a round: each line lands with one O_APPEND write.
+int openShared(const std::string& path) {
+  return ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+}
+
+// A worker that never writes a newline must not grow the agent: past this, the pending text is
+// emitted as a line of its own.
+constexpr size_t kMaxLineBytes = 64 * 1024;
+
+bool containsAny(std::string_view line, const std::vector<std::string>& needles) {
+  for (const auto& n : needles) {
+    if (line.find(n) != std::string_view::npos) return true;
+  }
+  return false;
 }
 
 std::string errnoText(int err) { return std::strerror(err); }
@@ -92,12 +109,12 @@ StatusOr<int> PosixProcessLauncher::spawn(const WorkerLaunch& launch) {
   const int out_console = launch.to_console ? STDOUT_FILENO : -1;
   const int err_console = launch.to_console ? STDERR_FILENO : -1;
   if (tee_out_read >= 0) {
-    DDPRUN_RETURN_IF_ERROR(
-        addTee(tee_out_read, launch.stdout_file, out_console, launch.console_prefix));
+    DDPRUN_RETURN_IF_ERROR(addTee(tee_out_read, launch.stdout_file, out_console,
+                                  launch.console_prefix, launch.stdout_filter));
   }
   if (tee_err_read >= 0) {
-    DDPRUN_RETURN_IF_ERROR(
-        addTee(tee_err_read, launch.stderr_file, err_console, launch.console_prefix));
+    DDPRUN_RETURN_IF_ERROR(addTee(tee_err_read, launch.stderr_file, err_console,
+                                  launch.console_prefix, launch.stderr_filter));
   }
   return *pid;
 }
@@ -135,12 +152,22 @@ void PosixProcessLauncher::signalGroup(int pid, int sig) {
 }
 
 Status PosixProcessLauncher::addTee(int read_fd, const std::string& file, int console_fd,
-                                    const std::string& prefix) {
+                                    const std::string& prefix, const LineFilter& filter) {
   auto s = std::make_shared<TeeStream>(io_);
   s->file_fd = file.empty() ? -1 : openLog(file);
   if (!file.empty() && s->file_fd < 0) {
     ::close(read_fd);
     return internalError("cannot open " + file + ": " + errnoText(errno));
+  }
+  if (!filter.file.empty()) {
+    s->filter_fd = openShared(filter.file);
+    if (s->filter_fd < 0) {
+      const int err = errno;
+      ::close(read_fd);
+      if (s->file_fd >= 0) ::close(s->file_fd);
+      return internalError("cannot open " + filter.file + ": " + errnoText(err));
+    }
+    s->needles = filter.needles;
   }
   s->console_fd = console_fd;
   s->prefix = prefix;
@@ -165,30 +192,52 @@ void PosixProcessLauncher::readMore(const std::shared_ptr<TeeStream>& s) {
 
 void PosixProcessLauncher::consume(TeeStream& s, const char* data, size_t n) {
   if (s.file_fd >= 0) writeAll(s.file_fd, data, n);
-  if (s.console_fd < 0) return;
+  if (s.console_fd < 0 && s.filter_fd < 0) return;
   s.partial.append(data, n);
+  emitLines(s, /*flush=*/false);
+}
+
+void PosixProcessLauncher::emitLines(TeeStream& s, bool flush) {
+  std::string console, filtered;
+  auto emit = [&](std::string_view line) {  // without its newline
+    if (s.console_fd >= 0) {
+      console += s.prefix;
+      console.append(line);
+      console += '\n';
+    }
+    if (s.filter_fd >= 0 && containsAny(line, s.needles)) {
+      filtered += s.prefix;
+      filtered.append(line);
+      filtered += '\n';
+    }
+  };
+  const std::string_view text(s.partial);
   size_t start = 0;
-  std::string out;
-  for (size_t nl; (nl = s.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
-    out += s.prefix;
-    out.append(s.partial, start, nl - start + 1);
+  for (size_t nl; (nl = text.find('\n', start)) != std::string_view::npos; start = nl + 1) {
+    emit(text.substr(start, nl - start));
+  }
+  for (; text.size() - start >= kMaxLineBytes; start += kMaxLineBytes) {
+    emit(text.substr(start, kMaxLineBytes));
+  }
+  if (flush && start < text.size()) {
+    emit(text.substr(start));
+    start = text.size();
   }
   s.partial.erase(0, start);
-  if (!out.empty()) writeAll(s.console_fd, out.data(), out.size());
+  if (!console.empty()) writeAll(s.console_fd, console.data(), console.size());
+  if (!filtered.empty()) writeAll(s.filter_fd, filtered.data(), filtered.size());
 }
 
 void PosixProcessLauncher::closeStream(TeeStream& s) {
   if (!s.open) return;
   s.open = false;
-  if (s.console_fd >= 0 && !s.partial.empty()) {
-    std::string out = s.prefix + s.partial + "\n";
-    writeAll(s.console_fd, out.data(), out.size());
-    s.partial.clear();
-  }
+  emitLines(s, /*flush=*/true);
   boost::system::error_code ignored;
   s.pipe.close(ignored);
-  if (s.file_fd >= 0) ::close(s.file_fd);
-  s.file_fd = -1;
+  for (int* fd : {&s.file_fd, &s.filter_fd}) {
+    if (*fd >= 0) ::close(*fd);
+    *fd = -1;
+  }
 }
 
 void PosixProcessLauncher::drainAll() {

@@ -44,14 +44,20 @@ class PosixProcessLauncher final : public ProcessLauncher {
     int file_fd = -1;
     int console_fd = -1;  // -1: file only
     std::string prefix;
+    int filter_fd = -1;  // --duplicate-*-filters: matching lines also go here
+    std::vector<std::string> needles;
     std::string partial;
     std::array<char, 16384> buf{};
     bool open = true;
   };
 
-  Status addTee(int read_fd, const std::string& file, int console_fd, const std::string& prefix);
+  Status addTee(int read_fd, const std::string& file, int console_fd, const std::string& prefix,
+                const LineFilter& filter);
   void readMore(const std::shared_ptr<TeeStream>& s);
   static void consume(TeeStream& s, const char* data, size_t n);
+  // Writes the complete lines of s.partial (all of it when `flush`) to the console and the
+  // filtered file.
+  static void emitLines(TeeStream& s, bool flush);
   static void closeStream(TeeStream& s);
   void waitForExits();
   void reap();

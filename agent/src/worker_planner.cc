@@ -80,7 +80,22 @@ AttemptPlan WorkerPlanner::plan(const RoundInfo& round, int restart_count) const
     w.to_console = !cfg_.local_ranks_filter || cfg_.local_ranks_filter->count(lr) > 0;
     w.console_prefix =
         expandLogLinePrefix(cfg_.log_line_prefix_template, cfg_.role, lr, w.global_rank, hostname_);
+    if (w.tee_stdout && !cfg_.duplicate_stdout_filters.empty()) {
+      w.stdout_filter = {attempt_dir + "/filtered_stdout.log", cfg_.duplicate_stdout_filters};
+    }
+    if (w.tee_stderr && !cfg_.duplicate_stderr_filters.empty()) {
+      w.stderr_filter = {attempt_dir + "/filtered_stderr.log", cfg_.duplicate_stderr_filters};
+    }
     out.launches.push_back(std::move(w));
+  }
+  // The filtered files gather every worker's lines of one round: a previous round's go first.
+  for (const auto& w : out.launches) {
+    for (const LineFilter* f : {&w.stdout_filter, &w.stderr_filter}) {
+      if (!f->file.empty() && std::find(out.stale_files.begin(), out.stale_files.end(), f->file) ==
+                                  out.stale_files.end()) {
+        out.stale_files.push_back(f->file);
+      }
+    }
   }
   return out;
 }

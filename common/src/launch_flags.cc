@@ -57,10 +57,11 @@ const std::vector<LaunchFlag>& launchFlags() {
        "torchrun's Python event-log handler plug-in: accepted and ignored with a notice unless "
        "'null' (ddprun has no Python plug-ins)."},
       {"duplicate_stdout_filters", 0, true, "FILTERS",
-       "torchrun 2.x: copy workers' stdout lines containing one of FILTERS to a file. Not "
-       "supported yet: refused (use -t/--tee with --log-dir and grep the logs)."},
+       "Also copy tee'd stdout lines that contain one of FILTERS (comma-separated) to "
+       "<log dir>/<run>/attempt_<n>/filtered_stdout.log, all local ranks in one file (as "
+       "torchrun 2.x; needs -t/--tee)."},
       {"duplicate_stderr_filters", 0, true, "FILTERS",
-       "As --duplicate-stdout-filters, for stderr. Not supported yet: refused."},
+       "As --duplicate-stdout-filters, for stderr (filtered_stderr.log)."},
       {"log_dir", 0, true, "DIR", "Base directory for log files (a temp dir by default)."},
       {"redirects", 'r', true, "STD",
        "Redirect std streams into a log file: 0 none, 1 stdout, 2 stderr, 3 both; or per local "

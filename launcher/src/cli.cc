@@ -338,11 +338,22 @@ StatusOr<std::vector<int>> signalList(const Raw& r) {
 
 using Apply = Status (*)(const Raw&, const HostFacts&, agent::AgentConfig&);
 
-// Refused rather than ignored: a job that relies on the filtered file would silently miss it.
-Status refuseDuplicateFilters(const Raw& r, const HostFacts&, agent::AgentConfig&) {
-  return usage("argument " + r.source +
-               ": not supported by ddprun yet; tee the streams into files instead (-t 3 "
-               "--log-dir DIR) and filter <DIR>/<run>/attempt_<n>/<local_rank>/stdout.log");
+// --duplicate-*-filters: strings separated by commas, surrounding blanks trimmed. A line never
+// holds a newline, and an empty string would match every line: both are refused.
+StatusOr<std::vector<std::string>> lineFilters(const Raw& r) {
+  constexpr size_t kMaxFilterBytes = 64 * 1024;
+  const std::string expected = "strings separated by commas, like 'loss,NaN'";
+  if (r.value.size() > kMaxFilterBytes) return badValue(r, expected + " (at most 64 KiB)");
+  std::vector<std::string> out;
+  for (const auto& item : split(r.value, ',')) {
+    std::string needle = trim(item);
+    if (needle.empty()) return badValue(r, expected + ", none of them empty");
+    if (needle.find_first_of("\r\n") != std::string::npos) {
+      return badValue(r, expected + " (a line never contains a newline)");
+    }
+    out.push_back(std::move(needle));
+  }
+  return out;
 }
 
 // The launcher's column of the flag table (common/launch_flags.h): what each flag does to the
@@ -435,8 +446,16 @@ Apply applierOf(const std::string& name) {
          c.virtual_local_rank = true;
          return Status::ok();
        }},
-      {"duplicate_stdout_filters", refuseDuplicateFilters},
-      {"duplicate_stderr_filters", refuseDuplicateFilters},
+      {"duplicate_stdout_filters",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.duplicate_stdout_filters, lineFilters(r));
+         return Status::ok();
+       }},
+      {"duplicate_stderr_filters",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.duplicate_stderr_filters, lineFilters(r));
+         return Status::ok();
+       }},
       {"logs_specs",
        [](const Raw& r, const HostFacts&, AgentConfig&) -> Status {
          return nonBlank(r, "the name of a LogsSpecs plug-in").status();
@@ -623,6 +642,20 @@ void addNotices(const Values& given, CliMode mode, const agent::AgentConfig& cfg
     notices.push_back("warning: " + raw + ": ddprun's rendezvous does not use " +
                       join(cfg.rdzv_conf.unknown_keys, ", ") +
                       " (torchrun would pass them to its backend); ignoring them");
+  }
+  // As in torchrun, the filters see the streams the agent tees; say so when they see nothing.
+  for (const auto& [flag, filters, mask] :
+       {std::tuple{"duplicate_stdout_filters", &cfg.duplicate_stdout_filters, 1},
+        std::tuple{"duplicate_stderr_filters", &cfg.duplicate_stderr_filters, 2}}) {
+    bool teed = static_cast<int>(cfg.tee.all) & mask;
+    for (const auto& [rank, streams] : cfg.tee.per_rank) teed |= (static_cast<int>(streams) & mask);
+    if (!filters->empty() && !teed) {
+      notices.push_back("warning: " + given.at(flag).source +
+                        " has no effect: it filters the streams of tee'd workers, and no local "
+                        "rank tees " +
+                        (mask == 1 ? "stdout" : "stderr") + " (add -t " + std::to_string(mask) +
+                        " or -t 3)");
+    }
   }
   if (auto it = given.find("logs_specs"); it != given.end()) {
     notices.push_back(it->second.source + "=" + it->second.value +

@@ -1,5 +1,6 @@
 #include "ddprun/agent/worker_planner.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 
 using namespace ddprun;
@@ -79,6 +80,30 @@ TEST_CASE("the planner lays out one attempt's workers without touching the disk"
   CHECK(w0.to_console);
   CHECK_FALSE(w1.to_console);  // --local-ranks-filter=0
   CHECK(w1.console_prefix == "5>");
+}
+
+TEST_CASE("duplicate filters: tee'd streams share one filtered file per attempt", "[agent]") {
+  AgentConfig cfg;
+  cfg.worker_argv = {"/bin/prog"};
+  cfg.tee.per_rank = {{0, StdStreams::kAll}, {1, StdStreams::kErr}};
+  cfg.duplicate_stdout_filters = {"loss"};
+  cfg.duplicate_stderr_filters = {"Error", "NaN"};
+  WorkerPlanner planner(cfg, "/logs/r", "host1", {});
+  const AttemptPlan plan = planner.plan(round4And2(1), /*restart_count=*/0);
+  REQUIRE(plan.launches.size() == 2);
+  const WorkerLaunch& w0 = plan.launches[0];
+  const WorkerLaunch& w1 = plan.launches[1];
+  CHECK(w0.stdout_filter.file == "/logs/r/attempt_0/filtered_stdout.log");
+  CHECK(w0.stdout_filter.needles == std::vector<std::string>{"loss"});
+  CHECK(w0.stderr_filter.file == "/logs/r/attempt_0/filtered_stderr.log");
+  CHECK(w1.stdout_filter.file.empty());  // rank 1 does not tee stdout
+  CHECK(w1.stderr_filter.file == w0.stderr_filter.file);
+  CHECK(w1.stderr_filter.needles == std::vector<std::string>{"Error", "NaN"});
+  // A previous round's filtered lines go, once each.
+  CHECK(std::count(plan.stale_files.begin(), plan.stale_files.end(),
+                   "/logs/r/attempt_0/filtered_stdout.log") == 1);
+  CHECK(std::count(plan.stale_files.begin(), plan.stale_files.end(),
+                   "/logs/r/attempt_0/filtered_stderr.log") == 1);
 }
 
 TEST_CASE("without hang detection no heartbeat file is planned", "[agent]") {

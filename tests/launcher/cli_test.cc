@@ -355,14 +355,18 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
        "argument --event-log-handler: expected the name of an event-log handler (e.g. null), got "
        "' '"},
       {{"--event_log_handler"}, "argument --event-log-handler: expected one argument (NAME)"},
-      {{"--duplicate-stdout-filters=loss", x},
-       "argument --duplicate-stdout-filters: not supported by ddprun yet; tee the streams into "
-       "files instead (-t 3 --log-dir DIR) and filter <DIR>/<run>/attempt_<n>/<local_rank>/"
-       "stdout.log"},
-      {{"--duplicate_stderr_filters", "err", x},
-       "argument --duplicate-stderr-filters: not supported by ddprun yet; tee the streams into "
-       "files instead (-t 3 --log-dir DIR) and filter <DIR>/<run>/attempt_<n>/<local_rank>/"
-       "stdout.log"},
+      {{"--duplicate-stdout-filters=", x},
+       "argument --duplicate-stdout-filters: expected strings separated by commas, like "
+       "'loss,NaN', none of them empty, got ''"},
+      {{"--duplicate_stderr_filters", "a,,b", x},
+       "argument --duplicate-stderr-filters: expected strings separated by commas, like "
+       "'loss,NaN', none of them empty, got 'a,,b'"},
+      {{"--duplicate-stdout-filters= , ", x},
+       "argument --duplicate-stdout-filters: expected strings separated by commas, like "
+       "'loss,NaN', none of them empty, got ' , '"},
+      {{"--duplicate-stdout-filters=a\nb", x},
+       "argument --duplicate-stdout-filters: expected strings separated by commas, like "
+       "'loss,NaN' (a line never contains a newline), got 'a\nb'"},
       {{"--duplicate-stdout-filters"},
        "argument --duplicate-stdout-filters: expected one argument (FILTERS)"},
       {{"--nproc-per-node=xpu", x},
@@ -378,6 +382,40 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
     INFO(join(c.args, " "));
     CHECK(errorOf(c.args, f.env()) == c.expected);
   }
+}
+
+TEST_CASE("duplicate filters: both spellings, PET default, notice without tee", "[launcher]") {
+  Files f;
+  auto r = parse({"--duplicate-stdout-filters= loss ,NaN", "--duplicate_stderr_filters=Error", "-t",
+                  "3", f.exe},
+                 f.env());
+  REQUIRE(r.isOk());
+  CHECK(r->config.duplicate_stdout_filters == std::vector<std::string>{"loss", "NaN"});
+  CHECK(r->config.duplicate_stderr_filters == std::vector<std::string>{"Error"});
+  for (const auto& n : r->notices) CHECK(n.find("duplicate") == std::string::npos);
+
+  auto env = f.env();
+  env["PET_DUPLICATE_STDOUT_FILTERS"] = "epoch";
+  auto pet = parse({"--tee=0:1", f.exe}, env);
+  REQUIRE(pet.isOk());
+  CHECK(pet->config.duplicate_stdout_filters == std::vector<std::string>{"epoch"});
+  auto over = parse({"--duplicate-stdout-filters=x", "-t", "1", f.exe}, env);
+  REQUIRE(over.isOk());
+  CHECK(over->config.duplicate_stdout_filters == std::vector<std::string>{"x"});
+
+  // Nothing tees stdout: the filters would see nothing, and the user is told so.
+  auto untee = parse({"--duplicate-stdout-filters=loss", "-t", "2", f.exe}, f.env());
+  REQUIRE(untee.isOk());
+  bool warned = false;
+  for (const auto& n : untee->notices) {
+    warned |= n ==
+              "warning: --duplicate-stdout-filters has no effect: it filters the streams of "
+              "tee'd workers, and no local rank tees stdout (add -t 1 or -t 3)";
+  }
+  CHECK(warned);
+  auto huge = parse({"--duplicate-stdout-filters=" + std::string(70000, 'a'), f.exe}, f.env());
+  REQUIRE_FALSE(huge.isOk());
+  CHECK(huge.status().message().find("(at most 64 KiB)") != std::string::npos);
 }
 
 TEST_CASE("rdzv-conf accepts every key of the rendezvous' parser and keeps the pairs for the agent",

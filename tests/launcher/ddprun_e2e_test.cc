@@ -377,6 +377,43 @@ TEST_CASE("tee prefixes console lines per rank and --local-ranks-filter selects 
   CHECK(templ.err.find("<trainer|1>warn\n") != std::string::npos);
 }
 
+TEST_CASE("duplicate filters copy matching tee'd lines of every rank to one file", "[e2e]") {
+  TempDir logs;
+  auto r =
+      run(withWorker({"--nproc-per-node=2", "--rdzv-id=filt", "--log-dir", logs.path(), "--tee=3",
+                      "--duplicate-stdout-filters=loss,NaN", "--duplicate_stderr_filters=Error"},
+                     {"--print", "epoch 1 loss=0.5", "--print", "no match", "--print", "grad NaN",
+                      "--eprint", "Error: x", "--eprint", "warn"}));
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("[default0]:no match\n") != std::string::npos);  // the console keeps all
+  auto dirs = run({"/bin/sh", "-c", "ls -d " + logs.path() + "/filt_*"});
+  const std::string attempt = trim(dirs.out) + "/attempt_0";
+  auto lines = [](const std::string& text) {
+    std::vector<std::string> out = split(text, '\n');
+    if (!out.empty() && out.back().empty()) out.pop_back();
+    std::sort(out.begin(), out.end());  // the ranks' lines interleave in any order
+    return out;
+  };
+  CHECK(lines(readFile(attempt + "/filtered_stdout.log")) ==
+        std::vector<std::string>{"[default0]:epoch 1 loss=0.5", "[default0]:grad NaN",
+                                 "[default1]:epoch 1 loss=0.5", "[default1]:grad NaN"});
+  CHECK(lines(readFile(attempt + "/filtered_stderr.log")) ==
+        std::vector<std::string>{"[default0]:Error: x", "[default1]:Error: x"});
+  CHECK(readFile(attempt + "/0/stdout.log") == "epoch 1 loss=0.5\nno match\ngrad NaN\n");
+}
+
+TEST_CASE("a tee'd worker that never writes a newline is cut into bounded lines", "[e2e]") {
+  // 200000 bytes without a newline: the agent emits 64 KiB pieces, not one growing buffer.
+  auto r = run(ddprunArgv({"--nproc-per-node=1", "--tee=1", "--duplicate-stdout-filters=a",
+                           "--no-python", "/bin/sh", "-c",
+                           "head -c 200000 /dev/zero | tr '\\0' a"}));
+  REQUIRE(r.exit_code == 0);
+  const auto pieces = split(r.out, '\n');
+  REQUIRE(pieces.size() == 5);  // 3 x 65536 + 3392, and the empty rest after the last newline
+  CHECK(pieces[0] == "[default0]:" + std::string(65536, 'a'));
+  CHECK(pieces[3] == "[default0]:" + std::string(200000 - 3 * 65536, 'a'));
+}
+
 TEST_CASE("usage errors are one line naming the flag, with exit code 2", "[e2e]") {
   for (const auto& args :
        std::vector<std::vector<std::string>>{{"--nnodes=0", "x"},

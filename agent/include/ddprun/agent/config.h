@@ -98,6 +98,10 @@ struct AgentConfig {
   PerRankStreams tee;
   std::optional<std::set<int>> local_ranks_filter;  // nullopt: every rank reaches the console
   std::string log_line_prefix_template;             // empty: "[${role_name}${local_rank}]:"
+  // --duplicate-stdout-filters / --duplicate-stderr-filters (torchrun 2.x): tee'd lines that
+  // contain one of these strings are also copied, prefixed, to <attempt dir>/filtered_std*.log.
+  std::vector<std::string> duplicate_stdout_filters;
+  std::vector<std::string> duplicate_stderr_filters;
 
   // Extras of ours.
   int metrics_port = -1;     // >= 0: serve /healthz and /metrics on local_addr (0: any free port)

@@ -19,6 +19,13 @@ struct ExitStatus {
   int torchrunExitCode() const { return signaled ? -code : code; }
 };
 
+// Lines of a tee'd stream that contain one of `needles` are also appended, prefixed like the
+// console's, to `file` (shared by every worker of the attempt). Empty file: no filter.
+struct LineFilter {
+  std::string file;
+  std::vector<std::string> needles;
+};
+
 // Everything needed to start one worker.
 struct WorkerLaunch {
   int local_rank = 0;
@@ -39,6 +46,8 @@ struct WorkerLaunch {
   bool tee_stderr = false;
   bool to_console = true;  // false: tee'd output goes to the file only (--local-ranks-filter)
   std::string console_prefix;
+  LineFilter stdout_filter;  // applies when tee_stdout
+  LineFilter stderr_filter;  // applies when tee_stderr
   // CPUs the worker may run on (--numa-binding); empty: the agent's own affinity.
   std::vector<int> cpu_affinity;
 };
