@@ -25,6 +25,7 @@ constexpr const char* kUsage =
     "linear|mlp|cnn]\n"
     "             [--backend gloo|nccl] [--lr F] [--dataset-size N] [--bucket-cap-mb F] "
     "[--no-overlap]\n"
+    "             [--compression none|fp16|bf16]\n"
     "             [--seed N] [--dump-params FILE] [--timing] [--fail-at-step N]\n"
     "  --fail-at-step N: fault injection for tests: the last rank kills itself (SIGKILL) after "
     "global\n"
@@ -45,6 +46,7 @@ struct Args {
   int64_t dataset_size = 2048;
   double bucket_cap_mb = 25;
   bool overlap = true;
+  ddprun::worker::Compression compression = ddprun::worker::Compression::kNone;
   int64_t seed = 0;
   std::string dump_params;
   bool timing = false;
@@ -104,7 +106,13 @@ Args parseArgs(int argc, char** argv) {
       a.bucket_cap_mb = positiveArg(arg, value());
     else if (arg == "--no-overlap")
       a.overlap = false;
-    else if (arg == "--seed")
+    else if (arg == "--compression") {
+      try {
+        a.compression = ddprun::worker::parseCompression(value());
+      } catch (const ddprun::worker::ConfigError& e) {
+        throw UsageError(std::string("--compression: ") + e.what());
+      }
+    } else if (arg == "--seed")
       a.seed = intArg(arg, value(), 0);
     else if (arg == "--dump-params")
       a.dump_params = value();
@@ -176,6 +184,7 @@ int main(int argc, char** argv) {
     o.heartbeat_file = env.heartbeat_file;
     o.stop_file = env.stop_file;
     o.ddp.bucket_cap_mb = args.bucket_cap_mb;
+    o.ddp.compression = args.compression;
     o.ddp.overlap = args.overlap;
     // Step timing (--timing): steady-state mean, skipping the first kWarmup steps of this run.
     constexpr int64_t kWarmup = 5;

@@ -404,9 +404,9 @@ TEST_CASE("duplicate filters copy matching tee'd lines of every rank to one file
 
 TEST_CASE("a tee'd worker that never writes a newline is cut into bounded lines", "[e2e]") {
   // 200000 bytes without a newline: the agent emits 64 KiB pieces, not one growing buffer.
-  auto r = run(ddprunArgv({"--nproc-per-node=1", "--tee=1", "--duplicate-stdout-filters=a",
-                           "--no-python", "/bin/sh", "-c",
-                           "head -c 200000 /dev/zero | tr '\\0' a"}));
+  auto r =
+      run(ddprunArgv({"--nproc-per-node=1", "--tee=1", "--duplicate-stdout-filters=a",
+                      "--no-python", "/bin/sh", "-c", "head -c 200000 /dev/zero | tr '\\0' a"}));
   REQUIRE(r.exit_code == 0);
   const auto pieces = split(r.out, '\n');
   REQUIRE(pieces.size() == 5);  // 3 x 65536 + 3392, and the empty rest after the last newline

@@ -72,6 +72,13 @@ TEST_CASE("all_reduce sums and averages across thread ranks for every size and d
           pg.comm().allReduce(d, ReduceOp::kAvg);
           if (!torch::allclose(d, torch::arange(n, torch::kDouble) * 2))
             fail("double avg n=" + std::to_string(n));
+          // 16-bit floats (compressed gradients): small integers are exact in both.
+          for (auto dt : {torch::kHalf, torch::kBFloat16}) {
+            auto h = torch::full({n}, pg.rank() + 1, dt);
+            pg.comm().allReduce(h, ReduceOp::kSum);
+            if (!torch::equal(h, torch::full({n}, 6, dt)))
+              fail(std::string(c10::toString(dt)) + " sum n=" + std::to_string(n));
+          }
           auto l = torch::full({n}, pg.rank() + 1, torch::kLong);
           pg.comm().allReduce(l, ReduceOp::kSum);
           if (!torch::equal(l, torch::full({n}, 6, torch::kLong)))

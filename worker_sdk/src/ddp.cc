@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <mutex>
 #include <sstream>
 
 #include "ddprun/common/log.h"
@@ -21,7 +22,81 @@ double nowMs() {
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
+// A compressed bucket's reduction: the sum arrives in the 16-bit wire buffer and is cast back
+// into the bucket once, by the first wait().
+class DecompressWork : public Work {
+ public:
+  DecompressWork(std::shared_ptr<Work> inner, torch::Tensor wire, torch::Tensor bucket)
+      : inner_(std::move(inner)), wire_(std::move(wire)), bucket_(std::move(bucket)) {}
+  void wait() override {
+    inner_->wait();
+    std::call_once(copied_, [this] {
+      torch::NoGradGuard no_grad;
+      bucket_.copy_(wire_);
+      wire_ = torch::Tensor();
+    });
+  }
+  bool isCompleted() override { return inner_->isCompleted(); }
+
+ private:
+  std::shared_ptr<Work> inner_;
+  torch::Tensor wire_;
+  torch::Tensor bucket_;
+  std::once_flag copied_;
+};
+
 }  // namespace
+
+Compression parseCompression(const std::string& name) {
+  if (name == "none") return Compression::kNone;
+  if (name == "fp16") return Compression::kFp16;
+  if (name == "bf16") return Compression::kBf16;
+  throw ConfigError("compression must be none, fp16 or bf16, got '" + name + "'");
+}
+
+std::string compressionName(Compression compression) {
+  switch (compression) {
+    case Compression::kFp16:
+      return "fp16";
+    case Compression::kBf16:
+      return "bf16";
+    case Compression::kNone:
+      break;
+  }
+  return "none";
+}
+
+CommHook allReduceHook() {
+  return [](Communicator& comm, const GradBucket& bucket) {
+    return comm.allReduceAsync(bucket.buffer, ReduceOp::kAvg);
+  };
+}
+
+CommHook compressHook(at::ScalarType wire_dtype) {
+  if (wire_dtype != torch::kHalf && wire_dtype != torch::kBFloat16) {
+    throw ConfigError("compressHook: the wire dtype must be Half or BFloat16, got " +
+                      std::string(c10::toString(wire_dtype)));
+  }
+  return [wire_dtype](Communicator& comm, const GradBucket& bucket) -> std::shared_ptr<Work> {
+    torch::NoGradGuard no_grad;
+    // Average before the cast, as PyTorch's hooks do: a sum of large fp16 gradients overflows.
+    torch::Tensor wire = bucket.buffer.div(comm.size()).to(wire_dtype);
+    auto work = comm.allReduceAsync(wire, ReduceOp::kSum);
+    return std::make_shared<DecompressWork>(std::move(work), std::move(wire), bucket.buffer);
+  };
+}
+
+CommHook hookFor(Compression compression) {
+  switch (compression) {
+    case Compression::kFp16:
+      return compressHook(torch::kHalf);
+    case Compression::kBf16:
+      return compressHook(torch::kBFloat16);
+    case Compression::kNone:
+      break;
+  }
+  return allReduceHook();
+}
 
 struct DistributedDataParallel::Bucket {
   std::vector<std::size_t> params;
@@ -41,6 +116,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
         "DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be positive");
   }
   Communicator& comm = group_->comm();
+  hook_ = options_.comm_hook ? options_.comm_hook : hookFor(options_.compression);
 
   for (auto& item : module_->named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) continue;
@@ -220,7 +296,13 @@ void DistributedDataParallel::launchReadyBuckets() {
     static const auto log = ddprun::logger("worker");
     log->trace("{:.3f} ms: bucket {} ({} params, {} elements) launched", nowMs(), next_bucket_,
                b.params.size(), b.flat.numel());
-    b.work = group_->comm().allReduceAsync(b.flat, ReduceOp::kAvg);
+    b.work = hook_(group_->comm(), GradBucket{next_bucket_, b.flat});
+    if (!b.work) {
+      throw WorkerError(
+          "DistributedDataParallel: the communication hook returned no work for "
+          "bucket " +
+          std::to_string(next_bucket_));
+    }
     ++next_bucket_;
   }
 }

@@ -82,6 +82,10 @@ void allReduceBuffer(const std::shared_ptr<gloo::Context>& ctx, void* data, size
       return runAllReduce(ctx, static_cast<int64_t*>(data), n, tag, timeout);
     case at::kInt:
       return runAllReduce(ctx, static_cast<int32_t*>(data), n, tag, timeout);
+    case at::kHalf:  // gloo's float16 has c10::Half's layout (IEEE binary16)
+      return runAllReduce(ctx, static_cast<gloo::float16*>(data), n, tag, timeout);
+    case at::kBFloat16:  // summed in float, rounded to nearest even, element by element
+      return runAllReduce(ctx, static_cast<c10::BFloat16*>(data), n, tag, timeout);
     default:
       throw WorkerError("all_reduce: dtype " + std::string(c10::toString(dtype)) +
                         " is not supported by the gloo backend");
@@ -131,7 +135,7 @@ class GlooCommunicator : public Communicator {
       const size_t n = static_cast<size_t>(work.numel());
       bool averaged = false;
       if (n > 0 && size_ > 1) {
-        if (shm_) {
+        if (shm_ && shmReducible(work.scalar_type())) {
           // The average's scaling rides on the reduction's last pass.
           ShmAllReduce::PieceHook across_hosts;
           if (column_) {
@@ -267,10 +271,16 @@ class GlooCommunicator : public Communicator {
         return ShmDType::kFloat32;  // checkReducible admitted only these four
     }
   }
+  // The dtypes the shared-memory path reduces; 16-bit floats (compressed gradients, which
+  // matter on the wire, not within a host) take the TCP ring.
+  static bool shmReducible(at::ScalarType t) {
+    return t == at::kFloat || t == at::kDouble || t == at::kLong || t == at::kInt;
+  }
   static void checkReducible(at::ScalarType t) {
-    if (t != at::kFloat && t != at::kDouble && t != at::kLong && t != at::kInt) {
+    if (!shmReducible(t) && t != at::kHalf && t != at::kBFloat16) {
       throw WorkerError("all_reduce: dtype " + std::string(c10::toString(t)) +
-                        " is not supported by the gloo backend (float, double, int32, int64)");
+                        " is not supported by the gloo backend (float, double, half, bfloat16, "
+                        "int32, int64)");
     }
   }
   void checkRoot(int root) const {

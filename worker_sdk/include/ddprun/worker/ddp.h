@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -27,6 +28,35 @@
 #include "ddprun/worker/process_group.h"
 
 namespace ddprun::worker {
+
+// One bucket handed to a communication hook: its flat 1-D gradient buffer (the parameters'
+// dtype) and its index (bucket 0 is reduced first).
+struct GradBucket {
+  std::size_t index = 0;
+  at::Tensor buffer;
+};
+
+// A communication hook (PyTorch DDP's register_comm_hook): starts the reduction of `bucket` and
+// returns its work; once that work's wait() returned, bucket.buffer must hold the average of the
+// bucket over all ranks, bit-identical on every rank. Called in bucket order, the same on every
+// rank, from whichever thread completed the bucket (an autograd thread during backward).
+using CommHook = std::function<std::shared_ptr<Work>(Communicator& comm, const GradBucket& bucket)>;
+
+// Gradient compression on the wire, as PyTorch's fp16_compress_hook / bf16_compress_hook.
+enum class Compression { kNone, kFp16, kBf16 };
+// "none", "fp16" or "bf16"; ConfigError naming the choices otherwise.
+Compression parseCompression(const std::string& name);
+std::string compressionName(Compression compression);
+
+// The default hook: an averaging all-reduce of the bucket in its own dtype.
+CommHook allReduceHook();
+// Divides the bucket by the world size (before the cast, so large gradients cannot overflow
+// fp16), casts it to `wire_dtype` (at::kHalf or at::kBFloat16), sums that over all ranks, and
+// casts the result back into the bucket when the work is waited on. Halves the bytes on the wire
+// for float32 gradients; results carry the wire dtype's precision.
+CommHook compressHook(at::ScalarType wire_dtype);
+// The hook for `compression` (allReduceHook() for kNone).
+CommHook hookFor(Compression compression);
 
 struct DdpOptions {
   double bucket_cap_mb = 25.0;
@@ -40,6 +70,10 @@ struct DdpOptions {
   // so gradients accumulate straight into the buckets and nothing is copied back after the
   // all-reduce. Saves two passes over all gradients per step.
   bool gradient_as_bucket_view = true;
+  // Casts each bucket to 16 bits for the all-reduce (see compressHook).
+  Compression compression = Compression::kNone;
+  // When set, reduces every bucket instead of the hook `compression` names.
+  CommHook comm_hook;
 };
 
 class DistributedDataParallel {
@@ -94,6 +128,7 @@ class DistributedDataParallel {
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // kept alive for hooks
   std::vector<std::uintptr_t> hook_keys_;
   std::vector<std::vector<std::size_t>> bucket_indices_;
+  CommHook hook_;
   std::vector<std::unique_ptr<Bucket>> buckets_;
   std::vector<std::size_t> bucket_of_;  // param index -> bucket
   std::vector<std::size_t> offset_of_;  // param index -> element offset in its bucket
