@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -81,7 +82,18 @@ int main(int argc, char** argv) {
     auto group = w::ProcessGroup::initFromEnv(env, options);
     auto& comm = group->comm();
     const int n = comm.size();
-    const int64_t max_bytes = nccl ? (256LL << 20) : (64LL << 20);
+    // DDPRUN_BENCH_MAX_BYTES raises the largest size (between hosts: 256 MiB).
+    int64_t max_bytes = nccl ? (256LL << 20) : (64LL << 20);
+    if (const char* m = std::getenv("DDPRUN_BENCH_MAX_BYTES")) {
+      char* end = nullptr;
+      const long long v = std::strtoll(m, &end, 10);
+      if (end == m || *end != '\0' || v < 1024 || v > (4LL << 30)) {
+        std::fprintf(stderr,
+                     "allreduce_bench: DDPRUN_BENCH_MAX_BYTES must be 1024..4 GiB, got '%s'\n", m);
+        return 2;
+      }
+      max_bytes = v;
+    }
     const Buffer buffer(options.backend, env.local_rank, max_bytes);
     if (group->rank() == 0) {
       std::printf("# %s, %d ranks\n%12s %12s %12s\n", backend_name.c_str(), n, "bytes", "time_us",

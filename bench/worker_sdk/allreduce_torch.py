@@ -1,7 +1,8 @@
-"""torch.distributed.all_reduce on gloo, 1 KiB - 64 MiB: the reference for examples/allreduce_bench.
+"""torch.distributed.all_reduce on gloo, 1 KiB - 64 MiB (DDPRUN_BENCH_MAX_BYTES): the reference for examples/allreduce_bench.
 
 Run under torchrun/ddprun (env://). Rank 0 prints "bytes time_us busbw_GBps" per size.
 """
+import os
 import time
 
 import torch
@@ -15,7 +16,8 @@ def main():
     if rank == 0:
         print(f"{'bytes':>12} {'time_us':>12} {'busbw_GBps':>12}", flush=True)
     size = 1024
-    while size <= 64 << 20:
+    max_bytes = int(os.environ.get("DDPRUN_BENCH_MAX_BYTES", 64 << 20))
+    while size <= max_bytes:
         t = torch.ones(size // 4, dtype=torch.float32)
         iters = max(5, min(200, (256 << 20) // size))
         for _ in range(3):

@@ -1,7 +1,7 @@
 """Python DDP (gloo) step time on the same models, data layout and loop as `train --timing`.
 
 Usage (under torchrun/ddprun): ddp_torch.py --model mlp|cnn [--bucket-cap-mb 25] [--epochs 2]
-  [--dataset-size 1024] [--batch-size 32]
+  [--dataset-size 1024] [--batch-size 32] [--compression none|fp16|bf16]
 Rank 0 prints "[RANK 0] timing: X ms/step over N steps (after 5 warm-up steps)".
 """
 import argparse
@@ -54,6 +54,7 @@ def main():
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--dataset-size", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -68,6 +69,10 @@ def main():
         x = torch.randn(a.dataset_size, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (a.dataset_size,), generator=g)
     ddp = DDP(model, bucket_cap_mb=a.bucket_cap_mb)
+    if a.compression != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        hook = default_hooks.fp16_compress_hook if a.compression == "fp16" else default_hooks.bf16_compress_hook
+        ddp.register_comm_hook(None, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     sampler = DistributedSampler(Sized(a.dataset_size), num_replicas=world, rank=rank, shuffle=True, seed=0)
     stamps = []

@@ -75,10 +75,13 @@ std::string readFirstLine(const char* path) {
 }  // namespace
 
 std::string localHostIdentity() {
-  char ns[128] = {0};
-  const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
-  return readFirstLine("/proc/sys/kernel/random/boot_id") + "/" +
-         (n > 0 ? std::string(ns, static_cast<size_t>(n)) : std::string());
+  auto link = [](const char* path) {
+    char target[128] = {0};
+    const ssize_t n = readlink(path, target, sizeof(target) - 1);
+    return n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string();
+  };
+  return readFirstLine("/proc/sys/kernel/random/boot_id") + "/" + link("/proc/self/ns/pid") +
+         "/" + link("/proc/self/ns/net");
 }
 
 bool shmDisabledByEnvironment() {

@@ -56,8 +56,10 @@ struct ShmOptions {
   std::string host_identity;
 };
 
-// This kernel's boot id and pid namespace: ranks that share it can share memory and check each
-// other's pids. (A random cookie in each segment then proves they also share /dev/shm.)
+// This kernel's boot id, pid namespace and network namespace: ranks that share them can share
+// memory and check each other's pids. (A random cookie in each segment then proves they also
+// share /dev/shm.) Ranks in different network namespaces count as different hosts: their traffic
+// takes the network, as between containers or in deploy/netrig.sh's two-host rig.
 std::string localHostIdentity();
 bool shmDisabledByEnvironment();  // DDPRUN_SHM=0|false|off|no
 
