@@ -1,5 +1,6 @@
 #include <atomic>
 #include <mutex>
+#include <set>
 
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/process_group.h"
@@ -283,16 +284,27 @@ void runOnHosts(const std::vector<std::string>& hosts,
 
 TEST_CASE("all_reduce is hierarchical across simulated hosts and exact for every size and dtype",
           "[worker][comm]") {
+  // Equal hosts (one ring per local index) and unequal ones (one leader per host).
   const auto layout = GENERATE(std::vector<std::string>{"A", "A", "B", "B"},
                                std::vector<std::string>{"A", "B", "A", "B", "A", "B"},
-                               std::vector<std::string>{"A", "A", "B"});
+                               std::vector<std::string>{"A", "A", "B"},
+                               std::vector<std::string>{"A", "A", "A", "A", "B", "B"},
+                               std::vector<std::string>{"A", "B", "A", "A"},
+                               std::vector<std::string>{"A", "A", "B", "B", "C"});
   const int world = static_cast<int>(layout.size());
-  const bool hierarchical = world != 3;  // uneven hosts fall back to the ring
+  const int hosts = static_cast<int>(std::set<std::string>(layout.begin(), layout.end()).size());
   std::mutex mu;
   std::vector<std::string> failures;
   std::vector<std::string> plans(layout.size());
+  std::vector<torch::Tensor> averages(layout.size());
   runOnHosts(layout, [&](ProcessGroup& pg) {
     plans[static_cast<size_t>(pg.rank())] = pg.comm().describe();
+    // Inexact values: every rank must still end with the same bits.
+    auto avg = torch::randn(
+        {100003},
+        torch::Generator(at::detail::createCPUGenerator(static_cast<uint64_t>(pg.rank()) + 7)));
+    pg.comm().allReduce(avg, ReduceOp::kAvg);
+    averages[static_cast<size_t>(pg.rank())] = avg;
     auto fail = [&](const std::string& what) {
       std::lock_guard<std::mutex> l(mu);
       failures.push_back("rank " + std::to_string(pg.rank()) + ": " + what);
@@ -323,6 +335,6 @@ TEST_CASE("all_reduce is hierarchical across simulated hosts and exact for every
   CHECK(failures.empty());
   INFO(plans[0]);
   for (auto& p : plans) CHECK(p == plans[0]);
-  CHECK((plans[0].find("2 hosts") != std::string::npos) == hierarchical);
-  if (!hierarchical) CHECK(plans[0].find("gloo TCP ring") != std::string::npos);
+  CHECK(plans[0].find(std::to_string(hosts) + " hosts") != std::string::npos);
+  for (auto& a : averages) CHECK(torch::equal(a, averages[0]));
 }

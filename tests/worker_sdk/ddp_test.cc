@@ -124,7 +124,7 @@ TEST_CASE("DDP over W thread-ranks on a split batch equals one process on the wh
           "[worker][ddp]") {
   // One host (shared memory), and two simulated hosts (shared memory within, gloo across).
   const std::vector<std::vector<std::string>> layouts = {
-      {"", ""}, {"", "", ""}, {"A", "A", "B", "B"}};
+      {"", ""}, {"", "", ""}, {"A", "A", "B", "B"}, {"A", "A", "B"}};
   for (const auto& hosts : layouts) {
     for (double cap : {25.0, 0.0005}) {
       Scenario s;
@@ -133,11 +133,28 @@ TEST_CASE("DDP over W thread-ranks on a split batch equals one process on the wh
       s.bucket_cap_mb = cap;
       s.first_bucket_mb = cap < 1 ? cap : 1.0;
       auto [diff, same] = trainAndCompare(s);
-      INFO("world=" << s.world << " hosts=" << (s.hosts.empty() ? "one" : "two")
+      INFO("world=" << s.world << " hosts=" << (s.hosts.empty() ? "one" : "several")
                     << " bucket_cap_mb=" << cap << " max diff=" << diff);
       CHECK(diff < 1e-6);
       CHECK(same);
     }
+  }
+}
+
+TEST_CASE("DDP on uneven hosts (4+2, 3+1, 2+2+1) matches the reference on every rank",
+          "[worker][ddp]") {
+  const std::vector<std::vector<std::string>> layouts = {
+      {"A", "A", "A", "A", "B", "B"}, {"A", "A", "A", "B"}, {"A", "A", "B", "B", "C"}};
+  for (const auto& hosts : layouts) {
+    Scenario s;
+    s.world = static_cast<int>(hosts.size());
+    s.hosts = hosts;
+    s.bucket_cap_mb = 0.001;
+    s.first_bucket_mb = 0.001;
+    auto [diff, same] = trainAndCompare(s);
+    INFO("world=" << s.world << " max diff=" << diff);
+    CHECK(diff < 1e-6);
+    CHECK(same);
   }
 }
 

@@ -62,22 +62,44 @@ TEST_CASE("two hosts of two ranks each share memory within and ring across per l
   CHECK(first.cross_host_ranks == std::vector<int>{0, 2});
 }
 
-TEST_CASE("hosts holding unequal numbers of ranks (4 + 2) fall back to the plain ring",
+TEST_CASE("hosts holding unequal numbers of ranks (4 + 2) go through one leader per host",
           "[worker][topology]") {
   const std::vector<HostKey> hosts{kA, kA, kA, kA, kB, kB};
   for (int rank = 0; rank < 6; ++rank) {
     const TopologyPlan plan = planTopology(hosts, rank);
-    CHECK(plan.kind == TopologyKind::kFlat);
+    CHECK(plan.kind == TopologyKind::kLeaders);
     CHECK_FALSE(plan.equalHosts());
     CHECK(plan.cross_host_ranks.empty());
-    CHECK(plan.describe() == "gloo TCP ring");
+    CHECK(plan.leaders == std::vector<int>{0, 4});
+    CHECK(plan.isLeader() == (rank == 0 || rank == 4));
+    CHECK(plan.describe() ==
+          "shared memory within each of 2 hosts (4+2 ranks) + a gloo TCP ring of one "
+          "representative per host");
   }
-  // What the plan still knows, for the log line.
   const TopologyPlan plan = planTopology(hosts, 5);
   CHECK(plan.num_hosts == 2);
   CHECK(plan.ranks_per_host == std::vector<int>{4, 2});
   CHECK(plan.host_ranks == std::vector<int>{4, 5});
   CHECK(plan.local_rank == 1);
+}
+
+TEST_CASE("uneven layouts with a host of one rank, interleaved ranks", "[worker][topology]") {
+  // 2 + 2 + 1, and 3 + 1 with the lone host's rank in the middle.
+  const std::vector<HostKey> five{kA, kA, kB, kB, kC};
+  const TopologyPlan lone = planTopology(five, 4);
+  CHECK(lone.kind == TopologyKind::kLeaders);
+  CHECK(lone.leaders == std::vector<int>{0, 2, 4});
+  CHECK(lone.isLeader());
+  CHECK(lone.host_ranks == std::vector<int>{4});
+  const std::vector<HostKey> four{kA, kB, kA, kA};
+  for (int rank = 0; rank < 4; ++rank) {
+    const TopologyPlan plan = planTopology(four, rank);
+    CHECK(plan.kind == TopologyKind::kLeaders);
+    CHECK(plan.leaders == std::vector<int>{0, 1});
+    CHECK(plan.ranks_per_host == std::vector<int>{3, 1});
+  }
+  CHECK(planTopology(four, 3).host_ranks == std::vector<int>{0, 2, 3});
+  CHECK_FALSE(planTopology(four, 3).isLeader());
 }
 
 TEST_CASE("one rank per host has nothing to share and uses the plain ring", "[worker][topology]") {
@@ -121,8 +143,8 @@ TEST_CASE("hosts are numbered by their lowest rank, not by their keys", "[worker
 
 TEST_CASE("a rank that opts out poses as a host of its own and every rank falls back",
           "[worker][topology]") {
-  // Rank 2 of four on one host does not want shared memory: its key is unique.
-  const std::vector<HostKey> hosts{kA, kA, 0x12345, kA};
+  // Rank 2 of four on one host does not want shared memory.
+  const std::vector<HostKey> hosts{kA, kA, ddprun::worker::kOptedOut, kA};
   for (int rank = 0; rank < 4; ++rank) {
     CHECK(planTopology(hosts, rank).kind == TopologyKind::kFlat);
   }

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 
 #include "ddprun/common/log.h"
 #include "ddprun/worker/errors.h"
@@ -93,11 +94,16 @@ void allReduceBuffer(const std::shared_ptr<gloo::Context>& ctx, void* data, size
 }
 
 // How all_reduce runs (topology.h decides which): over Gloo's TCP ring alone; over shared memory
-// (every rank on one host); or hierarchically: shared memory within each host, and for each local
-// index a Gloo ring ("column") across the hosts that sums that local rank's piece.
+// (every rank on one host); hierarchically: shared memory within each host, and for each local
+// index a Gloo ring ("column") across the hosts that sums that local rank's piece; or, for hosts
+// of unequal sizes, through one leader per host (shared memory, leaders' ring, shared memory).
 struct AllReducePlan {
   std::unique_ptr<ShmAllReduce> shm;      // this host's group, if any
   std::shared_ptr<gloo::Context> column;  // hierarchical only
+  // Leaders plan (hosts of unequal sizes): this host's representative holds the ring of all
+  // hosts' representatives; shm is null on a host of one rank.
+  bool leader_mode = false;
+  std::shared_ptr<gloo::Context> leaders;
   std::string description = "gloo TCP ring";
 };
 
@@ -111,6 +117,8 @@ class GlooCommunicator : public Communicator {
         timeout_(timeout),
         shm_(std::move(plan.shm)),
         column_(std::move(plan.column)),
+        leader_mode_(plan.leader_mode),
+        leaders_(std::move(plan.leaders)),
         description_(std::move(plan.description)),
         queue_("gloo communicator") {}
 
@@ -135,7 +143,10 @@ class GlooCommunicator : public Communicator {
       const size_t n = static_cast<size_t>(work.numel());
       bool averaged = false;
       if (n > 0 && size_ > 1) {
-        if (shm_ && shmReducible(work.scalar_type())) {
+        if (leader_mode_ && shmReducible(work.scalar_type())) {
+          allReduceThroughLeaders(work, op == ReduceOp::kAvg ? 1.0 / size_ : 1.0);
+          averaged = true;
+        } else if (shm_ && shmReducible(work.scalar_type())) {
           // The average's scaling rides on the reduction's last pass.
           ShmAllReduce::PieceHook across_hosts;
           if (column_) {
@@ -159,6 +170,37 @@ class GlooCommunicator : public Communicator {
           std::chrono::duration<double, std::milli>(t0.time_since_epoch()).count(), n,
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     });
+  }
+
+  // Hosts of unequal sizes: each host's sum in shared memory, the hosts' sum over the ring of
+  // leaders, and the leader's result back to its host by a second shared-memory pass to which
+  // the others contribute zeros. Every rank ends with (x + 0 + ... + 0) * scale of the same x,
+  // so results are bit-identical across hosts; a host of one rank applies that arithmetic itself.
+  void allReduceThroughLeaders(at::Tensor& work, double scale) {
+    void* data = work.data_ptr();
+    const size_t n = static_cast<size_t>(work.numel());
+    const at::ScalarType dtype = work.scalar_type();
+    if (shm_) shm_->allReduce(data, n, shmType(dtype), 1.0);
+    if (leaders_) {
+      allReduceBuffer(leaders_, data, n, dtype, leaders_tag_++ & 0x7fffffffu, timeout_);
+    }
+    if (shm_) {
+      if (!leaders_) std::memset(data, 0, n * work.element_size());
+      shm_->allReduce(data, n, shmType(dtype), scale);
+    } else if (dtype == at::kFloat) {
+      addZeroAndScale(static_cast<float*>(data), n, scale);
+    } else if (dtype == at::kDouble) {
+      addZeroAndScale(static_cast<double*>(data), n, scale);
+    }  // integers: the sum is already exact
+  }
+
+  // What the shared-memory pass does to a value when every other contribution is zero.
+  template <typename T>
+  static void addZeroAndScale(T* p, size_t n, double scale) {
+    const T factor = static_cast<T>(scale);
+    for (size_t i = 0; i < n; ++i) {
+      p[i] = scale != 1.0 ? (p[i] + T(0)) * factor : p[i] + T(0);
+    }
   }
 
   std::shared_ptr<Work> broadcastAsync(at::Tensor tensor, int root) override {
@@ -208,6 +250,9 @@ class GlooCommunicator : public Communicator {
   }
 
   at::Tensor allocateBuffer(int64_t numel, const at::TensorOptions& options) override {
+    // Taken on every rank, with or without shared memory (a leaders plan has hosts of one rank
+    // without it), so the ring's tags stay in step across ranks.
+    const uint32_t tag = nextTag();
     const at::ScalarType dtype = c10::typeMetaToScalarType(options.dtype());
     if (!shm_ || numel <= 0 || !options.device().is_cpu() ||
         (dtype != at::kFloat && dtype != at::kDouble && dtype != at::kLong && dtype != at::kInt)) {
@@ -217,7 +262,6 @@ class GlooCommunicator : public Communicator {
     std::shared_ptr<void> memory;
     // On the op thread, in order with the collectives: allocation is itself collective. With
     // several hosts every host must agree, or the hosts' pieces would be cut differently.
-    const uint32_t tag = nextTag();
     queue_
         .submit([&] {
           memory = shm_->allocate(bytes);
@@ -295,9 +339,12 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
   std::atomic<uint32_t> tag_{0};
-  std::unique_ptr<ShmAllReduce> shm_;      // this host's ranks, when all_reduce uses shared memory
-  std::shared_ptr<gloo::Context> column_;  // the same local index on every host (hierarchical)
-  uint32_t column_tag_ = 0;                // only touched on the op thread
+  std::unique_ptr<ShmAllReduce> shm_;       // this host's ranks, when all_reduce uses shared memory
+  std::shared_ptr<gloo::Context> column_;   // the same local index on every host (hierarchical)
+  uint32_t column_tag_ = 0;                 // only touched on the op thread
+  bool leader_mode_ = false;                // hosts of unequal sizes (see AllReducePlan)
+  std::shared_ptr<gloo::Context> leaders_;  // this host's leader only
+  uint32_t leaders_tag_ = 0;                // only touched on the op thread
   std::string description_;
   OpQueue queue_;  // last member: its thread stops before the context goes away
 };
@@ -326,10 +373,8 @@ AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueSt
   if (size < 2) return plan;
   const std::string identity =
       options.host_identity.empty() ? localHostIdentity() : options.host_identity;
-  // A rank that does not want shared memory poses as a host of its own: no host is then shared
-  // by all ranks equally, so every rank falls back together.
-  const HostKey mine =
-      wanted ? fingerprint(identity) : fingerprint("no-shm/" + std::to_string(rank));
+  // A rank that does not want shared memory says so (kOptedOut): every rank falls back together.
+  const HostKey mine = wanted ? std::max<HostKey>(fingerprint(identity), 1) : kOptedOut;
   std::vector<HostKey> hosts(static_cast<size_t>(size));
   {
     gloo::AllgatherOptions opts(ctx);
@@ -345,9 +390,8 @@ AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueSt
   const int local_rank = topology.local_rank;
   const int local_size = static_cast<int>(topology.host_ranks.size());
   if (topology.kind == TopologyKind::kFlat) {
-    log->debug(
-        "rank {}: {} host(s) with {} rank(s) each: no shared-memory all-reduce", rank, num_hosts,
-        topology.equalHosts() ? std::to_string(local_size) : std::string("uneven numbers of"));
+    log->debug("rank {}: {} host(s), {} rank(s) on this one: no shared-memory all-reduce", rank,
+               num_hosts, local_size);
     return plan;
   }
 
@@ -356,7 +400,40 @@ AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueSt
   shm_options.setup_timeout = options.connect_timeout;
   shm_options.op_timeout = options.op_timeout;
   shm_options.host_identity = identity;
-  auto shm = ShmAllReduce::tryCreate(local_rank, local_size, store, shm_options);
+  // A host of one rank (leaders plan) has nobody to share memory with.
+  auto shm = local_size > 1 ? ShmAllReduce::tryCreate(local_rank, local_size, store, shm_options)
+                            : nullptr;
+  auto connect = [&](int index, int count, const std::string& prefix, const std::string& whom) {
+    auto context = std::make_shared<gloo::rendezvous::Context>(index, count);
+    context->setTimeout(options.connect_timeout);
+    StoreAdapter adapter(store, options.prefix + prefix, options.connect_timeout);
+    try {
+      context->connectFullMesh(adapter, device);
+    } catch (const std::exception& e) {
+      throw CommError("gloo: rank " + std::to_string(rank) + " could not connect to " + whom +
+                      ": " + e.what());
+    }
+    context->setTimeout(options.op_timeout);
+    return context;
+  };
+  if (topology.kind == TopologyKind::kLeaders) {
+    // Every host of several ranks must have its group, or nobody uses one.
+    int32_t ok = (shm || local_size == 1) ? 1 : 0;
+    gloo::AllreduceOptions opts(ctx);
+    opts.setOutput(&ok, 1);
+    opts.setReduceFunction(static_cast<ReduceFn>(&gloo::min<int32_t>));
+    opts.setTag(0x7ffffff1u);
+    opts.setTimeout(options.connect_timeout);
+    gloo::allreduce(opts);
+    if (ok == 0) return plan;
+    if (topology.isLeader()) {
+      plan.leaders = connect(host_index, num_hosts, "/leaders/", "the other hosts' leaders");
+    }
+    plan.shm = std::move(shm);
+    plan.leader_mode = true;
+    plan.description = topology.describe();
+    return plan;
+  }
   if (topology.kind == TopologyKind::kHierarchical) {
     // Every host must have its group, or nobody uses one.
     int32_t ok = shm ? 1 : 0;
@@ -367,18 +444,8 @@ AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueSt
     opts.setTimeout(options.connect_timeout);
     gloo::allreduce(opts);
     if (ok == 0) return plan;
-    auto column = std::make_shared<gloo::rendezvous::Context>(host_index, num_hosts);
-    column->setTimeout(options.connect_timeout);
-    StoreAdapter adapter(store, options.prefix + "/column" + std::to_string(local_rank) + "/",
-                         options.connect_timeout);
-    try {
-      column->connectFullMesh(adapter, device);
-    } catch (const std::exception& e) {
-      throw CommError("gloo: rank " + std::to_string(rank) +
-                      " could not connect to its peers on the other hosts: " + e.what());
-    }
-    column->setTimeout(options.op_timeout);
-    plan.column = std::move(column);
+    plan.column = connect(host_index, num_hosts, "/column" + std::to_string(local_rank) + "/",
+                          "its peers on the other hosts");
   }
   if (!shm) return plan;
   plan.shm = std::move(shm);

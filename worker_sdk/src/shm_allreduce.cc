@@ -80,8 +80,8 @@ std::string localHostIdentity() {
     const ssize_t n = readlink(path, target, sizeof(target) - 1);
     return n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string();
   };
-  return readFirstLine("/proc/sys/kernel/random/boot_id") + "/" + link("/proc/self/ns/pid") +
-         "/" + link("/proc/self/ns/net");
+  return readFirstLine("/proc/sys/kernel/random/boot_id") + "/" + link("/proc/self/ns/pid") + "/" +
+         link("/proc/self/ns/net");
 }
 
 bool shmDisabledByEnvironment() {

@@ -17,6 +17,12 @@ std::string TopologyPlan::describe() const {
     case TopologyKind::kHierarchical:
       return "shared memory within each of " + std::to_string(num_hosts) + " hosts (" +
              std::to_string(host_ranks.size()) + " ranks each) + gloo TCP rings across hosts";
+    case TopologyKind::kLeaders: {
+      std::string layout;
+      for (int n : ranks_per_host) layout += (layout.empty() ? "" : "+") + std::to_string(n);
+      return "shared memory within each of " + std::to_string(num_hosts) + " hosts (" + layout +
+             " ranks) + a gloo TCP ring of one representative per host";
+    }
     case TopologyKind::kFlat:
       break;
   }
@@ -51,7 +57,19 @@ TopologyPlan planTopology(const std::vector<HostKey>& host_of_rank, int my_rank)
   for (int r = 0; r < size; ++r) {
     if (host_index[static_cast<size_t>(r)] == plan.host_index) plan.host_ranks.push_back(r);
   }
-  if (plan.host_ranks.size() < 2 || !plan.equalHosts()) return plan;  // flat
+  const bool opted_out =
+      std::find(host_of_rank.begin(), host_of_rank.end(), kOptedOut) != host_of_rank.end();
+  const bool shared = std::any_of(plan.ranks_per_host.begin(), plan.ranks_per_host.end(),
+                                  [](int n) { return n > 1; });
+  if (opted_out || !shared) return plan;  // flat
+  if (!plan.equalHosts()) {
+    plan.kind = TopologyKind::kLeaders;
+    plan.leaders.assign(hosts.size(), -1);
+    for (int r = size - 1; r >= 0; --r) {
+      plan.leaders[static_cast<size_t>(host_index[static_cast<size_t>(r)])] = r;
+    }
+    return plan;
+  }
   if (plan.num_hosts == 1) {
     plan.kind = TopologyKind::kOneHost;
     return plan;

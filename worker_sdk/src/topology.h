@@ -7,8 +7,11 @@
 // - one host: every rank shares memory (ShmAllReduce does the whole all-reduce);
 // - hierarchical: several hosts holding equal numbers of ranks: shared memory within each host,
 //   and for each local index one Gloo ring ("column") across the hosts;
-// - flat: anything else (a single rank, one rank per host, hosts holding unequal numbers of
-//   ranks): Gloo's TCP ring over all ranks.
+// - leaders: several hosts holding unequal numbers of ranks (4 + 2, 2 + 2 + 1): shared memory
+//   sums within each host, one representative per host (its lowest rank) runs the Gloo ring
+//   across the hosts, and shared memory brings the result back within each host;
+// - flat: anything else (a single rank, one rank per host, a rank that opted out of shared
+//   memory): Gloo's TCP ring over all ranks.
 // Hosts are numbered in order of their lowest rank, and ranks within a host in rank order, so
 // every rank computes the same plan from the same all-gathered keys.
 #pragma once
@@ -21,8 +24,10 @@ namespace ddprun::worker {
 
 // Identifies a host: ranks with equal keys share one (a fingerprint of the host's identity).
 using HostKey = uint64_t;
+// The key of a rank that does not want shared memory: every rank then takes the flat ring.
+constexpr HostKey kOptedOut = 0;
 
-enum class TopologyKind { kFlat, kOneHost, kHierarchical };
+enum class TopologyKind { kFlat, kOneHost, kHierarchical, kLeaders };
 
 struct TopologyPlan {
   TopologyKind kind = TopologyKind::kFlat;
@@ -36,6 +41,11 @@ struct TopologyPlan {
   // Hierarchical only: the rank with this rank's local index on every host, by host index (this
   // rank's ring across hosts; its position there is host_index). Empty otherwise.
   std::vector<int> cross_host_ranks;
+  // Leaders only: each host's representative (its lowest rank), by host index. Empty otherwise.
+  std::vector<int> leaders;
+
+  // Leaders only: whether this rank represents its host across hosts.
+  bool isLeader() const { return local_rank == 0; }
 
   // Whether every host holds the same number of ranks.
   bool equalHosts() const;
