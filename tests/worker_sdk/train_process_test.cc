@@ -2,6 +2,8 @@
 // built, otherwise the reference torchrun).
 #include <catch2/catch.hpp>
 #include <filesystem>
+#include <map>
+#include <sstream>
 
 #include "test_util.h"
 
@@ -284,4 +286,82 @@ TEST_CASE("ranks with their own snapshot files resume from the newest any of the
   CHECK_THAT(out[0], Catch::Contains("received the newest snapshot"));
   for (const auto& o : out)
     CHECK_THAT(o, Catch::Contains("Resuming training from snapshot at Epoch 3"));
+}
+
+namespace {
+// The two-host rig (deploy/netrig.sh) for as long as it lives; down again on every path out.
+struct NetRig {
+  bool up = false;
+  std::string why;
+  NetRig() {
+    auto r = t::run(t::sourceDir() + "/deploy/netrig.sh up --rate 10gbit --delay 0 2>&1");
+    up = r.exit_code == 0;
+    why = r.output;
+  }
+  ~NetRig() {
+    if (up) t::run(t::sourceDir() + "/deploy/netrig.sh down >/dev/null 2>&1");
+  }
+};
+
+// The loss each rank printed last ("[RANK r] Epoch e | ... | loss X").
+std::map<int, std::string> lastLosses(const std::string& out) {
+  std::map<int, std::string> losses;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    const auto at = line.find("[RANK ");
+    const auto loss = line.find("| loss ");
+    if (at == std::string::npos || loss == std::string::npos) continue;
+    losses[std::stoi(line.substr(at + 6))] = line.substr(loss);
+  }
+  return losses;
+}
+}  // namespace
+
+TEST_CASE("train between two network namespaces: 2+1 ranks through leaders, bf16",
+          "[worker][train][netns]") {
+  const std::string ddprun = t::buildDir() + "/launcher/ddprun";
+  if (!std::filesystem::exists(ddprun)) {
+    WARN("skipped: ddprun is not built");
+    return;
+  }
+  NetRig rig;
+  if (!rig.up) {
+    WARN("skipped: no network namespaces here (deploy/netrig.sh up: " << rig.why << ")");
+    return;
+  }
+  t::TempDir dir;
+  const std::string port = std::to_string(t::freePort());
+  std::vector<std::unique_ptr<t::Process>> nodes;
+  for (int node = 0; node < 2; ++node) {
+    nodes.push_back(std::make_unique<t::Process>(
+        std::vector<std::string>{
+            t::sourceDir() + "/deploy/netrig.sh", "exec", node == 0 ? "a" : "b", ddprun,
+            "--nnodes=2", node == 0 ? "--nproc-per-node=2" : "--nproc-per-node=1",
+            "--rdzv-backend=c10d", "--rdzv-endpoint=10.203.0.1:" + port, "--rdzv-id=netns",
+            // the two "hosts" share a hostname: name each by its address
+            node == 0 ? "--local-addr=10.203.0.1" : "--local-addr=10.203.0.2", trainBin(), "2", "1",
+            "--model", "mlp", "--dataset-size", "192", "--compression", "bf16", "--snapshot-path",
+            dir.str() + "/s" + std::to_string(node) + ".pt"},
+        std::map<std::string, std::string>{{"OMP_NUM_THREADS", "1"}},
+        ranked(dir.str() + "/node", node)));
+  }
+  std::map<int, std::string> losses;
+  std::string first;
+  for (int node = 0; node < 2; ++node) {
+    auto code = nodes[static_cast<size_t>(node)]->waitExit(180s);
+    const std::string out = nodes[static_cast<size_t>(node)]->output();
+    INFO("node " << node << ":\n" << out);
+    REQUIRE(code.has_value());
+    CHECK(*code == 0);
+    if (node == 0) {
+      first = out;
+      CHECK_THAT(out, Catch::Contains("2 hosts (2+1 ranks) + a gloo TCP ring of one "
+                                      "representative per host"));
+    }
+    for (auto& [rank, loss] : lastLosses(out)) losses[rank] = loss;
+  }
+  INFO(first);
+  REQUIRE(losses.size() == 3);
+  CHECK(losses[0] == losses[1]);  // the loss is averaged: the same on every rank
+  CHECK(losses[0] == losses[2]);
 }
