@@ -72,7 +72,13 @@ def main():
     if a.compression != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         hook = default_hooks.fp16_compress_hook if a.compression == "fp16" else default_hooks.bf16_compress_hook
-        ddp.register_comm_hook(None, hook)
+        try:
+            ddp.register_comm_hook(None, hook)
+        except TypeError as e:  # torch 1.13: the bf16 hook needs CUDA 11+ and NCCL 2.10+
+            if rank == 0:
+                print(f"[RANK 0] unsupported: {e}", flush=True)
+            dist.destroy_process_group()
+            return
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     sampler = DistributedSampler(Sized(a.dataset_size), num_replicas=world, rank=rank, shuffle=True, seed=0)
     stamps = []

@@ -10,8 +10,10 @@ crosses the link), and removes the rig afterwards.
 
 1. all-reduce bus bandwidth at 1/16/64/256 MiB (float32 sum): examples/allreduce_bench vs
    torch.distributed.all_reduce on gloo, as a fraction of the link rate;
-2. DDP step time of the mlp and cnn models: `train --timing` vs PyTorch DDP (ddp_torch.py), each
-   without compression and with bf16 / fp16 compression (PyTorch: default_hooks.*_compress_hook).
+2. the 4+2 layout (4 workers on a, 2 on b): one leader per host vs the flat ring (DDPRUN_SHM=0);
+3. DDP step time of the mlp and cnn models: `train --timing` vs PyTorch DDP (ddp_torch.py), each
+   without compression and with bf16 / fp16 compression (PyTorch: default_hooks.*_compress_hook;
+   torch 1.13 refuses its bf16 hook without CUDA and NCCL, shown as n/a).
 
 Runs alternate between the SDK and PyTorch, best of --reps. Needs root.
 """
@@ -43,15 +45,19 @@ def rate_bytes_per_s(rate):
     sys.exit(f"cannot read rate {rate}")
 
 
-def two_nodes(build, prog, env=None, timeout=900):
+def two_nodes(build, prog, env=None, timeout=900, nprocs=(1, 1)):
     """Runs `prog` under ddprun on both namespaces (node 0 on a); returns node 0's output."""
     _port[0] += 2  # the static form also uses MASTER_PORT+1
     procs = []
     for rank, (side, dev) in enumerate(SIDES):
+        # Unequal worker counts need the c10d rendezvous (the static form assumes equal nodes).
+        rdzv = ([f"--nproc-per-node={nprocs[rank]}"] if nprocs[0] == nprocs[1] else
+                [f"--nproc-per-node={nprocs[rank]}", "--rdzv-backend=c10d", f"--rdzv-endpoint={MASTER}:{_port[0]}",
+                 "--rdzv-id=between"])
         cmd = [RIG, "exec", side, "env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1",
                f"PYTHON_EXEC={PY}", os.path.join(build, "launcher", "ddprun"), "--nnodes=2",
-               f"--node-rank={rank}", "--nproc-per-node=1", f"--master-addr={MASTER}",
-               f"--master-port={_port[0]}", *prog]
+               f"--node-rank={rank}", *rdzv, f"--master-addr={MASTER}",
+               f"--master-port={_port[0]}", f"--local-addr=10.203.0.{rank + 1}", *prog]
         e = dict(os.environ, **(env or {}))
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e))
     outs = []
@@ -72,7 +78,7 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dataset-size", type=int, default=512)
     ap.add_argument("--out", default=os.path.join(HERE, "BETWEEN_HOSTS.md"))
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: allreduce,ddp")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: allreduce,layout,ddp")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run_between_hosts.py: needs root (network namespaces)")
@@ -113,6 +119,24 @@ def main():
                               f"{t[0] / 1e3:.1f} | {t[1]:.3f} | {t[1] * 1e9 / link:.2f} | {s[1] / t[1]:.2f}x |")
                 md.append("")
                 print("\n".join(md), flush=True)
+            if "layout" not in skip:
+                # 4 ranks on a, 2 on b: one leader per host vs the flat ring over all six.
+                env64 = {"DDPRUN_BENCH_MAX_BYTES": str(64 << 20)}
+                lead, flat = {}, {}
+                for _ in range(a.reps):
+                    for rows, env in ((lead, env64), (flat, dict(env64, DDPRUN_SHM="0"))):
+                        for size, (us, bw) in parse_table(two_nodes(build, [bench], env, nprocs=(4, 2))).items():
+                            if size not in rows or us < rows[size][0]:
+                                rows[size] = (us, bw)
+                md.append("### 4+2 layout: leaders vs the flat ring (float32 all-reduce, 6 ranks)\n")
+                md.append("| size | leaders ms | flat ring ms | leaders / flat (speed-up) |")
+                md.append("|---|---:|---:|---:|")
+                for size in (1 << 20, 16 << 20, 64 << 20):
+                    if size in lead and size in flat:
+                        md.append(f"| {size >> 20} MiB | {lead[size][0] / 1e3:.1f} | {flat[size][0] / 1e3:.1f} | "
+                                  f"{flat[size][0] / lead[size][0]:.2f}x |")
+                md.append("")
+                print("\n".join(md), flush=True)
             if "ddp" not in skip:
                 md.append("### DDP step time (ms/step, batch 32 per rank, 2 ranks on 2 hosts)\n")
                 md.append("| model | SDK | SDK bf16 | SDK fp16 | PyTorch DDP | PyTorch bf16 hook | PyTorch fp16 hook | "
@@ -129,10 +153,15 @@ def main():
                             best[("sdk", comp)] = min(best.get(("sdk", comp), 1e18), step_ms(out))
                             out = two_nodes(build, [os.path.join(HERE, "ddp_torch.py"), "--model", model,
                                                     "--dataset-size", str(a.dataset_size), "--compression", comp])
-                            best[("torch", comp)] = min(best.get(("torch", comp), 1e18), step_ms(out))
+                            if "[RANK 0] unsupported:" in out:
+                                best[("torch", comp)] = None  # e.g. torch 1.13's bf16 hook on CPU
+                            else:
+                                best[("torch", comp)] = min(best.get(("torch", comp)) or 1e18, step_ms(out))
                     s, t = best[("sdk", "none")], best[("torch", "none")]
-                    md.append(f"| {model} | {s:.1f} | {best[('sdk', 'bf16')]:.1f} | {best[('sdk', 'fp16')]:.1f} | "
-                              f"{t:.1f} | {best[('torch', 'bf16')]:.1f} | {best[('torch', 'fp16')]:.1f} | "
+                    def ms(v):
+                        return "n/a" if v is None else f"{v:.1f}"
+                    md.append(f"| {model} | {s:.1f} | {ms(best[('sdk', 'bf16')])} | {ms(best[('sdk', 'fp16')])} | "
+                              f"{t:.1f} | {ms(best[('torch', 'bf16')])} | {ms(best[('torch', 'fp16')])} | "
                               f"{s / t:.2f}x | {best[('sdk', 'bf16')] / t:.2f}x |")
                 md.append("")
                 print("\n".join(md), flush=True)
