@@ -98,9 +98,11 @@ struct RendezvousServer::Impl {
     WaitReactor* reactor;
     pb::KvWaitResponse* kv = nullptr;         // KvWait
     pb::GetMasterResponse* master = nullptr;  // GetMaster
+    std::string peer;
   };
   struct WatchSession {
     WatchReactor* reactor;
+    std::string peer;
     std::string run_id;
     std::string node_id;  // may be empty (an observer)
     std::deque<pb::RoundChange> queue;
@@ -109,6 +111,30 @@ struct RendezvousServer::Impl {
     bool finish_after_queue = false;  // closed run: end the stream once the queue drained
     bool cancelled = false;
   };
+
+  // Counts a long call (Watch, KvWait, GetMaster) of `peer` against max_streams_per_peer.
+  Status admitStream(const std::string& peer) {
+    size_t& n = streams_by_peer[peer];
+    if (n >= options.max_streams_per_peer) {
+      if (n == options.max_streams_per_peer) {
+        logger("rendezvous")
+            ->warn("peer {} holds {} streams and waits: refusing more (max-streams-per-peer)", peer,
+                   n);
+      }
+      return Status(StatusCode::kResourceExhausted,
+                    "this connection already holds " + std::to_string(n) +
+                        " watch streams and waits: max-streams-per-peer = " +
+                        std::to_string(options.max_streams_per_peer) +
+                        " (ddprun-rendezvous --max-streams-per-peer)");
+    }
+    ++n;
+    return Status::ok();
+  }
+  void releaseStream(const std::string& peer) {
+    auto it = streams_by_peer.find(peer);
+    if (it == streams_by_peer.end()) return;
+    if (--it->second == 0) streams_by_peer.erase(it);
+  }
 
   void flush() {
     RendezvousState::Outbox out = state.drain();
@@ -133,6 +159,7 @@ struct RendezvousServer::Impl {
       if (it == waits.end()) continue;
       PendingWait p = it->second;
       waits.erase(it);
+      releaseStream(p.peer);
       if (!w.values.isOk()) {
         p.reactor->Finish(toGrpc(w.values.status()));
         continue;
@@ -145,6 +172,7 @@ struct RendezvousServer::Impl {
       if (it == waits.end()) continue;
       PendingWait p = it->second;
       waits.erase(it);
+      releaseStream(p.peer);
       if (!m.master.isOk()) {
         p.reactor->Finish(toGrpc(m.master.status()));
         continue;
@@ -213,6 +241,7 @@ struct RendezvousServer::Impl {
       if (r->second.empty()) watchers_by_run.erase(r);
     }
     state.watchClosed(it->second.run_id, now());  // may schedule collection: callers arm the timer
+    releaseStream(it->second.peer);
     watches.erase(it);
     reactor->Finish(status);  // the io thread's last touch of the reactor
   }
@@ -231,6 +260,7 @@ struct RendezvousServer::Impl {
     auto it = waits.find(id);
     if (it == waits.end()) return;
     WaitReactor* reactor = it->second.reactor;
+    releaseStream(it->second.peer);
     waits.erase(it);
     state.cancelWait(id, now());
     reactor->Finish(grpc::Status::CANCELLED);
@@ -296,6 +326,7 @@ struct RendezvousServer::Impl {
   std::unordered_map<CallId, PendingWait> waits;
   std::unordered_map<CallId, WatchSession> watches;
   std::unordered_map<std::string, std::set<CallId>> watchers_by_run;
+  std::unordered_map<std::string, size_t> streams_by_peer;  // admitStream / releaseStream
 
   mutable std::mutex census_mu;
   StateCensus census;  // guarded by census_mu; refreshed by every flush()
@@ -529,15 +560,20 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
     Impl* impl = impl_;
     CallId id = nextId();
     auto* reactor = new WaitReactor(impl, id);
-    impl->post([impl, reactor, id, kv, master, start = std::move(start)]() mutable {
-      if (impl->shutting_down) {
-        reactor->Finish(kShuttingDown);
-        return;
-      }
-      impl->waits[id] = {reactor, kv, master};
-      start(impl, id);
-      impl->flush();
-    });
+    impl->post(
+        [impl, reactor, id, kv, master, peer = ctx->peer(), start = std::move(start)]() mutable {
+          if (impl->shutting_down) {
+            reactor->Finish(kShuttingDown);
+            return;
+          }
+          if (Status admit = impl->admitStream(peer); !admit.isOk()) {
+            reactor->Finish(toGrpc(admit));
+            return;
+          }
+          impl->waits[id] = {reactor, kv, master, std::move(peer)};
+          start(impl, id);
+          impl->flush();
+        });
     return reactor;
   }
 
@@ -562,17 +598,22 @@ grpc::ServerWriteReactor<pb::RoundChange>* RendezvousService::Watch(
   }
   std::string run_id = req->run_id();
   std::string node_id = req->node_id();
-  impl->post([impl, reactor, id, run_id, node_id]() {
+  impl->post([impl, reactor, id, run_id, node_id, peer = ctx->peer()]() {
     if (impl->shutting_down) {
       reactor->Finish(kShuttingDown);
       return;
     }
-    if (run_id.empty()) {
-      reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "run id is empty"));
+    if (Status valid = impl->state.validateIds(run_id, node_id); !valid.isOk()) {
+      reactor->Finish(toGrpc(valid));
+      return;
+    }
+    if (Status admit = impl->admitStream(peer); !admit.isOk()) {
+      reactor->Finish(toGrpc(admit));
       return;
     }
     Impl::WatchSession& s = impl->watches[id];
     s.reactor = reactor;
+    s.peer = peer;
     s.run_id = run_id;
     s.node_id = node_id;
     impl->state.watchOpened(run_id, impl->now());

@@ -519,6 +519,163 @@ TEST_CASE("the daemon frees a closed run's id after --closed-run-ttl", "[rendezv
   fclose(out);
 }
 
+// VmRSS of `pid` in bytes, from /proc/<pid>/status.
+size_t residentBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  FAIL("no VmRSS for pid " << pid);
+  return 0;
+}
+
+TEST_CASE("the daemon validates its quota flags and lists them in --help", "[rendezvous][daemon]") {
+  for (const std::string arg : {"--max-run-keys=0", "--max-run-kv-bytes=-1", "--max-kv-bytes=1e9",
+                                "--max-streams-per-peer=", "--max-kv-bytes=99999999999999999999"}) {
+    FILE* out = nullptr;
+    pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0", arg}, &out, true);
+    const std::string text = readAll(out);
+    CHECK(waitExit(pid) == 2);
+    INFO(text);
+    CHECK(text.find(arg.substr(0, arg.find('=')) + ": '" + arg.substr(arg.find('=') + 1) +
+                    "' is not a whole number") != std::string::npos);
+    fclose(out);
+  }
+  FILE* out = nullptr;
+  pid_t pid = spawnDaemon({"--help"}, &out);
+  const std::string help = readAll(out);
+  CHECK(waitExit(pid) == 0);
+  for (const char* flag : {"--max-run-keys N", "--max-run-kv-bytes N", "--max-kv-bytes N",
+                           "--max-streams-per-peer N"}) {
+    CHECK(help.find(flag) != std::string::npos);
+  }
+  fclose(out);
+}
+
+// A hostile client pushes past every bound; the daemon refuses with RESOURCE_EXHAUSTED (or
+// INVALID_ARGUMENT) naming it, keeps serving, and its resident memory stays near what the
+// quotas allow (without them these writes alone add ~330 MB).
+TEST_CASE("the daemon refuses writes and streams past its quotas and its memory stays bounded",
+          "[rendezvous][daemon]") {
+  FILE* out = nullptr;
+  pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0", "--max-run-keys", "1000", "--max-kv-bytes",
+                           "33554432", "--max-streams-per-peer", "16"},
+                          &out);
+  char line[256] = {0};
+  REQUIRE(fgets(line, sizeof line, out) != nullptr);
+  std::string text(line);
+  REQUIRE(text.rfind("listening on 127.0.0.1:", 0) == 0);
+  ClientOptions options;
+  options.endpoint = text.substr(13, text.find('\n') - 13);
+  Client client(options);
+  REQUIRE(client.kvSet("warm-up", "k", "v").isOk());
+  const size_t rss_before = residentBytes(pid);
+  const std::string mib(1 << 20, 'x');
+
+  // 100 x 1 MiB in one run: the default max-run-kv-bytes (16 MiB) stops it.
+  int stored = 0;
+  Status refused;
+  for (int i = 0; i < 100; ++i) {
+    Status st = client.kvSet("big", "k" + std::to_string(i), mib);
+    if (st.isOk()) {
+      ++stored;
+    } else {
+      refused = st;
+    }
+  }
+  CHECK(stored == 15);  // 15 x (1 MiB + key) fit in 16 MiB, a 16th does not
+  CHECK(refused.code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused.message(), Catch::Contains("max-run-kv-bytes = 16777216"));
+
+  // 10 runs x 20 MiB: --max-kv-bytes (32 MiB) stops them all together.
+  stored = 0;
+  for (int r = 0; r < 10; ++r) {
+    for (int i = 0; i < 20; ++i) {
+      Status st = client.kvSet("spray-" + std::to_string(r), "k" + std::to_string(i), mib);
+      if (st.isOk()) {
+        ++stored;
+      } else {
+        refused = st;
+      }
+    }
+  }
+  CHECK(stored == 16);  // 32 MiB less the 15 MiB of "big", within each run's 16 MiB
+  CHECK(refused.code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused.message(), Catch::Contains("max-kv-bytes = 33554432"));
+
+  // Many small keys: --max-run-keys.
+  stored = 0;
+  for (int i = 0; i < 1010; ++i) {
+    Status st = client.kvSet("keys", std::to_string(i), "");
+    if (st.isOk()) {
+      ++stored;
+    } else {
+      refused = st;
+    }
+  }
+  CHECK(stored == 1000);
+  CHECK(refused.code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused.message(), Catch::Contains("max-run-keys = 1000"));
+
+  // Watch validates its run id as every other call: 20 streams on 1 MB ids are refused.
+  {
+    Client hostile(options);
+    ChangeLog log;
+    std::vector<std::unique_ptr<Watch>> watches;
+    for (int i = 0; i < 20; ++i) {
+      watches.push_back(
+          hostile.watch(std::string(1 << 20, char('a' + i)), "", log.onChange(), log.onBreak()));
+    }
+    std::unique_lock<std::mutex> lock(log.mu);
+    REQUIRE(log.cv.wait_for(lock, 20s, [&] { return log.breaks.size() >= 20; }));
+    CHECK(log.changes.empty());
+    CHECK(log.breaks[0].code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(log.breaks[0].message(), Catch::Contains("run id is 1048576 bytes"));
+  }
+
+  // One connection holds at most 16 streams and waits (--max-streams-per-peer).
+  {
+    Client peer(options);
+    ChangeLog log;
+    std::vector<std::unique_ptr<Watch>> watches;
+    for (int i = 0; i < 16; ++i) {
+      watches.push_back(peer.watch("streams", "n" + std::to_string(i), log.onChange()));
+    }
+    REQUIRE(log.waitUntil([](const std::vector<RoundChange>& cs) { return cs.size() >= 16; }));
+    auto wait = peer.kvWait("streams", {"never"}, 30s);
+    CHECK(wait.status().code() == StatusCode::kResourceExhausted);
+    CHECK_THAT(wait.status().message(), Catch::Contains("max-streams-per-peer = 16"));
+    ChangeLog extra_log;
+    auto extra = peer.watch("streams", "extra", extra_log.onChange(), extra_log.onBreak());
+    {
+      std::unique_lock<std::mutex> lock(extra_log.mu);
+      REQUIRE(extra_log.cv.wait_for(lock, 20s, [&] { return !extra_log.breaks.empty(); }));
+      CHECK(extra_log.breaks[0].code() == StatusCode::kResourceExhausted);
+    }
+    // An ended stream frees its place; another connection was never limited by this one.
+    extra.reset();
+    watches.pop_back();
+    CHECK(waitUntil([&] {
+      return peer.kvWait("streams", {"never"}, 50ms).status().code() ==
+             StatusCode::kDeadlineExceeded;
+    }));
+    CHECK(client.kvWait("streams", {"never"}, 50ms).status().code() ==
+          StatusCode::kDeadlineExceeded);
+  }
+
+  // Still serving, and the memory it holds is what the quotas allow plus slack, not the ~330 MB
+  // that was sent.
+  REQUIRE(client.kvGet("big", "k0").isOk());
+  const size_t rss_after = residentBytes(pid);
+  INFO("VmRSS " << rss_before / 1024 << " kB before, " << rss_after / 1024 << " kB after");
+  CHECK(rss_after < rss_before + (96u << 20));
+
+  kill(pid, SIGTERM);
+  CHECK(waitExit(pid) == 0);
+  fclose(out);
+}
+
 TEST_CASE("TLS: a client trusting the server's certificate joins, a plaintext one cannot",
           "[rendezvous][grpc][tls]") {
   ServerOptions options = selfSignedTls();
