@@ -4,6 +4,16 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+
+// An error line for a user: one line, and no control byte that could drive a terminal.
+inline bool isOneCleanLine(const std::string& msg) {
+  if (msg.empty()) return false;
+  for (char c : msg) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) return false;
+  }
+  return true;
+}
 
 #define FUZZ_CHECK(cond)                                                                  \
   do {                                                                                    \

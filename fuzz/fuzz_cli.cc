@@ -2,8 +2,8 @@
 // tokenizer of common/src/launch_flags.cc). The input is split at newlines into arguments; an
 // argument "@NAME=VALUE" goes to the environment instead (PET_<NAME> defaults, PYTHON_EXEC...).
 // The first byte picks torchrun's or torch.distributed.launch's grammar and the host's CPU and
-// GPU counts. Checks: no crash, a refusal is INVALID_ARGUMENT (a usage error) with a message, and
-// an accepted command line is one an agent can run.
+// GPU counts. Checks: no crash, a refusal is one line without control bytes (the values it quotes
+// are escaped), and an accepted command line is one an agent can run.
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -37,7 +37,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto mode = (shape & 1) != 0 ? launcher::CliMode::kLaunch : launcher::CliMode::kTorchrun;
   auto parsed = launcher::parseCommandLine(args, env, host, mode);
   if (!parsed.isOk()) {
-    FUZZ_CHECK(!parsed.status().message().empty());
+    FUZZ_CHECK(isOneCleanLine(parsed.status().message()));
     return 0;
   }
   if (parsed.value().show_help) return 0;

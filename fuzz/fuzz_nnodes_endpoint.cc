@@ -2,7 +2,7 @@
 // through parseCommandLine as a user reaches them. Input: "<nnodes>\n<endpoint>"; the first byte
 // picks the backend (static, c10d, etcd-v3) and --standalone. Checks: accepted ranges are
 // 0 < MIN <= MAX, an accepted endpoint is normalised to HOST:PORT with a port in 1..65535 (port 0
-// cannot be dialled) and a non-empty host, and refusals are usage errors with a message.
+// cannot be dialled) and a non-empty host, and refusals are usage errors of one clean line.
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -34,7 +34,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto parsed = launcher::parseCommandLine(args, {}, host);
   if (!parsed.isOk()) {
     FUZZ_CHECK(parsed.status().code() == StatusCode::kInvalidArgument);
-    FUZZ_CHECK(!parsed.status().message().empty());
+    FUZZ_CHECK(isOneCleanLine(parsed.status().message()));
     return 0;
   }
   const agent::AgentConfig& c = parsed.value().config;

@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "ddprun/common/log.h"
+#include "ddprun/common/strings.h"
 #include "ddprun/rendezvous/server.h"
 
 namespace {
@@ -42,7 +43,9 @@ constexpr const char* kHelp =
 constexpr double kMaxTtlSeconds = 365.0 * 24 * 3600;
 
 int usageError(const std::string& msg) {
-  std::cerr << "ddprun-rendezvous: " << msg << " (" << kUsage << ")" << std::endl;
+  // The message may quote an argument: one line, whatever it holds.
+  std::cerr << "ddprun-rendezvous: " << ddprun::escapeControl(msg) << " (" << kUsage << ")"
+            << std::endl;
   return 2;
 }
 
@@ -165,7 +168,7 @@ int main(int argc, char** argv) {
 
   auto server = rendezvous::RendezvousServer::start(options);
   if (!server.isOk()) {
-    std::cerr << "ddprun-rendezvous: " << server.status().message() << std::endl;
+    std::cerr << "ddprun-rendezvous: " << escapeControl(server.status().message()) << std::endl;
     return server.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
   std::cout << "listening on " << server.value()->address() << std::endl;

@@ -453,10 +453,14 @@ TEST_CASE("the daemon rejects bad flags with exit code 2", "[rendezvous][daemon]
            {},
            {"--listen", "nowhere"},
            {"--listen", "127.0.0.1:0", "--tls-cert", "x"},
-           {"--listen", "127.0.0.1:0", "--token-file", "/nonexistent/token"}}) {
+           {"--listen", "127.0.0.1:0", "--token-file", "/nonexistent/token"},
+           {"--listen", "127.0.0.1:\n5"}}) {
     FILE* out = nullptr;
-    pid_t pid = spawnDaemon(args, &out);
+    pid_t pid = spawnDaemon(args, &out, true);
+    const std::string text = readAll(out);
     CHECK(waitExit(pid) == 2);
+    // One line, even when it quotes a value holding a newline.
+    CHECK(text.find('\n') == text.size() - 1);
     fclose(out);
   }
 }
