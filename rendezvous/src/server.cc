@@ -114,9 +114,11 @@ struct RendezvousServer::Impl {
 
   // Counts a long call (Watch, KvWait, GetMaster) of `peer` against max_streams_per_peer.
   Status admitStream(const std::string& peer) {
-    size_t& n = streams_by_peer[peer];
+    PeerStreams& p = streams_by_peer[peer];
+    const size_t n = p.open;
     if (n >= options.max_streams_per_peer) {
-      if (n == options.max_streams_per_peer) {
+      if (!p.warned) {  // once per peer, not once per refused call
+        p.warned = true;
         logger("rendezvous")
             ->warn("peer {} holds {} streams and waits: refusing more (max-streams-per-peer)", peer,
                    n);
@@ -127,13 +129,13 @@ struct RendezvousServer::Impl {
                         std::to_string(options.max_streams_per_peer) +
                         " (ddprun-rendezvous --max-streams-per-peer)");
     }
-    ++n;
+    ++p.open;
     return Status::ok();
   }
   void releaseStream(const std::string& peer) {
     auto it = streams_by_peer.find(peer);
     if (it == streams_by_peer.end()) return;
-    if (--it->second == 0) streams_by_peer.erase(it);
+    if (--it->second.open == 0) streams_by_peer.erase(it);
   }
 
   void flush() {
@@ -326,7 +328,11 @@ struct RendezvousServer::Impl {
   std::unordered_map<CallId, PendingWait> waits;
   std::unordered_map<CallId, WatchSession> watches;
   std::unordered_map<std::string, std::set<CallId>> watchers_by_run;
-  std::unordered_map<std::string, size_t> streams_by_peer;  // admitStream / releaseStream
+  struct PeerStreams {
+    size_t open = 0;      // open Watch streams plus pending waits
+    bool warned = false;  // a refusal of this peer was logged
+  };
+  std::unordered_map<std::string, PeerStreams> streams_by_peer;  // admitStream / releaseStream
 
   mutable std::mutex census_mu;
   StateCensus census;  // guarded by census_mu; refreshed by every flush()
