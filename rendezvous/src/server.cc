@@ -110,6 +110,7 @@ struct RendezvousServer::Impl {
     bool writing = false;
     bool finish_after_queue = false;  // closed run: end the stream once the queue drained
     bool cancelled = false;
+    bool overflowed = false;  // fell max_watch_queue changes behind: end it, queue dropped
   };
 
   // Counts a long call (Watch, KvWait, GetMaster) of `peer` against max_streams_per_peer.
@@ -188,10 +189,24 @@ struct RendezvousServer::Impl {
       if (r == watchers_by_run.end()) continue;
       pb::RoundChange msg;
       toProto(c.change, &msg);
+      std::vector<CallId> overflowed;  // ended after the loop: ending one edits r->second
       for (CallId id : r->second) {
         WatchSession& s = watches.at(id);
+        if (s.overflowed) continue;
+        if (s.queue.size() >= options.max_watch_queue) {
+          s.queue.clear();
+          s.overflowed = true;
+          overflowed.push_back(id);
+          continue;
+        }
         s.queue.push_back(msg);
         if (c.change.kind == ChangeKind::kClosed) s.finish_after_queue = true;
+        pump(id);
+      }
+      for (CallId id : overflowed) {
+        logger("rendezvous")
+            ->warn("watch of run {} by {} fell {} changes behind: ending it (max_watch_queue)",
+                   c.run_id, watches.at(id).peer, options.max_watch_queue);
         pump(id);
       }
     }
@@ -223,6 +238,13 @@ struct RendezvousServer::Impl {
     WatchSession& s = it->second;
     if (s.writing) return;
     if (s.cancelled) return endWatch(id, grpc::Status::CANCELLED);
+    if (s.overflowed) {
+      return endWatch(id,
+                      grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                   "this watch fell " + std::to_string(options.max_watch_queue) +
+                                       " changes behind its run (max_watch_queue); subscribe "
+                                       "again for a fresh snapshot"));
+    }
     if (!s.queue.empty()) {
       s.current = std::move(s.queue.front());
       s.queue.pop_front();

@@ -1,4 +1,5 @@
 // Integration tests of the gRPC rendezvous: real server and clients over 127.0.0.1, port 0.
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -15,6 +16,7 @@
 
 #include "ddprun/rendezvous/client.h"
 #include "ddprun/rendezvous/server.h"
+#include "ddprun/rendezvous/v1/rendezvous.grpc.pb.h"
 #include "server_fixture.h"
 
 using namespace ddprun;
@@ -299,6 +301,45 @@ TEST_CASE("bad input gets precise statuses and the server keeps serving", "[rend
   CHECK(client.kvCompareSet("bad", "k", "v", "w").value() == "w");
   CHECK(client.kvWait("bad", {"k", "n"}, 1s).value() == std::vector<std::string>{"w", "3"});
   CHECK(client.kvDelete("bad", "k").value());
+}
+
+TEST_CASE("a watch whose client stops reading is ended once too far behind, not buffered",
+          "[rendezvous][grpc]") {
+  ServerOptions options;
+  options.max_watch_queue = 16;
+  auto server = startServer(options);
+  // A raw stub: the client library reads every message at once, this client never reads again.
+  auto stub = v1::Rendezvous::NewStub(
+      grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  v1::WatchRequest req;
+  req.set_run_id("busy");
+  auto reader = stub->Watch(&ctx, req);
+  v1::RoundChange change;
+  REQUIRE(reader->Read(&change));  // the snapshot: the stream is open
+
+  // 16000 changes of ~1 KB (a node joins a 1:1 run, then leaves): more than gRPC's flow-control
+  // window lets through to the client (~8 MB here), so the server's queue for the stream fills.
+  Client client(clientFor(*server));
+  for (int i = 0; i < 8000; ++i) {
+    const std::string node = std::to_string(i) + std::string(1000, 'n');
+    auto joined = client.join(joinRequest("busy", 1, 1, node));
+    REQUIRE(joined.isOk());
+    REQUIRE(client.leave("busy", node).isOk());
+  }
+  REQUIRE(client.close("busy").isOk());  // would end a stream that kept up with OK
+
+  int read = 0;
+  while (reader->Read(&change)) ++read;
+  grpc::Status status = reader->Finish();
+  INFO("read " << read << " changes after the snapshot");
+  CHECK(status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK_THAT(status.error_message(), Catch::Contains("max_watch_queue"));
+  CHECK(read < 16000);
+  // The server still serves, and the stream's place is free again.
+  CHECK(client.kvSet("other", "k", "v").isOk());
+  CHECK(waitUntil([&] { return server->census().watch_streams == 0; }));
 }
 
 TEST_CASE("clients retry and re-subscribe across a server restart", "[rendezvous][grpc]") {
