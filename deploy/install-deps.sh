@@ -6,6 +6,8 @@ set -euo pipefail
 PACKAGES=(
   # toolchain
   g++ cmake ninja-build pkg-config git clang-format
+  # the sanitizer leg (deploy/test-sanitized.sh): clang++ with ASan, UBSan and libFuzzer
+  clang libclang-rt-14-dev
   # control plane
   libboost-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev nlohmann-json3-dev

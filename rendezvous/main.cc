@@ -1,6 +1,6 @@
 // ddprun-rendezvous: the standalone rendezvous daemon. Thin: flags, then RendezvousServer.
 //   ddprun-rendezvous --listen HOST:PORT [--token-file F] [--tls-cert F --tls-key F]
-//                     [--closed-run-ttl SECONDS] [--idle-run-ttl SECONDS]
+//                     [--closed-run-ttl SECONDS] [--idle-run-ttl SECONDS] [quota flags]
 #include <cerrno>
 #include <cmath>
 #include <csignal>
@@ -13,13 +13,15 @@
 #include <tuple>
 
 #include "ddprun/common/log.h"
+#include "ddprun/common/strings.h"
 #include "ddprun/rendezvous/server.h"
 
 namespace {
 
 constexpr const char* kUsage =
     "usage: ddprun-rendezvous --listen HOST:PORT [--token-file FILE] "
-    "[--tls-cert FILE --tls-key FILE] [--closed-run-ttl SECONDS] [--idle-run-ttl SECONDS]";
+    "[--tls-cert FILE --tls-key FILE] [--closed-run-ttl SECONDS] [--idle-run-ttl SECONDS] "
+    "[--max-run-keys N] [--max-run-kv-bytes N] [--max-kv-bytes N] [--max-streams-per-peer N]";
 
 constexpr const char* kHelp =
     "  --listen HOST:PORT         address to serve on; port 0 picks one (printed)\n"
@@ -28,13 +30,22 @@ constexpr const char* kHelp =
     "                             serve TLS with this certificate and key (PEM)\n"
     "  --closed-run-ttl SECONDS   how long a closed run's tombstone refuses joins (default 3600)\n"
     "  --idle-run-ttl SECONDS     drop a run with no live node, watch stream or key write for\n"
-    "                             this long, with its key-value store (default 600)";
+    "                             this long, with its key-value store (default 600)\n"
+    "  --max-run-keys N           keys one run id may hold (default 65536)\n"
+    "  --max-run-kv-bytes N       bytes (keys + values) one run id may hold (default 16777216)\n"
+    "  --max-kv-bytes N           bytes (keys + values) all run ids together may hold\n"
+    "                             (default 268435456)\n"
+    "  --max-streams-per-peer N   open Watch streams plus pending KvWait/GetMaster calls of one\n"
+    "                             client connection (default 1024)\n"
+    "  A write past a quota, or a stream past the bound, gets RESOURCE_EXHAUSTED naming it.";
 
 // Longest TTL accepted: a year keeps every deadline far from the clock's range.
 constexpr double kMaxTtlSeconds = 365.0 * 24 * 3600;
 
 int usageError(const std::string& msg) {
-  std::cerr << "ddprun-rendezvous: " << msg << " (" << kUsage << ")" << std::endl;
+  // The message may quote an argument: one line, whatever it holds.
+  std::cerr << "ddprun-rendezvous: " << ddprun::escapeControl(msg) << " (" << kUsage << ")"
+            << std::endl;
   return 2;
 }
 
@@ -50,11 +61,23 @@ std::optional<ddprun::Duration> parseTtl(const std::string& text) {
   return std::chrono::duration_cast<ddprun::Duration>(std::chrono::duration<double>(v));
 }
 
+// A count or size for a quota flag: a whole number in 1..2^40.
+std::optional<size_t> parseQuota(const std::string& text) {
+  if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos ||
+      text.size() > 13) {
+    return std::nullopt;
+  }
+  const unsigned long long v = std::strtoull(text.c_str(), nullptr, 10);
+  if (v == 0 || v > (1ull << 40)) return std::nullopt;
+  return static_cast<size_t>(v);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace ddprun;
   std::string listen, token_file, cert_file, key_file, closed_ttl, idle_ttl;
+  std::string run_keys, run_kv_bytes, kv_bytes, streams_per_peer;
   std::set<std::string> given;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -79,6 +102,10 @@ int main(int argc, char** argv) {
     if (arg == "--tls-key") target = &key_file;
     if (arg == "--closed-run-ttl") target = &closed_ttl;
     if (arg == "--idle-run-ttl") target = &idle_ttl;
+    if (arg == "--max-run-keys") target = &run_keys;
+    if (arg == "--max-run-kv-bytes") target = &run_kv_bytes;
+    if (arg == "--max-kv-bytes") target = &kv_bytes;
+    if (arg == "--max-streams-per-peer") target = &streams_per_peer;
     if (target == nullptr) return usageError("unknown argument '" + std::string(argv[i]) + "'");
     if (!has_inline) {
       if (i + 1 >= argc) return usageError(arg + " needs a value");
@@ -105,6 +132,19 @@ int main(int argc, char** argv) {
     }
     *ttl = *parsed;
   }
+  for (auto [flag, text, quota] :
+       {std::tuple{"--max-run-keys", &run_keys, &options.limits.max_run_keys},
+        std::tuple{"--max-run-kv-bytes", &run_kv_bytes, &options.limits.max_run_kv_bytes},
+        std::tuple{"--max-kv-bytes", &kv_bytes, &options.limits.max_kv_bytes},
+        std::tuple{"--max-streams-per-peer", &streams_per_peer, &options.max_streams_per_peer}}) {
+    if (given.count(flag) == 0) continue;
+    auto parsed = parseQuota(*text);
+    if (!parsed) {
+      return usageError(std::string(flag) + ": '" + *text +
+                        "' is not a whole number in 1..1099511627776");
+    }
+    *quota = *parsed;
+  }
   if (!token_file.empty()) {
     auto token = rendezvous::readTokenFile(token_file);
     if (!token.isOk()) return usageError("--token-file: " + token.status().message());
@@ -128,7 +168,7 @@ int main(int argc, char** argv) {
 
   auto server = rendezvous::RendezvousServer::start(options);
   if (!server.isOk()) {
-    std::cerr << "ddprun-rendezvous: " << server.status().message() << std::endl;
+    std::cerr << "ddprun-rendezvous: " << escapeControl(server.status().message()) << std::endl;
     return server.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
   std::cout << "listening on " << server.value()->address() << std::endl;

@@ -14,8 +14,7 @@ auto agentLog() { return logger("agent"); }
 
 MultiNodeRendezvous::MultiNodeRendezvous(boost::asio::io_context& io, MultiNodeOptions options,
                                          RendezvousService& service, EventSink sink)
-    : io_(io),
-      options_(std::move(options)),
+    : options_(std::move(options)),
       service_(service),
       sink_(std::move(sink)),
       heartbeat_timer_(io) {}

@@ -668,11 +668,9 @@ void addNotices(const Values& given, CliMode mode, const agent::AgentConfig& cfg
   }
 }
 
-}  // namespace
-
-StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
-                                     const std::map<std::string, std::string>& env,
-                                     const HostFacts& host, CliMode mode) {
+StatusOr<CliResult> parse(const std::vector<std::string>& args,
+                          const std::map<std::string, std::string>& env, const HostFacts& host,
+                          CliMode mode) {
   CliResult result;
   const TokenizedArgs tokens = tokenizeLaunchArgs(args, launchFlags());
   DDPRUN_ASSIGN_OR_RETURN(FlagValues flags, resolveFlagValues(tokens, env, launchFlags()));
@@ -710,6 +708,18 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
         "yourself to tune");
   }
   return result;
+}
+
+}  // namespace
+
+StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
+                                     const std::map<std::string, std::string>& env,
+                                     const HostFacts& host, CliMode mode) {
+  auto parsed = parse(args, env, host, mode);
+  // Messages quote flag values and environment variables: one line, whatever they hold.
+  if (!parsed.isOk())
+    return Status(parsed.status().code(), escapeControl(parsed.status().message()));
+  return parsed;
 }
 
 std::string helpText(CliMode mode) {

@@ -27,7 +27,8 @@ int slurmMain(const char* program_name, const std::vector<std::string>& args,
   std::vector<std::string> rest(args.begin() + 1, args.end());
   auto plan = slurm::srunCommand(rest, env, ddprun_path, slurm::scontrolAddressLookup());
   if (!plan.isOk()) {
-    std::fprintf(stderr, "%s: error: %s\n", program_name, plan.status().message().c_str());
+    std::fprintf(stderr, "%s: error: %s\n", program_name,
+                 escapeControl(plan.status().message()).c_str());
     return 2;
   }
   if (plan->show_help) {
@@ -37,7 +38,8 @@ int slurmMain(const char* program_name, const std::vector<std::string>& args,
   // A usage error is reported once here, not once per node.
   auto parsed = parseCommandLine(plan->ddprun_args, env, host);
   if (!parsed.isOk()) {
-    std::fprintf(stderr, "%s: error: %s\n", program_name, parsed.status().message().c_str());
+    std::fprintf(stderr, "%s: error: %s\n", program_name,
+                 escapeControl(parsed.status().message()).c_str());
     return 2;
   }
   std::fprintf(stderr, "%s: %s\n", program_name, join(plan->argv, " ").c_str());
@@ -68,7 +70,8 @@ int launcherMain(const char* program_name, int argc, char** argv) {
     // As an srun task (one per node), derive --nnodes, --rdzv-* and --local-addr from Slurm.
     auto step = slurm::stepArgs(args, env, slurm::scontrolAddressLookup());
     if (!step.isOk()) {
-      std::fprintf(stderr, "%s: error: %s\n", program_name, step.status().message().c_str());
+      std::fprintf(stderr, "%s: error: %s\n", program_name,
+                   escapeControl(step.status().message()).c_str());
       return 2;
     }
     if (!step->added.empty()) {
@@ -78,7 +81,8 @@ int launcherMain(const char* program_name, int argc, char** argv) {
     args = step->args;
     auto parsed = parseCommandLine(args, env, host, mode);
     if (!parsed.isOk()) {
-      std::fprintf(stderr, "%s: error: %s\n", program_name, parsed.status().message().c_str());
+      std::fprintf(stderr, "%s: error: %s\n", program_name,
+                   escapeControl(parsed.status().message()).c_str());
       return 2;
     }
     if (parsed->show_help) {

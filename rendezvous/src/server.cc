@@ -98,9 +98,11 @@ struct RendezvousServer::Impl {
     WaitReactor* reactor;
     pb::KvWaitResponse* kv = nullptr;         // KvWait
     pb::GetMasterResponse* master = nullptr;  // GetMaster
+    std::string peer;
   };
   struct WatchSession {
     WatchReactor* reactor;
+    std::string peer;
     std::string run_id;
     std::string node_id;  // may be empty (an observer)
     std::deque<pb::RoundChange> queue;
@@ -108,7 +110,34 @@ struct RendezvousServer::Impl {
     bool writing = false;
     bool finish_after_queue = false;  // closed run: end the stream once the queue drained
     bool cancelled = false;
+    bool overflowed = false;  // fell max_watch_queue changes behind: end it, queue dropped
   };
+
+  // Counts a long call (Watch, KvWait, GetMaster) of `peer` against max_streams_per_peer.
+  Status admitStream(const std::string& peer) {
+    PeerStreams& p = streams_by_peer[peer];
+    const size_t n = p.open;
+    if (n >= options.max_streams_per_peer) {
+      if (!p.warned) {  // once per peer, not once per refused call
+        p.warned = true;
+        logger("rendezvous")
+            ->warn("peer {} holds {} streams and waits: refusing more (max-streams-per-peer)", peer,
+                   n);
+      }
+      return Status(StatusCode::kResourceExhausted,
+                    "this connection already holds " + std::to_string(n) +
+                        " watch streams and waits: max-streams-per-peer = " +
+                        std::to_string(options.max_streams_per_peer) +
+                        " (ddprun-rendezvous --max-streams-per-peer)");
+    }
+    ++p.open;
+    return Status::ok();
+  }
+  void releaseStream(const std::string& peer) {
+    auto it = streams_by_peer.find(peer);
+    if (it == streams_by_peer.end()) return;
+    if (--it->second.open == 0) streams_by_peer.erase(it);
+  }
 
   void flush() {
     RendezvousState::Outbox out = state.drain();
@@ -133,6 +162,7 @@ struct RendezvousServer::Impl {
       if (it == waits.end()) continue;
       PendingWait p = it->second;
       waits.erase(it);
+      releaseStream(p.peer);
       if (!w.values.isOk()) {
         p.reactor->Finish(toGrpc(w.values.status()));
         continue;
@@ -145,6 +175,7 @@ struct RendezvousServer::Impl {
       if (it == waits.end()) continue;
       PendingWait p = it->second;
       waits.erase(it);
+      releaseStream(p.peer);
       if (!m.master.isOk()) {
         p.reactor->Finish(toGrpc(m.master.status()));
         continue;
@@ -158,10 +189,24 @@ struct RendezvousServer::Impl {
       if (r == watchers_by_run.end()) continue;
       pb::RoundChange msg;
       toProto(c.change, &msg);
+      std::vector<CallId> overflowed;  // ended after the loop: ending one edits r->second
       for (CallId id : r->second) {
         WatchSession& s = watches.at(id);
+        if (s.overflowed) continue;
+        if (s.queue.size() >= options.max_watch_queue) {
+          s.queue.clear();
+          s.overflowed = true;
+          overflowed.push_back(id);
+          continue;
+        }
         s.queue.push_back(msg);
         if (c.change.kind == ChangeKind::kClosed) s.finish_after_queue = true;
+        pump(id);
+      }
+      for (CallId id : overflowed) {
+        logger("rendezvous")
+            ->warn("watch of run {} by {} fell {} changes behind: ending it (max_watch_queue)",
+                   c.run_id, watches.at(id).peer, options.max_watch_queue);
         pump(id);
       }
     }
@@ -193,6 +238,13 @@ struct RendezvousServer::Impl {
     WatchSession& s = it->second;
     if (s.writing) return;
     if (s.cancelled) return endWatch(id, grpc::Status::CANCELLED);
+    if (s.overflowed) {
+      return endWatch(id,
+                      grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                   "this watch fell " + std::to_string(options.max_watch_queue) +
+                                       " changes behind its run (max_watch_queue); subscribe "
+                                       "again for a fresh snapshot"));
+    }
     if (!s.queue.empty()) {
       s.current = std::move(s.queue.front());
       s.queue.pop_front();
@@ -213,6 +265,7 @@ struct RendezvousServer::Impl {
       if (r->second.empty()) watchers_by_run.erase(r);
     }
     state.watchClosed(it->second.run_id, now());  // may schedule collection: callers arm the timer
+    releaseStream(it->second.peer);
     watches.erase(it);
     reactor->Finish(status);  // the io thread's last touch of the reactor
   }
@@ -231,6 +284,7 @@ struct RendezvousServer::Impl {
     auto it = waits.find(id);
     if (it == waits.end()) return;
     WaitReactor* reactor = it->second.reactor;
+    releaseStream(it->second.peer);
     waits.erase(it);
     state.cancelWait(id, now());
     reactor->Finish(grpc::Status::CANCELLED);
@@ -296,6 +350,11 @@ struct RendezvousServer::Impl {
   std::unordered_map<CallId, PendingWait> waits;
   std::unordered_map<CallId, WatchSession> watches;
   std::unordered_map<std::string, std::set<CallId>> watchers_by_run;
+  struct PeerStreams {
+    size_t open = 0;      // open Watch streams plus pending waits
+    bool warned = false;  // a refusal of this peer was logged
+  };
+  std::unordered_map<std::string, PeerStreams> streams_by_peer;  // admitStream / releaseStream
 
   mutable std::mutex census_mu;
   StateCensus census;  // guarded by census_mu; refreshed by every flush()
@@ -529,15 +588,20 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
     Impl* impl = impl_;
     CallId id = nextId();
     auto* reactor = new WaitReactor(impl, id);
-    impl->post([impl, reactor, id, kv, master, start = std::move(start)]() mutable {
-      if (impl->shutting_down) {
-        reactor->Finish(kShuttingDown);
-        return;
-      }
-      impl->waits[id] = {reactor, kv, master};
-      start(impl, id);
-      impl->flush();
-    });
+    impl->post(
+        [impl, reactor, id, kv, master, peer = ctx->peer(), start = std::move(start)]() mutable {
+          if (impl->shutting_down) {
+            reactor->Finish(kShuttingDown);
+            return;
+          }
+          if (Status admit = impl->admitStream(peer); !admit.isOk()) {
+            reactor->Finish(toGrpc(admit));
+            return;
+          }
+          impl->waits[id] = {reactor, kv, master, std::move(peer)};
+          start(impl, id);
+          impl->flush();
+        });
     return reactor;
   }
 
@@ -562,17 +626,22 @@ grpc::ServerWriteReactor<pb::RoundChange>* RendezvousService::Watch(
   }
   std::string run_id = req->run_id();
   std::string node_id = req->node_id();
-  impl->post([impl, reactor, id, run_id, node_id]() {
+  impl->post([impl, reactor, id, run_id, node_id, peer = ctx->peer()]() {
     if (impl->shutting_down) {
       reactor->Finish(kShuttingDown);
       return;
     }
-    if (run_id.empty()) {
-      reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "run id is empty"));
+    if (Status valid = impl->state.validateIds(run_id, node_id); !valid.isOk()) {
+      reactor->Finish(toGrpc(valid));
+      return;
+    }
+    if (Status admit = impl->admitStream(peer); !admit.isOk()) {
+      reactor->Finish(toGrpc(admit));
       return;
     }
     Impl::WatchSession& s = impl->watches[id];
     s.reactor = reactor;
+    s.peer = peer;
     s.run_id = run_id;
     s.node_id = node_id;
     impl->state.watchOpened(run_id, impl->now());

@@ -30,11 +30,16 @@ std::string masterKey(uint64_t round) { return kMasterKeyPrefix + std::to_string
 
 Status RendezvousState::publishMaster(const std::string& run_id, const std::string& node_id,
                                       uint64_t round, const MasterAddress& master, TimePoint now) {
+  DDPRUN_RETURN_IF_ERROR(validateIds(run_id, node_id));
   Run* run = findRun(run_id);
   if (run == nullptr && findTombstone(run_id) != nullptr) {
     return failedPrecondition("run " + run_id + " is closed");
   }
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  if (master.addr.size() > limits_.max_id_bytes) {
+    return invalidArgument("master address is longer than " + std::to_string(limits_.max_id_bytes) +
+                           " bytes");
+  }
   if (master.addr.empty() || master.port == 0 || master.port > 65535) {
     return invalidArgument("master address must be a non-empty host and a port in 1..65535");
   }
@@ -61,6 +66,10 @@ std::optional<MasterAddress> RendezvousState::masterOf(const std::string& run_id
 
 void RendezvousState::waitMaster(CallId id, const std::string& run_id, uint64_t round,
                                  Duration timeout, TimePoint now) {
+  if (Status s = validateIds(run_id); !s.isOk()) {
+    outbox_.masters.push_back({id, s});
+    return;
+  }
   if (findRun(run_id) == nullptr && findTombstone(run_id) != nullptr) {
     outbox_.masters.push_back({id, failedPrecondition("run " + run_id + " is closed")});
     return;
@@ -159,15 +168,80 @@ Status RendezvousState::validateWrite(const std::string& run_id, const std::stri
   return Status::ok();
 }
 
-Status RendezvousState::validateKey(const std::string& run_id, const std::string& key) const {
+Status RendezvousState::validateIds(const std::string& run_id, const std::string& node_id) const {
   if (run_id.empty()) return invalidArgument("run id is empty");
-  if (run_id.size() > limits_.max_id_bytes) return invalidArgument("run id is too long");
+  for (const auto& [what, id] : {std::pair{"run id", &run_id}, std::pair{"node id", &node_id}}) {
+    if (id->size() > limits_.max_id_bytes) {
+      return invalidArgument(std::string(what) + " is " + std::to_string(id->size()) +
+                             " bytes, above the limit of " + std::to_string(limits_.max_id_bytes));
+    }
+    if (std::any_of(id->begin(), id->end(),
+                    [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) {
+      return invalidArgument(std::string(what) + " contains a control byte");
+    }
+  }
+  return Status::ok();
+}
+
+Status RendezvousState::validateKey(const std::string& run_id, const std::string& key) const {
+  DDPRUN_RETURN_IF_ERROR(validateIds(run_id));
   if (key.empty()) return invalidArgument("key is empty");
   if (key.size() > limits_.max_key_bytes) {
     return invalidArgument("key is " + std::to_string(key.size()) + " bytes, above the limit of " +
                            std::to_string(limits_.max_key_bytes));
   }
   return Status::ok();
+}
+
+Status RendezvousState::store(const std::string& run_id, const std::string& key, std::string value,
+                              TimePoint now) {
+  if (value.size() > limits_.max_value_bytes) {
+    return invalidArgument("value of key " + key + " is " + std::to_string(value.size()) +
+                           " bytes, above the limit of " + std::to_string(limits_.max_value_bytes));
+  }
+  // The quotas are checked before anything is created, so a refused write leaves no trace.
+  size_t keys = 0, bytes = 0, old_entry = 0;
+  bool present = false;
+  if (auto space = kv_.find(run_id); space != kv_.end()) {
+    keys = space->second.data.size();
+    bytes = space->second.bytes;
+    if (auto it = space->second.data.find(key); it != space->second.data.end()) {
+      present = true;
+      old_entry = key.size() + it->second.size();
+    }
+  }
+  const size_t new_entry = key.size() + value.size();
+  auto exhausted = [&](const char* what, const char* name, size_t limit) {
+    return Status(StatusCode::kResourceExhausted,
+                  std::string(what) + " would exceed " + name + " = " + std::to_string(limit) +
+                      " (ddprun-rendezvous --" + std::string(name) + ")");
+  };
+  if (!present && keys + 1 > limits_.max_run_keys) {
+    return exhausted(("a new key in run " + run_id).c_str(), "max-run-keys", limits_.max_run_keys);
+  }
+  if (new_entry > old_entry) {
+    const size_t grow = new_entry - old_entry;
+    if (bytes + grow > limits_.max_run_kv_bytes) {
+      return exhausted(("storing " + std::to_string(new_entry) + " bytes in run " + run_id).c_str(),
+                       "max-run-kv-bytes", limits_.max_run_kv_bytes);
+    }
+    if (kv_bytes_ + grow > limits_.max_kv_bytes) {
+      return exhausted(("storing " + std::to_string(new_entry) + " bytes").c_str(), "max-kv-bytes",
+                       limits_.max_kv_bytes);
+    }
+  }
+  KvSpace& space = kvSpace(run_id, now);
+  space.bytes = space.bytes - old_entry + new_entry;
+  kv_bytes_ = kv_bytes_ - old_entry + new_entry;
+  space.data[key] = std::move(value);
+  return Status::ok();
+}
+
+void RendezvousState::dropKvSpace(const std::string& run_id) {
+  auto it = kv_.find(run_id);
+  if (it == kv_.end()) return;
+  kv_bytes_ -= it->second.bytes;
+  kv_.erase(it);
 }
 
 void RendezvousState::notifyKeys(const std::string& run_id, const std::string& key, TimePoint now) {
@@ -194,11 +268,7 @@ void RendezvousState::notifyKeys(const std::string& run_id, const std::string& k
 Status RendezvousState::kvSet(const std::string& run_id, const std::string& key, std::string value,
                               TimePoint now) {
   DDPRUN_RETURN_IF_ERROR(validateWrite(run_id, key));
-  if (value.size() > limits_.max_value_bytes) {
-    return invalidArgument("value of key " + key + " is " + std::to_string(value.size()) +
-                           " bytes, above the limit of " + std::to_string(limits_.max_value_bytes));
-  }
-  kvSpace(run_id, now).data[key] = std::move(value);
+  DDPRUN_RETURN_IF_ERROR(store(run_id, key, std::move(value), now));
   touch(run_id, now);
   notifyKeys(run_id, key, now);
   return Status::ok();
@@ -215,15 +285,13 @@ StatusOr<std::string> RendezvousState::kvGet(const std::string& run_id,
 StatusOr<int64_t> RendezvousState::kvAdd(const std::string& run_id, const std::string& key,
                                          int64_t delta, TimePoint now) {
   DDPRUN_RETURN_IF_ERROR(validateWrite(run_id, key));
-  auto& kv = kvSpace(run_id, now).data;
   touch(run_id, now);
   int64_t value = 0;
-  auto it = kv.find(key);
-  if (it != kv.end()) {
+  if (auto current = lookup(run_id, key)) {
     errno = 0;
     char* end = nullptr;
-    long long v = std::strtoll(it->second.c_str(), &end, 10);
-    if (it->second.empty() || *end != '\0' || errno != 0) {
+    long long v = std::strtoll(current->c_str(), &end, 10);
+    if (current->empty() || *end != '\0' || errno != 0) {
       return invalidArgument("key " + key + " holds a value that is not an integer");
     }
     value = v;
@@ -233,7 +301,7 @@ StatusOr<int64_t> RendezvousState::kvAdd(const std::string& run_id, const std::s
     return Status(StatusCode::kOutOfRange, "add on key " + key + " overflows int64");
   }
   value += delta;
-  kv[key] = std::to_string(value);
+  DDPRUN_RETURN_IF_ERROR(store(run_id, key, std::to_string(value), now));
   notifyKeys(run_id, key, now);
   return value;
 }
@@ -247,17 +315,11 @@ StatusOr<std::string> RendezvousState::kvCompareSet(const std::string& run_id,
     return invalidArgument("value of key " + key + " is " + std::to_string(desired.size()) +
                            " bytes, above the limit of " + std::to_string(limits_.max_value_bytes));
   }
-  auto& kv = kvSpace(run_id, now).data;
   touch(run_id, now);
-  auto it = kv.find(key);
-  if (it == kv.end()) {
-    if (!expected.empty()) return expected;  // c10d: absent key and non-empty expected
-    kv[key] = desired;
-    notifyKeys(run_id, key, now);
-    return desired;
-  }
-  if (it->second != expected) return it->second;
-  it->second = desired;
+  auto current = lookup(run_id, key);
+  if (!current && !expected.empty()) return expected;  // c10d: absent key and non-empty expected
+  if (current && *current != expected) return std::move(*current);
+  DDPRUN_RETURN_IF_ERROR(store(run_id, key, desired, now));
   notifyKeys(run_id, key, now);
   return desired;
 }
@@ -268,7 +330,13 @@ StatusOr<bool> RendezvousState::kvDelete(const std::string& run_id, const std::s
   auto r = kv_.find(run_id);
   if (r == kv_.end()) return false;
   touch(run_id, now);
-  return r->second.data.erase(key) != 0;
+  auto it = r->second.data.find(key);
+  if (it == r->second.data.end()) return false;
+  const size_t entry = key.size() + it->second.size();
+  r->second.bytes -= entry;
+  kv_bytes_ -= entry;
+  r->second.data.erase(it);
+  return true;
 }
 
 void RendezvousState::kvWait(CallId id, const std::string& run_id, std::vector<std::string> keys,

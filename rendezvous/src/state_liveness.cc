@@ -11,6 +11,7 @@ namespace ddprun::rendezvous {
 
 StatusOr<RunStatus> RendezvousState::heartbeat(const std::string& run_id,
                                                const std::string& node_id, TimePoint now) {
+  DDPRUN_RETURN_IF_ERROR(validateIds(run_id, node_id));
   Run* run = findRun(run_id);
   if (run == nullptr && findTombstone(run_id) != nullptr) return status(run_id);
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");

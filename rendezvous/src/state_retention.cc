@@ -78,7 +78,7 @@ void RendezvousState::collect(TimePoint now) {
     log->info("run {} dropped: no live node, watch stream or key write for {}s", run_id,
               secondsOf(now - idleSince(run_id, runs_.at(run_id)->last_active)));
     runs_.erase(run_id);
-    kv_.erase(run_id);
+    dropKvSpace(run_id);
   }
 
   // Key-value spaces of run ids without a run (the store needs no join, and outlives a
@@ -98,7 +98,7 @@ void RendezvousState::collect(TimePoint now) {
   for (const std::string& run_id : stale) {
     log->info("key-value store of run {} dropped: unused for {}s", run_id,
               secondsOf(now - kv_.at(run_id).last_active));
-    kv_.erase(run_id);
+    dropKvSpace(run_id);
   }
   if (!closed.empty() || !unused.empty() || !stale.empty()) {
     const StateCensus c = census();
@@ -121,7 +121,7 @@ void RendezvousState::bury(const std::string& run_id, TimePoint closed_at, std::
   }
   runs_.erase(run_id);
   --closed_runs_;
-  kv_.erase(run_id);
+  dropKvSpace(run_id);
   if (closed_at + retention_.closed_run_ttl <= now || retention_.max_tombstones == 0) {
     logger("rendezvous")
         ->info("run {} dropped: closed {}s ago", run_id, secondsOf(now - closed_at));
@@ -150,6 +150,7 @@ StateCensus RendezvousState::census() const {
   c.tombstones = tombstones_.size();
   c.kv_spaces = kv_.size();
   c.watch_streams = watch_streams_;
+  c.kv_bytes = kv_bytes_;
   return c;
 }
 

@@ -30,10 +30,9 @@ Status validateConfig(const RunConfig& c) {
 
 void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
   auto fail = [&](Status s) { outbox_.joins.push_back({id, std::move(s)}); };
-  if (req.run_id.empty()) return fail(invalidArgument("run id is empty"));
-  if (req.run_id.size() > limits_.max_id_bytes || req.node_id.size() > limits_.max_id_bytes ||
-      req.address.size() > limits_.max_id_bytes) {
-    return fail(invalidArgument("run id, node id or address longer than " +
+  if (Status s = validateIds(req.run_id, req.node_id); !s.isOk()) return fail(s);
+  if (req.address.size() > limits_.max_id_bytes) {
+    return fail(invalidArgument("node address is longer than " +
                                 std::to_string(limits_.max_id_bytes) + " bytes"));
   }
   if (req.address.empty()) return fail(invalidArgument("node address is empty"));
@@ -338,6 +337,7 @@ void RendezvousState::cancelJoin(CallId id, TimePoint now) {
 
 Status RendezvousState::leave(const std::string& run_id, const std::string& node_id,
                               TimePoint now) {
+  DDPRUN_RETURN_IF_ERROR(validateIds(run_id, node_id));
   Run* run = findRun(run_id);
   if (run == nullptr && findTombstone(run_id) != nullptr) return Status::ok();
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
@@ -349,6 +349,7 @@ Status RendezvousState::leave(const std::string& run_id, const std::string& node
 StatusOr<uint64_t> RendezvousState::reportFailure(const std::string& run_id,
                                                   const std::string& node_id, uint64_t round,
                                                   TimePoint now) {
+  DDPRUN_RETURN_IF_ERROR(validateIds(run_id, node_id));
   Run* run = findRun(run_id);
   if ((run == nullptr && findTombstone(run_id) != nullptr) || (run != nullptr && run->closed)) {
     return failedPrecondition("run " + run_id + " is closed");
@@ -373,6 +374,7 @@ StatusOr<uint64_t> RendezvousState::reportFailure(const std::string& run_id,
 }
 
 Status RendezvousState::close(const std::string& run_id, TimePoint now, std::string reason) {
+  DDPRUN_RETURN_IF_ERROR(validateIds(run_id));
   Run* run = findRun(run_id);
   if (run == nullptr && findTombstone(run_id) != nullptr) return Status::ok();
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");

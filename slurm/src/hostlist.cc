@@ -3,6 +3,8 @@
 #include <cctype>
 #include <cstdint>
 
+#include "ddprun/common/strings.h"
+
 namespace ddprun::slurm {
 namespace {
 
@@ -203,7 +205,10 @@ class Parser {
 
 StatusOr<std::vector<std::string>> expandHostlist(std::string_view expr,
                                                   const HostlistOptions& options) {
-  return Parser(expr, options).run();
+  auto hosts = Parser(expr, options).run();
+  // Messages quote the expression (it comes from the environment): one line, whatever it holds.
+  if (!hosts.isOk()) return Status(hosts.status().code(), escapeControl(hosts.status().message()));
+  return hosts;
 }
 
 StatusOr<std::string> firstHost(std::string_view expr, const HostlistOptions& options) {

@@ -36,3 +36,10 @@ TEST_CASE("seconds() converts without overflow, clamping to 0 .. 1e9 s", "[commo
   CHECK(ddprun::seconds(std::nan("")) == ddprun::Duration::zero());
   CHECK(ddprun::seconds(1e9) > ddprun::Duration::zero());
 }
+
+TEST_CASE("escapeControl writes control bytes as escapes and keeps everything else", "[common]") {
+  CHECK(escapeControl("plain text, UTF-8 \xc3\xa9 kept") == "plain text, UTF-8 \xc3\xa9 kept");
+  CHECK(escapeControl(std::string("a\nb\rc\td\x1b[31m\x7f") + '\0' + "e") ==
+        "a\\nb\\rc\\td\\x1b[31m\\x7f\\x00e");
+  CHECK(escapeControl(escapeControl("x\ny")) == "x\\ny");  // idempotent
+}

@@ -714,3 +714,16 @@ TEST_CASE("the flag --numa-binding plans each local rank's CPUs or says why it c
   }
   CHECK(parse({f.exe}, f.env())->config.cpu_affinity.empty());
 }
+
+TEST_CASE("a usage error quoting a value with control bytes stays one line", "[launcher]") {
+  // Found by fuzz_nnodes_endpoint and fuzz_cli: values were quoted raw, so a newline split the
+  // error and an escape sequence reached the terminal.
+  Files f;
+  CHECK(errorOf({"--nnodes=1\nx", f.exe}, f.env()) ==
+        "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got '1\\nx'");
+  CHECK(errorOf({"--nnodes=1", f.exe}, {{"PET_NPROC_PER_NODE", "\x1b[31mred"}}).find('\x1b') ==
+        std::string::npos);
+  const std::string missing = errorOf({"--no-python", std::string("scri\0pt", 7)}, f.env());
+  CHECK(missing.find('\0') == std::string::npos);
+  CHECK_THAT(missing, Catch::Contains("scri\\x00pt"));
+}

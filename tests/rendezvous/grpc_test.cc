@@ -1,4 +1,5 @@
 // Integration tests of the gRPC rendezvous: real server and clients over 127.0.0.1, port 0.
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -15,6 +16,7 @@
 
 #include "ddprun/rendezvous/client.h"
 #include "ddprun/rendezvous/server.h"
+#include "ddprun/rendezvous/v1/rendezvous.grpc.pb.h"
 #include "server_fixture.h"
 
 using namespace ddprun;
@@ -301,6 +303,45 @@ TEST_CASE("bad input gets precise statuses and the server keeps serving", "[rend
   CHECK(client.kvDelete("bad", "k").value());
 }
 
+TEST_CASE("a watch whose client stops reading is ended once too far behind, not buffered",
+          "[rendezvous][grpc]") {
+  ServerOptions options;
+  options.max_watch_queue = 16;
+  auto server = startServer(options);
+  // A raw stub: the client library reads every message at once, this client never reads again.
+  auto stub = v1::Rendezvous::NewStub(
+      grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  v1::WatchRequest req;
+  req.set_run_id("busy");
+  auto reader = stub->Watch(&ctx, req);
+  v1::RoundChange change;
+  REQUIRE(reader->Read(&change));  // the snapshot: the stream is open
+
+  // 16000 changes of ~1 KB (a node joins a 1:1 run, then leaves): more than gRPC's flow-control
+  // window lets through to the client (~8 MB here), so the server's queue for the stream fills.
+  Client client(clientFor(*server));
+  for (int i = 0; i < 8000; ++i) {
+    const std::string node = std::to_string(i) + std::string(1000, 'n');
+    auto joined = client.join(joinRequest("busy", 1, 1, node));
+    REQUIRE(joined.isOk());
+    REQUIRE(client.leave("busy", node).isOk());
+  }
+  REQUIRE(client.close("busy").isOk());  // would end a stream that kept up with OK
+
+  int read = 0;
+  while (reader->Read(&change)) ++read;
+  grpc::Status status = reader->Finish();
+  INFO("read " << read << " changes after the snapshot");
+  CHECK(status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK_THAT(status.error_message(), Catch::Contains("max_watch_queue"));
+  CHECK(read < 16000);
+  // The server still serves, and the stream's place is free again.
+  CHECK(client.kvSet("other", "k", "v").isOk());
+  CHECK(waitUntil([&] { return server->census().watch_streams == 0; }));
+}
+
 TEST_CASE("clients retry and re-subscribe across a server restart", "[rendezvous][grpc]") {
   auto server = startServer();
   const std::string address = server->address();
@@ -453,10 +494,14 @@ TEST_CASE("the daemon rejects bad flags with exit code 2", "[rendezvous][daemon]
            {},
            {"--listen", "nowhere"},
            {"--listen", "127.0.0.1:0", "--tls-cert", "x"},
-           {"--listen", "127.0.0.1:0", "--token-file", "/nonexistent/token"}}) {
+           {"--listen", "127.0.0.1:0", "--token-file", "/nonexistent/token"},
+           {"--listen", "127.0.0.1:\n5"}}) {
     FILE* out = nullptr;
-    pid_t pid = spawnDaemon(args, &out);
+    pid_t pid = spawnDaemon(args, &out, true);
+    const std::string text = readAll(out);
     CHECK(waitExit(pid) == 2);
+    // One line, even when it quotes a value holding a newline.
+    CHECK(text.find('\n') == text.size() - 1);
     fclose(out);
   }
 }
@@ -513,6 +558,163 @@ TEST_CASE("the daemon frees a closed run's id after --closed-run-ttl", "[rendezv
   REQUIRE(again.isOk());
   CHECK(again->round == 1);
   CHECK(client.kvGet("reused", "k").status().code() == StatusCode::kNotFound);
+
+  kill(pid, SIGTERM);
+  CHECK(waitExit(pid) == 0);
+  fclose(out);
+}
+
+// VmRSS of `pid` in bytes, from /proc/<pid>/status.
+size_t residentBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  FAIL("no VmRSS for pid " << pid);
+  return 0;
+}
+
+TEST_CASE("the daemon validates its quota flags and lists them in --help", "[rendezvous][daemon]") {
+  for (const std::string arg : {"--max-run-keys=0", "--max-run-kv-bytes=-1", "--max-kv-bytes=1e9",
+                                "--max-streams-per-peer=", "--max-kv-bytes=99999999999999999999"}) {
+    FILE* out = nullptr;
+    pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0", arg}, &out, true);
+    const std::string text = readAll(out);
+    CHECK(waitExit(pid) == 2);
+    INFO(text);
+    CHECK(text.find(arg.substr(0, arg.find('=')) + ": '" + arg.substr(arg.find('=') + 1) +
+                    "' is not a whole number") != std::string::npos);
+    fclose(out);
+  }
+  FILE* out = nullptr;
+  pid_t pid = spawnDaemon({"--help"}, &out);
+  const std::string help = readAll(out);
+  CHECK(waitExit(pid) == 0);
+  for (const char* flag : {"--max-run-keys N", "--max-run-kv-bytes N", "--max-kv-bytes N",
+                           "--max-streams-per-peer N"}) {
+    CHECK(help.find(flag) != std::string::npos);
+  }
+  fclose(out);
+}
+
+// A hostile client pushes past every bound; the daemon refuses with RESOURCE_EXHAUSTED (or
+// INVALID_ARGUMENT) naming it, keeps serving, and its resident memory stays near what the
+// quotas allow (without them these writes alone add ~330 MB).
+TEST_CASE("the daemon refuses writes and streams past its quotas and its memory stays bounded",
+          "[rendezvous][daemon]") {
+  FILE* out = nullptr;
+  pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0", "--max-run-keys", "1000", "--max-kv-bytes",
+                           "33554432", "--max-streams-per-peer", "16"},
+                          &out);
+  char line[256] = {0};
+  REQUIRE(fgets(line, sizeof line, out) != nullptr);
+  std::string text(line);
+  REQUIRE(text.rfind("listening on 127.0.0.1:", 0) == 0);
+  ClientOptions options;
+  options.endpoint = text.substr(13, text.find('\n') - 13);
+  Client client(options);
+  REQUIRE(client.kvSet("warm-up", "k", "v").isOk());
+  const size_t rss_before = residentBytes(pid);
+  const std::string mib(1 << 20, 'x');
+
+  // 100 x 1 MiB in one run: the default max-run-kv-bytes (16 MiB) stops it.
+  int stored = 0;
+  Status refused;
+  for (int i = 0; i < 100; ++i) {
+    Status st = client.kvSet("big", "k" + std::to_string(i), mib);
+    if (st.isOk()) {
+      ++stored;
+    } else {
+      refused = st;
+    }
+  }
+  CHECK(stored == 15);  // 15 x (1 MiB + key) fit in 16 MiB, a 16th does not
+  CHECK(refused.code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused.message(), Catch::Contains("max-run-kv-bytes = 16777216"));
+
+  // 10 runs x 20 MiB: --max-kv-bytes (32 MiB) stops them all together.
+  stored = 0;
+  for (int r = 0; r < 10; ++r) {
+    for (int i = 0; i < 20; ++i) {
+      Status st = client.kvSet("spray-" + std::to_string(r), "k" + std::to_string(i), mib);
+      if (st.isOk()) {
+        ++stored;
+      } else {
+        refused = st;
+      }
+    }
+  }
+  CHECK(stored == 16);  // 32 MiB less the 15 MiB of "big", within each run's 16 MiB
+  CHECK(refused.code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused.message(), Catch::Contains("max-kv-bytes = 33554432"));
+
+  // Many small keys: --max-run-keys.
+  stored = 0;
+  for (int i = 0; i < 1010; ++i) {
+    Status st = client.kvSet("keys", std::to_string(i), "");
+    if (st.isOk()) {
+      ++stored;
+    } else {
+      refused = st;
+    }
+  }
+  CHECK(stored == 1000);
+  CHECK(refused.code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused.message(), Catch::Contains("max-run-keys = 1000"));
+
+  // Watch validates its run id as every other call: 20 streams on 1 MB ids are refused.
+  {
+    Client hostile(options);
+    ChangeLog log;
+    std::vector<std::unique_ptr<Watch>> watches;
+    for (int i = 0; i < 20; ++i) {
+      watches.push_back(
+          hostile.watch(std::string(1 << 20, char('a' + i)), "", log.onChange(), log.onBreak()));
+    }
+    std::unique_lock<std::mutex> lock(log.mu);
+    REQUIRE(log.cv.wait_for(lock, 20s, [&] { return log.breaks.size() >= 20; }));
+    CHECK(log.changes.empty());
+    CHECK(log.breaks[0].code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(log.breaks[0].message(), Catch::Contains("run id is 1048576 bytes"));
+  }
+
+  // One connection holds at most 16 streams and waits (--max-streams-per-peer).
+  {
+    Client peer(options);
+    ChangeLog log;
+    std::vector<std::unique_ptr<Watch>> watches;
+    for (int i = 0; i < 16; ++i) {
+      watches.push_back(peer.watch("streams", "n" + std::to_string(i), log.onChange()));
+    }
+    REQUIRE(log.waitUntil([](const std::vector<RoundChange>& cs) { return cs.size() >= 16; }));
+    auto wait = peer.kvWait("streams", {"never"}, 30s);
+    CHECK(wait.status().code() == StatusCode::kResourceExhausted);
+    CHECK_THAT(wait.status().message(), Catch::Contains("max-streams-per-peer = 16"));
+    ChangeLog extra_log;
+    auto extra = peer.watch("streams", "extra", extra_log.onChange(), extra_log.onBreak());
+    {
+      std::unique_lock<std::mutex> lock(extra_log.mu);
+      REQUIRE(extra_log.cv.wait_for(lock, 20s, [&] { return !extra_log.breaks.empty(); }));
+      CHECK(extra_log.breaks[0].code() == StatusCode::kResourceExhausted);
+    }
+    // An ended stream frees its place; another connection was never limited by this one.
+    extra.reset();
+    watches.pop_back();
+    CHECK(waitUntil([&] {
+      return peer.kvWait("streams", {"never"}, 50ms).status().code() ==
+             StatusCode::kDeadlineExceeded;
+    }));
+    CHECK(client.kvWait("streams", {"never"}, 50ms).status().code() ==
+          StatusCode::kDeadlineExceeded);
+  }
+
+  // Still serving, and the memory it holds is what the quotas allow plus slack, not the ~330 MB
+  // that was sent.
+  REQUIRE(client.kvGet("big", "k0").isOk());
+  const size_t rss_after = residentBytes(pid);
+  INFO("VmRSS " << rss_before / 1024 << " kB before, " << rss_after / 1024 << " kB after");
+  CHECK(rss_after < rss_before + (96u << 20));
 
   kill(pid, SIGTERM);
   CHECK(waitExit(pid) == 0);

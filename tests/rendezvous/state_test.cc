@@ -828,3 +828,102 @@ TEST_CASE("a join whose local world size or node count could wrap WORLD_SIZE is 
   REQUIRE(many.errors.count("a"));
   CHECK(many.errors["a"].message() == "nnodes MAX must be at most 65536, got 4294967295");
 }
+
+TEST_CASE("key-value quotas refuse a write past each limit and name it", "[rendezvous][state]") {
+  StateLimits limits;
+  limits.max_run_keys = 3;
+  limits.max_run_kv_bytes = 100;
+  limits.max_kv_bytes = 150;
+  RendezvousState state(limits);
+  const TimePoint now{};
+  // Keys per run: a fourth key is refused, overwriting one of the three is not.
+  for (const char* k : {"a", "b", "c"}) REQUIRE(state.kvSet("r1", k, "1", now).isOk());
+  Status fourth = state.kvSet("r1", "d", "1", now);
+  CHECK(fourth.code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(fourth.message(), Catch::Contains("max-run-keys = 3"));
+  CHECK(state.kvAdd("r1", "e", 1, now).status().code() == StatusCode::kResourceExhausted);
+  CHECK(state.kvCompareSet("r1", "f", "", "x", now).status().code() ==
+        StatusCode::kResourceExhausted);
+  CHECK(state.kvSet("r1", "a", "22", now).isOk());
+  CHECK(state.kvAdd("r1", "b", 5, now).value() == 6);
+  // Bytes per run (keys plus values): r1 holds 3+2+2 = 7 bytes; "a" with 96 bytes makes 101.
+  CHECK(state.census().kv_bytes == 7);
+  Status big = state.kvSet("r1", "a", std::string(96, 'x'), now);
+  CHECK(big.code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(big.message(), Catch::Contains("max-run-kv-bytes = 100"));
+  CHECK(state.kvGet("r1", "a").value() == "22");  // a refused write changes nothing
+  REQUIRE(state.kvSet("r1", "a", std::string(95, 'x'), now).isOk());
+  CHECK(state.census().kv_bytes == 100);
+  // Bytes of all runs: r2 may hold 50 more, not 51.
+  REQUIRE(state.kvSet("r2", "k", std::string(49, 'y'), now).isOk());
+  Status total = state.kvSet("r3", "k", "z", now);
+  CHECK(total.code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(total.message(), Catch::Contains("max-kv-bytes = 150"));
+  CHECK(state.census().kv_spaces == 2);  // the refused write created no store for r3
+  // Deleting and shrinking give room back.
+  REQUIRE(state.kvDelete("r2", "k", now).value());
+  CHECK(state.census().kv_bytes == 100);
+  CHECK(state.kvSet("r3", "k", "z", now).isOk());
+  REQUIRE(state.kvSet("r1", "a", "", now).isOk());
+  CHECK(state.census().kv_bytes == 7);
+}
+
+TEST_CASE("a dropped run gives its key-value bytes back to the server", "[rendezvous][state]") {
+  StateLimits limits;
+  limits.max_kv_bytes = 64;
+  RunRetention retention;
+  retention.idle_run_ttl = seconds(10);
+  RendezvousState state(limits, retention);
+  testing::FakeClock clock;
+  REQUIRE(state.kvSet("old", "k", std::string(60, 'x'), clock.now()).isOk());
+  CHECK(state.kvSet("new", "k", std::string(10, 'x'), clock.now()).code() ==
+        StatusCode::kResourceExhausted);
+  clock.advance(seconds(11));
+  state.tick(clock.now());
+  CHECK(state.census().kv_bytes == 0);
+  CHECK(state.kvSet("new", "k", std::string(10, 'x'), clock.now()).isOk());
+}
+
+TEST_CASE("every call validates its run and node ids the same way", "[rendezvous][state]") {
+  RendezvousState state;
+  const TimePoint now{};
+  const std::string huge(1025, 'r');
+  const std::string control = std::string("job") + '\n';
+  for (const std::string& bad : {std::string(), huge, control}) {
+    CAPTURE(bad.size());
+    CHECK(state.validateIds(bad).code() == StatusCode::kInvalidArgument);
+    CHECK(state.heartbeat(bad, "n", now).status().code() == StatusCode::kInvalidArgument);
+    CHECK(state.leave(bad, "n", now).code() == StatusCode::kInvalidArgument);
+    CHECK(state.reportFailure(bad, "n", 1, now).status().code() == StatusCode::kInvalidArgument);
+    CHECK(state.close(bad, now).code() == StatusCode::kInvalidArgument);
+    CHECK(state.publishMaster(bad, "n", 1, {"h", 1}, now).code() == StatusCode::kInvalidArgument);
+    CHECK(state.kvSet(bad, "k", "v", now).code() == StatusCode::kInvalidArgument);
+    CHECK(state.kvGet(bad, "k").status().code() == StatusCode::kInvalidArgument);
+    CHECK(state.kvAdd(bad, "k", 1, now).status().code() == StatusCode::kInvalidArgument);
+    CHECK(state.kvDelete(bad, "k", now).status().code() == StatusCode::kInvalidArgument);
+    state.kvWait(1, bad, {"k"}, seconds(1), now);
+    state.waitMaster(2, bad, 1, seconds(1), now);
+    JoinRequest join;
+    join.run_id = bad;
+    join.address = "h";
+    join.local_world_size = 1;
+    join.config.min_nodes = join.config.max_nodes = 1;
+    state.join(3, join, now);
+    auto out = state.drain();
+    REQUIRE(out.waits.size() == 1);
+    CHECK(out.waits[0].values.status().code() == StatusCode::kInvalidArgument);
+    REQUIRE(out.masters.size() == 1);
+    CHECK(out.masters[0].master.status().code() == StatusCode::kInvalidArgument);
+    REQUIRE(out.joins.size() == 1);
+    CHECK(out.joins[0].result.status().code() == StatusCode::kInvalidArgument);
+    // Node ids get the same bounds (an empty one is an observer's, or a join asking for one).
+    if (!bad.empty()) {
+      CHECK(state.validateIds("job", bad).code() == StatusCode::kInvalidArgument);
+      CHECK(state.heartbeat("job", bad, now).status().code() == StatusCode::kInvalidArgument);
+    }
+  }
+  CHECK(state.validateIds("job", "node-1").isOk());
+  CHECK(state.validateIds(std::string(1024, 'r')).message().empty());
+  CHECK(state.census().kv_spaces == 0);
+  CHECK(state.census().runs == 0);
+}

@@ -151,3 +151,11 @@ TEST_CASE("the expansion agrees with scontrol show hostnames", "[slurm]") {
     CHECK_FALSE(expandHostlist(expr).isOk());
   }
 }
+
+TEST_CASE("a hostlist error quoting control bytes stays one line", "[slurm]") {
+  // Found by fuzz_hostlist: the message quoted the expression raw, newline and escapes included.
+  auto hosts = expandHostlist("n[00\x02\n-b");
+  REQUIRE_FALSE(hosts.isOk());
+  CHECK(hosts.status().message().find('\n') == std::string::npos);
+  CHECK_THAT(hosts.status().message(), Catch::Contains("n[00\\x02\\n-b"));
+}

@@ -83,7 +83,6 @@ class MultiNodeRendezvous final : public RendezvousClient {
   std::vector<std::string> barrierKeys(const std::string& phase) const;
   std::string barrierPrefix() const;
 
-  boost::asio::io_context& io_;
   MultiNodeOptions options_;
   RendezvousService& service_;
   EventSink sink_;

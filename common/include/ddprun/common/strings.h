@@ -23,6 +23,11 @@ std::optional<double> parseDouble(std::string_view s);
 // "1"/"true"/"yes"/"on" and "0"/"false"/"no"/"off", case-insensitive.
 std::optional<bool> parseBool(std::string_view s);
 
+// `s` with each control byte (below 0x20, and 0x7f) written as \n, \r, \t or \xNN; every other
+// byte as is. For messages that quote user input: an error stays one line and cannot drive the
+// terminal. Idempotent (an escape has no control byte).
+std::string escapeControl(std::string_view s);
+
 // This process's environment ("NAME=value" of environ) as a map.
 std::map<std::string, std::string> environmentMap();
 

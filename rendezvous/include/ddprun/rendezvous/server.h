@@ -21,6 +21,14 @@ struct ServerOptions {
   std::string tls_cert_pem;            // both set: TLS
   std::string tls_key_pem;
   StateLimits limits;
+  // Open Watch streams plus pending KvWait/GetMaster calls of one peer (gRPC's peer address: one
+  // client connection); beyond it a call is refused with RESOURCE_EXHAUSTED. An agent holds a
+  // handful; the benchmark's 4096 watchers over 16 connections hold 256 each.
+  size_t max_streams_per_peer = 1024;
+  // Changes queued for one Watch stream whose client does not read. Past it the stream ends with
+  // RESOURCE_EXHAUSTED and its queue is freed; a client that subscribes again starts from a fresh
+  // snapshot (what the client library does on every break), so nothing is lost but the backlog.
+  size_t max_watch_queue = 4096;
   RunRetention retention;  // closed_run_ttl / idle_run_ttl: how long runs outlive their use
 };
 

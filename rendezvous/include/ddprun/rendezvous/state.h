@@ -40,11 +40,17 @@
 
 namespace ddprun::rendezvous {
 
-// Limits that protect the server from bad input.
+// Limits that protect the server from bad input and bound its memory. The quotas are far above
+// what jobs store (a few short keys per node and round) and answer RESOURCE_EXHAUSTED naming the
+// limit; ddprun-rendezvous has a flag for each (the embedded server keeps these defaults).
 struct StateLimits {
   size_t max_value_bytes = 1 << 20;
   size_t max_key_bytes = 4096;
-  size_t max_id_bytes = 1024;
+  size_t max_id_bytes = 1024;  // run ids, node ids, addresses
+  // Key-value quotas. Bytes count keys plus values.
+  size_t max_run_keys = 65536;          // keys of one run id
+  size_t max_run_kv_bytes = 16u << 20;  // bytes of one run id
+  size_t max_kv_bytes = 256u << 20;     // bytes of all run ids together
   // Bounds that keep WORLD_SIZE (a sum of local world sizes, uint32) from wrapping.
   uint32_t max_local_world_size = 1u << 15;
   uint32_t max_nodes = 1u << 16;
@@ -71,6 +77,7 @@ struct StateCensus {
   size_t tombstones = 0;
   size_t kv_spaces = 0;  // run ids with a key-value store
   size_t watch_streams = 0;
+  size_t kv_bytes = 0;  // keys plus values held, all runs
 };
 
 class RendezvousState {
@@ -107,6 +114,10 @@ class RendezvousState {
   ~RendezvousState();
   RendezvousState(const RendezvousState&) = delete;
   RendezvousState& operator=(const RendezvousState&) = delete;
+
+  // The check every call makes of the ids it names, Watch included: a run id that is non-empty,
+  // and ids of at most max_id_bytes without control bytes (they reach logs and messages).
+  Status validateIds(const std::string& run_id, const std::string& node_id = {}) const;
 
   // Starts a join; its result (possibly at once, possibly an error) arrives in the outbox.
   void join(CallId id, const JoinRequest& req, TimePoint now);
@@ -186,6 +197,7 @@ class RendezvousState {
   struct Node;
   struct KvSpace {
     std::map<std::string, std::string> data;
+    size_t bytes = 0;         // keys plus values of `data`
     TimePoint last_active{};  // last write or wait
   };
   struct Tombstone {
@@ -196,6 +208,10 @@ class RendezvousState {
   const Run* findRun(const std::string& run_id) const;
   Status validateKey(const std::string& run_id, const std::string& key) const;
   Status validateWrite(const std::string& run_id, const std::string& key) const;
+  // Stores `value` under `key` within the quotas (RESOURCE_EXHAUSTED naming the limit otherwise).
+  Status store(const std::string& run_id, const std::string& key, std::string value, TimePoint now);
+  // Drops a run id's key-value space, and its bytes from the total.
+  void dropKvSpace(const std::string& run_id);
   void addToRound(Run& run, Node& node, TimePoint now);
   void openRound(Run& run, ChangeReason reason, const std::string& cause, TimePoint now);
   void promoteSpares(Run& run, TimePoint now);
@@ -248,6 +264,7 @@ class RendezvousState {
   };
   std::unordered_map<CallId, Wait> waits_;
   std::map<std::string, KvSpace> kv_;
+  size_t kv_bytes_ = 0;  // sum of KvSpace::bytes
   uint64_t next_node_seq_ = 1;
   // Times at which tick() has something to check (join/wait deadlines, last calls, heartbeat
   // expiries); a set, so the many joins of one instant cost one entry.
