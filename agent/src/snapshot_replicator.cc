@@ -76,12 +76,13 @@ StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text) {
   auto parts = split(text, ':');
   auto count = parts.size() == 2 ? parseInt(parts[1]) : std::nullopt;
   if (!count || *count < 0 || *count > 1000 ||
-      (parts[0] != "in-flight" && parts[0] != "at-source")) {
+      (parts[0] != "in-flight" && parts[0] != "at-source" && parts[0] != "slow")) {
     return invalidArgument("DDPRUN_SNAPSHOT_FAULT: '" + text +
-                           "' is not in-flight:N or at-source:N (a test hook)");
+                           "' is not in-flight:N, at-source:N or slow:MS (a test hook)");
   }
-  fault.kind = parts[0] == "in-flight" ? rendezvous::ServeFault::Kind::kInFlight
-                                       : rendezvous::ServeFault::Kind::kAtSource;
+  fault.kind = parts[0] == "in-flight"   ? rendezvous::ServeFault::Kind::kInFlight
+               : parts[0] == "at-source" ? rendezvous::ServeFault::Kind::kAtSource
+                                         : rendezvous::ServeFault::Kind::kSlow;
   fault.count = static_cast<int>(*count);
   return fault;
 }

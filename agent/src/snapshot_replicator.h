@@ -57,7 +57,7 @@ struct SnapshotMetrics {
 
 // INVALID_ARGUMENT: a --snapshot-dir that is missing, not a directory or not writable.
 Status checkSnapshotDir(const std::string& dir);
-// DDPRUN_SNAPSHOT_FAULT=in-flight:N | at-source:N (test hook); INVALID_ARGUMENT when malformed.
+// DDPRUN_SNAPSHOT_FAULT=in-flight:N | at-source:N | slow:MS (test hook); INVALID_ARGUMENT when malformed.
 StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text);
 
 class SnapshotReplicator {

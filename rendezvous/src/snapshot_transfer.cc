@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "convert.h"
 #include "ddprun/common/log.h"
@@ -126,6 +127,7 @@ struct SnapshotServer::Impl {
 
   ServeFault::Kind takeFault() {
     std::lock_guard<std::mutex> lock(fault_mu);
+    if (options.fault.kind == ServeFault::Kind::kSlow) return ServeFault::Kind::kSlow;
     if (options.fault.kind == ServeFault::Kind::kNone || faults_left <= 0) {
       return ServeFault::Kind::kNone;
     }
@@ -146,8 +148,8 @@ class FailedStream final : public grpc::ServerWriteReactor<spb::Chunk> {
 // only when gRPC took the last one, so a slow receiver slows the reads (backpressure).
 class FetchStream final : public grpc::ServerWriteReactor<spb::Chunk> {
  public:
-  FetchStream(ServedFile served, size_t chunk_bytes, ServeFault::Kind fault)
-      : served_(std::move(served)), chunk_bytes_(chunk_bytes), fault_(fault) {
+  FetchStream(ServedFile served, size_t chunk_bytes, ServeFault::Kind fault, int slow_ms)
+      : served_(std::move(served)), chunk_bytes_(chunk_bytes), fault_(fault), slow_ms_(slow_ms) {
     next();
   }
   void OnWriteDone(bool ok) override {
@@ -165,6 +167,9 @@ class FetchStream final : public grpc::ServerWriteReactor<spb::Chunk> {
     if (offset_ >= size) {
       Finish(grpc::Status::OK);
       return;
+    }
+    if (fault_ == ServeFault::Kind::kSlow) {  // test hook only: blocks this gRPC thread
+      std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms_));
     }
     const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, size - offset_));
     std::string* data = chunk_.mutable_data();
@@ -192,6 +197,7 @@ class FetchStream final : public grpc::ServerWriteReactor<spb::Chunk> {
   ServedFile served_;
   size_t chunk_bytes_;
   ServeFault::Kind fault_;
+  int slow_ms_;
   uint64_t offset_ = 0;
   spb::Chunk chunk_;
 };
@@ -226,7 +232,7 @@ class ReplicationService final : public spb::SnapshotReplication::CallbackServic
                                        std::to_string(req->version())));
     }
     return new FetchStream(std::move(*served), std::max<size_t>(impl_->options.chunk_bytes, 1),
-                           impl_->takeFault());
+                           impl_->takeFault(), impl_->options.fault.count);
   }
 
  private:

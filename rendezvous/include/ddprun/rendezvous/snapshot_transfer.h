@@ -63,9 +63,10 @@ struct TransferSecurity {
 
 // Test hook (DDPRUN_SNAPSHOT_FAULT in the agent): damage the first `count` transfers this server
 // makes, either after the chunk's checksum (corrupted in flight) or before it (a file that does
-// not match its announced CRC-32, as a bad disk at the source would give).
+// not match its announced CRC-32, as a bad disk at the source would give); or (kSlow) pause
+// `count` milliseconds before every chunk, so a test can kill a writer mid-transfer.
 struct ServeFault {
-  enum class Kind { kNone, kInFlight, kAtSource } kind = Kind::kNone;
+  enum class Kind { kNone, kInFlight, kAtSource, kSlow } kind = Kind::kNone;
   int count = 0;
 };
 
