@@ -144,8 +144,7 @@ int runAgent(const AgentConfig& cfg) {
     synced_client = std::make_unique<SnapshotSyncClient>(*rendezvous_or->client,
                                                          *rendezvous_or->service, *replicator);
   }
-  RendezvousClient& rendezvous =
-      synced_client ? *synced_client : *rendezvous_or->client;
+  RendezvousClient& rendezvous = synced_client ? *synced_client : *rendezvous_or->client;
 
   SteadyClock clock;
   WorkerPlanner planner(cfg, *run_dir, hostname, environmentMap());

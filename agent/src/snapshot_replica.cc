@@ -78,8 +78,8 @@ std::vector<SnapshotTransfer> SnapshotReplica::takeTransfers() {
     }
     w.running = true;
     ++w.attempts;
-    out.push_back(SnapshotTransfer{w.target, w.sources[w.next_source % w.sources.size()],
-                                   w.attempts});
+    out.push_back(
+        SnapshotTransfer{w.target, w.sources[w.next_source % w.sources.size()], w.attempts});
   }
   return out;
 }

@@ -59,13 +59,13 @@ TransferOutcome outcomeOf(const Status& st) {
 Status checkSnapshotDir(const std::string& dir) {
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0) {
-    return invalidArgument("--snapshot-dir: " + dir + " does not exist (" +
-                           std::strerror(errno) + "); create it on every node");
+    return invalidArgument("--snapshot-dir: " + dir + " does not exist (" + std::strerror(errno) +
+                           "); create it on every node");
   }
   if (!S_ISDIR(st.st_mode)) return invalidArgument("--snapshot-dir: " + dir + " is no directory");
   if (::access(dir.c_str(), W_OK | X_OK) != 0) {
-    return invalidArgument("--snapshot-dir: " + dir + " is not writable (" +
-                           std::strerror(errno) + ")");
+    return invalidArgument("--snapshot-dir: " + dir + " is not writable (" + std::strerror(errno) +
+                           ")");
   }
   return Status::ok();
 }
@@ -179,8 +179,8 @@ void SnapshotReplicator::scanExisting() {
     auto crc = rendezvous::crc32OfFile(fd);
     if (!crc.isOk()) continue;
     replica_.adoptExisting(name, crc->first, crc->second);
-    setHeld(name, Held{{{name, 0, crc->first, crc->second}, file}, st.st_dev, st.st_ino,
-                       mtimeNs(st)});
+    setHeld(name,
+            Held{{{name, 0, crc->first, crc->second}, file}, st.st_dev, st.st_ino, mtimeNs(st)});
     snapLog()->info("snapshot dir: {} ({} bytes) was there before the job (version 0)", name,
                     crc->first);
   }
@@ -197,8 +197,7 @@ void SnapshotReplicator::setHeld(const std::string& name, Held held) {
 
 void SnapshotReplicator::watchDir() {
   inotify_->async_read_some(
-      boost::asio::buffer(event_buf_),
-      [this](const boost::system::error_code& ec, size_t n) {
+      boost::asio::buffer(event_buf_), [this](const boost::system::error_code& ec, size_t n) {
         if (ec) {
           if (ec != boost::asio::error::operation_aborted) {
             snapLog()->error("snapshot dir {}: watching stopped: {}", options_.dir, ec.message());
@@ -265,7 +264,7 @@ void SnapshotReplicator::onDirEvent(const std::string& name) {
       [failed, v] {
         for (const auto& f : *failed) {
           snapLog()->warn("snapshot: announcing {} version {} failed at {}", v.name,
-                      versionText(v.version), f);
+                          versionText(v.version), f);
         }
       });
 }
@@ -336,10 +335,9 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
         ++metrics_.versions_fetched;
         metrics_.bytes_fetched += t.file.size;
         auto heard = first_heard_.find(t.file.name);
-        const TimePoint since =
-            heard != first_heard_.end() && heard->second.first == t.file.version
-                ? std::min(heard->second.second, started)
-                : started;
+        const TimePoint since = heard != first_heard_.end() && heard->second.first == t.file.version
+                                    ? std::min(heard->second.second, started)
+                                    : started;
         metrics_.last_lag_seconds = std::chrono::duration<double>(now - since).count();
         snapLog()->info("snapshot: fetched {} version {}: {} bytes from {} in {:.3f} s",
                         t.file.name, versionText(t.file.version), t.file.size, t.source, secs);
@@ -352,13 +350,12 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
       snapLog()->error("snapshot: {}; keeping the previous version", st.message());
     } else if (st.code() != StatusCode::kCancelled) {
       snapLog()->warn("snapshot: fetching {} version {} from {} failed (attempt {}): {}",
-                      t.file.name, versionText(t.file.version), t.source, t.attempt,
-                      st.message());
+                      t.file.name, versionText(t.file.version), t.source, t.attempt, st.message());
     }
   }
   replica_.onTransferDone(t, outcomeOf(st));
-  if (!st.isOk() && st.code() != StatusCode::kResourceExhausted &&
-      !replica_.wanted(t.file.name) && replica_.shouldInstall(t.file)) {
+  if (!st.isOk() && st.code() != StatusCode::kResourceExhausted && !replica_.wanted(t.file.name) &&
+      replica_.shouldInstall(t.file)) {
     auto kept = replica_.held(t.file.name);
     snapLog()->error("snapshot: gave up on {} version {}; keeping {}", t.file.name,
                      versionText(t.file.version),
@@ -417,8 +414,7 @@ void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& se
     pump();
   };
   service.kvSet(
-      prefix + std::to_string(round.group_rank), encodeHoldings(endpoint_, replica_.heldList()),
-      {},
+      prefix + std::to_string(round.group_rank), encodeHoldings(endpoint_, replica_.heldList()), {},
       [this, &service, keys, generation, me = round.group_rank,
        finish = std::move(finish)](Status st) mutable {
         if (generation != sync_generation_) return;
@@ -427,38 +423,38 @@ void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& se
           finish();
           return;
         }
-        service.kvWait(
-            keys, options_.holdings_timeout, {},
-            [this, generation, me, finish = std::move(finish)](
-                StatusOr<std::vector<std::string>> values) mutable {
-              if (generation != sync_generation_) return;
-              if (!values.isOk()) {
-                snapLog()->warn("snapshot: the other nodes' holdings did not arrive ({}); "
-                                "starting with what this node holds",
-                                values.status().message());
-                finish();
-                return;
-              }
-              peers_.clear();
-              const auto now = std::chrono::steady_clock::now();
-              for (size_t i = 0; i < values->size(); ++i) {
-                if (static_cast<int>(i) == me) continue;
-                auto h = decodeHoldings((*values)[i]);
-                if (!h.isOk()) {
-                  snapLog()->warn("snapshot: node {}: {}", i, h.status().message());
-                  continue;
-                }
-                peers_.push_back(h->first);
-                for (const auto& v : h->second) {
-                  if (replica_.shouldInstall(v)) {
-                    auto& heard = first_heard_[v.name];
-                    if (heard.first != v.version) heard = {v.version, now};
-                  }
-                  replica_.onHolder(v, h->first);
-                }
-              }
-              finish();
-            });
+        service.kvWait(keys, options_.holdings_timeout, {},
+                       [this, generation, me, finish = std::move(finish)](
+                           StatusOr<std::vector<std::string>> values) mutable {
+                         if (generation != sync_generation_) return;
+                         if (!values.isOk()) {
+                           snapLog()->warn(
+                               "snapshot: the other nodes' holdings did not arrive ({}); "
+                               "starting with what this node holds",
+                               values.status().message());
+                           finish();
+                           return;
+                         }
+                         peers_.clear();
+                         const auto now = std::chrono::steady_clock::now();
+                         for (size_t i = 0; i < values->size(); ++i) {
+                           if (static_cast<int>(i) == me) continue;
+                           auto h = decodeHoldings((*values)[i]);
+                           if (!h.isOk()) {
+                             snapLog()->warn("snapshot: node {}: {}", i, h.status().message());
+                             continue;
+                           }
+                           peers_.push_back(h->first);
+                           for (const auto& v : h->second) {
+                             if (replica_.shouldInstall(v)) {
+                               auto& heard = first_heard_[v.name];
+                               if (heard.first != v.version) heard = {v.version, now};
+                             }
+                             replica_.onHolder(v, h->first);
+                           }
+                         }
+                         finish();
+                       });
       });
 }
 

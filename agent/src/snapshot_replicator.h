@@ -18,9 +18,9 @@
 // destructor cancels transfers and joins their threads).
 #pragma once
 
+#include <atomic>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
-#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -41,7 +41,7 @@ struct SnapshotReplicatorOptions {
   std::string run_id;
   std::string local_addr;  // advertised host; the service listens on it (a name: on 0.0.0.0)
   rendezvous::TransferSecurity security;
-  rendezvous::ServeFault fault;                  // test hook (DDPRUN_SNAPSHOT_FAULT)
+  rendezvous::ServeFault fault;                          // test hook (DDPRUN_SNAPSHOT_FAULT)
   Duration holdings_timeout = std::chrono::seconds(60);  // waiting for the others' holdings
 };
 
@@ -57,7 +57,8 @@ struct SnapshotMetrics {
 
 // INVALID_ARGUMENT: a --snapshot-dir that is missing, not a directory or not writable.
 Status checkSnapshotDir(const std::string& dir);
-// DDPRUN_SNAPSHOT_FAULT=in-flight:N | at-source:N | slow:MS (test hook); INVALID_ARGUMENT when malformed.
+// DDPRUN_SNAPSHOT_FAULT=in-flight:N | at-source:N | slow:MS (test hook); INVALID_ARGUMENT when
+// malformed.
 StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text);
 
 class SnapshotReplicator {

@@ -113,8 +113,8 @@ struct SnapshotServer::Impl {
       auto it = md.find("authorization");
       if (it == md.end() ||
           !sameSecret(std::string(it->second.data(), it->second.size()), "Bearer " + token)) {
-        logger("agent")->warn("snapshot replication: refused a call from {}: {} token",
-                              ctx->peer(), it == md.end() ? "missing" : "wrong");
+        logger("agent")->warn("snapshot replication: refused a call from {}: {} token", ctx->peer(),
+                              it == md.end() ? "missing" : "wrong");
         return Status(StatusCode::kUnauthenticated, "wrong or missing rendezvous token");
       }
     }
@@ -265,8 +265,9 @@ StatusOr<std::unique_ptr<SnapshotServer>> SnapshotServer::start(SnapshotServerOp
   impl->server = builder.BuildAndStart();
   if (!impl->server || selected == 0) {
     return unavailable("snapshot replication: cannot listen on " + impl->options.listen +
-                       (sec.tls_cert_pem.empty() ? "" : " (or the TLS certificate and key are "
-                                                        "not a usable pair)"));
+                       (sec.tls_cert_pem.empty() ? ""
+                                                 : " (or the TLS certificate and key are "
+                                                   "not a usable pair)"));
   }
   impl->port = selected;
   return std::unique_ptr<SnapshotServer>(new SnapshotServer(std::move(impl)));
@@ -394,10 +395,9 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
     }
     const std::string& data = chunk.data();
     if (chunk.offset() != offset || offset + data.size() > file.size) {
-      failure = Status(StatusCode::kDataLoss, "a chunk at offset " +
-                                                  std::to_string(chunk.offset()) +
-                                                  " does not continue the file (expected " +
-                                                  std::to_string(offset) + ")");
+      failure = Status(StatusCode::kDataLoss,
+                       "a chunk at offset " + std::to_string(chunk.offset()) +
+                           " does not continue the file (expected " + std::to_string(offset) + ")");
       break;
     }
     if (crcOf(data) != chunk.crc32()) {

@@ -38,8 +38,7 @@ TEST_CASE("a local write gets a version above every version seen, later rounds a
   CHECK(r.held("snapshot.pt")->crc32 == 4);
 }
 
-TEST_CASE("a newer version held elsewhere is fetched; an older or equal one is not",
-          "[snapshot]") {
+TEST_CASE("a newer version held elsewhere is fetched; an older or equal one is not", "[snapshot]") {
   SnapshotReplica r;
   r.onLocalWrite("snapshot.pt", 10, 1, 2);
   const uint64_t mine = r.held("snapshot.pt")->version;
@@ -129,8 +128,7 @@ TEST_CASE("a newer version announced mid-transfer replaces the wanted one after 
   CHECK_FALSE(r.busy());
 }
 
-TEST_CASE("a copy older than what was written locally meanwhile is not installed",
-          "[snapshot]") {
+TEST_CASE("a copy older than what was written locally meanwhile is not installed", "[snapshot]") {
   SnapshotReplica r;
   r.onHolder(file(makeSnapshotVersion(1, 1)), "a:1");
   auto t = r.takeTransfers().at(0);

@@ -43,8 +43,8 @@ struct NodeSpec {
 
 // One node: a ddprun agent advertising `addr`, replicating its own `snapshot_dir`.
 std::unique_ptr<Process> node(const NodeSpec& spec, const std::string& endpoint,
-                              const std::string& nnodes, const std::string& run_id,
-                              int nproc, const std::vector<std::string>& program) {
+                              const std::string& nnodes, const std::string& run_id, int nproc,
+                              const std::vector<std::string>& program) {
   std::vector<std::string> argv = {ddprunBin(),
                                    "--nnodes=" + nnodes,
                                    "--nproc-per-node=" + std::to_string(nproc),
@@ -108,9 +108,8 @@ std::string replaceRankZeroNode(const std::vector<std::string>& program, const s
   TempDir c_dir;
   auto a = node({"127.0.0.2", a_dir->path(), {}}, rdzv.endpoint, "2", run_id, 2, program);
   auto b = node({"127.0.0.3", b_dir->path(), {}}, rdzv.endpoint, "2", run_id, 2, program);
-  REQUIRE(waitUntil([&] { return (a->err() + b->err()).find("group rank 0 of 2") !=
-                                 std::string::npos; },
-                    120s));
+  REQUIRE(waitUntil(
+      [&] { return (a->err() + b->err()).find("group rank 0 of 2") != std::string::npos; }, 120s));
   const bool a_is_rank0 = a->err().find("group rank 0 of 2") != std::string::npos;
   auto& rank0 = a_is_rank0 ? a : b;
   auto& survivor = a_is_rank0 ? b : a;
@@ -167,9 +166,9 @@ TEST_CASE("a train job resumes bit-identically on a fresh node from the replicat
           "[snapshot]") {
   TempDir params;
   auto prog = [&](const std::string& dump) {
-    return std::vector<std::string>{"--no-python",    trainBin(), "24",           "1",
-                                    "--model",        "mlp",      "--dataset-size", "256",
-                                    "--dump-params", dump};
+    return std::vector<std::string>{
+        "--no-python", trainBin(),      "24", "1", "--model", "mlp", "--dataset-size",
+        "256",         "--dump-params", dump};
   };
   uninterrupted(prog(params / "reference.bin"), "snap-cc-ref");
   replaceRankZeroNode(prog(params / "replaced.bin"), "snap-cc", "] Epoch 3 |");
@@ -188,8 +187,7 @@ std::vector<std::string> writerScript(const std::string& steps) {
 
 }  // namespace
 
-TEST_CASE("a transfer corrupted in flight or at the source is rejected and retried",
-          "[snapshot]") {
+TEST_CASE("a transfer corrupted in flight or at the source is rejected and retried", "[snapshot]") {
   for (const std::string fault : {"in-flight:1", "at-source:1"}) {
     SECTION(fault) {
       RendezvousDaemon rdzv;
@@ -199,8 +197,9 @@ TEST_CASE("a transfer corrupted in flight or at the source is rejected and retri
           "head -c 300000 /dev/urandom > \"$DDPRUN_SNAPSHOT_DIR/data.bin.tmp\" && "
           "mv \"$DDPRUN_SNAPSHOT_DIR/data.bin.tmp\" \"$DDPRUN_SNAPSHOT_DIR/data.bin\"; fi; "
           "sleep 4";
-      auto a = node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}, {"DDPRUN_SNAPSHOT_FAULT", fault}}},
-                    rdzv.endpoint, "2", "snap-corrupt", 1, writerScript(script));
+      auto a =
+          node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}, {"DDPRUN_SNAPSHOT_FAULT", fault}}},
+               rdzv.endpoint, "2", "snap-corrupt", 1, writerScript(script));
       auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2",
                     "snap-corrupt", 1, writerScript(script));
       auto ra = finish(*a, 120s), rb = finish(*b, 120s);
@@ -219,8 +218,7 @@ TEST_CASE("a transfer corrupted in flight or at the source is rejected and retri
   }
 }
 
-TEST_CASE("a receiver without space keeps its previous version and the job goes on",
-          "[snapshot]") {
+TEST_CASE("a receiver without space keeps its previous version and the job goes on", "[snapshot]") {
   TempDir a_dir, b_dir;
   if (::geteuid() != 0 || !canMountTmpfs(b_dir.path(), "128k")) {
     WARN("skipped: cannot mount a small tmpfs (needs root)");
@@ -234,10 +232,12 @@ TEST_CASE("a receiver without space keeps its previous version and the job goes 
   const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
   const std::string script =
       "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then "
-      "echo first > " + d + "/big.bin.tmp && mv " + d + "/big.bin.tmp " + d + "/big.bin; "
-      "sleep 2; head -c 400000 /dev/zero > " + d + "/big.bin.tmp && mv " + d + "/big.bin.tmp " +
-      d + "/big.bin; echo small > " + d + "/small.txt.tmp && mv " + d + "/small.txt.tmp " + d +
-      "/small.txt; fi; sleep 5";
+      "echo first > " +
+      d + "/big.bin.tmp && mv " + d + "/big.bin.tmp " + d +
+      "/big.bin; "
+      "sleep 2; head -c 400000 /dev/zero > " +
+      d + "/big.bin.tmp && mv " + d + "/big.bin.tmp " + d + "/big.bin; echo small > " + d +
+      "/small.txt.tmp && mv " + d + "/small.txt.tmp " + d + "/small.txt; fi; sleep 5";
   auto a = node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}}}, rdzv.endpoint, "2", "snap-full", 1,
                 writerScript(script));
   auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2", "snap-full", 1,
@@ -266,15 +266,19 @@ TEST_CASE("when the writer dies mid-transfer the others resume from the previous
   // Every worker says which version it starts from. In the first round the writer's node writes
   // v1, then a large v2 that its (slowed) replication service is still sending when the test
   // kills that node; the survivors' next round (after the membership change) ends the job.
-  const std::string script =
-      "echo \"resumed from $(head -c 2 " + d + "/state.bin 2>/dev/null || echo none)\"; "
-      "if [ \"$DDPRUN_MEMBERSHIP_EPOCH\" != 0 ]; then sleep 2; exit 0; fi; "
-      "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then "
-      "echo v1 > " + d + "/state.bin.tmp && mv " + d + "/state.bin.tmp " + d + "/state.bin; "
-      "sleep 2; (echo v2; head -c 20000000 /dev/zero) > " + d + "/state.bin.tmp && mv " + d +
-      "/state.bin.tmp " + d + "/state.bin; fi; sleep 60";
-  auto a = node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}, {"DDPRUN_SNAPSHOT_FAULT", "slow:200"}}},
-                rdzv.endpoint, "2:3", "snap-dies", 1, writerScript(script));
+  const std::string script = "echo \"resumed from $(head -c 2 " + d +
+                             "/state.bin 2>/dev/null || echo none)\"; "
+                             "if [ \"$DDPRUN_MEMBERSHIP_EPOCH\" != 0 ]; then sleep 2; exit 0; fi; "
+                             "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then "
+                             "echo v1 > " +
+                             d + "/state.bin.tmp && mv " + d + "/state.bin.tmp " + d +
+                             "/state.bin; "
+                             "sleep 2; (echo v2; head -c 20000000 /dev/zero) > " +
+                             d + "/state.bin.tmp && mv " + d + "/state.bin.tmp " + d +
+                             "/state.bin; fi; sleep 60";
+  auto a =
+      node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}, {"DDPRUN_SNAPSHOT_FAULT", "slow:200"}}},
+           rdzv.endpoint, "2:3", "snap-dies", 1, writerScript(script));
   auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2:3", "snap-dies",
                 1, writerScript(script));
   auto c = node({"127.0.0.4", c_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2:3", "snap-dies",
@@ -299,8 +303,9 @@ TEST_CASE("when the writer dies mid-transfer the others resume from the previous
   CHECK(readFile(b_dir / "state.bin") == "v1\n");
   CHECK(readFile(c_dir / "state.bin") == "v1\n");
   // No partial copy is left behind.
-  CHECK(std::system(("ls -a '" + b_dir.path() + "' '" + c_dir.path() +
-                     "' | grep -q '^.ddprun-recv'").c_str()) != 0);
+  CHECK(
+      std::system(("ls -a '" + b_dir.path() + "' '" + c_dir.path() + "' | grep -q '^.ddprun-recv'")
+                      .c_str()) != 0);
 }
 
 TEST_CASE("a missing or unwritable --snapshot-dir is a usage error before anything starts",
@@ -311,8 +316,8 @@ TEST_CASE("a missing or unwritable --snapshot-dir is a usage error before anythi
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("--snapshot-dir: " + dir / "missing" + " does not exist") != std::string::npos);
   std::ofstream(dir / "file") << "x";
-  r = run({ddprunBin(), "--standalone", "--snapshot-dir=" + dir / "file", "--no-python",
-           "/bin/true"});
+  r = run(
+      {ddprunBin(), "--standalone", "--snapshot-dir=" + dir / "file", "--no-python", "/bin/true"});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("is no directory") != std::string::npos);
 }
