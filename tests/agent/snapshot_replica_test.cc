@@ -38,7 +38,8 @@ TEST_CASE("a local write gets a version above every version seen, later rounds a
   CHECK(r.held("snapshot.pt")->crc32 == 4);
 }
 
-TEST_CASE("a newer version held elsewhere is fetched; an older or equal one is not", "[snapshot]") {
+TEST_CASE("a newer version held elsewhere is fetched but an older or equal one is not",
+          "[snapshot]") {
   SnapshotReplica r;
   r.onLocalWrite("snapshot.pt", 10, 1, 2);
   const uint64_t mine = r.held("snapshot.pt")->version;
