@@ -74,7 +74,7 @@ struct SnapshotServerOptions {
   std::string listen;  // HOST:PORT; port 0 picks a free one
   std::string run_id;  // requests for another run are refused (FAILED_PRECONDITION)
   TransferSecurity security;
-  size_t chunk_bytes = 1 << 20;
+  size_t chunk_bytes = 4 << 20;
   // The version this agent holds and can serve; nullopt: NOT_FOUND. Called on gRPC threads.
   std::function<std::optional<ServedFile>(const std::string& name, uint64_t version)> lookup;
   // Another agent holds `file` and serves it at `source` (HOST:PORT). Called on gRPC threads.
