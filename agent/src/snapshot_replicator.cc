@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/inotify.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,6 +23,7 @@ namespace {
 auto snapLog() { return logger("agent"); }
 
 constexpr const char* kRecvPrefix = ".ddprun-recv.";
+constexpr int kTransferNice = 10;
 
 rendezvous::SnapshotFile toWire(const SnapshotVersion& v) {
   return rendezvous::SnapshotFile{v.name, v.version, v.size, v.crc32};
@@ -375,6 +377,8 @@ void SnapshotReplicator::offLoop(std::function<void()> work, std::function<void(
   const uint64_t id = next_thread_++;
   std::weak_ptr<int> alive = alive_;
   threads_[id] = std::thread([this, id, alive, work = std::move(work), then = std::move(then)] {
+    // Background work: on a busy node the workers' training comes first (Linux nices threads).
+    ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), kTransferNice);
     work();
     boost::asio::post(io_, [this, id, alive, then] {
       if (!alive.lock()) return;
