@@ -11,6 +11,7 @@
 #include <boost/asio/post.hpp>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <random>
 
 #include "ddprun/common/log.h"
@@ -250,6 +251,7 @@ void SnapshotReplicator::onDirEvent(const std::string& name) {
   snapLog()->info("snapshot: {} version {} ({} bytes) written here; announcing it to {} node(s)",
                   name, versionText(v.version), v.size, peers_.size());
   if (peers_.empty()) return;
+  ++announcing_;
   auto peers = peers_;
   const std::string source = endpoint_;
   const std::string run_id = options_.run_id;
@@ -263,7 +265,8 @@ void SnapshotReplicator::onDirEvent(const std::string& name) {
           if (!st.isOk()) failed->push_back(p + ": " + st.message());
         }
       },
-      [failed, v] {
+      [this, failed, v] {
+        --announcing_;
         for (const auto& f : *failed) {
           snapLog()->warn("snapshot: announcing {} version {} failed at {}", v.name,
                           versionText(v.version), f);
@@ -460,6 +463,57 @@ void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& se
                          finish();
                        });
       });
+}
+
+void SnapshotReplicator::whenQuiet(bool serving, Duration grace, Duration bound,
+                                   std::function<void()> done) {
+  if (!quiet_timer_) quiet_timer_ = std::make_unique<boost::asio::steady_timer>(io_);
+  const auto deadline = std::chrono::steady_clock::now() + bound;
+  auto quiet_since = std::make_shared<std::optional<TimePoint>>();
+  auto check = std::make_shared<std::function<void()>>();
+  *check = [this, serving, grace, deadline, quiet_since, done = std::move(done), check] {
+    const auto now = std::chrono::steady_clock::now();
+    const bool quiet =
+        !replica_.busy() && announcing_ == 0 && (!serving || server_->activeStreams() == 0);
+    if (!quiet) {
+      quiet_since->reset();
+    } else if (!*quiet_since) {
+      *quiet_since = now;
+    }
+    if ((*quiet_since && now - **quiet_since >= grace) || now >= deadline) {
+      if (!quiet) snapLog()->warn("snapshot: stopping with transfers still under way");
+      auto d = done;
+      *check = nullptr;  // breaks the cycle
+      d();
+      return;
+    }
+    quiet_timer_->expires_after(std::chrono::milliseconds(50));
+    quiet_timer_->async_wait([check](const boost::system::error_code& ec) {
+      if (!ec && *check) (*check)();
+    });
+  };
+  (*check)();
+}
+
+void SnapshotSyncClient::exitBarrier(Duration timeout, StatusCallback done) {
+  const auto start = std::chrono::steady_clock::now();
+  replicator_.whenQuiet(false, Duration::zero(), timeout / 2,
+                        [this, start, timeout, done = std::move(done)]() mutable {
+                          const auto spent = std::chrono::steady_clock::now() - start;
+                          inner_.exitBarrier(std::max<Duration>(timeout - spent, Duration::zero()),
+                                             std::move(done));
+                        });
+}
+
+void SnapshotSyncClient::shutdown(bool succeeded, bool left, std::function<void()> done) {
+  if (!succeeded) {
+    inner_.shutdown(succeeded, left, std::move(done));
+    return;
+  }
+  replicator_.whenQuiet(true, std::chrono::seconds(1), std::chrono::seconds(20),
+                        [this, succeeded, left, done = std::move(done)]() mutable {
+                          inner_.shutdown(succeeded, left, std::move(done));
+                        });
 }
 
 void SnapshotSyncClient::nextRound(RoundCallback done) {

@@ -21,6 +21,7 @@
 #include <atomic>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <functional>
 #include <map>
 #include <memory>
@@ -71,6 +72,10 @@ class SnapshotReplicator {
   // elsewhere, then calls `done` (on the loop). Never fails: what cannot be fetched is logged and
   // the previous version stays.
   void syncRound(const RoundInfo& round, RendezvousService& service, std::function<void()> done);
+  // Calls `done` (on the loop) once nothing is being fetched or announced here and, with
+  // `serving`, no other node has fetched from here for `grace`; or after `bound` at the latest.
+  // The end of a job waits for it so that the last version written reaches every node.
+  void whenQuiet(bool serving, Duration grace, Duration bound, std::function<void()> done);
   const SnapshotMetrics& metrics() const { return metrics_; }
   const std::string& endpoint() const { return endpoint_; }
 
@@ -110,6 +115,8 @@ class SnapshotReplicator {
   uint64_t round_ = 0;
   std::map<std::string, std::pair<uint64_t, TimePoint>> first_heard_;  // name → version, when
   std::function<void()> sync_done_;
+  int announcing_ = 0;  // announcement threads running
+  std::unique_ptr<boost::asio::steady_timer> quiet_timer_;
   uint64_t sync_generation_ = 0;
   SnapshotMetrics metrics_;
   std::atomic<bool> cancel_{false};
@@ -128,12 +135,11 @@ class SnapshotSyncClient final : public RendezvousClient {
   void nextRound(RoundCallback done) override;
   void reportFailure() override { inner_.reportFailure(); }
   void leave() override { inner_.leave(); }
-  void exitBarrier(Duration timeout, StatusCallback done) override {
-    inner_.exitBarrier(timeout, std::move(done));
-  }
-  void shutdown(bool succeeded, bool left, std::function<void()> done) override {
-    inner_.shutdown(succeeded, left, std::move(done));
-  }
+  // A node arrives at the exit barrier once what it writes is announced and what it was told
+  // of is fetched; after a success it departs once the others stopped fetching from it (both
+  // bounded), so the job's last snapshot reaches every node.
+  void exitBarrier(Duration timeout, StatusCallback done) override;
+  void shutdown(bool succeeded, bool left, std::function<void()> done) override;
   uint64_t currentRound() const override { return inner_.currentRound(); }
 
  private:

@@ -107,6 +107,7 @@ struct SnapshotServer::Impl {
   std::unique_ptr<spb::SnapshotReplication::CallbackService> service;
   std::unique_ptr<grpc::Server> server;
   int port = 0;
+  std::atomic<int> active_streams{0};
   std::mutex fault_mu;
   int faults_left = 0;  // guarded by fault_mu
 
@@ -152,8 +153,14 @@ class FailedStream final : public grpc::ServerWriteReactor<spb::Chunk> {
 // only when gRPC took the last one, so a slow receiver slows the reads (backpressure).
 class FetchStream final : public grpc::ServerWriteReactor<spb::Chunk> {
  public:
-  FetchStream(ServedFile served, size_t chunk_bytes, ServeFault::Kind fault, int slow_ms)
-      : served_(std::move(served)), chunk_bytes_(chunk_bytes), fault_(fault), slow_ms_(slow_ms) {
+  FetchStream(ServedFile served, size_t chunk_bytes, ServeFault::Kind fault, int slow_ms,
+              std::atomic<int>* active)
+      : served_(std::move(served)),
+        chunk_bytes_(chunk_bytes),
+        fault_(fault),
+        slow_ms_(slow_ms),
+        active_(active) {
+    ++*active_;
     next();
   }
   void OnWriteDone(bool ok) override {
@@ -163,7 +170,10 @@ class FetchStream final : public grpc::ServerWriteReactor<spb::Chunk> {
     }
     next();
   }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    --*active_;
+    delete this;
+  }
 
  private:
   void next() {
@@ -202,6 +212,7 @@ class FetchStream final : public grpc::ServerWriteReactor<spb::Chunk> {
   size_t chunk_bytes_;
   ServeFault::Kind fault_;
   int slow_ms_;
+  std::atomic<int>* active_;
   uint64_t offset_ = 0;
   spb::Chunk chunk_;
 };
@@ -236,7 +247,7 @@ class ReplicationService final : public spb::SnapshotReplication::CallbackServic
                                        std::to_string(req->version())));
     }
     return new FetchStream(std::move(*served), std::max<size_t>(impl_->options.chunk_bytes, 1),
-                           impl_->takeFault(), impl_->options.fault.count);
+                           impl_->takeFault(), impl_->options.fault.count, &impl_->active_streams);
   }
 
  private:
@@ -287,6 +298,8 @@ SnapshotServer::~SnapshotServer() {
 }
 
 int SnapshotServer::port() const { return impl_->port; }
+
+int SnapshotServer::activeStreams() const { return impl_->active_streams.load(); }
 
 // ---------------------------------------------------------------------------------------------
 // Client

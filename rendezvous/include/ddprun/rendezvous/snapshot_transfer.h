@@ -88,6 +88,8 @@ class SnapshotServer {
   static StatusOr<std::unique_ptr<SnapshotServer>> start(SnapshotServerOptions options);
   ~SnapshotServer();
   int port() const;
+  // Fetch streams being served now (any thread).
+  int activeStreams() const;
 
   struct Impl;
 
