@@ -150,6 +150,16 @@ std::optional<uint64_t> SnapshotReplica::wanted(const std::string& name) const {
   return it->second.target.version;
 }
 
+std::vector<int> relayTargets(int origin, int self, int nodes) {
+  std::vector<int> out;
+  if (nodes <= 1 || origin < 0 || origin >= nodes || self < 0 || self >= nodes) return out;
+  const int k = (self - origin + nodes) % nodes;
+  for (int step = 1; step < nodes; step <<= 1) {
+    if (step > k && k + step < nodes) out.push_back((origin + k + step) % nodes);
+  }
+  return out;
+}
+
 std::string encodeHoldings(const std::string& endpoint, const std::vector<SnapshotVersion>& held) {
   std::string out = endpoint + "\n";
   for (const auto& v : held) {

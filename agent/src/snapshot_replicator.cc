@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/asio/ip/address.hpp>
 #include <boost/asio/post.hpp>
 #include <cerrno>
@@ -133,9 +134,10 @@ Status SnapshotReplicator::init() {
     return it->second;
   };
   std::weak_ptr<int> alive = alive_;
-  so.on_announce = [this, alive](const rendezvous::SnapshotFile& f, const std::string& source) {
-    boost::asio::post(io_, [this, alive, v = fromWire(f), source] {
-      if (alive.lock()) onAnnounce(v, source);
+  so.on_announce = [this, alive](const rendezvous::SnapshotFile& f, const std::string& source,
+                                 const std::string& origin) {
+    boost::asio::post(io_, [this, alive, v = fromWire(f), source, origin] {
+      if (alive.lock()) onAnnounce(v, source, origin);
     });
   };
   auto server = rendezvous::SnapshotServer::start(std::move(so));
@@ -248,20 +250,30 @@ void SnapshotReplicator::onDirEvent(const std::string& name) {
   SnapshotVersion v = replica_.onLocalWrite(name, crc->first, crc->second, round_);
   setHeld(name, Held{{toWire(v), file}, st.st_dev, st.st_ino, mtimeNs(st)});
   ++metrics_.versions_written;
-  snapLog()->info("snapshot: {} version {} ({} bytes) written here; announcing it to {} node(s)",
-                  name, versionText(v.version), v.size, peers_.size());
-  if (peers_.empty()) return;
+  const auto targets = relayTargets(self_rank_, self_rank_, static_cast<int>(nodes_.size()));
+  snapLog()->info(
+      "snapshot: {} version {} ({} bytes) written here; announcing it to {} of {} other node(s)",
+      name, versionText(v.version), v.size, targets.size(), nodes_.empty() ? 0 : nodes_.size() - 1);
+  announce(v, endpoint_, endpoint_, targets);
+}
+
+void SnapshotReplicator::announce(const SnapshotVersion& v, const std::string& source,
+                                  const std::string& origin, const std::vector<int>& ranks) {
+  std::vector<std::string> peers;
+  for (int r : ranks) {
+    if (r >= 0 && r < static_cast<int>(nodes_.size())) peers.push_back(nodes_[r]);
+  }
+  if (peers.empty()) return;
   ++announcing_;
-  auto peers = peers_;
-  const std::string source = endpoint_;
   const std::string run_id = options_.run_id;
   const auto security = options_.security;
   auto failed = std::make_shared<std::vector<std::string>>();
   offLoop(
-      [peers, v, source, run_id, security, failed] {
+      [peers, v, source, origin, run_id, security, failed] {
         for (const auto& p : peers) {
-          Status st = rendezvous::announceSnapshot(rendezvous::SnapshotPeer{p, run_id, security},
-                                                   toWire(v), source, std::chrono::seconds(5));
+          Status st =
+              rendezvous::announceSnapshot(rendezvous::SnapshotPeer{p, run_id, security}, toWire(v),
+                                           source, origin, std::chrono::seconds(5));
           if (!st.isOk()) failed->push_back(p + ": " + st.message());
         }
       },
@@ -274,9 +286,26 @@ void SnapshotReplicator::onDirEvent(const std::string& name) {
       });
 }
 
-void SnapshotReplicator::onAnnounce(const SnapshotVersion& v, const std::string& source) {
+void SnapshotReplicator::relay(const SnapshotVersion& v, const std::string& source) {
+  auto it = relay_pending_.find(v.name);
+  if (it == relay_pending_.end() || it->second.first != v.version) return;
+  const std::string origin = it->second.second;
+  relay_pending_.erase(it);
+  auto at = std::find(nodes_.begin(), nodes_.end(), origin);
+  if (at == nodes_.end() || self_rank_ < 0) return;  // the round changed: its sync covers it
+  const int origin_rank = static_cast<int>(at - nodes_.begin());
+  announce(v, source, origin,
+           relayTargets(origin_rank, self_rank_, static_cast<int>(nodes_.size())));
+}
+
+void SnapshotReplicator::onAnnounce(const SnapshotVersion& v, const std::string& source,
+                                    const std::string& origin) {
   const bool newer = replica_.shouldInstall(v);
   replica_.onHolder(v, source);
+  auto pending = relay_pending_.find(v.name);
+  if (pending == relay_pending_.end() || pending->second.first < v.version) {
+    relay_pending_[v.name] = {v.version, origin};
+  }
   if (newer) {
     auto& heard = first_heard_[v.name];
     if (heard.first != v.version) heard = {v.version, std::chrono::steady_clock::now()};
@@ -346,6 +375,7 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
         metrics_.last_lag_seconds = std::chrono::duration<double>(now - since).count();
         snapLog()->info("snapshot: fetched {} version {}: {} bytes from {} in {:.3f} s",
                         t.file.name, versionText(t.file.version), t.file.size, t.source, secs);
+        relay(t.file, endpoint_);  // this node serves its subtree of the announcement tree
       }
     }
   }
@@ -359,6 +389,9 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
     }
   }
   replica_.onTransferDone(t, outcomeOf(st));
+  if (!st.isOk() && !replica_.wanted(t.file.name)) {
+    relay(t.file, t.source);  // given up here: the subtree fetches from where this node tried
+  }
   if (!st.isOk() && st.code() != StatusCode::kResourceExhausted && !replica_.wanted(t.file.name) &&
       replica_.shouldInstall(t.file)) {
     auto kept = replica_.held(t.file.name);
@@ -442,16 +475,17 @@ void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& se
                            finish();
                            return;
                          }
-                         peers_.clear();
+                         nodes_.assign(values->size(), "");
+                         self_rank_ = me;
                          const auto now = std::chrono::steady_clock::now();
                          for (size_t i = 0; i < values->size(); ++i) {
-                           if (static_cast<int>(i) == me) continue;
                            auto h = decodeHoldings((*values)[i]);
                            if (!h.isOk()) {
                              snapLog()->warn("snapshot: node {}: {}", i, h.status().message());
                              continue;
                            }
-                           peers_.push_back(h->first);
+                           nodes_[i] = h->first;
+                           if (static_cast<int>(i) == me) continue;
                            for (const auto& v : h->second) {
                              if (replica_.shouldInstall(v)) {
                                auto& heard = first_heard_[v.name];

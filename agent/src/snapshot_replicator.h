@@ -91,7 +91,12 @@ class SnapshotReplicator {
   void scanExisting();
   void watchDir();
   void onDirEvent(const std::string& name);
-  void onAnnounce(const SnapshotVersion& v, const std::string& source);
+  void onAnnounce(const SnapshotVersion& v, const std::string& source, const std::string& origin);
+  // Announces `v` (held at `source`, written by `origin`) to the given group ranks.
+  void announce(const SnapshotVersion& v, const std::string& source, const std::string& origin,
+                const std::vector<int>& ranks);
+  // Passes an announcement on down the tree (relayTargets), once per version.
+  void relay(const SnapshotVersion& v, const std::string& source);
   void pump();
   void onFetched(const SnapshotTransfer& t, const Status& st, const std::string& temp,
                  TimePoint started);
@@ -111,7 +116,10 @@ class SnapshotReplicator {
   std::map<std::string, Held> held_files_;  // loop thread
   mutable std::mutex served_mu_;
   std::map<std::string, rendezvous::ServedFile> served_;  // guarded by served_mu_
-  std::vector<std::string> peers_;                        // other nodes' endpoints this round
+  std::vector<std::string> nodes_;  // every node's endpoint this round, by group rank
+  int self_rank_ = -1;
+  // Announcements to pass on once the version is held (or given up): name → version, origin.
+  std::map<std::string, std::pair<uint64_t, std::string>> relay_pending_;
   uint64_t round_ = 0;
   std::map<std::string, std::pair<uint64_t, TimePoint>> first_heard_;  // name → version, when
   std::function<void()> sync_done_;

@@ -230,7 +230,8 @@ class ReplicationService final : public spb::SnapshotReplication::CallbackServic
       st = invalidArgument("an announcement needs a file name and a source");
     }
     if (st.isOk() && impl_->options.on_announce) {
-      impl_->options.on_announce(fromProto(req->file()), req->source());
+      impl_->options.on_announce(fromProto(req->file()), req->source(),
+                                 req->origin().empty() ? req->source() : req->origin());
     }
     reactor->Finish(convert::toGrpc(st));
     return reactor;
@@ -305,7 +306,7 @@ int SnapshotServer::activeStreams() const { return impl_->active_streams.load();
 // Client
 
 Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
-                        const std::string& source, Duration timeout) {
+                        const std::string& source, const std::string& origin, Duration timeout) {
   auto stub = spb::SnapshotReplication::NewStub(channelTo(peer));
   grpc::ClientContext ctx;
   addToken(ctx, peer);
@@ -314,6 +315,7 @@ Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
   spb::AnnounceRequest req;
   req.set_run_id(peer.run_id);
   req.set_source(source);
+  req.set_origin(origin);
   auto* f = req.mutable_file();
   f->set_name(file.name);
   f->set_version(file.version);

@@ -57,9 +57,10 @@ struct Holder {
       if (name != served.file.name || version != served.file.version) return std::nullopt;
       return served;
     };
-    o.on_announce = [this](const SnapshotFile& f, const std::string& source) {
+    o.on_announce = [this](const SnapshotFile& f, const std::string& source,
+                           const std::string& origin) {
       std::lock_guard<std::mutex> lock(mu);
-      announced.emplace_back(f, source);
+      announced.emplace_back(f, source + " from " + origin);
     };
     auto s = SnapshotServer::start(std::move(o));
     REQUIRE(s.isOk());
@@ -131,19 +132,20 @@ TEST_CASE("the rendezvous token is required and another run is refused", "[snaps
         StatusCode::kUnauthenticated);
   CHECK(fetchSnapshot(h.peer("wrong"), h.served.file, out / ".recv", nullptr).code() ==
         StatusCode::kUnauthenticated);
-  CHECK(announceSnapshot(h.peer(), h.served.file, "x:1", std::chrono::seconds(5)).code() ==
+  CHECK(announceSnapshot(h.peer(), h.served.file, "x:1", "x:1", std::chrono::seconds(5)).code() ==
         StatusCode::kUnauthenticated);
   CHECK(fetchSnapshot(h.peer("sekrit", "other"), h.served.file, out / ".recv", nullptr).code() ==
         StatusCode::kFailedPrecondition);
   CHECK_FALSE(exists(out / ".recv"));
   REQUIRE(fetchSnapshot(h.peer("sekrit"), h.served.file, out / ".recv", nullptr).isOk());
   CHECK(readAll(out / ".recv") == h.content);
-  REQUIRE(announceSnapshot(h.peer("sekrit"), h.served.file, "127.0.0.9:1", std::chrono::seconds(5))
+  REQUIRE(announceSnapshot(h.peer("sekrit"), h.served.file, "127.0.0.9:1", "127.0.0.8:1",
+                           std::chrono::seconds(5))
               .isOk());
   std::lock_guard<std::mutex> lock(h.mu);
   REQUIRE(h.announced.size() == 1);
   CHECK(h.announced[0].first == h.served.file);
-  CHECK(h.announced[0].second == "127.0.0.9:1");
+  CHECK(h.announced[0].second == "127.0.0.9:1 from 127.0.0.8:1");
 }
 
 TEST_CASE("a fetch never replaces an existing file and a dead source is UNAVAILABLE",

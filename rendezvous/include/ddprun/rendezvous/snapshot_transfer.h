@@ -77,8 +77,11 @@ struct SnapshotServerOptions {
   size_t chunk_bytes = 4 << 20;
   // The version this agent holds and can serve; nullopt: NOT_FOUND. Called on gRPC threads.
   std::function<std::optional<ServedFile>(const std::string& name, uint64_t version)> lookup;
-  // Another agent holds `file` and serves it at `source` (HOST:PORT). Called on gRPC threads.
-  std::function<void(const SnapshotFile& file, const std::string& source)> on_announce;
+  // Another agent holds `file` and serves it at `source` (HOST:PORT); `origin` wrote it. Called
+  // on gRPC threads.
+  std::function<void(const SnapshotFile& file, const std::string& source,
+                     const std::string& origin)>
+      on_announce;
   ServeFault fault;
 };
 
@@ -105,9 +108,10 @@ struct SnapshotPeer {
   TransferSecurity security;
 };
 
-// Tells `peer` that `file` can be fetched from `source`. Blocks up to `timeout`.
+// Tells `peer` that `file`, written by `origin`, can be fetched from `source`. Blocks up to
+// `timeout`.
 Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
-                        const std::string& source, Duration timeout);
+                        const std::string& source, const std::string& origin, Duration timeout);
 
 // Receives `file` from `peer` into `temp_path` (created, never replacing anything), checks every
 // chunk's CRC-32, the size and the whole content's CRC-32, and fsyncs it. On any failure the temp
