@@ -36,9 +36,13 @@ struct RendezvousDaemon {
 };
 
 struct NodeSpec {
+  NodeSpec(std::string a, std::string dir, std::map<std::string, std::string> e = {},
+           std::vector<std::string> f = {})
+      : addr(std::move(a)), snapshot_dir(std::move(dir)), env(std::move(e)), flags(std::move(f)) {}
   std::string addr;
   std::string snapshot_dir;
   std::map<std::string, std::string> env;
+  std::vector<std::string> flags;  // more ddprun flags
 };
 
 // One node: a ddprun agent advertising `addr`, replicating its own `snapshot_dir`.
@@ -56,6 +60,7 @@ std::unique_ptr<Process> node(const NodeSpec& spec, const std::string& endpoint,
                                    "--rdzv-conf=last_call_timeout=1,heartbeat_interval=1,"
                                    "heartbeat_misses=3",
                                    "--snapshot-dir=" + spec.snapshot_dir};
+  argv.insert(argv.end(), spec.flags.begin(), spec.flags.end());
   argv.insert(argv.end(), program.begin(), program.end());
   auto env = spec.env;
   env["PYTHON_EXEC"] = torchPython();
@@ -306,6 +311,75 @@ TEST_CASE("when the writer dies mid-transfer the others resume from the previous
   CHECK(
       std::system(("ls -a '" + b_dir.path() + "' '" + c_dir.path() + "' | grep -q '^.ddprun-recv'")
                       .c_str()) != 0);
+}
+
+TEST_CASE("with four nodes a version travels a tree and /metrics counts what arrived",
+          "[snapshot]") {
+  RendezvousDaemon rdzv;
+  TempDir stop;
+  std::vector<std::unique_ptr<TempDir>> dirs;
+  std::vector<std::unique_ptr<Process>> nodes;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const std::string script =
+      "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then head -c 2097152 /dev/urandom > " + d +
+      "/data.bin.tmp && mv " + d + "/data.bin.tmp " + d +
+      "/data.bin; fi; "
+      "while [ ! -e '" +
+      stop / "now" + "' ]; do sleep 0.1; done";
+  for (int i = 0; i < 4; ++i) {
+    dirs.push_back(std::make_unique<TempDir>());
+    const std::string addr = "127.0.0.1" + std::to_string(i);
+    nodes.push_back(
+        node({addr, dirs.back()->path(), {{"WRITER", i == 0 ? "1" : "0"}}, {"--metrics-port=0"}},
+             rdzv.endpoint, "4", "snap-tree", 1, writerScript(script)));
+  }
+  const std::string written = *dirs[0] / "data.bin";
+  REQUIRE(waitUntil(
+      [&] {
+        if (!fileExists(written)) return false;
+        const std::string want = readFile(written);
+        for (auto& dir : dirs) {
+          if (readFile(*dir / "data.bin") != want) return false;
+        }
+        return want.size() == 2097152;
+      },
+      120s));
+  // Every receiver logged its fetch; with four nodes one of them fetched from a relay.
+  int from_writer = 0, from_relay = 0;
+  for (int i = 1; i < 4; ++i) {
+    REQUIRE(waitUntil(
+        [&] { return nodes[i]->err().find("snapshot: fetched data.bin") != std::string::npos; },
+        30s));
+    std::smatch m;
+    const std::string err = nodes[i]->err();
+    REQUIRE(std::regex_search(err, m,
+                              std::regex(R"(fetched data.bin version \S+: 2097152 bytes )"
+                                         R"(from (127\.0\.0\.\d+):\d+ in [0-9.]+ s)")));
+    (m[1] == "127.0.0.10" ? from_writer : from_relay) += 1;
+  }
+  CHECK(from_writer == 2);
+  CHECK(from_relay == 1);
+  // /metrics of a receiver.
+  std::smatch m;
+  const std::string err = nodes[1]->err();
+  REQUIRE(
+      std::regex_search(err, m, std::regex(R"(metrics on http://127\.0\.0\.11:(\d+)/metrics)")));
+  const std::string metrics =
+      run({torchPython(), "-c",
+           "import urllib.request\nprint(urllib.request.urlopen('http://127.0.0.11:" + m[1].str() +
+               "/metrics',timeout=10).read().decode())"})
+          .out;
+  INFO(metrics);
+  CHECK(metrics.find("ddprun_snapshot_versions_replicated_total 1\n") != std::string::npos);
+  CHECK(metrics.find("ddprun_snapshot_bytes_replicated_total 2097152\n") != std::string::npos);
+  CHECK(metrics.find("ddprun_snapshot_transfer_failures_total 0\n") != std::string::npos);
+  CHECK(metrics.find("ddprun_snapshot_replication_lag_seconds ") != std::string::npos);
+  std::ofstream(stop / "now") << "";
+  for (auto& n : nodes) {
+    auto r = n->wait(120s);
+    REQUIRE(r);
+    CHECK(r->exit_code == 0);
+  }
 }
 
 TEST_CASE("a missing or unwritable --snapshot-dir is a usage error before anything starts",
