@@ -12,6 +12,8 @@
 #include <mutex>
 #include <random>
 
+#include "server_fixture.h"
+
 using namespace ddprun;
 using namespace ddprun::rendezvous;
 
@@ -36,7 +38,8 @@ bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0;
 
 // A server holding one version of "snap.bin" (`size` random bytes) and recording announcements.
 struct Holder {
-  Holder(size_t size, std::string token = "", ServeFault fault = {}) {
+  Holder(size_t size, std::string token = "", ServeFault fault = {}, std::string cert = "",
+         std::string key = "") {
     std::mt19937 rng(42);
     content.resize(size);
     for (auto& c : content) c = static_cast<char>(rng());
@@ -51,6 +54,8 @@ struct Holder {
     o.listen = "127.0.0.1:0";
     o.run_id = "run";
     o.security.token = std::move(token);
+    o.security.tls_cert_pem = std::move(cert);
+    o.security.tls_key_pem = std::move(key);
     o.chunk_bytes = 64 * 1024;
     o.fault = fault;
     o.lookup = [this](const std::string& name, uint64_t version) -> std::optional<ServedFile> {
@@ -160,4 +165,18 @@ TEST_CASE("a fetch never replaces an existing file and a dead source is UNAVAILA
   CHECK(fetchSnapshot(peer, h.served.file, out / ".recv2", nullptr).code() ==
         StatusCode::kUnavailable);
   CHECK_FALSE(exists(out / ".recv2"));
+}
+
+TEST_CASE("with TLS material the transfer speaks TLS and a plaintext fetch fails", "[snapshot]") {
+  const auto tls = ddprun::rendezvous::testing::selfSignedTls();  // valid for 127.0.0.1
+  Holder h(200 * 1000, "tok", {}, tls.tls_cert_pem, tls.tls_key_pem);
+  Dir out;
+  SnapshotPeer peer = h.peer("tok");
+  CHECK_FALSE(fetchSnapshot(peer, h.served.file, out / ".plain", nullptr).isOk());
+  CHECK_FALSE(exists(out / ".plain"));
+  peer.security.tls_ca_pem = tls.tls_cert_pem;
+  REQUIRE(fetchSnapshot(peer, h.served.file, out / ".recv", nullptr).isOk());
+  CHECK(readAll(out / ".recv") == h.content);
+  CHECK(announceSnapshot(peer, h.served.file, "127.0.0.9:1", "127.0.0.9:1", std::chrono::seconds(5))
+            .isOk());
 }
