@@ -231,24 +231,70 @@ void SnapshotReplicator::watchDir() {
 
 void SnapshotReplicator::onDirEvent(const std::string& name) {
   if (!isReplicatedName(name)) return;
-  const int fd = ::open(path(name).c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return;  // replaced or removed since: its own event follows
-  auto file = std::make_shared<rendezvous::OpenFile>(fd);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return;
-  auto it = held_files_.find(name);
-  if (it != held_files_.end() && it->second.dev == st.st_dev && it->second.ino == st.st_ino &&
-      it->second.mtime_ns == mtimeNs(st) &&
-      it->second.served.file.size == static_cast<uint64_t>(st.st_size)) {
-    return;  // what this node holds already (e.g. a copy it just renamed into place)
+  // Several events for one name while it waits: one look at the file (its latest content) is
+  // enough.
+  if (std::find(hash_queue_.begin(), hash_queue_.end(), name) == hash_queue_.end()) {
+    hash_queue_.push_back(name);
   }
-  auto crc = rendezvous::crc32OfFile(fd);
+  hashNext();
+}
+
+// One file at a time, in the order completed, off the loop (a GB takes about a second): its
+// version is assigned when its hash is known, so versions follow the order of the writes.
+void SnapshotReplicator::hashNext() {
+  if (hashing_ || hash_queue_.empty()) return;
+  hashing_ = true;
+  const std::string name = hash_queue_.front();
+  hash_queue_.pop_front();
+  std::optional<Held> known;
+  if (auto it = held_files_.find(name); it != held_files_.end()) known = it->second;
+  struct Looked {
+    std::shared_ptr<rendezvous::OpenFile> file;
+    struct stat st {};
+    bool same = false;  // what this node holds already
+    StatusOr<std::pair<uint64_t, uint32_t>> crc = internalError("not read");
+  };
+  auto looked = std::make_shared<Looked>();
+  offLoop(
+      [looked, known, path = path(name)] {
+        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) return;  // replaced or removed since: its own event follows
+        looked->file = std::make_shared<rendezvous::OpenFile>(fd);
+        if (::fstat(fd, &looked->st) != 0 || !S_ISREG(looked->st.st_mode)) {
+          looked->file.reset();
+          return;
+        }
+        const auto& st = looked->st;
+        if (known && known->dev == st.st_dev && known->ino == st.st_ino &&
+            known->mtime_ns == mtimeNs(st) &&
+            known->served.file.size == static_cast<uint64_t>(st.st_size)) {
+          looked->same = true;  // e.g. a copy this node just renamed into place
+          return;
+        }
+        looked->crc = rendezvous::crc32OfFile(fd);
+      },
+      [this, name, looked] {
+        hashing_ = false;
+        onHashed(name, looked->file, looked->st, looked->same, looked->crc);
+        hashNext();
+      });
+}
+
+void SnapshotReplicator::onHashed(const std::string& name,
+                                  std::shared_ptr<rendezvous::OpenFile> file, const struct stat& st,
+                                  bool same, const StatusOr<std::pair<uint64_t, uint32_t>>& crc) {
+  if (!file || same) return;
   if (!crc.isOk()) {
     snapLog()->warn("snapshot dir: cannot read {}: {}", name, crc.status().message());
     return;
   }
+  if (auto it = held_files_.find(name); it != held_files_.end() && it->second.dev == st.st_dev &&
+                                        it->second.ino == st.st_ino &&
+                                        it->second.mtime_ns == mtimeNs(st)) {
+    return;  // installed here while it was being hashed
+  }
   SnapshotVersion v = replica_.onLocalWrite(name, crc->first, crc->second, round_);
-  setHeld(name, Held{{toWire(v), file}, st.st_dev, st.st_ino, mtimeNs(st)});
+  setHeld(name, Held{{toWire(v), std::move(file)}, st.st_dev, st.st_ino, mtimeNs(st)});
   ++metrics_.versions_written;
   const auto targets = relayTargets(self_rank_, self_rank_, static_cast<int>(nodes_.size()));
   snapLog()->info(
@@ -507,8 +553,8 @@ void SnapshotReplicator::whenQuiet(bool serving, Duration grace, Duration bound,
   auto check = std::make_shared<std::function<void()>>();
   *check = [this, serving, grace, deadline, quiet_since, done = std::move(done), check] {
     const auto now = std::chrono::steady_clock::now();
-    const bool quiet =
-        !replica_.busy() && announcing_ == 0 && (!serving || server_->activeStreams() == 0);
+    const bool quiet = !replica_.busy() && announcing_ == 0 && !hashing_ && hash_queue_.empty() &&
+                       (!serving || server_->activeStreams() == 0);
     if (!quiet) {
       quiet_since->reset();
     } else if (!*quiet_since) {

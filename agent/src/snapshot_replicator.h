@@ -13,15 +13,18 @@
 // Threading: the agent's loop thread owns everything but two things. Transfers and announcements
 // block, so each runs on a thread of its own that only posts its result back to the loop. The
 // replication server's gRPC threads read the table of served files under `served_mu_` and post
-// announcements to the loop. Hashing a file a worker completed runs on the loop (about 0.3 s a
-// GB). Lifetime: create on the loop thread before it runs; destroy after the loop stopped (the
-// destructor cancels transfers and joins their threads).
+// announcements to the loop. Hashing a file a worker completed runs on such a thread too, one
+// file at a time. Lifetime: create on the loop thread before it runs; destroy after the loop
+// stopped (the destructor cancels transfers and joins their threads).
 #pragma once
+
+#include <sys/stat.h>
 
 #include <atomic>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -91,6 +94,10 @@ class SnapshotReplicator {
   void scanExisting();
   void watchDir();
   void onDirEvent(const std::string& name);
+  void hashNext();
+  void onHashed(const std::string& name, std::shared_ptr<rendezvous::OpenFile> file,
+                const struct stat& st, bool same,
+                const StatusOr<std::pair<uint64_t, uint32_t>>& crc);
   void onAnnounce(const SnapshotVersion& v, const std::string& source, const std::string& origin);
   // Announces `v` (held at `source`, written by `origin`) to the given group ranks.
   void announce(const SnapshotVersion& v, const std::string& source, const std::string& origin,
@@ -123,7 +130,9 @@ class SnapshotReplicator {
   uint64_t round_ = 0;
   std::map<std::string, std::pair<uint64_t, TimePoint>> first_heard_;  // name → version, when
   std::function<void()> sync_done_;
-  int announcing_ = 0;  // announcement threads running
+  int announcing_ = 0;                  // announcement threads running
+  std::deque<std::string> hash_queue_;  // completed files waiting to be hashed and announced
+  bool hashing_ = false;
   std::unique_ptr<boost::asio::steady_timer> quiet_timer_;
   uint64_t sync_generation_ = 0;
   SnapshotMetrics metrics_;
