@@ -328,9 +328,15 @@ TEST_CASE("with four nodes a version travels a tree and /metrics counts what arr
       stop / "now" + "' ]; do sleep 0.1; done";
   for (int i = 0; i < 4; ++i) {
     dirs.push_back(std::make_unique<TempDir>());
+    // A partial copy left by an agent that crashed mid-transfer is removed at start.
+    std::ofstream(*dirs.back() / ".ddprun-recv.data.bin.1.2") << "partial";
+  }
+  // A file one node had before the job (version 0) reaches the others before the workers start.
+  std::ofstream(*dirs[3] / "old.bin") << "from before";
+  for (int i = 0; i < 4; ++i) {
     const std::string addr = "127.0.0.1" + std::to_string(i);
     nodes.push_back(
-        node({addr, dirs.back()->path(), {{"WRITER", i == 0 ? "1" : "0"}}, {"--metrics-port=0"}},
+        node({addr, dirs[i]->path(), {{"WRITER", i == 0 ? "1" : "0"}}, {"--metrics-port=0"}},
              rdzv.endpoint, "4", "snap-tree", 1, writerScript(script)));
   }
   const std::string written = *dirs[0] / "data.bin";
@@ -359,6 +365,14 @@ TEST_CASE("with four nodes a version travels a tree and /metrics counts what arr
   }
   CHECK(from_writer == 2);
   CHECK(from_relay == 1);
+  for (int i = 0; i < 4; ++i) {
+    CHECK(readFile(*dirs[i] / "old.bin") == "from before");
+    CHECK_FALSE(fileExists(*dirs[i] / ".ddprun-recv.data.bin.1.2"));
+    if (i < 3) {
+      const std::string err = nodes[i]->err();
+      CHECK(err.find("snapshot: fetched old.bin version 0.0") < err.find("started 1 worker(s)"));
+    }
+  }
   // /metrics of a receiver.
   std::smatch m;
   const std::string err = nodes[1]->err();
@@ -370,8 +384,8 @@ TEST_CASE("with four nodes a version travels a tree and /metrics counts what arr
                "/metrics',timeout=10).read().decode())"})
           .out;
   INFO(metrics);
-  CHECK(metrics.find("ddprun_snapshot_versions_replicated_total 1\n") != std::string::npos);
-  CHECK(metrics.find("ddprun_snapshot_bytes_replicated_total 2097152\n") != std::string::npos);
+  CHECK(metrics.find("ddprun_snapshot_versions_replicated_total 2\n") != std::string::npos);
+  CHECK(metrics.find("ddprun_snapshot_bytes_replicated_total 2097163\n") != std::string::npos);
   CHECK(metrics.find("ddprun_snapshot_transfer_failures_total 0\n") != std::string::npos);
   CHECK(metrics.find("ddprun_snapshot_replication_lag_seconds ") != std::string::npos);
   std::ofstream(stop / "now") << "";
