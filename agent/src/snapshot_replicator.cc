@@ -484,6 +484,7 @@ void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& se
   const uint64_t generation = ++sync_generation_;
   round_ = static_cast<uint64_t>(round.round);
   replica_.retryGivenUp();
+  replica_.setSelfIndex(round.group_rank);
   const int nodes = static_cast<int>(round.local_world_sizes.size());
   const std::string prefix = "snapshot/" + std::to_string(round.round) + "/";
   std::vector<std::string> keys;

@@ -84,6 +84,8 @@ class SnapshotReplica {
   void onTransferDone(const SnapshotTransfer& t, TransferOutcome outcome);
   // Versions given up become wanted again (their holders are asked once more).
   void retryGivenUp();
+  // This node's group rank in the current round (spreads first tries over the holders).
+  void setSelfIndex(int index) { options_.self_index = index; }
 
   // Something is wanted and not given up, or a transfer runs.
   bool busy() const;
