@@ -46,7 +46,7 @@ struct SnapshotReplicatorOptions {
   std::string local_addr;  // advertised host; the service listens on it (a name: on 0.0.0.0)
   rendezvous::TransferSecurity security;
   rendezvous::ServeFault fault;                          // test hook (DDPRUN_SNAPSHOT_FAULT)
-  Duration holdings_timeout = std::chrono::seconds(60);  // waiting for the others' holdings
+  Duration holdings_timeout = std::chrono::seconds(15);  // waiting for the others' holdings
 };
 
 // What /metrics shows.
