@@ -46,6 +46,11 @@ bool sameSecret(const std::string& a, const std::string& b) {
 
 std::string errnoText(int err) { return std::strerror(err); }
 
+// As the proto says: (round << 32) | sequence, shown "round.sequence".
+std::string versionText(uint64_t v) {
+  return std::to_string(v >> 32) + "." + std::to_string(v & 0xffffffffu);
+}
+
 SnapshotFile fromProto(const spb::FileVersion& f) {
   return SnapshotFile{f.name(), f.version(), f.size(), f.crc32()};
 }
@@ -245,7 +250,7 @@ class ReplicationService final : public spb::SnapshotReplication::CallbackServic
     if (impl_->options.lookup) served = impl_->options.lookup(req->name(), req->version());
     if (!served) {
       return new FailedStream(notFound("this agent does not hold " + req->name() + " version " +
-                                       std::to_string(req->version())));
+                                       versionText(req->version())));
     }
     return new FetchStream(std::move(*served), std::max<size_t>(impl_->options.chunk_bytes, 1),
                            impl_->takeFault(), impl_->options.fault.count, &impl_->active_streams);
@@ -363,7 +368,7 @@ class TempFile {
 
 Status noSpace(const SnapshotFile& file, const std::string& dir, uint64_t free_bytes) {
   return Status(StatusCode::kResourceExhausted,
-                "no space for " + file.name + " version " + std::to_string(file.version) + " in " +
+                "no space for " + file.name + " version " + versionText(file.version) + " in " +
                     dir + ": needs " + std::to_string(file.size) + " bytes, " +
                     std::to_string(free_bytes) + " free");
 }
