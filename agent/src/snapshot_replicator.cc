@@ -176,7 +176,8 @@ void SnapshotReplicator::scanExisting() {
       continue;
     }
     if (!isReplicatedName(name)) continue;
-    const int fd = ::open(path(name).c_str(), O_RDONLY | O_CLOEXEC);
+    // Regular files only: a symlink is not followed out of the directory, a FIFO does not block.
+    const int fd = ::open(path(name).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) continue;
     auto file = std::make_shared<rendezvous::OpenFile>(fd);
     struct stat st {};
@@ -257,7 +258,7 @@ void SnapshotReplicator::hashNext() {
   auto looked = std::make_shared<Looked>();
   offLoop(
       [looked, known, path = path(name)] {
-        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
         if (fd < 0) return;  // replaced or removed since: its own event follows
         looked->file = std::make_shared<rendezvous::OpenFile>(fd);
         if (::fstat(fd, &looked->st) != 0 || !S_ISREG(looked->st.st_mode)) {
