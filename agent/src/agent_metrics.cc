@@ -20,7 +20,7 @@ void AgentMetrics::onState(AgentState s, int restart_count, double now) {
 }
 
 std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const AgentMetrics& m,
-                          const RendezvousClient& rdzv) {
+                          const RendezvousClient& rdzv, const SnapshotMetrics* snapshots) {
   std::string out;
   auto add = [&](const std::string& name, const std::string& help, const std::string& type,
                  double value, const std::string& labels = "") {
@@ -57,6 +57,25 @@ std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const A
       "counter", m.membership_changes);
   add("ddprun_agent_last_change_timestamp_seconds", "Unix time of the last state change.", "gauge",
       m.last_change);
+  if (snapshots != nullptr) {
+    const SnapshotMetrics& s = *snapshots;
+    add("ddprun_snapshot_versions_replicated_total",
+        "Snapshot versions fetched from other nodes and renamed into place.", "counter",
+        static_cast<double>(s.versions_fetched));
+    add("ddprun_snapshot_bytes_replicated_total", "Bytes of snapshot versions fetched.", "counter",
+        static_cast<double>(s.bytes_fetched));
+    add("ddprun_snapshot_versions_written_total",
+        "Snapshot versions this node's workers completed (announced to the others).", "counter",
+        static_cast<double>(s.versions_written));
+    add("ddprun_snapshot_transfer_failures_total",
+        "Snapshot fetches that failed (corrupt, no space, source gone).", "counter",
+        static_cast<double>(s.transfer_failures));
+    add("ddprun_snapshot_replication_lag_seconds",
+        "From learning of a version to holding it, for the last fetch.", "gauge",
+        s.last_lag_seconds);
+    add("ddprun_snapshot_newest_version", "Highest snapshot version held here.", "gauge",
+        static_cast<double>(s.newest_version));
+  }
   return out;
 }
 

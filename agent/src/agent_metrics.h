@@ -7,6 +7,7 @@
 #include "ddprun/agent/config.h"
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/agent/supervisor.h"
+#include "snapshot_replicator.h"
 
 namespace ddprun::agent {
 
@@ -20,7 +21,8 @@ struct AgentMetrics {
   void onState(AgentState s, int restart_count, double now);
 };
 
+// `snapshots`: the replication's counters when --snapshot-dir is replicated (nullptr: none).
 std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const AgentMetrics& m,
-                          const RendezvousClient& rdzv);
+                          const RendezvousClient& rdzv, const SnapshotMetrics* snapshots = nullptr);
 
 }  // namespace ddprun::agent

@@ -21,6 +21,7 @@
 #include "metrics_server.h"
 #include "posix_process_launcher.h"
 #include "rendezvous_factory.h"
+#include "snapshot_replicator.h"
 #include "stat_heartbeat_probe.h"
 
 namespace ddprun::agent {
@@ -53,6 +54,31 @@ StatusOr<std::vector<WorkerLaunch>> prepareAttempt(AttemptPlan plan) {
   return std::move(plan.launches);
 }
 
+// The replication service speaks as the rendezvous does: the same token, TLS when configured.
+StatusOr<SnapshotReplicatorOptions> snapshotReplicatorOptions(const AgentConfig& cfg,
+                                                              const std::string& local_addr) {
+  SnapshotReplicatorOptions o;
+  o.dir = cfg.snapshot_dir;
+  o.run_id = cfg.rdzv_id;
+  o.local_addr = local_addr;
+  o.security.token = cfg.rdzv_conf.token;
+  if (!cfg.rdzv_conf.tls_ca_pem.empty()) {
+    if (cfg.rdzv_conf.tls_cert_pem.empty() || cfg.rdzv_conf.tls_key_pem.empty()) {
+      return invalidArgument(
+          "--snapshot-dir with TLS (tls_ca= in --rdzv-conf) needs tls_cert= and tls_key= on "
+          "every node: each agent serves its snapshots to the others");
+    }
+    o.security.tls_ca_pem = cfg.rdzv_conf.tls_ca_pem;
+    o.security.tls_cert_pem = cfg.rdzv_conf.tls_cert_pem;
+    o.security.tls_key_pem = cfg.rdzv_conf.tls_key_pem;
+  }
+  const char* fault = std::getenv("DDPRUN_SNAPSHOT_FAULT");
+  auto parsed = parseSnapshotFault(fault != nullptr ? fault : "");
+  if (!parsed.isOk()) return parsed.status();
+  o.fault = *parsed;
+  return o;
+}
+
 }  // namespace
 
 int runAgent(const AgentConfig& cfg) {
@@ -67,6 +93,13 @@ int runAgent(const AgentConfig& cfg) {
   if (!choice.isOk()) {
     log->error("{}", choice.status().message());
     return 2;
+  }
+  if (!cfg.snapshot_dir.empty()) {
+    Status st = checkSnapshotDir(cfg.snapshot_dir);
+    if (!st.isOk()) {
+      log->error("{}", st.message());
+      return 2;
+    }
   }
   auto run_dir = makeRunLogDir(cfg);
   if (!run_dir.isOk()) {
@@ -92,7 +125,26 @@ int runAgent(const AgentConfig& cfg) {
     log->error("{}", rendezvous_or.status().message());
     return rendezvous_or.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
-  RendezvousClient& rendezvous = *rendezvous_or->client;
+  // --snapshot-dir on a multi-node job: the directory is replicated between the agents, and
+  // every round reaches the supervisor only once this node holds the newest snapshot.
+  std::unique_ptr<SnapshotReplicator> replicator;
+  std::unique_ptr<SnapshotSyncClient> synced_client;
+  if (!cfg.snapshot_dir.empty() && rendezvous_or->service) {
+    auto opts = snapshotReplicatorOptions(cfg, local_addr);
+    if (!opts.isOk()) {
+      log->error("{}", opts.status().message());
+      return 2;
+    }
+    auto started = SnapshotReplicator::start(io, std::move(opts).value());
+    if (!started.isOk()) {
+      log->error("{}", started.status().message());
+      return started.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+    }
+    replicator = std::move(started).value();
+    synced_client = std::make_unique<SnapshotSyncClient>(*rendezvous_or->client,
+                                                         *rendezvous_or->service, *replicator);
+  }
+  RendezvousClient& rendezvous = synced_client ? *synced_client : *rendezvous_or->client;
 
   SteadyClock clock;
   WorkerPlanner planner(cfg, *run_dir, hostname, environmentMap());
@@ -174,7 +226,10 @@ int runAgent(const AgentConfig& cfg) {
     if (ec) host = "0.0.0.0";  // a host name: listen everywhere
     auto server = MetricsServer::start(
         io, host, cfg.metrics_port,
-        [&] { return renderMetrics(cfg, supervisor, counters, rendezvous); },
+        [&] {
+          return renderMetrics(cfg, supervisor, counters, rendezvous,
+                               replicator ? &replicator->metrics() : nullptr);
+        },
         [&] { return !supervisor.finished() || supervisor.exitCode() == 0; });
     if (!server.isOk()) {
       log->error("{}", server.status().message());

@@ -5,6 +5,7 @@ every SAVE_EVERY epochs; on (re)start every rank resumes from the snapshot. Run 
 `ddprun --standalone --nproc_per_node=2 --max-restarts=3 ddp_tutorial.py 50 10`.
 """
 import argparse
+import hashlib
 import os
 
 import torch
@@ -77,7 +78,11 @@ def main():
     parser.add_argument("total_epochs", type=int)
     parser.add_argument("save_every", type=int)
     parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--snapshot_path", default="snapshot.pt")
+    # Under ddprun --snapshot-dir, the node-local directory ddprun keeps identical on every node.
+    default_dir = os.environ.get("DDPRUN_SNAPSHOT_DIR", "")
+    parser.add_argument("--snapshot_path",
+                        default=os.path.join(default_dir, "snapshot.pt") if default_dir else
+                        "snapshot.pt")
     parser.add_argument("--step_delay", type=float, default=0.0, help="seconds to sleep per step")
     args = parser.parse_args()
     if args.total_epochs < 1 or args.save_every < 1 or args.batch_size < 1:
@@ -92,6 +97,9 @@ def main():
                         sampler=DistributedSampler(dataset))
     Trainer(model, loader, optimizer, args.save_every, args.snapshot_path, args.step_delay).train(
         args.total_epochs)
+    # The final parameters, bit for bit, for comparing runs.
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+    print(f"[RANK {dist.get_rank()}] final parameters sha256 {digest.hexdigest()}", flush=True)
     dist.destroy_process_group()
 
 

@@ -1,0 +1,129 @@
+// SnapshotReplica: the pure core of --snapshot-dir replication (issue 11). For one node it keeps
+// the version table (which complete version of each file this node holds), gives a file this
+// node's workers completed its job-wide version, learns which nodes hold which versions, and
+// decides which transfers to run, from which holder, and what happens when one fails. No I/O, no
+// time, no gRPC: the agent's shell (agent/src/snapshot_replicator.h) watches the directory, runs
+// the transfers and renames copies into place, and tells this core what happened.
+//
+// The rules:
+// - A version number is (round << 32) | sequence: rounds are agreed through the rendezvous and
+//   only increase, so a version written in a later round is newer than any of an earlier one;
+//   within a round a node numbers its writes above every version it has seen. The highest
+//   version of a name wins. Files present before the job have version 0 (unknown).
+// - What a node holds is only ever replaced by a newer complete, verified copy: the previous
+//   version stays in place until then, and a transfer that fails changes nothing.
+// - A failed transfer is retried from the next holder, up to `max_attempts`; no space for it
+//   (RESOURCE_EXHAUSTED) is not retried. A version given up is tried again only after
+//   retryGivenUp() (the shell calls it at each round's start) or when a newer one appears.
+//
+// Threading: none (the agent's loop thread). Lifetime: a plain value.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ddprun/common/status.h"
+
+namespace ddprun::agent {
+
+struct SnapshotVersion {
+  std::string name;
+  uint64_t version = 0;
+  uint64_t size = 0;
+  uint32_t crc32 = 0;
+  bool operator==(const SnapshotVersion& o) const {
+    return name == o.name && version == o.version && size == o.size && crc32 == o.crc32;
+  }
+};
+
+inline uint64_t makeSnapshotVersion(uint64_t round, uint32_t sequence) {
+  return (round << 32) | sequence;
+}
+
+// A name the replicator handles: a plain file name that is not hidden and not a temp file (a
+// name containing ".tmp", as the SDK's and PyTorch tutorial's writers use before the rename).
+bool isReplicatedName(const std::string& name);
+
+// One transfer the shell should run now.
+struct SnapshotTransfer {
+  SnapshotVersion file;
+  std::string source;  // HOST:PORT of a holder
+  int attempt = 1;     // 1 for the first try of this version
+};
+
+enum class TransferOutcome { kOk, kCorrupt, kNoSpace, kFailed, kCancelled };
+
+struct SnapshotReplicaOptions {
+  int max_attempts = 4;  // per version, over all its holders
+  int self_index = 0;    // this node's group rank: spreads first tries over the holders
+};
+
+class SnapshotReplica {
+ public:
+  explicit SnapshotReplica(SnapshotReplicaOptions options = {});
+
+  // A file this node already had when the agent started (version 0).
+  void adoptExisting(const std::string& name, uint64_t size, uint32_t crc32);
+  // This node's workers completed `name` with this content during `round`: it is held now and
+  // the returned version is what to announce. Transfers of older versions of it are dropped.
+  SnapshotVersion onLocalWrite(const std::string& name, uint64_t size, uint32_t crc32,
+                               uint64_t round);
+  // `source` holds `v`. A version not newer than the one held is ignored.
+  void onHolder(const SnapshotVersion& v, const std::string& source);
+  // The transfers to start now: at most one per name, none for a name with one running.
+  std::vector<SnapshotTransfer> takeTransfers();
+  // Whether a complete verified copy of `v` may replace what is held (checked just before the
+  // rename: a newer version may have arrived meanwhile).
+  bool shouldInstall(const SnapshotVersion& v) const;
+  // A transfer started by takeTransfers() ended; kOk means its copy was renamed into place (or
+  // shouldInstall said no).
+  void onTransferDone(const SnapshotTransfer& t, TransferOutcome outcome);
+  // Versions given up become wanted again (their holders are asked once more).
+  void retryGivenUp();
+  // This node's group rank in the current round (spreads first tries over the holders).
+  void setSelfIndex(int index) { options_.self_index = index; }
+
+  // Something is wanted and not given up, or a transfer runs.
+  bool busy() const;
+  const std::map<std::string, SnapshotVersion>& held() const { return held_; }
+  std::vector<SnapshotVersion> heldList() const;
+  std::optional<SnapshotVersion> held(const std::string& name) const;
+  // The version `name` is wanted at, if any (not given up).
+  std::optional<uint64_t> wanted(const std::string& name) const;
+  uint64_t maxVersionSeen() const { return max_seen_; }
+
+ private:
+  struct Want {
+    SnapshotVersion target;
+    std::vector<std::string> sources;
+    size_t next_source = 0;
+    int attempts = 0;
+    bool running = false;
+    bool given_up = false;
+  };
+  bool newerThanHeld(const SnapshotVersion& v) const;
+
+  SnapshotReplicaOptions options_;
+  std::map<std::string, SnapshotVersion> held_;
+  std::map<std::string, Want> wants_;
+  uint64_t max_seen_ = 0;
+};
+
+// Who tells whom about a new version, so that no node's uplink carries more than about
+// log2(nodes) copies: the nodes of the round form a binomial tree rooted at the writer `origin`
+// (indices are group ranks). The writer announces to the nodes 1, 2, 4, ... places after it; a
+// node k places after the writer, once it holds the version, to the nodes k + 2^j places after
+// it for every 2^j > k. Every node but the writer is told exactly once. Returns group ranks.
+std::vector<int> relayTargets(int origin, int self, int nodes);
+
+// The holdings a node publishes for a round (in the rendezvous' key-value store): its
+// replication endpoint and what it holds. decodeHoldings refuses malformed text (INVALID_ARGUMENT).
+std::string encodeHoldings(const std::string& endpoint, const std::vector<SnapshotVersion>& held);
+StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
+    const std::string& text);
+
+}  // namespace ddprun::agent

@@ -1,0 +1,196 @@
+#include "ddprun/agent/snapshot_replica.h"
+
+#include <algorithm>
+#include <charconv>
+
+#include "ddprun/common/strings.h"
+
+namespace ddprun::agent {
+
+namespace {
+std::optional<uint64_t> parseUint(const std::string& s) {
+  uint64_t v = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size()) return std::nullopt;
+  return v;
+}
+}  // namespace
+
+bool isReplicatedName(const std::string& name) {
+  if (name.empty() || name[0] == '.' || name.size() > 255) return false;
+  if (name.find(".tmp") != std::string::npos) return false;
+  for (unsigned char c : name) {
+    if (c == '/' || c < 0x20 || c == 0x7f) return false;
+  }
+  return true;
+}
+
+SnapshotReplica::SnapshotReplica(SnapshotReplicaOptions options) : options_(options) {}
+
+void SnapshotReplica::adoptExisting(const std::string& name, uint64_t size, uint32_t crc32) {
+  held_[name] = SnapshotVersion{name, 0, size, crc32};
+}
+
+SnapshotVersion SnapshotReplica::onLocalWrite(const std::string& name, uint64_t size,
+                                              uint32_t crc32, uint64_t round) {
+  const uint64_t version = std::max(makeSnapshotVersion(round, 1), max_seen_ + 1);
+  max_seen_ = version;
+  SnapshotVersion v{name, version, size, crc32};
+  held_[name] = v;
+  auto it = wants_.find(name);
+  // A running transfer of an older version ends on its own; shouldInstall() refuses its copy.
+  if (it != wants_.end() && !it->second.running) wants_.erase(it);
+  return v;
+}
+
+bool SnapshotReplica::newerThanHeld(const SnapshotVersion& v) const {
+  auto it = held_.find(v.name);
+  return it == held_.end() || v.version > it->second.version;
+}
+
+void SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& source) {
+  if (!isReplicatedName(v.name) || source.empty()) return;
+  max_seen_ = std::max(max_seen_, v.version);
+  if (!newerThanHeld(v)) return;
+  auto it = wants_.find(v.name);
+  if (it == wants_.end() || v.version > it->second.target.version) {
+    Want w;
+    w.target = v;
+    w.sources = {source};
+    if (it != wants_.end()) w.running = it->second.running;  // the old transfer still runs
+    wants_[v.name] = std::move(w);
+    return;
+  }
+  Want& w = it->second;
+  if (v.version < w.target.version) return;
+  if (!(v == w.target)) return;  // same number, other content: keep the first one heard of
+  if (std::find(w.sources.begin(), w.sources.end(), source) == w.sources.end()) {
+    w.sources.push_back(source);
+  }
+}
+
+std::vector<SnapshotTransfer> SnapshotReplica::takeTransfers() {
+  std::vector<SnapshotTransfer> out;
+  for (auto& [name, w] : wants_) {
+    if (w.running || w.given_up || w.sources.empty()) continue;
+    if (w.attempts == 0) {
+      w.next_source = static_cast<size_t>(std::max(options_.self_index, 0)) % w.sources.size();
+    }
+    w.running = true;
+    ++w.attempts;
+    out.push_back(
+        SnapshotTransfer{w.target, w.sources[w.next_source % w.sources.size()], w.attempts});
+  }
+  return out;
+}
+
+bool SnapshotReplica::shouldInstall(const SnapshotVersion& v) const { return newerThanHeld(v); }
+
+void SnapshotReplica::onTransferDone(const SnapshotTransfer& t, TransferOutcome outcome) {
+  const std::string& name = t.file.name;
+  if (outcome == TransferOutcome::kOk && newerThanHeld(t.file)) held_[name] = t.file;
+  auto it = wants_.find(name);
+  if (it == wants_.end()) return;
+  Want& w = it->second;
+  w.running = false;
+  if (!newerThanHeld(w.target)) {  // what is held now is at least as new as the wanted one
+    wants_.erase(it);
+    return;
+  }
+  if (!(w.target == t.file)) return;  // superseded while it ran: the newer one starts next
+  switch (outcome) {
+    case TransferOutcome::kOk:  // installed elsewhere meanwhile? (not newer: erased above)
+      wants_.erase(it);
+      return;
+    case TransferOutcome::kCancelled:
+      wants_.erase(it);
+      return;
+    case TransferOutcome::kNoSpace:
+      w.given_up = true;
+      return;
+    case TransferOutcome::kCorrupt:
+    case TransferOutcome::kFailed:
+      if (w.attempts >= options_.max_attempts) {
+        w.given_up = true;
+      } else {
+        w.next_source = (w.next_source + 1) % w.sources.size();
+      }
+      return;
+  }
+}
+
+void SnapshotReplica::retryGivenUp() {
+  for (auto& [name, w] : wants_) {
+    if (!w.given_up) continue;
+    w.given_up = false;
+    w.attempts = 0;
+  }
+}
+
+bool SnapshotReplica::busy() const {
+  return std::any_of(wants_.begin(), wants_.end(),
+                     [](const auto& kv) { return kv.second.running || !kv.second.given_up; });
+}
+
+std::vector<SnapshotVersion> SnapshotReplica::heldList() const {
+  std::vector<SnapshotVersion> out;
+  for (const auto& [name, v] : held_) out.push_back(v);
+  return out;
+}
+
+std::optional<SnapshotVersion> SnapshotReplica::held(const std::string& name) const {
+  auto it = held_.find(name);
+  if (it == held_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::optional<uint64_t> SnapshotReplica::wanted(const std::string& name) const {
+  auto it = wants_.find(name);
+  if (it == wants_.end() || it->second.given_up) return std::nullopt;
+  return it->second.target.version;
+}
+
+std::vector<int> relayTargets(int origin, int self, int nodes) {
+  std::vector<int> out;
+  if (nodes <= 1 || origin < 0 || origin >= nodes || self < 0 || self >= nodes) return out;
+  const int k = (self - origin + nodes) % nodes;
+  for (int step = 1; step < nodes; step <<= 1) {
+    if (step > k && k + step < nodes) out.push_back((origin + k + step) % nodes);
+  }
+  return out;
+}
+
+std::string encodeHoldings(const std::string& endpoint, const std::vector<SnapshotVersion>& held) {
+  std::string out = endpoint + "\n";
+  for (const auto& v : held) {
+    out += v.name + "\t" + std::to_string(v.version) + "\t" + std::to_string(v.size) + "\t" +
+           std::to_string(v.crc32) + "\n";
+  }
+  return out;
+}
+
+StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
+    const std::string& text) {
+  auto lines = split(text, '\n');
+  if (lines.empty() || lines[0].empty()) {
+    return invalidArgument("snapshot holdings: no replication endpoint");
+  }
+  std::vector<SnapshotVersion> held;
+  for (size_t i = 1; i < lines.size(); ++i) {
+    if (lines[i].empty()) continue;
+    auto fields = split(lines[i], '\t');
+    if (fields.size() != 4 || !isReplicatedName(fields[0])) {
+      return invalidArgument("snapshot holdings: malformed line '" + lines[i] + "'");
+    }
+    auto version = parseUint(fields[1]);
+    auto size = parseUint(fields[2]);
+    auto crc = parseUint(fields[3]);
+    if (!version || !size || !crc || *crc > 0xffffffffull) {
+      return invalidArgument("snapshot holdings: malformed line '" + lines[i] + "'");
+    }
+    held.push_back(SnapshotVersion{fields[0], *version, *size, static_cast<uint32_t>(*crc)});
+  }
+  return std::make_pair(lines[0], std::move(held));
+}
+
+}  // namespace ddprun::agent

@@ -1,0 +1,612 @@
+#include "snapshot_replicator.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/inotify.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <boost/asio/ip/address.hpp>
+#include <boost/asio/post.hpp>
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <random>
+
+#include "ddprun/common/log.h"
+#include "ddprun/common/strings.h"
+
+namespace ddprun::agent {
+
+namespace {
+
+auto snapLog() { return logger("agent"); }
+
+constexpr const char* kRecvPrefix = ".ddprun-recv.";
+constexpr int kTransferNice = 10;
+
+rendezvous::SnapshotFile toWire(const SnapshotVersion& v) {
+  return rendezvous::SnapshotFile{v.name, v.version, v.size, v.crc32};
+}
+SnapshotVersion fromWire(const rendezvous::SnapshotFile& f) {
+  return SnapshotVersion{f.name, f.version, f.size, f.crc32};
+}
+
+// A version for people: "<round>.<sequence>" (the number itself is (round << 32) | sequence).
+std::string versionText(uint64_t v) {
+  return std::to_string(v >> 32) + "." + std::to_string(v & 0xffffffffu);
+}
+
+int64_t mtimeNs(const struct stat& st) {
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+TransferOutcome outcomeOf(const Status& st) {
+  switch (st.code()) {
+    case StatusCode::kOk:
+      return TransferOutcome::kOk;
+    case StatusCode::kDataLoss:
+      return TransferOutcome::kCorrupt;
+    case StatusCode::kResourceExhausted:
+      return TransferOutcome::kNoSpace;
+    case StatusCode::kCancelled:
+      return TransferOutcome::kCancelled;
+    default:
+      return TransferOutcome::kFailed;
+  }
+}
+
+}  // namespace
+
+Status checkSnapshotDir(const std::string& dir) {
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) {
+    return invalidArgument("--snapshot-dir: " + dir + " does not exist (" + std::strerror(errno) +
+                           "); create it on every node");
+  }
+  if (!S_ISDIR(st.st_mode)) return invalidArgument("--snapshot-dir: " + dir + " is no directory");
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    return invalidArgument("--snapshot-dir: " + dir + " is not writable (" + std::strerror(errno) +
+                           ")");
+  }
+  return Status::ok();
+}
+
+StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text) {
+  rendezvous::ServeFault fault;
+  if (text.empty()) return fault;
+  auto parts = split(text, ':');
+  auto count = parts.size() == 2 ? parseInt(parts[1]) : std::nullopt;
+  if (!count || *count < 0 || *count > 1000 ||
+      (parts[0] != "in-flight" && parts[0] != "at-source" && parts[0] != "slow")) {
+    return invalidArgument("DDPRUN_SNAPSHOT_FAULT: '" + text +
+                           "' is not in-flight:N, at-source:N or slow:MS (a test hook)");
+  }
+  fault.kind = parts[0] == "in-flight"   ? rendezvous::ServeFault::Kind::kInFlight
+               : parts[0] == "at-source" ? rendezvous::ServeFault::Kind::kAtSource
+                                         : rendezvous::ServeFault::Kind::kSlow;
+  fault.count = static_cast<int>(*count);
+  return fault;
+}
+
+SnapshotReplicator::SnapshotReplicator(boost::asio::io_context& io,
+                                       SnapshotReplicatorOptions options)
+    : io_(io), options_(std::move(options)), event_buf_(64 * 1024) {}
+
+StatusOr<std::unique_ptr<SnapshotReplicator>> SnapshotReplicator::start(
+    boost::asio::io_context& io, SnapshotReplicatorOptions options) {
+  DDPRUN_RETURN_IF_ERROR(checkSnapshotDir(options.dir));
+  std::unique_ptr<SnapshotReplicator> r(new SnapshotReplicator(io, std::move(options)));
+  DDPRUN_RETURN_IF_ERROR(r->init());
+  return r;
+}
+
+Status SnapshotReplicator::init() {
+  // Watch first, then scan: a file completed in between is seen twice, never missed.
+  const int fd = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+  if (fd < 0) return internalError(std::string("inotify: ") + std::strerror(errno));
+  if (::inotify_add_watch(fd, options_.dir.c_str(),
+                          IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE_SELF | IN_MOVE_SELF) < 0) {
+    const int err = errno;
+    ::close(fd);
+    return invalidArgument("--snapshot-dir: cannot watch " + options_.dir + ": " +
+                           std::strerror(err));
+  }
+  inotify_ = std::make_unique<boost::asio::posix::stream_descriptor>(io_, fd);
+  scanExisting();
+
+  std::string host = options_.local_addr;
+  boost::system::error_code ec;
+  auto addr = boost::asio::ip::make_address(host, ec);
+  std::string listen_host = ec ? "0.0.0.0" : (addr.is_v6() ? "[" + host + "]" : host);
+  rendezvous::SnapshotServerOptions so;
+  so.listen = listen_host + ":0";
+  so.run_id = options_.run_id;
+  so.security = options_.security;
+  so.fault = options_.fault;
+  so.lookup = [this](const std::string& name,
+                     uint64_t version) -> std::optional<rendezvous::ServedFile> {
+    std::lock_guard<std::mutex> lock(served_mu_);
+    auto it = served_.find(name);
+    if (it == served_.end() || it->second.file.version != version) return std::nullopt;
+    return it->second;
+  };
+  std::weak_ptr<int> alive = alive_;
+  so.on_announce = [this, alive](const rendezvous::SnapshotFile& f, const std::string& source,
+                                 const std::string& origin) {
+    boost::asio::post(io_, [this, alive, v = fromWire(f), source, origin] {
+      if (alive.lock()) onAnnounce(v, source, origin);
+    });
+  };
+  auto server = rendezvous::SnapshotServer::start(std::move(so));
+  if (!server.isOk()) return server.status();
+  server_ = std::move(server).value();
+  const bool v6 = !ec && addr.is_v6();
+  endpoint_ = (v6 ? "[" + host + "]" : host) + ":" + std::to_string(server_->port());
+  snapLog()->info("snapshot dir {}: replicated between the nodes; serving at {}{}", options_.dir,
+                  endpoint_, options_.security.tls_cert_pem.empty() ? "" : " (TLS)");
+  watchDir();
+  return Status::ok();
+}
+
+SnapshotReplicator::~SnapshotReplicator() {
+  alive_.reset();
+  cancel_ = true;
+  if (inotify_) {
+    boost::system::error_code ignored;
+    inotify_->close(ignored);
+  }
+  for (auto& [id, t] : threads_) {
+    if (t.joinable()) t.join();
+  }
+  server_.reset();
+}
+
+void SnapshotReplicator::scanExisting() {
+  DIR* d = ::opendir(options_.dir.c_str());
+  if (d == nullptr) return;
+  std::vector<std::string> names;
+  while (auto* e = ::readdir(d)) names.emplace_back(e->d_name);
+  ::closedir(d);
+  for (const auto& name : names) {
+    if (startsWith(name, kRecvPrefix)) {  // a transfer cut short by a crash
+      ::unlink(path(name).c_str());
+      continue;
+    }
+    if (!isReplicatedName(name)) continue;
+    // Regular files only: a symlink is not followed out of the directory, a FIFO does not block.
+    const int fd = ::open(path(name).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) continue;
+    auto file = std::make_shared<rendezvous::OpenFile>(fd);
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    auto crc = rendezvous::crc32OfFile(fd);
+    if (!crc.isOk()) continue;
+    replica_.adoptExisting(name, crc->first, crc->second);
+    setHeld(name,
+            Held{{{name, 0, crc->first, crc->second}, file}, st.st_dev, st.st_ino, mtimeNs(st)});
+    snapLog()->info("snapshot dir: {} ({} bytes) was there before the job (version 0)", name,
+                    crc->first);
+  }
+}
+
+void SnapshotReplicator::setHeld(const std::string& name, Held held) {
+  {
+    std::lock_guard<std::mutex> lock(served_mu_);
+    served_[name] = held.served;
+  }
+  metrics_.newest_version = std::max(metrics_.newest_version, held.served.file.version);
+  held_files_[name] = std::move(held);
+}
+
+void SnapshotReplicator::watchDir() {
+  inotify_->async_read_some(
+      boost::asio::buffer(event_buf_), [this](const boost::system::error_code& ec, size_t n) {
+        if (ec) {
+          if (ec != boost::asio::error::operation_aborted) {
+            snapLog()->error("snapshot dir {}: watching stopped: {}", options_.dir, ec.message());
+          }
+          return;
+        }
+        std::vector<std::string> names;
+        size_t off = 0;
+        while (off + sizeof(inotify_event) <= n) {
+          auto* ev = reinterpret_cast<const inotify_event*>(event_buf_.data() + off);
+          if (ev->mask & (IN_DELETE_SELF | IN_MOVE_SELF)) {
+            snapLog()->error("snapshot dir {} was removed or moved: replication stops",
+                             options_.dir);
+          } else if (ev->mask & IN_Q_OVERFLOW) {
+            snapLog()->warn("snapshot dir {}: too many changes at once; some may be missed",
+                            options_.dir);
+          } else if (ev->len > 0) {
+            names.emplace_back(ev->name);
+          }
+          off += sizeof(inotify_event) + ev->len;
+        }
+        for (const auto& name : names) onDirEvent(name);
+        watchDir();
+      });
+}
+
+void SnapshotReplicator::onDirEvent(const std::string& name) {
+  if (!isReplicatedName(name)) return;
+  // Several events for one name while it waits: one look at the file (its latest content) is
+  // enough.
+  if (std::find(hash_queue_.begin(), hash_queue_.end(), name) == hash_queue_.end()) {
+    hash_queue_.push_back(name);
+  }
+  hashNext();
+}
+
+// One file at a time, in the order completed, off the loop (a GB takes about a second): its
+// version is assigned when its hash is known, so versions follow the order of the writes.
+void SnapshotReplicator::hashNext() {
+  if (hashing_ || hash_queue_.empty()) return;
+  hashing_ = true;
+  const std::string name = hash_queue_.front();
+  hash_queue_.pop_front();
+  std::optional<Held> known;
+  if (auto it = held_files_.find(name); it != held_files_.end()) known = it->second;
+  struct Looked {
+    std::shared_ptr<rendezvous::OpenFile> file;
+    struct stat st {};
+    bool same = false;  // what this node holds already
+    StatusOr<std::pair<uint64_t, uint32_t>> crc = internalError("not read");
+  };
+  auto looked = std::make_shared<Looked>();
+  offLoop(
+      [looked, known, path = path(name)] {
+        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+        if (fd < 0) return;  // replaced or removed since: its own event follows
+        looked->file = std::make_shared<rendezvous::OpenFile>(fd);
+        if (::fstat(fd, &looked->st) != 0 || !S_ISREG(looked->st.st_mode)) {
+          looked->file.reset();
+          return;
+        }
+        const auto& st = looked->st;
+        if (known && known->dev == st.st_dev && known->ino == st.st_ino &&
+            known->mtime_ns == mtimeNs(st) &&
+            known->served.file.size == static_cast<uint64_t>(st.st_size)) {
+          looked->same = true;  // e.g. a copy this node just renamed into place
+          return;
+        }
+        looked->crc = rendezvous::crc32OfFile(fd);
+      },
+      [this, name, looked] {
+        hashing_ = false;
+        onHashed(name, looked->file, looked->st, looked->same, looked->crc);
+        hashNext();
+      });
+}
+
+void SnapshotReplicator::onHashed(const std::string& name,
+                                  std::shared_ptr<rendezvous::OpenFile> file, const struct stat& st,
+                                  bool same, const StatusOr<std::pair<uint64_t, uint32_t>>& crc) {
+  if (!file || same) return;
+  if (!crc.isOk()) {
+    snapLog()->warn("snapshot dir: cannot read {}: {}", name, crc.status().message());
+    return;
+  }
+  if (auto it = held_files_.find(name); it != held_files_.end() && it->second.dev == st.st_dev &&
+                                        it->second.ino == st.st_ino &&
+                                        it->second.mtime_ns == mtimeNs(st)) {
+    return;  // installed here while it was being hashed
+  }
+  SnapshotVersion v = replica_.onLocalWrite(name, crc->first, crc->second, round_);
+  setHeld(name, Held{{toWire(v), std::move(file)}, st.st_dev, st.st_ino, mtimeNs(st)});
+  ++metrics_.versions_written;
+  const auto targets = relayTargets(self_rank_, self_rank_, static_cast<int>(nodes_.size()));
+  snapLog()->info(
+      "snapshot: {} version {} ({} bytes) written here; announcing it to {} of {} other node(s)",
+      name, versionText(v.version), v.size, targets.size(), nodes_.empty() ? 0 : nodes_.size() - 1);
+  announce(v, endpoint_, endpoint_, targets);
+}
+
+void SnapshotReplicator::announce(const SnapshotVersion& v, const std::string& source,
+                                  const std::string& origin, const std::vector<int>& ranks) {
+  std::vector<std::string> peers;
+  for (int r : ranks) {
+    if (r >= 0 && r < static_cast<int>(nodes_.size())) peers.push_back(nodes_[r]);
+  }
+  if (peers.empty()) return;
+  ++announcing_;
+  const std::string run_id = options_.run_id;
+  const auto security = options_.security;
+  auto failed = std::make_shared<std::vector<std::string>>();
+  offLoop(
+      [peers, v, source, origin, run_id, security, failed] {
+        for (const auto& p : peers) {
+          Status st =
+              rendezvous::announceSnapshot(rendezvous::SnapshotPeer{p, run_id, security}, toWire(v),
+                                           source, origin, std::chrono::seconds(5));
+          if (!st.isOk()) failed->push_back(p + ": " + st.message());
+        }
+      },
+      [this, failed, v] {
+        --announcing_;
+        for (const auto& f : *failed) {
+          snapLog()->warn("snapshot: announcing {} version {} failed at {}", v.name,
+                          versionText(v.version), f);
+        }
+      });
+}
+
+void SnapshotReplicator::relay(const SnapshotVersion& v, const std::string& source) {
+  auto it = relay_pending_.find(v.name);
+  if (it == relay_pending_.end() || it->second.first != v.version) return;
+  const std::string origin = it->second.second;
+  relay_pending_.erase(it);
+  auto at = std::find(nodes_.begin(), nodes_.end(), origin);
+  if (at == nodes_.end() || self_rank_ < 0) return;  // the round changed: its sync covers it
+  const int origin_rank = static_cast<int>(at - nodes_.begin());
+  announce(v, source, origin,
+           relayTargets(origin_rank, self_rank_, static_cast<int>(nodes_.size())));
+}
+
+void SnapshotReplicator::onAnnounce(const SnapshotVersion& v, const std::string& source,
+                                    const std::string& origin) {
+  const bool newer = replica_.shouldInstall(v);
+  replica_.onHolder(v, source);
+  auto pending = relay_pending_.find(v.name);
+  if (pending == relay_pending_.end() || pending->second.first < v.version) {
+    relay_pending_[v.name] = {v.version, origin};
+  }
+  if (newer) {
+    auto& heard = first_heard_[v.name];
+    if (heard.first != v.version) heard = {v.version, std::chrono::steady_clock::now()};
+  }
+  pump();
+}
+
+void SnapshotReplicator::pump() {
+  for (auto& t : replica_.takeTransfers()) {
+    std::random_device rd;
+    const std::string temp = path(std::string(kRecvPrefix) + t.file.name + "." +
+                                  std::to_string(::getpid()) + "." + std::to_string(rd()));
+    const auto started = std::chrono::steady_clock::now();
+    auto status = std::make_shared<Status>();
+    const rendezvous::SnapshotPeer peer{t.source, options_.run_id, options_.security};
+    offLoop([peer, file = toWire(t.file), temp, status,
+             cancel = &cancel_] { *status = rendezvous::fetchSnapshot(peer, file, temp, cancel); },
+            [this, t, status, temp, started] { onFetched(t, *status, temp, started); });
+  }
+  maybeFinishSync();
+}
+
+void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetched,
+                                   const std::string& temp, TimePoint started) {
+  Status st = fetched;
+  const auto now = std::chrono::steady_clock::now();
+  const double secs = std::chrono::duration<double>(now - started).count();
+  if (st.isOk() && !replica_.shouldInstall(t.file)) {
+    ::unlink(temp.c_str());  // something newer arrived meanwhile
+  } else if (st.isOk()) {
+    const int fd = ::open(temp.c_str(), O_RDONLY | O_CLOEXEC);
+    struct stat sb {};
+    if (fd < 0 || ::fstat(fd, &sb) != 0) {
+      st = internalError("cannot reopen " + temp + ": " + std::strerror(errno));
+      if (fd >= 0) ::close(fd);
+      ::unlink(temp.c_str());
+    } else {
+      auto file = std::make_shared<rendezvous::OpenFile>(fd);
+      // Record it first: the rename's IN_MOVED_TO then finds what this node holds already.
+      Held held{{toWire(t.file), file}, sb.st_dev, sb.st_ino, mtimeNs(sb)};
+      auto previous = held_files_.find(t.file.name);
+      std::optional<Held> before;
+      if (previous != held_files_.end()) before = previous->second;
+      setHeld(t.file.name, held);
+      if (::rename(temp.c_str(), path(t.file.name).c_str()) != 0) {
+        st = internalError("cannot rename " + temp + " into place: " + std::strerror(errno));
+        ::unlink(temp.c_str());
+        if (before) {
+          setHeld(t.file.name, *before);
+        } else {
+          held_files_.erase(t.file.name);
+          std::lock_guard<std::mutex> lock(served_mu_);
+          served_.erase(t.file.name);
+        }
+      } else {
+        const int dfd = ::open(options_.dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (dfd >= 0) {
+          ::fsync(dfd);
+          ::close(dfd);
+        }
+        ++metrics_.versions_fetched;
+        metrics_.bytes_fetched += t.file.size;
+        auto heard = first_heard_.find(t.file.name);
+        const TimePoint since = heard != first_heard_.end() && heard->second.first == t.file.version
+                                    ? std::min(heard->second.second, started)
+                                    : started;
+        metrics_.last_lag_seconds = std::chrono::duration<double>(now - since).count();
+        snapLog()->info("snapshot: fetched {} version {}: {} bytes from {} in {:.3f} s",
+                        t.file.name, versionText(t.file.version), t.file.size, t.source, secs);
+        relay(t.file, endpoint_);  // this node serves its subtree of the announcement tree
+      }
+    }
+  }
+  if (!st.isOk()) {
+    ++metrics_.transfer_failures;
+    if (st.code() == StatusCode::kResourceExhausted) {
+      snapLog()->error("snapshot: {}; keeping the previous version", st.message());
+    } else if (st.code() != StatusCode::kCancelled) {
+      snapLog()->warn("snapshot: fetching {} version {} from {} failed (attempt {}): {}",
+                      t.file.name, versionText(t.file.version), t.source, t.attempt, st.message());
+    }
+  }
+  replica_.onTransferDone(t, outcomeOf(st));
+  if (!st.isOk() && !replica_.wanted(t.file.name)) {
+    relay(t.file, t.source);  // given up here: the subtree fetches from where this node tried
+  }
+  if (!st.isOk() && st.code() != StatusCode::kResourceExhausted && !replica_.wanted(t.file.name) &&
+      replica_.shouldInstall(t.file)) {
+    auto kept = replica_.held(t.file.name);
+    snapLog()->error("snapshot: gave up on {} version {}; keeping {}", t.file.name,
+                     versionText(t.file.version),
+                     kept ? "version " + versionText(kept->version) : std::string("none"));
+  }
+  pump();
+}
+
+void SnapshotReplicator::maybeFinishSync() {
+  if (!sync_done_ || replica_.busy()) return;
+  auto done = std::move(sync_done_);
+  sync_done_ = nullptr;
+  done();
+}
+
+void SnapshotReplicator::offLoop(std::function<void()> work, std::function<void()> then) {
+  const uint64_t id = next_thread_++;
+  std::weak_ptr<int> alive = alive_;
+  threads_[id] = std::thread([this, id, alive, work = std::move(work), then = std::move(then)] {
+    // Background work: on a busy node the workers' training comes first (Linux nices threads).
+    ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), kTransferNice);
+    work();
+    boost::asio::post(io_, [this, id, alive, then] {
+      if (!alive.lock()) return;
+      auto it = threads_.find(id);
+      if (it != threads_.end()) {
+        it->second.join();  // it has posted this: it is at its end
+        threads_.erase(it);
+      }
+      then();
+    });
+  });
+}
+
+void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& service,
+                                   std::function<void()> done) {
+  if (sync_done_) {  // a previous round's sync is superseded: hand that round on as it is
+    auto old = std::move(sync_done_);
+    sync_done_ = nullptr;
+    old();
+  }
+  const uint64_t generation = ++sync_generation_;
+  round_ = static_cast<uint64_t>(round.round);
+  replica_.retryGivenUp();
+  replica_.setSelfIndex(round.group_rank);
+  const int nodes = static_cast<int>(round.local_world_sizes.size());
+  const std::string prefix = "snapshot/" + std::to_string(round.round) + "/";
+  std::vector<std::string> keys;
+  for (int i = 0; i < nodes; ++i) keys.push_back(prefix + std::to_string(i));
+  const auto started = std::chrono::steady_clock::now();
+  auto finish = [this, generation, done = std::move(done), started]() mutable {
+    if (generation != sync_generation_) return;
+    sync_done_ = [done = std::move(done), started] {
+      const double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      snapLog()->debug("snapshot: directory in sync after {:.3f} s", secs);
+      done();
+    };
+    pump();
+  };
+  service.kvSet(
+      prefix + std::to_string(round.group_rank), encodeHoldings(endpoint_, replica_.heldList()), {},
+      [this, &service, keys, generation, me = round.group_rank,
+       finish = std::move(finish)](Status st) mutable {
+        if (generation != sync_generation_) return;
+        if (!st.isOk()) {
+          snapLog()->warn("snapshot: cannot publish this node's holdings: {}", st.message());
+          finish();
+          return;
+        }
+        service.kvWait(keys, options_.holdings_timeout, {},
+                       [this, generation, me, finish = std::move(finish)](
+                           StatusOr<std::vector<std::string>> values) mutable {
+                         if (generation != sync_generation_) return;
+                         if (!values.isOk()) {
+                           snapLog()->warn(
+                               "snapshot: the other nodes' holdings did not arrive ({}); "
+                               "starting with what this node holds",
+                               values.status().message());
+                           finish();
+                           return;
+                         }
+                         nodes_.assign(values->size(), "");
+                         self_rank_ = me;
+                         const auto now = std::chrono::steady_clock::now();
+                         for (size_t i = 0; i < values->size(); ++i) {
+                           auto h = decodeHoldings((*values)[i]);
+                           if (!h.isOk()) {
+                             snapLog()->warn("snapshot: node {}: {}", i, h.status().message());
+                             continue;
+                           }
+                           nodes_[i] = h->first;
+                           if (static_cast<int>(i) == me) continue;
+                           for (const auto& v : h->second) {
+                             if (replica_.shouldInstall(v)) {
+                               auto& heard = first_heard_[v.name];
+                               if (heard.first != v.version) heard = {v.version, now};
+                             }
+                             replica_.onHolder(v, h->first);
+                           }
+                         }
+                         finish();
+                       });
+      });
+}
+
+void SnapshotReplicator::whenQuiet(bool serving, Duration grace, Duration bound,
+                                   std::function<void()> done) {
+  if (!quiet_timer_) quiet_timer_ = std::make_unique<boost::asio::steady_timer>(io_);
+  const auto deadline = std::chrono::steady_clock::now() + bound;
+  auto quiet_since = std::make_shared<std::optional<TimePoint>>();
+  auto check = std::make_shared<std::function<void()>>();
+  *check = [this, serving, grace, deadline, quiet_since, done = std::move(done), check] {
+    const auto now = std::chrono::steady_clock::now();
+    const bool quiet = !replica_.busy() && announcing_ == 0 && !hashing_ && hash_queue_.empty() &&
+                       (!serving || server_->activeStreams() == 0);
+    if (!quiet) {
+      quiet_since->reset();
+    } else if (!*quiet_since) {
+      *quiet_since = now;
+    }
+    if ((*quiet_since && now - **quiet_since >= grace) || now >= deadline) {
+      if (!quiet) snapLog()->warn("snapshot: stopping with transfers still under way");
+      auto d = done;
+      *check = nullptr;  // breaks the cycle
+      d();
+      return;
+    }
+    quiet_timer_->expires_after(std::chrono::milliseconds(50));
+    quiet_timer_->async_wait([check](const boost::system::error_code& ec) {
+      if (!ec && *check) (*check)();
+    });
+  };
+  (*check)();
+}
+
+void SnapshotSyncClient::exitBarrier(Duration timeout, StatusCallback done) {
+  const auto start = std::chrono::steady_clock::now();
+  replicator_.whenQuiet(false, Duration::zero(), timeout / 2,
+                        [this, start, timeout, done = std::move(done)]() mutable {
+                          const auto spent = std::chrono::steady_clock::now() - start;
+                          inner_.exitBarrier(std::max<Duration>(timeout - spent, Duration::zero()),
+                                             std::move(done));
+                        });
+}
+
+void SnapshotSyncClient::shutdown(bool succeeded, bool left, std::function<void()> done) {
+  if (!succeeded) {
+    inner_.shutdown(succeeded, left, std::move(done));
+    return;
+  }
+  replicator_.whenQuiet(true, std::chrono::seconds(1), std::chrono::seconds(20),
+                        [this, succeeded, left, done = std::move(done)]() mutable {
+                          inner_.shutdown(succeeded, left, std::move(done));
+                        });
+}
+
+void SnapshotSyncClient::nextRound(RoundCallback done) {
+  inner_.nextRound([this, done = std::move(done)](StatusOr<RoundInfo> round) mutable {
+    if (!round.isOk()) {
+      done(std::move(round));
+      return;
+    }
+    RoundInfo r = *round;
+    replicator_.syncRound(r, service_, [done = std::move(done), r]() mutable { done(r); });
+  });
+}
+
+}  // namespace ddprun::agent

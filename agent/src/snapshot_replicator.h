@@ -1,0 +1,168 @@
+// SnapshotReplicator: the shell of --snapshot-dir replication (issue 11) around the pure
+// SnapshotReplica (snapshot_replica.h). It
+// - watches the directory with inotify (IN_CLOSE_WRITE, IN_MOVED_TO) and announces every file a
+//   worker completed there to the other agents of the round;
+// - serves the versions this node holds to the others (rendezvous/snapshot_transfer.h), each
+//   from the inode it was announced with;
+// - fetches newer versions announced or held elsewhere into a temp file in the directory, and
+//   renames a complete, verified copy into place (never a partial or corrupt one);
+// - before a round's workers start (SnapshotSyncClient, below), publishes what this node holds in
+//   the rendezvous' key-value store, reads what every node of the round holds, and fetches the
+//   newest version of each file before the round is handed to the supervisor.
+//
+// Threading: the agent's loop thread owns everything but two things. Transfers and announcements
+// block, so each runs on a thread of its own that only posts its result back to the loop. The
+// replication server's gRPC threads read the table of served files under `served_mu_` and post
+// announcements to the loop. Hashing a file a worker completed runs on such a thread too, one
+// file at a time. Lifetime: create on the loop thread before it runs; destroy after the loop
+// stopped (the destructor cancels transfers and joins their threads).
+#pragma once
+
+#include <sys/stat.h>
+
+#include <atomic>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ddprun/agent/rendezvous_client.h"
+#include "ddprun/agent/rendezvous_service.h"
+#include "ddprun/agent/snapshot_replica.h"
+#include "ddprun/rendezvous/snapshot_transfer.h"
+
+namespace ddprun::agent {
+
+struct SnapshotReplicatorOptions {
+  std::string dir;
+  std::string run_id;
+  std::string local_addr;  // advertised host; the service listens on it (a name: on 0.0.0.0)
+  rendezvous::TransferSecurity security;
+  rendezvous::ServeFault fault;                          // test hook (DDPRUN_SNAPSHOT_FAULT)
+  Duration holdings_timeout = std::chrono::seconds(15);  // waiting for the others' holdings
+};
+
+// What /metrics shows.
+struct SnapshotMetrics {
+  uint64_t versions_fetched = 0;
+  uint64_t bytes_fetched = 0;
+  uint64_t versions_written = 0;  // completed here by this node's workers
+  uint64_t transfer_failures = 0;
+  double last_lag_seconds = 0;  // from learning of a version to holding it, for the last fetch
+  uint64_t newest_version = 0;  // highest version held of any file
+};
+
+// INVALID_ARGUMENT: a --snapshot-dir that is missing, not a directory or not writable.
+Status checkSnapshotDir(const std::string& dir);
+// DDPRUN_SNAPSHOT_FAULT=in-flight:N | at-source:N | slow:MS (test hook); INVALID_ARGUMENT when
+// malformed.
+StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text);
+
+class SnapshotReplicator {
+ public:
+  static StatusOr<std::unique_ptr<SnapshotReplicator>> start(boost::asio::io_context& io,
+                                                             SnapshotReplicatorOptions options);
+  ~SnapshotReplicator();
+
+  // Publishes this node's holdings for `round`, learns every node's, fetches what is newer
+  // elsewhere, then calls `done` (on the loop). Never fails: what cannot be fetched is logged and
+  // the previous version stays.
+  void syncRound(const RoundInfo& round, RendezvousService& service, std::function<void()> done);
+  // Calls `done` (on the loop) once nothing is being fetched or announced here and, with
+  // `serving`, no other node has fetched from here for `grace`; or after `bound` at the latest.
+  // The end of a job waits for it so that the last version written reaches every node.
+  void whenQuiet(bool serving, Duration grace, Duration bound, std::function<void()> done);
+  const SnapshotMetrics& metrics() const { return metrics_; }
+  const std::string& endpoint() const { return endpoint_; }
+
+ private:
+  struct Held {
+    rendezvous::ServedFile served;
+    dev_t dev = 0;
+    ino_t ino = 0;
+    int64_t mtime_ns = 0;
+  };
+  SnapshotReplicator(boost::asio::io_context& io, SnapshotReplicatorOptions options);
+  Status init();
+  void scanExisting();
+  void watchDir();
+  void onDirEvent(const std::string& name);
+  void hashNext();
+  void onHashed(const std::string& name, std::shared_ptr<rendezvous::OpenFile> file,
+                const struct stat& st, bool same,
+                const StatusOr<std::pair<uint64_t, uint32_t>>& crc);
+  void onAnnounce(const SnapshotVersion& v, const std::string& source, const std::string& origin);
+  // Announces `v` (held at `source`, written by `origin`) to the given group ranks.
+  void announce(const SnapshotVersion& v, const std::string& source, const std::string& origin,
+                const std::vector<int>& ranks);
+  // Passes an announcement on down the tree (relayTargets), once per version.
+  void relay(const SnapshotVersion& v, const std::string& source);
+  void pump();
+  void onFetched(const SnapshotTransfer& t, const Status& st, const std::string& temp,
+                 TimePoint started);
+  void maybeFinishSync();
+  void setHeld(const std::string& name, Held held);
+  // Runs `work` on a thread of its own; `then` runs on the loop afterwards (unless destroyed).
+  void offLoop(std::function<void()> work, std::function<void()> then);
+  std::string path(const std::string& name) const { return options_.dir + "/" + name; }
+
+  boost::asio::io_context& io_;
+  SnapshotReplicatorOptions options_;
+  SnapshotReplica replica_;
+  std::unique_ptr<rendezvous::SnapshotServer> server_;
+  std::string endpoint_;
+  std::unique_ptr<boost::asio::posix::stream_descriptor> inotify_;
+  std::vector<char> event_buf_;
+  std::map<std::string, Held> held_files_;  // loop thread
+  mutable std::mutex served_mu_;
+  std::map<std::string, rendezvous::ServedFile> served_;  // guarded by served_mu_
+  std::vector<std::string> nodes_;  // every node's endpoint this round, by group rank
+  int self_rank_ = -1;
+  // Announcements to pass on once the version is held (or given up): name → version, origin.
+  std::map<std::string, std::pair<uint64_t, std::string>> relay_pending_;
+  uint64_t round_ = 0;
+  std::map<std::string, std::pair<uint64_t, TimePoint>> first_heard_;  // name → version, when
+  std::function<void()> sync_done_;
+  int announcing_ = 0;                  // announcement threads running
+  std::deque<std::string> hash_queue_;  // completed files waiting to be hashed and announced
+  bool hashing_ = false;
+  std::unique_ptr<boost::asio::steady_timer> quiet_timer_;
+  uint64_t sync_generation_ = 0;
+  SnapshotMetrics metrics_;
+  std::atomic<bool> cancel_{false};
+  std::map<uint64_t, std::thread> threads_;
+  uint64_t next_thread_ = 0;
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);
+};
+
+// The RendezvousClient the supervisor sees when --snapshot-dir is set on a multi-node job: every
+// round comes from `inner`, and is handed on only after the replicator synced the directory.
+class SnapshotSyncClient final : public RendezvousClient {
+ public:
+  SnapshotSyncClient(RendezvousClient& inner, RendezvousService& service,
+                     SnapshotReplicator& replicator)
+      : inner_(inner), service_(service), replicator_(replicator) {}
+  void nextRound(RoundCallback done) override;
+  void reportFailure() override { inner_.reportFailure(); }
+  void leave() override { inner_.leave(); }
+  // A node arrives at the exit barrier once what it writes is announced and what it was told
+  // of is fetched; after a success it departs once the others stopped fetching from it (both
+  // bounded), so the job's last snapshot reaches every node.
+  void exitBarrier(Duration timeout, StatusCallback done) override;
+  void shutdown(bool succeeded, bool left, std::function<void()> done) override;
+  uint64_t currentRound() const override { return inner_.currentRound(); }
+
+ private:
+  RendezvousClient& inner_;
+  RendezvousService& service_;
+  SnapshotReplicator& replicator_;
+};
+
+}  // namespace ddprun::agent

@@ -1,0 +1,294 @@
+#!/usr/bin/python3
+"""--snapshot-dir replication on loopback (issue 11). Informational; nothing passes or fails.
+
+Every node is a ddprun agent on its own loopback address (127.0.0.2, .3, ...) with its OWN
+snapshot directory, against a standalone ddprun-rendezvous. Three measurements:
+
+  lag      a file of SIZE bytes is completed (temp file + rename) in node 0's directory; time until
+           every other node's directory holds it. Against: one plain copy of the same file over
+           loopback TCP (send, write, fsync), the issue's yardstick (goal: lag <= 1.5x copy).
+  join     a one-node job (--nnodes=1:2) whose directory holds a SIZE-byte snapshot; a fresh node
+           with an empty directory starts; time until its worker runs ("started 1 worker(s)").
+           Against: the same without --snapshot-dir (the shared-directory setup, nothing to
+           fetch). Goal: <= shared time + one loopback copy.
+  step     `train --timing` (mlp, a snapshot every epoch) on 2 nodes, ms/step of rank 0 with and
+           without --snapshot-dir. Goal: <= 2 % overhead.
+
+Usage: bench_replication.py --build BUILD [--sizes 100M,1G] [--nodes 2,4] [--what lag,join,step]
+"""
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+
+PY = os.environ.get("PYTHON_EXEC", "/usr/bin/python3")
+
+
+def parse_size(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def make_file(path, size):
+    block = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        left = size
+        while left > 0:
+            n = min(left, len(block))
+            f.write(block[:n])
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Rendezvous:
+    def __init__(self, build):
+        self.proc = subprocess.Popen([os.path.join(build, "rendezvous", "ddprun-rendezvous"),
+                                      "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        for line in self.proc.stdout:
+            m = re.search(r"listening on \S+:(\d+)", line)
+            if m:
+                self.endpoint = "127.0.0.1:" + m.group(1)
+                break
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait()
+
+
+class Agent:
+    def __init__(self, build, rdzv, addr, nnodes, run_id, snapshot_dir, program, log_dir):
+        cmd = [os.path.join(build, "launcher", "ddprun"), f"--nnodes={nnodes}",
+               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}",
+               f"--rdzv-id={run_id}", f"--local-addr={addr}", "--max-restarts=3",
+               "--rdzv-conf=last_call_timeout=1"]
+        if snapshot_dir:
+            cmd.append(f"--snapshot-dir={snapshot_dir}")
+        self.err_path = os.path.join(log_dir, f"{run_id}-{addr}.err")
+        self.out_path = os.path.join(log_dir, f"{run_id}-{addr}.out")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd + program, stdout=open(self.out_path, "w"),
+                                     stderr=open(self.err_path, "w"), start_new_session=True,
+                                     env=dict(os.environ, PYTHON_EXEC=PY))
+
+    def err(self):
+        with open(self.err_path) as f:
+            return f.read()
+
+    def out(self):
+        with open(self.out_path) as f:
+            return f.read()
+
+    def stop(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def wait_for(pred, bound=600, step=0.001):
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    raise TimeoutError("bench: timed out")
+
+
+def loopback_copy(src, dst_dir):
+    """One plain copy of `src` from 127.0.0.2 to 127.0.0.3 over TCP, written and fsynced."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.3", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    done = {}
+
+    def receive():
+        conn, _ = srv.accept()
+        with open(os.path.join(dst_dir, "copy.bin"), "wb") as f:
+            while True:
+                data = conn.recv(1 << 20)
+                if not data:
+                    break
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        done["t"] = time.monotonic()
+        conn.close()
+
+    t = threading.Thread(target=receive)
+    t.start()
+    start = time.monotonic()
+    c = socket.socket()
+    c.bind(("127.0.0.2", 0))
+    c.connect(("127.0.0.3", port))
+    with open(src, "rb") as f:  # a plain user-space copy (read, send), as cp/scp would do
+        while True:
+            block = f.read(1 << 20)
+            if not block:
+                break
+            c.sendall(block)
+    c.close()
+    t.join()
+    srv.close()
+    os.unlink(os.path.join(dst_dir, "copy.bin"))
+    return done["t"] - start
+
+
+def bench_lag(build, size, nodes, work, reps):
+    rdzv = Rendezvous(build)
+    dirs = [tempfile.mkdtemp(dir=work) for _ in range(nodes)]
+    run_id = f"lag-{size}-{nodes}"
+    agents = [Agent(build, rdzv, f"127.0.0.{2 + i}", str(nodes), run_id, dirs[i],
+                    ["--no-python", "/bin/sleep", "3600"], work) for i in range(nodes)]
+    try:
+        wait_for(lambda: all("started 1 worker(s)" in a.err() for a in agents), 120, 0.05)
+        src = os.path.join(work, "payload.bin")
+        make_file(src, size)
+        lags, copies = [], []
+        for rep in range(reps):
+            tmp = os.path.join(dirs[0], "snapshot.pt.tmp")
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb+") as f:  # each version different content
+                f.write(rep.to_bytes(8, "little"))
+                os.fsync(f.fileno())
+            t0 = time.monotonic()
+            os.rename(tmp, os.path.join(dirs[0], "snapshot.pt"))
+            want = os.stat(os.path.join(dirs[0], "snapshot.pt")).st_ino
+
+            def everywhere():
+                for d in dirs[1:]:
+                    try:
+                        st = os.stat(os.path.join(d, "snapshot.pt"))
+                    except FileNotFoundError:
+                        return False
+                    if st.st_size != size:
+                        return False
+                    with open(os.path.join(d, "snapshot.pt"), "rb") as f:
+                        if int.from_bytes(f.read(8), "little") != rep:
+                            return False
+                return True
+
+            wait_for(everywhere)
+            lags.append(time.monotonic() - t0)
+            copies.append(loopback_copy(src, work))  # not into a replicated directory
+        return statistics.median(lags), statistics.median(copies)
+    finally:
+        if os.environ.get("BENCH_DEBUG"):
+            for a in agents:
+                print(a.err()[-1500:])
+        for a in agents:
+            a.stop()
+        rdzv.stop()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def bench_join(build, size, work, replicate, reps):
+    times = []
+    for rep in range(reps):
+        rdzv = Rendezvous(build)
+        a_dir, b_dir = tempfile.mkdtemp(dir=work), tempfile.mkdtemp(dir=work)
+        run_id = f"join-{size}-{int(replicate)}-{rep}"
+        prog = ["--no-python", "/bin/sleep", "3600"]
+        a = Agent(build, rdzv, "127.0.0.2", "1:2", run_id, a_dir if replicate else "", prog, work)
+        b = None
+        try:
+            wait_for(lambda: "started 1 worker(s)" in a.err(), 120, 0.01)
+            make_file(os.path.join(a_dir, "snapshot.pt.tmp"), size)
+            os.rename(os.path.join(a_dir, "snapshot.pt.tmp"), os.path.join(a_dir, "snapshot.pt"))
+            if replicate:
+                wait_for(lambda: "written here" in a.err(), 120, 0.01)
+            b = Agent(build, rdzv, "127.0.0.3", "1:2", run_id, b_dir if replicate else "", prog,
+                      work)
+            wait_for(lambda: "started 1 worker(s)" in b.err(), 300, 0.002)
+            times.append(time.monotonic() - b.started)
+            if replicate:
+                assert os.path.getsize(os.path.join(b_dir, "snapshot.pt")) == size
+        finally:
+            for x in (a, b):
+                if x:
+                    x.stop()
+            rdzv.stop()
+            shutil.rmtree(a_dir, ignore_errors=True)
+            shutil.rmtree(b_dir, ignore_errors=True)
+    return statistics.median(times)
+
+
+def bench_step(build, work, replicate, epochs):
+    rdzv = Rendezvous(build)
+    dirs = [tempfile.mkdtemp(dir=work) for _ in range(2)]
+    run_id = f"step-{int(replicate)}"
+    prog = ["--no-python", os.path.join(build, "examples", "train"), str(epochs), "1", "--model",
+            "mlp", "--dataset-size", "512", "--timing"]
+    agents = []
+    try:
+        for i in range(2):
+            p = prog if replicate else prog + ["--snapshot-path", os.path.join(dirs[i], "s.pt")]
+            agents.append(Agent(build, rdzv, f"127.0.0.{2 + i}", "2", run_id,
+                                dirs[i] if replicate else "", p, work))
+        for a in agents:
+            a.proc.wait(timeout=1800)
+        out = "".join(a.out() for a in agents)
+        m = re.search(r"\[RANK 0\] timing: ([0-9.]+) ms/step", out)
+        size = os.path.getsize(os.path.join(dirs[0], "snapshot.pt" if replicate else "s.pt"))
+        return float(m.group(1)), size
+    finally:
+        for a in agents:
+            a.stop()
+        rdzv.stop()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--sizes", default="100M,1G")
+    ap.add_argument("--nodes", default="2,4")
+    ap.add_argument("--what", default="lag,join,step")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=6)
+    args = ap.parse_args()
+    build = os.path.abspath(args.build)
+    work = tempfile.mkdtemp(prefix="snapbench_")
+    what = args.what.split(",")
+    try:
+        for size_text in args.sizes.split(","):
+            size = parse_size(size_text)
+            if "lag" in what:
+                for n in (int(x) for x in args.nodes.split(",")):
+                    lag, copy = bench_lag(build, size, n, work, args.reps)
+                    print(f"lag  {size_text:>5} {n} nodes: replication {lag:.3f} s, one loopback "
+                          f"copy {copy:.3f} s, ratio {lag / copy:.2f}x (goal <= 1.5x)", flush=True)
+            if "join" in what:
+                rep = bench_join(build, size, work, True, args.reps)
+                shared = bench_join(build, size, work, False, args.reps)
+                src = os.path.join(work, "payload.bin")
+                make_file(src, size)
+                copy = loopback_copy(src, work)
+                os.unlink(src)
+                print(f"join {size_text:>5}: fresh node's worker running after {rep:.3f} s "
+                      f"(shared directory {shared:.3f} s, + one copy {copy:.3f} s = "
+                      f"{shared + copy:.3f} s goal)", flush=True)
+        if "step" in what:
+            base, size = bench_step(build, work, False, args.epochs)
+            rep, _ = bench_step(build, work, True, args.epochs)
+            print(f"step train mlp, 2 nodes, snapshot {size / 1e6:.1f} MB every epoch: "
+                  f"{rep:.2f} ms/step with --snapshot-dir, {base:.2f} without, overhead "
+                  f"{100 * (rep / base - 1):+.1f} % (goal <= 2 %)", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

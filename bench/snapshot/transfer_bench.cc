@@ -1,0 +1,77 @@
+// Raw throughput of one snapshot fetch (rendezvous/snapshot_transfer.h) on 127.0.0.1, against a
+// plain read+write copy of the same file on the same disk. Informational.
+// Usage: snapshot_transfer_bench SIZE_MB [REPS]
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ddprun/rendezvous/snapshot_transfer.h"
+
+using namespace ddprun;
+using namespace ddprun::rendezvous;
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: snapshot_transfer_bench SIZE_MB [REPS]\n");
+    return 2;
+  }
+  const size_t size = static_cast<size_t>(std::atol(argv[1])) << 20;
+  const int reps = argc > 2 ? std::atoi(argv[2]) : 3;
+  char templ[] = "/tmp/ddprun_transfer_bench_XXXXXX";
+  const std::string dir = ::mkdtemp(templ);
+  const std::string src = dir + "/src.bin";
+  {
+    std::vector<char> block(1 << 20);
+    std::mt19937 rng(1);
+    for (auto& c : block) c = static_cast<char>(rng());
+    const int fd = ::open(src.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    for (size_t done = 0; done < size; done += block.size()) {
+      if (::write(fd, block.data(), block.size()) < 0) return 1;
+    }
+    ::fsync(fd);
+    ::close(fd);
+  }
+  const int fd = ::open(src.c_str(), O_RDONLY | O_CLOEXEC);
+  auto crc = crc32OfFile(fd);
+  ServedFile served{SnapshotFile{"src.bin", 1, crc->first, crc->second},
+                    std::make_shared<OpenFile>(fd)};
+  SnapshotServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.run_id = "bench";
+  o.lookup = [&](const std::string&, uint64_t) -> std::optional<ServedFile> { return served; };
+  auto server = SnapshotServer::start(std::move(o));
+  if (!server.isOk()) return 1;
+  const SnapshotPeer peer{"127.0.0.1:" + std::to_string((*server)->port()), "bench", {}};
+  for (int i = 0; i < reps; ++i) {
+    const std::string out = dir + "/out" + std::to_string(i);
+    auto t0 = std::chrono::steady_clock::now();
+    Status st = fetchSnapshot(peer, served.file, out, nullptr);
+    const double fetch =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ::unlink(out.c_str());
+    // The yardstick: read + write + fsync of the same bytes.
+    t0 = std::chrono::steady_clock::now();
+    const int in = ::open(src.c_str(), O_RDONLY);
+    const int cp = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    std::vector<char> buf(1 << 20);
+    for (ssize_t n; (n = ::read(in, buf.data(), buf.size())) > 0;) {
+      if (::write(cp, buf.data(), static_cast<size_t>(n)) != n) return 1;
+    }
+    ::fsync(cp);
+    ::close(cp);
+    ::close(in);
+    const double copy =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ::unlink(out.c_str());
+    std::printf("%zu MiB: fetch %.3f s (%s), local copy %.3f s, ratio %.2fx\n", size >> 20, fetch,
+                st.isOk() ? "ok" : st.toString().c_str(), copy, fetch / copy);
+  }
+  std::system(("rm -rf '" + dir + "'").c_str());
+  return 0;
+}

@@ -1,0 +1,128 @@
+// The agents' snapshot replication over gRPC (proto ddprun.snapshot.v1): a server that answers
+// announcements and serves the versions its agent holds as checksummed chunks, and the two
+// blocking client calls (announce, fetch into a temp file). The agent's replicator
+// (agent/src/snapshot_replicator.h) decides what to fetch when; nothing here knows about rounds.
+// It lives beside the rendezvous' gRPC adapters so that the agent includes no gRPC header, and it
+// authenticates with the same token and TLS material.
+//
+// Threading: the server calls `lookup` and `on_announce` on gRPC threads (they must be
+// thread-safe; the agent's only post to its loop or read a mutex-guarded table). The client calls
+// block the calling thread (the agent runs them on a transfer thread, never on its loop).
+// Lifetime: destroying the server waits for the calls in flight to finish.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "ddprun/common/clock.h"
+#include "ddprun/common/status.h"
+
+namespace ddprun::rendezvous {
+
+// One complete version of one file of a snapshot directory.
+struct SnapshotFile {
+  std::string name;      // plain file name, no '/'
+  uint64_t version = 0;  // (round << 32) | sequence; 0: present before the job, version unknown
+  uint64_t size = 0;
+  uint32_t crc32 = 0;  // zlib's CRC-32 of the whole content
+  bool operator==(const SnapshotFile& o) const {
+    return name == o.name && version == o.version && size == o.size && crc32 == o.crc32;
+  }
+};
+
+// An open, read-only file descriptor, closed when the last holder lets go: a version is served
+// from the inode it was announced with, even after a newer version was renamed over its name.
+class OpenFile {
+ public:
+  explicit OpenFile(int fd) : fd_(fd) {}
+  ~OpenFile();
+  OpenFile(const OpenFile&) = delete;
+  OpenFile& operator=(const OpenFile&) = delete;
+  int fd() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+struct ServedFile {
+  SnapshotFile file;
+  std::shared_ptr<const OpenFile> data;
+};
+
+// Token and TLS material, as the rendezvous uses them (--rdzv-conf token_file, tls_*).
+struct TransferSecurity {
+  std::string token;         // empty: none required or sent
+  std::string tls_cert_pem;  // server: with tls_key_pem, serve TLS
+  std::string tls_key_pem;
+  std::string tls_ca_pem;  // client: speak TLS trusting this certificate
+};
+
+// Test hook (DDPRUN_SNAPSHOT_FAULT in the agent): damage the first `count` transfers this server
+// makes, either after the chunk's checksum (corrupted in flight) or before it (a file that does
+// not match its announced CRC-32, as a bad disk at the source would give); or (kSlow) pause
+// `count` milliseconds before every chunk, so a test can kill a writer mid-transfer.
+struct ServeFault {
+  enum class Kind { kNone, kInFlight, kAtSource, kSlow } kind = Kind::kNone;
+  int count = 0;
+};
+
+struct SnapshotServerOptions {
+  std::string listen;  // HOST:PORT; port 0 picks a free one
+  std::string run_id;  // requests for another run are refused (FAILED_PRECONDITION)
+  TransferSecurity security;
+  size_t chunk_bytes = 4 << 20;
+  // The version this agent holds and can serve; nullopt: NOT_FOUND. Called on gRPC threads.
+  std::function<std::optional<ServedFile>(const std::string& name, uint64_t version)> lookup;
+  // Another agent holds `file` and serves it at `source` (HOST:PORT); `origin` wrote it. Called
+  // on gRPC threads.
+  std::function<void(const SnapshotFile& file, const std::string& source,
+                     const std::string& origin)>
+      on_announce;
+  ServeFault fault;
+};
+
+class SnapshotServer {
+ public:
+  // UNAVAILABLE when it cannot listen; INVALID_ARGUMENT for unusable TLS material.
+  static StatusOr<std::unique_ptr<SnapshotServer>> start(SnapshotServerOptions options);
+  ~SnapshotServer();
+  int port() const;
+  // Fetch streams being served now (any thread).
+  int activeStreams() const;
+
+  struct Impl;
+
+ private:
+  explicit SnapshotServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Where another agent's replication service is.
+struct SnapshotPeer {
+  std::string endpoint;  // HOST:PORT
+  std::string run_id;
+  TransferSecurity security;
+};
+
+// Tells `peer` that `file`, written by `origin`, can be fetched from `source`. Blocks up to
+// `timeout`.
+Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
+                        const std::string& source, const std::string& origin, Duration timeout);
+
+// Receives `file` from `peer` into `temp_path` (created, never replacing anything), checks every
+// chunk's CRC-32, the size and the whole content's CRC-32, and fsyncs it. On any failure the temp
+// file is removed and the status says why: DATA_LOSS for a checksum or size mismatch,
+// RESOURCE_EXHAUSTED when the disk lacks the space (naming the bytes needed), NOT_FOUND when the
+// peer no longer holds that version, CANCELLED when `*cancel` became true, UNAVAILABLE or
+// DEADLINE_EXCEEDED for the network. Blocks the calling thread.
+Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
+                     const std::string& temp_path, const std::atomic<bool>* cancel);
+
+// zlib's CRC-32 of a whole open file, reading from offset 0 (the size read is returned too).
+StatusOr<std::pair<uint64_t, uint32_t>> crc32OfFile(int fd);
+
+}  // namespace ddprun::rendezvous

@@ -1,0 +1,201 @@
+#include "ddprun/agent/snapshot_replica.h"
+
+#include <catch2/catch.hpp>
+
+using namespace ddprun;
+using namespace ddprun::agent;
+
+namespace {
+
+SnapshotVersion file(uint64_t version, uint32_t crc = 7, const std::string& name = "snapshot.pt") {
+  return SnapshotVersion{name, version, 100 + version, crc};
+}
+
+}  // namespace
+
+TEST_CASE("only plain, visible, non-temporary names are replicated", "[snapshot]") {
+  CHECK(isReplicatedName("snapshot.pt"));
+  CHECK(isReplicatedName("model-3.bin"));
+  CHECK_FALSE(isReplicatedName(""));
+  CHECK_FALSE(isReplicatedName(".hidden"));
+  CHECK_FALSE(isReplicatedName("snapshot.pt.tmp"));
+  CHECK_FALSE(isReplicatedName("snap.pt.tmp.123.456"));
+  CHECK_FALSE(isReplicatedName("a/b"));
+  CHECK_FALSE(isReplicatedName("bad\nname"));
+  CHECK_FALSE(isReplicatedName(std::string(256, 'a')));
+}
+
+TEST_CASE("a local write gets a version above every version seen, later rounds above earlier",
+          "[snapshot]") {
+  SnapshotReplica r;
+  auto v1 = r.onLocalWrite("snapshot.pt", 10, 1, 3);
+  CHECK(v1.version == makeSnapshotVersion(3, 1));
+  auto v2 = r.onLocalWrite("snapshot.pt", 10, 2, 3);
+  CHECK(v2.version == makeSnapshotVersion(3, 2));
+  r.onHolder(file(makeSnapshotVersion(3, 9), 5, "other.pt"), "b:1");
+  CHECK(r.onLocalWrite("snapshot.pt", 10, 3, 3).version == makeSnapshotVersion(3, 10));
+  CHECK(r.onLocalWrite("snapshot.pt", 10, 4, 5).version == makeSnapshotVersion(5, 1));
+  CHECK(r.held("snapshot.pt")->crc32 == 4);
+}
+
+TEST_CASE("a newer version held elsewhere is fetched but an older or equal one is not",
+          "[snapshot]") {
+  SnapshotReplica r;
+  r.onLocalWrite("snapshot.pt", 10, 1, 2);
+  const uint64_t mine = r.held("snapshot.pt")->version;
+  r.onHolder(file(mine - 1), "b:1");
+  r.onHolder(file(mine), "b:1");
+  CHECK(r.takeTransfers().empty());
+  CHECK_FALSE(r.busy());
+  r.onHolder(file(mine + 1), "b:1");
+  CHECK(r.busy());
+  auto t = r.takeTransfers();
+  REQUIRE(t.size() == 1);
+  CHECK(t[0].file == file(mine + 1));
+  CHECK(t[0].source == "b:1");
+  CHECK(r.takeTransfers().empty());  // one transfer per name at a time
+}
+
+TEST_CASE("the previous version stays held until the new copy is installed", "[snapshot]") {
+  SnapshotReplica r;
+  r.onHolder(file(5), "a:1");
+  auto t = r.takeTransfers();
+  REQUIRE(t.size() == 1);
+  r.onTransferDone(t[0], TransferOutcome::kOk);
+  CHECK(r.held("snapshot.pt") == file(5));
+  r.onHolder(file(6), "a:1");
+  t = r.takeTransfers();
+  REQUIRE(t.size() == 1);
+  CHECK(r.held("snapshot.pt") == file(5));  // still 5 while 6 is in flight
+  r.onTransferDone(t[0], TransferOutcome::kFailed);
+  CHECK(r.held("snapshot.pt") == file(5));  // a failed transfer changes nothing
+}
+
+TEST_CASE("a corrupt transfer is retried from the next holder, then given up", "[snapshot]") {
+  SnapshotReplica r(SnapshotReplicaOptions{3, 0});
+  r.onHolder(file(4), "a:1");
+  r.onHolder(file(4), "b:1");
+  r.onHolder(file(4), "a:1");  // a holder counts once
+  std::vector<std::string> tried;
+  for (int i = 0; i < 3; ++i) {
+    auto t = r.takeTransfers();
+    REQUIRE(t.size() == 1);
+    CHECK(t[0].attempt == i + 1);
+    tried.push_back(t[0].source);
+    r.onTransferDone(t[0], TransferOutcome::kCorrupt);
+  }
+  CHECK(tried == std::vector<std::string>{"a:1", "b:1", "a:1"});
+  CHECK(r.takeTransfers().empty());
+  CHECK_FALSE(r.busy());
+  CHECK_FALSE(r.held("snapshot.pt"));
+  CHECK_FALSE(r.wanted("snapshot.pt"));
+  r.retryGivenUp();  // next round: ask again
+  CHECK(r.wanted("snapshot.pt") == 4u);
+  CHECK(r.takeTransfers().size() == 1);
+}
+
+TEST_CASE("no space for a version is not retried, and a newer version is still fetched",
+          "[snapshot]") {
+  SnapshotReplica r;
+  r.onHolder(file(4), "a:1");
+  auto t = r.takeTransfers();
+  r.onTransferDone(t.at(0), TransferOutcome::kNoSpace);
+  CHECK(r.takeTransfers().empty());
+  CHECK_FALSE(r.busy());
+  r.onHolder(file(4), "b:1");  // the same version again: still given up
+  CHECK(r.takeTransfers().empty());
+  r.onHolder(file(9), "a:1");
+  t = r.takeTransfers();
+  REQUIRE(t.size() == 1);
+  CHECK(t[0].file.version == 9);
+}
+
+TEST_CASE("a newer version announced mid-transfer replaces the wanted one after it ends",
+          "[snapshot]") {
+  SnapshotReplica r;
+  r.onHolder(file(4), "a:1");
+  auto t4 = r.takeTransfers().at(0);
+  r.onHolder(file(5), "a:1");
+  CHECK(r.takeTransfers().empty());  // 4 still runs
+  CHECK(r.shouldInstall(t4.file));
+  r.onTransferDone(t4, TransferOutcome::kOk);
+  CHECK(r.held("snapshot.pt")->version == 4);
+  auto t5 = r.takeTransfers();
+  REQUIRE(t5.size() == 1);
+  CHECK(t5[0].file.version == 5);
+  CHECK(t5[0].attempt == 1);
+  r.onTransferDone(t5[0], TransferOutcome::kOk);
+  CHECK(r.held("snapshot.pt")->version == 5);
+  CHECK_FALSE(r.busy());
+}
+
+TEST_CASE("a copy older than what was written locally meanwhile is not installed", "[snapshot]") {
+  SnapshotReplica r;
+  r.onHolder(file(makeSnapshotVersion(1, 1)), "a:1");
+  auto t = r.takeTransfers().at(0);
+  auto mine = r.onLocalWrite("snapshot.pt", 10, 99, 2);
+  CHECK_FALSE(r.shouldInstall(t.file));
+  r.onTransferDone(t, TransferOutcome::kOk);
+  CHECK(r.held("snapshot.pt") == mine);
+  CHECK_FALSE(r.busy());
+}
+
+TEST_CASE("first tries are spread over the holders by group rank", "[snapshot]") {
+  SnapshotReplica r(SnapshotReplicaOptions{4, 1});
+  r.onHolder(file(3), "a:1");
+  r.onHolder(file(3), "b:1");
+  CHECK(r.takeTransfers().at(0).source == "b:1");
+}
+
+TEST_CASE("files that were there before the job have version 0 and lose to any version",
+          "[snapshot]") {
+  SnapshotReplica r;
+  r.adoptExisting("snapshot.pt", 10, 1);
+  r.onHolder(SnapshotVersion{"snapshot.pt", 0, 10, 2}, "b:1");
+  CHECK(r.takeTransfers().empty());
+  r.onHolder(file(1), "b:1");
+  CHECK(r.takeTransfers().size() == 1);
+}
+
+TEST_CASE("holdings survive the key-value text and malformed text is refused", "[snapshot]") {
+  std::vector<SnapshotVersion> held = {file(makeSnapshotVersion(7, 3)), file(0, 9, "b.bin")};
+  auto text = encodeHoldings("127.0.0.2:4567", held);
+  auto back = decodeHoldings(text);
+  REQUIRE(back.isOk());
+  CHECK(back->first == "127.0.0.2:4567");
+  CHECK(back->second == held);
+  auto empty = decodeHoldings(encodeHoldings("h:1", {}));
+  REQUIRE(empty.isOk());
+  CHECK(empty->second.empty());
+  CHECK_FALSE(decodeHoldings("").isOk());
+  CHECK_FALSE(decodeHoldings("h:1\nsnapshot.pt\t1\t2\n").isOk());
+  CHECK_FALSE(decodeHoldings("h:1\nsnapshot.pt\t1\tx\t3\n").isOk());
+  CHECK_FALSE(decodeHoldings("h:1\n.hidden\t1\t2\t3\n").isOk());
+  CHECK_FALSE(decodeHoldings("h:1\nsnapshot.pt\t1\t2\t4294967296\n").isOk());
+}
+
+TEST_CASE("announcements form a binomial tree: every node is told once and nobody sends many",
+          "[snapshot]") {
+  CHECK(relayTargets(0, 0, 1).empty());
+  CHECK(relayTargets(0, 0, 2) == std::vector<int>{1});
+  CHECK(relayTargets(0, 0, 4) == std::vector<int>{1, 2});
+  CHECK(relayTargets(0, 1, 4) == std::vector<int>{3});
+  CHECK(relayTargets(2, 2, 4) == std::vector<int>{3, 0});  // the writer need not be rank 0
+  CHECK(relayTargets(2, 3, 4) == std::vector<int>{1});
+  CHECK(relayTargets(0, 5, 4).empty());  // out of range: nobody
+  for (int n = 1; n <= 37; ++n) {
+    for (int origin = 0; origin < n; ++origin) {
+      std::vector<int> told(n, 0);
+      size_t most = 0;
+      for (int self = 0; self < n; ++self) {
+        auto targets = relayTargets(origin, self, n);
+        most = std::max(most, targets.size());
+        for (int t : targets) ++told[t];
+      }
+      for (int i = 0; i < n; ++i) CHECK(told[i] == (i == origin ? 0 : 1));
+      int log2 = 0;
+      while ((1 << log2) < n) ++log2;
+      CHECK(most <= static_cast<size_t>(log2));
+    }
+  }
+}

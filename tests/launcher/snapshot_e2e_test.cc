@@ -1,0 +1,411 @@
+// --snapshot-dir replication end to end (issue 11): agents on distinct loopback addresses, each
+// with its OWN snapshot directory (no path is shared between nodes), real workers (PyTorch's DDP
+// tutorial, the SDK's train, small shell programs), a node killed with kill -9 and replaced by a
+// fresh node with an empty directory.
+#include <sys/mount.h>
+
+#include <catch2/catch.hpp>
+#include <csignal>
+#include <fstream>
+#include <memory>
+#include <regex>
+#include <set>
+
+#include "process_helpers.h"
+
+using namespace ddprun;
+using namespace ddprun::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+// A standalone ddprun-rendezvous on 127.0.0.1 and a free port.
+struct RendezvousDaemon {
+  RendezvousDaemon()
+      : process({buildDir() + "/rendezvous/ddprun-rendezvous", "--listen", "127.0.0.1:0"}) {
+    std::smatch m;
+    REQUIRE(waitUntil([&] {
+      std::string out = process.out();
+      if (!std::regex_search(out, m, std::regex(R"(listening on (\S+):(\d+))"))) return false;
+      endpoint = "127.0.0.1:" + m[2].str();
+      return true;
+    }));
+  }
+  Process process;
+  std::string endpoint;
+};
+
+struct NodeSpec {
+  NodeSpec(std::string a, std::string dir, std::map<std::string, std::string> e = {},
+           std::vector<std::string> f = {})
+      : addr(std::move(a)), snapshot_dir(std::move(dir)), env(std::move(e)), flags(std::move(f)) {}
+  std::string addr;
+  std::string snapshot_dir;
+  std::map<std::string, std::string> env;
+  std::vector<std::string> flags;  // more ddprun flags
+};
+
+// One node: a ddprun agent advertising `addr`, replicating its own `snapshot_dir`.
+std::unique_ptr<Process> node(const NodeSpec& spec, const std::string& endpoint,
+                              const std::string& nnodes, const std::string& run_id, int nproc,
+                              const std::vector<std::string>& program) {
+  std::vector<std::string> argv = {ddprunBin(),
+                                   "--nnodes=" + nnodes,
+                                   "--nproc-per-node=" + std::to_string(nproc),
+                                   "--rdzv-backend=c10d",
+                                   "--rdzv-endpoint=" + endpoint,
+                                   "--rdzv-id=" + run_id,
+                                   "--local-addr=" + spec.addr,
+                                   "--max-restarts=3",
+                                   "--rdzv-conf=last_call_timeout=1,heartbeat_interval=1,"
+                                   "heartbeat_misses=3",
+                                   "--snapshot-dir=" + spec.snapshot_dir};
+  argv.insert(argv.end(), spec.flags.begin(), spec.flags.end());
+  argv.insert(argv.end(), program.begin(), program.end());
+  auto env = spec.env;
+  env["PYTHON_EXEC"] = torchPython();
+  return std::make_unique<Process>(argv, env);
+}
+
+std::string trainBin() { return buildDir() + "/examples/train"; }
+
+// The digests every rank printed ("final parameters sha256 X"): one value when all agree.
+std::set<std::string> digests(const std::string& out) {
+  std::set<std::string> found;
+  std::regex re(R"(final parameters sha256 ([0-9a-f]+))");
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) {
+    found.insert((*it)[1].str());
+  }
+  return found;
+}
+
+std::unique_ptr<Finished> finish(Process& p, std::chrono::seconds bound) {
+  auto r = p.wait(bound);
+  if (!r) return nullptr;
+  return std::make_unique<Finished>(*r);
+}
+
+// Two nodes run `program` to the end undisturbed; returns their combined stdout.
+std::string uninterrupted(const std::vector<std::string>& program, const std::string& run_id) {
+  RendezvousDaemon rdzv;
+  TempDir a_dir, b_dir;
+  auto a = node({"127.0.0.2", a_dir.path(), {}}, rdzv.endpoint, "2", run_id, 2, program);
+  auto b = node({"127.0.0.3", b_dir.path(), {}}, rdzv.endpoint, "2", run_id, 2, program);
+  auto ra = finish(*a, 300s), rb = finish(*b, 300s);
+  INFO("first node:\n" << a->err() << "\nsecond node:\n" << b->err());
+  REQUIRE(ra);
+  REQUIRE(rb);
+  REQUIRE(ra->exit_code == 0);
+  REQUIRE(rb->exit_code == 0);
+  // The directories ended identical (the last snapshot replicated).
+  CHECK(readFile(a_dir / "snapshot.pt") == readFile(b_dir / "snapshot.pt"));
+  return ra->out + rb->out;
+}
+
+// The issue's replacement-node scenario: two nodes of two workers; after a few epochs the node
+// holding RANK 0 is killed (agent and workers) and its directory deleted; a fresh node with an
+// empty directory takes its place. Returns the stdout of the two nodes that finish.
+std::string replaceRankZeroNode(const std::vector<std::string>& program, const std::string& run_id,
+                                const std::string& progress) {
+  RendezvousDaemon rdzv;
+  auto a_dir = std::make_unique<TempDir>();
+  auto b_dir = std::make_unique<TempDir>();
+  TempDir c_dir;
+  auto a = node({"127.0.0.2", a_dir->path(), {}}, rdzv.endpoint, "2", run_id, 2, program);
+  auto b = node({"127.0.0.3", b_dir->path(), {}}, rdzv.endpoint, "2", run_id, 2, program);
+  REQUIRE(waitUntil(
+      [&] { return (a->err() + b->err()).find("group rank 0 of 2") != std::string::npos; }, 120s));
+  const bool a_is_rank0 = a->err().find("group rank 0 of 2") != std::string::npos;
+  auto& rank0 = a_is_rank0 ? a : b;
+  auto& survivor = a_is_rank0 ? b : a;
+  const std::string survivor_dir = a_is_rank0 ? b_dir->path() : a_dir->path();
+  // A few epochs in, and the survivor holds a replicated snapshot in its own directory.
+  REQUIRE(waitUntil(
+      [&] {
+        return (a->out() + b->out()).find(progress) != std::string::npos &&
+               survivor->err().find("snapshot: fetched snapshot.pt") != std::string::npos;
+      },
+      240s));
+  auto workers = workerPids(rank0->pid());
+  rank0->signal(SIGKILL);
+  REQUIRE(rank0->wait(10s));
+  for (int w : workers) CHECK(waitUntil([&] { return !pidAlive(w); }, 10s));
+  (a_is_rank0 ? a_dir : b_dir).reset();  // the reclaimed node's disk is gone
+  auto c = node({"127.0.0.4", c_dir.path(), {}}, rdzv.endpoint, "2", run_id, 2, program);
+  auto rs = finish(*survivor, 300s), rc = finish(*c, 300s);
+  INFO("survivor:\n" << survivor->err() << "\nfresh node:\n" << c->err() << "\n" << c->out());
+  REQUIRE(rs);
+  REQUIRE(rc);
+  CHECK(rs->exit_code == 0);
+  CHECK(rc->exit_code == 0);
+  // The fresh node fetched the snapshot before its workers started, and they resumed from it.
+  CHECK(rc->err.find("snapshot: fetched snapshot.pt") != std::string::npos);
+  CHECK(rc->err.find("snapshot: fetched snapshot.pt") < rc->err.find("started 2 worker(s)"));
+  CHECK(rc->out.find("Resuming training from snapshot at Epoch") != std::string::npos);
+  CHECK(readFile(c_dir / "snapshot.pt") == readFile(survivor_dir + "/snapshot.pt"));
+  return rs->out + rc->out;
+}
+
+bool canMountTmpfs(const std::string& dir, const std::string& size) {
+  return ::mount("tmpfs", dir.c_str(), "tmpfs", 0, ("size=" + size).c_str()) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("a PyTorch job resumes bit-identically on a fresh node from the replicated snapshot",
+          "[snapshot][pytorch]") {
+  if (!torchAvailable()) {
+    WARN("skipped: no torch at " + torchPython());
+    return;
+  }
+  // 16 steps an epoch over 4 ranks; rank 0 saves $DDPRUN_SNAPSHOT_DIR/snapshot.pt every epoch.
+  const std::vector<std::string> prog = {sourceDir() + "/examples/pytorch/ddp_tutorial.py", "14",
+                                         "1", "--step_delay", "0.03"};
+  auto reference = digests(uninterrupted(prog, "snap-py-ref"));
+  REQUIRE(reference.size() == 1);
+  auto replaced = digests(replaceRankZeroNode(prog, "snap-py", "] Epoch 3 |"));
+  CHECK(replaced == reference);
+}
+
+TEST_CASE("a train job resumes bit-identically on a fresh node from the replicated snapshot",
+          "[snapshot]") {
+  TempDir params;
+  auto prog = [&](const std::string& dump) {
+    return std::vector<std::string>{
+        "--no-python", trainBin(),      "24", "1", "--model", "mlp", "--dataset-size",
+        "256",         "--dump-params", dump};
+  };
+  uninterrupted(prog(params / "reference.bin"), "snap-cc-ref");
+  replaceRankZeroNode(prog(params / "replaced.bin"), "snap-cc", "] Epoch 3 |");
+  const std::string reference = readFile(params / "reference.bin");
+  REQUIRE(!reference.empty());
+  CHECK(readFile(params / "replaced.bin") == reference);
+}
+
+namespace {
+
+// A worker program: local rank 0 of the node started with WRITER=1 writes `name` with `content`
+// (temp file, then rename), waits, and every worker exits 0 after a while.
+std::vector<std::string> writerScript(const std::string& steps) {
+  return {"--no-python", "/bin/sh", "-c", steps};
+}
+
+}  // namespace
+
+TEST_CASE("a transfer corrupted in flight or at the source is rejected and retried", "[snapshot]") {
+  for (const std::string fault : {"in-flight:1", "at-source:1"}) {
+    SECTION(fault) {
+      RendezvousDaemon rdzv;
+      TempDir a_dir, b_dir;
+      const std::string script =
+          "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then "
+          "head -c 300000 /dev/urandom > \"$DDPRUN_SNAPSHOT_DIR/data.bin.tmp\" && "
+          "mv \"$DDPRUN_SNAPSHOT_DIR/data.bin.tmp\" \"$DDPRUN_SNAPSHOT_DIR/data.bin\"; fi; "
+          "sleep 4";
+      auto a =
+          node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}, {"DDPRUN_SNAPSHOT_FAULT", fault}}},
+               rdzv.endpoint, "2", "snap-corrupt", 1, writerScript(script));
+      auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2",
+                    "snap-corrupt", 1, writerScript(script));
+      auto ra = finish(*a, 120s), rb = finish(*b, 120s);
+      INFO(a->err() << "\n" << b->err());
+      REQUIRE(ra);
+      REQUIRE(rb);
+      CHECK(ra->exit_code == 0);
+      CHECK(rb->exit_code == 0);
+      const std::string why = fault == "in-flight:1" ? "fails its CRC-32 (corrupted in flight)"
+                                                     : "does not match the announced CRC-32";
+      CHECK(rb->err.find(why) != std::string::npos);
+      CHECK(rb->err.find("snapshot: fetched data.bin") != std::string::npos);
+      CHECK(readFile(b_dir / "data.bin") == readFile(a_dir / "data.bin"));
+      CHECK(readFile(a_dir / "data.bin").size() == 300000);
+    }
+  }
+}
+
+TEST_CASE("a receiver without space keeps its previous version and the job goes on", "[snapshot]") {
+  TempDir a_dir, b_dir;
+  if (::geteuid() != 0 || !canMountTmpfs(b_dir.path(), "128k")) {
+    WARN("skipped: cannot mount a small tmpfs (needs root)");
+    return;
+  }
+  struct Unmount {
+    std::string dir;
+    ~Unmount() { ::umount2(dir.c_str(), MNT_DETACH); }
+  } unmount{b_dir.path()};
+  RendezvousDaemon rdzv;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const std::string script =
+      "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then "
+      "echo first > " +
+      d + "/big.bin.tmp && mv " + d + "/big.bin.tmp " + d +
+      "/big.bin; "
+      "sleep 2; head -c 400000 /dev/zero > " +
+      d + "/big.bin.tmp && mv " + d + "/big.bin.tmp " + d + "/big.bin; echo small > " + d +
+      "/small.txt.tmp && mv " + d + "/small.txt.tmp " + d + "/small.txt; fi; sleep 5";
+  auto a = node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}}}, rdzv.endpoint, "2", "snap-full", 1,
+                writerScript(script));
+  auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2", "snap-full", 1,
+                writerScript(script));
+  auto ra = finish(*a, 120s), rb = finish(*b, 120s);
+  INFO(a->err() << "\n" << b->err());
+  REQUIRE(ra);
+  REQUIRE(rb);
+  CHECK(ra->exit_code == 0);
+  CHECK(rb->exit_code == 0);
+  std::smatch m;
+  CHECK(std::regex_search(rb->err, m,
+                          std::regex(R"(error: snapshot: no space for big.bin version \S+ in \S+: )"
+                                     R"(needs 400000 bytes)")));
+  CHECK(countOf(rb->err, "no space for big.bin") == 1);  // one line, not retried
+  CHECK(readFile(b_dir / "big.bin") == "first\n");       // the previous version stays
+  CHECK(readFile(b_dir / "small.txt") == "small\n");     // later versions still arrive
+  CHECK(readFile(a_dir / "big.bin").size() == 400000);
+}
+
+TEST_CASE("when the writer dies mid-transfer the others resume from the previous version",
+          "[snapshot]") {
+  RendezvousDaemon rdzv;
+  TempDir a_dir, b_dir, c_dir;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  // Every worker says which version it starts from. In the first round the writer's node writes
+  // v1, then a large v2 that its (slowed) replication service is still sending when the test
+  // kills that node; the survivors' next round (after the membership change) ends the job.
+  const std::string script = "echo \"resumed from $(head -c 2 " + d +
+                             "/state.bin 2>/dev/null || echo none)\"; "
+                             "if [ \"$DDPRUN_MEMBERSHIP_EPOCH\" != 0 ]; then sleep 2; exit 0; fi; "
+                             "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then "
+                             "echo v1 > " +
+                             d + "/state.bin.tmp && mv " + d + "/state.bin.tmp " + d +
+                             "/state.bin; "
+                             "sleep 2; (echo v2; head -c 20000000 /dev/zero) > " +
+                             d + "/state.bin.tmp && mv " + d + "/state.bin.tmp " + d +
+                             "/state.bin; fi; sleep 60";
+  auto a =
+      node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}, {"DDPRUN_SNAPSHOT_FAULT", "slow:200"}}},
+           rdzv.endpoint, "2:3", "snap-dies", 1, writerScript(script));
+  auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2:3", "snap-dies",
+                1, writerScript(script));
+  auto c = node({"127.0.0.4", c_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2:3", "snap-dies",
+                1, writerScript(script));
+  // Both receivers hold v1 and are receiving v2 (their temp files exist).
+  auto receiving = [](const TempDir& dir) {
+    return readFile(dir / "state.bin") == "v1\n" &&
+           std::system(("ls -a '" + dir.path() + "' | grep -q '^.ddprun-recv'").c_str()) == 0;
+  };
+  REQUIRE(waitUntil([&] { return receiving(b_dir) && receiving(c_dir); }, 120s));
+  a->signal(SIGKILL);
+  REQUIRE(a->wait(10s));
+  auto rb = finish(*b, 180s), rc = finish(*c, 180s);
+  INFO(b->err() << "\n" << c->err());
+  REQUIRE(rb);
+  REQUIRE(rc);
+  CHECK(rb->exit_code == 0);
+  CHECK(rc->exit_code == 0);
+  for (const auto* r : {rb.get(), rc.get()}) {
+    CHECK(r->out.find("resumed from v1") != std::string::npos);  // the second round's workers
+  }
+  CHECK(readFile(b_dir / "state.bin") == "v1\n");
+  CHECK(readFile(c_dir / "state.bin") == "v1\n");
+  // No partial copy is left behind.
+  CHECK(
+      std::system(("ls -a '" + b_dir.path() + "' '" + c_dir.path() + "' | grep -q '^.ddprun-recv'")
+                      .c_str()) != 0);
+}
+
+TEST_CASE("with four nodes a version travels a tree and /metrics counts what arrived",
+          "[snapshot]") {
+  RendezvousDaemon rdzv;
+  TempDir stop;
+  std::vector<std::unique_ptr<TempDir>> dirs;
+  std::vector<std::unique_ptr<Process>> nodes;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const std::string script =
+      "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then head -c 2097152 /dev/urandom > " + d +
+      "/data.bin.tmp && mv " + d + "/data.bin.tmp " + d +
+      "/data.bin; fi; "
+      "while [ ! -e '" +
+      stop / "now" + "' ]; do sleep 0.1; done";
+  for (int i = 0; i < 4; ++i) {
+    dirs.push_back(std::make_unique<TempDir>());
+    // A partial copy left by an agent that crashed mid-transfer is removed at start.
+    std::ofstream(*dirs.back() / ".ddprun-recv.data.bin.1.2") << "partial";
+  }
+  // A file one node had before the job (version 0) reaches the others before the workers start.
+  std::ofstream(*dirs[3] / "old.bin") << "from before";
+  for (int i = 0; i < 4; ++i) {
+    const std::string addr = "127.0.0.1" + std::to_string(i);
+    nodes.push_back(
+        node({addr, dirs[i]->path(), {{"WRITER", i == 0 ? "1" : "0"}}, {"--metrics-port=0"}},
+             rdzv.endpoint, "4", "snap-tree", 1, writerScript(script)));
+  }
+  const std::string written = *dirs[0] / "data.bin";
+  REQUIRE(waitUntil(
+      [&] {
+        if (!fileExists(written)) return false;
+        const std::string want = readFile(written);
+        for (auto& dir : dirs) {
+          if (readFile(*dir / "data.bin") != want) return false;
+        }
+        return want.size() == 2097152;
+      },
+      120s));
+  // Every receiver logged its fetch; with four nodes one of them fetched from a relay.
+  int from_writer = 0, from_relay = 0;
+  for (int i = 1; i < 4; ++i) {
+    REQUIRE(waitUntil(
+        [&] { return nodes[i]->err().find("snapshot: fetched data.bin") != std::string::npos; },
+        30s));
+    std::smatch m;
+    const std::string err = nodes[i]->err();
+    REQUIRE(std::regex_search(err, m,
+                              std::regex(R"(fetched data.bin version \S+: 2097152 bytes )"
+                                         R"(from (127\.0\.0\.\d+):\d+ in [0-9.]+ s)")));
+    (m[1] == "127.0.0.10" ? from_writer : from_relay) += 1;
+  }
+  CHECK(from_writer == 2);
+  CHECK(from_relay == 1);
+  for (int i = 0; i < 4; ++i) {
+    CHECK(readFile(*dirs[i] / "old.bin") == "from before");
+    CHECK_FALSE(fileExists(*dirs[i] / ".ddprun-recv.data.bin.1.2"));
+    if (i < 3) {
+      const std::string err = nodes[i]->err();
+      CHECK(err.find("snapshot: fetched old.bin version 0.0") < err.find("started 1 worker(s)"));
+    }
+  }
+  // /metrics of a receiver.
+  std::smatch m;
+  const std::string err = nodes[1]->err();
+  REQUIRE(
+      std::regex_search(err, m, std::regex(R"(metrics on http://127\.0\.0\.11:(\d+)/metrics)")));
+  const std::string metrics =
+      run({torchPython(), "-c",
+           "import urllib.request\nprint(urllib.request.urlopen('http://127.0.0.11:" + m[1].str() +
+               "/metrics',timeout=10).read().decode())"})
+          .out;
+  INFO(metrics);
+  CHECK(metrics.find("ddprun_snapshot_versions_replicated_total 2\n") != std::string::npos);
+  CHECK(metrics.find("ddprun_snapshot_bytes_replicated_total 2097163\n") != std::string::npos);
+  CHECK(metrics.find("ddprun_snapshot_transfer_failures_total 0\n") != std::string::npos);
+  CHECK(metrics.find("ddprun_snapshot_replication_lag_seconds ") != std::string::npos);
+  std::ofstream(stop / "now") << "";
+  for (auto& n : nodes) {
+    auto r = n->wait(120s);
+    REQUIRE(r);
+    CHECK(r->exit_code == 0);
+  }
+}
+
+TEST_CASE("a missing or unwritable --snapshot-dir is a usage error before anything starts",
+          "[snapshot]") {
+  TempDir dir;
+  auto r = run({ddprunBin(), "--standalone", "--snapshot-dir=" + dir / "missing", "--no-python",
+                "/bin/true"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--snapshot-dir: " + dir / "missing" + " does not exist") != std::string::npos);
+  std::ofstream(dir / "file") << "x";
+  r = run(
+      {ddprunBin(), "--standalone", "--snapshot-dir=" + dir / "file", "--no-python", "/bin/true"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("is no directory") != std::string::npos);
+}

@@ -1,0 +1,182 @@
+// The agents' snapshot replication transfer (rendezvous/snapshot_transfer.h) over real gRPC on
+// 127.0.0.1: what a fetch accepts and what it refuses, and that a refused fetch leaves nothing.
+#include "ddprun/rendezvous/snapshot_transfer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <catch2/catch.hpp>
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <random>
+
+#include "server_fixture.h"
+
+using namespace ddprun;
+using namespace ddprun::rendezvous;
+
+namespace {
+
+struct Dir {
+  Dir() {
+    char templ[] = "/tmp/ddprun_transfer_XXXXXX";
+    path = ::mkdtemp(templ);
+  }
+  ~Dir() { std::system(("rm -rf '" + path + "'").c_str()); }
+  std::string operator/(const std::string& n) const { return path + "/" + n; }
+  std::string path;
+};
+
+std::string readAll(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
+
+// A server holding one version of "snap.bin" (`size` random bytes) and recording announcements.
+struct Holder {
+  Holder(size_t size, std::string token = "", ServeFault fault = {}, std::string cert = "",
+         std::string key = "") {
+    std::mt19937 rng(42);
+    content.resize(size);
+    for (auto& c : content) c = static_cast<char>(rng());
+    std::ofstream(dir / "snap.bin", std::ios::binary) << content;
+    const int fd = ::open((dir / "snap.bin").c_str(), O_RDONLY | O_CLOEXEC);
+    REQUIRE(fd >= 0);
+    auto crc = crc32OfFile(fd);
+    REQUIRE(crc.isOk());
+    served.file = SnapshotFile{"snap.bin", 7, crc->first, crc->second};
+    served.data = std::make_shared<OpenFile>(fd);
+    SnapshotServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.run_id = "run";
+    o.security.token = std::move(token);
+    o.security.tls_cert_pem = std::move(cert);
+    o.security.tls_key_pem = std::move(key);
+    o.chunk_bytes = 64 * 1024;
+    o.fault = fault;
+    o.lookup = [this](const std::string& name, uint64_t version) -> std::optional<ServedFile> {
+      if (name != served.file.name || version != served.file.version) return std::nullopt;
+      return served;
+    };
+    o.on_announce = [this](const SnapshotFile& f, const std::string& source,
+                           const std::string& origin) {
+      std::lock_guard<std::mutex> lock(mu);
+      announced.emplace_back(f, source + " from " + origin);
+    };
+    auto s = SnapshotServer::start(std::move(o));
+    REQUIRE(s.isOk());
+    server = std::move(s).value();
+  }
+  SnapshotPeer peer(std::string token = "", std::string run_id = "run") const {
+    return SnapshotPeer{"127.0.0.1:" + std::to_string(server->port()), std::move(run_id),
+                        TransferSecurity{std::move(token), "", "", ""}};
+  }
+  Dir dir;
+  std::string content;
+  ServedFile served;
+  std::unique_ptr<SnapshotServer> server;
+  std::mutex mu;
+  std::vector<std::pair<SnapshotFile, std::string>> announced;
+};
+
+}  // namespace
+
+TEST_CASE("a fetch receives the whole version in chunks and verifies it", "[snapshot]") {
+  Holder h(1000 * 1000 + 17);
+  Dir out;
+  Status st = fetchSnapshot(h.peer(), h.served.file, out / ".recv", nullptr);
+  REQUIRE(st.isOk());
+  CHECK(readAll(out / ".recv") == h.content);
+}
+
+TEST_CASE("an empty file is a version too", "[snapshot]") {
+  Holder h(0);
+  Dir out;
+  REQUIRE(fetchSnapshot(h.peer(), h.served.file, out / ".recv", nullptr).isOk());
+  CHECK(readAll(out / ".recv").empty());
+}
+
+TEST_CASE("a chunk corrupted in flight fails the fetch and leaves no file", "[snapshot]") {
+  Holder h(300 * 1000, "", ServeFault{ServeFault::Kind::kInFlight, 1});
+  Dir out;
+  Status st = fetchSnapshot(h.peer(), h.served.file, out / ".recv", nullptr);
+  CHECK(st.code() == StatusCode::kDataLoss);
+  CHECK(st.message().find("corrupted in flight") != std::string::npos);
+  CHECK_FALSE(exists(out / ".recv"));
+  // Only the first transfer was damaged: the retry succeeds.
+  REQUIRE(fetchSnapshot(h.peer(), h.served.file, out / ".recv", nullptr).isOk());
+  CHECK(readAll(out / ".recv") == h.content);
+}
+
+TEST_CASE("a source whose file does not match the announced CRC-32 is refused", "[snapshot]") {
+  Holder h(300 * 1000, "", ServeFault{ServeFault::Kind::kAtSource, 1});
+  Dir out;
+  Status st = fetchSnapshot(h.peer(), h.served.file, out / ".recv", nullptr);
+  CHECK(st.code() == StatusCode::kDataLoss);
+  CHECK(st.message().find("corrupt at the source") != std::string::npos);
+  CHECK_FALSE(exists(out / ".recv"));
+}
+
+TEST_CASE("a version the source does not hold is NOT_FOUND", "[snapshot]") {
+  Holder h(1000);
+  Dir out;
+  SnapshotFile other = h.served.file;
+  other.version = 8;
+  CHECK(fetchSnapshot(h.peer(), other, out / ".recv", nullptr).code() == StatusCode::kNotFound);
+  CHECK_FALSE(exists(out / ".recv"));
+}
+
+TEST_CASE("the rendezvous token is required and another run is refused", "[snapshot]") {
+  Holder h(1000, "sekrit");
+  Dir out;
+  CHECK(fetchSnapshot(h.peer(), h.served.file, out / ".recv", nullptr).code() ==
+        StatusCode::kUnauthenticated);
+  CHECK(fetchSnapshot(h.peer("wrong"), h.served.file, out / ".recv", nullptr).code() ==
+        StatusCode::kUnauthenticated);
+  CHECK(announceSnapshot(h.peer(), h.served.file, "x:1", "x:1", std::chrono::seconds(5)).code() ==
+        StatusCode::kUnauthenticated);
+  CHECK(fetchSnapshot(h.peer("sekrit", "other"), h.served.file, out / ".recv", nullptr).code() ==
+        StatusCode::kFailedPrecondition);
+  CHECK_FALSE(exists(out / ".recv"));
+  REQUIRE(fetchSnapshot(h.peer("sekrit"), h.served.file, out / ".recv", nullptr).isOk());
+  CHECK(readAll(out / ".recv") == h.content);
+  REQUIRE(announceSnapshot(h.peer("sekrit"), h.served.file, "127.0.0.9:1", "127.0.0.8:1",
+                           std::chrono::seconds(5))
+              .isOk());
+  std::lock_guard<std::mutex> lock(h.mu);
+  REQUIRE(h.announced.size() == 1);
+  CHECK(h.announced[0].first == h.served.file);
+  CHECK(h.announced[0].second == "127.0.0.9:1 from 127.0.0.8:1");
+}
+
+TEST_CASE("a fetch never replaces an existing file and a dead source is UNAVAILABLE",
+          "[snapshot]") {
+  Holder h(1000);
+  Dir out;
+  std::ofstream(out / ".recv") << "keep";
+  CHECK_FALSE(fetchSnapshot(h.peer(), h.served.file, out / ".recv", nullptr).isOk());
+  CHECK(readAll(out / ".recv") == "keep");
+  const SnapshotPeer peer = h.peer();
+  h.server.reset();
+  CHECK(fetchSnapshot(peer, h.served.file, out / ".recv2", nullptr).code() ==
+        StatusCode::kUnavailable);
+  CHECK_FALSE(exists(out / ".recv2"));
+}
+
+TEST_CASE("with TLS material the transfer speaks TLS and a plaintext fetch fails", "[snapshot]") {
+  const auto tls = ddprun::rendezvous::testing::selfSignedTls();  // valid for 127.0.0.1
+  Holder h(200 * 1000, "tok", {}, tls.tls_cert_pem, tls.tls_key_pem);
+  Dir out;
+  SnapshotPeer peer = h.peer("tok");
+  CHECK_FALSE(fetchSnapshot(peer, h.served.file, out / ".plain", nullptr).isOk());
+  CHECK_FALSE(exists(out / ".plain"));
+  peer.security.tls_ca_pem = tls.tls_cert_pem;
+  REQUIRE(fetchSnapshot(peer, h.served.file, out / ".recv", nullptr).isOk());
+  CHECK(readAll(out / ".recv") == h.content);
+  CHECK(announceSnapshot(peer, h.served.file, "127.0.0.9:1", "127.0.0.9:1", std::chrono::seconds(5))
+            .isOk());
+}
