@@ -52,7 +52,7 @@ def two_nodes(build, prog, env=None, timeout=900, nprocs=(1, 1)):
     for rank, (side, dev) in enumerate(SIDES):
         # Unequal worker counts need the c10d rendezvous (the static form assumes equal nodes).
         rdzv = ([f"--nproc-per-node={nprocs[rank]}"] if nprocs[0] == nprocs[1] else
-                [f"--nproc-per-node={nprocs[rank]}", "--rdzv-backend=c10d", f"--rdzv-endpoint={MASTER}:{_port[0]}",
+                [f"--nproc-per-node={nprocs[rank]}", "--rdzv-backend=c10d", f"--rdzv-endpoint={MASTER}:{_port[0] + 1}",
                  "--rdzv-id=between"])
         cmd = [RIG, "exec", side, "env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1",
                f"PYTHON_EXEC={PY}", os.path.join(build, "launcher", "ddprun"), "--nnodes=2",
