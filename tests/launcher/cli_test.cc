@@ -366,7 +366,7 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
        "'loss,NaN', none of them empty, got ' , '"},
       {{"--duplicate-stdout-filters=a\nb", x},
        "argument --duplicate-stdout-filters: expected strings separated by commas, like "
-       "'loss,NaN' (a line never contains a newline), got 'a\nb'"},
+       "'loss,NaN' (a line never contains a newline), got 'a\\nb'"},
       {{"--duplicate-stdout-filters"},
        "argument --duplicate-stdout-filters: expected one argument (FILTERS)"},
       {{"--nproc-per-node=xpu", x},
