@@ -418,16 +418,20 @@ AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueSt
     context->setTimeout(options.op_timeout);
     return context;
   };
-  if (topology.kind == TopologyKind::kLeaders) {
-    // Every host of several ranks must have its group, or nobody uses one.
-    int32_t ok = (shm || local_size == 1) ? 1 : 0;
+  // Collective over ctx: whether every rank can go on with the plan.
+  auto everyRank = [&](bool mine) {
+    int32_t ok = mine ? 1 : 0;
     gloo::AllreduceOptions opts(ctx);
     opts.setOutput(&ok, 1);
     opts.setReduceFunction(static_cast<ReduceFn>(&gloo::min<int32_t>));
     opts.setTag(0x7ffffff1u);
     opts.setTimeout(options.connect_timeout);
     gloo::allreduce(opts);
-    if (ok == 0) return plan;
+    return ok != 0;
+  };
+  if (topology.kind == TopologyKind::kLeaders) {
+    // Every host of several ranks must have its group, or nobody uses one.
+    if (!everyRank(shm || local_size == 1)) return plan;
     if (topology.isLeader()) {
       plan.leaders = connect(host_index, num_hosts, "/leaders/", "the other hosts' leaders");
     }
@@ -438,14 +442,7 @@ AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueSt
   }
   if (topology.kind == TopologyKind::kHierarchical) {
     // Every host must have its group, or nobody uses one.
-    int32_t ok = shm ? 1 : 0;
-    gloo::AllreduceOptions opts(ctx);
-    opts.setOutput(&ok, 1);
-    opts.setReduceFunction(static_cast<ReduceFn>(&gloo::min<int32_t>));
-    opts.setTag(0x7ffffff1u);
-    opts.setTimeout(options.connect_timeout);
-    gloo::allreduce(opts);
-    if (ok == 0) return plan;
+    if (!everyRank(shm != nullptr)) return plan;
     plan.column = connect(host_index, num_hosts, "/column" + std::to_string(local_rank) + "/",
                           "its peers on the other hosts");
   }
