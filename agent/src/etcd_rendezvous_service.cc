@@ -934,6 +934,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   Status explain(const Status& st) const {
+    if (st.message().find("no etcd member answered") != std::string::npos) return st;
     return Status(st.code(), st.message() + " (etcd members: " + client_.membersText() + ")");
   }
 
