@@ -210,6 +210,11 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     for (auto& fn : waiting) fn(st);
   }
 
+  void onWatchError(const Status& st) {
+    if (ready_ || !init_error_.isOk()) return;
+    onConnected(st);
+  }
+
   // A full picture of the prefix (first sync, or after the watch was re-established).
   void onSync(std::vector<mvccpb::KeyValue> kvs, int64_t revision) {
     kv_.clear();
@@ -499,6 +504,14 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
                                 "; etcd-v3 needs etcd 3.x");
     }
     log()->info("etcd rendezvous: etcd {} at {}, key prefix {}", v, client_.membersText(), prefix_);
+    // A read of the run's state: credentials and permissions on the prefix are checked here,
+    // before anything waits on the watch.
+    ep::RangeRequest probe;
+    probe.set_key(state_key_);
+    probe.set_keys_only(true);
+    ep::RangeResponse probe_resp;
+    st = retrying(o_.connect_for, [&] { return client_.range(probe, &probe_resp); });
+    if (!st.isOk()) return st;
     StatusOr<int64_t> lease = unavailable("not tried");
     st = retrying(o_.connect_for, [&] {
       lease = client_.leaseGrant(lease_ttl_);
@@ -521,6 +534,11 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       Status st = client_.range(range, &resp);
       if (!st.isOk()) {
         log()->debug("etcd rendezvous: sync failed: {}", st.message());
+        if (st.code() != StatusCode::kUnavailable && st.code() != StatusCode::kDeadlineExceeded &&
+            st.code() != StatusCode::kCancelled) {
+          // Credentials or permissions: waiting will not help; callers get the error.
+          post(weak, [this, st] { onWatchError(st); });
+        }
         if (!pause(std::chrono::milliseconds(250))) return;
         continue;
       }

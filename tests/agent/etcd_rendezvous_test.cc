@@ -43,7 +43,7 @@ class Job {
   }
 
   std::unique_ptr<EtcdRendezvousService> service(Duration connect_for = std::chrono::seconds(30)) {
-    EtcdServiceOptions o;
+    EtcdServiceOptions o = options;
     o.run_id = run_id_;
     o.endpoints = endpoints_;
     o.run_config = config_;
@@ -51,6 +51,8 @@ class Job {
     o.connect_for = connect_for;
     return std::make_unique<EtcdRendezvousService>(io, std::move(o));
   }
+  // TLS and auth settings every service of the job gets.
+  EtcdServiceOptions options;
 
   rendezvous::JoinRequest request(const std::string& node_id = "") const {
     rendezvous::JoinRequest r;
@@ -339,7 +341,7 @@ TEST_CASE("etcd-v3: an unreachable etcd is named in one error", "[etcd]") {
   auto service = job.service(std::chrono::seconds(1));
   std::optional<StatusOr<rendezvous::RoundInfo>> result;
   service->join(job.request(), [&](StatusOr<rendezvous::RoundInfo> r) { result = r; });
-  REQUIRE(job.runUntil([&] { return result.has_value(); }));
+  REQUIRE(job.runUntil([&] { return result.has_value(); }, std::chrono::seconds(60)));
   REQUIRE_FALSE(result->isOk());
   CHECK(result->status().code() == StatusCode::kUnavailable);
   CHECK_THAT(result->status().message(), Catch::Contains("127.0.0.1:" + std::to_string(port)));
@@ -356,4 +358,126 @@ TEST_CASE("etcd-v3: the client fails over to a member that answers", "[etcd]") {
   REQUIRE(job.runUntil([&] { return a.done(); }));
   REQUIRE(a.result->isOk());
   CHECK(a.info->group_world_size == 1);
+}
+
+namespace {
+
+// Joins one node of a one-node job; the join's result.
+StatusOr<rendezvous::RoundInfo> joinAlone(Job& job, Duration connect_for) {
+  auto service = job.service(connect_for);
+  std::optional<StatusOr<rendezvous::RoundInfo>> result;
+  service->join(job.request(), [&](StatusOr<rendezvous::RoundInfo> r) { result = r; });
+  REQUIRE(job.runUntil([&] { return result.has_value(); }, std::chrono::seconds(60)));
+  return *result;
+}
+
+std::string readAll(const std::string& path) { return ddprun::testing::readFile(path); }
+
+}  // namespace
+
+TEST_CASE("etcd-v3: TLS with a client certificate, and a TLS mismatch named", "[etcd]") {
+  REQUIRE_ETCD();
+  ddprun::testing::TempDir certs;
+  auto tls = ddprun::testing::makeEtcdTls(certs.path());
+  EtcdCluster::Options eo;
+  eo.tls = tls;
+  EtcdCluster etcd(eo);
+  {
+    Job job(etcd.endpoints(), 1, 1, Duration::zero());
+    job.options.tls = true;
+    job.options.ca_pem = readAll(tls.ca);
+    job.options.ca_file = tls.ca;
+    job.options.cert_pem = readAll(tls.cert);
+    job.options.key_pem = readAll(tls.key);
+    auto r = joinAlone(job, std::chrono::seconds(10));
+    REQUIRE(r.isOk());
+    CHECK(r.value().group_world_size == 1);
+  }
+  {
+    // Plaintext against a TLS member: unreachable, and the message says what to check.
+    Job job(etcd.endpoints(), 1, 1, Duration::zero());
+    auto r = joinAlone(job, std::chrono::seconds(1));
+    REQUIRE_FALSE(r.isOk());
+    CHECK(r.status().code() == StatusCode::kUnavailable);
+    CHECK_THAT(r.status().message(), Catch::Contains("protocol=https"));
+    CHECK_THAT(r.status().message(), Catch::Contains(etcd.endpoint(0)));
+  }
+  {
+    // TLS without the client certificate the members ask for.
+    Job job(etcd.endpoints(), 1, 1, Duration::zero());
+    job.options.tls = true;
+    job.options.ca_pem = readAll(tls.ca);
+    job.options.ca_file = tls.ca;
+    auto r = joinAlone(job, std::chrono::seconds(1));
+    REQUIRE_FALSE(r.isOk());
+    CHECK_THAT(r.status().message(), Catch::Contains("cacert=" + tls.ca));
+  }
+}
+
+TEST_CASE("etcd-v3: etcd auth with a password, and a wrong one in one line", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  REQUIRE(etcd.etcdctl({"user", "add", "root:rootpw"}).exit_code == 0);
+  REQUIRE(etcd.etcdctl({"auth", "enable"}).exit_code == 0);
+  {
+    Job job(etcd.endpoints(), 1, 1, Duration::zero());
+    job.options.username = "root";
+    job.options.password = "rootpw";
+    auto r = joinAlone(job, std::chrono::seconds(10));
+    REQUIRE(r.isOk());
+  }
+  {
+    Job job(etcd.endpoints(), 1, 1, Duration::zero());
+    job.options.username = "root";
+    job.options.password = "wrong";
+    auto r = joinAlone(job, std::chrono::seconds(10));
+    REQUIRE_FALSE(r.isOk());
+    CHECK(r.status().code() == StatusCode::kUnauthenticated);
+    CHECK_THAT(r.status().message(), Catch::Contains("wrong user name or password"));
+    CHECK(r.status().message().find('\n') == std::string::npos);
+  }
+  {
+    // No credentials against a cluster with auth on.
+    Job job(etcd.endpoints(), 1, 1, Duration::zero());
+    auto r = joinAlone(job, std::chrono::seconds(10));
+    REQUIRE_FALSE(r.isOk());
+    CHECK_THAT(r.status().message(), Catch::Contains("username="));
+  }
+}
+
+TEST_CASE("etcd-v3: a 3-member cluster loses its leader and the rendezvous goes on", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster::Options eo;
+  eo.members = 3;
+  EtcdCluster etcd(eo);
+  Job job(etcd.endpoints(), 2, 3, std::chrono::milliseconds(300));
+  Agent a(job), b(job);
+  a.join();
+  b.join();
+  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  REQUIRE(a.result->isOk());
+  const int leader = etcd.leader();
+  REQUIRE(leader >= 0);
+  etcd.kill(leader);
+  // Leases outlive a leader election: nobody is declared dead while the cluster fails over.
+  job.runUntil([] { return false; }, std::chrono::seconds(3));
+  CHECK(a.countChanges(rendezvous::ChangeKind::kRoundPending,
+                       rendezvous::ChangeReason::kNodeDead) == 0);
+  // A later membership change still reaches every agent, and the round re-forms.
+  Agent c(job);
+  c.join();
+  REQUIRE(job.runUntil(
+      [&] {
+        return a.countChanges(rendezvous::ChangeKind::kRoundPending,
+                              rendezvous::ChangeReason::kNodeJoined) == 1 &&
+               b.countChanges(rendezvous::ChangeKind::kRoundPending,
+                              rendezvous::ChangeReason::kNodeJoined) == 1;
+      },
+      std::chrono::seconds(60)));
+  a.join();
+  b.join();
+  REQUIRE(job.runUntil([&] { return allDone({&a, &b, &c}); }, std::chrono::seconds(60)));
+  REQUIRE(c.result->isOk());
+  CHECK(c.info->round == 2);
+  CHECK(a.info->group_world_size == 3);
 }
