@@ -139,3 +139,55 @@ TEST_CASE("etcd-v3: an unreachable etcd is one error line naming the member", "[
   CHECK(r->err.find(endpoint) != std::string::npos);
   CHECK(r->err.find("terminate called") == std::string::npos);
 }
+
+TEST_CASE("etcd-v3: a train job finishes while the etcd leader is killed mid-run",
+          "[etcd][cluster]") {
+  REQUIRE_ETCD();
+  EtcdCluster::Options eo;
+  eo.members = 3;
+  EtcdCluster etcd(eo);
+  TempDir work;
+  // mlp: compute-bound (~0.1 s a step), so the kill lands mid-training.
+  auto prog = [&](const std::string& name) {
+    return std::vector<std::string>{"--no-python",
+                                    buildDir() + "/examples/train",
+                                    "60",
+                                    "1",
+                                    "--model",
+                                    "mlp",
+                                    "--dataset-size",
+                                    "192",
+                                    "--snapshot-path",
+                                    work / (name + ".pt")};
+  };
+  const std::vector<std::string> flags = {"--nproc-per-node=1", "--max-restarts=0",
+                                          "--rdzv-conf=last_call_timeout=1"};
+  auto a = etcdAgent("127.0.0.2", etcd.endpoints(), "2:3", "e2e-leader", flags, prog("a"));
+  auto b = etcdAgent("127.0.0.3", etcd.endpoints(), "2:3", "e2e-leader", flags, prog("b"));
+  auto c = etcdAgent("127.0.0.4", etcd.endpoints(), "2:3", "e2e-leader", flags, prog("c"));
+  auto all = [&] { return a->out() + b->out() + c->out(); };
+  auto errs = [&] { return a->err() + b->err() + c->err(); };
+  const bool formed = waitUntil([&] { return countOf(errs(), " of 3, world size 3") == 3; }, 120s);
+  INFO(errs());
+  REQUIRE(formed);
+  REQUIRE(waitUntil([&] { return all().find("] Epoch 3 |") != std::string::npos; }, 180s));
+  const int leader = etcd.leader();
+  REQUIRE(leader >= 0);
+  etcd.kill(leader);
+  REQUIRE(waitUntil([&] { return all().find("] Epoch 8 |") != std::string::npos; }, 180s));
+  // Nobody was declared dead and nothing was re-formed by the leader's loss.
+  CHECK(errs().find("NODE_DEAD") == std::string::npos);
+  CHECK(countOf(errs(), "round 2:") == 0);
+  // A later membership change (a node leaving) still reaches every agent through the cluster.
+  c->signal(SIGTERM);
+  REQUIRE(c->wait(60s));
+  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), " of 2, world size 2") == 2; }, 60s));
+  for (Process* p : {a.get(), b.get()}) {
+    auto r = p->wait(300s);
+    REQUIRE(r);
+    INFO(r->err);
+    CHECK(r->exit_code == 0);
+    CHECK(r->out.find("] Epoch 59 |") != std::string::npos);
+    CHECK(r->err.find("restarting workers") == std::string::npos);  // no restart charged
+  }
+}
