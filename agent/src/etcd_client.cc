@@ -51,8 +51,9 @@ EtcdClient::EtcdClient(EtcdOptions options) : options_(std::move(options)) {
     m->endpoint = endpoint;
     grpc::ChannelArguments args;
     // A member that went away is retried quickly once it is back (default backoff reaches 120 s).
+    // Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: it is also how long one connection attempt may take,
+    // and a busy etcd needs more than a few hundred milliseconds to answer.
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     m->channel = grpc::CreateCustomChannel(endpoint, creds, args);
     m->kv = ep::KV::NewStub(m->channel);

@@ -132,7 +132,8 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
         kv_prefix_(prefix_ + "/kv/"),
         alive_prefix_(prefix_ + "/alive/"),
         client_(clientOptions(o_, std::move(endpoints))),
-        tick_timer_(io) {
+        tick_timer_(io),
+        grace_timer_(io) {
     const double expiry = std::chrono::duration<double>(o_.run_config.heartbeat_interval).count() *
                           o_.run_config.heartbeat_misses;
     lease_ttl_ = std::max<int64_t>(2, static_cast<int64_t>(std::ceil(expiry)));
@@ -233,6 +234,13 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     seen_rev_ = revision;
     loadState(state_value, /*push=*/false);
     const bool first = !ready_;
+    if (!first) {
+      // The watch broke (a member or all of etcd went away). Leases that lapsed during an outage
+      // are renewed by their agents (a fresh lease, the alive keys put again) once etcd is back:
+      // give them that long before declaring anyone dead.
+      grace_until_ = std::chrono::steady_clock::now() + 2 * std::chrono::seconds(lease_ttl_) +
+                     std::chrono::seconds(1);
+    }
     ready_ = true;
     if (first) {
       auto waiting = std::move(on_ready_);
@@ -242,11 +250,25 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     if (sink_) {
       for (const auto& change : cached_.watchSnapshot(o_.run_id)) sink_(change);
     }
-    // A node whose lease expired while nobody watched: dead now.
+    // A node whose lease expired while nobody watched: dead now (or after the grace).
+    checkAlive();
+    reevaluate();
+  }
+
+  // Declares every node of the state without an alive key dead, unless a grace after an outage
+  // runs: then once it ended.
+  void checkAlive() {
+    if (std::chrono::steady_clock::now() < grace_until_) {
+      grace_timer_.expires_at(grace_until_);
+      std::weak_ptr<Impl> weak = weak_from_this();
+      grace_timer_.async_wait([this, weak](const boost::system::error_code& ec) {
+        if (!ec && !weak.expired()) checkAlive();
+      });
+      return;
+    }
     for (const std::string& node : cached_.nodeIds(o_.run_id)) {
       if (alive_.count(node) == 0) declareDead(node);
     }
-    reevaluate();
   }
 
   struct Event {
@@ -272,10 +294,10 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
         const std::string node = ev.key.substr(alive_prefix_.size());
         if (ev.put) {
           alive_.insert(node);
+          dead_asked_.erase(node);
         } else {
           alive_.erase(node);
-          const auto ids = cached_.nodeIds(o_.run_id);
-          if (std::find(ids.begin(), ids.end(), node) != ids.end()) declareDead(node);
+          checkAlive();
         }
       }
     }
@@ -299,6 +321,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   void declareDead(const std::string& node) {
+    if (std::chrono::steady_clock::now() < grace_until_) return checkAlive();
     if (dead_asked_.count(node) != 0) return;
     dead_asked_.insert(node);
     log()->info("etcd rendezvous: the lease of node {} expired", node);
@@ -1009,6 +1032,8 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   std::map<uint64_t, KvWait> kv_waits_;
   boost::asio::steady_timer tick_timer_;
   std::optional<TimePoint> last_tick_for_;
+  std::chrono::steady_clock::time_point grace_until_{};
+  boost::asio::steady_timer grace_timer_;
 };
 
 EtcdRendezvousService::EtcdRendezvousService(boost::asio::io_context& io,

@@ -3,6 +3,7 @@
 // on loopback ports. Each case skips with a message when /usr/bin/etcd is absent.
 #include <catch2/catch.hpp>
 #include <csignal>
+#include <fstream>
 #include <memory>
 
 #include "etcd_cluster.h"
@@ -189,5 +190,55 @@ TEST_CASE("etcd-v3: a train job finishes while the etcd leader is killed mid-run
     CHECK(r->exit_code == 0);
     CHECK(r->out.find("] Epoch 59 |") != std::string::npos);
     CHECK(r->err.find("restarting workers") == std::string::npos);  // no restart charged
+  }
+}
+
+TEST_CASE("etcd-v3: workers run on through an etcd outage and a failure in it is handled after",
+          "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  TempDir state, envs;
+  const std::string trigger = state / "trigger";
+  // Every rank waits for the trigger; then rank 1 fails at once (first attempt only) while the
+  // others keep running for 30 s.
+  auto worker = testWorker({"--wait-for", trigger, "--exit-code", "4", "--only-rank", "1",
+                            "--fail-until-restart", "1", "--fail-fast", "--sleep", "30",
+                            "--state-dir", state.path(), "--env-out", envs.path()});
+  const std::vector<std::string> flags = {"--nproc-per-node=1", "--max-restarts=1",
+                                          "--rdzv-conf=join_timeout=120"};
+  auto a = etcdAgent("127.0.0.2", etcd.endpoints(), "2", "e2e-outage", flags, worker);
+  auto b = etcdAgent("127.0.0.3", etcd.endpoints(), "2", "e2e-outage", flags, worker);
+  REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0"); },
+                    120s));
+  etcd.kill(0);
+  std::ofstream(trigger) << "go\n";  // the failure happens while etcd is down
+  REQUIRE(waitUntil(
+      [&] {
+        return a->err().find("exit") != std::string::npos ||
+               b->err().find("exit") != std::string::npos;
+      },
+      30s));
+  std::this_thread::sleep_for(2s);  // the outage itself, not a wait for an event
+  // The workers of the healthy node were not stopped by the outage.
+  CHECK_FALSE(fileExists(state / "pid.0.1"));
+  etcd.start(0);
+  {
+    const bool healthy = etcd.waitHealthy();
+    INFO(etcd.logs());
+    REQUIRE(healthy);
+  }
+  for (Process* p : {a.get(), b.get()}) {
+    auto r = p->wait(120s);
+    INFO("first agent:\n" << a->err() << "second agent:\n" << b->err());
+    REQUIRE(r);
+    INFO(r->err);
+    CHECK(r->exit_code == 0);
+  }
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK(fileExists(state / ("pid." + std::to_string(r) + ".1")));  // restarted once
+    CHECK_FALSE(fileExists(state / ("pid." + std::to_string(r) + ".2")));
+    CHECK(parseEnvFile(
+              readFile(envs / ("env." + std::to_string(r))))["TORCHELASTIC_RESTART_COUNT"] == "1");
   }
 }
