@@ -651,8 +651,10 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   // Applies `fn` to the stored run in a transaction: read (state, mod_revision), import, apply,
   // export, write back if the key still has that mod_revision; on conflict, again with the value
   // the failed transaction returned. Nothing is written when nothing changed.
+  // `alive_node`: a node id whose alive key (under this agent's lease) is put in the same
+  // transaction (a join: one round trip and one fsync less than a put of its own).
   template <typename Fn>
-  StatusOr<Applied> applyTxn(Fn&& fn, Duration retry_for) {
+  StatusOr<Applied> applyTxn(Fn&& fn, Duration retry_for, const std::string& alive_node = "") {
     std::string value;
     int64_t mod = 0;
     int64_t revision = 0;
@@ -678,6 +680,10 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       const std::string snapshot = state.exportRun(o_.run_id);
       if (snapshot == old.snapshot && applied.out.changes.empty()) {
         applied.revision = revision;
+        if (!alive_node.empty()) {
+          Status st = retrying(retry_for, [&] { return putAlive(alive_node); });
+          if (!st.isOk()) return st;
+        }
         return applied;
       }
       ep::TxnRequest txn;
@@ -694,6 +700,12 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       ep::PutRequest* put = txn.add_success()->mutable_request_put();
       put->set_key(state_key_);
       put->set_value(encodeValue(applied.out.changes, snapshot));
+      if (!alive_node.empty()) {
+        ep::PutRequest* alive = txn.add_success()->mutable_request_put();
+        alive->set_key(alive_prefix_ + alive_node);
+        alive->set_value("1");
+        alive->set_lease(lease_.load());
+      }
       txn.add_failure()->mutable_request_range()->set_key(state_key_);
       ep::TxnResponse resp;
       Status st = retrying(retry_for, [&] { return client_.txn(txn, &resp); });
@@ -760,12 +772,11 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
           my_nodes_.insert(req.node_id);
         }
         std::optional<StatusOr<rendezvous::RoundInfo>> result;
-        Status alive = retrying(o_.connect_for, [&] { return putAlive(req.node_id); });
+        // The node and its alive key appear in one transaction: no reader sees one without the
+        // other.
         StatusOr<Applied> applied =
-            alive.isOk()
-                ? applyTxn([&](RendezvousState& st, TimePoint now) { st.join(call, req, now); },
-                           o_.connect_for)
-                : StatusOr<Applied>(alive);
+            applyTxn([&](RendezvousState& st, TimePoint now) { st.join(call, req, now); },
+                     o_.connect_for, req.node_id);
         if (!applied.isOk()) {
           result = applied.status();
         } else {
