@@ -49,10 +49,13 @@ std::string prefixEnd(std::string prefix) {
   return std::string(1, '\0');
 }
 
-// The stored value of <prefix>/state: "<n>:" + n bytes of round changes + the run's snapshot.
-// The changes are those of the transaction that wrote the value: what watchers are pushed.
+// The stored value of <prefix>/state: "<next deadline>;<n>:" + n bytes of round changes + the
+// run's snapshot. The changes are those of the transaction that wrote the value: what watchers
+// are pushed. The next deadline ("-" for none) lets an agent arm its tick timer without parsing
+// the snapshot, which it only does when it needs the state (a pending join, a master wait, a
+// heartbeat): an idle agent's cost per pushed change does not grow with the job.
 std::string encodeValue(const std::vector<RendezvousState::Change>& changes,
-                        const std::string& snapshot) {
+                        const std::string& snapshot, std::optional<TimePoint> next_deadline) {
   std::string c;
   for (const auto& ch : changes) {
     const rendezvous::RoundChange& r = ch.change;
@@ -63,18 +66,29 @@ std::string encodeValue(const std::vector<RendezvousState::Change>& changes,
          std::to_string(r.status.waiting) + ' ' + std::to_string(r.status.spares) + ' ' +
          std::to_string(r.node_id.size()) + ':' + r.node_id;
   }
-  return std::to_string(c.size()) + ':' + c + snapshot;
+  const std::string deadline =
+      next_deadline ? std::to_string(next_deadline->time_since_epoch().count()) : "-";
+  return deadline + ';' + std::to_string(c.size()) + ':' + c + snapshot;
 }
 
 struct Decoded {
   std::vector<rendezvous::RoundChange> changes;
   std::string snapshot;
+  std::optional<TimePoint> next_deadline;
 };
 
-StatusOr<Decoded> decodeValue(const std::string& value) {
+StatusOr<Decoded> decodeValue(const std::string& stored) {
   Decoded d;
-  if (value.empty()) return d;
+  if (stored.empty()) return d;
   auto bad = [] { return invalidArgument("the stored rendezvous state is unreadable"); };
+  const size_t semi = stored.find(';');
+  if (semi == std::string::npos) return bad();
+  if (stored.compare(0, semi, "-") != 0) {
+    auto ns = parseInt(stored.substr(0, semi));
+    if (!ns) return bad();
+    d.next_deadline = TimePoint(Duration(static_cast<Duration::rep>(*ns)));
+  }
+  const std::string value = stored.substr(semi + 1);
   const size_t colon = value.find(':');
   if (colon == std::string::npos) return bad();
   auto n = parseInt(value.substr(0, colon));
@@ -248,7 +262,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       for (auto& fn : waiting) fn(Status::ok());
     }
     if (sink_) {
-      for (const auto& change : cached_.watchSnapshot(o_.run_id)) sink_(change);
+      for (const auto& change : state().watchSnapshot(o_.run_id)) sink_(change);
     }
     // A node whose lease expired while nobody watched: dead now (or after the grace).
     checkAlive();
@@ -266,7 +280,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       });
       return;
     }
-    for (const std::string& node : cached_.nodeIds(o_.run_id)) {
+    for (const std::string& node : state().nodeIds(o_.run_id)) {
       if (alive_.count(node) == 0) declareDead(node);
     }
   }
@@ -310,14 +324,22 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       log()->error("etcd rendezvous: {} at {}", decoded.status().message(), state_key_);
       return;
     }
-    Status st = cached_.importRun(o_.run_id, decoded.value().snapshot);
-    if (!st.isOk()) {
-      log()->error("etcd rendezvous: {}", st.message());
-      return;
-    }
+    snapshot_ = std::move(decoded.value().snapshot);
+    next_deadline_ = decoded.value().next_deadline;
+    dirty_ = true;
     if (push && sink_) {
       for (const auto& change : decoded.value().changes) sink_(change);
     }
+  }
+
+  // The run as last pushed, parsed on first use after each push.
+  RendezvousState& state() {
+    if (dirty_) {
+      dirty_ = false;
+      Status st = cached_.importRun(o_.run_id, snapshot_);
+      if (!st.isOk()) log()->error("etcd rendezvous: {}", st.message());
+    }
+    return cached_;
   }
 
   void declareDead(const std::string& node) {
@@ -345,7 +367,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
         ++it;
         continue;
       }
-      auto outcome = cached_.joinOutcome(o_.run_id, j.node_id);
+      auto outcome = state().joinOutcome(o_.run_id, j.node_id);
       if (outcome.isOk() && !outcome.value()) {
         ++it;
         continue;
@@ -395,9 +417,9 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     scheduleTick();
   }
 
-  std::optional<StatusOr<rendezvous::MasterAddress>> masterAnswer(uint64_t round) const {
-    if (auto m = cached_.masterOf(o_.run_id, round)) return StatusOr<rendezvous::MasterAddress>(*m);
-    auto st = cached_.status(o_.run_id);
+  std::optional<StatusOr<rendezvous::MasterAddress>> masterAnswer(uint64_t round) {
+    if (auto m = state().masterOf(o_.run_id, round)) return StatusOr<rendezvous::MasterAddress>(*m);
+    auto st = state().status(o_.run_id);
     if (st.isOk() && st.value().closed) {
       return StatusOr<rendezvous::MasterAddress>(
           failedPrecondition("run " + o_.run_id + " is closed"));
@@ -424,7 +446,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   // transaction makes sure only one of them writes. A tick that changed nothing is not repeated
   // for the same deadline sooner than a second later.
   void scheduleTick() {
-    auto next = cached_.nextDeadline();
+    auto next = next_deadline_;
     if (!next) {
       tick_timer_.cancel();
       return;
@@ -699,7 +721,11 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       }
       ep::PutRequest* put = txn.add_success()->mutable_request_put();
       put->set_key(state_key_);
-      put->set_value(encodeValue(applied.out.changes, snapshot));
+      // The deadlines a fresh import sees (the applying state also holds stale ones).
+      RendezvousState reread;
+      std::optional<TimePoint> next_deadline;
+      if (reread.importRun(o_.run_id, snapshot).isOk()) next_deadline = reread.nextDeadline();
+      put->set_value(encodeValue(applied.out.changes, snapshot, next_deadline));
       if (!alive_node.empty()) {
         ep::PutRequest* alive = txn.add_success()->mutable_request_put();
         alive->set_key(alive_prefix_ + alive_node);
@@ -819,14 +845,14 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   void heartbeat(const std::string& node, Done<rendezvous::RunStatus> done) {
     whenReady([this, node, done](Status ready) {
       if (!ready.isOk()) return done(ready);
-      auto ids = cached_.nodeIds(o_.run_id);
+      auto ids = state().nodeIds(o_.run_id);
       if (std::find(ids.begin(), ids.end(), node) == ids.end()) {
-        auto st = cached_.status(o_.run_id);
+        auto st = state().status(o_.run_id);
         if (st.isOk() && st.value().closed) return done(st);
         return done(notFound("node " + node + " is not part of run " + o_.run_id +
                              " (declared dead, left, or never joined); join again"));
       }
-      done(cached_.status(o_.run_id));
+      done(state().status(o_.run_id));
     });
   }
 
@@ -951,7 +977,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     const uint64_t generation = ++watch_generation_;
     whenReady([this, generation](Status ready) {
       if (!ready.isOk() || generation != watch_generation_ || !sink_) return;
-      for (const auto& change : cached_.watchSnapshot(o_.run_id)) sink_(change);
+      for (const auto& change : state().watchSnapshot(o_.run_id)) sink_(change);
     });
   }
 
@@ -1028,7 +1054,10 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   bool ready_ = false;
   Status init_error_;
   std::vector<std::function<void(Status)>> on_ready_;
-  RendezvousState cached_;  // the run as the watch last delivered it
+  RendezvousState cached_;  // the run as the watch last delivered it (see state())
+  std::string snapshot_;    // its snapshot, imported into cached_ when dirty_
+  bool dirty_ = false;
+  std::optional<TimePoint> next_deadline_;
   int64_t state_rev_ = 0;
   int64_t seen_rev_ = 0;
   std::map<std::string, std::string> kv_;
