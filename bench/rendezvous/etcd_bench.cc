@@ -79,7 +79,9 @@ uint32_t waiting(EtcdClient& client, const std::string& prefix, const std::strin
   req.set_key(prefix + "/state");
   etcdserverpb::RangeResponse resp;
   if (!client.range(req, &resp).isOk() || resp.kvs_size() == 0) return 0;
-  const std::string& v = resp.kvs(0).value();
+  // "<next deadline>;<n>:<changes><snapshot>" (etcd_rendezvous_service.cc).
+  const std::string& stored = resp.kvs(0).value();
+  const std::string v = stored.substr(stored.find(';') + 1);
   const size_t colon = v.find(':');
   auto n = parseInt(v.substr(0, colon));
   if (colon == std::string::npos || !n) return 0;
