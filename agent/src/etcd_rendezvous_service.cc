@@ -225,6 +225,17 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     for (auto& fn : waiting) fn(st);
   }
 
+  // The watch resumed after a break: leases that lapsed during an outage are renewed by their
+  // agents (a fresh lease, the alive keys put again) once etcd is back, so deaths wait that long.
+  // The agent gets a snapshot, as after a reconnect of the gRPC watch.
+  void onResumed() {
+    grace_until_ = std::chrono::steady_clock::now() + 2 * std::chrono::seconds(lease_ttl_) +
+                   std::chrono::seconds(1);
+    if (sink_) {
+      for (const auto& change : state().watchSnapshot(o_.run_id)) sink_(change);
+    }
+  }
+
   void onWatchError(const Status& st) {
     if (ready_ || !init_error_.isOk()) return;
     onConnected(st);
@@ -569,28 +580,39 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     return Status::ok();
   }
 
+  // The watch: a full sync (a range of the prefix) once, then a watch from the revision after
+  // it. When the stream breaks (a member went away, etcd restarted), the next watch resumes at the
+  // revision after the last event seen, on the next member, so no round change is lost across
+  // the break; only a compacted revision forces a full sync again.
   void watchLoop() {
     std::weak_ptr<Impl> weak = weak_from_this();
+    int64_t next_rev = 0;  // 0: a full sync is needed
+    bool resumed = false;  // this stream continues an earlier one
     while (!stopping()) {
-      ep::RangeRequest range;
-      range.set_key(prefix_);
-      range.set_range_end(prefixEnd(prefix_));
-      ep::RangeResponse resp;
-      Status st = client_.range(range, &resp);
-      if (!st.isOk()) {
-        log()->debug("etcd rendezvous: sync failed: {}", st.message());
-        if (st.code() != StatusCode::kUnavailable && st.code() != StatusCode::kDeadlineExceeded &&
-            st.code() != StatusCode::kCancelled) {
-          // Credentials or permissions: waiting will not help; callers get the error.
-          post(weak, [this, st] { onWatchError(st); });
+      if (next_rev == 0) {
+        ep::RangeRequest range;
+        range.set_key(prefix_);
+        range.set_range_end(prefixEnd(prefix_));
+        ep::RangeResponse resp;
+        Status st = client_.range(range, &resp);
+        if (!st.isOk()) {
+          log()->debug("etcd rendezvous: sync failed: {}", st.message());
+          if (st.code() != StatusCode::kUnavailable && st.code() != StatusCode::kDeadlineExceeded &&
+              st.code() != StatusCode::kCancelled) {
+            // Credentials or permissions: waiting will not help; callers get the error.
+            post(weak, [this, st] { onWatchError(st); });
+          }
+          if (!pause(std::chrono::milliseconds(250))) return;
+          continue;
         }
-        if (!pause(std::chrono::milliseconds(250))) return;
-        continue;
+        const int64_t revision = resp.header().revision();
+        std::vector<mvccpb::KeyValue> kvs(resp.kvs().begin(), resp.kvs().end());
+        post(weak, [this, kvs = std::move(kvs), revision]() mutable {
+          onSync(std::move(kvs), revision);
+        });
+        next_rev = revision + 1;
+        resumed = false;
       }
-      const int64_t revision = resp.header().revision();
-      std::vector<mvccpb::KeyValue> kvs(resp.kvs().begin(), resp.kvs().end());
-      post(weak,
-           [this, kvs = std::move(kvs), revision]() mutable { onSync(std::move(kvs), revision); });
 
       grpc::ClientContext ctx;
       // A member cut off from its cluster's leader ends the watch instead of going quiet.
@@ -600,11 +622,20 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       ep::WatchCreateRequest* create = req.mutable_create_request();
       create->set_key(prefix_);
       create->set_range_end(prefixEnd(prefix_));
-      create->set_start_revision(revision + 1);
+      create->set_start_revision(next_rev);
       if (stream->Write(req)) {
         ep::WatchResponse wr;
         while (stream->Read(&wr)) {
-          if (wr.canceled() || wr.compact_revision() != 0) break;
+          if (wr.compact_revision() != 0) {
+            log()->warn("etcd rendezvous: revision {} was compacted; syncing the whole run again",
+                        next_rev);
+            next_rev = 0;
+            break;
+          }
+          if (wr.canceled()) break;
+          if (wr.created() && resumed) {
+            post(weak, [this] { onResumed(); });
+          }
           if (wr.events_size() == 0) continue;
           std::vector<Event> events;
           for (const mvccpb::Event& e : wr.events()) {
@@ -613,6 +644,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
             ev.key = e.kv().key();
             ev.value = e.kv().value();
             ev.mod_revision = e.kv().mod_revision();
+            next_rev = std::max(next_rev, ev.mod_revision + 1);
             events.push_back(std::move(ev));
           }
           const int64_t rev = wr.header().revision();
@@ -625,8 +657,9 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       grpc::Status fin = stream->Finish();
       client_.release(&ctx);
       if (stopping()) return;
-      log()->info("etcd rendezvous: watch ended ({}); re-syncing with another member",
-                  fin.error_message());
+      log()->info("etcd rendezvous: watch ended ({}); resuming at revision {} on the next member",
+                  fin.error_message(), next_rev);
+      resumed = true;
       client_.rotate();
       if (!pause(std::chrono::milliseconds(100))) return;
     }
