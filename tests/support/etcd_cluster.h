@@ -76,29 +76,32 @@ class EtcdCluster {
   void start(int i) {
     const std::string name = "m" + std::to_string(i);
     const std::string scheme = options_.tls ? "https" : "http";
-    std::vector<std::string> argv = {
-        etcdBinary(),
-        "--name",
-        name,
-        "--data-dir",
-        dir_ / name,
-        "--listen-client-urls",
-        scheme + "://127.0.0.1:" + std::to_string(client_ports_[i]),
-        "--advertise-client-urls",
-        scheme + "://127.0.0.1:" + std::to_string(client_ports_[i]),
-        "--listen-peer-urls",
-        "http://127.0.0.1:" + std::to_string(peer_ports_[i]),
-        "--initial-advertise-peer-urls",
-        "http://127.0.0.1:" + std::to_string(peer_ports_[i]),
-        "--initial-cluster",
-        initialCluster(),
-        "--initial-cluster-state",
-        "new",
-        "--heartbeat-interval",
-        "50",
-        "--election-timeout",
-        "500",
-    };
+    std::vector<std::string> argv;
+    // A test that aborts (no destructor runs) must not leave etcd behind: it dies with us.
+    if (fileExists("/usr/bin/setpriv")) argv = {"/usr/bin/setpriv", "--pdeathsig", "KILL"};
+    argv.insert(argv.end(), {
+                                etcdBinary(),
+                                "--name",
+                                name,
+                                "--data-dir",
+                                dir_ / name,
+                                "--listen-client-urls",
+                                scheme + "://127.0.0.1:" + std::to_string(client_ports_[i]),
+                                "--advertise-client-urls",
+                                scheme + "://127.0.0.1:" + std::to_string(client_ports_[i]),
+                                "--listen-peer-urls",
+                                "http://127.0.0.1:" + std::to_string(peer_ports_[i]),
+                                "--initial-advertise-peer-urls",
+                                "http://127.0.0.1:" + std::to_string(peer_ports_[i]),
+                                "--initial-cluster",
+                                initialCluster(),
+                                "--initial-cluster-state",
+                                "new",
+                                "--heartbeat-interval",
+                                "50",
+                                "--election-timeout",
+                                "500",
+                            });
     if (options_.tls) {
       const EtcdTls& t = *options_.tls;
       argv.insert(argv.end(), {"--cert-file", t.cert, "--key-file", t.key, "--trusted-ca-file",
