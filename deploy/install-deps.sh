@@ -22,6 +22,8 @@ PACKAGES=(
   help2man dpkg-dev file python3-yaml
   # Slurm tests: a real two-node cluster on this machine (tests/slurm/cluster.sh)
   slurm-wlm slurmctld slurmd slurm-client munge
+  # etcd-v3 rendezvous: etcd's v3 API protos (generated at build time) and a real etcd for tests
+  golang-etcd-server-dev etcd-server etcd-client
 )
 
 missing=()

@@ -17,10 +17,14 @@ StatusOr<RendezvousChoice> chooseRendezvous(const AgentConfig& cfg, const std::s
     return out;
   }
 
-  out.kind = RendezvousKind::kGrpc;
+  out.kind = cfg.rdzv_backend == RendezvousBackend::kEtcdV3 ? RendezvousKind::kEtcd
+                                                            : RendezvousKind::kGrpc;
   MultiNodeOptions& o = out.multinode;
   out.endpoint = cfg.rdzv_endpoint;
-  if (static_backend) {
+  if (out.kind == RendezvousKind::kEtcd) {
+    o.master_port = cfg.master_port_given ? cfg.master_port : 0;
+    out.hosting = Hosting::kNo;
+  } else if (static_backend) {
     // The agents' own rendezvous sits next to the workers' store: MASTER_PORT+1 on the master.
     if (out.endpoint.empty()) {
       if (cfg.master_port >= 65535) {

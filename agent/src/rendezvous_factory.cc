@@ -1,6 +1,7 @@
 #include "rendezvous_factory.h"
 
 #include "ddprun/common/log.h"
+#include "etcd_rendezvous_service.h"
 #include "grpc_rendezvous_service.h"
 #include "local_rendezvous.h"
 
@@ -16,6 +17,32 @@ StatusOr<RendezvousSetup> makeRendezvous(const RendezvousChoice& choice,
     return out;
   }
   auto log = logger("agent");
+  if (choice.kind == RendezvousKind::kEtcd) {
+    log->info(
+        "waiting up to {:.0f} s (join_timeout) for {} node(s) to join the rendezvous in etcd "
+        "at {}",
+        std::chrono::duration<double>(conf.join_timeout).count(),
+        choice.multinode.run_config.min_nodes, choice.endpoint);
+    EtcdServiceOptions o;
+    o.run_id = choice.multinode.run_id;
+    o.endpoints = choice.endpoint;
+    o.key_prefix = conf.etcd.key_prefix;
+    o.tls = conf.etcd.https;
+    o.ca_pem = conf.etcd.ca_pem;
+    o.ca_file = conf.etcd.ca_file;
+    o.cert_pem = conf.etcd.cert_pem;
+    o.cert_file = conf.etcd.cert_file;
+    o.key_pem = conf.etcd.key_pem;
+    o.username = conf.etcd.username;
+    o.password = conf.etcd.password;
+    o.run_config = choice.multinode.run_config;
+    o.rpc_timeout = std::min<Duration>(conf.read_timeout, std::chrono::seconds(5));
+    o.connect_for = conf.join_timeout;
+    out.service = std::make_unique<EtcdRendezvousService>(io, std::move(o));
+    out.client =
+        std::make_unique<MultiNodeRendezvous>(io, choice.multinode, *out.service, std::move(sink));
+    return out;
+  }
   const std::string note = choice.endpoint_note.empty() ? "" : " (" + choice.endpoint_note + ")";
   if (choice.hosting != Hosting::kNo) {
     rendezvous::ServerOptions so;

@@ -17,7 +17,8 @@ const std::vector<LaunchFlag>& launchFlags() {
        "Bind each worker's CPU affinity from the NUMA topology in /sys: node, socket, exclusive "
        "or core-complex (local ranks go to NUMA nodes in contiguous blocks)."},
       {"rdzv_backend", 0, true, "BACKEND",
-       "Rendezvous backend: static, c10d (ddprun's gRPC rendezvous; alias grpc). Default static."},
+       "Rendezvous backend: static, c10d (ddprun's gRPC rendezvous; alias grpc), etcd-v3 (etcd's "
+       "v3 API; --rdzv-endpoint lists the members). Default static."},
       {"rdzv_endpoint", 0, true, "HOST[:PORT]",
        "Rendezvous backend endpoint; usually in form <host>:<port> (default port 29400)."},
       {"rdzv_id", 0, true, "ID", "User-defined group id. Default none."},

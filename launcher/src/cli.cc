@@ -286,15 +286,30 @@ StatusOr<int> nprocPerNode(const Raw& r, const HostFacts& host) {
   return intIn(r, 1, 4096, "an integer >= 1, or cpu, gpu, xpu, auto");
 }
 
+// The items of an etcd member list "h1:2379,h2:2379" (blanks around items allowed).
+StatusOr<std::vector<std::string>> etcdMembers(const std::string& list) {
+  std::vector<std::string> out;
+  for (const std::string& item : split(list, ',')) {
+    std::string t = trim(item);
+    if (t.empty()) {
+      return invalidArgument("the member list '" + list +
+                             "' has an empty item; give HOST[:PORT][,HOST[:PORT]...]");
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 StatusOr<agent::RendezvousBackend> rdzvBackend(const Raw& r) {
   if (r.value == "static") return agent::RendezvousBackend::kStatic;
   if (r.value == "c10d" || r.value == "grpc") return agent::RendezvousBackend::kC10d;
-  if (r.value == "etcd" || r.value == "etcd-v2" || r.value == "etcd-v3") {
-    return usage("argument " + r.source +
-                 ": the etcd backends are not supported yet; use "
-                 "static or c10d");
+  if (r.value == "etcd-v3") return agent::RendezvousBackend::kEtcdV3;
+  if (r.value == "etcd" || r.value == "etcd-v2") {
+    return usage("argument " + r.source + ": '" + r.value +
+                 "' is torchrun's etcd v2 backend (etcd 3.6 removed the v2 API); use "
+                 "--rdzv-backend=etcd-v3, which speaks etcd's v3 API");
   }
-  return badValue(r, "static, c10d or grpc");
+  return badValue(r, "static, c10d, grpc or etcd-v3");
 }
 
 StatusOr<std::string> nonEmpty(const Raw& r, const std::string& expected) {
@@ -390,6 +405,20 @@ Apply applierOf(const std::string& name) {
       {"rdzv_endpoint",
        [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
          if (trim(r.value).empty()) return Status::ok();
+         if (r.value.find(',') != std::string::npos) {
+           // A list of etcd members (etcd-v3); each item is checked here, and given etcd's
+           // default port once the backend is known (applyCrossFlagRules).
+           auto items = etcdMembers(r.value);
+           if (!items.isOk())
+             return usage("argument " + r.source + ": " + items.status().message());
+           for (const std::string& item : items.value()) {
+             Raw one = r;
+             one.value = item;
+             DDPRUN_RETURN_IF_ERROR(endpoint(one, 2379).status());
+           }
+           c.rdzv_endpoint = r.value;
+           return Status::ok();
+         }
          DDPRUN_ASSIGN_OR_RETURN(c.rdzv_endpoint, endpoint(r, 29400));
          return Status::ok();
        }},
@@ -591,6 +620,32 @@ Status applyCrossFlagRules(const Values& given, agent::AgentConfig& cfg) {
       return usage("argument --node-rank: must be below --nnodes=" + std::to_string(cfg.max_nodes) +
                    ", got " + std::to_string(cfg.node_rank));
     }
+  } else if (cfg.rdzv_backend == agent::RendezvousBackend::kEtcdV3) {
+    if (cfg.rdzv_endpoint.empty()) {
+      return usage(
+          "argument --rdzv-endpoint: the etcd-v3 backend needs the etcd members, "
+          "HOST[:PORT][,HOST[:PORT]...] (default port 2379)");
+    }
+    // etcd's port is 2379, not the c10d rendezvous' 29400.
+    const Raw& raw = given.at("rdzv_endpoint");
+    auto items = etcdMembers(raw.value);
+    if (!items.isOk()) return usage("argument " + raw.source + ": " + items.status().message());
+    std::vector<std::string> members;
+    for (const std::string& item : items.value()) {
+      Raw one = raw;
+      one.value = item;
+      DDPRUN_ASSIGN_OR_RETURN(std::string m, endpoint(one, 2379));
+      if (endsWith(m, ":0")) {
+        return usage("argument " + raw.source + ": port 0 cannot be dialled, got '" + item + "'");
+      }
+      members.push_back(m);
+    }
+    cfg.rdzv_endpoint = join(members, ",");
+  } else if (!cfg.standalone && cfg.rdzv_endpoint.find(',') != std::string::npos) {
+    return usage(
+        "argument --rdzv-endpoint: a comma list of members is for --rdzv-backend=etcd-v3; "
+        "the c10d backend takes one HOST[:PORT], got '" +
+        given.at("rdzv_endpoint").value + "'");
   } else if (!cfg.standalone && cfg.rdzv_endpoint.empty()) {
     return usage("argument --rdzv-endpoint: the c10d backend needs HOST[:PORT] of the rendezvous");
   } else if (!cfg.standalone && endsWith(cfg.rdzv_endpoint, ":0")) {

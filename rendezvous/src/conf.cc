@@ -94,6 +94,34 @@ StatusOr<RendezvousConf> parseRendezvousConf(const std::map<std::string, std::st
     } else if (key == "tls_ca") {
       DDPRUN_ASSIGN_OR_RETURN(out.tls_ca_pem, readPem(key, value, false));
       out.tls_ca_file = value;
+    } else if (key == "protocol") {
+      const std::string v = toLower(value);
+      if (v != "http" && v != "https") {
+        return invalidArgument("protocol must be http or https (etcd-v3), got '" + value + "'");
+      }
+      out.etcd.https = v == "https";
+    } else if (key == "cacert") {
+      DDPRUN_ASSIGN_OR_RETURN(out.etcd.ca_pem, readPem(key, value, false));
+      out.etcd.ca_file = value;
+    } else if (key == "cert") {
+      DDPRUN_ASSIGN_OR_RETURN(out.etcd.cert_pem, readPem(key, value, false));
+      out.etcd.cert_file = value;
+    } else if (key == "key") {
+      DDPRUN_ASSIGN_OR_RETURN(out.etcd.key_pem, readPem(key, value, true));
+    } else if (key == "username") {
+      if (value.empty()) return invalidArgument("username needs a name, got ''");
+      out.etcd.username = value;
+    } else if (key == "password_file") {
+      if (value.empty()) return invalidArgument("password_file needs a path, got ''");
+      auto password = readTokenFile(value);
+      if (!password.isOk()) return invalidArgument("password_file: " + password.status().message());
+      out.etcd.password = password.value();
+    } else if (key == "key_prefix") {
+      if (value.empty() || value[0] != '/') {
+        return invalidArgument("key_prefix must be an etcd key starting with '/', got '" + value +
+                               "'");
+      }
+      out.etcd.key_prefix = value;
     } else {
       // torchrun hands keys it does not know to the backend; ours has none, so the caller warns.
       out.unknown_keys.push_back(raw_key);
@@ -112,6 +140,16 @@ StatusOr<RendezvousConf> parseRendezvousConf(const std::map<std::string, std::st
     return invalidArgument(
         "tls_cert= and tls_key= (serve TLS) need tls_ca= too: the certificate every agent trusts, "
         "this one included (for a self-signed certificate, the same file as tls_cert)");
+  }
+  if (out.etcd.cert_pem.empty() != out.etcd.key_pem.empty()) {
+    return invalidArgument("cert= and key= (the etcd client certificate) go together; give both");
+  }
+  if (!out.etcd.username.empty() && out.etcd.password.empty()) {
+    return invalidArgument("username=" + out.etcd.username +
+                           " needs password_file= (a file holding the etcd password)");
+  }
+  if ((!out.etcd.ca_pem.empty() || !out.etcd.cert_pem.empty()) && !out.etcd.https) {
+    out.etcd.https = true;  // TLS files given: speak TLS (torchrun's etcd backend does the same)
   }
   if (!failure_grace_given) out.failure_grace = 2 * out.run.heartbeat_interval;
   return out;

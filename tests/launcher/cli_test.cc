@@ -270,7 +270,7 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
        "argument --signals-to-handle: expected signal names separated by commas, like "
        "SIGTERM,SIGINT,SIGUSR1, got 'SIGFOO'"},
       {{"--rdzv-backend=zookeeper", x},
-       "argument --rdzv-backend: expected static, c10d or grpc, got 'zookeeper'"},
+       "argument --rdzv-backend: expected static, c10d, grpc or etcd-v3, got 'zookeeper'"},
       {{"--rdzv-backend=c10d", "--rdzv-endpoint=host:99999", x},
        "argument --rdzv-endpoint: expected HOST[:PORT] or [IPv6]:PORT with a port in 0-65535, got "
        "'host:99999'"},
@@ -314,8 +314,26 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
       {{"--standalone=1", x}, "argument --standalone: takes no value"},
       {{"--start-method=thread", x},
        "argument --start-method: expected spawn, fork or forkserver, got 'thread'"},
+      {{"--rdzv-backend=etcd", x},
+       "argument --rdzv-backend: 'etcd' is torchrun's etcd v2 backend (etcd 3.6 removed the v2 "
+       "API); use --rdzv-backend=etcd-v3, which speaks etcd's v3 API"},
+      {{"--rdzv-backend=etcd-v2", x},
+       "argument --rdzv-backend: 'etcd-v2' is torchrun's etcd v2 backend (etcd 3.6 removed the v2 "
+       "API); use --rdzv-backend=etcd-v3, which speaks etcd's v3 API"},
       {{"--rdzv-backend=etcd-v3", x},
-       "argument --rdzv-backend: the etcd backends are not supported yet; use static or c10d"},
+       "argument --rdzv-endpoint: the etcd-v3 backend needs the etcd members, "
+       "HOST[:PORT][,HOST[:PORT]...] (default port 2379)"},
+      {{"--rdzv-backend=etcd-v3", "--rdzv-endpoint=h1:2379,,h2", x},
+       "argument --rdzv-endpoint: the member list 'h1:2379,,h2' has an empty item; give "
+       "HOST[:PORT][,HOST[:PORT]...]"},
+      {{"--rdzv-backend=c10d", "--rdzv-endpoint=h1:2379,h2:2379", x},
+       "argument --rdzv-endpoint: a comma list of members is for --rdzv-backend=etcd-v3; the c10d "
+       "backend takes one HOST[:PORT], got 'h1:2379,h2:2379'"},
+      {{"--rdzv-backend=etcd-v3", "--rdzv-endpoint=h1", "--rdzv-conf=protocol=ftp", x},
+       "argument --rdzv-conf: protocol must be http or https (etcd-v3), got 'ftp'"},
+      {{"--rdzv-backend=etcd-v3", "--rdzv-endpoint=h1", "--rdzv-conf=username=root", x},
+       "argument --rdzv-conf: username=root needs password_file= (a file holding the etcd "
+       "password)"},
       {{"--bogus", x}, "unrecognized argument: --bogus (see ddprun --help)"},
       {{"-x", x}, "unrecognized argument: -x (see ddprun --help)"},
       {{"--n", x},
@@ -416,6 +434,32 @@ TEST_CASE("duplicate filters: both spellings, PET default, notice without tee", 
   auto huge = parse({"--duplicate-stdout-filters=" + std::string(70000, 'a'), f.exe}, f.env());
   REQUIRE_FALSE(huge.isOk());
   CHECK(huge.status().message().find("(at most 64 KiB)") != std::string::npos);
+}
+
+TEST_CASE("etcd-v3 takes a list of etcd members, port 2379 by default, and its conf keys",
+          "[launcher]") {
+  Files f;
+  const std::string ca = f.dir + "/ca.pem", password = f.dir + "/password";
+  std::ofstream(ca) << "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+  std::ofstream(password) << "s3cret\n";
+  auto r = parse(
+      {"--nnodes=1:4", "--rdzv-backend=etcd-v3", "--rdzv-endpoint=h1, h2:2380,[::1]",
+       "--rdzv-conf=cacert=" + ca + ",username=u,password_file=" + password + ",key_prefix=/jobs/x",
+       f.exe},
+      f.env());
+  REQUIRE(r.isOk());
+  CHECK(r->config.rdzv_backend == agent::RendezvousBackend::kEtcdV3);
+  CHECK(r->config.rdzv_endpoint == "h1:2379,h2:2380,[::1]:2379");
+  const auto& etcd = r->config.rdzv_conf.etcd;
+  CHECK(etcd.https);  // a CA given: TLS
+  CHECK(etcd.ca_file == ca);
+  CHECK(etcd.username == "u");
+  CHECK(etcd.password == "s3cret");
+  CHECK(etcd.key_prefix == "/jobs/x");
+  CHECK(r->config.rdzv_conf.unknown_keys.empty());
+  auto one = parse({"--rdzv-backend=etcd-v3", "--rdzv-endpoint=etcd.local", f.exe}, f.env());
+  REQUIRE(one.isOk());
+  CHECK(one->config.rdzv_endpoint == "etcd.local:2379");
 }
 
 TEST_CASE("rdzv-conf accepts every key of the rendezvous' parser and keeps the pairs for the agent",

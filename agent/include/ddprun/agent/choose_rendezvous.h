@@ -16,7 +16,9 @@
 
 namespace ddprun::agent {
 
-enum class RendezvousKind { kLocal, kGrpc };
+// kEtcd: the same multi-node protocol over etcd v3 (--rdzv-backend=etcd-v3; `endpoint` lists the
+// members, nobody hosts anything).
+enum class RendezvousKind { kLocal, kGrpc, kEtcd };
 // Whether this agent starts the rendezvous server: never, when it can bind the endpoint (another
 // agent on this host may have been first), or always (failing when it cannot).
 enum class Hosting { kNo, kMay, kMust };

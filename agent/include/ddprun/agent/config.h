@@ -13,8 +13,9 @@
 
 namespace ddprun::agent {
 
-// --rdzv-backend: the launcher maps grpc to kC10d (etcd is refused there).
-enum class RendezvousBackend { kStatic, kC10d };
+// --rdzv-backend: the launcher maps grpc to kC10d; etcd and etcd-v2 are refused there (etcd 3.6
+// removed the v2 API), etcd-v3 is kEtcdV3.
+enum class RendezvousBackend { kStatic, kC10d, kEtcdV3 };
 
 // ddprun's --rdzv-conf defaults, as parseRendezvousConf gives them for an empty --rdzv-conf on
 // one node; the launcher replaces them with the parsed --rdzv-conf for the --nnodes range.

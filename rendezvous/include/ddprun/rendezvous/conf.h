@@ -36,6 +36,18 @@ struct RendezvousConf {
   std::string tls_key_pem;   // tls_key=
   std::string tls_ca_pem;    // tls_ca= (client: speak TLS, trusting this certificate)
   std::string tls_ca_file;   // the path given as tls_ca=, for messages
+  // The etcd-v3 backend: protocol=http|https, cacert=, cert=, key= (client TLS), username=,
+  // password_file= (etcd auth), key_prefix= (default /ddprun/rdzv/<run_id>). Other backends
+  // ignore them.
+  struct Etcd {
+    bool https = false;
+    std::string ca_pem, ca_file;
+    std::string cert_pem, cert_file;
+    std::string key_pem;
+    std::string username;
+    std::string password;
+    std::string key_prefix;
+  } etcd;
   // Keys of none of kRendezvousConfKeys, as given. torchrun hands such keys to its backend
   // (e.g. store_type=tcp for c10d) and runs; so do we, and the launcher names them in one notice.
   std::vector<std::string> unknown_keys;
@@ -55,7 +67,14 @@ inline constexpr const char* kRendezvousConfKeys[] = {"join_timeout",
                                                       "failure_grace",
                                                       "tls_cert",
                                                       "tls_key",
-                                                      "tls_ca"};
+                                                      "tls_ca",
+                                                      "protocol",
+                                                      "cacert",
+                                                      "cert",
+                                                      "key",
+                                                      "username",
+                                                      "password_file",
+                                                      "key_prefix"};
 
 // Parses `conf` (the k=v pairs of --rdzv-conf) for a run of min_nodes..max_nodes:
 //   join_timeout, timeout (torchrun's alias; join_timeout wins), read_timeout, heartbeat_interval:

@@ -186,6 +186,29 @@ class RendezvousState {
 
   Outbox drain();
 
+  // Snapshots of one run, for backends that keep a run's state in a shared store and apply each
+  // request through this same code (the etcd-v3 backend: import the stored run, apply, export,
+  // write back if the store still holds what was read). A snapshot holds the run's rounds, nodes
+  // (pending joins with their call ids), masters and close; not its key-value store, waits or
+  // watch streams. A closed run that was shrunk exports as its tombstone. TimePoints are written
+  // as they are: callers that share snapshots between machines pass wall-clock TimePoints.
+  // exportRun of an unknown run is empty.
+  std::string exportRun(const std::string& run_id) const;
+  // Replaces what this state holds of the snapshot's run (an empty snapshot: nothing; INVALID_
+  // ARGUMENT for a snapshot this code cannot read). Pending joins come back with their call ids.
+  Status importRun(const std::string& run_id, const std::string& snapshot);
+  // Declares a node dead now (its etcd lease expired), as a missed heartbeat would: a participant's
+  // death opens the next round. NOT_FOUND when the state does not hold the node.
+  Status declareDead(const std::string& run_id, const std::string& node_id, TimePoint now);
+  // Where a node's join stands, for a joiner that learns of rounds from a shared store: the round
+  // it completed (the node is a participant of the completed round and has no join pending),
+  // nullopt while its join is pending, NOT_FOUND when the node is gone (its join timed out, or it
+  // was declared dead), FAILED_PRECONDITION when the run is closed.
+  StatusOr<std::optional<RoundInfo>> joinOutcome(const std::string& run_id,
+                                                 const std::string& node_id) const;
+  // The ids of the run's live nodes (participants, joiners, spares); empty for an unknown run.
+  std::vector<std::string> nodeIds(const std::string& run_id) const;
+
   StateCensus census() const;
   const RunRetention& retention() const { return retention_; }
 

@@ -1,0 +1,78 @@
+// EtcdRendezvousService: RendezvousService over etcd v3 (--rdzv-backend=etcd-v3), for one run.
+//
+// The run's rendezvous state lives in etcd, under the key prefix (default /ddprun/rdzv/<run_id>):
+//   <prefix>/state       the run as RendezvousState::exportRun writes it, preceded by the round
+//                        changes of the transaction that wrote it (what watchers are pushed)
+//   <prefix>/kv/<key>    the run's key-value store (static node ranks, the exit barrier)
+//   <prefix>/alive/<id>  one key per node, attached to its agent's lease
+// Every request is applied by the agent that makes it, with the same pure RendezvousState code as
+// the gRPC server: read the state and its mod_revision, import it, apply, export, and write it
+// back in a transaction that compares the mod_revision (retrying on conflict), so two agents never
+// race a read-modify-write. Deadlines in the state are wall-clock times, so any agent can apply
+// them: each agent arms a timer at the state's next deadline and applies tick() when it fires.
+// Liveness comes from etcd leases, not from heartbeats written into the state: an agent keeps its
+// lease alive; when a lease expires etcd deletes the node's alive key, and every agent that sees
+// the DELETE applies declareDead (one of them wins the transaction, the rest find nothing to do).
+// Everything is pushed by one etcd watch on the prefix: round changes, key writes, deaths.
+//
+// Threading: as RendezvousService: called on the agent's loop, callbacks posted to it. Blocking
+// etcd calls run on three threads of this object (one for requests in order, one for the watch,
+// one for lease keep-alives); they touch only the EtcdClient and post results to the loop.
+// Lifetime: the destructor cancels what is in flight, joins the threads and revokes the lease.
+#pragma once
+
+#include <boost/asio/io_context.hpp>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ddprun/agent/rendezvous_service.h"
+#include "ddprun/rendezvous/types.h"
+
+namespace ddprun::agent {
+
+struct EtcdServiceOptions {
+  std::string run_id;
+  std::string endpoints;   // "h1:2379,h2:2379"
+  std::string key_prefix;  // empty: /ddprun/rdzv/<run_id>
+  bool tls = false;
+  std::string ca_pem, cert_pem, key_pem, ca_file, cert_file;
+  std::string username, password;
+  // The run's heartbeat interval x misses is the lease TTL (whole seconds, at least 2).
+  rendezvous::RunConfig run_config;
+  Duration rpc_timeout = std::chrono::seconds(5);    // one etcd call on one member
+  Duration connect_for = std::chrono::seconds(600);  // how long an unreachable etcd is retried
+};
+
+class EtcdRendezvousService final : public RendezvousService {
+ public:
+  EtcdRendezvousService(boost::asio::io_context& io, EtcdServiceOptions options);
+  ~EtcdRendezvousService() override;
+
+  void join(const rendezvous::JoinRequest& req, Done<rendezvous::RoundInfo> done) override;
+  void heartbeat(const std::string& node_id, CallPolicy policy,
+                 Done<rendezvous::RunStatus> done) override;
+  void leave(const std::string& node_id, CallPolicy policy, StatusDone done) override;
+  void reportFailure(const std::string& node_id, uint64_t round, Done<uint64_t> done) override;
+  void close(CallPolicy policy, StatusDone done) override;
+  void publishMaster(const std::string& node_id, uint64_t round,
+                     const rendezvous::MasterAddress& master, StatusDone done) override;
+  void waitMaster(uint64_t round, Duration timeout, Done<rendezvous::MasterAddress> done) override;
+  void kvSet(const std::string& key, const std::string& value, CallPolicy policy,
+             StatusDone done) override;
+  void kvWait(const std::vector<std::string>& keys, Duration timeout, CallPolicy policy,
+              Done<std::vector<std::string>> done) override;
+  void watch(const std::string& node_id, ChangeSink on_change) override;
+  void stopWatch() override;
+  void cancelAll() override;
+  Status explainUnavailable(const Status& status) const override;
+
+  // The key prefix in use (tests, messages).
+  const std::string& keyPrefix() const;
+
+ private:
+  class Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace ddprun::agent

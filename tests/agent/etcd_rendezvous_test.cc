@@ -1,0 +1,483 @@
+// The etcd-v3 rendezvous backend (EtcdRendezvousService) against a real etcd started on loopback
+// ports: the rendezvous behaviour cases the gRPC backend passes (formation at MIN and MAX, last
+// call, scale-up, spares, a dead node, leave, close, stable ranks, one round per failure), plus
+// the errors users meet (an unreachable member, failover between members). Each agent is one
+// service on the test's io_context; the test thread runs the loop until what it waits for came.
+#include <boost/asio/io_context.hpp>
+#include <catch2/catch.hpp>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "etcd_cluster.h"
+#include "etcd_rendezvous_service.h"
+
+using namespace ddprun;
+using namespace ddprun::agent;
+using ddprun::testing::EtcdCluster;
+
+namespace {
+
+#define REQUIRE_ETCD()                                                                      \
+  do {                                                                                      \
+    if (!ddprun::testing::etcdAvailable()) {                                                \
+      WARN("SKIPPED: " + ddprun::testing::etcdBinary() +                                    \
+           " is absent (apt-get install etcd-server etcd-client; deploy/install-deps.sh)"); \
+      return;                                                                               \
+    }                                                                                       \
+  } while (0)
+
+struct Agent;
+
+class Job {
+ public:
+  Job(const std::string& endpoints, uint32_t min, uint32_t max, Duration last_call)
+      : endpoints_(endpoints) {
+    config_.min_nodes = min;
+    config_.max_nodes = max;
+    config_.last_call_timeout = last_call;
+    config_.heartbeat_interval = std::chrono::milliseconds(500);
+    config_.heartbeat_misses = 3;
+    static int counter = 0;
+    run_id_ = "test-run-" + std::to_string(::getpid()) + "-" + std::to_string(++counter);
+  }
+
+  std::unique_ptr<EtcdRendezvousService> service(Duration connect_for = std::chrono::seconds(30)) {
+    EtcdServiceOptions o = options;
+    o.run_id = run_id_;
+    o.endpoints = endpoints_;
+    o.run_config = config_;
+    o.rpc_timeout = std::chrono::seconds(2);
+    o.connect_for = connect_for;
+    return std::make_unique<EtcdRendezvousService>(io, std::move(o));
+  }
+  // TLS and auth settings every service of the job gets.
+  EtcdServiceOptions options;
+
+  rendezvous::JoinRequest request(const std::string& node_id = "") const {
+    rendezvous::JoinRequest r;
+    r.run_id = run_id_;
+    r.node_id = node_id;
+    r.address = "127.0.0.1";
+    r.local_world_size = 2;
+    r.config = config_;
+    r.join_timeout = std::chrono::seconds(60);
+    return r;
+  }
+
+  // Runs the loop until `pred` holds (bounded); true when it did.
+  bool runUntil(const std::function<bool()>& pred, Duration bound = std::chrono::seconds(30)) {
+    const auto deadline = std::chrono::steady_clock::now() + bound;
+    while (!pred()) {
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      io.restart();
+      io.run_for(std::chrono::milliseconds(5));
+    }
+    return true;
+  }
+
+  boost::asio::io_context io;
+
+ private:
+  std::string endpoints_;
+  std::string run_id_;
+  rendezvous::RunConfig config_;
+};
+
+// One agent: its service, its last join's answer and the changes it was pushed.
+struct Agent {
+  explicit Agent(Job& job) : job(job), service(job.service()) {
+    service->watch("", [this](const rendezvous::RoundChange& c) { changes.push_back(c); });
+  }
+  void join(const std::string& node_id = "") {
+    result.reset();
+    service->join(job.request(node_id.empty() && info ? info->node_id : node_id),
+                  [this](StatusOr<rendezvous::RoundInfo> r) {
+                    result = r;
+                    if (r.isOk()) info = r.value();
+                  });
+  }
+  bool done() const { return result.has_value(); }
+  int countChanges(rendezvous::ChangeKind kind, rendezvous::ChangeReason reason) const {
+    int n = 0;
+    for (const auto& c : changes) n += c.kind == kind && c.reason == reason ? 1 : 0;
+    return n;
+  }
+  Job& job;
+  std::unique_ptr<EtcdRendezvousService> service;
+  std::optional<StatusOr<rendezvous::RoundInfo>> result;
+  std::optional<rendezvous::RoundInfo> info;
+  std::vector<rendezvous::RoundChange> changes;
+};
+
+bool allDone(const std::vector<Agent*>& agents) {
+  for (Agent* a : agents) {
+    if (!a->done()) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("etcd-v3: a round forms at once at MAX", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 2, 3, std::chrono::seconds(600));
+  Agent a(job), b(job), c(job);
+  a.join();
+  b.join();
+  c.join();
+  REQUIRE(job.runUntil([&] { return allDone({&a, &b, &c}); }));
+  std::set<uint32_t> ranks;
+  for (Agent* x : {&a, &b, &c}) {
+    REQUIRE(x->result->isOk());
+    CHECK(x->info->round == 1);
+    CHECK(x->info->group_world_size == 3);
+    CHECK(x->info->world_size == 6);
+    CHECK(x->info->base_rank == 2 * x->info->group_rank);
+    ranks.insert(x->info->group_rank);
+  }
+  CHECK(ranks == std::set<uint32_t>{0, 1, 2});
+}
+
+TEST_CASE("etcd-v3: at MIN the round waits for the last call", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 2, 4, std::chrono::milliseconds(800));
+  Agent a(job);
+  a.join();
+  // Alone below MIN: no round, however long (bounded here by a short run of the loop).
+  job.runUntil([] { return false; }, std::chrono::milliseconds(1200));
+  CHECK_FALSE(a.done());
+  Agent b(job);
+  b.join();
+  const auto start = std::chrono::steady_clock::now();
+  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  // Completed by the last call (applied by whichever agent's timer fired first), not at once.
+  CHECK(std::chrono::steady_clock::now() - start >= std::chrono::milliseconds(700));
+  REQUIRE(a.result->isOk());
+  REQUIRE(b.result->isOk());
+  CHECK(a.info->group_world_size == 2);
+  CHECK(a.info->round == b.info->round);
+}
+
+TEST_CASE("etcd-v3: scale-up re-forms with stable ranks", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 2, 3, std::chrono::milliseconds(300));
+  Agent a(job), b(job);
+  a.join();
+  b.join();
+  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  REQUIRE(a.result->isOk());
+  const uint32_t rank_a = a.info->group_rank, rank_b = b.info->group_rank;
+  Agent c(job);
+  c.join();
+  // The participants are pushed a pending round (a node joined) and re-join it.
+  REQUIRE(job.runUntil([&] {
+    return a.countChanges(rendezvous::ChangeKind::kRoundPending,
+                          rendezvous::ChangeReason::kNodeJoined) == 1 &&
+           b.countChanges(rendezvous::ChangeKind::kRoundPending,
+                          rendezvous::ChangeReason::kNodeJoined) == 1;
+  }));
+  a.join();
+  b.join();
+  REQUIRE(job.runUntil([&] { return allDone({&a, &b, &c}); }));
+  REQUIRE(c.result->isOk());
+  CHECK(a.info->round == 2);
+  CHECK(c.info->round == 2);
+  CHECK(a.info->group_world_size == 3);
+  CHECK(a.info->group_rank == rank_a);
+  CHECK(b.info->group_rank == rank_b);
+  CHECK(c.info->group_rank == 2);
+}
+
+TEST_CASE("etcd-v3: a node beyond MAX waits as a spare", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 1, 2, std::chrono::milliseconds(200));
+  Agent a(job), b(job);
+  a.join();
+  b.join();
+  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  REQUIRE(a.result->isOk());
+  Agent spare(job);
+  spare.join();
+  job.runUntil([] { return false; }, std::chrono::milliseconds(800));
+  CHECK_FALSE(spare.done());  // room is taken: no new round
+  CHECK(a.countChanges(rendezvous::ChangeKind::kRoundPending,
+                       rendezvous::ChangeReason::kNodeJoined) == 0);
+  // A participant leaves: the spare is promoted into the next round.
+  Agent& leaver = a.info->group_rank == 0 ? b : a;
+  Agent& stayer = a.info->group_rank == 0 ? a : b;
+  bool left = false;
+  leaver.service->leave(leaver.info->node_id, {}, [&](Status st) { left = st.isOk(); });
+  REQUIRE(job.runUntil([&] {
+    return left && stayer.countChanges(rendezvous::ChangeKind::kRoundPending,
+                                       rendezvous::ChangeReason::kNodeLeft) == 1;
+  }));
+  stayer.join();
+  REQUIRE(job.runUntil([&] { return allDone({&stayer, &spare}); }));
+  REQUIRE(spare.result->isOk());
+  CHECK(stayer.info->round == 2);
+  CHECK(stayer.info->group_rank == 0);  // rank 0 stays where its node stays
+  CHECK(spare.info->group_rank == 1);
+}
+
+TEST_CASE("etcd-v3: a dead node opens a round for the survivors", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 1, 2, std::chrono::milliseconds(200));
+  Agent a(job);
+  auto b = std::make_unique<Agent>(job);
+  a.join();
+  b->join();
+  REQUIRE(job.runUntil([&] { return a.done() && b->done(); }));
+  REQUIRE(a.result->isOk());
+  // b's agent goes away without leaving: its lease ends, etcd deletes its alive key, and the
+  // survivor declares it dead.
+  b.reset();
+  REQUIRE(job.runUntil([&] {
+    return a.countChanges(rendezvous::ChangeKind::kRoundPending,
+                          rendezvous::ChangeReason::kNodeDead) == 1;
+  }));
+  a.join();
+  REQUIRE(job.runUntil([&] { return a.done(); }));
+  REQUIRE(a.result->isOk());
+  CHECK(a.info->round == 2);
+  CHECK(a.info->group_world_size == 1);
+  CHECK(a.info->group_rank == 0);
+}
+
+TEST_CASE("etcd-v3: failure reports of one round cost one round", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 2, 2, std::chrono::milliseconds(200));
+  Agent a(job), b(job);
+  a.join();
+  b.join();
+  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  REQUIRE(a.result->isOk());
+  std::optional<StatusOr<uint64_t>> ra, rb;
+  a.service->reportFailure(a.info->node_id, 1, [&](StatusOr<uint64_t> r) { ra = r; });
+  b.service->reportFailure(b.info->node_id, 1, [&](StatusOr<uint64_t> r) { rb = r; });
+  REQUIRE(job.runUntil([&] { return ra && rb; }));
+  REQUIRE(ra->isOk());
+  REQUIRE(rb->isOk());
+  CHECK(ra->value() == 2);
+  CHECK(rb->value() == 2);
+  REQUIRE(job.runUntil([&] {
+    return a.countChanges(rendezvous::ChangeKind::kRoundPending,
+                          rendezvous::ChangeReason::kFailureReported) >= 1;
+  }));
+  job.runUntil([] { return false; }, std::chrono::milliseconds(300));
+  CHECK(a.countChanges(rendezvous::ChangeKind::kRoundPending,
+                       rendezvous::ChangeReason::kFailureReported) == 1);
+  a.join();
+  b.join();
+  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  CHECK(a.info->round == 2);
+}
+
+TEST_CASE("etcd-v3: master address, key-value store and close", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 2, 2, std::chrono::milliseconds(200));
+  Agent a(job), b(job);
+  a.join();
+  b.join();
+  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  Agent& rank0 = a.info->group_rank == 0 ? a : b;
+  Agent& rank1 = a.info->group_rank == 0 ? b : a;
+  std::optional<StatusOr<rendezvous::MasterAddress>> master;
+  rank1.service->waitMaster(1, std::chrono::seconds(20),
+                            [&](StatusOr<rendezvous::MasterAddress> m) { master = m; });
+  std::optional<Status> published;
+  rank0.service->publishMaster(rank0.info->node_id, 1, {"127.0.0.1", 29555},
+                               [&](Status st) { published = st; });
+  REQUIRE(job.runUntil([&] { return master && published; }));
+  REQUIRE(published->isOk());
+  REQUIRE(master->isOk());
+  CHECK(master->value().port == 29555);
+  // Only the rank 0 of the round may publish.
+  std::optional<Status> refused;
+  rank1.service->publishMaster(rank1.info->node_id, 1, {"127.0.0.1", 1},
+                               [&](Status st) { refused = st; });
+  REQUIRE(job.runUntil([&] { return refused.has_value(); }));
+  CHECK_FALSE(refused->isOk());
+
+  std::optional<StatusOr<std::vector<std::string>>> values;
+  a.service->kvWait({"x", "y"}, std::chrono::seconds(20), {},
+                    [&](StatusOr<std::vector<std::string>> v) { values = v; });
+  int set = 0;
+  b.service->kvSet("x", "1", {}, [&](Status st) { set += st.isOk(); });
+  b.service->kvSet("y", "2", {}, [&](Status st) { set += st.isOk(); });
+  REQUIRE(job.runUntil([&] { return values.has_value() && set == 2; }));
+  REQUIRE(values->isOk());
+  CHECK(values->value() == std::vector<std::string>{"1", "2"});
+  std::optional<StatusOr<std::vector<std::string>>> timed_out;
+  a.service->kvWait({"never"}, std::chrono::milliseconds(300), {},
+                    [&](StatusOr<std::vector<std::string>> v) { timed_out = v; });
+  REQUIRE(job.runUntil([&] { return timed_out.has_value(); }));
+  CHECK(timed_out->status().code() == StatusCode::kDeadlineExceeded);
+
+  std::optional<Status> closed;
+  a.service->close({}, [&](Status st) { closed = st; });
+  REQUIRE(job.runUntil([&] {
+    return closed &&
+           b.countChanges(rendezvous::ChangeKind::kClosed, rendezvous::ChangeReason::kNone) >= 1;
+  }));
+  REQUIRE(closed->isOk());
+  Agent late(job);
+  late.join();
+  REQUIRE(job.runUntil([&] { return late.done(); }));
+  CHECK(late.result->status().code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(late.result->status().message(), Catch::Contains("closed"));
+}
+
+TEST_CASE("etcd-v3: an unreachable etcd is named in one error", "[etcd]") {
+  const int port = ddprun::testing::freePort();
+  Job job("127.0.0.1:" + std::to_string(port), 1, 1, Duration::zero());
+  auto service = job.service(std::chrono::seconds(1));
+  std::optional<StatusOr<rendezvous::RoundInfo>> result;
+  service->join(job.request(), [&](StatusOr<rendezvous::RoundInfo> r) { result = r; });
+  REQUIRE(job.runUntil([&] { return result.has_value(); }, std::chrono::seconds(60)));
+  REQUIRE_FALSE(result->isOk());
+  CHECK(result->status().code() == StatusCode::kUnavailable);
+  CHECK_THAT(result->status().message(), Catch::Contains("127.0.0.1:" + std::to_string(port)));
+  CHECK(result->status().message().find('\n') == std::string::npos);
+}
+
+TEST_CASE("etcd-v3: the client fails over to a member that answers", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  const int dead = ddprun::testing::freePort();
+  Job job("127.0.0.1:" + std::to_string(dead) + "," + etcd.endpoints(), 1, 1, Duration::zero());
+  Agent a(job);
+  a.join();
+  REQUIRE(job.runUntil([&] { return a.done(); }));
+  REQUIRE(a.result->isOk());
+  CHECK(a.info->group_world_size == 1);
+}
+
+namespace {
+
+// Joins one node of a one-node job; the join's result.
+StatusOr<rendezvous::RoundInfo> joinAlone(Job& job, Duration connect_for) {
+  auto service = job.service(connect_for);
+  std::optional<StatusOr<rendezvous::RoundInfo>> result;
+  service->join(job.request(), [&](StatusOr<rendezvous::RoundInfo> r) { result = r; });
+  REQUIRE(job.runUntil([&] { return result.has_value(); }, std::chrono::seconds(60)));
+  return *result;
+}
+
+std::string readAll(const std::string& path) { return ddprun::testing::readFile(path); }
+
+}  // namespace
+
+TEST_CASE("etcd-v3: TLS with a client certificate, and a TLS mismatch named", "[etcd]") {
+  REQUIRE_ETCD();
+  ddprun::testing::TempDir certs;
+  auto tls = ddprun::testing::makeEtcdTls(certs.path());
+  EtcdCluster::Options eo;
+  eo.tls = tls;
+  EtcdCluster etcd(eo);
+  {
+    Job job(etcd.endpoints(), 1, 1, Duration::zero());
+    job.options.tls = true;
+    job.options.ca_pem = readAll(tls.ca);
+    job.options.ca_file = tls.ca;
+    job.options.cert_pem = readAll(tls.cert);
+    job.options.key_pem = readAll(tls.key);
+    auto r = joinAlone(job, std::chrono::seconds(10));
+    REQUIRE(r.isOk());
+    CHECK(r.value().group_world_size == 1);
+  }
+  {
+    // Plaintext against a TLS member: unreachable, and the message says what to check.
+    Job job(etcd.endpoints(), 1, 1, Duration::zero());
+    auto r = joinAlone(job, std::chrono::seconds(1));
+    REQUIRE_FALSE(r.isOk());
+    CHECK(r.status().code() == StatusCode::kUnavailable);
+    CHECK_THAT(r.status().message(), Catch::Contains("protocol=https"));
+    CHECK_THAT(r.status().message(), Catch::Contains(etcd.endpoint(0)));
+  }
+  {
+    // TLS without the client certificate the members ask for.
+    Job job(etcd.endpoints(), 1, 1, Duration::zero());
+    job.options.tls = true;
+    job.options.ca_pem = readAll(tls.ca);
+    job.options.ca_file = tls.ca;
+    auto r = joinAlone(job, std::chrono::seconds(1));
+    REQUIRE_FALSE(r.isOk());
+    CHECK_THAT(r.status().message(), Catch::Contains("cacert=" + tls.ca));
+  }
+}
+
+TEST_CASE("etcd-v3: etcd auth with a password, and a wrong one in one line", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  REQUIRE(etcd.etcdctl({"user", "add", "root:rootpw"}).exit_code == 0);
+  REQUIRE(etcd.etcdctl({"auth", "enable"}).exit_code == 0);
+  {
+    Job job(etcd.endpoints(), 1, 1, Duration::zero());
+    job.options.username = "root";
+    job.options.password = "rootpw";
+    auto r = joinAlone(job, std::chrono::seconds(10));
+    REQUIRE(r.isOk());
+  }
+  {
+    Job job(etcd.endpoints(), 1, 1, Duration::zero());
+    job.options.username = "root";
+    job.options.password = "wrong";
+    auto r = joinAlone(job, std::chrono::seconds(10));
+    REQUIRE_FALSE(r.isOk());
+    CHECK(r.status().code() == StatusCode::kUnauthenticated);
+    CHECK_THAT(r.status().message(), Catch::Contains("wrong user name or password"));
+    CHECK(r.status().message().find('\n') == std::string::npos);
+  }
+  {
+    // No credentials against a cluster with auth on.
+    Job job(etcd.endpoints(), 1, 1, Duration::zero());
+    auto r = joinAlone(job, std::chrono::seconds(10));
+    REQUIRE_FALSE(r.isOk());
+    CHECK_THAT(r.status().message(), Catch::Contains("username="));
+  }
+}
+
+TEST_CASE("etcd-v3: a 3-member cluster loses its leader and the rendezvous goes on", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster::Options eo;
+  eo.members = 3;
+  EtcdCluster etcd(eo);
+  Job job(etcd.endpoints(), 2, 3, std::chrono::milliseconds(300));
+  Agent a(job), b(job);
+  a.join();
+  b.join();
+  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  REQUIRE(a.result->isOk());
+  const int leader = etcd.leader();
+  REQUIRE(leader >= 0);
+  etcd.kill(leader);
+  // Leases outlive a leader election: nobody is declared dead while the cluster fails over.
+  job.runUntil([] { return false; }, std::chrono::seconds(3));
+  CHECK(a.countChanges(rendezvous::ChangeKind::kRoundPending,
+                       rendezvous::ChangeReason::kNodeDead) == 0);
+  // A later membership change still reaches every agent, and the round re-forms.
+  Agent c(job);
+  c.join();
+  REQUIRE(job.runUntil(
+      [&] {
+        return a.countChanges(rendezvous::ChangeKind::kRoundPending,
+                              rendezvous::ChangeReason::kNodeJoined) == 1 &&
+               b.countChanges(rendezvous::ChangeKind::kRoundPending,
+                              rendezvous::ChangeReason::kNodeJoined) == 1;
+      },
+      std::chrono::seconds(60)));
+  a.join();
+  b.join();
+  REQUIRE(job.runUntil([&] { return allDone({&a, &b, &c}); }, std::chrono::seconds(60)));
+  REQUIRE(c.result->isOk());
+  CHECK(c.info->round == 2);
+  CHECK(a.info->group_world_size == 3);
+}

@@ -1,0 +1,244 @@
+// ddprun --rdzv-backend=etcd-v3 end to end: real agents on distinct loopback addresses, real
+// worker processes (PyTorch gloo workers, the test worker), and a real etcd (etcd-server) started
+// on loopback ports. Each case skips with a message when /usr/bin/etcd is absent.
+#include <catch2/catch.hpp>
+#include <csignal>
+#include <fstream>
+#include <memory>
+
+#include "etcd_cluster.h"
+#include "process_helpers.h"
+
+using namespace ddprun::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+#define REQUIRE_ETCD()                                                               \
+  do {                                                                               \
+    if (!etcdAvailable()) {                                                          \
+      WARN("SKIPPED: " + etcdBinary() +                                              \
+           " is absent (apt-get install etcd-server etcd-client; install-deps.sh)"); \
+      return;                                                                        \
+    }                                                                                \
+  } while (0)
+
+// One node: a ddprun agent advertising `addr`, in a process group of its own (so killing it
+// with its workers is one signal).
+std::unique_ptr<Process> etcdAgent(const std::string& addr, const std::string& endpoints,
+                                   const std::string& nnodes, const std::string& run_id,
+                                   std::vector<std::string> extra,
+                                   std::vector<std::string> program) {
+  std::vector<std::string> argv = {ddprunBin(),
+                                   "--nnodes=" + nnodes,
+                                   "--rdzv-backend=etcd-v3",
+                                   "--rdzv-endpoint=" + endpoints,
+                                   "--rdzv-id=" + run_id,
+                                   "--local-addr=" + addr};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.insert(argv.end(), program.begin(), program.end());
+  ProcessOptions options;
+  options.own_process_group = true;
+  return std::make_unique<Process>(
+      argv, std::map<std::string, std::string>{{"PYTHON_EXEC", torchPython()}}, options);
+}
+
+std::vector<std::string> testWorker(std::vector<std::string> args) {
+  args.insert(args.begin(), {"--no-python", testWorkerBin()});
+  return args;
+}
+
+}  // namespace
+
+TEST_CASE("etcd-v3: two nodes of PyTorch gloo workers all_reduce across nodes", "[etcd][pytorch]") {
+  REQUIRE_ETCD();
+  if (!torchAvailable()) {
+    WARN("SKIPPED: no torch at " + torchPython());
+    return;
+  }
+  EtcdCluster etcd;
+  const std::string prog = sourceDir() + "/examples/pytorch/allreduce_check.py";
+  auto a =
+      etcdAgent("127.0.0.2", etcd.endpoints(), "2", "e2e-gloo", {"--nproc-per-node=2"}, {prog});
+  auto b =
+      etcdAgent("127.0.0.3", etcd.endpoints(), "2", "e2e-gloo", {"--nproc-per-node=2"}, {prog});
+  auto ra = a->wait(180s), rb = b->wait(180s);
+  REQUIRE(ra);
+  REQUIRE(rb);
+  INFO(ra->err << rb->err);
+  CHECK(ra->exit_code == 0);
+  CHECK(rb->exit_code == 0);
+  const std::string all = ra->out + rb->out;
+  for (int r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    CHECK(all.find("rank " + std::to_string(r) + "/4: all_reduce sum 10 (expected 10) OK") !=
+          std::string::npos);
+  }
+}
+
+TEST_CASE("etcd-v3: a worker failing on one node restarts every node once", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  TempDir state, envs;
+  auto worker = testWorker({"--exit-code", "4", "--only-rank", "3", "--fail-until-restart", "1",
+                            "--fail-fast", "--sleep", "3", "--state-dir", state.path(), "--env-out",
+                            envs.path()});
+  auto a = etcdAgent("127.0.0.2", etcd.endpoints(), "2", "e2e-fail",
+                     {"--nproc-per-node=2", "--max-restarts=1"}, worker);
+  auto b = etcdAgent("127.0.0.3", etcd.endpoints(), "2", "e2e-fail",
+                     {"--nproc-per-node=2", "--max-restarts=1"}, worker);
+  auto ra = a->wait(180s), rb = b->wait(180s);
+  REQUIRE(ra);
+  REQUIRE(rb);
+  INFO(ra->err << rb->err);
+  CHECK(ra->exit_code == 0);
+  CHECK(rb->exit_code == 0);
+  for (int r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    CHECK(fileExists(state / ("pid." + std::to_string(r) + ".1")));  // restarted once
+    CHECK_FALSE(fileExists(state / ("pid." + std::to_string(r) + ".2")));
+    CHECK(parseEnvFile(
+              readFile(envs / ("env." + std::to_string(r))))["TORCHELASTIC_RESTART_COUNT"] == "1");
+  }
+}
+
+TEST_CASE("etcd-v3: an agent killed with SIGKILL is found dead by its lease", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  TempDir state;
+  const std::vector<std::string> flags = {
+      "--nproc-per-node=1", "--max-restarts=0",
+      "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3"};
+  auto worker =
+      testWorker({"--sleep", "600", "--on-signal-exit", "0", "--state-dir", state.path()});
+  auto a = etcdAgent("127.0.0.2", etcd.endpoints(), "1:2", "e2e-dead", flags, worker);
+  auto b = etcdAgent("127.0.0.3", etcd.endpoints(), "1:2", "e2e-dead", flags, worker);
+  const bool formed =
+      waitUntil([&] { return countOf(a->err() + b->err(), " of 2, world size 2") == 2; }, 90s);
+  INFO(a->err() << b->err());
+  REQUIRE(formed);
+  // No leave, no lease revoke: only the lease's expiry tells etcd.
+  ::kill(-b->pid(), SIGKILL);
+  REQUIRE(b->wait(10s));
+  REQUIRE(waitUntil(
+      [&] { return a->err().find("group rank 0 of 1, world size 1") != std::string::npos; }, 60s));
+  CHECK(a->err().find("NODE_DEAD") != std::string::npos);
+  CHECK(a->err().find("restarting workers") == std::string::npos);  // not charged
+  a->signal(SIGTERM);
+  CHECK(a->wait(30s));
+}
+
+TEST_CASE("etcd-v3: an unreachable etcd is one error line naming the member", "[etcd]") {
+  const std::string endpoint = "127.0.0.1:" + std::to_string(freePort());
+  auto a = etcdAgent("127.0.0.2", endpoint, "2", "e2e-down", {"--rdzv-conf=join_timeout=2"},
+                     testWorker({"--sleep", "1"}));
+  auto r = a->wait(60s);
+  REQUIRE(r);
+  INFO(r->err);
+  CHECK(r->exit_code != 0);
+  CHECK(r->err.find("no etcd member answered") != std::string::npos);
+  CHECK(r->err.find(endpoint) != std::string::npos);
+  CHECK(r->err.find("terminate called") == std::string::npos);
+}
+
+TEST_CASE("etcd-v3: a train job finishes while the etcd leader is killed mid-run",
+          "[etcd][cluster]") {
+  REQUIRE_ETCD();
+  EtcdCluster::Options eo;
+  eo.members = 3;
+  EtcdCluster etcd(eo);
+  TempDir work;
+  // mlp: compute-bound (~0.1 s a step), so the kill lands mid-training.
+  auto prog = [&](const std::string& name) {
+    return std::vector<std::string>{"--no-python",
+                                    buildDir() + "/examples/train",
+                                    "60",
+                                    "1",
+                                    "--model",
+                                    "mlp",
+                                    "--dataset-size",
+                                    "192",
+                                    "--snapshot-path",
+                                    work / (name + ".pt")};
+  };
+  const std::vector<std::string> flags = {"--nproc-per-node=1", "--max-restarts=0",
+                                          "--rdzv-conf=last_call_timeout=1"};
+  auto a = etcdAgent("127.0.0.2", etcd.endpoints(), "2:3", "e2e-leader", flags, prog("a"));
+  auto b = etcdAgent("127.0.0.3", etcd.endpoints(), "2:3", "e2e-leader", flags, prog("b"));
+  auto c = etcdAgent("127.0.0.4", etcd.endpoints(), "2:3", "e2e-leader", flags, prog("c"));
+  auto all = [&] { return a->out() + b->out() + c->out(); };
+  auto errs = [&] { return a->err() + b->err() + c->err(); };
+  const bool formed = waitUntil([&] { return countOf(errs(), " of 3, world size 3") == 3; }, 120s);
+  INFO(errs());
+  REQUIRE(formed);
+  REQUIRE(waitUntil([&] { return all().find("] Epoch 3 |") != std::string::npos; }, 180s));
+  const int leader = etcd.leader();
+  REQUIRE(leader >= 0);
+  etcd.kill(leader);
+  REQUIRE(waitUntil([&] { return all().find("] Epoch 8 |") != std::string::npos; }, 180s));
+  // Nobody was declared dead and nothing was re-formed by the leader's loss.
+  CHECK(errs().find("NODE_DEAD") == std::string::npos);
+  CHECK(countOf(errs(), "round 2:") == 0);
+  // A later membership change (a node leaving) still reaches every agent through the cluster.
+  c->signal(SIGTERM);
+  REQUIRE(c->wait(60s));
+  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), " of 2, world size 2") == 2; }, 60s));
+  for (Process* p : {a.get(), b.get()}) {
+    auto r = p->wait(300s);
+    REQUIRE(r);
+    INFO(r->err);
+    CHECK(r->exit_code == 0);
+    CHECK(r->out.find("] Epoch 59 |") != std::string::npos);
+    CHECK(r->err.find("restarting workers") == std::string::npos);  // no restart charged
+  }
+}
+
+TEST_CASE("etcd-v3: workers run on through an etcd outage and a failure in it is handled after",
+          "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  TempDir state, envs;
+  const std::string trigger = state / "trigger";
+  // Every rank waits for the trigger; then rank 1 fails at once (first attempt only) while the
+  // others keep running for 30 s.
+  auto worker = testWorker({"--wait-for", trigger, "--exit-code", "4", "--only-rank", "1",
+                            "--fail-until-restart", "1", "--fail-fast", "--sleep", "30",
+                            "--state-dir", state.path(), "--env-out", envs.path()});
+  const std::vector<std::string> flags = {"--nproc-per-node=1", "--max-restarts=1",
+                                          "--rdzv-conf=join_timeout=120"};
+  auto a = etcdAgent("127.0.0.2", etcd.endpoints(), "2", "e2e-outage", flags, worker);
+  auto b = etcdAgent("127.0.0.3", etcd.endpoints(), "2", "e2e-outage", flags, worker);
+  REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0") && fileExists(state / "pid.1.0"); },
+                    120s));
+  etcd.kill(0);
+  std::ofstream(trigger) << "go\n";  // the failure happens while etcd is down
+  REQUIRE(waitUntil(
+      [&] {
+        return a->err().find("exit") != std::string::npos ||
+               b->err().find("exit") != std::string::npos;
+      },
+      30s));
+  std::this_thread::sleep_for(2s);  // the outage itself, not a wait for an event
+  // The workers of the healthy node were not stopped by the outage.
+  CHECK_FALSE(fileExists(state / "pid.0.1"));
+  etcd.start(0);
+  {
+    const bool healthy = etcd.waitHealthy();
+    INFO(etcd.logs());
+    REQUIRE(healthy);
+  }
+  for (Process* p : {a.get(), b.get()}) {
+    auto r = p->wait(120s);
+    INFO("first agent:\n" << a->err() << "second agent:\n" << b->err());
+    REQUIRE(r);
+    INFO(r->err);
+    CHECK(r->exit_code == 0);
+  }
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK(fileExists(state / ("pid." + std::to_string(r) + ".1")));  // restarted once
+    CHECK_FALSE(fileExists(state / ("pid." + std::to_string(r) + ".2")));
+    CHECK(parseEnvFile(
+              readFile(envs / ("env." + std::to_string(r))))["TORCHELASTIC_RESTART_COUNT"] == "1");
+  }
+}
