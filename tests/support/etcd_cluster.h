@@ -4,6 +4,8 @@
 // Tests that need it call etcdAvailable() first and SKIP with a clear message without it.
 #pragma once
 
+#include <unistd.h>
+
 #include <memory>
 #include <optional>
 #include <string>
@@ -84,7 +86,7 @@ class EtcdCluster {
                                 "--name",
                                 name,
                                 "--data-dir",
-                                dir_ / name,
+                                data_ / name,
                                 "--listen-client-urls",
                                 scheme + "://127.0.0.1:" + std::to_string(client_ports_[i]),
                                 "--advertise-client-urls",
@@ -169,8 +171,15 @@ class EtcdCluster {
     return out;
   }
 
+  // etcd fsyncs every write: on a disk shared with other tests (snapshots of hundreds of MB) one
+  // fsync can take seconds and let a test's short leases lapse. Its data lives in memory.
+  static std::string memoryBase() {
+    return ::access("/dev/shm", W_OK) == 0 ? "/dev/shm" : envOr("TMPDIR", "/tmp");
+  }
+
   Options options_;
   TempDir dir_;
+  TempDir data_{memoryBase()};
   std::vector<int> client_ports_, peer_ports_;
   std::vector<std::unique_ptr<Process>> procs_;
 };

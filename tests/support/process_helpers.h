@@ -63,8 +63,9 @@ inline bool fileExists(const std::string& path) {
 // A fresh directory, removed with its contents when the object goes away.
 class TempDir {
  public:
-  TempDir() {
-    std::string templ = envOr("TMPDIR", "/tmp") + "/ddprun_test_XXXXXX";
+  TempDir() : TempDir(envOr("TMPDIR", "/tmp")) {}
+  explicit TempDir(const std::string& base) {
+    std::string templ = base + "/ddprun_test_XXXXXX";
     std::vector<char> buf(templ.begin(), templ.end());
     buf.push_back('\0');
     if (::mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
