@@ -107,19 +107,7 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
           before.local_world_size != req.local_world_size || before.address != req.address;
     }
     if (r != run->completed_rank.end() && !changed_participant) {
-      RoundInfo info;
-      info.round = run->completed_round;
-      info.node_id = node_id;
-      info.group_rank = r->second;
-      info.group_world_size = static_cast<uint32_t>(run->completed->size());
-      info.base_rank = run->base_ranks[r->second];
-      info.world_size = run->world_size;
-      info.participants = run->completed;
-      if (auto master = masterOf(run->id, info.round)) {
-        info.master_addr = master->addr;
-        info.master_port = master->port;
-      }
-      outbox_.joins.push_back({id, std::move(info)});
+      outbox_.joins.push_back({id, participantInfo(*run, node_id, r->second)});
       return;
     }
   }
@@ -424,6 +412,23 @@ void RendezvousState::expireJoins(Run& run, TimePoint now) {
       run.members.size() >= run.config.min_nodes) {
     completeRound(run, now);
   }
+}
+
+RoundInfo RendezvousState::participantInfo(const Run& run, const std::string& node_id,
+                                           uint32_t group_rank) const {
+  RoundInfo info;
+  info.round = run.completed_round;
+  info.node_id = node_id;
+  info.group_rank = group_rank;
+  info.group_world_size = static_cast<uint32_t>(run.completed->size());
+  info.base_rank = run.base_ranks[group_rank];
+  info.world_size = run.world_size;
+  info.participants = run.completed;
+  if (auto master = masterOf(run.id, info.round)) {
+    info.master_addr = master->addr;
+    info.master_port = master->port;
+  }
+  return info;
 }
 
 }  // namespace ddprun::rendezvous

@@ -335,19 +335,7 @@ StatusOr<std::optional<RoundInfo>> RendezvousState::joinOutcome(const std::strin
     // Not pending and not a participant: a survivor whose join timed out, or a spare.
     return std::optional<RoundInfo>{};
   }
-  RoundInfo info;
-  info.round = run->completed_round;
-  info.node_id = node_id;
-  info.group_rank = r->second;
-  info.group_world_size = static_cast<uint32_t>(run->completed->size());
-  info.base_rank = run->base_ranks[r->second];
-  info.world_size = run->world_size;
-  info.participants = run->completed;
-  if (auto master = masterOf(run_id, info.round)) {
-    info.master_addr = master->addr;
-    info.master_port = master->port;
-  }
-  return std::optional<RoundInfo>{std::move(info)};
+  return std::optional<RoundInfo>{participantInfo(*run, node_id, r->second)};
 }
 
 std::vector<std::string> RendezvousState::nodeIds(const std::string& run_id) const {

@@ -14,35 +14,13 @@
 
 #include "ddprun/common/strings.h"
 #include "process_helpers.h"
+#include "rendezvous_daemon.h"
 
 using namespace ddprun;
 using namespace ddprun::testing;
 using namespace std::chrono_literals;
 
 namespace {
-
-std::vector<std::string> daemonArgv(std::vector<std::string> extra) {
-  std::vector<std::string> argv = {buildDir() + "/rendezvous/ddprun-rendezvous", "--listen",
-                                   "127.0.0.1:0"};
-  argv.insert(argv.end(), extra.begin(), extra.end());
-  return argv;
-}
-
-// A standalone ddprun-rendezvous on 127.0.0.1 and a free port; `extra` flags (TLS, token).
-struct RendezvousDaemon {
-  explicit RendezvousDaemon(std::vector<std::string> extra = {})
-      : process(daemonArgv(std::move(extra))) {
-    std::smatch m;
-    REQUIRE(waitUntil([&] {
-      std::string out = process.out();
-      if (!std::regex_search(out, m, std::regex(R"(listening on (\S+):(\d+))"))) return false;
-      endpoint = "127.0.0.1:" + m[2].str();
-      return true;
-    }));
-  }
-  Process process;
-  std::string endpoint;
-};
 
 // One node: a ddprun agent advertising `addr`.
 std::unique_ptr<Process> agent(const std::string& addr, const std::string& endpoint,

@@ -12,28 +12,13 @@
 #include <set>
 
 #include "process_helpers.h"
+#include "rendezvous_daemon.h"
 
 using namespace ddprun;
 using namespace ddprun::testing;
 using namespace std::chrono_literals;
 
 namespace {
-
-// A standalone ddprun-rendezvous on 127.0.0.1 and a free port.
-struct RendezvousDaemon {
-  RendezvousDaemon()
-      : process({buildDir() + "/rendezvous/ddprun-rendezvous", "--listen", "127.0.0.1:0"}) {
-    std::smatch m;
-    REQUIRE(waitUntil([&] {
-      std::string out = process.out();
-      if (!std::regex_search(out, m, std::regex(R"(listening on (\S+):(\d+))"))) return false;
-      endpoint = "127.0.0.1:" + m[2].str();
-      return true;
-    }));
-  }
-  Process process;
-  std::string endpoint;
-};
 
 struct NodeSpec {
   NodeSpec(std::string a, std::string dir, std::map<std::string, std::string> e = {},

@@ -229,6 +229,8 @@ class RendezvousState {
   };
   Run* findRun(const std::string& run_id);
   const Run* findRun(const std::string& run_id) const;
+  // The completed round as `node_id`, its participant at `group_rank`, sees it (master included).
+  RoundInfo participantInfo(const Run& run, const std::string& node_id, uint32_t group_rank) const;
   Status validateKey(const std::string& run_id, const std::string& key) const;
   Status validateWrite(const std::string& run_id, const std::string& key) const;
   // Stores `value` under `key` within the quotas (RESOURCE_EXHAUSTED naming the limit otherwise).
