@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_stats.h"
 #include "ddprun/common/log.h"
 #include "ddprun/common/strings.h"
 #include "ddprun/rendezvous/client.h"
@@ -31,18 +32,11 @@
 namespace pb = ddprun::rendezvous::v1;
 using namespace ddprun;
 using namespace ddprun::rendezvous;
-using BenchClock = std::chrono::steady_clock;
+using ddprun::bench_stats::BenchClock;
+using ddprun::bench_stats::ms;
+using ddprun::bench_stats::percentile;
 
 namespace {
-
-double ms(BenchClock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
-
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t i = static_cast<size_t>(p * (v.size() - 1) + 0.5);
-  return v[std::min(i, v.size() - 1)];
-}
 
 class Agents {
  public:
