@@ -64,6 +64,23 @@ Job submitAndWait(const SlurmCluster& cluster, const std::string& name, const st
   return job;
 }
 
+// "exit 0", or the exit code followed by the output's lines that say what went wrong (at most 6):
+// a failed CHECK prints this expansion first, ahead of the whole output, so a truncated CI log
+// still shows the cause.
+std::string verdict(const Job& job) {
+  std::string out = "exit " + std::to_string(job.sbatch_exit);
+  if (job.sbatch_exit == 0) return out;
+  static const std::regex bad(R"(error|fail|exit code|signal|timed out|refused|Killed|abort)",
+                              std::regex::icase);
+  int shown = 0;
+  for (const std::string& line : split(job.output, '\n')) {
+    if (shown == 6 || !std::regex_search(line, bad)) continue;
+    out += "\n  " + line.substr(0, 200);
+    ++shown;
+  }
+  return out;
+}
+
 std::set<std::string> allreduceLines(const std::string& output) {
   std::set<std::string> ranks;
   std::regex ok(R"(rank (\d+)/(\d+): all_reduce sum (\d+) \(expected (\d+)\) OK)");
@@ -84,7 +101,7 @@ void allreduceAcrossBothNodes(Mode mode) {
       cluster, "allreduce",
       "exec " + ddprunSlurm(mode) + " --nproc_per_node=2 '" + allreduceScript() + "'");
   INFO("job output:\n" << job.output);
-  CHECK(job.sbatch_exit == 0);
+  CHECK(verdict(job) == "exit 0");
   // World size 4 from 2 workers per node: both nodes joined; every rank saw the full sum.
   CHECK(allreduceLines(job.output) == std::set<std::string>{"0/4", "1/4", "2/4", "3/4"});
   CHECK_THAT(job.output, Catch::Contains("round 1 complete with 2 nodes, world size 4"));
@@ -98,7 +115,7 @@ void trainAcrossBothNodes(Mode mode) {
                     "exec " + ddprunSlurm(mode) + " --nproc_per_node=2 --tee=3 '" + trainBin() +
                         "' 2 1 --snapshot-path '" + cluster.dir() / "snap.pt" + "'");
   INFO("job output:\n" << job.output);
-  CHECK(job.sbatch_exit == 0);
+  CHECK(verdict(job) == "exit 0");
   for (int rank = 0; rank < 4; ++rank) {
     CHECK_THAT(job.output, Catch::Contains("[RANK " + std::to_string(rank) + "] Epoch 1 |"));
   }
@@ -217,7 +234,7 @@ TEST_CASE("plain srun of ddprun inside an allocation derives the rendezvous itse
                            "exec srun --ntasks-per-node=1 '" + ddprunBin() +
                                "' --nproc_per_node=2 '" + allreduceScript() + "'");
   INFO("job output:\n" << job.output);
-  CHECK(job.sbatch_exit == 0);
+  CHECK(verdict(job) == "exit 0");
   CHECK(allreduceLines(job.output) == std::set<std::string>{"0/4", "1/4", "2/4", "3/4"});
 }
 

@@ -4,6 +4,7 @@
 // Tests that need it call etcdAvailable() first and SKIP with a clear message without it.
 #pragma once
 
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <memory>
@@ -173,8 +174,13 @@ class EtcdCluster {
 
   // etcd fsyncs every write: on a disk shared with other tests (snapshots of hundreds of MB) one
   // fsync can take seconds and let a test's short leases lapse. Its data lives in memory.
+  // Only where /dev/shm has room to spare (each member preallocates a 64 MiB WAL): workers'
+  // shared-memory all-reduce in tests running beside it needs /dev/shm too.
   static std::string memoryBase() {
-    return ::access("/dev/shm", W_OK) == 0 ? "/dev/shm" : envOr("TMPDIR", "/tmp");
+    struct statvfs fs {};
+    const bool roomy = ::access("/dev/shm", W_OK) == 0 && ::statvfs("/dev/shm", &fs) == 0 &&
+                       static_cast<unsigned long long>(fs.f_bavail) * fs.f_frsize >= (4ull << 30);
+    return roomy ? "/dev/shm" : envOr("TMPDIR", "/tmp");
   }
 
   Options options_;

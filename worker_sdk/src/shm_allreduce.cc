@@ -367,8 +367,17 @@ std::unique_ptr<ShmAllReduce> ShmAllReduce::tryCreate(int rank, int size,
                      for (int r = 0; r < size; ++r) new (pidsOf(base) + r) std::atomic<int32_t>(0);
                    });
   if (!refusal.empty()) {
-    log->debug("rank {}: intra-host shared-memory all-reduce off ({}); using gloo TCP", rank,
-               refusal);
+    // Turned off, or ranks on other hosts, is a plan; a refusal of memory (a full /dev/shm) is
+    // worth a line: the job runs on, slower.
+    const bool planned = refusal.find("disabled") != std::string::npos ||
+                         refusal.find("another host") != std::string::npos ||
+                         refusal.find("has no segment") != std::string::npos;
+    if (rank == 0 && !planned) {
+      log->warn("intra-host shared-memory all-reduce off ({}); using gloo TCP", refusal);
+    } else {
+      log->debug("rank {}: intra-host shared-memory all-reduce off ({}); using gloo TCP", rank,
+                 refusal);
+    }
     return nullptr;
   }
   // Every rank mapped the segment before reporting, so no peer check can miss a pid.
