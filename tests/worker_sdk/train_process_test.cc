@@ -360,9 +360,10 @@ TEST_CASE("train between two network namespaces: 2+1 ranks through leaders, bf16
   INFO(both);
   // Global rank 0 logs the plan, and it is on whichever node joined the rendezvous first: the
   // layout reads 2+1 or 1+2.
-  CHECK(std::regex_search(both, std::regex(R"(all_reduce over shared memory within each of 2 hosts )"
-                                           R"(\((2\+1|1\+2) ranks\) \+ a gloo TCP ring of one )"
-                                           R"(representative per host)")));
+  CHECK(
+      std::regex_search(both, std::regex(R"(all_reduce over shared memory within each of 2 hosts )"
+                                         R"(\((2\+1|1\+2) ranks\) \+ a gloo TCP ring of one )"
+                                         R"(representative per host)")));
   REQUIRE(losses.size() == 3);
   CHECK(losses[0] == losses[1]);  // the loss is averaged: the same on every rank
   CHECK(losses[0] == losses[2]);

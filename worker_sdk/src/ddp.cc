@@ -12,6 +12,7 @@
 #include "ddprun/common/log.h"
 #include "ddprun/worker/bucket_assignment.h"
 #include "ddprun/worker/errors.h"
+#include "half_kernels.h"
 
 namespace ddprun::worker {
 
@@ -22,6 +23,13 @@ double nowMs() {
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
+// Whether the SDK's own 16-bit kernels can cast a bucket (a contiguous float CPU tensor): one
+// pass each way instead of LibTorch's divide, then cast (other buckets take LibTorch's path).
+bool kernelsCast(const torch::Tensor& bucket) {
+  return bucket.device().is_cpu() && bucket.scalar_type() == torch::kFloat &&
+         bucket.is_contiguous();
+}
+
 // A compressed bucket's reduction: the sum arrives in the 16-bit wire buffer and is cast back
 // into the bucket once, by the first wait().
 class DecompressWork : public Work {
@@ -32,7 +40,15 @@ class DecompressWork : public Work {
     inner_->wait();
     std::call_once(copied_, [this] {
       torch::NoGradGuard no_grad;
-      bucket_.copy_(wire_);
+      if (kernelsCast(bucket_) && wire_.is_contiguous() && wire_.device().is_cpu()) {
+        auto* out = bucket_.data_ptr<float>();
+        const auto* in = static_cast<const uint16_t*>(wire_.data_ptr());
+        const auto n = static_cast<size_t>(bucket_.numel());
+        wire_.scalar_type() == torch::kBFloat16 ? kernels::bf16ToFloat(in, out, n)
+                                                : kernels::halfToFloat(in, out, n);
+      } else {
+        bucket_.copy_(wire_);
+      }
       wire_ = torch::Tensor();
     });
   }
@@ -80,7 +96,18 @@ CommHook compressHook(at::ScalarType wire_dtype) {
   return [wire_dtype](Communicator& comm, const GradBucket& bucket) -> std::shared_ptr<Work> {
     torch::NoGradGuard no_grad;
     // Average before the cast, as PyTorch's hooks do: a sum of large fp16 gradients overflows.
-    torch::Tensor wire = bucket.buffer.div(comm.size()).to(wire_dtype);
+    torch::Tensor wire;
+    if (kernelsCast(bucket.buffer)) {
+      wire = torch::empty_like(bucket.buffer, bucket.buffer.options().dtype(wire_dtype));
+      const auto* in = bucket.buffer.data_ptr<float>();
+      auto* out = static_cast<uint16_t*>(wire.data_ptr());
+      const auto n = static_cast<size_t>(wire.numel());
+      const auto divisor = static_cast<float>(comm.size());
+      wire_dtype == torch::kBFloat16 ? kernels::floatToBf16(in, out, n, divisor)
+                                     : kernels::floatToHalf(in, out, n, divisor);
+    } else {
+      wire = bucket.buffer.div(comm.size()).to(wire_dtype);
+    }
     auto work = comm.allReduceAsync(wire, ReduceOp::kSum);
     return std::make_shared<DecompressWork>(std::move(work), std::move(wire), bucket.buffer);
   };

@@ -17,6 +17,7 @@
 
 #include "ddprun/common/log.h"
 #include "ddprun/worker/errors.h"
+#include "half_kernels.h"
 #include "op_queue.h"
 #include "shm_allreduce.h"
 #include "topology.h"
@@ -56,16 +57,25 @@ class StoreAdapter : public gloo::rendezvous::Store {
 
 using ReduceFn = void (*)(void*, const void*, const void*, size_t);
 
+// The leaders plan's pipeline (allReduceThroughLeaders): a buffer goes in about kLeaderChunks
+// chunks of kMinLeaderChunk..kMaxLeaderChunk bytes (each chunk costs every rank of the host a
+// wake-up, so not smaller), and the host's reduction runs kAhead chunks ahead of bringing results
+// back.
+constexpr size_t kLeaderChunks = 8;
+constexpr size_t kMinLeaderChunk = size_t{2} << 20;
+constexpr size_t kMaxLeaderChunk = size_t{8} << 20;
+constexpr size_t kAhead = 2;
+
 // Gloo's ring all-reduce: reduce-scatter then all-gather around the ring, each rank's share cut
 // into segments of at most 1 MiB with two in flight, so small tensors take the plain ring and
 // large ones the chunked (pipelined) ring. The same algorithm torch.distributed uses on gloo.
 template <typename T>
 void runAllReduce(const std::shared_ptr<gloo::Context>& ctx, T* ptr, size_t n, uint32_t tag,
-                  std::chrono::milliseconds timeout) {
+                  std::chrono::milliseconds timeout, ReduceFn sum = &gloo::sum<T>) {
   gloo::AllreduceOptions opts(ctx);
   opts.setOutput(ptr, n);
   opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
-  opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<T>));
+  opts.setReduceFunction(sum);
   opts.setTag(tag);
   opts.setTimeout(timeout);
   gloo::allreduce(opts);
@@ -83,12 +93,13 @@ void allReduceBuffer(const std::shared_ptr<gloo::Context>& ctx, void* data, size
       return runAllReduce(ctx, static_cast<int64_t*>(data), n, tag, timeout);
     case at::kInt:
       return runAllReduce(ctx, static_cast<int32_t*>(data), n, tag, timeout);
-    // 16-bit floats are summed in float and rounded back, element by element, with c10's
-    // branch-free conversions (gloo's own float16 sum converts far more slowly).
+    // 16-bit floats are summed in float and rounded back with the SDK's kernels (AVX2/F16C
+    // where the CPU has them; bit-identical to c10's conversions), eight values a step.
     case at::kHalf:
-      return runAllReduce(ctx, static_cast<c10::Half*>(data), n, tag, timeout);
+      return runAllReduce(ctx, static_cast<c10::Half*>(data), n, tag, timeout, &kernels::sumHalf);
     case at::kBFloat16:
-      return runAllReduce(ctx, static_cast<c10::BFloat16*>(data), n, tag, timeout);
+      return runAllReduce(ctx, static_cast<c10::BFloat16*>(data), n, tag, timeout,
+                          &kernels::sumBf16);
     default:
       throw WorkerError("all_reduce: dtype " + std::string(c10::toString(dtype)) +
                         " is not supported by the gloo backend");
@@ -121,6 +132,7 @@ class GlooCommunicator : public Communicator {
         column_(std::move(plan.column)),
         leader_mode_(plan.leader_mode),
         leaders_(std::move(plan.leaders)),
+        leader_ring_(leaders_ ? std::make_unique<OpQueue>("gloo leaders ring") : nullptr),
         description_(std::move(plan.description)),
         queue_("gloo communicator") {}
 
@@ -178,22 +190,65 @@ class GlooCommunicator : public Communicator {
   // leaders, and the leader's result back to its host by a second shared-memory pass to which
   // the others contribute zeros. Every rank ends with (x + 0 + ... + 0) * scale of the same x,
   // so results are bit-identical across hosts; a host of one rank applies that arithmetic itself.
+  //
+  // A large buffer goes through in chunks, pipelined: while the leaders' ring (on its own thread)
+  // sums chunk i across the link, the host already reduces chunk i+1 and brings chunk i-1 back,
+  // so the link never waits for the shared-memory passes. Every rank of a host runs the same
+  // schedule of passes: reduce(0..kAhead-1), then reduce(i+kAhead) and finish(i) in turn.
   void allReduceThroughLeaders(at::Tensor& work, double scale) {
-    void* data = work.data_ptr();
     const size_t n = static_cast<size_t>(work.numel());
     const at::ScalarType dtype = work.scalar_type();
-    if (shm_) shm_->allReduce(data, n, shmType(dtype), 1.0);
-    if (leaders_) {
-      allReduceBuffer(leaders_, data, n, dtype, leaders_tag_++ & 0x7fffffffu, timeout_);
+    const size_t elem = work.element_size();
+    const size_t chunk = std::max<size_t>(
+        1, std::clamp(n * elem / kLeaderChunks, kMinLeaderChunk, kMaxLeaderChunk) / elem);
+    const size_t chunks = (n + chunk - 1) / chunk;
+    char* base = static_cast<char*>(work.data_ptr());
+    auto piece = [&](size_t i) {
+      return std::make_pair(base + i * chunk * elem, std::min(chunk, n - i * chunk));
+    };
+    std::vector<std::shared_ptr<Work>> rings(chunks);
+    auto reduce = [&](size_t i) {
+      auto [p, count] = piece(i);
+      if (shm_) shm_->allReduce(p, count, shmType(dtype), 1.0);
+      if (!leaders_) return;
+      const uint32_t tag = leaders_tag_++ & 0x7fffffffu;
+      if (chunks == 1) {  // nothing to overlap: no thread hop
+        allReduceBuffer(leaders_, p, count, dtype, tag, timeout_);
+        return;
+      }
+      // The tensor rides along, so its memory outlives the ring even if this op throws.
+      rings[i] = leader_ring_->submit([this, work, p = p, count = count, dtype, tag] {
+        allReduceBuffer(leaders_, p, count, dtype, tag, timeout_);
+      });
+    };
+    auto finish = [&](size_t i) {
+      auto [p, count] = piece(i);
+      if (rings[i]) rings[i]->wait();
+      if (shm_) {
+        if (!leaders_) std::memset(p, 0, count * elem);
+        shm_->allReduce(p, count, shmType(dtype), scale);
+      } else if (dtype == at::kFloat) {
+        addZeroAndScale(reinterpret_cast<float*>(p), count, scale);
+      } else if (dtype == at::kDouble) {
+        addZeroAndScale(reinterpret_cast<double*>(p), count, scale);
+      }  // integers: the sum is already exact
+    };
+    try {
+      for (size_t i = 0; i < chunks + kAhead; ++i) {
+        if (i < chunks) reduce(i);
+        if (i >= kAhead) finish(i - kAhead);
+      }
+    } catch (...) {
+      // No ring may still write into the buffer once the failure is reported.
+      for (auto& ring : rings) {
+        if (!ring) continue;
+        try {
+          ring->wait();
+        } catch (...) {  // the first failure is the one reported
+        }
+      }
+      throw;
     }
-    if (shm_) {
-      if (!leaders_) std::memset(data, 0, n * work.element_size());
-      shm_->allReduce(data, n, shmType(dtype), scale);
-    } else if (dtype == at::kFloat) {
-      addZeroAndScale(static_cast<float*>(data), n, scale);
-    } else if (dtype == at::kDouble) {
-      addZeroAndScale(static_cast<double*>(data), n, scale);
-    }  // integers: the sum is already exact
   }
 
   // What the shared-memory pass does to a value when every other contribution is zero.
@@ -347,6 +402,9 @@ class GlooCommunicator : public Communicator {
   bool leader_mode_ = false;                // hosts of unequal sizes (see AllReducePlan)
   std::shared_ptr<gloo::Context> leaders_;  // this host's leader only
   uint32_t leaders_tag_ = 0;                // only touched on the op thread
+  // The leader's ring of chunks runs here, beside the op thread's shared-memory passes; stops
+  // before leaders_ goes away.
+  std::unique_ptr<OpQueue> leader_ring_;
   std::string description_;
   OpQueue queue_;  // last member: its thread stops before the context goes away
 };
