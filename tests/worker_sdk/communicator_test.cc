@@ -297,6 +297,7 @@ TEST_CASE("all_reduce is hierarchical across simulated hosts and exact for every
   std::vector<std::string> failures;
   std::vector<std::string> plans(layout.size());
   std::vector<torch::Tensor> averages(layout.size());
+  std::vector<torch::Tensor> averages16(layout.size());
   runOnHosts(layout, [&](ProcessGroup& pg) {
     plans[static_cast<size_t>(pg.rank())] = pg.comm().describe();
     // Inexact values: every rank must still end with the same bits, also when the leaders plan
@@ -306,6 +307,9 @@ TEST_CASE("all_reduce is hierarchical across simulated hosts and exact for every
         torch::Generator(at::detail::createCPUGenerator(static_cast<uint64_t>(pg.rank()) + 7)));
     pg.comm().allReduce(avg, ReduceOp::kAvg);
     averages[static_cast<size_t>(pg.rank())] = avg;
+    auto avg16 = avg.mul(pg.rank() + 1).to(torch::kBFloat16);
+    pg.comm().allReduce(avg16, ReduceOp::kAvg);
+    averages16[static_cast<size_t>(pg.rank())] = avg16;
     auto fail = [&](const std::string& what) {
       std::lock_guard<std::mutex> l(mu);
       failures.push_back("rank " + std::to_string(pg.rank()) + ": " + what);
@@ -320,6 +324,20 @@ TEST_CASE("all_reduce is hierarchical across simulated hosts and exact for every
       pg.comm().allReduce(d, ReduceOp::kAvg);
       if (!torch::allclose(d, torch::full({n}, (world - 1) / 2.0, torch::kDouble)))
         fail("double avg n=" + std::to_string(n));
+      // Compressed gradients: small integers stay exact in bfloat16 and half (sums <= 7 * 21).
+      for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+        auto h = (torch::arange(n, torch::kLong) % 8 * (pg.rank() + 1)).to(dtype);
+        pg.comm().allReduce(h, ReduceOp::kSum);
+        if (!torch::equal(h, (torch::arange(n, torch::kLong) % 8 * total).to(dtype)))
+          fail(std::string(c10::toString(dtype)) + " sum n=" + std::to_string(n));
+      }
+      // Compressed gradients: small integers stay exact in bfloat16 and half (sums <= 7 * 21).
+      for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+        auto h = (torch::arange(n, torch::kLong) % 8 * (pg.rank() + 1)).to(dtype);
+        pg.comm().allReduce(h, ReduceOp::kSum);
+        if (!torch::equal(h, (torch::arange(n, torch::kLong) % 8 * total).to(dtype)))
+          fail(std::string(c10::toString(dtype)) + " sum n=" + std::to_string(n));
+      }
       auto l = torch::full({n}, pg.rank() + 1, torch::kLong);
       pg.comm().allReduce(l, ReduceOp::kSum);
       if (!torch::equal(l, torch::full({n}, total, torch::kLong)))
@@ -338,4 +356,5 @@ TEST_CASE("all_reduce is hierarchical across simulated hosts and exact for every
   for (auto& p : plans) CHECK(p == plans[0]);
   CHECK(plans[0].find(std::to_string(hosts) + " hosts") != std::string::npos);
   for (auto& a : averages) CHECK(torch::equal(a, averages[0]));
+  for (auto& a : averages16) CHECK(torch::equal(a, averages16[0]));
 }

@@ -231,6 +231,8 @@ class GlooCommunicator : public Communicator {
         addZeroAndScale(reinterpret_cast<float*>(p), count, scale);
       } else if (dtype == at::kDouble) {
         addZeroAndScale(reinterpret_cast<double*>(p), count, scale);
+      } else if (dtype == at::kBFloat16 || dtype == at::kHalf) {
+        addZeroAndScale16(dtype == at::kBFloat16, reinterpret_cast<uint16_t*>(p), count, scale);
       }  // integers: the sum is already exact
     };
     try {
@@ -249,6 +251,16 @@ class GlooCommunicator : public Communicator {
       }
       throw;
     }
+  }
+
+  // The same for 16-bit floats (see ShmDType): each addition rounded, then the scale rounded.
+  static void addZeroAndScale16(bool bf16, uint16_t* p, size_t n, double scale) {
+    for (size_t i = 0; i < n; ++i) {
+      p[i] = bf16 ? kernels::bf16FromFloat(kernels::floatFromBf16(p[i]) + 0.0f)
+                  : kernels::halfFromFloat(kernels::floatFromHalf(p[i]) + 0.0f);
+    }
+    if (scale == 1.0) return;
+    (bf16 ? kernels::scaleBf16 : kernels::scaleHalf)(p, n, static_cast<float>(scale));
   }
 
   // What the shared-memory pass does to a value when every other contribution is zero.
@@ -368,17 +380,21 @@ class GlooCommunicator : public Communicator {
         return ShmDType::kInt64;
       case at::kInt:
         return ShmDType::kInt32;
+      case at::kBFloat16:
+        return ShmDType::kBFloat16;
+      case at::kHalf:
+        return ShmDType::kHalf;
       default:
-        return ShmDType::kFloat32;  // checkReducible admitted only these four
+        return ShmDType::kFloat32;  // checkReducible admitted only these six
     }
   }
-  // The dtypes the shared-memory path reduces; 16-bit floats (compressed gradients, which
-  // matter on the wire, not within a host) take the TCP ring.
+  // The dtypes every path (shared memory, hierarchical, leaders, TCP ring) reduces.
   static bool shmReducible(at::ScalarType t) {
-    return t == at::kFloat || t == at::kDouble || t == at::kLong || t == at::kInt;
+    return t == at::kFloat || t == at::kDouble || t == at::kLong || t == at::kInt ||
+           t == at::kBFloat16 || t == at::kHalf;
   }
   static void checkReducible(at::ScalarType t) {
-    if (!shmReducible(t) && t != at::kHalf && t != at::kBFloat16) {
+    if (!shmReducible(t)) {
       throw WorkerError("all_reduce: dtype " + std::string(c10::toString(t)) +
                         " is not supported by the gloo backend (float, double, half, bfloat16, "
                         "int32, int64)");

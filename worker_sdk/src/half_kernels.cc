@@ -204,6 +204,13 @@ void sumHalf(void* c, const void* a, const void* b, size_t n) {
                   static_cast<const uint16_t*>(b), n);
 }
 
+void scaleBf16(uint16_t* p, size_t n, float scale) {
+  for (size_t i = 0; i < n; ++i) p[i] = bf16FromFloat(floatFromBf16(p[i]) * scale);
+}
+void scaleHalf(uint16_t* p, size_t n, float scale) {
+  for (size_t i = 0; i < n; ++i) p[i] = halfFromFloat(floatFromHalf(p[i]) * scale);
+}
+
 const char* vectorPath() { return useVector() ? "avx2+f16c" : "portable"; }
 
 void forcePortableForTesting(bool portable) { forced_portable.store(portable); }

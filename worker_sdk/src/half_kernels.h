@@ -22,6 +22,10 @@ void halfToFloat(const uint16_t* in, float* out, size_t n);
 void sumBf16(void* c, const void* a, const void* b, size_t n);
 void sumHalf(void* c, const void* a, const void* b, size_t n);
 
+// p[i] = round(float(p[i]) * scale) (a sum's average, after the sum).
+void scaleBf16(uint16_t* p, size_t n, float scale);
+void scaleHalf(uint16_t* p, size_t n, float scale);
+
 // The portable scalar conversions every path agrees with (exposed for tests).
 uint16_t bf16FromFloat(float f);
 float floatFromBf16(uint16_t h);

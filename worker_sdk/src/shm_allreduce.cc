@@ -23,6 +23,7 @@
 
 #include "ddprun/common/log.h"
 #include "ddprun/worker/errors.h"
+#include "half_kernels.h"
 
 namespace ddprun::worker {
 
@@ -93,6 +94,22 @@ bool shmDisabledByEnvironment() {
 
 namespace {
 
+void scaleInPlace(ShmDType t, char* data, size_t n, double scale) {
+  if (scale == 1.0) return;
+  if (t == ShmDType::kFloat32) {
+    auto* f = reinterpret_cast<float*>(data);
+    const auto s = static_cast<float>(scale);
+    for (size_t i = 0; i < n; ++i) f[i] *= s;
+  } else if (t == ShmDType::kFloat64) {
+    auto* d = reinterpret_cast<double*>(data);
+    for (size_t i = 0; i < n; ++i) d[i] *= scale;
+  } else if (t == ShmDType::kBFloat16 || t == ShmDType::kHalf) {
+    auto* h = reinterpret_cast<uint16_t*>(data);
+    (t == ShmDType::kBFloat16 ? kernels::scaleBf16 : kernels::scaleHalf)(h, n,
+                                                                         static_cast<float>(scale));
+  }  // integers: plain sums
+}
+
 // Element-wise dst = (dst + src) * scale, also stored to `mirror` when not null (one pass instead
 // of a sum, a scaling and a copy), in 64-byte vectors (GCC vector extension: SIMD at -O2 on any
 // target). scale == 1 skips the multiply (and is the only value integer sums get).
@@ -122,8 +139,18 @@ void sumInto(char* dst_bytes, const char* src_bytes, char* mirror, size_t n, dou
   }
 }
 
+// 16-bit floats: dst = round(dst + src), then round(dst * scale) when scaled.
+void sumInto16(ShmDType t, char* dst, const char* src, char* mirror, size_t n, double scale) {
+  (t == ShmDType::kBFloat16 ? kernels::sumBf16 : kernels::sumHalf)(dst, dst, src, n);
+  scaleInPlace(t, dst, n, scale);
+  if (mirror != nullptr) std::memcpy(mirror, dst, n * 2);
+}
+
 void sumInto(ShmDType t, char* dst, const char* src, char* mirror, size_t n, double scale) {
   switch (t) {
+    case ShmDType::kBFloat16:
+    case ShmDType::kHalf:
+      return sumInto16(t, dst, src, mirror, n, scale);
     case ShmDType::kFloat32:
       return sumInto<float>(dst, src, mirror, n, scale);
     case ShmDType::kFloat64:
@@ -133,17 +160,6 @@ void sumInto(ShmDType t, char* dst, const char* src, char* mirror, size_t n, dou
     case ShmDType::kInt64:
       return sumInto<int64_t>(dst, src, mirror, n, 1.0);
   }
-}
-
-void scaleInPlace(ShmDType t, char* data, size_t n, double scale) {
-  if (t == ShmDType::kFloat32) {
-    auto* f = reinterpret_cast<float*>(data);
-    const auto s = static_cast<float>(scale);
-    for (size_t i = 0; i < n; ++i) f[i] *= s;
-  } else if (t == ShmDType::kFloat64) {
-    auto* d = reinterpret_cast<double*>(data);
-    for (size_t i = 0; i < n; ++i) d[i] *= scale;
-  }  // integers: plain sums
 }
 
 std::string errnoText(const std::string& what) { return what + ": " + std::strerror(errno); }
@@ -192,6 +208,9 @@ size_t shmDTypeSize(ShmDType t) {
     case ShmDType::kFloat64:
     case ShmDType::kInt64:
       return 8;
+    case ShmDType::kBFloat16:
+    case ShmDType::kHalf:
+      return 2;
   }
   return 0;
 }
@@ -206,6 +225,10 @@ const char* shmDTypeName(ShmDType t) {
       return "int32";
     case ShmDType::kInt64:
       return "int64";
+    case ShmDType::kBFloat16:
+      return "bfloat16";
+    case ShmDType::kHalf:
+      return "float16";
   }
   return "?";
 }

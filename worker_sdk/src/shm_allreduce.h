@@ -39,7 +39,9 @@
 
 namespace ddprun::worker {
 
-enum class ShmDType { kFloat32, kFloat64, kInt32, kInt64 };
+// 16-bit floats (compressed gradients) are summed in float and rounded after each addition; a
+// scale is applied after the sum (a second rounding).
+enum class ShmDType { kFloat32, kFloat64, kInt32, kInt64, kBFloat16, kHalf };
 
 size_t shmDTypeSize(ShmDType t);
 const char* shmDTypeName(ShmDType t);
