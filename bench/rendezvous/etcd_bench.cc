@@ -33,6 +33,7 @@
 #include "ddprun/rendezvous/state.h"
 #include "etcd_client.h"
 #include "etcd_rendezvous_service.h"
+#include "etcd_state_value.h"
 
 using namespace ddprun;
 using namespace ddprun::agent;
@@ -78,14 +79,9 @@ uint32_t waiting(EtcdClient& client, const std::string& prefix, const std::strin
   req.set_key(prefix + "/state");
   etcdserverpb::RangeResponse resp;
   if (!client.range(req, &resp).isOk() || resp.kvs_size() == 0) return 0;
-  // "<next deadline>;<n>:<changes><snapshot>" (etcd_rendezvous_service.cc).
-  const std::string& stored = resp.kvs(0).value();
-  const std::string v = stored.substr(stored.find(';') + 1);
-  const size_t colon = v.find(':');
-  auto n = parseInt(v.substr(0, colon));
-  if (colon == std::string::npos || !n) return 0;
+  auto value = StateValue::parse(std::make_shared<const std::string>(resp.kvs(0).value()));
   rendezvous::RendezvousState st;
-  if (!st.importRun(run, v.substr(colon + 1 + static_cast<size_t>(*n))).isOk()) return 0;
+  if (!value.isOk() || !st.importRun(run, std::string(value->snapshot())).isOk()) return 0;
   auto status = st.status(run);
   return status.isOk() ? status.value().waiting : 0;
 }
