@@ -17,6 +17,7 @@
 #include "ddprun/common/strings.h"
 #include "ddprun/rendezvous/state.h"
 #include "etcd_client.h"
+#include "etcd_state_value.h"
 
 namespace ddprun::agent {
 
@@ -47,85 +48,6 @@ std::string prefixEnd(std::string prefix) {
     }
   }
   return std::string(1, '\0');
-}
-
-// The stored value of <prefix>/state: "<next deadline>;<n>:" + n bytes of round changes + the
-// run's snapshot. The changes are those of the transaction that wrote the value: what watchers
-// are pushed. The next deadline ("-" for none) lets an agent arm its tick timer without parsing
-// the snapshot, which it only does when it needs the state (a pending join, a master wait, a
-// heartbeat): an idle agent's cost per pushed change does not grow with the job.
-std::string encodeValue(const std::vector<RendezvousState::Change>& changes,
-                        const std::string& snapshot, std::optional<TimePoint> next_deadline) {
-  std::string c;
-  for (const auto& ch : changes) {
-    const rendezvous::RoundChange& r = ch.change;
-    c += std::to_string(static_cast<int>(r.kind)) + ' ' +
-         std::to_string(static_cast<int>(r.reason)) + ' ' + std::to_string(r.round) + ' ' +
-         std::to_string(r.status.completed_round) + ' ' + std::to_string(r.status.pending_round) +
-         ' ' + (r.status.closed ? "1" : "0") + ' ' + std::to_string(r.status.participants) + ' ' +
-         std::to_string(r.status.waiting) + ' ' + std::to_string(r.status.spares) + ' ' +
-         std::to_string(r.node_id.size()) + ':' + r.node_id;
-  }
-  const std::string deadline =
-      next_deadline ? std::to_string(next_deadline->time_since_epoch().count()) : "-";
-  return deadline + ';' + std::to_string(c.size()) + ':' + c + snapshot;
-}
-
-struct Decoded {
-  std::vector<rendezvous::RoundChange> changes;
-  std::string snapshot;
-  std::optional<TimePoint> next_deadline;
-};
-
-StatusOr<Decoded> decodeValue(const std::string& stored) {
-  Decoded d;
-  if (stored.empty()) return d;
-  auto bad = [] { return invalidArgument("the stored rendezvous state is unreadable"); };
-  const size_t semi = stored.find(';');
-  if (semi == std::string::npos) return bad();
-  if (stored.compare(0, semi, "-") != 0) {
-    auto ns = parseInt(stored.substr(0, semi));
-    if (!ns) return bad();
-    d.next_deadline = TimePoint(Duration(static_cast<Duration::rep>(*ns)));
-  }
-  const std::string value = stored.substr(semi + 1);
-  const size_t colon = value.find(':');
-  if (colon == std::string::npos) return bad();
-  auto n = parseInt(value.substr(0, colon));
-  if (!n || *n < 0 || static_cast<size_t>(*n) > value.size() - colon - 1) return bad();
-  const std::string c = value.substr(colon + 1, static_cast<size_t>(*n));
-  d.snapshot = value.substr(colon + 1 + static_cast<size_t>(*n));
-  size_t pos = 0;
-  auto num = [&](char sep) -> std::optional<long long> {
-    const size_t end = c.find(sep, pos);
-    if (end == std::string::npos) return std::nullopt;
-    auto v = parseInt(c.substr(pos, end - pos));
-    pos = end + 1;
-    return v;
-  };
-  while (pos < c.size()) {
-    long long f[10];
-    for (int i = 0; i < 10; ++i) {
-      auto v = num(i == 9 ? ':' : ' ');
-      if (!v || *v < 0) return bad();
-      f[i] = *v;
-    }
-    if (static_cast<size_t>(f[9]) > c.size() - pos) return bad();
-    rendezvous::RoundChange r;
-    r.kind = static_cast<rendezvous::ChangeKind>(f[0]);
-    r.reason = static_cast<rendezvous::ChangeReason>(f[1]);
-    r.round = static_cast<uint64_t>(f[2]);
-    r.status.completed_round = static_cast<uint64_t>(f[3]);
-    r.status.pending_round = static_cast<uint64_t>(f[4]);
-    r.status.closed = f[5] != 0;
-    r.status.participants = static_cast<uint32_t>(f[6]);
-    r.status.waiting = static_cast<uint32_t>(f[7]);
-    r.status.spares = static_cast<uint32_t>(f[8]);
-    r.node_id = c.substr(pos, static_cast<size_t>(f[9]));
-    pos += static_cast<size_t>(f[9]);
-    d.changes.push_back(std::move(r));
-  }
-  return d;
 }
 
 std::string thisHostName() {
@@ -245,10 +167,10 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   void onSync(std::vector<mvccpb::KeyValue> kvs, int64_t revision) {
     kv_.clear();
     alive_.clear();
-    std::string state_value;
-    for (const mvccpb::KeyValue& kv : kvs) {
+    auto state_value = std::make_shared<const std::string>();
+    for (mvccpb::KeyValue& kv : kvs) {
       if (kv.key() == state_key_) {
-        state_value = kv.value();
+        state_value = std::make_shared<const std::string>(std::move(*kv.mutable_value()));
         state_rev_ = kv.mod_revision();
       } else if (startsWith(kv.key(), kv_prefix_)) {
         kv_[kv.key().substr(kv_prefix_.size())] = kv.value();
@@ -257,7 +179,10 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       }
     }
     seen_rev_ = revision;
-    loadState(state_value, /*push=*/false);
+    // Changes may have gone by unseen (a first sync, a compacted revision): joins pending here
+    // learn where they stand from the whole state once, not from the answers of later changes.
+    for (auto& [id, j] : joins_) j.check_state = true;
+    loadState(std::move(state_value), /*push=*/false);
     const bool first = !ready_;
     if (!first) {
       // The watch broke (a member or all of etcd went away). Leases that lapsed during an outage
@@ -298,7 +223,8 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
 
   struct Event {
     bool put = true;
-    std::string key, value;
+    std::string key;
+    std::shared_ptr<const std::string> value;  // shared with the worker's copy of the state
     int64_t mod_revision = 0;
   };
 
@@ -307,11 +233,12 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     for (Event& ev : events) {
       if (ev.key == state_key_) {
         state_rev_ = ev.mod_revision;
-        loadState(ev.put ? ev.value : std::string(), /*push=*/true);
+        loadState(ev.put ? std::move(ev.value) : std::make_shared<const std::string>(),
+                  /*push=*/true);
       } else if (startsWith(ev.key, kv_prefix_)) {
         const std::string key = ev.key.substr(kv_prefix_.size());
         if (ev.put) {
-          kv_[key] = std::move(ev.value);
+          kv_[key] = *ev.value;
         } else {
           kv_.erase(key);
         }
@@ -329,25 +256,46 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     reevaluate();
   }
 
-  void loadState(const std::string& value, bool push) {
-    auto decoded = decodeValue(value);
-    if (!decoded.isOk()) {
-      log()->error("etcd rendezvous: {} at {}", decoded.status().message(), state_key_);
+  // A new value of the state key. Only its header is read here (O(changes)); the snapshot is
+  // parsed when something needs the state, and a joiner waiting for its round looks up its call
+  // in the join answers the value carries.
+  void loadState(std::shared_ptr<const std::string> value, bool push) {
+    auto parsed = StateValue::parse(std::move(value));
+    if (!parsed.isOk()) {
+      log()->error("etcd rendezvous: {} at {}", parsed.status().message(), state_key_);
       return;
     }
-    snapshot_ = std::move(decoded.value().snapshot);
-    next_deadline_ = decoded.value().next_deadline;
+    current_ = std::move(parsed).value();
+    next_deadline_ = current_.nextDeadline();
     dirty_ = true;
-    if (push && sink_) {
-      for (const auto& change : decoded.value().changes) sink_(change);
+    if (push) {
+      if (sink_) {
+        for (const auto& change : current_.changes()) sink_(change);
+      }
+      answerJoins(current_);
     }
+  }
+
+  // Pending joins that the transaction which wrote `value` answered.
+  void answerJoins(const StateValue& value) {
+    std::vector<std::pair<Done<rendezvous::RoundInfo>, StatusOr<rendezvous::RoundInfo>>> answered;
+    for (auto it = joins_.begin(); it != joins_.end();) {
+      auto answer = value.joinAnswer(it->second.call);
+      if (!answer || !finish(it->first)) {
+        ++it;
+        continue;
+      }
+      answered.emplace_back(std::move(it->second.done), std::move(*answer));
+      it = joins_.erase(it);
+    }
+    for (auto& [done, answer] : answered) done(std::move(answer));
   }
 
   // The run as last pushed, parsed on first use after each push.
   RendezvousState& state() {
     if (dirty_) {
       dirty_ = false;
-      Status st = cached_.importRun(o_.run_id, snapshot_);
+      Status st = cached_.importRun(o_.run_id, std::string(current_.snapshot()));
       if (!st.isOk()) log()->error("etcd rendezvous: {}", st.message());
     }
     return cached_;
@@ -367,32 +315,35 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   void reevaluate() {
-    // Joins waiting for their round.
+    // Joins that may have been answered by a change this agent saw before it knew of the join
+    // (or that went by unseen): where they stand is read from the state, once. Every other
+    // pending join is answered by the change that answers it (answerJoins).
+    std::vector<std::pair<Done<rendezvous::RoundInfo>, StatusOr<rendezvous::RoundInfo>>> answered;
     for (auto it = joins_.begin(); it != joins_.end();) {
       PendingJoin& j = it->second;
       if (inflight_.count(it->first) == 0) {
         it = joins_.erase(it);
         continue;
       }
-      if (state_rev_ < j.revision && seen_rev_ < j.revision) {
+      if (!j.check_state || (state_rev_ < j.revision && seen_rev_ < j.revision)) {
         ++it;
         continue;
       }
       auto outcome = state().joinOutcome(o_.run_id, j.node_id);
       if (outcome.isOk() && !outcome.value()) {
+        j.check_state = false;  // still pending: a later change answers it
         ++it;
         continue;
       }
-      auto done = std::move(j.done);
-      const uint64_t id = it->first;
-      it = joins_.erase(it);
-      finish(id);
+      finish(it->first);
       if (outcome.isOk()) {
-        done(std::move(*outcome.value()));
+        answered.emplace_back(std::move(j.done), std::move(*outcome.value()));
       } else {
-        done(outcome.status());
+        answered.emplace_back(std::move(j.done), outcome.status());
       }
+      it = joins_.erase(it);
     }
+    for (auto& [done, answer] : answered) done(std::move(answer));
     // Master waits.
     for (auto it = master_waits_.begin(); it != master_waits_.end();) {
       if (inflight_.count(it->first) == 0) {
@@ -607,6 +558,13 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
         }
         const int64_t revision = resp.header().revision();
         std::vector<mvccpb::KeyValue> kvs(resp.kvs().begin(), resp.kvs().end());
+        bool has_state = false;
+        for (const mvccpb::KeyValue& kv : kvs) {
+          if (kv.key() != state_key_) continue;
+          noteStored(std::make_shared<const std::string>(kv.value()), kv.mod_revision(), revision);
+          has_state = true;
+        }
+        if (!has_state) noteStored(std::make_shared<const std::string>(), 0, revision);
         post(weak, [this, kvs = std::move(kvs), revision]() mutable {
           onSync(std::move(kvs), revision);
         });
@@ -638,13 +596,17 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
           }
           if (wr.events_size() == 0) continue;
           std::vector<Event> events;
-          for (const mvccpb::Event& e : wr.events()) {
+          for (mvccpb::Event& e : *wr.mutable_events()) {
             Event ev;
             ev.put = e.type() == mvccpb::Event::PUT;
             ev.key = e.kv().key();
-            ev.value = e.kv().value();
+            ev.value = std::make_shared<const std::string>(
+                ev.put ? std::move(*e.mutable_kv()->mutable_value()) : std::string());
             ev.mod_revision = e.kv().mod_revision();
             next_rev = std::max(next_rev, ev.mod_revision + 1);
+            if (ev.key == state_key_) {
+              noteStored(ev.value, ev.put ? ev.mod_revision : 0, ev.mod_revision);
+            }
             events.push_back(std::move(ev));
           }
           const int64_t rev = wr.header().revision();
@@ -689,6 +651,16 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     }
   }
 
+  // The newest value of the state key this agent has seen (watch, reads, its own transactions),
+  // kept for the first attempt of applyTxn. `revision`: the store revision it was current at.
+  void noteStored(std::shared_ptr<const std::string> value, int64_t mod, int64_t revision) {
+    std::lock_guard<std::mutex> lock(stored_mu_);
+    if (stored_.value && revision < stored_.revision) return;
+    stored_.value = std::move(value);
+    stored_.mod = mod;
+    stored_.revision = revision;
+  }
+
   Status putAlive(const std::string& node) {
     ep::PutRequest put;
     put.set_key(alive_prefix_ + node);
@@ -708,12 +680,27 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   // the failed transaction returned. Nothing is written when nothing changed.
   // `alive_node`: a node id whose alive key (under this agent's lease) is put in the same
   // transaction (a join: one round trip and one fsync less than a put of its own).
+  // The first attempt starts from the state this agent already holds (the watch's latest, or
+  // what its own last transaction wrote or was refused with): no read before the write, so a
+  // request whose state is current costs one round trip. A stale copy only costs a refused
+  // transaction, which returns the current state. A decision to write nothing is taken only on
+  // a state read from etcd, never on the held copy.
   template <typename Fn>
   StatusOr<Applied> applyTxn(Fn&& fn, Duration retry_for, const std::string& alive_node = "") {
-    std::string value;
+    std::shared_ptr<const std::string> value;
     int64_t mod = 0;
     int64_t revision = 0;
     bool have = false;
+    bool held = false;  // `value` is the held copy, not a read
+    {
+      std::lock_guard<std::mutex> lock(stored_mu_);
+      if (stored_.value) {
+        value = stored_.value;
+        mod = stored_.mod;
+        revision = stored_.revision;
+        have = held = true;
+      }
+    }
     for (int attempt = 0;; ++attempt) {
       if (stopping()) return Status(StatusCode::kCancelled, "the rendezvous service stopped");
       if (!have) {
@@ -722,18 +709,33 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
         ep::RangeResponse resp;
         Status st = retrying(retry_for, [&] { return client_.range(range, &resp); });
         if (!st.isOk()) return st;
-        value = resp.kvs_size() > 0 ? resp.kvs(0).value() : std::string();
+        value = std::make_shared<const std::string>(
+            resp.kvs_size() > 0 ? std::move(*resp.mutable_kvs(0)->mutable_value()) : std::string());
         mod = resp.kvs_size() > 0 ? resp.kvs(0).mod_revision() : 0;
         revision = resp.header().revision();
+        noteStored(value, mod, revision);
+        held = false;
       }
-      DDPRUN_ASSIGN_OR_RETURN(Decoded old, decodeValue(value));
+      auto old = StateValue::parse(value);
       RendezvousState state;
-      if (Status st = state.importRun(o_.run_id, old.snapshot); !st.isOk()) return st;
+      Status imported =
+          old.isOk() ? state.importRun(o_.run_id, std::string(old->snapshot())) : old.status();
+      if (!imported.isOk()) {
+        if (held) {  // read what etcd holds instead
+          have = held = false;
+          continue;
+        }
+        return imported;
+      }
       fn(state, wallNow());
       Applied applied;
       applied.out = state.drain();
       const std::string snapshot = state.exportRun(o_.run_id);
-      if (snapshot == old.snapshot && applied.out.changes.empty()) {
+      if (snapshot == old->snapshot() && applied.out.changes.empty()) {
+        if (held) {
+          have = held = false;
+          continue;
+        }
         applied.revision = revision;
         if (!alive_node.empty()) {
           Status st = retrying(retry_for, [&] { return putAlive(alive_node); });
@@ -758,7 +760,9 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       RendezvousState reread;
       std::optional<TimePoint> next_deadline;
       if (reread.importRun(o_.run_id, snapshot).isOk()) next_deadline = reread.nextDeadline();
-      put->set_value(encodeValue(applied.out.changes, snapshot, next_deadline));
+      auto written = std::make_shared<const std::string>(
+          encodeStateValue(applied.out.changes, applied.out.joins, snapshot, next_deadline));
+      put->set_value(*written);
       if (!alive_node.empty()) {
         ep::PutRequest* alive = txn.add_success()->mutable_request_put();
         alive->set_key(alive_prefix_ + alive_node);
@@ -771,14 +775,18 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       if (!st.isOk()) return st;
       if (resp.succeeded()) {
         applied.revision = resp.header().revision();
+        noteStored(std::move(written), applied.revision, applied.revision);
         return applied;
       }
-      // Another agent wrote first: apply to what it wrote.
-      const ep::RangeResponse& now = resp.responses(0).response_range();
-      value = now.kvs_size() > 0 ? now.kvs(0).value() : std::string();
-      mod = now.kvs_size() > 0 ? now.kvs(0).mod_revision() : 0;
+      // Another agent wrote first (or the held copy was stale): apply to what etcd holds.
+      ep::RangeResponse* now = resp.mutable_responses(0)->mutable_response_range();
+      value = std::make_shared<const std::string>(
+          now->kvs_size() > 0 ? std::move(*now->mutable_kvs(0)->mutable_value()) : std::string());
+      mod = now->kvs_size() > 0 ? now->kvs(0).mod_revision() : 0;
       revision = resp.header().revision();
+      noteStored(value, mod, revision);
       have = true;
+      held = false;
       if (attempt > 0 && attempt % 50 == 0) {
         log()->warn("etcd rendezvous: {} conflicting transactions in a row on {}", attempt,
                     state_key_);
@@ -855,6 +863,9 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
           pending.node_id = req.node_id;
           pending.call = call;
           pending.revision = revision;
+          // Changes newer than the join's own transaction already went by: one of them may
+          // have answered it.
+          pending.check_state = state_rev_ > revision;
           pending.done = done;
           joins_[id] = std::move(pending);
           // A local bound in case the state's own join timeout is never applied.
@@ -1055,7 +1066,8 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   struct PendingJoin {
     std::string node_id;
     uint64_t call = 0;
-    int64_t revision = 0;  // the join's transaction: the cache must be at least this new
+    int64_t revision = 0;      // the join's transaction: the cache must be at least this new
+    bool check_state = false;  // look at the whole state once (see reevaluate)
     Done<rendezvous::RoundInfo> done;
   };
   struct MasterWait {
@@ -1081,6 +1093,14 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   std::deque<std::function<void()>> jobs_;
   bool stopping_ = false;
   std::set<std::string> my_nodes_;  // node ids whose alive key this agent keeps
+  // The newest state value seen, written by the watch and worker threads, read by the worker.
+  struct Stored {
+    std::shared_ptr<const std::string> value;  // null: none seen yet
+    int64_t mod = 0;                           // its mod_revision (0: no key)
+    int64_t revision = 0;                      // the store revision it was read at
+  };
+  std::mutex stored_mu_;
+  Stored stored_;  // guarded by stored_mu_
 
   // The loop's side: no mutex, the loop thread only.
   std::mt19937_64 rng_;
@@ -1088,7 +1108,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   Status init_error_;
   std::vector<std::function<void(Status)>> on_ready_;
   RendezvousState cached_;  // the run as the watch last delivered it (see state())
-  std::string snapshot_;    // its snapshot, imported into cached_ when dirty_
+  StateValue current_;      // the value it came from, imported into cached_ when dirty_
   bool dirty_ = false;
   std::optional<TimePoint> next_deadline_;
   int64_t state_rev_ = 0;

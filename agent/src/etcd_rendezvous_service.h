@@ -2,22 +2,29 @@
 //
 // The run's rendezvous state lives in etcd, under the key prefix (default /ddprun/rdzv/<run_id>):
 //   <prefix>/state       the run as RendezvousState::exportRun writes it, preceded by the round
-//                        changes of the transaction that wrote it (what watchers are pushed)
+//                        changes and join answers of the transaction that wrote it (what
+//                        watchers are pushed; etcd_state_value.h)
 //   <prefix>/kv/<key>    the run's key-value store (static node ranks, the exit barrier)
 //   <prefix>/alive/<id>  one key per node, attached to its agent's lease
 // Every request is applied by the agent that makes it, with the same pure RendezvousState code as
-// the gRPC server: read the state and its mod_revision, import it, apply, export, and write it
-// back in a transaction that compares the mod_revision (retrying on conflict), so two agents never
-// race a read-modify-write. Deadlines in the state are wall-clock times, so any agent can apply
-// them: each agent arms a timer at the state's next deadline and applies tick() when it fires.
-// Liveness comes from etcd leases, not from heartbeats written into the state: an agent keeps its
-// lease alive; when a lease expires etcd deletes the node's alive key, and every agent that sees
-// the DELETE applies declareDead (one of them wins the transaction, the rest find nothing to do).
-// Everything is pushed by one etcd watch on the prefix: round changes, key writes, deaths.
+// the gRPC server: take the state and its mod_revision, import it, apply, export, and write it
+// back in a transaction that compares the mod_revision (retrying on conflict with the state the
+// refused transaction returns), so two agents never race a read-modify-write. The state taken
+// first is the newest this agent holds (from its watch or its last transaction), so a request
+// costs one round trip when that copy is current; a result of "nothing to write" is only trusted
+// on a state read from etcd. A joiner whose round completes later finds its answer (rank, sizes,
+// participants) by its call id in the pushed value, without parsing the whole run.
+// Deadlines in the state are wall-clock times, so any agent can apply them: each agent arms a timer
+// at the state's next deadline and applies tick() when it fires. Liveness comes from etcd leases,
+// not from heartbeats written into the state: an agent keeps its lease alive; when a lease expires
+// etcd deletes the node's alive key, and every agent that sees the DELETE applies declareDead (one
+// of them wins the transaction, the rest find nothing to do). Everything is pushed by one etcd
+// watch on the prefix: round changes, key writes, deaths.
 //
 // Threading: as RendezvousService: called on the agent's loop, callbacks posted to it. Blocking
 // etcd calls run on three threads of this object (one for requests in order, one for the watch,
-// one for lease keep-alives); they touch only the EtcdClient and post results to the loop.
+// one for lease keep-alives); they touch only the EtcdClient and the newest state value seen
+// (under its mutex), and post results to the loop.
 // Lifetime: the destructor cancels what is in flight, joins the threads and revokes the lease.
 #pragma once
 

@@ -11,7 +11,12 @@
 // process, so at large N the times include N x that work on 2 cores, which real agents (one
 // process each) do not share.
 //
-// usage: etcd_bench --endpoints 127.0.0.1:2379 [--sizes 8,64,512] [--trials 3]
+// - etcd's own cost (--probe K): K linearizable Ranges of one key and K compare-revision Txns
+//   that put a value of the size the N=8 state has, one at a time from one client; what the
+//   member takes for one read and for one committed write (its fsync included), with no
+//   rendezvous code around them.
+//
+// usage: etcd_bench --endpoints 127.0.0.1:2379 [--sizes 8,64,512] [--trials 3] [--probe 200]
 #include <algorithm>
 #include <boost/asio/io_context.hpp>
 #include <chrono>
@@ -28,6 +33,7 @@
 #include "ddprun/rendezvous/state.h"
 #include "etcd_client.h"
 #include "etcd_rendezvous_service.h"
+#include "etcd_state_value.h"
 
 using namespace ddprun;
 using namespace ddprun::agent;
@@ -73,14 +79,9 @@ uint32_t waiting(EtcdClient& client, const std::string& prefix, const std::strin
   req.set_key(prefix + "/state");
   etcdserverpb::RangeResponse resp;
   if (!client.range(req, &resp).isOk() || resp.kvs_size() == 0) return 0;
-  // "<next deadline>;<n>:<changes><snapshot>" (etcd_rendezvous_service.cc).
-  const std::string& stored = resp.kvs(0).value();
-  const std::string v = stored.substr(stored.find(';') + 1);
-  const size_t colon = v.find(':');
-  auto n = parseInt(v.substr(0, colon));
-  if (colon == std::string::npos || !n) return 0;
+  auto value = StateValue::parse(std::make_shared<const std::string>(resp.kvs(0).value()));
   rendezvous::RendezvousState st;
-  if (!st.importRun(run, v.substr(colon + 1 + static_cast<size_t>(*n))).isOk()) return 0;
+  if (!value.isOk() || !st.importRun(run, std::string(value->snapshot())).isOk()) return 0;
   auto status = st.status(run);
   return status.isOk() ? status.value().waiting : 0;
 }
@@ -176,12 +177,59 @@ std::optional<Result> trial(const std::string& endpoints, int n, int trial_no) {
   return r;
 }
 
+// Times one Range and one compare-revision Txn (put) against the member, `k` of each.
+void probe(const std::string& endpoints, int k) {
+  EtcdOptions co;
+  co.endpoints = splitEtcdEndpoints(endpoints).value();
+  EtcdClient client(co);
+  const std::string key = "/ddprun/bench-probe/" + std::to_string(::getpid());
+  const std::string value(1200, 'x');  // about the size of the stored state of an N=8 run
+  int64_t mod = 0;
+  std::vector<double> reads, writes;
+  for (int i = 0; i < k; ++i) {
+    etcdserverpb::TxnRequest txn;
+    etcdserverpb::Compare* cmp = txn.add_compare();
+    cmp->set_key(key);
+    cmp->set_result(etcdserverpb::Compare::EQUAL);
+    cmp->set_target(etcdserverpb::Compare::MOD);
+    cmp->set_mod_revision(mod);
+    etcdserverpb::PutRequest* put = txn.add_success()->mutable_request_put();
+    put->set_key(key);
+    put->set_value(value);
+    txn.add_failure()->mutable_request_range()->set_key(key);
+    etcdserverpb::TxnResponse tr;
+    auto t0 = BenchClock::now();
+    if (!client.txn(txn, &tr).isOk() || !tr.succeeded()) {
+      std::fprintf(stderr, "probe: txn failed\n");
+      return;
+    }
+    writes.push_back(ms(BenchClock::now() - t0));
+    mod = tr.header().revision();
+    etcdserverpb::RangeRequest range;
+    range.set_key(key);
+    etcdserverpb::RangeResponse rr;
+    t0 = BenchClock::now();
+    if (!client.range(range, &rr).isOk()) return;
+    reads.push_back(ms(BenchClock::now() - t0));
+  }
+  etcdserverpb::DeleteRangeRequest del;
+  del.set_key(key);
+  (void)client.deleteRange(del);
+  std::printf("| etcd alone (%d each) | p50 (ms) | p90 (ms) | max (ms) |\n|---|---|---|---|\n", k);
+  std::printf("| Range (linearizable read) | %.2f | %.2f | %.2f |\n", percentile(reads, 0.5),
+              percentile(reads, 0.9), percentile(reads, 1.0));
+  std::printf("| Txn compare-revision + put | %.2f | %.2f | %.2f |\n", percentile(writes, 0.5),
+              percentile(writes, 0.9), percentile(writes, 1.0));
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string endpoints = "127.0.0.1:2379";
   std::vector<int> sizes = {8, 64, 512};
   int trials = 3;
+  int probe_count = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--endpoints") {
@@ -191,9 +239,15 @@ int main(int argc, char** argv) {
       for (const auto& s : split(value, ',')) sizes.push_back(std::stoi(s));
     } else if (flag == "--trials") {
       trials = std::stoi(value);
+    } else if (flag == "--probe") {
+      probe_count = std::stoi(value);
     }
   }
   setLogLevel("warn");
+  if (probe_count > 0) {
+    probe(endpoints, probe_count);
+    std::printf("\n");
+  }
   std::printf(
       "| N | last join -> all ranks held (ms), median | trials (ms) | change delivery p50 (ms) | "
       "p99 (ms) | max (ms) |\n");
@@ -208,8 +262,9 @@ int main(int argc, char** argv) {
         continue;
       }
       rounds.push_back(r->round_ms);
-      each += (each.empty() ? "" : ", ") +
-              std::to_string(static_cast<int>(r->round_ms * 10) / 10.0).substr(0, 6);
+      char one[32];
+      std::snprintf(one, sizeof(one), "%s%.1f", each.empty() ? "" : ", ", r->round_ms);
+      each += one;
       delivery.insert(delivery.end(), r->delivery_ms.begin(), r->delivery_ms.end());
     }
     std::printf("| %d | %.1f | %s | %.2f | %.2f | %.2f |\n", n, percentile(rounds, 0.5),

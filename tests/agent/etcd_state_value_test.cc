@@ -1,0 +1,150 @@
+// The etcd-v3 backend's stored value: header, join answers and snapshot, read without etcd.
+#include "etcd_state_value.h"
+
+#include <catch2/catch.hpp>
+
+using namespace ddprun;
+using namespace ddprun::agent;
+using rendezvous::RendezvousState;
+
+namespace {
+
+TimePoint at(int64_t s) { return TimePoint(std::chrono::seconds(1'700'000'000 + s)); }
+
+std::shared_ptr<const std::string> stored(std::string s) {
+  return std::make_shared<const std::string>(std::move(s));
+}
+
+rendezvous::JoinRequest joinRequest(const std::string& node, uint32_t nodes) {
+  rendezvous::JoinRequest req;
+  req.run_id = "run";
+  req.node_id = node;
+  req.address = node + ".example";
+  req.local_world_size = 2;
+  req.config.min_nodes = nodes;
+  req.config.max_nodes = nodes;
+  return req;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a waiting joiner finds its rank in the value of the transaction that completed its round",
+    "[etcd]") {
+  RendezvousState st;
+  st.join(11, joinRequest("a", 3), at(0));
+  st.join(12, joinRequest("b", 3), at(1));
+  REQUIRE(st.drain().joins.empty());
+  st.join(13, joinRequest("c", 3), at(2));  // the last joiner completes the round
+  RendezvousState::Outbox out = st.drain();
+  REQUIRE(out.joins.size() == 3);
+
+  const std::string snapshot = st.exportRun("run");
+  auto value = StateValue::parse(
+      stored(encodeStateValue(out.changes, out.joins, snapshot, st.nextDeadline())));
+  REQUIRE(value.isOk());
+  CHECK(value->snapshot() == snapshot);
+  CHECK(value->nextDeadline() == st.nextDeadline());
+  REQUIRE(value->changes().size() == out.changes.size());
+  CHECK(value->changes().back().kind == out.changes.back().change.kind);
+  CHECK(value->changes().back().round == out.changes.back().change.round);
+
+  for (const auto& done : out.joins) {
+    auto answer = value->joinAnswer(done.id);
+    REQUIRE(answer);
+    REQUIRE(answer->isOk());
+    const rendezvous::RoundInfo& want = done.result.value();
+    const rendezvous::RoundInfo& got = answer->value();
+    CHECK(got.round == want.round);
+    CHECK(got.node_id == want.node_id);
+    CHECK(got.group_rank == want.group_rank);
+    CHECK(got.group_world_size == want.group_world_size);
+    CHECK(got.base_rank == want.base_rank);
+    CHECK(got.world_size == want.world_size);
+    REQUIRE(got.participants);
+    REQUIRE(got.participants->size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      CHECK(got.participants->at(i).node_id == want.participants->at(i).node_id);
+      CHECK(got.participants->at(i).address == want.participants->at(i).address);
+      CHECK(got.participants->at(i).local_world_size == 2);
+      CHECK(got.participants->at(i).group_rank == i);
+    }
+  }
+  CHECK_FALSE(value->joinAnswer(99));  // a call this transaction did not answer
+}
+
+TEST_CASE("a join the transaction failed reads as that error", "[etcd]") {
+  std::vector<RendezvousState::JoinDone> answers;
+  answers.push_back({7, Status(StatusCode::kFailedPrecondition, "run r is closed")});
+  rendezvous::RoundInfo info;
+  info.round = 4;
+  info.node_id = "n";
+  info.master_addr = "10.0.0.1";
+  info.master_port = 29500;
+  answers.push_back({8, info});  // no participant list
+  auto value = StateValue::parse(stored(encodeStateValue({}, answers, "snap", std::nullopt)));
+  REQUIRE(value.isOk());
+  CHECK_FALSE(value->nextDeadline());
+  CHECK(value->snapshot() == "snap");
+  auto failed = value->joinAnswer(7);
+  REQUIRE(failed);
+  REQUIRE_FALSE(failed->isOk());
+  CHECK(failed->status().code() == StatusCode::kFailedPrecondition);
+  CHECK(failed->status().message() == "run r is closed");
+  auto ok = value->joinAnswer(8);
+  REQUIRE(ok);
+  REQUIRE(ok->isOk());
+  CHECK(ok->value().round == 4);
+  CHECK(ok->value().master_addr == "10.0.0.1");
+  CHECK(ok->value().master_port == 29500);
+  CHECK_FALSE(ok->value().participants);
+}
+
+TEST_CASE("a value written before join answers existed reads with none", "[etcd]") {
+  // "<next deadline>;<n>:<changes><snapshot>"
+  const std::string changes = "2 1 3 2 3 0 2 1 0 1:x";
+  auto value = StateValue::parse(
+      stored("1700000000000000000;" + std::to_string(changes.size()) + ":" + changes + "SNAP"));
+  REQUIRE(value.isOk());
+  CHECK(value->snapshot() == "SNAP");
+  REQUIRE(value->changes().size() == 1);
+  CHECK(value->changes()[0].kind == rendezvous::ChangeKind::kRoundPending);
+  CHECK(value->changes()[0].node_id == "x");
+  CHECK(value->nextDeadline() == TimePoint(std::chrono::seconds(1'700'000'000)));
+  CHECK_FALSE(value->joinAnswer(1));
+}
+
+TEST_CASE("an empty value reads as nothing, a damaged one is refused or answers nothing",
+          "[etcd]") {
+  auto empty = StateValue::parse(stored(""));
+  REQUIRE(empty.isOk());
+  CHECK(empty->snapshot().empty());
+  CHECK(empty->changes().empty());
+
+  for (const std::string bad :
+       {"v2;", "v2;x;0:0:", "v2;-;9:", "v2;-;0:9:ab", "12;3:ab", "-;1:zz"}) {
+    CAPTURE(bad);
+    CHECK_FALSE(StateValue::parse(stored(bad)).isOk());
+  }
+
+  // Answers whose record is cut short answer nothing: the joiner falls back to the snapshot.
+  std::vector<RendezvousState::JoinDone> answers;
+  rendezvous::RoundInfo info;
+  info.participants = std::make_shared<std::vector<rendezvous::Participant>>(
+      std::vector<rendezvous::Participant>{{"a", "h", 1, 0}, {"b", "h", 1, 1}});
+  answers.push_back({5, info});
+  std::string good = encodeStateValue({}, answers, "", std::nullopt);
+  // Every truncation of the answers section (its length kept) reads nothing or the whole answer.
+  const size_t colon = good.find(':', 5);
+  const std::string head = good.substr(0, good.find(';', 3) + 1);
+  const std::string record = good.substr(colon + 1);
+  for (size_t cut = 0; cut < record.size(); ++cut) {
+    const std::string part = record.substr(0, cut);
+    auto v = StateValue::parse(stored(head + "0:" + std::to_string(part.size()) + ":" + part));
+    if (!v.isOk()) continue;
+    auto a = v->joinAnswer(5);
+    if (a && a->isOk() && a->value().participants) {
+      CHECK(a->value().participants->size() == 2);
+    }
+  }
+}
