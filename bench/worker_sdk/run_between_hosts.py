@@ -46,7 +46,10 @@ def rate_bytes_per_s(rate):
 
 
 def two_nodes(build, prog, env=None, timeout=900, nprocs=(1, 1)):
-    """Runs `prog` under ddprun on both namespaces (node 0 on a); returns node 0's output."""
+    """Runs `prog` under ddprun on both namespaces (node 0 on a); returns both nodes' output.
+
+    Both: with the c10d rendezvous (unequal nodes) global rank 0, which prints the results, is on
+    whichever node joined first."""
     _port[0] += 2  # the static form also uses MASTER_PORT+1
     procs = []
     for rank, (side, dev) in enumerate(SIDES):
@@ -68,7 +71,7 @@ def two_nodes(build, prog, env=None, timeout=900, nprocs=(1, 1)):
                 q.kill()
             sys.exit(f"benchmark command failed ({p.returncode}): {' '.join(prog)}\n{out[-3000:]}")
         outs.append(out)
-    return outs[0]
+    return "".join(outs)
 
 
 def main():
