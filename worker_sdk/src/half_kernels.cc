@@ -4,6 +4,7 @@
 #include <cstring>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define DDPRUN_X86_KERNELS 1
 #endif
@@ -118,47 +119,48 @@ DDPRUN_AVX2 void store8Half(uint16_t* p, __m256 x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
 }
 
-DDPRUN_AVX2 void floatToBf16Avx2(const float* in, uint16_t* out, size_t n, float divisor) {
+// One loop per operation, instantiated for each format by its 8-wide load/store and its
+// portable loop (which takes the tail).
+using Load8 = __m256 (*)(const uint16_t*);
+using Store8 = void (*)(uint16_t*, __m256);
+
+template <Store8 store, void (*tail)(const float*, uint16_t*, size_t, float)>
+DDPRUN_AVX2 void castAvx2(const float* in, uint16_t* out, size_t n, float divisor) {
   const __m256 d = _mm256_set1_ps(divisor);
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) store8Bf16(out + i, _mm256_div_ps(_mm256_loadu_ps(in + i), d));
-  floatToBf16Portable(in + i, out + i, n - i, divisor);
+  for (; i + 8 <= n; i += 8) store(out + i, _mm256_div_ps(_mm256_loadu_ps(in + i), d));
+  tail(in + i, out + i, n - i, divisor);
 }
 
-DDPRUN_AVX2 void bf16ToFloatAvx2(const uint16_t* in, float* out, size_t n) {
+template <Load8 load, void (*tail)(const uint16_t*, float*, size_t)>
+DDPRUN_AVX2 void widenAvx2(const uint16_t* in, float* out, size_t n) {
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load8Bf16(in + i));
-  bf16ToFloatPortable(in + i, out + i, n - i);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load(in + i));
+  tail(in + i, out + i, n - i);
 }
 
-DDPRUN_AVX2 void floatToHalfAvx2(const float* in, uint16_t* out, size_t n, float divisor) {
-  const __m256 d = _mm256_set1_ps(divisor);
+template <Load8 load, Store8 store,
+          void (*tail)(uint16_t*, const uint16_t*, const uint16_t*, size_t)>
+DDPRUN_AVX2 void sumAvx2(uint16_t* c, const uint16_t* a, const uint16_t* b, size_t n) {
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) store8Half(out + i, _mm256_div_ps(_mm256_loadu_ps(in + i), d));
-  floatToHalfPortable(in + i, out + i, n - i, divisor);
+  for (; i + 8 <= n; i += 8) store(c + i, _mm256_add_ps(load(a + i), load(b + i)));
+  tail(c + i, a + i, b + i, n - i);
 }
 
-DDPRUN_AVX2 void halfToFloatAvx2(const uint16_t* in, float* out, size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load8Half(in + i));
-  halfToFloatPortable(in + i, out + i, n - i);
-}
-
-DDPRUN_AVX2 void sumBf16Avx2(uint16_t* c, const uint16_t* a, const uint16_t* b, size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) store8Bf16(c + i, _mm256_add_ps(load8Bf16(a + i), load8Bf16(b + i)));
-  sumBf16Portable(c + i, a + i, b + i, n - i);
-}
-
-DDPRUN_AVX2 void sumHalfAvx2(uint16_t* c, const uint16_t* a, const uint16_t* b, size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) store8Half(c + i, _mm256_add_ps(load8Half(a + i), load8Half(b + i)));
-  sumHalfPortable(c + i, a + i, b + i, n - i);
-}
+constexpr auto floatToBf16Avx2 = &castAvx2<store8Bf16, floatToBf16Portable>;
+constexpr auto floatToHalfAvx2 = &castAvx2<store8Half, floatToHalfPortable>;
+constexpr auto bf16ToFloatAvx2 = &widenAvx2<load8Bf16, bf16ToFloatPortable>;
+constexpr auto halfToFloatAvx2 = &widenAvx2<load8Half, halfToFloatPortable>;
+constexpr auto sumBf16Avx2 = &sumAvx2<load8Bf16, store8Bf16, sumBf16Portable>;
+constexpr auto sumHalfAvx2 = &sumAvx2<load8Half, store8Half, sumHalfPortable>;
 
 bool cpuHasAvx2F16c() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  // avx2 includes the OS's consent to the AVX state (XGETBV); F16C is CPUID leaf 1, ECX bit 29
+  // (clang's __builtin_cpu_supports has no name for it).
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+  return __builtin_cpu_supports("avx2") && f16c;
 }
 
 #endif  // DDPRUN_X86_KERNELS
