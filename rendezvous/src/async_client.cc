@@ -65,9 +65,7 @@ struct AsyncClient::Impl : std::enable_shared_from_this<AsyncClient::Impl> {
     std::shared_ptr<grpc::ChannelCredentials> creds;
     grpc::ChannelArguments args;
     if (tls) {
-      grpc::SslCredentialsOptions ssl;
-      ssl.pem_root_certs = options.tls_root_cert_pem;
-      creds = grpc::SslCredentials(ssl);
+      creds = convert::channelTls(options.tls_root_cert_pem);
       if (!options.tls_server_name.empty()) {
         args.SetSslTargetNameOverride(options.tls_server_name);
       }

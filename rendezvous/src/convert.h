@@ -3,6 +3,8 @@
 #pragma once
 
 #include <grpc/support/log.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
 #include <grpcpp/support/status.h>
 
 #include <mutex>
@@ -15,6 +17,21 @@
 namespace ddprun::rendezvous::convert {
 
 namespace pb = ::ddprun::rendezvous::v1;
+
+// A server's TLS credentials from PEM text (the callers decide when TLS is on).
+inline std::shared_ptr<grpc::ServerCredentials> serverTls(const std::string& cert_pem,
+                                                          const std::string& key_pem) {
+  grpc::SslServerCredentialsOptions ssl;
+  ssl.pem_key_cert_pairs.push_back({key_pem, cert_pem});
+  return grpc::SslServerCredentials(ssl);
+}
+
+// A channel's TLS credentials that trust the CA certificates in `root_pem`.
+inline std::shared_ptr<grpc::ChannelCredentials> channelTls(const std::string& root_pem) {
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = root_pem;
+  return grpc::SslCredentials(ssl);
+}
 
 inline grpc::Status toGrpc(const Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());

@@ -700,14 +700,9 @@ StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOption
   Impl* raw = impl.get();
   raw->service = std::make_unique<RendezvousService>(raw);
 
-  std::shared_ptr<grpc::ServerCredentials> creds;
-  if (!raw->options.tls_cert_pem.empty()) {
-    grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back({raw->options.tls_key_pem, raw->options.tls_cert_pem});
-    creds = grpc::SslServerCredentials(ssl);
-  } else {
-    creds = grpc::InsecureServerCredentials();
-  }
+  const auto creds = raw->options.tls_cert_pem.empty()
+                         ? grpc::InsecureServerCredentials()
+                         : convert::serverTls(raw->options.tls_cert_pem, raw->options.tls_key_pem);
   grpc::ServerBuilder builder;
   int selected = 0;
   builder.AddListeningPort(raw->options.listen, creds, &selected);

@@ -64,14 +64,9 @@ std::shared_ptr<grpc::Channel> channelTo(const SnapshotPeer& peer) {
   // LANs have the bandwidth; gRPC's defaults suit small messages).
   args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 1 << 20);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 32 << 20);
-  std::shared_ptr<grpc::ChannelCredentials> creds;
-  if (!peer.security.tls_ca_pem.empty()) {
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = peer.security.tls_ca_pem;
-    creds = grpc::SslCredentials(ssl);
-  } else {
-    creds = grpc::InsecureChannelCredentials();
-  }
+  const auto creds = peer.security.tls_ca_pem.empty()
+                         ? grpc::InsecureChannelCredentials()
+                         : convert::channelTls(peer.security.tls_ca_pem);
   return grpc::CreateCustomChannel(peer.endpoint, creds, args);
 }
 
@@ -268,15 +263,10 @@ StatusOr<std::unique_ptr<SnapshotServer>> SnapshotServer::start(SnapshotServerOp
   impl->options = std::move(options);
   impl->faults_left = impl->options.fault.count;
   impl->service = std::make_unique<ReplicationService>(impl.get());
-  std::shared_ptr<grpc::ServerCredentials> creds;
   const auto& sec = impl->options.security;
-  if (!sec.tls_cert_pem.empty() && !sec.tls_key_pem.empty()) {
-    grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back({sec.tls_key_pem, sec.tls_cert_pem});
-    creds = grpc::SslServerCredentials(ssl);
-  } else {
-    creds = grpc::InsecureServerCredentials();
-  }
+  const auto creds = !sec.tls_cert_pem.empty() && !sec.tls_key_pem.empty()
+                         ? convert::serverTls(sec.tls_cert_pem, sec.tls_key_pem)
+                         : grpc::InsecureServerCredentials();
   grpc::ServerBuilder builder;
   int selected = 0;
   builder.AddListeningPort(impl->options.listen, creds, &selected);

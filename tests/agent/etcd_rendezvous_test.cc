@@ -117,6 +117,13 @@ bool allDone(const std::vector<Agent*>& agents) {
   return true;
 }
 
+// Every agent joins, then the loop runs until each has its answer; true when all did in time.
+bool joinAll(Job& job, const std::vector<Agent*>& agents,
+             Duration bound = std::chrono::seconds(30)) {
+  for (Agent* a : agents) a->join();
+  return job.runUntil([&] { return allDone(agents); }, bound);
+}
+
 }  // namespace
 
 TEST_CASE("etcd-v3: a round forms at once at MAX", "[etcd]") {
@@ -124,10 +131,7 @@ TEST_CASE("etcd-v3: a round forms at once at MAX", "[etcd]") {
   EtcdCluster etcd;
   Job job(etcd.endpoints(), 2, 3, std::chrono::seconds(600));
   Agent a(job), b(job), c(job);
-  a.join();
-  b.join();
-  c.join();
-  REQUIRE(job.runUntil([&] { return allDone({&a, &b, &c}); }));
+  REQUIRE(joinAll(job, {&a, &b, &c}));
   std::set<uint32_t> ranks;
   for (Agent* x : {&a, &b, &c}) {
     REQUIRE(x->result->isOk());
@@ -166,9 +170,7 @@ TEST_CASE("etcd-v3: scale-up re-forms with stable ranks", "[etcd]") {
   EtcdCluster etcd;
   Job job(etcd.endpoints(), 2, 3, std::chrono::milliseconds(300));
   Agent a(job), b(job);
-  a.join();
-  b.join();
-  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  REQUIRE(joinAll(job, {&a, &b}));
   REQUIRE(a.result->isOk());
   const uint32_t rank_a = a.info->group_rank, rank_b = b.info->group_rank;
   Agent c(job);
@@ -197,9 +199,7 @@ TEST_CASE("etcd-v3: a node beyond MAX waits as a spare", "[etcd]") {
   EtcdCluster etcd;
   Job job(etcd.endpoints(), 1, 2, std::chrono::milliseconds(200));
   Agent a(job), b(job);
-  a.join();
-  b.join();
-  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  REQUIRE(joinAll(job, {&a, &b}));
   REQUIRE(a.result->isOk());
   Agent spare(job);
   spare.join();
@@ -254,9 +254,7 @@ TEST_CASE("etcd-v3: failure reports of one round cost one round", "[etcd]") {
   EtcdCluster etcd;
   Job job(etcd.endpoints(), 2, 2, std::chrono::milliseconds(200));
   Agent a(job), b(job);
-  a.join();
-  b.join();
-  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  REQUIRE(joinAll(job, {&a, &b}));
   REQUIRE(a.result->isOk());
   std::optional<StatusOr<uint64_t>> ra, rb;
   a.service->reportFailure(a.info->node_id, 1, [&](StatusOr<uint64_t> r) { ra = r; });
@@ -273,9 +271,7 @@ TEST_CASE("etcd-v3: failure reports of one round cost one round", "[etcd]") {
   job.runUntil([] { return false; }, std::chrono::milliseconds(300));
   CHECK(a.countChanges(rendezvous::ChangeKind::kRoundPending,
                        rendezvous::ChangeReason::kFailureReported) == 1);
-  a.join();
-  b.join();
-  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  REQUIRE(joinAll(job, {&a, &b}));
   CHECK(a.info->round == 2);
 }
 
@@ -284,9 +280,7 @@ TEST_CASE("etcd-v3: master address, key-value store and close", "[etcd]") {
   EtcdCluster etcd;
   Job job(etcd.endpoints(), 2, 2, std::chrono::milliseconds(200));
   Agent a(job), b(job);
-  a.join();
-  b.join();
-  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  REQUIRE(joinAll(job, {&a, &b}));
   Agent& rank0 = a.info->group_rank == 0 ? a : b;
   Agent& rank1 = a.info->group_rank == 0 ? b : a;
   std::optional<StatusOr<rendezvous::MasterAddress>> master;
@@ -452,9 +446,7 @@ TEST_CASE("etcd-v3: a 3-member cluster loses its leader and the rendezvous goes 
   EtcdCluster etcd(eo);
   Job job(etcd.endpoints(), 2, 3, std::chrono::milliseconds(300));
   Agent a(job), b(job);
-  a.join();
-  b.join();
-  REQUIRE(job.runUntil([&] { return allDone({&a, &b}); }));
+  REQUIRE(joinAll(job, {&a, &b}));
   REQUIRE(a.result->isOk());
   const int leader = etcd.leader();
   REQUIRE(leader >= 0);

@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "etcd_cluster.h"
+#include "multinode_helpers.h"
 #include "process_helpers.h"
 
 using namespace ddprun::testing;
@@ -43,11 +44,6 @@ std::unique_ptr<Process> etcdAgent(const std::string& addr, const std::string& e
       argv, std::map<std::string, std::string>{{"PYTHON_EXEC", torchPython()}}, options);
 }
 
-std::vector<std::string> testWorker(std::vector<std::string> args) {
-  args.insert(args.begin(), {"--no-python", testWorkerBin()});
-  return args;
-}
-
 }  // namespace
 
 TEST_CASE("etcd-v3: two nodes of PyTorch gloo workers all_reduce across nodes", "[etcd][pytorch]") {
@@ -62,13 +58,9 @@ TEST_CASE("etcd-v3: two nodes of PyTorch gloo workers all_reduce across nodes", 
       etcdAgent("127.0.0.2", etcd.endpoints(), "2", "e2e-gloo", {"--nproc-per-node=2"}, {prog});
   auto b =
       etcdAgent("127.0.0.3", etcd.endpoints(), "2", "e2e-gloo", {"--nproc-per-node=2"}, {prog});
-  auto ra = a->wait(180s), rb = b->wait(180s);
-  REQUIRE(ra);
-  REQUIRE(rb);
-  INFO(ra->err << rb->err);
-  CHECK(ra->exit_code == 0);
-  CHECK(rb->exit_code == 0);
-  const std::string all = ra->out + rb->out;
+  auto [ra, rb] = bothSucceed(*a, *b, 180s);
+  INFO(ra.err << rb.err);
+  const std::string all = ra.out + rb.out;
   for (int r = 0; r < 4; ++r) {
     INFO("rank " << r);
     CHECK(all.find("rank " + std::to_string(r) + "/4: all_reduce sum 10 (expected 10) OK") !=
@@ -87,19 +79,9 @@ TEST_CASE("etcd-v3: a worker failing on one node restarts every node once", "[et
                      {"--nproc-per-node=2", "--max-restarts=1"}, worker);
   auto b = etcdAgent("127.0.0.3", etcd.endpoints(), "2", "e2e-fail",
                      {"--nproc-per-node=2", "--max-restarts=1"}, worker);
-  auto ra = a->wait(180s), rb = b->wait(180s);
-  REQUIRE(ra);
-  REQUIRE(rb);
-  INFO(ra->err << rb->err);
-  CHECK(ra->exit_code == 0);
-  CHECK(rb->exit_code == 0);
-  for (int r = 0; r < 4; ++r) {
-    INFO("rank " << r);
-    CHECK(fileExists(state / ("pid." + std::to_string(r) + ".1")));  // restarted once
-    CHECK_FALSE(fileExists(state / ("pid." + std::to_string(r) + ".2")));
-    CHECK(parseEnvFile(
-              readFile(envs / ("env." + std::to_string(r))))["TORCHELASTIC_RESTART_COUNT"] == "1");
-  }
+  auto [ra, rb] = bothSucceed(*a, *b, 180s);
+  INFO(ra.err << rb.err);
+  checkEveryRankRestartedOnce(state, envs, 4);
 }
 
 TEST_CASE("etcd-v3: an agent killed with SIGKILL is found dead by its lease", "[etcd]") {
@@ -234,11 +216,5 @@ TEST_CASE("etcd-v3: workers run on through an etcd outage and a failure in it is
     INFO(r->err);
     CHECK(r->exit_code == 0);
   }
-  for (int r = 0; r < 2; ++r) {
-    INFO("rank " << r);
-    CHECK(fileExists(state / ("pid." + std::to_string(r) + ".1")));  // restarted once
-    CHECK_FALSE(fileExists(state / ("pid." + std::to_string(r) + ".2")));
-    CHECK(parseEnvFile(
-              readFile(envs / ("env." + std::to_string(r))))["TORCHELASTIC_RESTART_COUNT"] == "1");
-  }
+  checkEveryRankRestartedOnce(state, envs, 2);
 }

@@ -13,6 +13,7 @@
 #include <regex>
 
 #include "ddprun/common/strings.h"
+#include "multinode_helpers.h"
 #include "process_helpers.h"
 #include "rendezvous_daemon.h"
 
@@ -35,22 +36,6 @@ std::unique_ptr<Process> agent(const std::string& addr, const std::string& endpo
       argv, std::map<std::string, std::string>{{"PYTHON_EXEC", torchPython()}});
 }
 
-// Waits (bounded) for two nodes' agents and checks that both succeeded.
-std::pair<Finished, Finished> bothSucceed(Process& a, Process& b) {
-  auto ra = a.wait(120s), rb = b.wait(120s);
-  INFO("first agent:\n" << a.err() << "second agent:\n" << b.err());
-  REQUIRE(ra);
-  REQUIRE(rb);
-  CHECK(ra->exit_code == 0);
-  CHECK(rb->exit_code == 0);
-  return {*ra, *rb};
-}
-
-std::vector<std::string> testWorker(std::vector<std::string> args) {
-  args.insert(args.begin(), {"--no-python", testWorkerBin()});
-  return args;
-}
-
 }  // namespace
 
 TEST_CASE("agents on two loopback addresses form one job whose gloo all_reduce spans them",
@@ -68,20 +53,16 @@ TEST_CASE("agents on two loopback addresses form one job whose gloo all_reduce s
         agent("127.0.0.2", ep, "2", run_id, {"--nproc-per-node=" + std::to_string(na)}, {prog});
     auto b =
         agent("127.0.0.3", ep, "2", run_id, {"--nproc-per-node=" + std::to_string(nb)}, {prog});
-    auto ra = a->wait(180s), rb = b->wait(180s);
-    REQUIRE(ra);
-    REQUIRE(rb);
-    INFO(ra->err << rb->err);
-    CHECK(ra->exit_code == 0);
-    CHECK(rb->exit_code == 0);
+    auto [ra, rb] = bothSucceed(*a, *b, 180s);
+    INFO(ra.err << rb.err);
     const int world = na + nb;
     const std::string sum = std::to_string(world * (world + 1) / 2);
-    const bool a_first = ra->out.find("rank 0/" + std::to_string(world)) != std::string::npos;
+    const bool a_first = ra.out.find("rank 0/" + std::to_string(world)) != std::string::npos;
     const int first_block = a_first ? na : nb;
     for (int r = 0; r < world; ++r) {
       const bool on_a = (r < first_block) == a_first;
       INFO("rank " << r);
-      CHECK((on_a ? ra->out : rb->out)
+      CHECK((on_a ? ra.out : rb.out)
                 .find("rank " + std::to_string(r) + "/" + std::to_string(world) +
                       ": all_reduce sum " + sum + " (expected " + sum + ") OK") !=
             std::string::npos);
@@ -103,13 +84,7 @@ TEST_CASE("a worker failing on one node restarts every node's workers, charged o
   auto b = agent("127.0.0.3", rdzv.endpoint, "2", "fail1",
                  {"--nproc-per-node=2", "--max-restarts=1"}, worker);
   bothSucceed(*a, *b);
-  for (int r = 0; r < 4; ++r) {
-    INFO("rank " << r);
-    CHECK(fileExists(state / ("pid." + std::to_string(r) + ".1")));  // restarted once
-    CHECK_FALSE(fileExists(state / ("pid." + std::to_string(r) + ".2")));
-    CHECK(parseEnvFile(
-              readFile(envs / ("env." + std::to_string(r))))["TORCHELASTIC_RESTART_COUNT"] == "1");
-  }
+  checkEveryRankRestartedOnce(state, envs, 4);
 }
 
 TEST_CASE("the static backend forms the job from the node ranks given, as torchrun's tutorials do",

@@ -11,6 +11,7 @@
 #include <regex>
 #include <set>
 
+#include "multinode_helpers.h"
 #include "process_helpers.h"
 #include "rendezvous_daemon.h"
 
@@ -192,16 +193,12 @@ TEST_CASE("a transfer corrupted in flight or at the source is rejected and retri
                rdzv.endpoint, "2", "snap-corrupt", 1, writerScript(script));
       auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2",
                     "snap-corrupt", 1, writerScript(script));
-      auto ra = finish(*a, 120s), rb = finish(*b, 120s);
+      auto [ra, rb] = bothSucceed(*a, *b);
       INFO(a->err() << "\n" << b->err());
-      REQUIRE(ra);
-      REQUIRE(rb);
-      CHECK(ra->exit_code == 0);
-      CHECK(rb->exit_code == 0);
       const std::string why = fault == "in-flight:1" ? "fails its CRC-32 (corrupted in flight)"
                                                      : "does not match the announced CRC-32";
-      CHECK(rb->err.find(why) != std::string::npos);
-      CHECK(rb->err.find("snapshot: fetched data.bin") != std::string::npos);
+      CHECK(rb.err.find(why) != std::string::npos);
+      CHECK(rb.err.find("snapshot: fetched data.bin") != std::string::npos);
       CHECK(readFile(b_dir / "data.bin") == readFile(a_dir / "data.bin"));
       CHECK(readFile(a_dir / "data.bin").size() == 300000);
     }
@@ -232,19 +229,15 @@ TEST_CASE("a receiver without space keeps its previous version and the job goes 
                 writerScript(script));
   auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2", "snap-full", 1,
                 writerScript(script));
-  auto ra = finish(*a, 120s), rb = finish(*b, 120s);
+  auto [ra, rb] = bothSucceed(*a, *b);
   INFO(a->err() << "\n" << b->err());
-  REQUIRE(ra);
-  REQUIRE(rb);
-  CHECK(ra->exit_code == 0);
-  CHECK(rb->exit_code == 0);
   std::smatch m;
-  CHECK(std::regex_search(rb->err, m,
+  CHECK(std::regex_search(rb.err, m,
                           std::regex(R"(error: snapshot: no space for big.bin version \S+ in \S+: )"
                                      R"(needs 400000 bytes)")));
-  CHECK(countOf(rb->err, "no space for big.bin") == 1);  // one line, not retried
-  CHECK(readFile(b_dir / "big.bin") == "first\n");       // the previous version stays
-  CHECK(readFile(b_dir / "small.txt") == "small\n");     // later versions still arrive
+  CHECK(countOf(rb.err, "no space for big.bin") == 1);  // one line, not retried
+  CHECK(readFile(b_dir / "big.bin") == "first\n");      // the previous version stays
+  CHECK(readFile(b_dir / "small.txt") == "small\n");    // later versions still arrive
   CHECK(readFile(a_dir / "big.bin").size() == 400000);
 }
 
