@@ -146,7 +146,7 @@ Status EtcdClient::onSomeMember(const char* what, Call call) {
   if (shut_down_) return Status(StatusCode::kCancelled, "etcd client shut down");
   const size_t n = members_.size();
   const size_t first = current_.load();
-  std::vector<std::string> failures;
+  std::vector<std::string> failures, too_old;
   for (size_t i = 0; i < n; ++i) {
     const size_t idx = (first + i) % n;
     Member& m = *members_[idx];
@@ -186,11 +186,29 @@ Status EtcdClient::onSomeMember(const char* what, Call call) {
       }
       if (st.error_code() == grpc::StatusCode::UNAVAILABLE ||
           st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+        // gRPC's words for a server that answered the HTTP/2 preface in HTTP/1.x: an etcd 2.x
+        // (v2 API only), a TLS-only member, or not etcd. etcd's `GET /version` tells which.
+        if (msg.find("http1.x") != std::string::npos) {
+          if (auto v =
+                  etcdVersionFromHttpReply(httpGetVersion(m.endpoint, std::chrono::seconds(1)));
+              v && !v->empty() && (*v)[0] < '3') {
+            too_old.push_back("etcd at " + m.endpoint + " is version " + *v);
+          }
+        }
         failures.push_back(m.endpoint + " (" + msg + ")");
         break;
       }
       return fromGrpc(what, m, st);
     }
+  }
+  if (!too_old.empty()) {
+    // Not transient: waiting will not turn a v2-only etcd into a v3 one.
+    return failedPrecondition(join(too_old, "; ") + ", which serves only the v2 API: " +
+                              "--rdzv-backend=etcd-v3 needs etcd 3.0 or newer (its v3 gRPC " +
+                              "API)" +
+                              (failures.size() > too_old.size()
+                                   ? "; the other members did not answer: " + join(failures, ", ")
+                                   : std::string()));
   }
   std::string hint;
   if (!options_.tls) {

@@ -21,6 +21,7 @@
 #include "ddprun/common/clock.h"
 #include "ddprun/common/status.h"
 #include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
+#include "etcd_http_probe.h"
 
 namespace ddprun::agent {
 

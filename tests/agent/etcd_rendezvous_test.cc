@@ -10,7 +10,9 @@
 #include <set>
 
 #include "etcd_cluster.h"
+#include "etcd_http_probe.h"
 #include "etcd_rendezvous_service.h"
+#include "fake_etcd2.h"
 
 using namespace ddprun;
 using namespace ddprun::agent;
@@ -368,6 +370,64 @@ StatusOr<rendezvous::RoundInfo> joinAlone(Job& job, Duration connect_for) {
 std::string readAll(const std::string& path) { return ddprun::testing::readFile(path); }
 
 }  // namespace
+
+TEST_CASE("etcd-v3: what an HTTP/1.x answer to GET /version says about the member", "[etcd]") {
+  const std::string head = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n";
+  // etcd 2.x and 3.x answer with their versions.
+  CHECK(etcdVersionFromHttpReply(head + R"({"etcdserver":"2.3.8","etcdcluster":"2.3.0"})") ==
+        "2.3.8");
+  CHECK(etcdVersionFromHttpReply(head + R"({ "etcdserver" : "3.4.23", "etcdcluster":"3.4.0"})") ==
+        "3.4.23");
+  CHECK(etcdVersionFromHttpReply("HTTP/1.0 200 OK\r\n\r\n{\"etcdserver\":\"2.0.0-rc.1\"}") ==
+        "2.0.0-rc.1");
+  // A TLS-only member (Go's answer to plaintext), other servers, nothing, damaged and hostile
+  // replies: not an etcd version.
+  CHECK_FALSE(etcdVersionFromHttpReply(
+      "HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"));
+  CHECK_FALSE(etcdVersionFromHttpReply(head + R"({"version":"1.2"})"));
+  CHECK_FALSE(etcdVersionFromHttpReply(""));
+  CHECK_FALSE(etcdVersionFromHttpReply(R"({"etcdserver":"2.3.8"})"));  // not HTTP
+  CHECK_FALSE(
+      etcdVersionFromHttpReply("HTTP/1.1 200 OK\r\n"
+                               R"({"etcdserver":"2.3.8"})"));
+  CHECK_FALSE(etcdVersionFromHttpReply(head + R"({"etcdserver":"2.3.8)"));  // cut short
+  CHECK_FALSE(etcdVersionFromHttpReply(head + R"({"etcdserver":""})"));
+  CHECK_FALSE(etcdVersionFromHttpReply(head + R"({"etcdserver":2})"));
+  CHECK_FALSE(etcdVersionFromHttpReply(head + R"({"etcdserver":"2.3\n8; rm -rf /"})"));
+  CHECK_FALSE(
+      etcdVersionFromHttpReply(head + "{\"etcdserver\":\"" + std::string(100000, '2') + "\"}"));
+  // Nothing listening: an empty reply, not a hang or a throw.
+  CHECK(httpGetVersion("127.0.0.1:" + std::to_string(ddprun::testing::freePort()),
+                       std::chrono::seconds(1))
+            .empty());
+  CHECK(httpGetVersion("no-port", std::chrono::seconds(1)).empty());
+}
+
+TEST_CASE("etcd-v3: an etcd that serves only the v2 API is refused at once, named with its version",
+          "[etcd]") {
+  ddprun::testing::FakeEtcd2 old("2.3.8");
+  Job job(old.endpoint(), 1, 1, Duration::zero());
+  // A generous connect_for: the refusal must not wait it out (only UNAVAILABLE is retried).
+  auto r = joinAlone(job, std::chrono::seconds(60));
+  REQUIRE_FALSE(r.isOk());
+  CHECK(r.status().code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(r.status().message(),
+             Catch::Contains("etcd at " + old.endpoint() + " is version 2.3.8"));
+  CHECK_THAT(r.status().message(), Catch::Contains("only the v2 API"));
+  CHECK_THAT(r.status().message(), Catch::Contains("etcd 3.0 or newer"));
+  CHECK(r.status().message().find('\n') == std::string::npos);
+  CHECK(old.connections() >= 2);  // the gRPC handshake, then GET /version
+}
+
+TEST_CASE("etcd-v3: a v2-only member in the list is passed over for a v3 one", "[etcd]") {
+  REQUIRE_ETCD();
+  ddprun::testing::FakeEtcd2 old("2.3.8");
+  EtcdCluster etcd;
+  Job job(old.endpoint() + "," + etcd.endpoints(), 1, 1, Duration::zero());
+  auto r = joinAlone(job, std::chrono::seconds(30));
+  REQUIRE(r.isOk());
+  CHECK(r.value().group_world_size == 1);
+}
 
 TEST_CASE("etcd-v3: TLS with a client certificate, and a TLS mismatch named", "[etcd]") {
   REQUIRE_ETCD();

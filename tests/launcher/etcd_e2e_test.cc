@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "etcd_cluster.h"
+#include "fake_etcd2.h"
 #include "multinode_helpers.h"
 #include "process_helpers.h"
 
@@ -120,6 +121,21 @@ TEST_CASE("etcd-v3: an unreachable etcd is one error line naming the member", "[
   CHECK(r->exit_code != 0);
   CHECK(r->err.find("no etcd member answered") != std::string::npos);
   CHECK(r->err.find(endpoint) != std::string::npos);
+  CHECK(r->err.find("terminate called") == std::string::npos);
+}
+
+TEST_CASE("etcd-v3: an etcd that serves only the v2 API is one error line, before join_timeout",
+          "[etcd]") {
+  FakeEtcd2 old("2.3.8");
+  // join_timeout=600: the agent must give up because etcd is too old, not because time ran out.
+  auto a = etcdAgent("127.0.0.2", old.endpoint(), "1", "e2e-v2", {"--rdzv-conf=join_timeout=600"},
+                     testWorker({"--sleep", "1"}));
+  auto r = a->wait(120s);
+  REQUIRE(r);
+  INFO(r->err);
+  CHECK(r->exit_code != 0);
+  CHECK(r->err.find("etcd at " + old.endpoint() +
+                    " is version 2.3.8, which serves only the v2 API") != std::string::npos);
   CHECK(r->err.find("terminate called") == std::string::npos);
 }
 
