@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "convert.h"
+#include "ddprun/common/crc32.h"
 #include "ddprun/common/log.h"
 #include "ddprun/snapshot/v1/snapshot.grpc.pb.h"
 
@@ -22,20 +23,7 @@ namespace spb = ::ddprun::snapshot::v1;
 
 namespace {
 
-uint32_t crcUpdate(uint32_t crc, const char* data, size_t n) {
-  uLong c = crc;
-  while (n > 0) {  // zlib takes a uInt length
-    const uInt part = static_cast<uInt>(std::min<size_t>(n, 1u << 30));
-    c = ::crc32(c, reinterpret_cast<const Bytef*>(data), part);
-    data += part;
-    n -= part;
-  }
-  return static_cast<uint32_t>(c);
-}
-
-uint32_t crcOf(const std::string& bytes) {
-  return crcUpdate(static_cast<uint32_t>(::crc32(0L, Z_NULL, 0)), bytes.data(), bytes.size());
-}
+uint32_t crcOf(const std::string& bytes) { return crc32Update(0, bytes.data(), bytes.size()); }
 
 bool sameSecret(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;
@@ -93,7 +81,7 @@ StatusOr<std::pair<uint64_t, uint32_t>> crc32OfFile(int fd) {
       return internalError("cannot read: " + errnoText(errno));
     }
     if (n == 0) break;
-    crc = crcUpdate(crc, buf.data(), static_cast<size_t>(n));
+    crc = crc32Update(crc, buf.data(), static_cast<size_t>(n));
     total += static_cast<uint64_t>(n);
   }
   return std::make_pair(total, crc);

@@ -5,7 +5,6 @@
 #include <sys/stat.h>
 #include <torch/serialize.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <cerrno>
 #include <csignal>
@@ -21,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ddprun/common/crc32.h"
 #include "ddprun/worker/errors.h"
 
 namespace ddprun::worker {
@@ -36,16 +36,7 @@ namespace {
 constexpr char kTrailerMagic[8] = {'D', 'D', 'P', 'S', 'N', 'A', 'P', '1'};
 constexpr size_t kTrailerSize = 8 + 8 + 4;
 
-uint32_t crc32Of(const char* data, size_t n) {
-  uLong crc = ::crc32(0L, Z_NULL, 0);
-  while (n > 0) {
-    const uInt chunk = static_cast<uInt>(std::min<size_t>(n, 1u << 30));
-    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(data), chunk);
-    data += chunk;
-    n -= chunk;
-  }
-  return static_cast<uint32_t>(crc);
-}
+uint32_t crc32Of(const char* data, size_t n) { return crc32Update(0, data, n); }
 
 void appendTrailer(std::string& bytes) {
   const uint64_t length = bytes.size();
