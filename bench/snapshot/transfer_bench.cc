@@ -48,9 +48,9 @@ int main(int argc, char** argv) {
   auto server = SnapshotServer::start(std::move(o));
   if (!server.isOk()) return 1;
   const SnapshotPeer peer{"127.0.0.1:" + std::to_string((*server)->port()), "bench", {}};
-  // Rep -1 warms up and is not shown: on this VM the first 200 MB of fresh page cache a process
-  // writes cost up to 0.5 s more (memory first touched), and the copy that follows the fetch in
-  // the same rep reuses the pages the fetch just freed, which made the first ratio 6-7x.
+  // Rep -1 warms up and is not shown: on this VM the first ~200 MB written after a pause cost up
+  // to 0.5 s more (memory touched for the first time in a while), and the copy that follows the
+  // fetch in the same rep reuses the pages the fetch just freed, which made the first ratio 6-7x.
   for (int i = -1; i < reps; ++i) {
     const std::string out = dir + "/out" + std::to_string(i);
     auto t0 = std::chrono::steady_clock::now();
