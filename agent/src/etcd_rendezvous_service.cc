@@ -295,7 +295,9 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   RendezvousState& state() {
     if (dirty_) {
       dirty_ = false;
-      Status st = cached_.importRun(o_.run_id, std::string(current_.snapshot()));
+      StatusOr<std::string> snapshot = current_.snapshot();
+      Status st =
+          snapshot.isOk() ? cached_.importRun(o_.run_id, snapshot.value()) : snapshot.status();
       if (!st.isOk()) log()->error("etcd rendezvous: {}", st.message());
     }
     return cached_;
@@ -717,9 +719,11 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
         held = false;
       }
       auto old = StateValue::parse(value);
+      StatusOr<std::string> old_snapshot =
+          old.isOk() ? old->snapshot() : StatusOr<std::string>(old.status());
       RendezvousState state;
-      Status imported =
-          old.isOk() ? state.importRun(o_.run_id, std::string(old->snapshot())) : old.status();
+      Status imported = old_snapshot.isOk() ? state.importRun(o_.run_id, old_snapshot.value())
+                                            : old_snapshot.status();
       if (!imported.isOk()) {
         if (held) {  // read what etcd holds instead
           have = held = false;
@@ -731,7 +735,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       Applied applied;
       applied.out = state.drain();
       const std::string snapshot = state.exportRun(o_.run_id);
-      if (snapshot == old->snapshot() && applied.out.changes.empty()) {
+      if (snapshot == old_snapshot.value() && applied.out.changes.empty()) {
         if (held) {
           have = held = false;
           continue;

@@ -1,5 +1,7 @@
 #include "etcd_state_value.h"
 
+#include <zlib.h>
+
 #include <charconv>
 #include <map>
 
@@ -11,7 +13,36 @@ using rendezvous::Participant;
 using rendezvous::RoundChange;
 using rendezvous::RoundInfo;
 
-constexpr std::string_view kTag = "v2;";
+// "v3;": the snapshot section is "p" + the snapshot, or "z" + its size + ":" + the snapshot
+// deflated (zlib). "v2;": the snapshot as it is. No tag: no answers either (the first format).
+constexpr std::string_view kTag = "v3;";
+constexpr std::string_view kTagPlain = "v2;";
+
+// Snapshots smaller than this are stored as they are: deflating them saves little.
+constexpr size_t kDeflateFrom = 1024;
+// A snapshot that says it inflates to more than this is damaged (a 4096-node run is ~0.6 MB).
+constexpr uint64_t kMaxSnapshot = uint64_t{1} << 30;
+
+void appendSnapshot(std::string& out, const std::string& snapshot) {
+  if (snapshot.size() < kDeflateFrom) {
+    out += 'p';
+    out += snapshot;
+    return;
+  }
+  uLongf room = compressBound(static_cast<uLong>(snapshot.size()));
+  std::string packed(room, '\0');
+  if (compress2(reinterpret_cast<Bytef*>(packed.data()), &room,
+                reinterpret_cast<const Bytef*>(snapshot.data()),
+                static_cast<uLong>(snapshot.size()), Z_BEST_SPEED) != Z_OK) {
+    out += 'p';
+    out += snapshot;
+    return;
+  }
+  out += 'z';
+  out += std::to_string(snapshot.size());
+  out += ':';
+  out.append(packed.data(), room);
+}
 
 // Numbers are decimal followed by a separator; strings "<length>:<bytes>" (as in snapshots).
 class Writer {
@@ -167,7 +198,7 @@ std::string encodeStateValue(const std::vector<rendezvous::RendezvousState::Chan
   out += std::to_string(a.size());
   out += ':';
   out += a;
-  out += snapshot;
+  appendSnapshot(out, snapshot);
   return out;
 }
 
@@ -179,7 +210,8 @@ StatusOr<StateValue> StateValue::parse(std::shared_ptr<const std::string> stored
   v.stored_ = std::move(stored);
   auto bad = [] { return invalidArgument("the stored rendezvous state is unreadable"); };
   std::string_view s = *v.stored_;
-  const bool tagged = s.substr(0, kTag.size()) == kTag;
+  const bool packed = s.substr(0, kTag.size()) == kTag;
+  const bool tagged = packed || s.substr(0, kTagPlain.size()) == kTagPlain;
   size_t pos = tagged ? kTag.size() : 0;
   const size_t semi = s.find(';', pos);
   if (semi == std::string_view::npos) return bad();
@@ -205,11 +237,35 @@ StatusOr<StateValue> StateValue::parse(std::shared_ptr<const std::string> stored
   v.snapshot_begin_ =
       tagged ? v.answers_end_ : static_cast<size_t>(changes.data() - s.data()) + changes.size();
   if (!tagged) v.answers_begin_ = v.answers_end_ = v.snapshot_begin_;
+  if (packed) {
+    if (v.snapshot_begin_ >= s.size()) return bad();
+    const char how = s[v.snapshot_begin_++];
+    if (how == 'z') {
+      Cursor size(s.substr(v.snapshot_begin_));
+      v.inflated_size_ = size.num(':');
+      if (!size.ok() || v.inflated_size_ == 0 || v.inflated_size_ > kMaxSnapshot) return bad();
+      v.snapshot_begin_ = s.find(':', v.snapshot_begin_) + 1;
+      v.deflated_ = true;
+    } else if (how != 'p') {
+      return bad();
+    }
+  }
   return v;
 }
 
-std::string_view StateValue::snapshot() const {
-  return std::string_view(*stored_).substr(snapshot_begin_);
+StatusOr<std::string> StateValue::snapshot() const {
+  const std::string_view stored = std::string_view(*stored_).substr(snapshot_begin_);
+  if (!deflated_) return std::string(stored);
+  std::string out(static_cast<size_t>(inflated_size_), '\0');
+  uLongf got = static_cast<uLongf>(out.size());
+  if (uncompress(reinterpret_cast<Bytef*>(out.data()), &got,
+                 reinterpret_cast<const Bytef*>(stored.data()),
+                 static_cast<uLong>(stored.size())) != Z_OK ||
+      got != out.size()) {
+    return invalidArgument(
+        "the stored rendezvous state is unreadable (its snapshot does not inflate)");
+  }
+  return out;
 }
 
 std::optional<StatusOr<RoundInfo>> StateValue::joinAnswer(uint64_t call) const {

@@ -81,7 +81,9 @@ uint32_t waiting(EtcdClient& client, const std::string& prefix, const std::strin
   if (!client.range(req, &resp).isOk() || resp.kvs_size() == 0) return 0;
   auto value = StateValue::parse(std::make_shared<const std::string>(resp.kvs(0).value()));
   rendezvous::RendezvousState st;
-  if (!value.isOk() || !st.importRun(run, std::string(value->snapshot())).isOk()) return 0;
+  if (!value.isOk()) return 0;
+  auto snapshot = value->snapshot();
+  if (!snapshot.isOk() || !st.importRun(run, snapshot.value()).isOk()) return 0;
   auto status = st.status(run);
   return status.isOk() ? status.value().waiting : 0;
 }
