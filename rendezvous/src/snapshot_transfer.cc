@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -344,6 +346,103 @@ class TempFile {
   bool kept_ = false;
 };
 
+// Writes a fetched version sequentially. Large files go to disk with O_DIRECT, through an aligned
+// buffer: a fetched version is read once by the workers that resume from it and served to peers,
+// so caching it on the way in only takes memory from the training node, and filling fresh page
+// cache is itself slow on some hosts (this 2-core VM: 1 GB buffered took 2.7 s plus a 0.4 s
+// fsync, with O_DIRECT 0.6-0.7 s). Falls back to buffered writes where the file system refuses
+// O_DIRECT (the fcntl fails) or an aligned direct write (EINVAL); the tail that does not fill a
+// whole block is always written buffered.
+class SequentialWriter {
+ public:
+  static constexpr size_t kBlock = 4096;
+  static constexpr size_t kBuffer = 4 << 20;        // a multiple of kBlock
+  static constexpr uint64_t kDirectFrom = 8 << 20;  // smaller files: buffered
+
+  SequentialWriter(int fd, uint64_t size) : fd_(fd) {
+    if (size < kDirectFrom) return;
+    void* mem = nullptr;
+    if (::posix_memalign(&mem, kBlock, kBuffer) != 0) return;
+    buffer_.reset(static_cast<char*>(mem));
+    const int flags = ::fcntl(fd_, F_GETFL);
+    direct_ = flags >= 0 && ::fcntl(fd_, F_SETFL, flags | O_DIRECT) == 0;
+    if (!direct_) buffer_.reset();
+  }
+
+  // Appends `n` bytes; errno of a failed write (ENOSPC, EIO, ...) in the returned value, else 0.
+  int append(const char* data, size_t n) {
+    if (!direct_) return writeAll(data, n);
+    while (n > 0) {
+      const size_t take = std::min(n, kBuffer - filled_);
+      std::memcpy(buffer_.get() + filled_, data, take);
+      filled_ += take;
+      data += take;
+      n -= take;
+      if (filled_ == kBuffer) {
+        if (const int err = drain(kBuffer)) return err;
+      }
+    }
+    return 0;
+  }
+
+  // Writes what is buffered: the whole blocks directly, the rest buffered. 0 or an errno.
+  int finish() {
+    if (!direct_) return 0;
+    const size_t whole = filled_ / kBlock * kBlock;
+    if (whole > 0) {
+      if (const int err = drain(whole)) return err;
+    }
+    if (filled_ == 0) return 0;
+    stopDirect();
+    const int err = writeAll(buffer_.get(), filled_);
+    filled_ = 0;
+    return err;
+  }
+
+  bool direct() const { return direct_; }
+
+ private:
+  // Writes the first `n` (a multiple of kBlock) buffered bytes directly; keeps the rest.
+  int drain(size_t n) {
+    int err = writeAll(buffer_.get(), n);
+    if (err == EINVAL && direct_) {  // the device wants another alignment: buffered from here
+      stopDirect();
+      err = writeAll(buffer_.get(), n);
+    }
+    if (err != 0) return err;
+    std::memmove(buffer_.get(), buffer_.get() + n, filled_ - n);
+    filled_ -= n;
+    return 0;
+  }
+
+  void stopDirect() {
+    const int flags = ::fcntl(fd_, F_GETFL);
+    if (flags >= 0) (void)::fcntl(fd_, F_SETFL, flags & ~O_DIRECT);
+  }
+
+  int writeAll(const char* data, size_t n) {
+    while (n > 0) {
+      const ssize_t w = ::pwrite(fd_, data, n, static_cast<off_t>(offset_));
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) return errno;
+      if (w == 0) return EIO;
+      data += w;
+      n -= static_cast<size_t>(w);
+      offset_ += static_cast<uint64_t>(w);
+    }
+    return 0;
+  }
+
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  int fd_;
+  bool direct_ = false;
+  std::unique_ptr<char, Free> buffer_;
+  size_t filled_ = 0;
+  uint64_t offset_ = 0;  // where the next write lands
+};
+
 Status noSpace(const SnapshotFile& file, const std::string& dir, uint64_t free_bytes) {
   return Status(StatusCode::kResourceExhausted,
                 "no space for " + file.name + " version " + versionText(file.version) + " in " +
@@ -375,6 +474,13 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
     }
     // Other errors (a file system without fallocate): writing finds out.
   }
+
+  SequentialWriter writer(out.fd(), file.size);
+  auto writeFailure = [&](int err) {
+    return err == ENOSPC || err == EDQUOT
+               ? noSpace(file, dir, 0)
+               : internalError("cannot write " + temp_path + ": " + errnoText(err));
+  };
 
   auto stub = spb::SnapshotReplication::NewStub(channelTo(peer));
   grpc::ClientContext ctx;
@@ -409,18 +515,9 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
                                                   " fails its CRC-32 (corrupted in flight)");
       break;
     }
-    size_t written = 0;
-    while (written < data.size()) {
-      ssize_t w = ::pwrite(out.fd(), data.data() + written, data.size() - written,
-                           static_cast<off_t>(offset + written));
-      if (w < 0 && errno == EINTR) continue;
-      if (w < 0) {
-        failure = errno == ENOSPC || errno == EDQUOT
-                      ? noSpace(file, dir, 0)
-                      : internalError("cannot write " + temp_path + ": " + errnoText(errno));
-        break;
-      }
-      written += static_cast<size_t>(w);
+    if (const int err = writer.append(data.data(), data.size())) {
+      failure = writeFailure(err);
+      break;
     }
     if (!failure.isOk()) break;
     // The whole file's CRC-32 from the chunks' (one pass over the bytes, not two).
@@ -439,6 +536,7 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
     return Status(StatusCode::kDataLoss,
                   "the content does not match the announced CRC-32 (corrupt at the source)");
   }
+  if (const int err = writer.finish()) return writeFailure(err);
   return out.finish();
 }
 
