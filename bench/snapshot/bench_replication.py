@@ -240,7 +240,12 @@ def bench_step(build, work, replicate, epochs):
             a.proc.wait(timeout=1800)
         out = "".join(a.out() for a in agents)
         m = re.search(r"\[RANK 0\] timing: ([0-9.]+) ms/step", out)
-        size = os.path.getsize(os.path.join(dirs[0], "snapshot.pt" if replicate else "s.pt"))
+        # Rank 0 writes the snapshot; with the c10d rendezvous it may be either node.
+        name = "snapshot.pt" if replicate else "s.pt"
+        held = [os.path.join(d, name) for d in dirs if os.path.exists(os.path.join(d, name))]
+        if not m or not held:
+            raise RuntimeError("bench: the step job failed:\n" + "".join(a.err()[-2000:] for a in agents))
+        size = os.path.getsize(held[0])
         return float(m.group(1)), size
     finally:
         for a in agents:
