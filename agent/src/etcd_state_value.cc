@@ -245,7 +245,6 @@ StatusOr<StateValue> StateValue::parse(std::shared_ptr<const std::string> stored
       v.inflated_size_ = size.num(':');
       if (!size.ok() || v.inflated_size_ == 0 || v.inflated_size_ > kMaxSnapshot) return bad();
       v.snapshot_begin_ = s.find(':', v.snapshot_begin_) + 1;
-      v.deflated_ = true;
     } else if (how != 'p') {
       return bad();
     }
@@ -255,7 +254,7 @@ StatusOr<StateValue> StateValue::parse(std::shared_ptr<const std::string> stored
 
 StatusOr<std::string> StateValue::snapshot() const {
   const std::string_view stored = std::string_view(*stored_).substr(snapshot_begin_);
-  if (!deflated_) return std::string(stored);
+  if (inflated_size_ == 0) return std::string(stored);
   std::string out(static_cast<size_t>(inflated_size_), '\0');
   uLongf got = static_cast<uLongf>(out.size());
   if (uncompress(reinterpret_cast<Bytef*>(out.data()), &got,

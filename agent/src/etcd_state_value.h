@@ -61,8 +61,7 @@ class StateValue {
   std::vector<rendezvous::RoundChange> changes_;
   std::optional<TimePoint> next_deadline_;
   size_t answers_begin_ = 0, answers_end_ = 0, snapshot_begin_ = 0;
-  bool deflated_ = false;
-  uint64_t inflated_size_ = 0;
+  uint64_t inflated_size_ = 0;  // 0: the snapshot is stored as it is
 };
 
 }  // namespace ddprun::agent

@@ -90,33 +90,45 @@ std::vector<std::string> ourSegments() {
   return out;
 }
 
+// Runs `check` on every rank of a `world`-rank group with small slots named `name`; each rank
+// returns what it found wrong. Every finding is reported with its world and rank, then checked.
+void checkOnShmRanks(int world, const std::string& name,
+                     const std::function<std::vector<std::string>(int, ShmAllReduce&)>& check) {
+  std::mutex mu;
+  std::vector<std::string> failures;
+  runShmRanks(
+      world, [&](int) { return smallSlots(name); },
+      [&](int rank, ShmAllReduce* shm) {
+        if (shm == nullptr) throw std::runtime_error("no shared-memory group on one host");
+        const std::vector<std::string> found = check(rank, *shm);
+        std::lock_guard<std::mutex> l(mu);
+        for (const std::string& f : found) {
+          failures.push_back("world " + std::to_string(world) + " rank " + std::to_string(rank) +
+                             ": " + f);
+        }
+      });
+  for (auto& f : failures) UNSCOPED_INFO(f);
+  CHECK(failures.empty());
+}
+
 }  // namespace
 
 TEST_CASE("shared-memory all-reduce sums every dtype and size exactly across 2, 3 and 4 ranks",
           "[worker][shm]") {
   for (int world : {2, 3, 4}) {
-    std::mutex mu;
-    std::vector<std::string> failures;
-    runShmRanks(
-        world, [&](int) { return smallSlots("sizes" + std::to_string(world)); },
-        [&](int rank, ShmAllReduce* shm) {
-          if (shm == nullptr) throw std::runtime_error("no shared-memory group on one host");
-          for (size_t n : {size_t{0}, size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{1023},
-                           size_t{1024}, size_t{1025}, size_t{5000}, size_t{70001}}) {
-            for (const std::string& err : {checkSum<float>(*shm, world, n, ShmDType::kFloat32),
-                                           checkSum<double>(*shm, world, n, ShmDType::kFloat64),
-                                           checkSum<int32_t>(*shm, world, n, ShmDType::kInt32),
-                                           checkSum<int64_t>(*shm, world, n, ShmDType::kInt64)}) {
-              if (!err.empty()) {
-                std::lock_guard<std::mutex> l(mu);
-                failures.push_back("world " + std::to_string(world) + " rank " +
-                                   std::to_string(rank) + ": " + err);
-              }
-            }
-          }
-        });
-    for (auto& f : failures) UNSCOPED_INFO(f);
-    CHECK(failures.empty());
+    checkOnShmRanks(world, "sizes" + std::to_string(world), [&](int, ShmAllReduce& shm) {
+      std::vector<std::string> found;
+      for (size_t n : {size_t{0}, size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{1023},
+                       size_t{1024}, size_t{1025}, size_t{5000}, size_t{70001}}) {
+        for (const std::string& err : {checkSum<float>(shm, world, n, ShmDType::kFloat32),
+                                       checkSum<double>(shm, world, n, ShmDType::kFloat64),
+                                       checkSum<int32_t>(shm, world, n, ShmDType::kInt32),
+                                       checkSum<int64_t>(shm, world, n, ShmDType::kInt64)}) {
+          if (!err.empty()) found.push_back(err);
+        }
+      }
+      return found;
+    });
   }
 }
 
@@ -124,54 +136,45 @@ TEST_CASE("shared-memory all-reduce sums bfloat16 and half, rounding after each 
           "[worker][shm]") {
   namespace k = ddprun::worker::kernels;
   for (int world : {2, 3}) {
-    std::mutex mu;
-    std::vector<std::string> failures;
-    runShmRanks(
-        world, [&](int) { return smallSlots("half" + std::to_string(world)); },
-        [&](int rank, ShmAllReduce* shm) {
-          if (shm == nullptr) throw std::runtime_error("no shared-memory group on one host");
-          for (const bool bf16 : {true, false}) {
-            auto to16 = [&](float f) { return bf16 ? k::bf16FromFloat(f) : k::halfFromFloat(f); };
-            auto from16 = [&](uint16_t h) {
-              return bf16 ? k::floatFromBf16(h) : k::floatFromHalf(h);
-            };
-            const ShmDType dtype = bf16 ? ShmDType::kBFloat16 : ShmDType::kHalf;
-            const size_t n = 70001;
-            // Small integers: exact in both formats, so the sum is exact.
-            std::vector<uint16_t> v(n);
-            for (size_t i = 0; i < n; ++i) v[i] = to16(static_cast<float>((rank + 1) * (i % 8)));
-            shm->allReduce(v.data(), n, dtype);
-            // An average: the piece's owner adds the others' 1.1 * (r+1) to its own in rank
-            // order, rounding after each addition, then scales and rounds once more.
-            std::vector<uint16_t> a(n, to16(1.1f * static_cast<float>(rank + 1)));
-            shm->allReduce(a.data(), n, dtype, 1.0 / world);
-            std::vector<uint16_t> averages;  // one per possible owner
-            for (int owner = 0; owner < world; ++owner) {
-              uint16_t sum = to16(1.1f * static_cast<float>(owner + 1));
-              for (int r = 0; r < world; ++r) {
-                if (r != owner) sum = to16(from16(sum) + from16(to16(1.1f * (r + 1.0f))));
-              }
-              averages.push_back(to16(from16(sum) * static_cast<float>(1.0 / world)));
-            }
-            const float factor = static_cast<float>(world * (world + 1) / 2);
-            for (size_t i = 0; i < n; ++i) {
-              std::string err;
-              if (v[i] != to16(factor * static_cast<float>(i % 8))) err = "sum";
-              if (std::find(averages.begin(), averages.end(), a[i]) == averages.end()) {
-                err = "average";
-              }
-              if (!err.empty()) {
-                std::lock_guard<std::mutex> l(mu);
-                failures.push_back(std::string(bf16 ? "bfloat16" : "half") + " world " +
-                                   std::to_string(world) + " rank " + std::to_string(rank) + ": " +
-                                   err + " at " + std::to_string(i));
-                break;
-              }
-            }
+    checkOnShmRanks(world, "half" + std::to_string(world), [&](int rank, ShmAllReduce& shm) {
+      std::vector<std::string> found;
+      for (const bool bf16 : {true, false}) {
+        auto to16 = [&](float f) { return bf16 ? k::bf16FromFloat(f) : k::halfFromFloat(f); };
+        auto from16 = [&](uint16_t h) { return bf16 ? k::floatFromBf16(h) : k::floatFromHalf(h); };
+        const ShmDType dtype = bf16 ? ShmDType::kBFloat16 : ShmDType::kHalf;
+        const size_t n = 70001;
+        // Small integers: exact in both formats, so the sum is exact.
+        std::vector<uint16_t> v(n);
+        for (size_t i = 0; i < n; ++i) v[i] = to16(static_cast<float>((rank + 1) * (i % 8)));
+        shm.allReduce(v.data(), n, dtype);
+        // An average: the piece's owner adds the others' 1.1 * (r+1) to its own in rank
+        // order, rounding after each addition, then scales and rounds once more.
+        std::vector<uint16_t> a(n, to16(1.1f * static_cast<float>(rank + 1)));
+        shm.allReduce(a.data(), n, dtype, 1.0 / world);
+        std::vector<uint16_t> averages;  // one per possible owner
+        for (int owner = 0; owner < world; ++owner) {
+          uint16_t sum = to16(1.1f * static_cast<float>(owner + 1));
+          for (int r = 0; r < world; ++r) {
+            if (r != owner) sum = to16(from16(sum) + from16(to16(1.1f * (r + 1.0f))));
           }
-        });
-    for (auto& f : failures) UNSCOPED_INFO(f);
-    CHECK(failures.empty());
+          averages.push_back(to16(from16(sum) * static_cast<float>(1.0 / world)));
+        }
+        const float factor = static_cast<float>(world * (world + 1) / 2);
+        for (size_t i = 0; i < n; ++i) {
+          std::string err;
+          if (v[i] != to16(factor * static_cast<float>(i % 8))) err = "sum";
+          if (std::find(averages.begin(), averages.end(), a[i]) == averages.end()) {
+            err = "average";
+          }
+          if (!err.empty()) {
+            found.push_back(std::string(bf16 ? "bfloat16 " : "half ") + err + " at " +
+                            std::to_string(i));
+            break;
+          }
+        }
+      }
+      return found;
+    });
   }
 }
 
