@@ -76,6 +76,10 @@ StatusOr<SnapshotReplicatorOptions> snapshotReplicatorOptions(const AgentConfig&
   auto parsed = parseSnapshotFault(fault != nullptr ? fault : "");
   if (!parsed.isOk()) return parsed.status();
   o.fault = *parsed;
+  const char* streams = std::getenv("DDPRUN_SNAPSHOT_STREAMS");
+  auto n = parseSnapshotStreams(streams != nullptr ? streams : "");
+  if (!n.isOk()) return n.status();
+  o.fetch_streams = *n;
   return o;
 }
 

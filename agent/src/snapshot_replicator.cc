@@ -91,6 +91,16 @@ StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text) {
   return fault;
 }
 
+StatusOr<size_t> parseSnapshotStreams(const std::string& text) {
+  if (text.empty()) return rendezvous::kDefaultFetchStreams;
+  auto n = parseInt(text);
+  if (!n || *n < 1 || *n > 16) {
+    return invalidArgument("DDPRUN_SNAPSHOT_STREAMS: '" + text +
+                           "' is not a whole number from 1 to 16 (streams for one large fetch)");
+  }
+  return static_cast<size_t>(*n);
+}
+
 SnapshotReplicator::SnapshotReplicator(boost::asio::io_context& io,
                                        SnapshotReplicatorOptions options)
     : io_(io), options_(std::move(options)), event_buf_(64 * 1024) {}
@@ -368,9 +378,12 @@ void SnapshotReplicator::pump() {
     const auto started = std::chrono::steady_clock::now();
     auto status = std::make_shared<Status>();
     const rendezvous::SnapshotPeer peer{t.source, options_.run_id, options_.security};
-    offLoop([peer, file = toWire(t.file), temp, status,
-             cancel = &cancel_] { *status = rendezvous::fetchSnapshot(peer, file, temp, cancel); },
-            [this, t, status, temp, started] { onFetched(t, *status, temp, started); });
+    offLoop(
+        [peer, file = toWire(t.file), temp, status, cancel = &cancel_,
+         streams = options_.fetch_streams] {
+          *status = rendezvous::fetchSnapshot(peer, file, temp, cancel, streams);
+        },
+        [this, t, status, temp, started] { onFetched(t, *status, temp, started); });
   }
   maybeFinishSync();
 }

@@ -45,8 +45,9 @@ struct SnapshotReplicatorOptions {
   std::string run_id;
   std::string local_addr;  // advertised host; the service listens on it (a name: on 0.0.0.0)
   rendezvous::TransferSecurity security;
-  rendezvous::ServeFault fault;                          // test hook (DDPRUN_SNAPSHOT_FAULT)
-  Duration holdings_timeout = std::chrono::seconds(15);  // waiting for the others' holdings
+  rendezvous::ServeFault fault;                             // test hook (DDPRUN_SNAPSHOT_FAULT)
+  size_t fetch_streams = rendezvous::kDefaultFetchStreams;  // DDPRUN_SNAPSHOT_STREAMS
+  Duration holdings_timeout = std::chrono::seconds(15);     // waiting for the others' holdings
 };
 
 // What /metrics shows.
@@ -64,6 +65,10 @@ Status checkSnapshotDir(const std::string& dir);
 // DDPRUN_SNAPSHOT_FAULT=in-flight:N | at-source:N | slow:MS (test hook); INVALID_ARGUMENT when
 // malformed.
 StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text);
+
+// DDPRUN_SNAPSHOT_STREAMS=N: at most N streams at once for one large fetch (1-16; empty: the
+// default); INVALID_ARGUMENT naming the variable otherwise.
+StatusOr<size_t> parseSnapshotStreams(const std::string& text);
 
 class SnapshotReplicator {
  public:

@@ -1,7 +1,8 @@
 // Raw throughput of one snapshot fetch (rendezvous/snapshot_transfer.h) on 127.0.0.1, against a
 // plain read+write copy of the same file on the same disk. Informational.
-// Usage: snapshot_transfer_bench SIZE_MB [REPS]
+// Usage: snapshot_transfer_bench SIZE_MB [REPS [DIR]]   (DIR: where the files go, default /tmp)
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -16,15 +17,32 @@
 using namespace ddprun;
 using namespace ddprun::rendezvous;
 
+namespace {
+double cpuSeconds() {  // user + system time of every thread of this process
+  struct rusage ru {};
+  ::getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+}  // namespace
+
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: snapshot_transfer_bench SIZE_MB [REPS]\n");
+    std::fprintf(stderr, "usage: snapshot_transfer_bench SIZE_MB [REPS [DIR]]\n");
     return 2;
   }
   const size_t size = static_cast<size_t>(std::atol(argv[1])) << 20;
   const int reps = argc > 2 ? std::atoi(argv[2]) : 3;
-  char templ[] = "/tmp/ddprun_transfer_bench_XXXXXX";
-  const std::string dir = ::mkdtemp(templ);
+  const char* streams_env = std::getenv("DDPRUN_SNAPSHOT_STREAMS");  // as the agent takes it
+  const size_t streams = streams_env != nullptr && std::atoi(streams_env) > 0
+                             ? static_cast<size_t>(std::atoi(streams_env))
+                             : kDefaultFetchStreams;
+  std::string templ = std::string(argc > 3 ? argv[3] : "/tmp") + "/ddprun_transfer_bench_XXXXXX";
+  if (::mkdtemp(templ.data()) == nullptr) {
+    std::perror(templ.c_str());
+    return 1;
+  }
+  const std::string dir = templ;
   const std::string src = dir + "/src.bin";
   {
     std::vector<char> block(1 << 20);
@@ -54,9 +72,11 @@ int main(int argc, char** argv) {
   for (int i = -1; i < reps; ++i) {
     const std::string out = dir + "/out" + std::to_string(i);
     auto t0 = std::chrono::steady_clock::now();
-    Status st = fetchSnapshot(peer, served.file, out, nullptr);
+    const double cpu0 = cpuSeconds();
+    Status st = fetchSnapshot(peer, served.file, out, nullptr, streams);
     const double fetch =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double fetch_cpu = cpuSeconds() - cpu0;
     ::unlink(out.c_str());
     // The yardstick: read + write + fsync of the same bytes.
     t0 = std::chrono::steady_clock::now();
@@ -73,8 +93,9 @@ int main(int argc, char** argv) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ::unlink(out.c_str());
     if (i < 0) continue;
-    std::printf("%zu MiB: fetch %.3f s (%s), local copy %.3f s, ratio %.2fx\n", size >> 20, fetch,
-                st.isOk() ? "ok" : st.toString().c_str(), copy, fetch / copy);
+    std::printf(
+        "%zu MiB: fetch %.3f s (%s, CPU %.3f s, both ends), local copy %.3f s, ratio %.2fx\n",
+        size >> 20, fetch, st.isOk() ? "ok" : st.toString().c_str(), fetch_cpu, copy, fetch / copy);
   }
   std::system(("rm -rf '" + dir + "'").c_str());
   return 0;

@@ -387,3 +387,23 @@ TEST_CASE("a missing or unwritable --snapshot-dir is a usage error before anythi
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("is no directory") != std::string::npos);
 }
+
+TEST_CASE("a bad DDPRUN_SNAPSHOT_STREAMS is a usage error naming the variable", "[snapshot]") {
+  TempDir dir;
+  for (const std::string bad : {"0", "17", "two", "-1", "2x"}) {
+    CAPTURE(bad);
+    auto r = run({ddprunBin(), "--nnodes=1:2", "--rdzv-backend=c10d",
+                  "--rdzv-endpoint=127.0.0.1:" + std::to_string(freePort()), "--rdzv-id=streams",
+                  "--snapshot-dir=" + dir.path(), "--no-python", "/bin/true"},
+                 {{"DDPRUN_SNAPSHOT_STREAMS", bad}});
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("DDPRUN_SNAPSHOT_STREAMS: '" + bad + "' is not a whole number from 1 to 16") !=
+          std::string::npos);
+  }
+  auto r = run({ddprunBin(), "--nnodes=1:2", "--rdzv-backend=c10d",
+                "--rdzv-endpoint=127.0.0.1:" + std::to_string(freePort()), "--rdzv-id=streams",
+                "--rdzv-conf=last_call_timeout=0", "--snapshot-dir=" + dir.path(), "--no-python",
+                "/bin/true"},
+               {{"DDPRUN_SNAPSHOT_STREAMS", "4"}});
+  CHECK(r.exit_code == 0);
+}

@@ -118,11 +118,16 @@ Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
 // file is removed and the status says why: DATA_LOSS for a checksum or size mismatch,
 // RESOURCE_EXHAUSTED when the disk lacks the space (naming the bytes needed), NOT_FOUND when the
 // peer no longer holds that version, CANCELLED when `*cancel` became true, UNAVAILABLE or
-// DEADLINE_EXCEEDED for the network. Blocks the calling thread.
+// DEADLINE_EXCEEDED for the network. A version of 64 MiB or more comes over up to
+// `streams_at_most` streams at once, one range of 32 MiB or more each, each on a helper thread and
+// a connection of its own. Blocks the calling thread.
+inline constexpr size_t kDefaultFetchStreams = 2;
 Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
-                     const std::string& temp_path, const std::atomic<bool>* cancel);
+                     const std::string& temp_path, const std::atomic<bool>* cancel,
+                     size_t streams_at_most = kDefaultFetchStreams);
 
-// zlib's CRC-32 of a whole open file, reading from offset 0 (the size read is returned too).
+// zlib's CRC-32 of a whole open file, reading from offset 0 (the size read is returned too). A
+// file of 64 MiB or more is read in two halves at once, on this thread and a helper.
 StatusOr<std::pair<uint64_t, uint32_t>> crc32OfFile(int fd);
 
 }  // namespace ddprun::rendezvous
