@@ -43,6 +43,21 @@ SnapshotVersion SnapshotReplica::onLocalWrite(const std::string& name, uint64_t 
   return v;
 }
 
+SnapshotVersion SnapshotReplica::onLocalWritePending(const std::string& name, uint64_t size,
+                                                     uint64_t round) {
+  SnapshotVersion v = onLocalWrite(name, size, 0, round);
+  v.crc_pending = true;
+  held_[name] = v;
+  return v;
+}
+
+void SnapshotReplica::onCrcKnown(const std::string& name, uint64_t version, uint32_t crc32) {
+  auto it = held_.find(name);
+  if (it == held_.end() || it->second.version != version) return;
+  it->second.crc32 = crc32;
+  it->second.crc_pending = false;
+}
+
 bool SnapshotReplica::newerThanHeld(const SnapshotVersion& v) const {
   auto it = held_.find(v.name);
   return it == held_.end() || v.version > it->second.version;
@@ -63,7 +78,9 @@ void SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& sour
   }
   Want& w = it->second;
   if (v.version < w.target.version) return;
-  if (!(v == w.target)) return;  // same number, other content: keep the first one heard of
+  // Same number, other content: keep the first one heard of. A holder that knows the CRC-32
+  // serves the same version as one that is still hashing it.
+  if (!v.sameContent(w.target)) return;
   if (std::find(w.sources.begin(), w.sources.end(), source) == w.sources.end()) {
     w.sources.push_back(source);
   }
@@ -97,7 +114,7 @@ void SnapshotReplica::onTransferDone(const SnapshotTransfer& t, TransferOutcome 
     wants_.erase(it);
     return;
   }
-  if (!(w.target == t.file)) return;  // superseded while it ran: the newer one starts next
+  if (!w.target.sameContent(t.file)) return;  // superseded while it ran: the newer one is next
   switch (outcome) {
     case TransferOutcome::kOk:  // installed elsewhere meanwhile? (not newer: erased above)
       wants_.erase(it);
@@ -163,8 +180,9 @@ std::vector<int> relayTargets(int origin, int self, int nodes) {
 std::string encodeHoldings(const std::string& endpoint, const std::vector<SnapshotVersion>& held) {
   std::string out = endpoint + "\n";
   for (const auto& v : held) {
+    // "-" for a CRC-32 still being computed: the fetch learns it from the source.
     out += v.name + "\t" + std::to_string(v.version) + "\t" + std::to_string(v.size) + "\t" +
-           std::to_string(v.crc32) + "\n";
+           (v.crc_pending ? std::string("-") : std::to_string(v.crc32)) + "\n";
   }
   return out;
 }
@@ -184,11 +202,14 @@ StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
     }
     auto version = parseUint(fields[1]);
     auto size = parseUint(fields[2]);
-    auto crc = parseUint(fields[3]);
+    const bool pending = fields[3] == "-";
+    auto crc = pending ? std::optional<uint64_t>(0) : parseUint(fields[3]);
     if (!version || !size || !crc || *crc > 0xffffffffull) {
       return invalidArgument("snapshot holdings: malformed line '" + lines[i] + "'");
     }
-    held.push_back(SnapshotVersion{fields[0], *version, *size, static_cast<uint32_t>(*crc)});
+    SnapshotVersion v{fields[0], *version, *size, static_cast<uint32_t>(*crc)};
+    v.crc_pending = pending;
+    held.push_back(std::move(v));
   }
   return std::make_pair(lines[0], std::move(held));
 }

@@ -28,11 +28,20 @@ constexpr const char* kRecvPrefix = ".ddprun-recv.";
 constexpr int kTransferNice = 10;
 
 rendezvous::SnapshotFile toWire(const SnapshotVersion& v) {
-  return rendezvous::SnapshotFile{v.name, v.version, v.size, v.crc32};
+  rendezvous::SnapshotFile f{v.name, v.version, v.size, v.crc32};
+  f.crc32_pending = v.crc_pending;
+  return f;
 }
 SnapshotVersion fromWire(const rendezvous::SnapshotFile& f) {
-  return SnapshotVersion{f.name, f.version, f.size, f.crc32};
+  SnapshotVersion v{f.name, f.version, f.size, f.crc32};
+  v.crc_pending = f.crc32_pending;
+  return v;
 }
+
+// From this size on, a completed file is announced at once and hashed while the others fetch it
+// (its CRC-32 follows the last chunk of every stream); smaller ones are hashed first (under
+// 15 ms), which keeps their announcements self-contained.
+constexpr uint64_t kAnnounceBeforeHash = 64 << 20;
 
 // A version for people: "<round>.<sequence>" (the number itself is (round << 32) | sequence).
 std::string versionText(uint64_t v) {
@@ -196,7 +205,7 @@ void SnapshotReplicator::scanExisting() {
     if (!crc.isOk()) continue;
     replica_.adoptExisting(name, crc->first, crc->second);
     setHeld(name,
-            Held{{{name, 0, crc->first, crc->second}, file}, st.st_dev, st.st_ino, mtimeNs(st)});
+            Held{{{name, 0, crc->first, crc->second}, file, nullptr}, st.st_dev, st.st_ino, mtimeNs(st)});
     snapLog()->info("snapshot dir: {} ({} bytes) was there before the job (version 0)", name,
                     crc->first);
   }
@@ -250,8 +259,10 @@ void SnapshotReplicator::onDirEvent(const std::string& name) {
   hashNext();
 }
 
-// One file at a time, in the order completed, off the loop (a GB takes about a second): its
-// version is assigned when its hash is known, so versions follow the order of the writes.
+// One file at a time, in the order completed, off the loop: its version is assigned when it has
+// been looked at (small files: hashed too), so versions follow the order of the writes. A large
+// file is announced before its hash is known and hashed while it is fetched
+// (announceThenHash); the next file waits for that hash.
 void SnapshotReplicator::hashNext() {
   if (hashing_ || hash_queue_.empty()) return;
   hashing_ = true;
@@ -264,6 +275,7 @@ void SnapshotReplicator::hashNext() {
     struct stat st {};
     bool same = false;  // what this node holds already
     StatusOr<std::pair<uint64_t, uint32_t>> crc = internalError("not read");
+    bool deferred = false;  // large: announced first, hashed after
   };
   auto looked = std::make_shared<Looked>();
   offLoop(
@@ -282,11 +294,79 @@ void SnapshotReplicator::hashNext() {
           looked->same = true;  // e.g. a copy this node just renamed into place
           return;
         }
+        if (static_cast<uint64_t>(st.st_size) >= kAnnounceBeforeHash) {
+          looked->deferred = true;
+          return;
+        }
         looked->crc = rendezvous::crc32OfFile(fd);
       },
       [this, name, looked] {
+        if (looked->deferred) {
+          announceThenHash(name, looked->file, looked->st);
+          return;
+        }
         hashing_ = false;
         onHashed(name, looked->file, looked->st, looked->same, looked->crc);
+        hashNext();
+      });
+}
+
+bool SnapshotReplicator::holdsAlready(const std::string& name, const struct stat& st) const {
+  auto it = held_files_.find(name);
+  return it != held_files_.end() && it->second.dev == st.st_dev && it->second.ino == st.st_ino &&
+         it->second.mtime_ns == mtimeNs(st);
+}
+
+void SnapshotReplicator::announceThenHash(const std::string& name,
+                                          std::shared_ptr<rendezvous::OpenFile> file,
+                                          const struct stat& st) {
+  if (holdsAlready(name, st)) {  // installed here while it was looked at
+    hashing_ = false;
+    hashNext();
+    return;
+  }
+  const SnapshotVersion v =
+      replica_.onLocalWritePending(name, static_cast<uint64_t>(st.st_size), round_);
+  auto pending = std::make_shared<rendezvous::PendingCrc>();
+  setHeld(name, Held{{toWire(v), file, pending}, st.st_dev, st.st_ino, mtimeNs(st)});
+  ++metrics_.versions_written;
+  const auto targets = relayTargets(self_rank_, self_rank_, static_cast<int>(nodes_.size()));
+  snapLog()->info(
+      "snapshot: {} version {} ({} bytes) written here; announcing it to {} of {} other node(s) "
+      "while it is hashed",
+      name, versionText(v.version), v.size, targets.size(), nodes_.empty() ? 0 : nodes_.size() - 1);
+  announce(v, endpoint_, endpoint_, targets);
+  auto crc = std::make_shared<StatusOr<uint32_t>>(internalError("not hashed"));
+  offLoop(
+      // Always sets `pending`: streams waiting for it end either way.
+      [file, pending, crc, size = v.size] {
+        auto hashed = rendezvous::crc32OfFile(file->fd());
+        if (!hashed.isOk()) {
+          *crc = hashed.status();
+        } else if (hashed->first != size) {
+          *crc = internalError("it changed size while it was hashed (" + std::to_string(size) +
+                               " -> " + std::to_string(hashed->first) + " bytes)");
+        } else {
+          *crc = hashed->second;
+        }
+        pending->set(*crc);
+      },
+      [this, name, v, crc] {
+        hashing_ = false;
+        if (!crc->isOk()) {
+          snapLog()->warn(
+              "snapshot: cannot hash {} version {}: {}; the other nodes cannot fetch it", name,
+              versionText(v.version), crc->status().message());
+        } else {
+          replica_.onCrcKnown(name, v.version, **crc);
+          auto it = held_files_.find(name);
+          if (it != held_files_.end() && it->second.served.file.version == v.version) {
+            it->second.served.file.crc32 = **crc;
+            it->second.served.file.crc32_pending = false;
+            std::lock_guard<std::mutex> lock(served_mu_);
+            served_[name] = it->second.served;
+          }
+        }
         hashNext();
       });
 }
@@ -299,13 +379,9 @@ void SnapshotReplicator::onHashed(const std::string& name,
     snapLog()->warn("snapshot dir: cannot read {}: {}", name, crc.status().message());
     return;
   }
-  if (auto it = held_files_.find(name); it != held_files_.end() && it->second.dev == st.st_dev &&
-                                        it->second.ino == st.st_ino &&
-                                        it->second.mtime_ns == mtimeNs(st)) {
-    return;  // installed here while it was being hashed
-  }
+  if (holdsAlready(name, st)) return;  // installed here while it was being hashed
   SnapshotVersion v = replica_.onLocalWrite(name, crc->first, crc->second, round_);
-  setHeld(name, Held{{toWire(v), std::move(file)}, st.st_dev, st.st_ino, mtimeNs(st)});
+  setHeld(name, Held{{toWire(v), std::move(file), nullptr}, st.st_dev, st.st_ino, mtimeNs(st)});
   ++metrics_.versions_written;
   const auto targets = relayTargets(self_rank_, self_rank_, static_cast<int>(nodes_.size()));
   snapLog()->info(
@@ -377,13 +453,20 @@ void SnapshotReplicator::pump() {
                                   std::to_string(::getpid()) + "." + std::to_string(rd()));
     const auto started = std::chrono::steady_clock::now();
     auto status = std::make_shared<Status>();
+    auto crc = std::make_shared<uint32_t>(0);
     const rendezvous::SnapshotPeer peer{t.source, options_.run_id, options_.security};
     offLoop(
-        [peer, file = toWire(t.file), temp, status, cancel = &cancel_,
+        [peer, file = toWire(t.file), temp, status, crc, cancel = &cancel_,
          streams = options_.fetch_streams] {
-          *status = rendezvous::fetchSnapshot(peer, file, temp, cancel, streams);
+          *status = rendezvous::fetchSnapshot(peer, file, temp, cancel, streams, crc.get());
         },
-        [this, t, status, temp, started] { onFetched(t, *status, temp, started); });
+        [this, t, status, crc, temp, started]() mutable {
+          if (status->isOk()) {  // the verified CRC-32 (the target's may have been pending)
+            t.file.crc32 = *crc;
+            t.file.crc_pending = false;
+          }
+          onFetched(t, *status, temp, started);
+        });
   }
   maybeFinishSync();
 }
@@ -405,7 +488,7 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
     } else {
       auto file = std::make_shared<rendezvous::OpenFile>(fd);
       // Record it first: the rename's IN_MOVED_TO then finds what this node holds already.
-      Held held{{toWire(t.file), file}, sb.st_dev, sb.st_ino, mtimeNs(sb)};
+      Held held{{toWire(t.file), file, nullptr}, sb.st_dev, sb.st_ino, mtimeNs(sb)};
       auto previous = held_files_.find(t.file.name);
       std::optional<Held> before;
       if (previous != held_files_.end()) before = previous->second;

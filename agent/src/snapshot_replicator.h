@@ -103,6 +103,11 @@ class SnapshotReplicator {
   void onHashed(const std::string& name, std::shared_ptr<rendezvous::OpenFile> file,
                 const struct stat& st, bool same,
                 const StatusOr<std::pair<uint64_t, uint32_t>>& crc);
+  // A large completed file: announced now, hashed on a thread while others fetch it.
+  void announceThenHash(const std::string& name, std::shared_ptr<rendezvous::OpenFile> file,
+                        const struct stat& st);
+  // This node holds that very file (same inode and mtime) as its current version of `name`.
+  bool holdsAlready(const std::string& name, const struct stat& st) const;
   void onAnnounce(const SnapshotVersion& v, const std::string& source, const std::string& origin);
   // Announces `v` (held at `source`, written by `origin`) to the given group ranks.
   void announce(const SnapshotVersion& v, const std::string& source, const std::string& origin,

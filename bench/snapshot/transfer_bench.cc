@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
   const int fd = ::open(src.c_str(), O_RDONLY | O_CLOEXEC);
   auto crc = crc32OfFile(fd);
   ServedFile served{SnapshotFile{"src.bin", 1, crc->first, crc->second},
-                    std::make_shared<OpenFile>(fd)};
+                    std::make_shared<OpenFile>(fd), nullptr};
   SnapshotServerOptions o;
   o.listen = "127.0.0.1:0";
   o.run_id = "bench";

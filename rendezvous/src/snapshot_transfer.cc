@@ -45,7 +45,10 @@ std::string versionText(uint64_t v) {
 }
 
 SnapshotFile fromProto(const spb::FileVersion& f) {
-  return SnapshotFile{f.name(), f.version(), f.size(), f.crc32()};
+  SnapshotFile out{f.name(), f.version(), f.size(), f.crc32()};
+  out.crc32_pending = f.crc32_pending();
+  if (out.crc32_pending) out.crc32 = 0;
+  return out;
 }
 
 std::shared_ptr<grpc::Channel> channelTo(const SnapshotPeer& peer) {
@@ -73,9 +76,10 @@ void addToken(grpc::ClientContext& ctx, const SnapshotPeer& peer) {
 // encoding themselves, over the slices gRPC sends and receives: protobuf would copy each chunk's
 // bytes into a message and out again (two of the four copies a fetch made of every byte).
 constexpr char kFetchMethod[] = "/ddprun.snapshot.v1.SnapshotReplication/Fetch";
-constexpr uint8_t kOffsetTag = (1 << 3) | 0;  // field 1, varint
-constexpr uint8_t kDataTag = (2 << 3) | 2;    // field 2, length-delimited
-constexpr uint8_t kCrcTag = (3 << 3) | 0;     // field 3, varint
+constexpr uint8_t kOffsetTag = (1 << 3) | 0;   // field 1, varint
+constexpr uint8_t kDataTag = (2 << 3) | 2;     // field 2, length-delimited
+constexpr uint8_t kCrcTag = (3 << 3) | 0;      // field 3, varint
+constexpr uint8_t kFileCrcTag = (4 << 3) | 0;  // field 4, varint
 
 size_t putVarint(uint8_t* out, uint64_t v) {
   size_t n = 0;
@@ -136,18 +140,24 @@ class ChunkPool : public std::enable_shared_from_this<ChunkPool> {
   std::vector<char*> free_;  // guarded by mu_
 };
 
-// One Chunk message: offset, then the data slice as it is, then the data's CRC-32.
-grpc::ByteBuffer encodeChunk(uint64_t offset, grpc::Slice data, uint32_t crc) {
+// One Chunk message: offset, then the data slice as it is, then the data's CRC-32 (and on a
+// stream's last chunk the whole file's).
+grpc::ByteBuffer encodeChunk(uint64_t offset, grpc::Slice data, uint32_t crc,
+                             std::optional<uint32_t> file_crc) {
   uint8_t head[24];
   size_t h = 0;
   head[h++] = kOffsetTag;
   h += putVarint(head + h, offset);
   head[h++] = kDataTag;
   h += putVarint(head + h, data.size());
-  uint8_t tail[8];
+  uint8_t tail[16];
   size_t t = 0;
   tail[t++] = kCrcTag;
   t += putVarint(tail + t, crc);
+  if (file_crc) {
+    tail[t++] = kFileCrcTag;
+    t += putVarint(tail + t, *file_crc);
+  }
   const grpc::Slice slices[3] = {grpc::Slice(head, h), std::move(data), grpc::Slice(tail, t)};
   return grpc::ByteBuffer(slices, 3);
 }
@@ -156,6 +166,7 @@ grpc::ByteBuffer encodeChunk(uint64_t offset, grpc::Slice data, uint32_t crc) {
 struct ChunkView {
   uint64_t offset = 0;
   uint32_t crc32 = 0;
+  std::optional<uint32_t> file_crc32;
   uint64_t size = 0;
   std::vector<std::pair<const char*, size_t>> pieces;
 };
@@ -180,6 +191,9 @@ class ChunkReader {
       } else if (field == 3 && type == 0) {
         if (!varint(&value)) return false;
         out->crc32 = static_cast<uint32_t>(value);
+      } else if (field == 4 && type == 0) {
+        if (!varint(&value)) return false;
+        out->file_crc32 = static_cast<uint32_t>(value);
       } else if (field == 2 && type == 2) {
         if (have_data || !varint(&out->size) || !take(out->size, &out->pieces)) return false;
         have_data = true;
@@ -242,6 +256,28 @@ class ChunkReader {
 
 OpenFile::~OpenFile() {
   if (fd_ >= 0) ::close(fd_);
+}
+
+void PendingCrc::set(StatusOr<uint32_t> crc) {
+  std::vector<std::function<void(const StatusOr<uint32_t>&)>> waiters;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (value_) return;
+    value_ = std::move(crc);
+    waiters.swap(waiters_);
+  }
+  for (auto& w : waiters) w(*value_);  // value_ never changes once set
+}
+
+void PendingCrc::whenKnown(std::function<void(const StatusOr<uint32_t>&)> then) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!value_) {
+      waiters_.push_back(std::move(then));
+      return;
+    }
+  }
+  then(*value_);
 }
 
 namespace {
@@ -402,8 +438,37 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (fault_ == ServeFault::Kind::kAtSource && first) data[n / 2] ^= 0x5a;
     const uint32_t crc = crc32Update(0, data, n);
     if (fault_ == ServeFault::Kind::kInFlight && first) data[n / 2] ^= 0x5a;
-    message_ = encodeChunk(offset_, pool_->slice(data, n), crc);
+    const uint64_t at = offset_;
     offset_ += n;
+    if (offset_ < end_) {
+      send(encodeChunk(at, pool_->slice(data, n), crc, std::nullopt));
+      return;
+    }
+    // The last chunk carries the whole file's CRC-32: for a version announced while it was
+    // still being hashed, once the hash is done (usually long before the stream gets here).
+    if (!served_.file.crc32_pending) {
+      send(encodeChunk(at, pool_->slice(data, n), crc, served_.file.crc32));
+      return;
+    }
+    if (!served_.pending_crc) {
+      pool_->put(data);
+      Finish(grpc::Status(grpc::StatusCode::INTERNAL, "no CRC-32 for a version being hashed"));
+      return;
+    }
+    served_.pending_crc->whenKnown([this, at, data, n, crc](const StatusOr<uint32_t>& file_crc) {
+      if (!file_crc.isOk()) {
+        pool_->put(data);
+        Finish(grpc::Status(
+            grpc::StatusCode::DATA_LOSS,
+            "the source could not hash " + served_.file.name + ": " + file_crc.status().message()));
+        return;
+      }
+      send(encodeChunk(at, pool_->slice(data, n), crc, *file_crc));
+    });
+  }
+
+  void send(grpc::ByteBuffer message) {
+    message_ = std::move(message);
     StartWrite(&message_);
   }
 
@@ -535,6 +600,7 @@ Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
   f->set_version(file.version);
   f->set_size(file.size);
   f->set_crc32(file.crc32);
+  f->set_crc32_pending(file.crc32_pending);
   spb::AnnounceResponse resp;
   return convert::fromGrpc(stub->Announce(&ctx, req, &resp));
 }
@@ -738,7 +804,8 @@ struct RangeFetch {
   uint64_t begin = 0;
   uint64_t end = 0;
   Status status;
-  uint32_t crc = 0;  // of the range, when status is OK
+  uint32_t crc = 0;                  // of the range, when status is OK
+  std::optional<uint32_t> file_crc;  // the whole file's, as the source sent it
 };
 
 void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::string& temp_path,
@@ -819,6 +886,7 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
                                                   " fails its CRC-32 (corrupted in flight)");
       break;
     }
+    if (chunk.file_crc32) range->file_crc = chunk.file_crc32;
     // The range's CRC-32 from the chunks' (one pass over the bytes, not two).
     crc = static_cast<uint32_t>(::crc32_combine(crc, chunk_crc, static_cast<z_off_t>(chunk.size)));
     offset += chunk.size;
@@ -841,7 +909,7 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
 
 Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
                      const std::string& temp_path, const std::atomic<bool>* cancel,
-                     size_t streams_at_most) {
+                     size_t streams_at_most, uint32_t* crc32_out) {
   const auto slash = temp_path.rfind('/');
   const std::string dir = slash == std::string::npos ? "." : temp_path.substr(0, slash);
   struct statvfs vfs {};
@@ -901,11 +969,29 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
     if (!r.status.isOk()) return r.status;
     crc = static_cast<uint32_t>(::crc32_combine(crc, r.crc, static_cast<z_off_t>(r.end - r.begin)));
   }
-  if (crc != file.crc32) {
+  // What the content must hash to: the announced CRC-32, or for a version announced while it was
+  // being hashed, the one the source sent with its last chunks (the writer's own hash of its
+  // file, not of the bytes it sent).
+  std::optional<uint32_t> expected;
+  if (!file.crc32_pending) expected = file.crc32;
+  for (const auto& r : ranges) {
+    if (!r.file_crc) continue;
+    if (expected && *expected != *r.file_crc) {
+      return Status(StatusCode::kDataLoss,
+                    "the source's CRC-32 of the whole version is not the announced one");
+    }
+    expected = r.file_crc;
+  }
+  if (!expected) {
+    return Status(StatusCode::kDataLoss, "the source sent no CRC-32 for the whole version");
+  }
+  if (crc != *expected) {
     return Status(StatusCode::kDataLoss,
                   "the content does not match the announced CRC-32 (corrupt at the source)");
   }
-  return out.finish();
+  DDPRUN_RETURN_IF_ERROR(out.finish());
+  if (crc32_out != nullptr) *crc32_out = crc;
+  return Status::ok();
 }
 
 }  // namespace ddprun::rendezvous

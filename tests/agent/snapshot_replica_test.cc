@@ -199,3 +199,50 @@ TEST_CASE("announcements form a binomial tree: every node is told once and nobod
     }
   }
 }
+
+TEST_CASE("a large file is held and announced before its CRC-32 is known, which follows later",
+          "[snapshot]") {
+  SnapshotReplica r;
+  auto v = r.onLocalWritePending("snapshot.pt", 1 << 30, 2);
+  CHECK(v.version == makeSnapshotVersion(2, 1));
+  CHECK(v.crc_pending);
+  CHECK(r.held("snapshot.pt")->crc_pending);
+  // Holdings carry "-" for it, and read back as pending; "-" is the only non-number allowed.
+  auto back = decodeHoldings(encodeHoldings("h:1", r.heldList()));
+  REQUIRE(back.isOk());
+  REQUIRE(back->second.size() == 1);
+  CHECK(back->second[0] == v);
+  CHECK_FALSE(decodeHoldings("h:1\nsnapshot.pt\t1\t2\t--\n").isOk());
+  CHECK_FALSE(decodeHoldings("h:1\nsnapshot.pt\t1\t2\t\n").isOk());
+  r.onCrcKnown("snapshot.pt", v.version + 1, 99);  // not the held version: nothing
+  CHECK(r.held("snapshot.pt")->crc_pending);
+  r.onCrcKnown("snapshot.pt", v.version, 99);
+  CHECK_FALSE(r.held("snapshot.pt")->crc_pending);
+  CHECK(r.held("snapshot.pt")->crc32 == 99);
+  CHECK(encodeHoldings("h:1", r.heldList()).find("\t99\n") != std::string::npos);
+}
+
+TEST_CASE("a holder still hashing and one that knows the CRC-32 serve the same version",
+          "[snapshot]") {
+  SnapshotReplica r;
+  SnapshotVersion pending = file(makeSnapshotVersion(1, 4), 0);
+  pending.crc_pending = true;
+  r.onHolder(pending, "writer:1");
+  r.onHolder(file(makeSnapshotVersion(1, 4), 1234), "relay:2");  // same version, CRC known
+  r.onHolder(file(makeSnapshotVersion(1, 4), 555), "odd:3");     // known, but another CRC...
+  auto t = r.takeTransfers();
+  REQUIRE(t.size() == 1);
+  CHECK(t[0].file == pending);
+  // ...is still the same content as far as a pending target can tell; the fetch checks it.
+  r.onTransferDone(t[0], TransferOutcome::kCorrupt);
+  t = r.takeTransfers();
+  REQUIRE(t.size() == 1);
+  CHECK(t[0].source != "writer:1");
+  // The fetch learned the CRC-32: the held version has it, and nothing more is wanted.
+  SnapshotTransfer done = t[0];
+  done.file.crc32 = 1234;
+  done.file.crc_pending = false;
+  r.onTransferDone(done, TransferOutcome::kOk);
+  CHECK_FALSE(r.busy());
+  CHECK(r.held("snapshot.pt") == file(makeSnapshotVersion(1, 4), 1234));
+}

@@ -179,13 +179,19 @@ std::vector<std::string> writerScript(const std::string& steps) {
 }  // namespace
 
 TEST_CASE("a transfer corrupted in flight or at the source is rejected and retried", "[snapshot]") {
-  for (const std::string fault : {"in-flight:1", "at-source:1"}) {
-    SECTION(fault) {
+  // 70 MiB: a file announced before its hash is known, fetched over two streams; the CRC-32 that
+  // exposes the source's corruption follows the last chunks.
+  for (const auto& [fault, size] : {std::pair<std::string, size_t>{"in-flight:1", 300000},
+                                    {"at-source:1", 300000},
+                                    {"at-source:1", 70 << 20}}) {
+    SECTION(fault + " " + std::to_string(size)) {
       RendezvousDaemon rdzv;
       TempDir a_dir, b_dir;
       const std::string script =
           "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then "
-          "head -c 300000 /dev/urandom > \"$DDPRUN_SNAPSHOT_DIR/data.bin.tmp\" && "
+          "head -c " +
+          std::to_string(size) +
+          " /dev/urandom > \"$DDPRUN_SNAPSHOT_DIR/data.bin.tmp\" && "
           "mv \"$DDPRUN_SNAPSHOT_DIR/data.bin.tmp\" \"$DDPRUN_SNAPSHOT_DIR/data.bin\"; fi; "
           "sleep 4";
       auto a =
@@ -199,8 +205,10 @@ TEST_CASE("a transfer corrupted in flight or at the source is rejected and retri
                                                      : "does not match the announced CRC-32";
       CHECK(rb.err.find(why) != std::string::npos);
       CHECK(rb.err.find("snapshot: fetched data.bin") != std::string::npos);
-      CHECK(readFile(b_dir / "data.bin") == readFile(a_dir / "data.bin"));
-      CHECK(readFile(a_dir / "data.bin").size() == 300000);
+      const bool same = readFile(b_dir / "data.bin") == readFile(a_dir / "data.bin");
+      CHECK(same);
+      CHECK(readFile(a_dir / "data.bin").size() == size);
+      CHECK((ra.err.find("while it is hashed") != std::string::npos) == (size >= (64 << 20)));
     }
   }
 }

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <mutex>
 #include <random>
+#include <thread>
 
 #include "ddprun/snapshot/v1/snapshot.grpc.pb.h"
 #include "server_fixture.h"
@@ -314,4 +315,100 @@ TEST_CASE("with TLS material the transfer speaks TLS and a plaintext fetch fails
   CHECK(readAll(out / ".recv") == h.content);
   CHECK(announceSnapshot(peer, h.served.file, "127.0.0.9:1", "127.0.0.9:1", std::chrono::seconds(5))
             .isOk());
+}
+
+namespace {
+
+// Turns `h`'s version into one announced before its hash: the CRC-32 is set later, by the test.
+// Sets it on the way out whatever happens, so that the server's streams can end.
+struct PendingHash {
+  explicit PendingHash(Holder& h)
+      : crc(h.served.file.crc32), pending(std::make_shared<PendingCrc>()) {
+    h.served.file.crc32_pending = true;
+    h.served.file.crc32 = 0;
+    h.served.pending_crc = pending;
+  }
+  ~PendingHash() { pending->set(internalError("the test ended")); }
+  uint32_t crc;
+  std::shared_ptr<PendingCrc> pending;
+};
+
+// Runs a fetch on a thread; `released` says whether the CRC-32 had been set when it returned.
+struct BackgroundFetch {
+  BackgroundFetch(const Holder& h, const std::string& path, std::atomic<bool>* released)
+      : thread([&h, path, released, this] {
+          status =
+              fetchSnapshot(h.peer(), h.served.file, path, nullptr, kDefaultFetchStreams, &crc);
+          released_when_done = released->load();
+        }) {}
+  Status join() {
+    thread.join();
+    return status;
+  }
+  Status status;
+  uint32_t crc = 0;
+  bool released_when_done = false;
+  std::thread thread;
+};
+
+}  // namespace
+
+TEST_CASE(
+    "a version announced while it is hashed: its CRC-32 follows the last chunk of each "
+    "stream and the fetch checks against it",
+    "[snapshot]") {
+  for (size_t size : {size_t{70 << 20} + 9, size_t{200 * 1000}}) {  // two streams, then one
+    CAPTURE(size);
+    Holder h(size);
+    PendingHash hash(h);
+    Dir out;
+    std::atomic<bool> released{false};
+    BackgroundFetch fetch(h, out / ".recv", &released);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    released = true;
+    hash.pending->set(hash.crc);
+    REQUIRE(fetch.join().isOk());
+    CHECK(fetch.released_when_done);  // nothing completes without the whole file's CRC-32
+    CHECK(fetch.crc == hash.crc);
+    const bool same = readAll(out / ".recv") == h.content;
+    CHECK(same);
+  }
+}
+
+TEST_CASE(
+    "a version being hashed: a CRC-32 that disagrees, or a hash that failed, fails the "
+    "fetch and leaves no file",
+    "[snapshot]") {
+  Holder h((70 << 20) + 1);
+  PendingHash hash(h);
+  Dir out;
+  std::atomic<bool> released{true};
+  {
+    BackgroundFetch fetch(h, out / ".recv", &released);
+    hash.pending->set(hash.crc ^ 1);  // the writer's file is not what was sent
+    const Status st = fetch.join();
+    CHECK(st.code() == StatusCode::kDataLoss);
+    CHECK(st.message().find("does not match the announced CRC-32") != std::string::npos);
+    CHECK_FALSE(exists(out / ".recv"));
+  }
+  Holder h2((70 << 20) + 1);
+  PendingHash hash2(h2);
+  hash2.pending->set(internalError("cannot read: Input/output error"));
+  const Status st = fetchSnapshot(h2.peer(), h2.served.file, out / ".recv", nullptr);
+  CHECK(st.code() == StatusCode::kDataLoss);
+  CHECK(st.message().find("the source could not hash snap.bin: cannot read") != std::string::npos);
+  CHECK_FALSE(exists(out / ".recv"));
+}
+
+TEST_CASE("a version announced with a CRC-32 is checked against the source's too", "[snapshot]") {
+  // The server sends the whole file's CRC-32 on every stream's last chunk; a receiver told
+  // another one refuses the version even when the bytes match what the source sent.
+  Holder h(300 * 1000);
+  SnapshotFile told = h.served.file;
+  told.crc32 ^= 0x10;
+  Dir out;
+  const Status st = fetchSnapshot(h.peer(), told, out / ".recv", nullptr);
+  CHECK(st.code() == StatusCode::kDataLoss);
+  CHECK(st.message().find("not the announced one") != std::string::npos);
+  CHECK_FALSE(exists(out / ".recv"));
 }

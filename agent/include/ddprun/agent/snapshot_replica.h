@@ -35,8 +35,17 @@ struct SnapshotVersion {
   uint64_t version = 0;
   uint64_t size = 0;
   uint32_t crc32 = 0;
+  // Announced by its writer while the hash ran: crc32 is unknown (0), a fetch learns it from the
+  // source.
+  bool crc_pending = false;
   bool operator==(const SnapshotVersion& o) const {
-    return name == o.name && version == o.version && size == o.size && crc32 == o.crc32;
+    return name == o.name && version == o.version && size == o.size && crc32 == o.crc32 &&
+           crc_pending == o.crc_pending;
+  }
+  // The same version, as far as both know: equal, or one of them without its CRC-32 yet.
+  bool sameContent(const SnapshotVersion& o) const {
+    return name == o.name && version == o.version && size == o.size &&
+           (crc_pending || o.crc_pending || crc32 == o.crc32);
   }
 };
 
@@ -72,6 +81,12 @@ class SnapshotReplica {
   // the returned version is what to announce. Transfers of older versions of it are dropped.
   SnapshotVersion onLocalWrite(const std::string& name, uint64_t size, uint32_t crc32,
                                uint64_t round);
+  // The same before the hash is known (a large file is announced while it is hashed); the
+  // CRC-32 follows with onCrcKnown().
+  SnapshotVersion onLocalWritePending(const std::string& name, uint64_t size, uint64_t round);
+  // The CRC-32 of the held `version` of `name` is known now (hashed here, or verified by a fetch).
+  // Nothing happens when another version is held by then.
+  void onCrcKnown(const std::string& name, uint64_t version, uint32_t crc32);
   // `source` holds `v`. A version not newer than the one held is ignored.
   void onHolder(const SnapshotVersion& v, const std::string& source);
   // The transfers to start now: at most one per name, none for a name with one running.

@@ -15,8 +15,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "ddprun/common/clock.h"
 #include "ddprun/common/status.h"
@@ -28,10 +30,30 @@ struct SnapshotFile {
   std::string name;      // plain file name, no '/'
   uint64_t version = 0;  // (round << 32) | sequence; 0: present before the job, version unknown
   uint64_t size = 0;
-  uint32_t crc32 = 0;  // zlib's CRC-32 of the whole content
+  uint32_t crc32 = 0;  // zlib's CRC-32 of the whole content, unless crc32_pending
+  // Announced while the writer still hashed it: a fetch learns the CRC-32 from the source's last
+  // chunk(s) instead.
+  bool crc32_pending = false;
   bool operator==(const SnapshotFile& o) const {
-    return name == o.name && version == o.version && size == o.size && crc32 == o.crc32;
+    return name == o.name && version == o.version && size == o.size && crc32 == o.crc32 &&
+           crc32_pending == o.crc32_pending;
   }
+};
+
+// The CRC-32 of a version served before its hash was known. Set once, by the thread that hashes
+// the file; a Fetch stream that reaches its last chunk first waits for it (without holding a
+// gRPC thread). Thread-safe.
+class PendingCrc {
+ public:
+  // The first call wins; the waiters run on the calling thread.
+  void set(StatusOr<uint32_t> crc);
+  // Runs `then` with the value: at once when known, else on the thread that calls set().
+  void whenKnown(std::function<void(const StatusOr<uint32_t>&)> then);
+
+ private:
+  std::mutex mu_;
+  std::optional<StatusOr<uint32_t>> value_;                              // guarded by mu_
+  std::vector<std::function<void(const StatusOr<uint32_t>&)>> waiters_;  // guarded by mu_
 };
 
 // An open, read-only file descriptor, closed when the last holder lets go: a version is served
@@ -51,6 +73,8 @@ class OpenFile {
 struct ServedFile {
   SnapshotFile file;
   std::shared_ptr<const OpenFile> data;
+  // With file.crc32_pending: where the CRC-32 arrives (must then be set, error or not).
+  std::shared_ptr<PendingCrc> pending_crc;
 };
 
 // Token and TLS material, as the rendezvous uses them (--rdzv-conf token_file, tls_*).
@@ -120,11 +144,12 @@ Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
 // peer no longer holds that version, CANCELLED when `*cancel` became true, UNAVAILABLE or
 // DEADLINE_EXCEEDED for the network. A version of 64 MiB or more comes over up to
 // `streams_at_most` streams at once, one range of 32 MiB or more each, each on a helper thread and
-// a connection of its own. Blocks the calling thread.
+// a connection of its own. The whole content's verified CRC-32 goes to `*crc32_out` when given
+// (for a file.crc32_pending version, the one the source sent). Blocks the calling thread.
 inline constexpr size_t kDefaultFetchStreams = 2;
 Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
                      const std::string& temp_path, const std::atomic<bool>* cancel,
-                     size_t streams_at_most = kDefaultFetchStreams);
+                     size_t streams_at_most = kDefaultFetchStreams, uint32_t* crc32_out = nullptr);
 
 // zlib's CRC-32 of a whole open file, reading from offset 0 (the size read is returned too). A
 // file of 64 MiB or more is read in two halves at once, on this thread and a helper.
