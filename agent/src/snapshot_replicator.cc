@@ -204,8 +204,10 @@ void SnapshotReplicator::scanExisting() {
     auto crc = rendezvous::crc32OfFile(fd);
     if (!crc.isOk()) continue;
     replica_.adoptExisting(name, crc->first, crc->second);
-    setHeld(name,
-            Held{{{name, 0, crc->first, crc->second}, file, nullptr}, st.st_dev, st.st_ino, mtimeNs(st)});
+    setHeld(name, Held{{{name, 0, crc->first, crc->second}, file, nullptr},
+                       st.st_dev,
+                       st.st_ino,
+                       mtimeNs(st)});
     snapLog()->info("snapshot dir: {} ({} bytes) was there before the job (version 0)", name,
                     crc->first);
   }
