@@ -177,7 +177,8 @@ class ChunkReader {
  public:
   explicit ChunkReader(const std::vector<grpc::Slice>& slices) : slices_(slices) {}
 
-  // False for anything that is not a Chunk (cut short, a field of the wrong type, two data).
+  // False for anything that is not a Chunk (cut short, a Chunk field of another wire type, two
+  // data fields, a group); fields it does not know are skipped, as protobuf does.
   bool read(ChunkView* out) {
     bool have_data = false;
     while (!atEnd()) {
@@ -197,6 +198,8 @@ class ChunkReader {
       } else if (field == 2 && type == 2) {
         if (have_data || !varint(&out->size) || !take(out->size, &out->pieces)) return false;
         have_data = true;
+      } else if (field >= 1 && field <= 4) {
+        return false;  // a Chunk field with another wire type
       } else if (type == 0) {
         if (!varint(&value)) return false;
       } else if (type == 1 || type == 5) {

@@ -3,6 +3,7 @@
 #include "ddprun/rendezvous/snapshot_transfer.h"
 
 #include <fcntl.h>
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -395,4 +396,153 @@ TEST_CASE("a version announced with a CRC-32 is checked against the source's too
   CHECK(st.code() == StatusCode::kDataLoss);
   CHECK(st.message().find("not the announced one") != std::string::npos);
   CHECK_FALSE(exists(out / ".recv"));
+}
+
+namespace {
+
+// A peer that answers every Fetch with the given raw messages (the bytes of each as it is on the
+// wire), then OK: a broken or hostile replication service.
+class RawFetchServer {
+ public:
+  explicit RawFetchServer(std::vector<std::string> messages) : service_(std::move(messages)) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterCallbackGenericService(&service_);
+    server_ = builder.BuildAndStart();
+    REQUIRE(server_);
+  }
+  ~RawFetchServer() { server_->Shutdown(std::chrono::system_clock::now()); }
+  SnapshotPeer peer() const {
+    return SnapshotPeer{"127.0.0.1:" + std::to_string(port_), "run", {}};
+  }
+
+ private:
+  class Reactor final : public grpc::ServerGenericBidiReactor {
+   public:
+    explicit Reactor(const std::vector<std::string>& messages) : messages_(messages) {
+      StartRead(&request_);
+    }
+    void OnReadDone(bool /*ok*/) override { next(); }  // the one request (or none): answer
+    void OnWriteDone(bool ok) override {
+      if (!ok) {
+        Finish(grpc::Status::CANCELLED);
+        return;
+      }
+      next();
+    }
+    void OnDone() override { delete this; }
+
+   private:
+    void next() {
+      if (at_ == messages_.size()) {
+        Finish(grpc::Status::OK);
+        return;
+      }
+      grpc::Slice slice(messages_[at_++]);
+      reply_ = grpc::ByteBuffer(&slice, 1);
+      StartWrite(&reply_);
+    }
+    const std::vector<std::string>& messages_;
+    size_t at_ = 0;
+    grpc::ByteBuffer request_, reply_;
+  };
+  struct Service final : grpc::CallbackGenericService {
+    explicit Service(std::vector<std::string> m) : messages(std::move(m)) {}
+    grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext*) override {
+      return new Reactor(messages);
+    }
+    std::vector<std::string> messages;
+  };
+  Service service_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+uint32_t zlibCrc(const std::string& s) {
+  return static_cast<uint32_t>(
+      ::crc32(0L, reinterpret_cast<const Bytef*>(s.data()), static_cast<uInt>(s.size())));
+}
+
+// A well-formed Chunk, encoded by protobuf.
+std::string chunkBytes(uint64_t offset, const std::string& data, std::optional<uint32_t> crc = {},
+                       std::optional<uint32_t> file_crc = {}) {
+  ddprun::snapshot::v1::Chunk c;
+  c.set_offset(offset);
+  c.set_data(data);
+  c.set_crc32(crc ? *crc : zlibCrc(data));
+  if (file_crc) c.set_file_crc32(*file_crc);
+  return c.SerializeAsString();
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a peer sending malformed or lying chunks fails the fetch with one clear reason and "
+    "leaves no file",
+    "[snapshot]") {
+  const std::string content = "0123456789";
+  const SnapshotFile file{"snap.bin", 7, content.size(), zlibCrc(content)};
+  SnapshotFile pending = file;
+  pending.crc32 = 0;
+  pending.crc32_pending = true;
+  const std::string not_chunk = "is not a Chunk message";
+  struct Case {
+    const char* what;
+    std::vector<std::string> messages;
+    SnapshotFile file;
+    std::string error;  // empty: the fetch succeeds
+  };
+  const std::vector<Case> cases = {
+      {"a cut-off varint", {std::string("\x08\xff", 2)}, file, not_chunk},
+      {"data longer than the message",
+       {std::string("\x12\x20"
+                    "abc",
+                    5)},
+       file,
+       not_chunk},
+      {"a length near 2^35", {std::string("\x12\xff\xff\xff\xff\x7f", 6)}, file, not_chunk},
+      {"data as a varint", {std::string("\x10\x05", 2)}, file, not_chunk},
+      {"a group", {std::string("\x0b\x0c", 2)}, file, not_chunk},
+      {"two data fields", {chunkBytes(0, "01234") + std::string("\x12\x01x", 3)}, file, not_chunk},
+      {"a bad chunk CRC-32", {chunkBytes(0, content, 12345)}, file, "fails its CRC-32"},
+      {"a gap", {chunkBytes(0, "01234"), chunkBytes(6, "6789")}, file, "does not continue"},
+      {"more than the file", {chunkBytes(0, content + "x")}, file, "does not continue"},
+      {"too few bytes", {chunkBytes(0, "01234")}, file, "the stream ended after 5 of 10"},
+      {"no messages at all", {}, file, "the stream ended after 0 of 10"},
+      {"empty messages", {"", ""}, file, "the stream ended after 0 of 10"},
+      {"a pending version without the file's CRC-32",
+       {chunkBytes(0, content)},
+       pending,
+       "sent no CRC-32 for the whole version"},
+      {"a file CRC-32 the content does not have",
+       {chunkBytes(0, content, {}, zlibCrc(content) ^ 1)},
+       pending,
+       "does not match"},
+      {"a file CRC-32 other than the announced one",
+       {chunkBytes(0, content, {}, zlibCrc(content) ^ 1)},
+       file,
+       "not the announced one"},
+      {"unknown fields, skipped",
+       {chunkBytes(0, "01234") + std::string("\x48\x01", 2),
+        chunkBytes(5, "56789", {}, zlibCrc(content))},
+       pending,
+       ""},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.what);
+    RawFetchServer peer(c.messages);
+    Dir out;
+    uint32_t crc = 0;
+    const Status st =
+        fetchSnapshot(peer.peer(), c.file, out / ".recv", nullptr, kDefaultFetchStreams, &crc);
+    if (c.error.empty()) {
+      CHECK(st.isOk());
+      CHECK(crc == zlibCrc(content));
+      CHECK(readAll(out / ".recv") == content);
+      continue;
+    }
+    CHECK(st.code() == StatusCode::kDataLoss);
+    CHECK(st.message().find(c.error) != std::string::npos);
+    CHECK_FALSE(exists(out / ".recv"));
+  }
 }
