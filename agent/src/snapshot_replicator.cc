@@ -331,14 +331,8 @@ void SnapshotReplicator::announceThenHash(const std::string& name,
   const SnapshotVersion v =
       replica_.onLocalWritePending(name, static_cast<uint64_t>(st.st_size), round_);
   auto pending = std::make_shared<rendezvous::PendingCrc>();
-  setHeld(name, Held{{toWire(v), file, pending}, st.st_dev, st.st_ino, mtimeNs(st)});
-  ++metrics_.versions_written;
-  const auto targets = relayTargets(self_rank_, self_rank_, static_cast<int>(nodes_.size()));
-  snapLog()->info(
-      "snapshot: {} version {} ({} bytes) written here; announcing it to {} of {} other node(s) "
-      "while it is hashed",
-      name, versionText(v.version), v.size, targets.size(), nodes_.empty() ? 0 : nodes_.size() - 1);
-  announce(v, endpoint_, endpoint_, targets);
+  publishWritten(v, Held{{toWire(v), file, pending}, st.st_dev, st.st_ino, mtimeNs(st)},
+                 " while it is hashed");
   auto crc = std::make_shared<StatusOr<uint32_t>>(internalError("not hashed"));
   offLoop(
       // Always sets `pending`: streams waiting for it end either way.
@@ -364,10 +358,10 @@ void SnapshotReplicator::announceThenHash(const std::string& name,
           replica_.onCrcKnown(name, v.version, **crc);
           auto it = held_files_.find(name);
           if (it != held_files_.end() && it->second.served.file.version == v.version) {
-            it->second.served.file.crc32 = **crc;
-            it->second.served.file.crc32_pending = false;
-            std::lock_guard<std::mutex> lock(served_mu_);
-            served_[name] = it->second.served;
+            Held known = it->second;
+            known.served.file.crc32 = **crc;
+            known.served.file.crc32_pending = false;
+            setHeld(name, std::move(known));
           }
         }
         hashNext();
@@ -384,12 +378,20 @@ void SnapshotReplicator::onHashed(const std::string& name,
   }
   if (holdsAlready(name, st)) return;  // installed here while it was being hashed
   SnapshotVersion v = replica_.onLocalWrite(name, crc->first, crc->second, round_);
-  setHeld(name, Held{{toWire(v), std::move(file), nullptr}, st.st_dev, st.st_ino, mtimeNs(st)});
+  publishWritten(v, Held{{toWire(v), std::move(file), nullptr}, st.st_dev, st.st_ino, mtimeNs(st)},
+                 "");
+}
+
+void SnapshotReplicator::publishWritten(const SnapshotVersion& v, Held held,
+                                        const std::string& note) {
+  setHeld(v.name, std::move(held));
   ++metrics_.versions_written;
   const auto targets = relayTargets(self_rank_, self_rank_, static_cast<int>(nodes_.size()));
   snapLog()->info(
-      "snapshot: {} version {} ({} bytes) written here; announcing it to {} of {} other node(s)",
-      name, versionText(v.version), v.size, targets.size(), nodes_.empty() ? 0 : nodes_.size() - 1);
+      "snapshot: {} version {} ({} bytes) written here; announcing it to {} of {} other "
+      "node(s){}",
+      v.name, versionText(v.version), v.size, targets.size(),
+      nodes_.empty() ? 0 : nodes_.size() - 1, note);
   announce(v, endpoint_, endpoint_, targets);
 }
 

@@ -106,6 +106,9 @@ class SnapshotReplicator {
   // A large completed file: announced now, hashed on a thread while others fetch it.
   void announceThenHash(const std::string& name, std::shared_ptr<rendezvous::OpenFile> file,
                         const struct stat& st);
+  // A version this node's workers wrote: held and served here, announced down the tree (the
+  // log line ends with `note`).
+  void publishWritten(const SnapshotVersion& v, Held held, const std::string& note);
   // This node holds that very file (same inode and mtime) as its current version of `name`.
   bool holdsAlready(const std::string& name, const struct stat& st) const;
   void onAnnounce(const SnapshotVersion& v, const std::string& source, const std::string& origin);

@@ -24,6 +24,10 @@ uint32_t crc32Portable(uint32_t crc, const void* data, size_t n) {
   return static_cast<uint32_t>(c);
 }
 
+uint32_t crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b) {
+  return static_cast<uint32_t>(::crc32_combine(crc_a, crc_b, static_cast<z_off_t>(length_b)));
+}
+
 #ifdef DDPRUN_CRC32_CLMUL
 namespace {
 

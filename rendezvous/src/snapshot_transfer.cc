@@ -7,7 +7,6 @@
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -322,8 +321,7 @@ StatusOr<std::pair<uint64_t, uint32_t>> crc32OfFile(int fd) {
   if (!rest.isOk()) return rest.status();
   if (first->first < half) return first;  // shrank below the middle since fstat
   return std::make_pair(first->first + rest->first,
-                        static_cast<uint32_t>(::crc32_combine(first->second, rest->second,
-                                                              static_cast<z_off_t>(rest->first))));
+                        crc32Combine(first->second, rest->second, rest->first));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -853,7 +851,7 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
   grpc::ByteBuffer message;
   std::vector<grpc::Slice> slices;
   uint64_t offset = range->begin;
-  uint32_t crc = static_cast<uint32_t>(::crc32(0L, Z_NULL, 0));
+  uint32_t crc = 0;
   Status failure;
   while (reader->Read(&message)) {
     if (abort->stopped()) {
@@ -891,7 +889,7 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
     }
     if (chunk.file_crc32) range->file_crc = chunk.file_crc32;
     // The range's CRC-32 from the chunks' (one pass over the bytes, not two).
-    crc = static_cast<uint32_t>(::crc32_combine(crc, chunk_crc, static_cast<z_off_t>(chunk.size)));
+    crc = crc32Combine(crc, chunk_crc, chunk.size);
     offset += chunk.size;
   }
   if (!failure.isOk()) ctx.TryCancel();
@@ -963,14 +961,14 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
     fetchRange(peer, file, temp_path, dir, &ranges[i], &abort);
   }
   for (auto& t : helpers) t.join();
-  uint32_t crc = static_cast<uint32_t>(::crc32(0L, Z_NULL, 0));
+  uint32_t crc = 0;
   // The first failure is the cause; the others are mostly the cancellations it caused.
   for (const auto& r : ranges) {
     if (!r.status.isOk() && r.status.code() != StatusCode::kCancelled) return r.status;
   }
   for (const auto& r : ranges) {
     if (!r.status.isOk()) return r.status;
-    crc = static_cast<uint32_t>(::crc32_combine(crc, r.crc, static_cast<z_off_t>(r.end - r.begin)));
+    crc = crc32Combine(crc, r.crc, r.end - r.begin);
   }
   // What the content must hash to: the announced CRC-32, or for a version announced while it was
   // being hashed, the one the source sent with its last chunks (the writer's own hash of its

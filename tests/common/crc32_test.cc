@@ -77,3 +77,14 @@ TEST_CASE("crc32: large buffers, and pieces chained give the whole", "[crc32]") 
   bad[bad.size() / 2] ^= 0x10;
   CHECK(crc32Update(0, bad.data(), bad.size()) != whole);
 }
+
+TEST_CASE("crc32: the CRC-32s of two parts combine into the whole's", "[crc32]") {
+  const auto buf = randomBytes((3 << 20) + 7, 9);
+  const uint32_t whole = crc32Portable(0, buf.data(), buf.size());
+  for (size_t split : {size_t{0}, size_t{1}, size_t{4096}, buf.size() / 2, buf.size()}) {
+    CAPTURE(split);
+    const uint32_t a = crc32Update(0, buf.data(), split);
+    const uint32_t b = crc32Update(0, buf.data() + split, buf.size() - split);
+    CHECK(ddprun::crc32Combine(a, b, buf.size() - split) == whole);
+  }
+}

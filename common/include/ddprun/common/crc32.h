@@ -18,6 +18,9 @@ namespace ddprun {
 // The CRC-32 of `data` continued from `crc` (0 to start), as zlib's crc32(crc, data, n).
 uint32_t crc32Update(uint32_t crc, const void* data, size_t n);
 
+// The CRC-32 of A followed by B, from A's CRC-32, B's and B's length (zlib's crc32_combine).
+uint32_t crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b);
+
 // Whether crc32Update uses the carry-less-multiply path on this CPU (for logs and tests).
 bool crc32Accelerated();
 
