@@ -9,17 +9,20 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -234,20 +237,44 @@ inline Finished run(const std::vector<std::string>& argv,
   return *f;
 }
 
-// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
+// A TCP port that no socket holds, on any address, and that no other test process is handed.
+// Bound to port 0 and released, a port comes from the kernel's ephemeral range, which every
+// connect() draws its local port from too: one of the suite's many connections could take it
+// before the test's server binds it (a rendezvous host that finds its port taken waits out
+// join_timeout as a client). So the port comes from below that range, where only explicit
+// binds land, and an flock on /tmp/ddprun-test-ports/<port>, held until this process exits,
+// keeps concurrent test processes (ctest -j) and this one's later calls off it.
 inline int freePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+  int ephemeral_low = 32768;
+  if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) range >> ephemeral_low;
+  // Below 28672: the suite's fixed ports (29400, 29500, 29555, ...) lie above it.
+  const int hi = std::min(ephemeral_low, 28672), lo = std::max(1024, hi - 12288);
+  const std::string dir = "/tmp/ddprun-test-ports";
+  ::mkdir(dir.c_str(), 0777);
+  ::chmod(dir.c_str(), 0777);
+  const int span = hi - lo;
+  const int first = static_cast<int>(std::random_device{}() % static_cast<unsigned>(span));
+  for (int i = 0; i < span; ++i) {
+    const int port = lo + (first + i) % span;
+    const std::string lock = dir + "/" + std::to_string(port);
+    const int lock_fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (lock_fd < 0) continue;
+    if (::flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+      ::close(lock_fd);
+      continue;
+    }
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
     if (fd >= 0) ::close(fd);
-    throw std::runtime_error("freePort: bind to 127.0.0.1:0 failed");
+    if (free) return port;  // lock_fd stays open: the port is this process's until it exits
+    ::close(lock_fd);
   }
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  throw std::runtime_error("freePort: no free port in [" + std::to_string(lo) + ", " +
+                           std::to_string(hi) + ")");
 }
 
 // Whether torchPython() can import torch.distributed (tests that need it skip otherwise).
