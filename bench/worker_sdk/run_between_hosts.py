@@ -2,18 +2,20 @@
 """Worker SDK vs PyTorch between two "hosts": network namespaces joined by a shaped veth link.
 
   sudo /usr/bin/python3 bench/worker_sdk/run_between_hosts.py [--build-dir build] [--rates 1gbit,10gbit]
-      [--reps 2] [--out bench/worker_sdk/BETWEEN_HOSTS.md] [--skip allreduce,ddp]
+      [--reps 2] [--out bench/worker_sdk/BETWEEN_HOSTS.md] [--skip allreduce,layout,ddp]
+      [--ddp-per-host 1,2]
 
 Creates the rig with deploy/netrig.sh (ddprun-a 10.203.0.1 <-> ddprun-b 10.203.0.2), runs one ddprun
 node per namespace (static rendezvous, one worker per node, so every byte of the all-reduce
-crosses the link), and removes the rig afterwards.
+crosses the link, unless a section says otherwise), and removes the rig afterwards.
 
 1. all-reduce bus bandwidth at 1/16/64/256 MiB (float32 sum): examples/allreduce_bench vs
    torch.distributed.all_reduce on gloo, as a fraction of the link rate;
 2. the 4+2 layout (4 workers on a, 2 on b): one leader per host vs the flat ring (DDPRUN_SHM=0);
 3. DDP step time of the mlp and cnn models: `train --timing` vs PyTorch DDP (ddp_torch.py), each
    without compression and with bf16 / fp16 compression (PyTorch: default_hooks.*_compress_hook;
-   torch 1.13 refuses its bf16 hook without CUDA and NCCL, shown as n/a).
+   torch 1.13 refuses its bf16 hook without CUDA and NCCL, shown as n/a), with 1 and with 2
+   workers per host (--ddp-per-host).
 
 Runs alternate between the SDK and PyTorch, best of --reps. Needs root.
 """
@@ -74,6 +76,44 @@ def two_nodes(build, prog, env=None, timeout=900, nprocs=(1, 1)):
     return "".join(outs)
 
 
+def ddp_section(build, md, a, train, per_host):
+    """DDP step time of mlp and cnn, `per_host` workers on each host: the SDK's train vs PyTorch DDP,
+    each without compression and with bf16 / fp16, best of a.reps alternating runs."""
+    world = 2 * per_host
+    how = ("every rank's whole gradient crosses the link" if per_host == 1 else
+           "SDK: shared memory within a host and one leader per host across; PyTorch: gloo's flat ring")
+    md.append(f"### DDP step time (ms/step, batch 32 per rank, {world} ranks on 2 hosts, {per_host} per host)\n")
+    md.append(f"{how}.\n")
+    md.append("| model | SDK | SDK bf16 | SDK fp16 | PyTorch DDP | PyTorch bf16 hook | PyTorch fp16 hook | "
+              "SDK / PyTorch | SDK bf16 / PyTorch (no compression) |")
+    md.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    nprocs = (per_host, per_host)
+    for model in ("mlp", "cnn"):
+        best = {}
+        for _ in range(a.reps):
+            for comp in ("none", "bf16", "fp16"):
+                with tempfile.TemporaryDirectory() as d:
+                    out = two_nodes(build, [train, "2", "0", "--model", model, "--dataset-size",
+                                            str(a.dataset_size), "--timing", "--compression", comp,
+                                            "--snapshot-path", os.path.join(d, "s.pt")], nprocs=nprocs)
+                best[("sdk", comp)] = min(best.get(("sdk", comp), 1e18), step_ms(out))
+                out = two_nodes(build, [os.path.join(HERE, "ddp_torch.py"), "--model", model,
+                                        "--dataset-size", str(a.dataset_size), "--compression", comp],
+                                nprocs=nprocs)
+                if "[RANK 0] unsupported:" in out:
+                    best[("torch", comp)] = None  # e.g. torch 1.13's bf16 hook on CPU
+                else:
+                    best[("torch", comp)] = min(best.get(("torch", comp)) or 1e18, step_ms(out))
+        s, t = best[("sdk", "none")], best[("torch", "none")]
+
+        def ms(v):
+            return "n/a" if v is None else f"{v:.1f}"
+        md.append(f"| {model} | {s:.1f} | {ms(best[('sdk', 'bf16')])} | {ms(best[('sdk', 'fp16')])} | "
+                  f"{t:.1f} | {ms(best[('torch', 'bf16')])} | {ms(best[('torch', 'fp16')])} | "
+                  f"{s / t:.2f}x | {best[('sdk', 'bf16')] / t:.2f}x |")
+    md.append("")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build-dir", default=os.path.join(ROOT, "build"))
@@ -81,6 +121,8 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dataset-size", type=int, default=512)
     ap.add_argument("--out", default=os.path.join(HERE, "BETWEEN_HOSTS.md"))
+    ap.add_argument("--ddp-per-host", default="1,2",
+                    help="comma list of workers per host for the DDP step section")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: allreduce,layout,ddp")
     a = ap.parse_args()
     if os.geteuid() != 0:
@@ -91,7 +133,7 @@ def main():
     bench = os.path.join(build, "examples", "allreduce_bench")
     md = ["# Worker SDK between two hosts\n",
           f"Two network namespaces joined by a veth pair shaped with tc (`deploy/netrig.sh`), one ddprun "
-          f"node each, one worker per node, OMP_NUM_THREADS=1; best of {a.reps} alternating runs. "
+          f"node each, one worker per node unless a section says otherwise, OMP_NUM_THREADS=1; best of {a.reps} alternating runs. "
           f"Machine: {os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.2f}. Generated by "
           f"`bench/worker_sdk/run_between_hosts.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n"]
     try:
@@ -141,33 +183,9 @@ def main():
                 md.append("")
                 print("\n".join(md), flush=True)
             if "ddp" not in skip:
-                md.append("### DDP step time (ms/step, batch 32 per rank, 2 ranks on 2 hosts)\n")
-                md.append("| model | SDK | SDK bf16 | SDK fp16 | PyTorch DDP | PyTorch bf16 hook | PyTorch fp16 hook | "
-                          "SDK / PyTorch | SDK bf16 / PyTorch (no compression) |")
-                md.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-                for model in ("mlp", "cnn"):
-                    best = {}
-                    for _ in range(a.reps):
-                        for comp in ("none", "bf16", "fp16"):
-                            with tempfile.TemporaryDirectory() as d:
-                                out = two_nodes(build, [train, "2", "0", "--model", model, "--dataset-size",
-                                                        str(a.dataset_size), "--timing", "--compression", comp,
-                                                        "--snapshot-path", os.path.join(d, "s.pt")])
-                            best[("sdk", comp)] = min(best.get(("sdk", comp), 1e18), step_ms(out))
-                            out = two_nodes(build, [os.path.join(HERE, "ddp_torch.py"), "--model", model,
-                                                    "--dataset-size", str(a.dataset_size), "--compression", comp])
-                            if "[RANK 0] unsupported:" in out:
-                                best[("torch", comp)] = None  # e.g. torch 1.13's bf16 hook on CPU
-                            else:
-                                best[("torch", comp)] = min(best.get(("torch", comp)) or 1e18, step_ms(out))
-                    s, t = best[("sdk", "none")], best[("torch", "none")]
-                    def ms(v):
-                        return "n/a" if v is None else f"{v:.1f}"
-                    md.append(f"| {model} | {s:.1f} | {ms(best[('sdk', 'bf16')])} | {ms(best[('sdk', 'fp16')])} | "
-                              f"{t:.1f} | {ms(best[('torch', 'bf16')])} | {ms(best[('torch', 'fp16')])} | "
-                              f"{s / t:.2f}x | {best[('sdk', 'bf16')] / t:.2f}x |")
-                md.append("")
-                print("\n".join(md), flush=True)
+                for per_host in (int(v) for v in a.ddp_per_host.split(",")):
+                    ddp_section(build, md, a, train, per_host)
+                    print("\n".join(md), flush=True)
     finally:
         subprocess.run([RIG, "down"], capture_output=True)
     text = "\n".join(md) + "\n"
