@@ -28,6 +28,17 @@ auto snapLog() { return logger("agent"); }
 constexpr const char* kRecvPrefix = ".ddprun-recv.";
 constexpr int kTransferNice = 10;
 
+// The calling thread as background work: on a busy node the workers' training comes first.
+// SCHED_IDLE runs it on the CPU time the workers leave (they wait in collectives often enough: a
+// 50 MB snapshot a second still replicated in 0.1-0.5 s), and the threads it starts inherit it;
+// nice 10 where SCHED_IDLE is refused. Step-time overhead of `train` (bench_replication.py --what
+// step, medians of 16-18 runs): +2.1-2.7 % with SCHED_IDLE, +3.4-3.8 % with nice 10 alone.
+void runAsBackground() {
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), kTransferNice);
+  struct sched_param idle {};
+  (void)::sched_setscheduler(0, SCHED_IDLE, &idle);
+}
+
 rendezvous::SnapshotFile toWire(const SnapshotVersion& v) {
   rendezvous::SnapshotFile f{v.name, v.version, v.size, v.crc32};
   f.crc32_pending = v.crc_pending;
@@ -215,12 +226,24 @@ void SnapshotReplicator::scanExisting() {
 }
 
 void SnapshotReplicator::setHeld(const std::string& name, Held held) {
+  std::shared_ptr<const rendezvous::OpenFile> replaced_served, replaced_held;
   {
     std::lock_guard<std::mutex> lock(served_mu_);
-    served_[name] = held.served;
+    auto& slot = served_[name];
+    replaced_served = std::move(slot.data);
+    slot = held.served;
   }
   metrics_.newest_version = std::max(metrics_.newest_version, held.served.file.version);
-  held_files_[name] = std::move(held);
+  auto& slot = held_files_[name];
+  replaced_held = std::move(slot.served.data);
+  slot = std::move(held);
+  releaseOffLoop(std::move(replaced_served));
+  releaseOffLoop(std::move(replaced_held));
+}
+
+void SnapshotReplicator::releaseOffLoop(std::shared_ptr<const rendezvous::OpenFile> file) {
+  if (!file) return;
+  offLoop([file = std::move(file)]() mutable { file.reset(); }, [] {});
 }
 
 void SnapshotReplicator::watchDir() {
@@ -301,6 +324,7 @@ void SnapshotReplicator::hashNext() {
           looked->deferred = true;
           return;
         }
+        runAsBackground();
         looked->crc = rendezvous::crc32OfFile(fd);
       },
       [this, name, looked] {
@@ -311,7 +335,8 @@ void SnapshotReplicator::hashNext() {
         hashing_ = false;
         onHashed(name, looked->file, looked->st, looked->same, looked->crc);
         hashNext();
-      });
+      },
+      Urgency::kPrompt);
 }
 
 bool SnapshotReplicator::holdsAlready(const std::string& name, const struct stat& st) const {
@@ -421,7 +446,8 @@ void SnapshotReplicator::announce(const SnapshotVersion& v, const std::string& s
           snapLog()->warn("snapshot: announcing {} version {} failed at {}", v.name,
                           versionText(v.version), f);
         }
-      });
+      },
+      Urgency::kPrompt);
 }
 
 void SnapshotReplicator::relay(const SnapshotVersion& v, const std::string& source) {
@@ -495,7 +521,7 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
       // Record it first: the rename's IN_MOVED_TO then finds what this node holds already.
       Held held{{toWire(t.file), file, nullptr}, sb.st_dev, sb.st_ino, mtimeNs(sb)};
       auto previous = held_files_.find(t.file.name);
-      std::optional<Held> before;
+      std::optional<Held> before;  // released off the loop below (releaseOffLoop)
       if (previous != held_files_.end()) before = previous->second;
       setHeld(t.file.name, held);
       if (::rename(temp.c_str(), path(t.file.name).c_str()) != 0) {
@@ -525,6 +551,7 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
                         t.file.name, versionText(t.file.version), t.file.size, t.source, secs);
         relay(t.file, endpoint_);  // this node serves its subtree of the announcement tree
       }
+      if (before) releaseOffLoop(std::move(before->served.data));
     }
   }
   if (!st.isOk()) {
@@ -557,29 +584,24 @@ void SnapshotReplicator::maybeFinishSync() {
   done();
 }
 
-void SnapshotReplicator::offLoop(std::function<void()> work, std::function<void()> then) {
+void SnapshotReplicator::offLoop(std::function<void()> work, std::function<void()> then,
+                                 Urgency urgency) {
   const uint64_t id = next_thread_++;
   std::weak_ptr<int> alive = alive_;
-  threads_[id] = std::thread([this, id, alive, work = std::move(work), then = std::move(then)] {
-    // Background work: on a busy node the workers' training comes first. SCHED_IDLE runs it on
-    // the CPU time the workers leave (they wait in collectives often enough: a 50 MB snapshot a
-    // second still replicated in 0.1-0.5 s), and the threads it starts inherit it; nice 10 where
-    // SCHED_IDLE is refused. Step-time overhead of `train` (bench_replication.py --what step,
-    // medians of 16-18 runs): +2.1-2.7 % with SCHED_IDLE, +3.4-3.8 % with nice 10 alone.
-    ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), kTransferNice);
-    struct sched_param idle {};
-    (void)::sched_setscheduler(0, SCHED_IDLE, &idle);
-    work();
-    boost::asio::post(io_, [this, id, alive, then] {
-      if (!alive.lock()) return;
-      auto it = threads_.find(id);
-      if (it != threads_.end()) {
-        it->second.join();  // it has posted this: it is at its end
-        threads_.erase(it);
-      }
-      then();
-    });
-  });
+  threads_[id] =
+      std::thread([this, id, alive, urgency, work = std::move(work), then = std::move(then)] {
+        if (urgency == Urgency::kBackground) runAsBackground();
+        work();
+        boost::asio::post(io_, [this, id, alive, then] {
+          if (!alive.lock()) return;
+          auto it = threads_.find(id);
+          if (it != threads_.end()) {
+            it->second.join();  // it has posted this: it is at its end
+            threads_.erase(it);
+          }
+          then();
+        });
+      });
 }
 
 void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& service,
