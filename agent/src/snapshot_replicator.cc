@@ -237,6 +237,10 @@ void SnapshotReplicator::setHeld(const std::string& name, Held held) {
   auto& slot = held_files_[name];
   replaced_held = std::move(slot.served.data);
   slot = std::move(held);
+  if (replaced_held == slot.served.data) {  // the same file (e.g. its CRC-32 now known)
+    replaced_held.reset();
+    replaced_served.reset();
+  }
   releaseOffLoop(std::move(replaced_served));
   releaseOffLoop(std::move(replaced_held));
 }
