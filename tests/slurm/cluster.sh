@@ -14,6 +14,7 @@
 # Needs: slurm-wlm (slurmctld, slurmd, slurm-client) and munge; must run as root because slurmd
 # launches tasks as the submitting user.
 set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 cannot() { echo "cluster.sh: cannot start a Slurm cluster here: $*" >&2; exit 3; }
@@ -26,23 +27,9 @@ conf="$dir/slurm.conf"
 boot_timeout=${DDPRUN_SLURM_BOOT_TIMEOUT:-60}
 
 free_ports() {
-  # $1 distinct ports that no socket holds, from [12288, 16384): below the kernel's ephemeral
-  # range (which connect() draws from) and apart from the range the C++ tests' freePort() uses.
-  # A port taken between this and the daemon's bind makes the daemon fail, which `start` reports.
-  python3 - "$1" <<'EOF'
-import random, socket, sys
-want, got = int(sys.argv[1]), []
-for port in random.sample(range(12288, 16384), 4096):
-    with socket.socket() as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            continue
-    got.append(port)
-    if len(got) == want:
-        break
-print(" ".join(map(str, got)))
-EOF
+  # $1 distinct free ports from [12288, 16384) (see tests/support/free_ports.py). A port taken
+  # between this and the daemon's bind makes the daemon fail, which `start` reports.
+  python3 "$here/../support/free_ports.py" "$1" 12288 16384
 }
 
 pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }

@@ -247,7 +247,8 @@ inline Finished run(const std::vector<std::string>& argv,
 inline int freePort() {
   int ephemeral_low = 32768;
   if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) range >> ephemeral_low;
-  // Below 28672: the suite's fixed ports (29400, 29500, 29555, ...) lie above it.
+  // Below 28672: the suite's fixed ports (29400, 29500, 29555, ...) lie above it. The Python and
+  // shell parts take theirs below 16384 (tests/support/free_ports.py).
   const int hi = std::min(ephemeral_low, 28672), lo = std::max(1024, hi - 12288);
   const std::string dir = "/tmp/ddprun-test-ports";
   ::mkdir(dir.c_str(), 0777);

@@ -4,14 +4,15 @@ Writes to OUTDIR: init.bin (initial parameters), x.bin / y.bin (data, STEPS x 16
 final.bin (rank 0's parameters after STEPS SGD steps), all raw little-endian float32.
 """
 import os
-import random
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+from free_ports import free_ports  # noqa: E402
 
 WORLD = 2
 BATCH = 16
@@ -45,20 +46,6 @@ def worker(rank, port, outdir, steps, state, x, y):
     dist.destroy_process_group()
 
 
-def free_port():
-    # A port no socket holds, from below the kernel's ephemeral range: rank 0 binds it seconds
-    # later (after spawn), and a port from that range could meanwhile become some connection's
-    # local port. [8192, 12288) is apart from the ranges the other tests pick from.
-    for port in random.sample(range(8192, 12288), 4096):
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port in [8192, 12288)")
-
-
 def main():
     outdir, steps = sys.argv[1], int(sys.argv[2])
     torch.manual_seed(0)
@@ -68,7 +55,8 @@ def main():
     flat(model).numpy().tofile(os.path.join(outdir, "init.bin"))
     x.numpy().tofile(os.path.join(outdir, "x.bin"))
     y.numpy().tofile(os.path.join(outdir, "y.bin"))
-    port = free_port()
+    # Rank 0 binds it seconds later (after spawn): a port from below the ephemeral range.
+    port = free_ports(1, 8192, 12288)[0]
     mp.spawn(worker, args=(port, outdir, steps, model.state_dict(), x, y), nprocs=WORLD, join=True)
 
 
