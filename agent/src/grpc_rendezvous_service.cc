@@ -74,6 +74,12 @@ void GrpcRendezvousService::stopWatch() { watch_.reset(); }
 void GrpcRendezvousService::cancelAll() { client_.cancelAll(); }
 
 Status GrpcRendezvousService::explainUnavailable(const Status& st) const {
+  Status out = explainTransport(st);
+  if (options_.hosting_note.empty()) return out;
+  return Status(out.code(), out.message() + " (" + options_.hosting_note + ")");
+}
+
+Status GrpcRendezvousService::explainTransport(const Status& st) const {
   const std::string& endpoint = options_.client.endpoint;
   if (!options_.unreachable_note.empty() && options_.client.tls_root_cert_pem.empty()) {
     return Status(st.code(), st.message() + " (" + options_.unreachable_note + ")");

@@ -21,6 +21,9 @@ struct GrpcServiceOptions {
   // What an unreachable endpoint most likely means, when the caller knows better than the TLS
   // guess (the static backend's MASTER_PORT+1).
   std::string unreachable_note;
+  // Why this agent did not host an endpoint it tried to host (its port was taken), added to
+  // whatever an unreachable endpoint is reported with.
+  std::string hosting_note;
 };
 
 class GrpcRendezvousService final : public RendezvousService {
@@ -47,6 +50,9 @@ class GrpcRendezvousService final : public RendezvousService {
   Status explainUnavailable(const Status& status) const override;
 
  private:
+  // What an unreachable endpoint most likely means for the transport (plaintext or TLS).
+  Status explainTransport(const Status& status) const;
+
   GrpcServiceOptions options_;
   rendezvous::AsyncClient client_;
   std::unique_ptr<rendezvous::Watch> watch_;

@@ -44,6 +44,7 @@ StatusOr<RendezvousSetup> makeRendezvous(const RendezvousChoice& choice,
     return out;
   }
   const std::string note = choice.endpoint_note.empty() ? "" : " (" + choice.endpoint_note + ")";
+  std::string hosting_note;
   if (choice.hosting != Hosting::kNo) {
     rendezvous::ServerOptions so;
     so.listen = choice.endpoint;
@@ -59,7 +60,13 @@ StatusOr<RendezvousSetup> makeRendezvous(const RendezvousChoice& choice,
       return unavailable("cannot host the rendezvous at " + choice.endpoint + ": " +
                          server.status().message() + note);
     } else {
-      log->info("rendezvous at {} is hosted by another agent", choice.endpoint);
+      // Usually another agent on this host hosts it; if nothing does, the wait below ends in an
+      // error that says why this agent did not host it (the port may be another program's).
+      log->info("rendezvous at {} not hosted here ({}): joining the agent that hosts it",
+                choice.endpoint, server.status().message());
+      hosting_note = "this agent could not host it: " + server.status().message() +
+                     "; unless another agent or a ddprun-rendezvous serves it, some other "
+                     "program holds that port";
     }
   }
   // Say what this node waits for, and where, before the wait (it may be long).
@@ -76,6 +83,7 @@ StatusOr<RendezvousSetup> makeRendezvous(const RendezvousChoice& choice,
   o.client.tls_root_cert_pem = conf.tls_ca_pem;
   o.tls_ca_file = conf.tls_ca_file;
   o.unreachable_note = choice.endpoint_note;
+  o.hosting_note = hosting_note;
   out.service = std::make_unique<GrpcRendezvousService>(io, std::move(o));
   out.client =
       std::make_unique<MultiNodeRendezvous>(io, choice.multinode, *out.service, std::move(sink));

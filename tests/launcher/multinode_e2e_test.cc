@@ -228,6 +228,37 @@ TEST_CASE("joining a run that was closed is refused with a clear error", "[multi
   CHECK(r2->err.find("closedrun is closed") != std::string::npos);
 }
 
+TEST_CASE(
+    "an agent whose c10d endpoint port another program holds fails within join_timeout and "
+    "says it could not host the rendezvous",
+    "[multinode]") {
+  // Another program listens on the endpoint's port and never answers (accepts nothing).
+  const int port = freePort();
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  REQUIRE(::listen(fd, 4) == 0);
+  const std::string ep = "127.0.0.1:" + std::to_string(port);
+  const auto started = std::chrono::steady_clock::now();
+  auto a = agent("127.0.0.2", ep, "1", "taken", {"--rdzv-conf=join_timeout=3"}, testWorker({}));
+  auto r = a->wait(60s);
+  ::close(fd);
+  REQUIRE(r);
+  INFO(r->err);
+  CHECK(r->exit_code == 1);
+  CHECK(std::chrono::steady_clock::now() - started < 30s);
+  CHECK(r->err.find("rendezvous at " + ep + " not hosted here (cannot listen on " + ep) !=
+        std::string::npos);
+  CHECK(r->err.find("rendezvous at " + ep + " unreachable") != std::string::npos);
+  CHECK(r->err.find("this agent could not host it: cannot listen on " + ep) != std::string::npos);
+  CHECK(r->err.find("some other program holds that port") != std::string::npos);
+  CHECK(r->err.find("this agent speaks plaintext gRPC") != std::string::npos);  // still there
+}
+
 namespace {
 
 // A throwaway CA and a server certificate for 127.0.0.1 (SAN IP:127.0.0.1) signed by it, made
