@@ -882,7 +882,8 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
             if (it == joins_.end() || !finish(id)) return;
             auto d = std::move(it->second.done);
             joins_.erase(it);
-            d(deadlineExceeded("join_timeout expired waiting for a round of run " + o_.run_id));
+            d(deadlineExceeded(std::string(rendezvous::kJoinTimeoutExpired) + "a round of run " +
+                               o_.run_id));
           });
           reevaluate();
         });

@@ -60,8 +60,12 @@ void MultiNodeRendezvous::join(RoundCallback done, std::function<void()> next) {
                       next = std::move(next)](StatusOr<rendezvous::RoundInfo> joined) mutable {
     if (!joined.isOk()) {
       Status st = joined.status();
-      // (A port held by something that is not our rendezvous ends in a deadline, not a refusal.)
-      if (st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kDeadlineExceeded) {
+      // (A port held by something that is not our rendezvous ends in a deadline, not a refusal.
+      // The rendezvous's own join timeout is an answer: nothing to explain about reaching it.)
+      const bool answered = st.code() == StatusCode::kDeadlineExceeded &&
+                            startsWith(st.message(), rendezvous::kJoinTimeoutExpired);
+      if (!answered &&
+          (st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kDeadlineExceeded)) {
         st = service_.explainUnavailable(st);
       }
       done(st);

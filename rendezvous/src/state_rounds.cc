@@ -395,9 +395,10 @@ void RendezvousState::expireJoins(Run& run, TimePoint now) {
   }
   for (const std::string& id : timed_out) {
     Node& node = run.nodes.at(id);
-    const std::string msg = "join_timeout expired waiting for round " + std::to_string(run.round) +
-                            " of run " + run.id + ": " + std::to_string(run.members.size()) +
-                            " node(s) joined, min_nodes is " + std::to_string(run.config.min_nodes);
+    const std::string msg = std::string(kJoinTimeoutExpired) + "round " +
+                            std::to_string(run.round) + " of run " + run.id + ": " +
+                            std::to_string(run.members.size()) + " node(s) joined, min_nodes is " +
+                            std::to_string(run.config.min_nodes);
     finishJoin(node, deadlineExceeded(msg));
     const bool survivor = run.completed && node.prev_round == run.completed_round;
     if (survivor) {

@@ -167,6 +167,30 @@ TEST_CASE("a join that fails says what to check when the service is unreachable"
   CHECK(f.result->status().message() == "down (check the fake)");
 }
 
+TEST_CASE("a join the rendezvous itself timed out is reported as it said, with no hint to reach it",
+          "[agent][multinode]") {
+  const std::string said = std::string(rendezvous::kJoinTimeoutExpired) +
+                           "round 1 of run r: 1 node(s) joined, min_nodes is 2";
+  {
+    Fixture f;
+    f.nextRound();
+    f.service.answer(f.service.joins, StatusOr<rendezvous::RoundInfo>(deadlineExceeded(said)));
+    f.poll();
+    REQUIRE(f.result.has_value());
+    CHECK(f.result->status().code() == StatusCode::kDeadlineExceeded);
+    CHECK(f.result->status().message() == said);
+  }
+  {  // a transport deadline (a port held by something that is not a rendezvous) is explained
+    Fixture f;
+    f.nextRound();
+    f.service.answer(f.service.joins,
+                     StatusOr<rendezvous::RoundInfo>(deadlineExceeded("Deadline Exceeded")));
+    f.poll();
+    REQUIRE(f.result.has_value());
+    CHECK(f.result->status().message() == "Deadline Exceeded (check the fake)");
+  }
+}
+
 TEST_CASE("pushed round changes become membership changes and peer failures",
           "[agent][multinode]") {
   Fixture f;

@@ -11,6 +11,11 @@
 
 namespace ddprun::rendezvous {
 
+// How the DEADLINE_EXCEEDED of a join that the rendezvous itself timed out begins (the gRPC
+// server's state machine and the etcd service both say it): an answer from the rendezvous, which
+// was reachable, not a transport failure to explain.
+inline constexpr const char* kJoinTimeoutExpired = "join_timeout expired waiting for ";
+
 // Settings of a run, fixed by its first joiner (torchrun's --nnodes and --rdzv-conf).
 struct RunConfig {
   uint32_t min_nodes = 1;
