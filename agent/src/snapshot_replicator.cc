@@ -237,8 +237,10 @@ void SnapshotReplicator::setHeld(const std::string& name, Held held) {
   auto& slot = held_files_[name];
   replaced_held = std::move(slot.served.data);
   slot = std::move(held);
-  if (replaced_held == slot.served.data) {  // the same file (e.g. its CRC-32 now known)
-    replaced_held.reset();
+  // One release for the replaced file: none where the file stays (e.g. its CRC-32 now known),
+  // and the served copy's reference dropped here while the held one still holds it.
+  if (replaced_held == slot.served.data) replaced_held.reset();
+  if (replaced_served == replaced_held || replaced_served == slot.served.data) {
     replaced_served.reset();
   }
   releaseOffLoop(std::move(replaced_served));
