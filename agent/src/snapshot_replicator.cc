@@ -226,25 +226,15 @@ void SnapshotReplicator::scanExisting() {
 }
 
 void SnapshotReplicator::setHeld(const std::string& name, Held held) {
-  std::shared_ptr<const rendezvous::OpenFile> replaced_served, replaced_held;
   {
     std::lock_guard<std::mutex> lock(served_mu_);
-    auto& slot = served_[name];
-    replaced_served = std::move(slot.data);
-    slot = held.served;
+    served_[name] = held.served;  // the replaced file stays referenced from held_files_ below
   }
   metrics_.newest_version = std::max(metrics_.newest_version, held.served.file.version);
   auto& slot = held_files_[name];
-  replaced_held = std::move(slot.served.data);
+  auto replaced = std::move(slot.served.data);
   slot = std::move(held);
-  // One release for the replaced file: none where the file stays (e.g. its CRC-32 now known),
-  // and the served copy's reference dropped here while the held one still holds it.
-  if (replaced_held == slot.served.data) replaced_held.reset();
-  if (replaced_served == replaced_held || replaced_served == slot.served.data) {
-    replaced_served.reset();
-  }
-  releaseOffLoop(std::move(replaced_served));
-  releaseOffLoop(std::move(replaced_held));
+  if (replaced != slot.served.data) releaseOffLoop(std::move(replaced));  // else: the same file
 }
 
 void SnapshotReplicator::releaseOffLoop(std::shared_ptr<const rendezvous::OpenFile> file) {
