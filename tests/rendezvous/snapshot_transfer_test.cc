@@ -288,6 +288,38 @@ TEST_CASE("a fetch never replaces an existing file and a dead source is UNAVAILA
   CHECK_FALSE(exists(out / ".recv2"));
 }
 
+TEST_CASE(
+    "connections are kept between calls, and one to a source that restarted at the same address "
+    "is replaced at once (not left to gRPC's reconnect backoff)",
+    "[snapshot]") {
+  Holder h(3 << 20);
+  Dir out;
+  const SnapshotPeer peer = h.peer();
+  REQUIRE(fetchSnapshot(peer, h.served.file, out / ".a", nullptr).isOk());
+  REQUIRE(announceSnapshot(peer, h.served.file, "127.0.0.1:1", "", std::chrono::seconds(5)).isOk());
+  const int port = h.server->port();
+  h.server.reset();
+  // Calls while it is down fail (and leave the kept channels in TRANSIENT_FAILURE)...
+  CHECK(fetchSnapshot(peer, h.served.file, out / ".b", nullptr).code() == StatusCode::kUnavailable);
+  CHECK_FALSE(
+      announceSnapshot(peer, h.served.file, "127.0.0.1:1", "", std::chrono::seconds(5)).isOk());
+  // ... and the first ones after it is back succeed.
+  SnapshotServerOptions o;
+  o.listen = "127.0.0.1:" + std::to_string(port);
+  o.run_id = "run";
+  o.lookup = [&h](const std::string&, uint64_t) -> std::optional<ServedFile> { return h.served; };
+  std::atomic<int> announced{0};
+  o.on_announce = [&announced](const SnapshotFile&, const std::string&, const std::string&) {
+    ++announced;
+  };
+  auto again = SnapshotServer::start(std::move(o));
+  REQUIRE(again.isOk());
+  CHECK(announceSnapshot(peer, h.served.file, "127.0.0.1:1", "", std::chrono::seconds(5)).isOk());
+  CHECK(announced == 1);
+  REQUIRE(fetchSnapshot(peer, h.served.file, out / ".c", nullptr).isOk());
+  CHECK(readAll(out / ".c") == h.content);
+}
+
 TEST_CASE("with TLS material the transfer speaks TLS and a plaintext fetch fails", "[snapshot]") {
   const auto tls = ddprun::rendezvous::testing::selfSignedTls();  // valid for 127.0.0.1
   Holder h(200 * 1000, "tok", {}, tls.tls_cert_pem, tls.tls_key_pem);
