@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
     ::fsync(fd);
     ::close(fd);
   }
+  tuneAllocatorForTransfers();  // as the agent does
   const int fd = ::open(src.c_str(), O_RDONLY | O_CLOEXEC);
   auto crc = crc32OfFile(fd);
   ServedFile served{SnapshotFile{"src.bin", 1, crc->first, crc->second},

@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/sync_stream.h>
+#include <malloc.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -343,6 +344,13 @@ StatusOr<std::pair<uint64_t, uint32_t>> crc32OfPart(int fd, uint64_t begin, uint
 }
 
 }  // namespace
+
+void tuneAllocatorForTransfers() {
+#ifdef __GLIBC__
+  ::mallopt(M_MMAP_THRESHOLD, 8 << 20);
+  ::mallopt(M_TRIM_THRESHOLD, 64 << 20);
+#endif
+}
 
 StatusOr<std::pair<uint64_t, uint32_t>> crc32OfFile(int fd) {
   // A large file is read in two halves at once (reading from the page cache and the CRC both
