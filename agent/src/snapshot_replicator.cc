@@ -475,6 +475,9 @@ void SnapshotReplicator::onAnnounce(const SnapshotVersion& v, const std::string&
 }
 
 void SnapshotReplicator::pump() {
+  // While a round's sync waits for them, this node's workers are not running and their start
+  // waits for these transfers: they run at the agent's priority then, in the background else.
+  const Urgency urgency = sync_done_ ? Urgency::kPrompt : Urgency::kBackground;
   for (auto& t : replica_.takeTransfers()) {
     std::random_device rd;
     const std::string temp = path(std::string(kRecvPrefix) + t.file.name + "." +
@@ -494,7 +497,8 @@ void SnapshotReplicator::pump() {
             t.file.crc_pending = false;
           }
           onFetched(t, *status, temp, started);
-        });
+        },
+        urgency);
   }
   maybeFinishSync();
 }

@@ -131,7 +131,9 @@ class SnapshotReplicator {
   // How an offLoop thread runs. kBackground: bulk work (hashing, fetching) that the workers'
   // training comes before (runAsBackground). kPrompt: the few system calls and small RPCs a
   // replication waits on (looking at a completed file, announcing it) at the agent's own
-  // priority: as background work they would wait for whatever CPU the workers leave.
+  // priority: as background work they would wait for whatever CPU the workers leave. Fetches
+  // that a round's sync waits for are prompt too: this node's workers are stopped then, and their
+  // start waits for the fetch.
   enum class Urgency { kBackground, kPrompt };
   // Runs `work` on a thread of its own; `then` runs on the loop afterwards (unless destroyed).
   void offLoop(std::function<void()> work, std::function<void()> then,
