@@ -7,9 +7,12 @@
 #include <string>
 #include <vector>
 
-using ddprun::crc32Accelerated;
+using ddprun::crc32BestPath;
+using ddprun::Crc32Path;
+using ddprun::crc32PathName;
 using ddprun::crc32Portable;
 using ddprun::crc32Update;
+using ddprun::crc32UpdateVia;
 
 namespace {
 
@@ -35,19 +38,23 @@ TEST_CASE("crc32: known values (IEEE 802.3, as zlib)", "[crc32]") {
   const std::vector<unsigned char> zeros(4096, 0), ones(4096, 0xff);
   CHECK(crc32Update(0, zeros.data(), zeros.size()) == crc32Portable(0, zeros.data(), zeros.size()));
   CHECK(crc32Update(0, ones.data(), ones.size()) == crc32Portable(0, ones.data(), ones.size()));
-  INFO("carry-less multiply path: " << (crc32Accelerated() ? "yes" : "no (zlib only)"));
+  INFO("this CPU's path: " << crc32PathName(crc32BestPath()));
   SUCCEED();
 }
 
-TEST_CASE("crc32: every length 0..1100, every alignment, varied starting values", "[crc32]") {
-  const auto buf = randomBytes(1100 + 16, 7);
+TEST_CASE("crc32: every path, every length 0..1100, every alignment, varied starting values",
+          "[crc32]") {
+  const auto buf = randomBytes(1100 + 64, 7);
+  // Each path this CPU has; one it lacks computes through the best it has (the same value).
+  const Crc32Path path = GENERATE(Crc32Path::kPortable, Crc32Path::kClmul, Crc32Path::kWide);
+  INFO("path " << crc32PathName(path) << ", this CPU's best " << crc32PathName(crc32BestPath()));
   std::mt19937 rng(11);
-  for (size_t align = 0; align < 16; ++align) {
+  for (size_t align = 0; align < 64; align += (align < 16 ? 1 : 7)) {
     for (size_t n = 0; n + align <= 1100; ++n) {
       const uint32_t start = (n % 3 == 0) ? 0u : static_cast<uint32_t>(rng());
       const auto* p = buf.data() + align;
       const uint32_t want = crc32Portable(start, p, n);
-      const uint32_t got = crc32Update(start, p, n);
+      const uint32_t got = crc32UpdateVia(path, start, p, n);
       if (got != want) {
         FAIL("length " << n << " at offset " << align << " from " << start << ": " << got
                        << " != zlib's " << want);
@@ -61,6 +68,8 @@ TEST_CASE("crc32: large buffers, and pieces chained give the whole", "[crc32]") 
   const auto buf = randomBytes((8 << 20) + 13, 3);
   const uint32_t whole = crc32Portable(0, buf.data(), buf.size());
   CHECK(crc32Update(0, buf.data(), buf.size()) == whole);
+  CHECK(crc32UpdateVia(Crc32Path::kClmul, 0, buf.data(), buf.size()) == whole);
+  CHECK(crc32UpdateVia(Crc32Path::kWide, 0, buf.data(), buf.size()) == whole);
   // Pieces of awkward sizes (below and above the 64-byte threshold), chained.
   std::mt19937 rng(5);
   uint32_t c = 0;
