@@ -162,8 +162,10 @@ Status SnapshotReplicator::init() {
                      uint64_t version) -> std::optional<rendezvous::ServedFile> {
     std::lock_guard<std::mutex> lock(served_mu_);
     auto it = served_.find(name);
-    if (it == served_.end() || it->second.file.version != version) return std::nullopt;
-    return it->second;
+    if (it != served_.end() && it->second.file.version == version) return it->second;
+    it = arriving_.find(name);  // being fetched here: served as it arrives
+    if (it != arriving_.end() && it->second.file.version == version) return it->second;
+    return std::nullopt;
   };
   std::weak_ptr<int> alive = alive_;
   so.on_announce = [this, alive](const rendezvous::SnapshotFile& f, const std::string& source,
@@ -474,6 +476,41 @@ void SnapshotReplicator::onAnnounce(const SnapshotVersion& v, const std::string&
   pump();
 }
 
+std::vector<int> SnapshotReplicator::subtree(const SnapshotVersion& v, std::string* origin) const {
+  std::optional<std::pair<uint64_t, std::string>> told;
+  for (const auto* table : {&relay_pending_, &relayed_early_}) {
+    auto it = table->find(v.name);
+    if (it != table->end() && it->second.first == v.version) told = it->second;
+  }
+  if (!told || self_rank_ < 0) return {};
+  auto at = std::find(nodes_.begin(), nodes_.end(), told->second);
+  if (at == nodes_.end()) return {};  // the round changed: its sync covers it
+  *origin = told->second;
+  return relayTargets(static_cast<int>(at - nodes_.begin()), self_rank_,
+                      static_cast<int>(nodes_.size()));
+}
+
+std::shared_ptr<rendezvous::ArrivingFile> SnapshotReplicator::serveArriving(
+    const SnapshotVersion& v, std::shared_ptr<rendezvous::PendingCrc>* pending) {
+  std::string origin;
+  const auto targets = subtree(v, &origin);
+  if (targets.empty()) return nullptr;
+  auto arriving = std::make_shared<rendezvous::ArrivingFile>();
+  if (v.crc_pending) *pending = std::make_shared<rendezvous::PendingCrc>();
+  {
+    std::lock_guard<std::mutex> lock(served_mu_);
+    arriving_[v.name] = rendezvous::ServedFile{toWire(v), nullptr, *pending, arriving};
+  }
+  if (relay_pending_.count(v.name) != 0) {  // told once: a retry serves it again, quietly
+    relay_pending_.erase(v.name);
+    relayed_early_[v.name] = {v.version, origin};
+    snapLog()->info("snapshot: passing {} version {} on to {} node(s) as it arrives", v.name,
+                    versionText(v.version), targets.size());
+    announce(v, endpoint_, origin, targets);
+  }
+  return arriving;
+}
+
 void SnapshotReplicator::pump() {
   // While a round's sync waits for them, this node's workers are not running and their start
   // waits for these transfers: they run at the agent's priority then, in the background else.
@@ -486,17 +523,29 @@ void SnapshotReplicator::pump() {
     auto status = std::make_shared<Status>();
     auto crc = std::make_shared<uint32_t>(0);
     const rendezvous::SnapshotPeer peer{t.source, options_.run_id, options_.security};
+    // A node this one relays the version to fetches it from here while it arrives.
+    std::shared_ptr<rendezvous::PendingCrc> pending;
+    auto arriving = serveArriving(t.file, &pending);
     offLoop(
         [peer, file = toWire(t.file), temp, status, crc, cancel = &cancel_,
-         streams = options_.fetch_streams] {
-          *status = rendezvous::fetchSnapshot(peer, file, temp, cancel, streams, crc.get());
+         streams = options_.fetch_streams, arriving, pending] {
+          *status =
+              rendezvous::fetchSnapshot(peer, file, temp, cancel, streams, crc.get(), arriving);
+          // Set here, not on the loop: streams waiting for it must end even while the agent
+          // stops (its server waits for them).
+          if (pending) pending->set(status->isOk() ? StatusOr<uint32_t>(*crc) : *status);
         },
-        [this, t, status, crc, temp, started]() mutable {
+        [this, t, status, crc, temp, started, arriving]() mutable {
           if (status->isOk()) {  // the verified CRC-32 (the target's may have been pending)
             t.file.crc32 = *crc;
             t.file.crc_pending = false;
           }
           onFetched(t, *status, temp, started);
+          if (arriving) {  // after onFetched: a copy renamed into place is served from there now
+            std::lock_guard<std::mutex> lock(served_mu_);
+            auto it = arriving_.find(t.file.name);
+            if (it != arriving_.end() && it->second.arriving == arriving) arriving_.erase(it);
+          }
         },
         urgency);
   }
@@ -565,8 +614,16 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
     }
   }
   replica_.onTransferDone(t, outcomeOf(st));
-  if (!st.isOk() && !replica_.wanted(t.file.name)) {
-    relay(t.file, t.source);  // given up here: the subtree fetches from where this node tried
+  if (!st.isOk()) {
+    std::string origin;
+    auto early = relayed_early_.find(t.file.name);
+    if (early != relayed_early_.end() && early->second.first == t.file.version) {
+      // The subtree was told to fetch from here as it arrived: their streams failed with this
+      // one. They fetch from where this node tried too.
+      announce(t.file, t.source, early->second.second, subtree(t.file, &origin));
+    } else if (!replica_.wanted(t.file.name)) {
+      relay(t.file, t.source);  // given up here: the subtree fetches from where this node tried
+    }
   }
   if (!st.isOk() && st.code() != StatusCode::kResourceExhausted && !replica_.wanted(t.file.name) &&
       replica_.shouldInstall(t.file)) {

@@ -6,6 +6,9 @@
 //   from the inode it was announced with;
 // - fetches newer versions announced or held elsewhere into a temp file in the directory, and
 //   renames a complete, verified copy into place (never a partial or corrupt one);
+// - passes an announced version on down the announcement tree (relayTargets) as soon as its own
+//   fetch starts, serving it to that subtree as it arrives (a pipelined relay): a version reaches
+//   all nodes in about one copy's time rather than one per level of the tree;
 // - before a round's workers start (SnapshotSyncClient, below), publishes what this node holds in
 //   the rendezvous' key-value store, reads what every node of the round holds, and fetches the
 //   newest version of each file before the round is handed to the supervisor.
@@ -117,6 +120,15 @@ class SnapshotReplicator {
                 const std::vector<int>& ranks);
   // Passes an announcement on down the tree (relayTargets), once per version.
   void relay(const SnapshotVersion& v, const std::string& source);
+  // The group ranks this node passes `v` on to (relayTargets; `origin` set), if it was told of
+  // `v` with the round's tree; else none.
+  std::vector<int> subtree(const SnapshotVersion& v, std::string* origin) const;
+  // A fetch of `v` starts: if this node passes `v` on, it serves `v` as it arrives and tells
+  // its subtree so at once (a pipelined relay), instead of once the copy is complete. Returns
+  // what the fetch reports its progress to, and in `pending` where the verified CRC-32 goes
+  // when `v`'s is not known yet; nullptr when nothing is passed on.
+  std::shared_ptr<rendezvous::ArrivingFile> serveArriving(
+      const SnapshotVersion& v, std::shared_ptr<rendezvous::PendingCrc>* pending);
   void pump();
   void onFetched(const SnapshotTransfer& t, const Status& st, const std::string& temp,
                  TimePoint started);
@@ -150,10 +162,14 @@ class SnapshotReplicator {
   std::map<std::string, Held> held_files_;  // loop thread
   mutable std::mutex served_mu_;
   std::map<std::string, rendezvous::ServedFile> served_;  // guarded by served_mu_
+  // Versions being fetched here that are served on as they arrive (serveArriving).
+  std::map<std::string, rendezvous::ServedFile> arriving_;  // guarded by served_mu_
   std::vector<std::string> nodes_;  // every node's endpoint this round, by group rank
   int self_rank_ = -1;
   // Announcements to pass on once the version is held (or given up): name → version, origin.
   std::map<std::string, std::pair<uint64_t, std::string>> relay_pending_;
+  // Announcements passed on as the version arrived (serveArriving): name → version, origin.
+  std::map<std::string, std::pair<uint64_t, std::string>> relayed_early_;
   uint64_t round_ = 0;
   std::map<std::string, std::pair<uint64_t, TimePoint>> first_heard_;  // name → version, when
   std::function<void()> sync_done_;

@@ -14,11 +14,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <system_error>
 #include <thread>
+#include <utility>
 
 #include "convert.h"
 #include "ddprun/common/crc32.h"
@@ -322,6 +324,84 @@ void PendingCrc::whenKnown(std::function<void(const StatusOr<uint32_t>&)> then) 
   then(*value_);
 }
 
+void ArrivingFile::setData(std::shared_ptr<const OpenFile> data) {
+  std::lock_guard<std::mutex> lock(mu_);
+  data_ = std::move(data);
+}
+
+void ArrivingFile::addRange(uint64_t begin, uint64_t end) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ranges_[begin] = Range{end, begin};
+}
+
+void ArrivingFile::advance(uint64_t begin, uint64_t reached) {
+  std::vector<Waiter> ready;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ranges_.find(begin);
+    if (it == ranges_.end() || reached <= it->second.reached) return;
+    it->second.reached = std::min(reached, it->second.end);
+    ready = takeReadyLocked();
+  }
+  for (auto& w : ready) w.then(Status::ok());
+}
+
+void ArrivingFile::fail(const Status& why) {
+  std::vector<Waiter> ready;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_) return;
+    failed_ = why;
+    ready = takeReadyLocked();
+  }
+  for (auto& w : ready) w.then(why);
+}
+
+void ArrivingFile::whenAvailable(uint64_t offset, uint64_t n,
+                                 std::function<void(const Status&)> then) {
+  Status now;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_) {
+      now = *failed_;
+    } else if (!availableLocked(offset, offset + n)) {
+      waiters_.push_back(Waiter{offset, offset + n, std::move(then)});
+      return;
+    }
+  }
+  then(now);
+}
+
+std::shared_ptr<const OpenFile> ArrivingFile::data() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return data_;
+}
+
+bool ArrivingFile::availableLocked(uint64_t offset, uint64_t end) const {
+  if (!data_) return false;
+  // The ranges that cover [offset, end), each far enough.
+  auto it = ranges_.upper_bound(offset);
+  if (it == ranges_.begin()) return false;
+  --it;
+  while (offset < end) {
+    if (it == ranges_.end() || it->first > offset) return false;  // a gap: no range holds it
+    if (it->second.reached < std::min(end, it->second.end)) return false;
+    offset = it->second.end;
+    ++it;
+  }
+  return true;
+}
+
+std::vector<ArrivingFile::Waiter> ArrivingFile::takeReadyLocked() {
+  std::vector<Waiter> ready;
+  auto ready_from = std::partition(waiters_.begin(), waiters_.end(), [this](const Waiter& w) {
+    return !failed_ && !availableLocked(w.offset, w.end);
+  });
+  std::move(ready_from, waiters_.end(), std::back_inserter(ready));
+  waiters_.erase(ready_from, waiters_.end());
+  return ready;
+}
+
 namespace {
 
 // CRC-32 of the bytes from `begin` up to `end` or the end of the file, whichever comes first.
@@ -423,7 +503,10 @@ class FailedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
 // Streams one version from its open file, one chunk in flight at a time: the next chunk is read
 // only when gRPC took the last one, so a slow receiver slows the reads (backpressure). gRPC sends
-// each chunk from the buffer it was read into (see ChunkPool).
+// each chunk from the buffer it was read into (see ChunkPool). A version still arriving here
+// (ArrivingFile) is served as its bytes come: the stream waits for each chunk's bytes, parked in
+// a WaitSlot that the arrival's progress or the receiver's cancellation takes it out of, whichever
+// comes first.
 class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   // Serves bytes [begin, end) of `served`.
@@ -452,8 +535,24 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     --*active_;
     delete this;
   }
+  void OnCancel() override {
+    if (wait_->take() != nullptr) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the receiver went away"));
+    }
+  }
 
  private:
+  // Where a stream waits for bytes still arriving: it outlives the stream (the arrival holds it),
+  // and the stream is taken out of it once, by whichever comes first.
+  struct WaitSlot {
+    std::mutex mu;
+    FetchStream* stream = nullptr;  // guarded by mu
+    FetchStream* take() {
+      std::lock_guard<std::mutex> lock(mu);
+      return std::exchange(stream, nullptr);
+    }
+  };
+
   void next() {
     if (offset_ >= end_) {
       Finish(grpc::Status::OK);
@@ -463,6 +562,31 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms_));
     }
     const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, end_ - offset_));
+    if (!served_.arriving) {
+      sendChunk(n);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(wait_->mu);
+      wait_->stream = this;
+    }
+    served_.arriving->whenAvailable(offset_, n, [wait = wait_, n](const Status& st) {
+      FetchStream* self = wait->take();
+      if (self == nullptr) return;  // cancelled meanwhile
+      if (!st.isOk()) {
+        self->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                  "this node's own fetch of " + self->served_.file.name +
+                                      " version " + versionText(self->served_.file.version) +
+                                      ", served as it arrived, failed: " + st.message()));
+        return;
+      }
+      if (!self->served_.data) self->served_.data = self->served_.arriving->data();
+      self->sendChunk(n);
+    });
+  }
+
+  // Reads, checksums and sends the `n` bytes at offset_.
+  void sendChunk(size_t n) {
     char* data = pool_->take();
     if (data == nullptr) {
       Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -530,6 +654,7 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   std::atomic<int>* active_;
   uint64_t offset_;
   grpc::ByteBuffer message_;  // the chunk being written
+  std::shared_ptr<WaitSlot> wait_ = std::make_shared<WaitSlot>();
 };
 
 using ServiceBase = spb::SnapshotReplication::WithCallbackMethod_Announce<
@@ -705,7 +830,7 @@ class SequentialWriter {
   static constexpr uint64_t kDirectFrom = 8 << 20;  // smaller files: buffered
 
   // Writes `size` bytes at [at, at + size) of `fd`; `at` a multiple of kBlock.
-  SequentialWriter(int fd, uint64_t at, uint64_t size) : fd_(fd), offset_(at) {
+  SequentialWriter(int fd, uint64_t at, uint64_t size) : fd_(fd), offset_(at), durable_(at) {
     if (size < kDirectFrom) return;
     for (auto& b : buffers_) {
       void* mem = nullptr;
@@ -724,6 +849,7 @@ class SequentialWriter {
     if (!direct_) {
       const int err = writeAll(fd_, data, n, offset_);
       offset_ += n;
+      if (err == 0) durable_ = offset_;
       return err;
     }
     while (n > 0) {
@@ -739,6 +865,7 @@ class SequentialWriter {
         pending_ = std::async(std::launch::async,
                               [this, full, at] { return writeBlocks(full, kBuffer, at); });
         offset_ += kBuffer;
+        pending_end_ = offset_;
         current_ ^= 1;
         filled_ = 0;
       }
@@ -749,6 +876,16 @@ class SequentialWriter {
   // Writes what is buffered: the whole blocks directly, the rest buffered. 0 or an errno.
   int finish() {
     if (!direct_) return 0;
+    const int err = finishDirect();
+    if (err == 0) durable_ = offset_;
+    return err;
+  }
+
+  // Where the bytes written so far end: the file holds everything before it.
+  uint64_t durable() const { return durable_; }
+
+ private:
+  int finishDirect() {
     if (const int err = collect()) return err;
     const char* last = buffers_[current_].get();
     const size_t whole = filled_ / kBlock * kBlock;
@@ -762,9 +899,13 @@ class SequentialWriter {
     return err;
   }
 
- private:
   // The helper's write of the buffer before: its errno, or 0.
-  int collect() { return pending_.valid() ? pending_.get() : 0; }
+  int collect() {
+    if (!pending_.valid()) return 0;
+    const int err = pending_.get();
+    if (err == 0) durable_ = pending_end_;
+    return err;
+  }
 
   // `n` (a multiple of kBlock) bytes at `at`, directly; buffered from here on if the device
   // wants another alignment.
@@ -804,6 +945,8 @@ class SequentialWriter {
   int current_ = 0;           // the buffer being filled
   size_t filled_ = 0;         // bytes in it
   uint64_t offset_;           // where the current buffer's first byte lands
+  uint64_t durable_;          // see durable()
+  uint64_t pending_end_ = 0;  // where the other buffer's write ends
   std::future<int> pending_;  // the other buffer's write, if one runs
 };
 
@@ -857,7 +1000,8 @@ struct RangeFetch {
 };
 
 void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::string& temp_path,
-                const std::string& dir, size_t lane, RangeFetch* range, FetchAbort* abort) {
+                const std::string& dir, size_t lane, RangeFetch* range, FetchAbort* abort,
+                ArrivingFile* arriving) {
   auto fail = [&](Status st) {
     range->status = std::move(st);
     abort->fail();
@@ -938,6 +1082,8 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
     // The range's CRC-32 from the chunks' (one pass over the bytes, not two).
     crc = crc32Combine(crc, chunk_crc, chunk.size);
     offset += chunk.size;
+    // Served on from here: what is both in the file and checked.
+    if (arriving != nullptr) arriving->advance(range->begin, std::min(offset, writer.durable()));
   }
   if (!failure.isOk()) ctx.TryCancel();
   Status st = convert::fromGrpc(reader->Finish());
@@ -951,13 +1097,16 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
   }
   if (const int err = writer.finish()) return fail(writeFailure(err));
   range->crc = crc;
+  if (arriving != nullptr) arriving->advance(range->begin, range->end);
 }
 
 }  // namespace
 
-Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
-                     const std::string& temp_path, const std::atomic<bool>* cancel,
-                     size_t streams_at_most, uint32_t* crc32_out) {
+namespace {
+
+Status fetchInto(const SnapshotPeer& peer, const SnapshotFile& file, const std::string& temp_path,
+                 const std::atomic<bool>* cancel, size_t streams_at_most, uint32_t* crc32_out,
+                 ArrivingFile* arriving) {
   const auto slash = temp_path.rfind('/');
   const std::string dir = slash == std::string::npos ? "." : temp_path.substr(0, slash);
   struct statvfs vfs {};
@@ -978,6 +1127,11 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
     }
     // Other errors (a file system without fallocate): writing finds out.
   }
+  if (arriving != nullptr) {  // served on as it arrives: through a descriptor of its own
+    const int fd = ::open(temp_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return internalError("cannot open " + temp_path + ": " + errnoText(errno));
+    arriving->setData(std::make_shared<OpenFile>(fd));
+  }
 
   // Large versions come over several streams at once, each a range of the file on a connection
   // of its own: one gRPC stream on loopback kept this 2-core host's CPUs only ~70 % busy.
@@ -990,6 +1144,7 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
     RangeFetch r;
     r.begin = at;
     r.end = i + 1 == streams ? file.size : std::min(file.size, at + step);
+    if (arriving != nullptr) arriving->addRange(r.begin, r.end);
     ranges.push_back(std::move(r));
   }
   FetchAbort abort(cancel);
@@ -998,15 +1153,15 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
   for (size_t i = 1; i < ranges.size(); ++i) {
     try {
       helpers.emplace_back(
-          [&, i] { fetchRange(peer, file, temp_path, dir, i + 1, &ranges[i], &abort); });
+          [&, i] { fetchRange(peer, file, temp_path, dir, i + 1, &ranges[i], &abort, arriving); });
     } catch (const std::system_error&) {
       inline_from = i;
       break;
     }
   }
-  fetchRange(peer, file, temp_path, dir, 1, &ranges[0], &abort);
+  fetchRange(peer, file, temp_path, dir, 1, &ranges[0], &abort, arriving);
   for (size_t i = inline_from; i < ranges.size(); ++i) {
-    fetchRange(peer, file, temp_path, dir, i + 1, &ranges[i], &abort);
+    fetchRange(peer, file, temp_path, dir, i + 1, &ranges[i], &abort, arriving);
   }
   for (auto& t : helpers) t.join();
   uint32_t crc = 0;
@@ -1041,6 +1196,17 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
   DDPRUN_RETURN_IF_ERROR(out.finish());
   if (crc32_out != nullptr) *crc32_out = crc;
   return Status::ok();
+}
+
+}  // namespace
+
+Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
+                     const std::string& temp_path, const std::atomic<bool>* cancel,
+                     size_t streams_at_most, uint32_t* crc32_out,
+                     const std::shared_ptr<ArrivingFile>& arriving) {
+  Status st = fetchInto(peer, file, temp_path, cancel, streams_at_most, crc32_out, arriving.get());
+  if (arriving && !st.isOk()) arriving->fail(st);
+  return st;
 }
 
 }  // namespace ddprun::rendezvous

@@ -4,9 +4,12 @@
 // fresh node with an empty directory.
 #include <sys/mount.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <csignal>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <memory>
 #include <regex>
 #include <set>
@@ -251,8 +254,12 @@ TEST_CASE("a receiver without space keeps its previous version and the job goes 
 
 TEST_CASE("when the writer dies mid-transfer the others resume from the previous version",
           "[snapshot]") {
+  // With four nodes one receiver fetches from a relay that passes the version on as it arrives:
+  // the relay's own fetch fails with the writer, and so does the one below it.
+  const int count = GENERATE(3, 4);
+  CAPTURE(count);
   RendezvousDaemon rdzv;
-  TempDir a_dir, b_dir, c_dir;
+  std::vector<std::unique_ptr<TempDir>> dirs;
   const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
   // Every worker says which version it starts from. In the first round the writer's node writes
   // v1, then a large v2 that its (slowed) replication service is still sending when the test
@@ -267,101 +274,149 @@ TEST_CASE("when the writer dies mid-transfer the others resume from the previous
                              "sleep 2; (echo v2; head -c 20000000 /dev/zero) > " +
                              d + "/state.bin.tmp && mv " + d + "/state.bin.tmp " + d +
                              "/state.bin; fi; sleep 60";
-  auto a =
-      node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}, {"DDPRUN_SNAPSHOT_FAULT", "slow:200"}}},
-           rdzv.endpoint, "2:3", "snap-dies", 1, writerScript(script));
-  auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2:3", "snap-dies",
-                1, writerScript(script));
-  auto c = node({"127.0.0.4", c_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2:3", "snap-dies",
-                1, writerScript(script));
-  // Both receivers hold v1 and are receiving v2 (their temp files exist).
+  const std::string nnodes = "2:" + std::to_string(count);
+  std::vector<std::unique_ptr<Process>> nodes;
+  for (int i = 0; i < count; ++i) {
+    dirs.push_back(std::make_unique<TempDir>());
+    std::map<std::string, std::string> env = {{"WRITER", i == 0 ? "1" : "0"}};
+    if (i == 0) env["DDPRUN_SNAPSHOT_FAULT"] = "slow:200";
+    nodes.push_back(node({"127.0.0." + std::to_string(2 + i), dirs[i]->path(), env}, rdzv.endpoint,
+                         nnodes, "snap-dies", 1, writerScript(script)));
+  }
+  // Every receiver holds v1 and is receiving v2 (its temp file exists).
   auto receiving = [](const TempDir& dir) {
     return readFile(dir / "state.bin") == "v1\n" &&
            std::system(("ls -a '" + dir.path() + "' | grep -q '^.ddprun-recv'").c_str()) == 0;
   };
-  REQUIRE(waitUntil([&] { return receiving(b_dir) && receiving(c_dir); }, 120s));
-  a->signal(SIGKILL);
-  REQUIRE(a->wait(10s));
-  auto rb = finish(*b, 180s), rc = finish(*c, 180s);
-  INFO(b->err() << "\n" << c->err());
-  REQUIRE(rb);
-  REQUIRE(rc);
-  CHECK(rb->exit_code == 0);
-  CHECK(rc->exit_code == 0);
-  for (const auto* r : {rb.get(), rc.get()}) {
+  REQUIRE(waitUntil(
+      [&] {
+        return std::all_of(dirs.begin() + 1, dirs.end(),
+                           [&](auto& dir) { return receiving(*dir); });
+      },
+      120s));
+  nodes[0]->signal(SIGKILL);
+  REQUIRE(nodes[0]->wait(10s));
+  int relays = 0, below_relay = 0;
+  for (int i = 1; i < count; ++i) {
+    auto r = finish(*nodes[i], 180s);
+    INFO(nodes[i]->err());
+    REQUIRE(r);
+    CHECK(r->exit_code == 0);
     CHECK(r->out.find("resumed from v1") != std::string::npos);  // the second round's workers
+    CHECK(readFile(*dirs[i] / "state.bin") == "v1\n");
+    // No partial copy is left behind.
+    CHECK(std::system(("ls -a '" + dirs[i]->path() + "' | grep -q '^.ddprun-recv'").c_str()) != 0);
+    const std::string err = nodes[i]->err();
+    relays += err.find("snapshot: passing state.bin") != std::string::npos;
+    below_relay += err.find("served as it arrived, failed") != std::string::npos;
   }
-  CHECK(readFile(b_dir / "state.bin") == "v1\n");
-  CHECK(readFile(c_dir / "state.bin") == "v1\n");
-  // No partial copy is left behind.
-  CHECK(
-      std::system(("ls -a '" + b_dir.path() + "' '" + c_dir.path() + "' | grep -q '^.ddprun-recv'")
-                      .c_str()) != 0);
+  CHECK(relays == (count == 4 ? 1 : 0));
+  CHECK(below_relay == relays);
 }
+
+namespace {
+
+// Four nodes of one job on 127.0.0.10-13, each replicating a directory of its own. The first
+// node's worker writes data.bin (2 MiB of random bytes); every worker runs until stop().
+struct FourNodes {
+  FourNodes() {
+    for (int i = 0; i < 4; ++i) dirs.push_back(std::make_unique<TempDir>());
+  }
+  // `env(i)`: node i's environment besides WRITER.
+  void start(const std::string& run_id,
+             const std::function<std::map<std::string, std::string>(int)>& env,
+             const std::vector<std::string>& flags = {}) {
+    const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+    const std::string script =
+        "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then head -c 2097152 /dev/urandom > " + d +
+        "/data.bin.tmp && mv " + d + "/data.bin.tmp " + d +
+        "/data.bin; fi; "
+        "while [ ! -e '" +
+        stop_dir / "now" + "' ]; do sleep 0.1; done";
+    for (int i = 0; i < 4; ++i) {
+      auto e = env(i);
+      e["WRITER"] = i == 0 ? "1" : "0";
+      nodes.push_back(node({"127.0.0.1" + std::to_string(i), dirs[i]->path(), e, flags},
+                           rdzv.endpoint, "4", run_id, 1, writerScript(script)));
+    }
+  }
+  // Every node holds the 2 MiB the writer wrote.
+  bool everywhere() const {
+    const std::string written = *dirs[0] / "data.bin";
+    if (!fileExists(written)) return false;
+    const std::string want = readFile(written);
+    for (const auto& dir : dirs) {
+      if (readFile(*dir / "data.bin") != want) return false;
+    }
+    return want.size() == 2097152;
+  }
+  // Where node i fetched data.bin from ("127.0.0.X"), once it logged the fetch.
+  std::string fetchedFrom(int i) const {
+    std::smatch m;
+    const std::string err = nodes[i]->err();
+    if (!std::regex_search(err, m,
+                           std::regex(R"(fetched data.bin version \S+: 2097152 bytes )"
+                                      R"(from (127\.0\.0\.\d+):\d+ in [0-9.]+ s)"))) {
+      return "";
+    }
+    return m[1];
+  }
+  void stop() {
+    std::ofstream(stop_dir / "now") << "";
+    for (auto& n : nodes) {
+      auto r = n->wait(120s);
+      REQUIRE(r);
+      CHECK(r->exit_code == 0);
+    }
+  }
+  RendezvousDaemon rdzv;
+  TempDir stop_dir;
+  std::vector<std::unique_ptr<TempDir>> dirs;
+  std::vector<std::unique_ptr<Process>> nodes;
+};
+
+}  // namespace
 
 TEST_CASE("with four nodes a version travels a tree and /metrics counts what arrived",
           "[snapshot]") {
-  RendezvousDaemon rdzv;
-  TempDir stop;
-  std::vector<std::unique_ptr<TempDir>> dirs;
-  std::vector<std::unique_ptr<Process>> nodes;
-  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
-  const std::string script =
-      "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then head -c 2097152 /dev/urandom > " + d +
-      "/data.bin.tmp && mv " + d + "/data.bin.tmp " + d +
-      "/data.bin; fi; "
-      "while [ ! -e '" +
-      stop / "now" + "' ]; do sleep 0.1; done";
+  FourNodes job;
+  auto& dirs = job.dirs;
   for (int i = 0; i < 4; ++i) {
-    dirs.push_back(std::make_unique<TempDir>());
     // A partial copy left by an agent that crashed mid-transfer is removed at start.
-    std::ofstream(*dirs.back() / ".ddprun-recv.data.bin.1.2") << "partial";
+    std::ofstream(*dirs[i] / ".ddprun-recv.data.bin.1.2") << "partial";
   }
   // A file one node had before the job (version 0) reaches the others before the workers start.
   std::ofstream(*dirs[3] / "old.bin") << "from before";
-  for (int i = 0; i < 4; ++i) {
-    const std::string addr = "127.0.0.1" + std::to_string(i);
-    nodes.push_back(
-        node({addr, dirs[i]->path(), {{"WRITER", i == 0 ? "1" : "0"}}, {"--metrics-port=0"}},
-             rdzv.endpoint, "4", "snap-tree", 1, writerScript(script)));
-  }
-  const std::string written = *dirs[0] / "data.bin";
-  REQUIRE(waitUntil(
-      [&] {
-        if (!fileExists(written)) return false;
-        const std::string want = readFile(written);
-        for (auto& dir : dirs) {
-          if (readFile(*dir / "data.bin") != want) return false;
-        }
-        return want.size() == 2097152;
-      },
-      120s));
-  // Every receiver logged its fetch; with four nodes one of them fetched from a relay.
-  int from_writer = 0, from_relay = 0;
+  job.start("snap-tree", [](int) { return std::map<std::string, std::string>{}; },
+            {"--metrics-port=0"});
+  REQUIRE(waitUntil([&] { return job.everywhere(); }, 120s));
+  // Every receiver logged its fetch; with four nodes one of them fetched from a relay, which
+  // passed the version on as it arrived: before its own copy was complete.
+  int from_writer = 0, from_relay = 0, relays = 0;
   for (int i = 1; i < 4; ++i) {
-    REQUIRE(waitUntil(
-        [&] { return nodes[i]->err().find("snapshot: fetched data.bin") != std::string::npos; },
-        30s));
-    std::smatch m;
-    const std::string err = nodes[i]->err();
-    REQUIRE(std::regex_search(err, m,
-                              std::regex(R"(fetched data.bin version \S+: 2097152 bytes )"
-                                         R"(from (127\.0\.0\.\d+):\d+ in [0-9.]+ s)")));
-    (m[1] == "127.0.0.10" ? from_writer : from_relay) += 1;
+    REQUIRE(waitUntil([&] { return !job.fetchedFrom(i).empty(); }, 30s));
+    (job.fetchedFrom(i) == "127.0.0.10" ? from_writer : from_relay) += 1;
+    const std::string err = job.nodes[i]->err();
+    const auto passed = err.find("snapshot: passing data.bin version");
+    if (passed != std::string::npos) {
+      ++relays;
+      CHECK(passed < err.find("snapshot: fetched data.bin"));
+    }
   }
   CHECK(from_writer == 2);
   CHECK(from_relay == 1);
+  CHECK(relays == 1);
   for (int i = 0; i < 4; ++i) {
     CHECK(readFile(*dirs[i] / "old.bin") == "from before");
     CHECK_FALSE(fileExists(*dirs[i] / ".ddprun-recv.data.bin.1.2"));
     if (i < 3) {
-      const std::string err = nodes[i]->err();
+      const std::string err = job.nodes[i]->err();
       CHECK(err.find("snapshot: fetched old.bin version 0.0") < err.find("started 1 worker(s)"));
     }
   }
   // /metrics of a receiver.
   std::smatch m;
-  const std::string err = nodes[1]->err();
+  const std::string err = job.nodes[1]->err();
   REQUIRE(
       std::regex_search(err, m, std::regex(R"(metrics on http://127\.0\.0\.11:(\d+)/metrics)")));
   const std::string metrics =
@@ -374,12 +429,31 @@ TEST_CASE("with four nodes a version travels a tree and /metrics counts what arr
   CHECK(metrics.find("ddprun_snapshot_bytes_replicated_total 2097163\n") != std::string::npos);
   CHECK(metrics.find("ddprun_snapshot_transfer_failures_total 0\n") != std::string::npos);
   CHECK(metrics.find("ddprun_snapshot_replication_lag_seconds ") != std::string::npos);
-  std::ofstream(stop / "now") << "";
-  for (auto& n : nodes) {
-    auto r = n->wait(120s);
-    REQUIRE(r);
-    CHECK(r->exit_code == 0);
+  job.stop();
+}
+
+TEST_CASE(
+    "a version a relay passes on as it arrives, corrupted on the way down, is rejected and "
+    "fetched again",
+    "[snapshot]") {
+  FourNodes job;
+  // Every node but the writer damages the first chunk it serves; of those only the relay serves.
+  job.start("snap-relay-corrupt", [](int i) {
+    return i == 0 ? std::map<std::string, std::string>{}
+                  : std::map<std::string, std::string>{{"DDPRUN_SNAPSHOT_FAULT", "in-flight:1"}};
+  });
+  REQUIRE(waitUntil([&] { return job.everywhere(); }, 120s));
+  int relayed = 0;
+  for (int i = 1; i < 4; ++i) {
+    REQUIRE(waitUntil([&] { return !job.fetchedFrom(i).empty(); }, 30s));
+    if (job.fetchedFrom(i) == "127.0.0.10") continue;
+    ++relayed;  // the node below the relay: its first copy failed its check, the next arrived
+    const std::string err = job.nodes[i]->err();
+    INFO(err);
+    CHECK(err.find("fails its CRC-32 (corrupted in flight)") < err.find("snapshot: fetched"));
   }
+  CHECK(relayed == 1);
+  job.stop();
 }
 
 TEST_CASE("a missing or unwritable --snapshot-dir is a usage error before anything starts",

@@ -578,3 +578,124 @@ TEST_CASE(
     CHECK_FALSE(exists(out / ".recv"));
   }
 }
+
+namespace {
+
+// A node between a holder and the receivers: it serves `from`'s version while fetching it
+// (ArrivingFile), as an agent down the announcement tree does; `chunk_bytes` need not divide
+// anything.
+struct Relay {
+  explicit Relay(const Holder& from, size_t chunk_bytes = 100 * 1000)
+      : file(from.served.file), arriving(std::make_shared<ArrivingFile>()) {
+    SnapshotServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.run_id = "run";
+    o.chunk_bytes = chunk_bytes;
+    o.lookup = [this](const std::string& name, uint64_t version) -> std::optional<ServedFile> {
+      ++lookups;
+      if (name != file.name || version != file.version) return std::nullopt;
+      return ServedFile{file, nullptr, nullptr, arriving};
+    };
+    auto s = SnapshotServer::start(std::move(o));
+    REQUIRE(s.isOk());
+    server = std::move(s).value();
+  }
+  Status fetchFrom(const Holder& h) {
+    return fetchSnapshot(h.peer(), file, dir / ".relayed", nullptr, kDefaultFetchStreams, nullptr,
+                         arriving);
+  }
+  SnapshotPeer peer() const {
+    return SnapshotPeer{"127.0.0.1:" + std::to_string(server->port()), "run", {}};
+  }
+  // Waits (10 s at most) until `n` Fetch streams have asked for the version.
+  bool asked(int n) const {
+    for (int i = 0; i < 1000 && lookups.load() < n; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return lookups.load() >= n;
+  }
+  Dir dir;
+  SnapshotFile file;
+  std::shared_ptr<ArrivingFile> arriving;
+  std::atomic<int> lookups{0};
+  std::unique_ptr<SnapshotServer> server;  // last: stopped first
+};
+
+// A fetch from `peer` on a thread of its own.
+struct FetchThread {
+  FetchThread(SnapshotPeer peer, SnapshotFile file, std::string path, size_t streams)
+      : thread([this, peer, file, path, streams] {
+          status = fetchSnapshot(peer, file, path, nullptr, streams);
+        }) {}
+  Status join() {
+    thread.join();
+    return status;
+  }
+  Status status;
+  std::thread thread;
+};
+
+}  // namespace
+
+TEST_CASE(
+    "a relay serves a version on while it arrives: receivers that asked before its first byte "
+    "get it whole, over any split into streams",
+    "[snapshot]") {
+  Holder h((70 << 20) + 9);  // two ranges at the relay
+  Relay relay(h);
+  Dir out;
+  // Both ask before the relay has a byte: their streams wait for the bytes. One fetches over the
+  // relay's two ranges, one over a single range whose chunks straddle the relay's ranges.
+  FetchThread two(relay.peer(), relay.file, out / ".two", kDefaultFetchStreams);
+  FetchThread one(relay.peer(), relay.file, out / ".one", 1);
+  REQUIRE(relay.asked(3));
+  REQUIRE(relay.fetchFrom(h).isOk());
+  REQUIRE(two.join().isOk());
+  REQUIRE(one.join().isOk());
+  CHECK(readAll(relay.dir / ".relayed") == h.content);
+  const bool same = readAll(out / ".two") == h.content && readAll(out / ".one") == h.content;
+  CHECK(same);
+}
+
+TEST_CASE(
+    "a relay whose own fetch fails fails the streams it serves as the version arrives, and "
+    "their receivers keep nothing",
+    "[snapshot]") {
+  SECTION("corrupted in flight: the relay stops at once") {
+    Holder h(3 << 20, "", ServeFault{ServeFault::Kind::kInFlight, 1});
+    Relay relay(h);
+    Dir out;
+    FetchThread receiver(relay.peer(), relay.file, out / ".recv", kDefaultFetchStreams);
+    REQUIRE(relay.asked(1));
+    CHECK(relay.fetchFrom(h).code() == StatusCode::kDataLoss);
+    const Status st = receiver.join();
+    CHECK(st.code() == StatusCode::kUnavailable);
+    CHECK(st.message().find("served as it arrived, failed") != std::string::npos);
+    CHECK(st.message().find("CRC-32") != std::string::npos);
+    CHECK_FALSE(exists(out / ".recv"));
+    CHECK_FALSE(exists(relay.dir / ".relayed"));
+  }
+  SECTION("corrupt at the source: every chunk checks, the whole does not") {
+    Holder h(3 << 20, "", ServeFault{ServeFault::Kind::kAtSource, 1});
+    Relay relay(h);
+    Dir out;
+    FetchThread receiver(relay.peer(), relay.file, out / ".recv", kDefaultFetchStreams);
+    REQUIRE(relay.asked(1));
+    CHECK(relay.fetchFrom(h).code() == StatusCode::kDataLoss);
+    CHECK_FALSE(receiver.join().isOk());
+    CHECK_FALSE(exists(out / ".recv"));
+  }
+}
+
+TEST_CASE("a receiver waiting for bytes that stopped arriving ends when the relay stops serving",
+          "[snapshot]") {
+  Holder h(3 << 20);
+  Relay relay(h);
+  Dir out;
+  FetchThread receiver(relay.peer(), relay.file, out / ".recv", kDefaultFetchStreams);
+  REQUIRE(relay.asked(1));
+  relay.server.reset();  // its stream waits for bytes that never come: it must end all the same
+  CHECK_FALSE(receiver.join().isOk());
+  CHECK_FALSE(exists(out / ".recv"));
+  relay.arriving->fail(internalError("the test ended"));  // nobody waits any more
+}

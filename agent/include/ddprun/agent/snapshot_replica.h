@@ -131,8 +131,9 @@ class SnapshotReplica {
 // Who tells whom about a new version, so that no node's uplink carries more than about
 // log2(nodes) copies: the nodes of the round form a binomial tree rooted at the writer `origin`
 // (indices are group ranks). The writer announces to the nodes 1, 2, 4, ... places after it; a
-// node k places after the writer, once it holds the version, to the nodes k + 2^j places after
-// it for every 2^j > k. Every node but the writer is told exactly once. Returns group ranks.
+// node k places after the writer, once its own fetch of the version starts (it serves the
+// version as it arrives), to the nodes k + 2^j places after it for every 2^j > k. Every node but
+// the writer is told exactly once. Returns group ranks.
 std::vector<int> relayTargets(int origin, int self, int nodes);
 
 // The holdings a node publishes for a round (in the rendezvous' key-value store): its

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -70,11 +71,58 @@ class OpenFile {
   int fd_;
 };
 
+// A version this node is still fetching, served on to other nodes while it arrives (a pipelined
+// relay: a node down the announcement tree need not wait for the whole copy here before its own
+// starts). The fetch (fetchSnapshot) reports which bytes are in the temp file, written and
+// checked against their chunk's CRC-32; a Fetch stream serving it reads only those, and waits
+// (without holding a gRPC thread) for the rest. Its end: every range reached, or fail(). The
+// whole content's CRC-32 comes as for any version announced before its hash (PendingCrc) or was
+// known beforehand; a downstream copy is checked against it as always.
+// Thread-safe; the waiters run on the thread that reports progress (or fails it).
+class ArrivingFile {
+ public:
+  // fetchSnapshot's side: the temp file open for reading, then its ranges, then progress.
+  void setData(std::shared_ptr<const OpenFile> data);
+  void addRange(uint64_t begin, uint64_t end);
+  // The range that starts at `begin` holds its bytes up to `reached`.
+  void advance(uint64_t begin, uint64_t reached);
+  // The fetch failed or was cancelled: every waiter, now and later, gets `why`. The first call
+  // wins.
+  void fail(const Status& why);
+
+  // The server's side: runs `then` once bytes [offset, offset + n) are in the file (OK; at once
+  // when they are), or with the failure. Their descriptor: data().
+  void whenAvailable(uint64_t offset, uint64_t n, std::function<void(const Status&)> then);
+  std::shared_ptr<const OpenFile> data() const;
+
+ private:
+  struct Range {
+    uint64_t end = 0;
+    uint64_t reached = 0;
+  };
+  struct Waiter {
+    uint64_t offset;
+    uint64_t end;
+    std::function<void(const Status&)> then;
+  };
+  bool availableLocked(uint64_t offset, uint64_t end) const;
+  // Removes the waiters that can run now from waiters_ (all of them once failed_).
+  std::vector<Waiter> takeReadyLocked();
+
+  mutable std::mutex mu_;
+  std::shared_ptr<const OpenFile> data_;  // guarded by mu_
+  std::map<uint64_t, Range> ranges_;      // by first byte; guarded by mu_
+  std::optional<Status> failed_;          // guarded by mu_
+  std::vector<Waiter> waiters_;           // guarded by mu_
+};
+
 struct ServedFile {
   SnapshotFile file;
-  std::shared_ptr<const OpenFile> data;
+  std::shared_ptr<const OpenFile> data;  // unset for an arriving file: arriving->data()
   // With file.crc32_pending: where the CRC-32 arrives (must then be set, error or not).
   std::shared_ptr<PendingCrc> pending_crc;
+  // Set for a version still being fetched here (served as it arrives).
+  std::shared_ptr<ArrivingFile> arriving = nullptr;
 };
 
 // Token and TLS material, as the rendezvous uses them (--rdzv-conf token_file, tls_*).
@@ -145,11 +193,14 @@ Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
 // DEADLINE_EXCEEDED for the network. A version of 64 MiB or more comes over up to
 // `streams_at_most` streams at once, one range of 32 MiB or more each, each on a helper thread and
 // a connection of its own. The whole content's verified CRC-32 goes to `*crc32_out` when given
-// (for a file.crc32_pending version, the one the source sent). Blocks the calling thread.
+// (for a file.crc32_pending version, the one the source sent). With `arriving`, the bytes that
+// are in the temp file and checked are reported to it as they come, so that this node can serve
+// them on; it is failed unless the fetch succeeds. Blocks the calling thread.
 inline constexpr size_t kDefaultFetchStreams = 2;
 Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
                      const std::string& temp_path, const std::atomic<bool>* cancel,
-                     size_t streams_at_most = kDefaultFetchStreams, uint32_t* crc32_out = nullptr);
+                     size_t streams_at_most = kDefaultFetchStreams, uint32_t* crc32_out = nullptr,
+                     const std::shared_ptr<ArrivingFile>& arriving = nullptr);
 
 // Sets this process's allocator up for bulk transfers (glibc: mallopt). By default glibc serves an
 // allocation of a few MiB, as gRPC makes for each read of a fetch and the server for each chunk,
