@@ -171,9 +171,7 @@ std::vector<int> relayTargets(int origin, int self, int nodes) {
   std::vector<int> out;
   if (nodes <= 1 || origin < 0 || origin >= nodes || self < 0 || self >= nodes) return out;
   const int k = (self - origin + nodes) % nodes;
-  for (int step = 1; step < nodes; step <<= 1) {
-    if (step > k && k + step < nodes) out.push_back((origin + k + step) % nodes);
-  }
+  if (k + 1 < nodes) out.push_back((origin + k + 1) % nodes);
   return out;
 }
 

@@ -128,12 +128,13 @@ class SnapshotReplica {
   uint64_t max_seen_ = 0;
 };
 
-// Who tells whom about a new version, so that no node's uplink carries more than about
-// log2(nodes) copies: the nodes of the round form a binomial tree rooted at the writer `origin`
-// (indices are group ranks). The writer announces to the nodes 1, 2, 4, ... places after it; a
-// node k places after the writer, once its own fetch of the version starts (it serves the
-// version as it arrives), to the nodes k + 2^j places after it for every 2^j > k. Every node but
-// the writer is told exactly once. Returns group ranks.
+// Who tells whom about a new version: the nodes of the round form a chain that starts at the
+// writer `origin` (indices are group ranks), each node telling the next one once its own fetch
+// of the version starts. Every node serves what it fetches as it arrives (a pipelined relay), so
+// every node's uplink carries one copy, the writer's too, and the last node holds the version
+// about one copy's time plus a few chunks per node after the first: between hosts on 1 Gbit/s
+// links, a binomial tree (the writer sending log2(nodes) copies) took 2x one copy with 4 nodes,
+// the chain 1.xx. Every node but the writer is told exactly once. Returns group ranks.
 std::vector<int> relayTargets(int origin, int self, int nodes);
 
 // The holdings a node publishes for a round (in the rendezvous' key-value store): its
