@@ -43,7 +43,7 @@ bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0;
 // A server holding one version of "snap.bin" (`size` random bytes) and recording announcements.
 struct Holder {
   Holder(size_t size, std::string token = "", ServeFault fault = {}, std::string cert = "",
-         std::string key = "") {
+         std::string key = "", size_t chunk_bytes = 64 * 1024) {
     std::mt19937 rng(42);
     content.resize(size);
     for (auto& c : content) c = static_cast<char>(rng());
@@ -60,7 +60,7 @@ struct Holder {
     o.security.token = std::move(token);
     o.security.tls_cert_pem = std::move(cert);
     o.security.tls_key_pem = std::move(key);
-    o.chunk_bytes = 64 * 1024;
+    o.chunk_bytes = chunk_bytes;
     o.fault = fault;
     o.lookup = [this](const std::string& name, uint64_t version) -> std::optional<ServedFile> {
       ++lookups;
@@ -207,6 +207,38 @@ TEST_CASE("the chunks are plain Chunk messages: protobuf's own client reads them
   CHECK(past.error_message().find("past the end of snap.bin") != std::string::npos);
   CHECK(fetch(5, UINT64_MAX, &none).error_code() == grpc::StatusCode::OUT_OF_RANGE);
   CHECK(none.empty());
+}
+
+TEST_CASE("a fetch may ask for smaller chunks, down to 64 KiB, never above the server's size",
+          "[snapshot]") {
+  Holder h((1 << 20) + 7, "", {}, "", "", 256 << 10);
+  auto stub = ddprun::snapshot::v1::SnapshotReplication::NewStub(
+      grpc::CreateChannel(h.peer().endpoint, grpc::InsecureChannelCredentials()));
+  for (const auto& [asked, largest] : {std::pair<uint32_t, size_t>{0, 256 << 10},
+                                       {100000, 100000},
+                                       {1, 64 << 10},
+                                       {10 << 20, 256 << 10},
+                                       {UINT32_MAX, 256 << 10}}) {
+    CAPTURE(asked);
+    grpc::ClientContext ctx;
+    ddprun::snapshot::v1::FetchRequest req;
+    req.set_run_id("run");
+    req.set_name("snap.bin");
+    req.set_version(7);
+    req.set_chunk_bytes(asked);
+    auto reader = stub->Fetch(&ctx, req);
+    ddprun::snapshot::v1::Chunk chunk;
+    std::string got;
+    size_t most = 0;
+    while (reader->Read(&chunk)) {
+      most = std::max(most, chunk.data().size());
+      got += chunk.data();
+    }
+    REQUIRE(reader->Finish().ok());
+    CHECK(most == largest);
+    const bool same = got == h.content;
+    CHECK(same);
+  }
 }
 
 TEST_CASE("a large file's CRC-32, read in two halves at once, is zlib's", "[snapshot]") {
