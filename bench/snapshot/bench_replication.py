@@ -175,6 +175,42 @@ def copies_at_once(src, dst_dir, count):
     return last - t0
 
 
+def save_and_wait(src, dirs, size, rep, seen):
+    """Saves a copy of `src` as version `rep` (its first 8 bytes) into dirs[0] as a program
+    would (temp file + rename); seconds until every other directory holds it. `seen`: receiver
+    dir -> inode of the version it held last (updated)."""
+    tmp = os.path.join(dirs[0], "snapshot.pt.tmp")
+    shutil.copyfile(src, tmp)
+    with open(tmp, "rb+") as f:  # each version different content
+        f.write(rep.to_bytes(8, "little"))
+        os.fsync(f.fileno())
+    t0 = time.monotonic()
+    os.rename(tmp, os.path.join(dirs[0], "snapshot.pt"))
+
+    # A node holds the new version once a new file of the full size is in place (every version
+    # arrives as a new inode, renamed over the old). Its content is checked after the clock
+    # stops: reading it while the replaced version's blocks are freed (ext4 with `discard` here)
+    # waited for the disk for up to ~20 ms, which is no replication time.
+    def everywhere():
+        for d in dirs[1:]:
+            try:
+                st = os.stat(os.path.join(d, "snapshot.pt"))
+            except FileNotFoundError:
+                return False
+            if st.st_size != size or st.st_ino == seen.get(d):
+                return False
+        return True
+
+    wait_for(everywhere, 600, 0.001)
+    lag = time.monotonic() - t0
+    for d in dirs[1:]:
+        with open(os.path.join(d, "snapshot.pt"), "rb") as f:
+            if int.from_bytes(f.read(8), "little") != rep:
+                raise RuntimeError(f"bench: {d} holds another version than {rep}")
+            seen[d] = os.fstat(f.fileno()).st_ino
+    return lag
+
+
 def bench_lag(build, size, nodes, work, reps):
     rdzv = Rendezvous(build)
     dirs = [tempfile.mkdtemp(dir=work) for _ in range(nodes)]
@@ -188,35 +224,7 @@ def bench_lag(build, size, nodes, work, reps):
         lags, copies, at_once = [], [], []
         seen = {}  # receiver dir -> inode of the version it held last
         for rep in range(reps):
-            tmp = os.path.join(dirs[0], "snapshot.pt.tmp")
-            shutil.copyfile(src, tmp)
-            with open(tmp, "rb+") as f:  # each version different content
-                f.write(rep.to_bytes(8, "little"))
-                os.fsync(f.fileno())
-            t0 = time.monotonic()
-            os.rename(tmp, os.path.join(dirs[0], "snapshot.pt"))
-
-            # A node holds the new version once a new file of the full size is in place (every
-            # version arrives as a new inode, renamed over the old). Its content is checked after
-            # the clock stops: reading it while the replaced version's blocks are freed (ext4 with
-            # `discard` here) waited for the disk for up to ~20 ms, which is no replication time.
-            def everywhere():
-                for d in dirs[1:]:
-                    try:
-                        st = os.stat(os.path.join(d, "snapshot.pt"))
-                    except FileNotFoundError:
-                        return False
-                    if st.st_size != size or st.st_ino == seen.get(d):
-                        return False
-                return True
-
-            wait_for(everywhere)
-            lags.append(time.monotonic() - t0)
-            for d in dirs[1:]:
-                with open(os.path.join(d, "snapshot.pt"), "rb") as f:
-                    if int.from_bytes(f.read(8), "little") != rep:
-                        raise RuntimeError(f"bench: {d} holds another version than {rep}")
-                    seen[d] = os.fstat(f.fileno()).st_ino
+            lags.append(save_and_wait(src, dirs, size, rep, seen))
             copies.append(loopback_copy(src, work))  # not into a replicated directory
             if nodes > 2:
                 at_once.append(copies_at_once(src, work, nodes - 1))

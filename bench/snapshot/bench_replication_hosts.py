@@ -28,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_replication import PY, make_file, parse_size, wait_for  # noqa: E402
+from bench_replication import PY, make_file, parse_size, save_and_wait, wait_for  # noqa: E402
 
 BRIDGE = "ddpsbr"
 BRIDGE_ADDR = "10.204.0.254"
@@ -162,31 +162,7 @@ def bench_lag(build, size, n, work, reps):
         lags, copies = [], []
         seen = {}
         for rep in range(reps):
-            tmp = os.path.join(dirs[0], "snapshot.pt.tmp")
-            shutil.copyfile(src, tmp)
-            with open(tmp, "rb+") as f:  # each version different content
-                f.write(rep.to_bytes(8, "little"))
-                os.fsync(f.fileno())
-            t0 = time.monotonic()
-            os.rename(tmp, os.path.join(dirs[0], "snapshot.pt"))
-
-            def everywhere():
-                for d in dirs[1:]:
-                    try:
-                        st = os.stat(os.path.join(d, "snapshot.pt"))
-                    except FileNotFoundError:
-                        return False
-                    if st.st_size != size or st.st_ino == seen.get(d):
-                        return False
-                return True
-
-            wait_for(everywhere, 600, 0.002)
-            lags.append(time.monotonic() - t0)
-            for d in dirs[1:]:
-                with open(os.path.join(d, "snapshot.pt"), "rb") as f:
-                    if int.from_bytes(f.read(8), "little") != rep:
-                        raise RuntimeError(f"bench: {d} holds another version than {rep}")
-                    seen[d] = os.fstat(f.fileno()).st_ino
+            lags.append(save_and_wait(src, dirs, size, rep, seen))
             time.sleep(0.5)  # the writer's last serving and the receivers' renames settle
             copies.append(plain_copy(src, os.path.join(work, "copy.bin")))
         relays = sum("as it arrives" in x.err() for x in nodes)
