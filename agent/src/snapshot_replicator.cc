@@ -452,13 +452,10 @@ void SnapshotReplicator::announce(const SnapshotVersion& v, const std::string& s
 void SnapshotReplicator::relay(const SnapshotVersion& v, const std::string& source) {
   auto it = relay_pending_.find(v.name);
   if (it == relay_pending_.end() || it->second.first != v.version) return;
-  const std::string origin = it->second.second;
+  std::string origin;
+  const auto targets = subtree(v, &origin);  // none when the round changed: its sync covers it
   relay_pending_.erase(it);
-  auto at = std::find(nodes_.begin(), nodes_.end(), origin);
-  if (at == nodes_.end() || self_rank_ < 0) return;  // the round changed: its sync covers it
-  const int origin_rank = static_cast<int>(at - nodes_.begin());
-  announce(v, source, origin,
-           relayTargets(origin_rank, self_rank_, static_cast<int>(nodes_.size())));
+  announce(v, source, origin, targets);
 }
 
 void SnapshotReplicator::onAnnounce(const SnapshotVersion& v, const std::string& source,
@@ -501,8 +498,10 @@ std::shared_ptr<rendezvous::ArrivingFile> SnapshotReplicator::serveArriving(
     std::lock_guard<std::mutex> lock(served_mu_);
     arriving_[v.name] = rendezvous::ServedFile{toWire(v), nullptr, *pending, arriving};
   }
-  if (relay_pending_.count(v.name) != 0) {  // told once: a retry serves it again, quietly
-    relay_pending_.erase(v.name);
+  auto told = relay_pending_.find(v.name);
+  if (told != relay_pending_.end() && told->second.first == v.version) {
+    // Told once: a retry of the fetch serves it again, quietly.
+    relay_pending_.erase(told);
     relayed_early_[v.name] = {v.version, origin};
     snapLog()->info("snapshot: passing {} version {} on to {} node(s) as it arrives", v.name,
                     versionText(v.version), targets.size());

@@ -378,7 +378,7 @@ struct FourNodes {
 
 }  // namespace
 
-TEST_CASE("with four nodes a version travels a tree and /metrics counts what arrived",
+TEST_CASE("with four nodes a version travels a chain and /metrics counts what arrived",
           "[snapshot]") {
   FourNodes job;
   auto& dirs = job.dirs;
