@@ -394,9 +394,9 @@ bool ArrivingFile::availableLocked(uint64_t offset, uint64_t end) const {
 
 std::vector<ArrivingFile::Waiter> ArrivingFile::takeReadyLocked() {
   std::vector<Waiter> ready;
-  auto ready_from = std::partition(waiters_.begin(), waiters_.end(), [this](const Waiter& w) {
-    return !failed_ && !availableLocked(w.offset, w.end);
-  });
+  auto ready_from = std::stable_partition(
+      waiters_.begin(), waiters_.end(),
+      [this](const Waiter& w) { return !failed_ && !availableLocked(w.offset, w.end); });
   std::move(ready_from, waiters_.end(), std::back_inserter(ready));
   waiters_.erase(ready_from, waiters_.end());
   return ready;

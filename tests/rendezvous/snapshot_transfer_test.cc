@@ -726,3 +726,49 @@ TEST_CASE("a receiver waiting for bytes that stopped arriving ends when the rela
   CHECK_FALSE(exists(out / ".recv"));
   relay.arriving->fail(internalError("the test ended"));  // nobody waits any more
 }
+
+TEST_CASE(
+    "an arriving file runs each waiter once, when every range under its bytes got that far, or "
+    "with the failure",
+    "[snapshot]") {
+  ArrivingFile a;
+  std::vector<std::string> ran;
+  auto waiter = [&](const std::string& name) {
+    return [&ran, name](const Status& st) { ran.push_back(name + (st.isOk() ? "" : " failed")); };
+  };
+  a.whenAvailable(0, 10, waiter("before any range"));
+  a.addRange(0, 100);
+  a.addRange(100, 150);
+  a.advance(0, 50);
+  CHECK(ran.empty());  // no descriptor yet: nothing can be read
+  Dir d;
+  std::ofstream(d / "f") << "x";
+  a.setData(std::make_shared<OpenFile>(::open((d / "f").c_str(), O_RDONLY | O_CLOEXEC)));
+  a.whenAvailable(40, 10, waiter("40+10"));  // [40, 50): there
+  CHECK(ran == std::vector<std::string>{"40+10"});
+  a.whenAvailable(90, 20, waiter("90+20"));    // straddles both ranges
+  a.whenAvailable(140, 10, waiter("140+10"));  // the second range's end
+  a.advance(0, 100);                           // the first range is whole; the second has none
+  a.advance(100, 110);
+  // "before any range" waits for a later advance: it is checked whenever progress is reported.
+  CHECK(ran == std::vector<std::string>{"40+10", "before any range", "90+20"});
+  a.advance(100, 120);
+  a.advance(100, 115);  // backwards: ignored
+  a.advance(7, 1000);   // not a range's start: ignored
+  CHECK(ran.size() == 3);
+  // A waiter may ask again from inside its callback (the lock is not held then).
+  a.whenAvailable(120, 30, [&](const Status&) {
+    ran.push_back("120+30");
+    a.whenAvailable(0, 150, waiter("all, from inside"));
+  });
+  a.advance(100, 200);  // capped at the range's end
+  CHECK(ran == std::vector<std::string>{"40+10", "before any range", "90+20", "140+10", "120+30",
+                                        "all, from inside"});
+  a.whenAvailable(150, 1, waiter("past the end"));  // no range holds it: waits
+  a.fail(internalError("the fetch failed"));
+  a.fail(internalError("a second failure is ignored"));
+  a.whenAvailable(0, 1, [&](const Status& st) { ran.push_back(st.message()); });
+  CHECK(ran.size() == 8);
+  CHECK(ran[6] == "past the end failed");
+  CHECK(ran[7] == "the fetch failed");  // after a failure even bytes that are there are refused
+}

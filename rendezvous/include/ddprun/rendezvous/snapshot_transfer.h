@@ -106,7 +106,7 @@ class ArrivingFile {
     std::function<void(const Status&)> then;
   };
   bool availableLocked(uint64_t offset, uint64_t end) const;
-  // Removes the waiters that can run now from waiters_ (all of them once failed_).
+  // Removes the waiters that can run now from waiters_, in the order they came (all once failed_).
   std::vector<Waiter> takeReadyLocked();
 
   mutable std::mutex mu_;
