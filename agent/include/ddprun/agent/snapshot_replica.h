@@ -134,7 +134,7 @@ class SnapshotReplica {
 // every node's uplink carries one copy, the writer's too, and the last node holds the version
 // about one copy's time plus a few chunks per node after the first: between hosts on 1 Gbit/s
 // links, a binomial tree (the writer sending log2(nodes) copies) took 2x one copy with 4 nodes,
-// the chain 1.13x. Every node but the writer is told exactly once. Returns group ranks.
+// the chain 1.1-1.2x. Every node but the writer is told exactly once. Returns group ranks.
 std::vector<int> relayTargets(int origin, int self, int nodes);
 
 // The holdings a node publishes for a round (in the rendezvous' key-value store): its
