@@ -838,12 +838,10 @@ class SequentialWriter {
   static constexpr size_t kBuffer = 4 << 20;        // a multiple of kBlock
   static constexpr uint64_t kDirectFrom = 8 << 20;  // smaller files: buffered
 
-  // Writes `size` bytes at [at, at + size) of `fd`; `at` a multiple of kBlock. `on_durable`, if
-  // set, is told each new durable() as soon as it is (on the helper thread for a buffer written
-  // there). Without `direct`, buffered whatever the size.
-  SequentialWriter(int fd, uint64_t at, uint64_t size,
-                   std::function<void(uint64_t)> on_durable = nullptr, bool direct = true)
-      : fd_(fd), offset_(at), durable_(at), on_durable_(std::move(on_durable)) {
+  // Writes `size` bytes at [at, at + size) of `fd`; `at` a multiple of kBlock. Without `direct`,
+  // buffered whatever the size.
+  SequentialWriter(int fd, uint64_t at, uint64_t size, bool direct = true)
+      : fd_(fd), offset_(at), durable_(at) {
     if (size < kDirectFrom || !direct) return;
     for (auto& b : buffers_) {
       void* mem = nullptr;
@@ -862,7 +860,7 @@ class SequentialWriter {
     if (!direct_) {
       const int err = writeAll(fd_, data, n, offset_);
       offset_ += n;
-      if (err == 0) markDurable(offset_);
+      if (err == 0) durable_ = offset_;
       return err;
     }
     while (n > 0) {
@@ -875,12 +873,10 @@ class SequentialWriter {
         if (const int err = collect()) return err;
         const char* full = buffers_[current_].get();
         const uint64_t at = offset_;
-        pending_ = std::async(std::launch::async, [this, full, at] {
-          const int err = writeBlocks(full, kBuffer, at);
-          if (err == 0) markDurable(at + kBuffer);
-          return err;
-        });
+        pending_ = std::async(std::launch::async,
+                              [this, full, at] { return writeBlocks(full, kBuffer, at); });
         offset_ += kBuffer;
+        pending_end_ = offset_;
         current_ ^= 1;
         filled_ = 0;
       }
@@ -892,12 +888,12 @@ class SequentialWriter {
   int finish() {
     if (!direct_) return 0;
     const int err = finishDirect();
-    if (err == 0) markDurable(offset_);
+    if (err == 0) durable_ = offset_;
     return err;
   }
 
-  // Where the bytes written so far end: the file holds everything before it. Any thread.
-  uint64_t durable() const { return durable_.load(); }
+  // Where the bytes written so far end: the file holds everything before it.
+  uint64_t durable() const { return durable_; }
 
  private:
   int finishDirect() {
@@ -915,11 +911,11 @@ class SequentialWriter {
   }
 
   // The helper's write of the buffer before: its errno, or 0.
-  int collect() { return pending_.valid() ? pending_.get() : 0; }
-
-  void markDurable(uint64_t end) {
-    durable_.store(end);
-    if (on_durable_) on_durable_(end);
+  int collect() {
+    if (!pending_.valid()) return 0;
+    const int err = pending_.get();
+    if (err == 0) durable_ = pending_end_;
+    return err;
   }
 
   // `n` (a multiple of kBlock) bytes at `at`, directly; buffered from here on if the device
@@ -957,11 +953,11 @@ class SequentialWriter {
   int fd_;
   bool direct_ = false;
   std::unique_ptr<char, Free> buffers_[2];
-  int current_ = 0;                // the buffer being filled
-  size_t filled_ = 0;              // bytes in it
-  uint64_t offset_;                // where the current buffer's first byte lands
-  std::atomic<uint64_t> durable_;  // see durable()
-  std::function<void(uint64_t)> on_durable_;
+  int current_ = 0;           // the buffer being filled
+  size_t filled_ = 0;         // bytes in it
+  uint64_t offset_;           // where the current buffer's first byte lands
+  uint64_t durable_;          // see durable()
+  uint64_t pending_end_ = 0;  // where the other buffer's write ends
   std::future<int> pending_;  // the other buffer's write, if one runs
 };
 
@@ -1033,16 +1029,8 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
   const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CLOEXEC);
   if (fd < 0) return fail(internalError("cannot open " + temp_path + ": " + errnoText(errno)));
   OpenFile closer(fd);
-  // Served on from here (arriving): what is both in the file and checked. Either side may come
-  // last: the writer's helper finishing a buffer, or this thread checking a chunk.
-  std::atomic<uint64_t> checked{range->begin};
-  SequentialWriter writer(
-      fd, range->begin, range->end - range->begin,
-      arriving == nullptr
-          ? std::function<void(uint64_t)>()
-          : [&](uint64_t
-                    durable) { arriving->advance(range->begin, std::min(durable, checked.load())); },
-      /*direct=*/arriving == nullptr);
+  SequentialWriter writer(fd, range->begin, range->end - range->begin,
+                          /*direct=*/arriving == nullptr);
   auto writeFailure = [&](int err) {
     return err == ENOSPC || err == EDQUOT
                ? noSpace(file, dir, 0)
@@ -1115,7 +1103,7 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
     // The range's CRC-32 from the chunks' (one pass over the bytes, not two).
     crc = crc32Combine(crc, chunk_crc, chunk.size);
     offset += chunk.size;
-    checked.store(offset);
+    // Served on from here: what is both in the file and checked.
     if (arriving != nullptr) arriving->advance(range->begin, std::min(offset, writer.durable()));
   }
   if (!failure.isOk()) ctx.TryCancel();
