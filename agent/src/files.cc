@@ -1,9 +1,11 @@
 #include "files.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -38,6 +40,56 @@ StatusOr<std::string> makeTempDir(const std::string& parent, const std::string& 
 Status removeIfExists(const std::string& path) {
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
     return failedPrecondition("cannot remove " + path + ": " + std::strerror(errno));
+  }
+  return Status::ok();
+}
+
+StatusOr<std::optional<std::string>> readSmallFile(const std::string& path, size_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0 && errno == ENOENT) return std::optional<std::string>();
+  if (fd < 0) return failedPrecondition("cannot open " + path + ": " + std::strerror(errno));
+  auto fail = [&](const std::string& why) {
+    ::close(fd);
+    return failedPrecondition(path + ": " + why);
+  };
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return fail(std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) return fail("not a regular file");
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    return fail(std::to_string(st.st_size) + " bytes, more than the " + std::to_string(max_bytes) +
+                " expected");
+  }
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  size_t got = 0;
+  while (got < out.size()) {
+    const ssize_t n = ::read(fd, out.data() + got, out.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return fail(std::strerror(errno));
+    if (n == 0) break;  // shrank meanwhile
+    got += static_cast<size_t>(n);
+  }
+  out.resize(got);
+  ::close(fd);
+  return std::optional<std::string>(std::move(out));
+}
+
+Status replaceFile(const std::string& path, const std::string& contents) {
+  const std::string temp = path + ".tmp";
+  ::unlink(temp.c_str());  // one left by a crash, or anything else there: never written through
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) return failedPrecondition("cannot create " + temp + ": " + std::strerror(errno));
+  int err = 0;
+  for (size_t done = 0; done < contents.size() && err == 0;) {
+    const ssize_t n = ::write(fd, contents.data() + done, contents.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) err = errno;
+    if (n > 0) done += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0 && err == 0) err = errno;
+  if (err == 0 && ::rename(temp.c_str(), path.c_str()) != 0) err = errno;
+  if (err != 0) {
+    ::unlink(temp.c_str());
+    return failedPrecondition("cannot write " + path + ": " + std::strerror(err));
   }
   return Status::ok();
 }

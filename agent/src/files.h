@@ -2,6 +2,8 @@
 // Thread-compatible; each call does its own I/O.
 #pragma once
 
+#include <cstddef>
+#include <optional>
 #include <string>
 
 #include "ddprun/common/status.h"
@@ -14,5 +16,14 @@ Status makeDirs(const std::string& path);
 StatusOr<std::string> makeTempDir(const std::string& parent, const std::string& prefix);
 // Removes `path` if it exists; a missing file is fine.
 Status removeIfExists(const std::string& path);
+// The contents of a regular file of at most `max_bytes`; nullopt when there is none at `path`.
+// FAILED_PRECONDITION when it cannot be read, is no regular file or is larger (symlinks are not
+// followed).
+StatusOr<std::optional<std::string>> readSmallFile(const std::string& path, size_t max_bytes);
+// Replaces `path` with `contents`: written to a fresh `path`.tmp (whatever was there is removed
+// first, a symlink is not followed), then renamed over it, so a reader sees the old or the new
+// contents, never a part (not fsynced). FAILED_PRECONDITION naming the file
+// and the error; the temp file is removed then.
+Status replaceFile(const std::string& path, const std::string& contents);
 
 }  // namespace ddprun::agent

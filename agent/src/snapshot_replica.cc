@@ -27,8 +27,10 @@ bool isReplicatedName(const std::string& name) {
 
 SnapshotReplica::SnapshotReplica(SnapshotReplicaOptions options) : options_(options) {}
 
-void SnapshotReplica::adoptExisting(const std::string& name, uint64_t size, uint32_t crc32) {
-  held_[name] = SnapshotVersion{name, 0, size, crc32};
+void SnapshotReplica::adoptExisting(const std::string& name, uint64_t size, uint32_t crc32,
+                                    uint64_t version) {
+  held_[name] = SnapshotVersion{name, version, size, crc32};
+  max_seen_ = std::max(max_seen_, version);
 }
 
 SnapshotVersion SnapshotReplica::onLocalWrite(const std::string& name, uint64_t size,
@@ -175,13 +177,36 @@ std::vector<int> relayTargets(int origin, int self, int nodes) {
   return out;
 }
 
+namespace {
+
+// One held version as a line: "NAME\tVERSION\tSIZE\tCRC32" ("-" for a CRC-32 still being
+// computed: the fetch learns it from the source). Names hold no tab or newline
+// (isReplicatedName).
+std::string versionLine(const SnapshotVersion& v) {
+  return v.name + "\t" + std::to_string(v.version) + "\t" + std::to_string(v.size) + "\t" +
+         (v.crc_pending ? std::string("-") : std::to_string(v.crc32)) + "\n";
+}
+
+std::optional<SnapshotVersion> parseVersionLine(const std::string& line) {
+  auto fields = split(line, '\t');
+  if (fields.size() != 4 || !isReplicatedName(fields[0])) return std::nullopt;
+  auto version = parseUint(fields[1]);
+  auto size = parseUint(fields[2]);
+  const bool pending = fields[3] == "-";
+  auto crc = pending ? std::optional<uint64_t>(0) : parseUint(fields[3]);
+  if (!version || !size || !crc || *crc > 0xffffffffull) return std::nullopt;
+  SnapshotVersion v{fields[0], *version, *size, static_cast<uint32_t>(*crc)};
+  v.crc_pending = pending;
+  return v;
+}
+
+constexpr const char* kVersionTableHeader = "ddprun snapshot versions 1";
+
+}  // namespace
+
 std::string encodeHoldings(const std::string& endpoint, const std::vector<SnapshotVersion>& held) {
   std::string out = endpoint + "\n";
-  for (const auto& v : held) {
-    // "-" for a CRC-32 still being computed: the fetch learns it from the source.
-    out += v.name + "\t" + std::to_string(v.version) + "\t" + std::to_string(v.size) + "\t" +
-           (v.crc_pending ? std::string("-") : std::to_string(v.crc32)) + "\n";
-  }
+  for (const auto& v : held) out += versionLine(v);
   return out;
 }
 
@@ -194,22 +219,50 @@ StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
   std::vector<SnapshotVersion> held;
   for (size_t i = 1; i < lines.size(); ++i) {
     if (lines[i].empty()) continue;
-    auto fields = split(lines[i], '\t');
-    if (fields.size() != 4 || !isReplicatedName(fields[0])) {
-      return invalidArgument("snapshot holdings: malformed line '" + lines[i] + "'");
-    }
-    auto version = parseUint(fields[1]);
-    auto size = parseUint(fields[2]);
-    const bool pending = fields[3] == "-";
-    auto crc = pending ? std::optional<uint64_t>(0) : parseUint(fields[3]);
-    if (!version || !size || !crc || *crc > 0xffffffffull) {
-      return invalidArgument("snapshot holdings: malformed line '" + lines[i] + "'");
-    }
-    SnapshotVersion v{fields[0], *version, *size, static_cast<uint32_t>(*crc)};
-    v.crc_pending = pending;
-    held.push_back(std::move(v));
+    auto v = parseVersionLine(lines[i]);
+    if (!v) return invalidArgument("snapshot holdings: malformed line '" + lines[i] + "'");
+    held.push_back(std::move(*v));
   }
   return std::make_pair(lines[0], std::move(held));
+}
+
+std::string encodeVersionTable(const std::vector<SnapshotVersion>& held) {
+  std::string out = std::string(kVersionTableHeader) + "\n";
+  for (const auto& v : held) {
+    if (v.version != 0 && !v.crc_pending) out += versionLine(v);
+  }
+  return out;
+}
+
+StatusOr<std::map<std::string, SnapshotVersion>> decodeVersionTable(const std::string& text) {
+  auto lines = split(text, '\n');
+  if (lines.empty() || lines[0] != kVersionTableHeader) {
+    return invalidArgument("not a version table (its first line is not '" +
+                           std::string(kVersionTableHeader) + "')");
+  }
+  std::map<std::string, SnapshotVersion> table;
+  for (size_t i = 1; i < lines.size(); ++i) {
+    if (lines[i].empty()) continue;
+    auto v = parseVersionLine(lines[i]);
+    const std::string where = "line " + std::to_string(i + 1) + " ('" + lines[i].substr(0, 300) +
+                              (lines[i].size() > 300 ? "...'" : "'");
+    if (!v || v->crc_pending) return invalidArgument(where + ") is not NAME VERSION SIZE CRC32");
+    if ((v->version >> 32) >= (1ull << 31)) {
+      return invalidArgument(where + ") has a version from round " +
+                             std::to_string(v->version >> 32) + ", which no job reaches");
+    }
+    if (!table.emplace(v->name, *v).second) {
+      return invalidArgument(where + ") names " + v->name + " a second time");
+    }
+  }
+  return table;
+}
+
+uint64_t recordedVersion(const std::map<std::string, SnapshotVersion>& table,
+                         const std::string& name, uint64_t size, uint32_t crc32) {
+  auto it = table.find(name);
+  if (it == table.end() || it->second.size != size || it->second.crc32 != crc32) return 0;
+  return it->second.version;
 }
 
 }  // namespace ddprun::agent

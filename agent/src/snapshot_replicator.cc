@@ -18,6 +18,7 @@
 
 #include "ddprun/common/log.h"
 #include "ddprun/common/strings.h"
+#include "files.h"
 
 namespace ddprun::agent {
 
@@ -26,6 +27,9 @@ namespace {
 auto snapLog() { return logger("agent"); }
 
 constexpr const char* kRecvPrefix = ".ddprun-recv.";
+// The directory's version table (encodeVersionTable), rewritten whenever what is held changes.
+constexpr const char* kVersionTable = ".ddprun-versions";
+constexpr size_t kVersionTableMax = 16 << 20;  // ~60,000 names
 constexpr int kTransferNice = 10;
 
 // The calling thread as background work: on a busy node the workers' training comes first.
@@ -198,7 +202,50 @@ SnapshotReplicator::~SnapshotReplicator() {
   server_.reset();
 }
 
+std::map<std::string, SnapshotVersion> SnapshotReplicator::readVersionTable() {
+  const std::string where = path(kVersionTable);
+  auto text = readSmallFile(where, kVersionTableMax);
+  StatusOr<std::map<std::string, SnapshotVersion>> table = std::map<std::string, SnapshotVersion>{};
+  if (!text.isOk()) {
+    table = text.status();
+  } else if (*text) {
+    table = decodeVersionTable(**text);
+  }
+  if (!table.isOk()) {
+    snapLog()->warn(
+        "snapshot dir: ignoring the version table {}: {}; the files there count as "
+        "version 0",
+        where, table.status().message());
+    return {};
+  }
+  if (text.isOk() && *text) recorded_table_ = **text;
+  return std::move(table).value();
+}
+
+void SnapshotReplicator::recordVersions() {
+  if (!recording_) return;  // scanning the directory: the table is written once at the end
+  std::vector<SnapshotVersion> held;
+  for (const auto& [name, h] : held_files_) held.push_back(fromWire(h.served.file));
+  std::string text = encodeVersionTable(held);
+  if (text == recorded_table_) return;
+  Status st = replaceFile(path(kVersionTable), text);
+  if (!st.isOk()) {
+    if (!table_failing_) {
+      snapLog()->warn(
+          "snapshot: {}; if this agent starts again, files changed since count as "
+          "version 0",
+          st.message());
+    }
+    table_failing_ = true;
+    return;
+  }
+  if (table_failing_) snapLog()->info("snapshot: the version table is written again");
+  table_failing_ = false;
+  recorded_table_ = std::move(text);
+}
+
 void SnapshotReplicator::scanExisting() {
+  const auto table = readVersionTable();
   DIR* d = ::opendir(options_.dir.c_str());
   if (d == nullptr) return;
   std::vector<std::string> names;
@@ -218,14 +265,28 @@ void SnapshotReplicator::scanExisting() {
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) continue;
     auto crc = rendezvous::crc32OfFile(fd);
     if (!crc.isOk()) continue;
-    replica_.adoptExisting(name, crc->first, crc->second);
-    setHeld(name, Held{{{name, 0, crc->first, crc->second}, file, nullptr},
+    const uint64_t version = recordedVersion(table, name, crc->first, crc->second);
+    replica_.adoptExisting(name, crc->first, crc->second, version);
+    setHeld(name, Held{{{name, version, crc->first, crc->second}, file, nullptr},
                        st.st_dev,
                        st.st_ino,
                        mtimeNs(st)});
-    snapLog()->info("snapshot dir: {} ({} bytes) was there before the job (version 0)", name,
-                    crc->first);
+    if (version != 0) {
+      snapLog()->info(
+          "snapshot dir: {} ({} bytes) is version {}, as recorded before this agent "
+          "started",
+          name, crc->first, versionText(version));
+    } else {
+      auto known = table.find(name);
+      snapLog()->info(
+          "snapshot dir: {} ({} bytes) was there before the job (version 0{})", name, crc->first,
+          known == table.end() ? std::string()
+                               : "; it changed since version " +
+                                     versionText(known->second.version) + " was recorded");
+    }
   }
+  recording_ = true;
+  recordVersions();  // drops what is no longer there
 }
 
 void SnapshotReplicator::setHeld(const std::string& name, Held held) {
@@ -238,6 +299,7 @@ void SnapshotReplicator::setHeld(const std::string& name, Held held) {
   auto replaced = std::move(slot.served.data);
   slot = std::move(held);
   if (replaced != slot.served.data) releaseOffLoop(std::move(replaced));  // else: the same file
+  recordVersions();
 }
 
 void SnapshotReplicator::releaseOffLoop(std::shared_ptr<const rendezvous::OpenFile> file) {
@@ -580,8 +642,11 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
           setHeld(t.file.name, *before);
         } else {
           held_files_.erase(t.file.name);
-          std::lock_guard<std::mutex> lock(served_mu_);
-          served_.erase(t.file.name);
+          {
+            std::lock_guard<std::mutex> lock(served_mu_);
+            served_.erase(t.file.name);
+          }
+          recordVersions();
         }
       } else {
         const int dfd = ::open(options_.dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);

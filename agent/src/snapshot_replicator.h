@@ -2,6 +2,8 @@
 // SnapshotReplica (snapshot_replica.h). It
 // - watches the directory with inotify (IN_CLOSE_WRITE, IN_MOVED_TO) and announces every file a
 //   worker completed there to the other agents of the round;
+// - records the versions it holds in the directory's version table (.ddprun-versions), so that
+//   they keep their versions when the agent starts again;
 // - serves the versions this node holds to the others (rendezvous/snapshot_transfer.h), each
 //   from the inode it was announced with;
 // - fetches newer versions announced or held elsewhere into a temp file in the directory, and
@@ -99,6 +101,10 @@ class SnapshotReplicator {
   };
   SnapshotReplicator(boost::asio::io_context& io, SnapshotReplicatorOptions options);
   Status init();
+  // The directory's version table, if it is one (else a warning, and nothing).
+  std::map<std::string, SnapshotVersion> readVersionTable();
+  // Rewrites the version table after what is held changed (a warning when it cannot).
+  void recordVersions();
   void scanExisting();
   void watchDir();
   void onDirEvent(const std::string& name);
@@ -160,6 +166,9 @@ class SnapshotReplicator {
   std::unique_ptr<boost::asio::posix::stream_descriptor> inotify_;
   std::vector<char> event_buf_;
   std::map<std::string, Held> held_files_;  // loop thread
+  std::string recorded_table_;              // what the version table file holds
+  bool table_failing_ = false;              // the last write of it failed (warned once)
+  bool recording_ = false;                  // the version table is kept (after the start's scan)
   mutable std::mutex served_mu_;
   std::map<std::string, rendezvous::ServedFile> served_;  // guarded by served_mu_
   // Versions being fetched here that are served on as they arrive (serveArriving).

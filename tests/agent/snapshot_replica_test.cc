@@ -245,3 +245,62 @@ TEST_CASE("a holder still hashing and one that knows the CRC-32 serve the same v
   CHECK_FALSE(r.busy());
   CHECK(r.held("snapshot.pt") == file(makeSnapshotVersion(1, 4), 1234));
 }
+
+TEST_CASE("the version table keeps what a node held, and is refused when it is not one",
+          "[snapshot]") {
+  SnapshotReplica r;
+  r.onLocalWrite("snapshot.pt", 10, 5, 3);
+  r.onLocalWritePending("big.bin", 1 << 30, 3);  // no CRC-32 yet: not recorded
+  r.adoptExisting("old.bin", 4, 6);              // version 0: nothing to record
+  const std::string text = encodeVersionTable(r.heldList());
+  auto table = decodeVersionTable(text);
+  REQUIRE(table.isOk());
+  REQUIRE(table->size() == 1);
+  CHECK(table->at("snapshot.pt") == *r.held("snapshot.pt"));
+  // Only the very content recorded keeps its version.
+  const uint64_t v = r.held("snapshot.pt")->version;
+  CHECK(recordedVersion(*table, "snapshot.pt", 10, 5) == v);
+  CHECK(recordedVersion(*table, "snapshot.pt", 10, 6) == 0);  // changed in place
+  CHECK(recordedVersion(*table, "snapshot.pt", 11, 5) == 0);
+  CHECK(recordedVersion(*table, "other.pt", 10, 5) == 0);
+  CHECK(decodeVersionTable(encodeVersionTable({}))->empty());
+  // Not a table: named, with the line.
+  auto bad = [](const std::string& t) {
+    auto d = decodeVersionTable(t);
+    return d.isOk() ? std::string() : d.status().message();
+  };
+  CHECK(bad("").find("not a version table") != std::string::npos);
+  CHECK(bad("snapshot.pt\t1\t2\t3\n").find("not a version table") != std::string::npos);
+  const std::string head = "ddprun snapshot versions 1\n";
+  CHECK(bad(head + "snapshot.pt\t1\t2\n").find("line 2") != std::string::npos);
+  CHECK(bad(head + "a\t1\t2\t3\n\nb\t1\tx\t3\n").find("line 4 ('b") != std::string::npos);
+  CHECK(bad(head + "snapshot.pt\t1\t2\t-\n").find("is not NAME") != std::string::npos);
+  CHECK(bad(head + "../etc/passwd\t1\t2\t3\n").find("is not NAME") != std::string::npos);
+  CHECK(bad(head + "snapshot.pt\t18446744073709551616\t2\t3\n") != "");  // past 64 bits
+  CHECK(bad(head + "snapshot.pt\t18446744073709551615\t2\t3\n").find("no job reaches") !=
+        std::string::npos);
+  CHECK(bad(head + "a\t1\t2\t3\na\t2\t2\t3\n").find("a second time") != std::string::npos);
+  CHECK(bad(head + "x\t1\t2\t3\n" + std::string(100000, 'y')).size() < 500);  // quoted in part
+  CHECK(bad(head + "a\t" + std::to_string(makeSnapshotVersion((1u << 31) - 1, 7)) + "\t2\t3\n")
+            .empty());
+}
+
+TEST_CASE("a version kept from before the agent started is held, and what is written numbers above",
+          "[snapshot]") {
+  SnapshotReplica r;
+  const uint64_t kept = makeSnapshotVersion(12, 4);
+  r.adoptExisting("snapshot.pt", 100, 7, kept);
+  CHECK(r.held("snapshot.pt")->version == kept);
+  CHECK(r.maxVersionSeen() == kept);
+  // A restarted job's rounds start again at 1: what is written there still counts as newer.
+  CHECK(r.onLocalWrite("snapshot.pt", 100, 8, 1).version == kept + 1);
+  // Another node's kept version wins over a version 0 and loses to a newer one.
+  SnapshotReplica other;
+  other.adoptExisting("snapshot.pt", 100, 9);
+  other.onHolder(file(kept), "a:1");
+  CHECK(other.wanted("snapshot.pt") == kept);
+  SnapshotReplica newer;
+  newer.adoptExisting("snapshot.pt", 100, 9, kept + 5);
+  newer.onHolder(file(kept), "a:1");
+  CHECK_FALSE(newer.wanted("snapshot.pt"));
+}

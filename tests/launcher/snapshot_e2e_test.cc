@@ -315,6 +315,64 @@ TEST_CASE("when the writer dies mid-transfer the others resume from the previous
   CHECK(below_relay == relays);
 }
 
+TEST_CASE("a job started again keeps the versions its nodes held", "[snapshot]") {
+  // The first job ends with its nodes holding different versions: the writer's node wrote v2
+  // after the other node was killed (which held v1 by then). A second job on the same
+  // directories, with new agents and a new rendezvous whose rounds start again at 1, must
+  // resume everywhere from v2: the directory's version table keeps what each node held. (Were
+  // every file there version 0, each node would keep its own and the workers would disagree.)
+  const bool garbage = GENERATE(false, true);  // the other node's table is not one
+  CAPTURE(garbage);
+  TempDir a_dir, b_dir;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  {
+    RendezvousDaemon rdzv;
+    const std::string script =
+        "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then "
+        "if [ \"$WORLD_SIZE\" = 2 ]; then echo v1 > " +
+        d + "/state.bin.tmp && mv " + d + "/state.bin.tmp " + d +
+        "/state.bin; "
+        "elif [ \"$(cat " +
+        d + "/state.bin 2>/dev/null)\" = v1 ]; then echo v2 > " + d + "/state.bin.tmp && mv " + d +
+        "/state.bin.tmp " + d + "/state.bin; exit 0; fi; fi; sleep 60";
+    auto a = node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}}}, rdzv.endpoint, "1:2",
+                  "snap-keep-1", 1, writerScript(script));
+    auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "1:2",
+                  "snap-keep-1", 1, writerScript(script));
+    REQUIRE(waitUntil([&] { return readFile(b_dir / "state.bin") == "v1\n"; }, 120s));
+    b->signal(SIGKILL);
+    REQUIRE(b->wait(10s));
+    auto ra = finish(*a, 120s);
+    INFO(a->err());
+    REQUIRE(ra);
+    REQUIRE(ra->exit_code == 0);
+  }
+  REQUIRE(readFile(a_dir / "state.bin") == "v2\n");
+  REQUIRE(readFile(b_dir / "state.bin") == "v1\n");
+  CHECK(readFile(a_dir / ".ddprun-versions").find("\nstate.bin\t") != std::string::npos);
+  if (garbage) {
+    std::ofstream(b_dir / ".ddprun-versions") << std::string("\0\xff\nstate.bin\t1\n", 14);
+  }
+
+  RendezvousDaemon rdzv;
+  const std::string script = "echo \"resumed from $(cat " + d + "/state.bin)\"";
+  auto a = node({"127.0.0.2", a_dir.path(), {}}, rdzv.endpoint, "2", "snap-keep-2", 1,
+                writerScript(script));
+  auto b = node({"127.0.0.3", b_dir.path(), {}}, rdzv.endpoint, "2", "snap-keep-2", 1,
+                writerScript(script));
+  auto [ra, rb] = bothSucceed(*a, *b);
+  INFO(ra.err << "\n" << rb.err);
+  CHECK(ra.out.find("resumed from v2") != std::string::npos);
+  CHECK(rb.out.find("resumed from v2") != std::string::npos);
+  CHECK(ra.err.find("state.bin (3 bytes) is version ") != std::string::npos);
+  CHECK(rb.err.find("snapshot: fetched state.bin version ") != std::string::npos);
+  CHECK((rb.err.find("ignoring the version table " + b_dir.path() +
+                     "/.ddprun-versions: not a version table") != std::string::npos) == garbage);
+  CHECK(readFile(b_dir / "state.bin") == "v2\n");
+  // The table was rewritten with what the node holds now.
+  CHECK(readFile(b_dir / ".ddprun-versions").find("\nstate.bin\t") != std::string::npos);
+}
+
 namespace {
 
 // Four nodes of one job on 127.0.0.10-13, each replicating a directory of its own. The first

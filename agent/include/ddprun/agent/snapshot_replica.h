@@ -9,7 +9,9 @@
 // - A version number is (round << 32) | sequence: rounds are agreed through the rendezvous and
 //   only increase, so a version written in a later round is newer than any of an earlier one;
 //   within a round a node numbers its writes above every version it has seen. The highest
-//   version of a name wins. Files present before the job have version 0 (unknown).
+//   version of a name wins. A file present when the agent starts keeps the version the
+//   directory's version table (encodeVersionTable) recorded for that very content; any other
+//   has version 0 (unknown, older than every version written).
 // - What a node holds is only ever replaced by a newer complete, verified copy: the previous
 //   version stays in place until then, and a transfer that fails changes nothing.
 // - A failed transfer is retried from the next holder, up to `max_attempts`; no space for it
@@ -75,8 +77,10 @@ class SnapshotReplica {
  public:
   explicit SnapshotReplica(SnapshotReplicaOptions options = {});
 
-  // A file this node already had when the agent started (version 0).
-  void adoptExisting(const std::string& name, uint64_t size, uint32_t crc32);
+  // A file this node already had when the agent started: `version` is what the version table
+  // recorded for this content (recordedVersion), 0 when nothing. Versions written here later
+  // number above it.
+  void adoptExisting(const std::string& name, uint64_t size, uint32_t crc32, uint64_t version = 0);
   // This node's workers completed `name` with this content during `round`: it is held now and
   // the returned version is what to announce. Transfers of older versions of it are dropped.
   SnapshotVersion onLocalWrite(const std::string& name, uint64_t size, uint32_t crc32,
@@ -142,5 +146,18 @@ std::vector<int> relayTargets(int origin, int self, int nodes);
 std::string encodeHoldings(const std::string& endpoint, const std::vector<SnapshotVersion>& held);
 StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
     const std::string& text);
+
+// The version table an agent keeps in its directory (.ddprun-versions), so that what it held
+// keeps its version when the agent starts again (a job restarted as a whole, a Slurm requeue):
+// otherwise every node's file would be version 0 and nodes that held different versions would
+// keep them. Only versions with a known CRC-32 are recorded (a version 0 has nothing to keep).
+// decodeVersionTable refuses a table that is not one (INVALID_ARGUMENT naming the line); a
+// version from round 2^31 on is refused too (no job gets there; the numbers above it must stay).
+std::string encodeVersionTable(const std::vector<SnapshotVersion>& held);
+StatusOr<std::map<std::string, SnapshotVersion>> decodeVersionTable(const std::string& text);
+// The version `table` recorded for `name` when the file still has that content (size and CRC-32
+// equal); 0 otherwise (changed since, or never recorded).
+uint64_t recordedVersion(const std::map<std::string, SnapshotVersion>& table,
+                         const std::string& name, uint64_t size, uint32_t crc32);
 
 }  // namespace ddprun::agent

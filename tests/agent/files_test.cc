@@ -1,0 +1,66 @@
+// The agent's small file helpers (agent/src/files.h): what the snapshot version table is read
+// and written with.
+#include "files.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <fstream>
+
+#include "process_helpers.h"
+
+using namespace ddprun;
+using namespace ddprun::agent;
+using ddprun::testing::TempDir;
+
+TEST_CASE("readSmallFile reads a regular file and names what it refuses", "[files]") {
+  TempDir dir;
+  auto missing = readSmallFile(dir / "none", 10);
+  REQUIRE(missing.isOk());
+  CHECK_FALSE(*missing);
+  std::ofstream(dir / "f") << "hello";
+  auto f = readSmallFile(dir / "f", 5);
+  REQUIRE(f.isOk());
+  CHECK(**f == "hello");
+  std::ofstream(dir / "empty") << "";
+  CHECK(**readSmallFile(dir / "empty", 0) == "");
+  auto big = readSmallFile(dir / "f", 4);
+  REQUIRE_FALSE(big.isOk());
+  CHECK(big.status().message() == dir / "f" + ": 5 bytes, more than the 4 expected");
+  auto isdir = readSmallFile(dir.path(), 100);
+  REQUIRE_FALSE(isdir.isOk());
+  CHECK(isdir.status().message().find("not a regular file") != std::string::npos);
+  REQUIRE(::symlink((dir / "f").c_str(), (dir / "link").c_str()) == 0);
+  auto link = readSmallFile(dir / "link", 100);  // not followed
+  REQUIRE_FALSE(link.isOk());
+  CHECK(link.status().message().find("cannot open " + dir / "link") != std::string::npos);
+  REQUIRE(::mkfifo((dir / "fifo").c_str(), 0600) == 0);
+  auto fifo = readSmallFile(dir / "fifo", 100);  // does not block
+  REQUIRE_FALSE(fifo.isOk());
+  CHECK(fifo.status().message().find("not a regular file") != std::string::npos);
+}
+
+TEST_CASE("replaceFile puts the new contents in place whole and leaves no temp file", "[files]") {
+  TempDir dir;
+  REQUIRE(replaceFile(dir / "t", "one").isOk());
+  REQUIRE(replaceFile(dir / "t", std::string(100000, 'x')).isOk());
+  CHECK(ddprun::testing::readFile(dir / "t") == std::string(100000, 'x'));
+  CHECK_FALSE(ddprun::testing::fileExists(dir / "t.tmp"));
+  // A directory in the way: the error names the file, and the temp file is gone.
+  REQUIRE(::mkdir((dir / "d").c_str(), 0755) == 0);
+  Status st = replaceFile(dir / "d", "x");
+  REQUIRE_FALSE(st.isOk());
+  CHECK(st.message().find("cannot write " + dir / "d") != std::string::npos);
+  CHECK_FALSE(ddprun::testing::fileExists(dir / "d.tmp"));
+  // A directory that is not there.
+  st = replaceFile(dir / "no/t", "x");
+  REQUIRE_FALSE(st.isOk());
+  CHECK(st.message().find("cannot create " + dir / "no/t.tmp") != std::string::npos);
+  // A symlink left at the temp path is not written through.
+  std::ofstream(dir / "victim") << "keep";
+  REQUIRE(::symlink((dir / "victim").c_str(), (dir / "s.tmp").c_str()) == 0);
+  REQUIRE(replaceFile(dir / "s", "x").isOk());
+  CHECK(ddprun::testing::readFile(dir / "s") == "x");
+  CHECK(ddprun::testing::readFile(dir / "victim") == "keep");
+}
