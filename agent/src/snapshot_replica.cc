@@ -33,6 +33,23 @@ void SnapshotReplica::adoptExisting(const std::string& name, uint64_t size, uint
   max_seen_ = std::max(max_seen_, version);
 }
 
+void SnapshotReplica::adoptDeleted(const std::string& name, uint64_t version) {
+  SnapshotVersion v{name, version, 0, 0};
+  v.deleted = true;
+  held_[name] = v;
+  max_seen_ = std::max(max_seen_, version);
+}
+
+std::optional<SnapshotVersion> SnapshotReplica::onLocalDelete(const std::string& name,
+                                                              uint64_t round) {
+  auto it = held_.find(name);
+  if (it == held_.end() || it->second.deleted) return std::nullopt;
+  SnapshotVersion v = onLocalWrite(name, 0, 0, round);
+  v.deleted = true;
+  held_[name] = v;
+  return v;
+}
+
 SnapshotVersion SnapshotReplica::onLocalWrite(const std::string& name, uint64_t size,
                                               uint32_t crc32, uint64_t round) {
   const uint64_t version = std::max(makeSnapshotVersion(round, 1), max_seen_ + 1);
@@ -180,11 +197,16 @@ std::vector<int> relayTargets(int origin, int self, int nodes) {
 namespace {
 
 // One held version as a line: "NAME\tVERSION\tSIZE\tCRC32" ("-" for a CRC-32 still being
-// computed: the fetch learns it from the source). Names hold no tab or newline
-// (isReplicatedName).
+// computed: the fetch learns it from the source; "deleted", with size 0, for a tombstone). Names
+// hold no tab or newline (isReplicatedName).
+constexpr const char* kDeletedField = "deleted";
+
 std::string versionLine(const SnapshotVersion& v) {
-  return v.name + "\t" + std::to_string(v.version) + "\t" + std::to_string(v.size) + "\t" +
-         (v.crc_pending ? std::string("-") : std::to_string(v.crc32)) + "\n";
+  const std::string crc = v.deleted       ? std::string(kDeletedField)
+                          : v.crc_pending ? std::string("-")
+                                          : std::to_string(v.crc32);
+  return v.name + "\t" + std::to_string(v.version) + "\t" + std::to_string(v.size) + "\t" + crc +
+         "\n";
 }
 
 std::optional<SnapshotVersion> parseVersionLine(const std::string& line) {
@@ -193,10 +215,14 @@ std::optional<SnapshotVersion> parseVersionLine(const std::string& line) {
   auto version = parseUint(fields[1]);
   auto size = parseUint(fields[2]);
   const bool pending = fields[3] == "-";
-  auto crc = pending ? std::optional<uint64_t>(0) : parseUint(fields[3]);
-  if (!version || !size || !crc || *crc > 0xffffffffull) return std::nullopt;
+  const bool deleted = fields[3] == kDeletedField;
+  auto crc = pending || deleted ? std::optional<uint64_t>(0) : parseUint(fields[3]);
+  if (!version || !size || !crc || *crc > 0xffffffffull || (deleted && *size != 0)) {
+    return std::nullopt;
+  }
   SnapshotVersion v{fields[0], *version, *size, static_cast<uint32_t>(*crc)};
   v.crc_pending = pending;
+  v.deleted = deleted;
   return v;
 }
 
@@ -261,7 +287,10 @@ StatusOr<std::map<std::string, SnapshotVersion>> decodeVersionTable(const std::s
 uint64_t recordedVersion(const std::map<std::string, SnapshotVersion>& table,
                          const std::string& name, uint64_t size, uint32_t crc32) {
   auto it = table.find(name);
-  if (it == table.end() || it->second.size != size || it->second.crc32 != crc32) return 0;
+  if (it == table.end() || it->second.deleted || it->second.size != size ||
+      it->second.crc32 != crc32) {
+    return 0;
+  }
   return it->second.version;
 }
 

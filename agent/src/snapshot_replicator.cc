@@ -46,11 +46,13 @@ void runAsBackground() {
 rendezvous::SnapshotFile toWire(const SnapshotVersion& v) {
   rendezvous::SnapshotFile f{v.name, v.version, v.size, v.crc32};
   f.crc32_pending = v.crc_pending;
+  f.deleted = v.deleted;
   return f;
 }
 SnapshotVersion fromWire(const rendezvous::SnapshotFile& f) {
   SnapshotVersion v{f.name, f.version, f.size, f.crc32};
   v.crc_pending = f.crc32_pending;
+  v.deleted = f.deleted;
   return v;
 }
 
@@ -144,7 +146,8 @@ Status SnapshotReplicator::init() {
   const int fd = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
   if (fd < 0) return internalError(std::string("inotify: ") + std::strerror(errno));
   if (::inotify_add_watch(fd, options_.dir.c_str(),
-                          IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE_SELF | IN_MOVE_SELF) < 0) {
+                          IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE | IN_MOVED_FROM |
+                              IN_DELETE_SELF | IN_MOVE_SELF) < 0) {
     const int err = errno;
     ::close(fd);
     return invalidArgument("--snapshot-dir: cannot watch " + options_.dir + ": " +
@@ -285,6 +288,13 @@ void SnapshotReplicator::scanExisting() {
                                      versionText(known->second.version) + " was recorded");
     }
   }
+  // Deletions recorded of files still absent stay deletions: older copies elsewhere are deleted,
+  // not fetched back.
+  for (const auto& [name, v] : table) {
+    if (!v.deleted || held_files_.count(name) != 0) continue;
+    replica_.adoptDeleted(name, v.version);
+    setHeld(name, Held{{toWire(v), nullptr, nullptr}});
+  }
   recording_ = true;
   recordVersions();  // drops what is no longer there
 }
@@ -292,7 +302,11 @@ void SnapshotReplicator::scanExisting() {
 void SnapshotReplicator::setHeld(const std::string& name, Held held) {
   {
     std::lock_guard<std::mutex> lock(served_mu_);
-    served_[name] = held.served;  // the replaced file stays referenced from held_files_ below
+    if (held.served.file.deleted) {
+      served_.erase(name);  // nothing to serve
+    } else {
+      served_[name] = held.served;  // the replaced file stays referenced from held_files_ below
+    }
   }
   metrics_.newest_version = std::max(metrics_.newest_version, held.served.file.version);
   auto& slot = held_files_[name];
@@ -363,12 +377,16 @@ void SnapshotReplicator::hashNext() {
     bool same = false;  // what this node holds already
     StatusOr<std::pair<uint64_t, uint32_t>> crc = internalError("not read");
     bool deferred = false;  // large: announced first, hashed after
+    bool gone = false;      // no file of that name (deleted, or renamed away)
   };
   auto looked = std::make_shared<Looked>();
   offLoop(
       [looked, known, path = path(name)] {
         const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-        if (fd < 0) return;  // replaced or removed since: its own event follows
+        if (fd < 0) {
+          looked->gone = errno == ENOENT;
+          return;
+        }
         looked->file = std::make_shared<rendezvous::OpenFile>(fd);
         if (::fstat(fd, &looked->st) != 0 || !S_ISREG(looked->st.st_mode)) {
           looked->file.reset();
@@ -394,7 +412,11 @@ void SnapshotReplicator::hashNext() {
           return;
         }
         hashing_ = false;
-        onHashed(name, looked->file, looked->st, looked->same, looked->crc);
+        if (looked->gone) {
+          onDeleted(name);
+        } else {
+          onHashed(name, looked->file, looked->st, looked->same, looked->crc);
+        }
         hashNext();
       },
       Urgency::kPrompt);
@@ -468,16 +490,21 @@ void SnapshotReplicator::onHashed(const std::string& name,
                  "");
 }
 
+void SnapshotReplicator::onDeleted(const std::string& name) {
+  auto v = replica_.onLocalDelete(name, round_);
+  if (v) publishWritten(*v, Held{{toWire(*v), nullptr, nullptr}}, "");
+}
+
 void SnapshotReplicator::publishWritten(const SnapshotVersion& v, Held held,
                                         const std::string& note) {
   setHeld(v.name, std::move(held));
-  ++metrics_.versions_written;
+  if (!v.deleted) ++metrics_.versions_written;
   const auto targets = relayTargets(self_rank_, self_rank_, static_cast<int>(nodes_.size()));
-  snapLog()->info(
-      "snapshot: {} version {} ({} bytes) written here; announcing it to {} of {} other "
-      "node(s){}",
-      v.name, versionText(v.version), v.size, targets.size(),
-      nodes_.empty() ? 0 : nodes_.size() - 1, note);
+  snapLog()->info("snapshot: {} version {} {} here; announcing it to {} of {} other node(s){}",
+                  v.name, versionText(v.version),
+                  v.deleted ? std::string("(a deletion) made")
+                            : "(" + std::to_string(v.size) + " bytes) written",
+                  targets.size(), nodes_.empty() ? 0 : nodes_.size() - 1, note);
   announce(v, endpoint_, endpoint_, targets);
 }
 
@@ -577,6 +604,10 @@ void SnapshotReplicator::pump() {
   // waits for these transfers: they run at the agent's priority then, in the background else.
   const Urgency urgency = sync_done_ ? Urgency::kPrompt : Urgency::kBackground;
   for (auto& t : replica_.takeTransfers()) {
+    if (t.file.deleted) {
+      applyDeletion(t);
+      continue;
+    }
     std::random_device rd;
     const std::string temp = path(std::string(kRecvPrefix) + t.file.name + "." +
                                   std::to_string(::getpid()) + "." + std::to_string(rd()));
@@ -611,6 +642,35 @@ void SnapshotReplicator::pump() {
         urgency);
   }
   maybeFinishSync();
+}
+
+void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
+  const std::string& name = t.file.name;
+  Status st;
+  if (replica_.shouldInstall(t.file)) {
+    // Recorded first: the unlink's IN_DELETE then finds the deletion held already.
+    auto before = held_files_.find(name);
+    std::optional<Held> previous;
+    if (before != held_files_.end()) previous = before->second;
+    setHeld(name, Held{{toWire(t.file), nullptr, nullptr}});
+    if (::unlink(path(name).c_str()) != 0 && errno != ENOENT) {
+      st = internalError("cannot delete " + path(name) + ": " + std::strerror(errno));
+      if (previous) {
+        setHeld(name, *previous);
+      } else {
+        held_files_.erase(name);
+        recordVersions();
+      }
+      ++metrics_.transfer_failures;
+      snapLog()->warn("snapshot: {} (deleted at version {} on another node)", st.message(),
+                      versionText(t.file.version));
+    } else {
+      snapLog()->info("snapshot: deleted {} (version {}, deleted on another node)", name,
+                      versionText(t.file.version));
+    }
+  }
+  replica_.onTransferDone(t, st.isOk() ? TransferOutcome::kOk : TransferOutcome::kFailed);
+  if (st.isOk()) relay(t.file, endpoint_);
 }
 
 void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetched,

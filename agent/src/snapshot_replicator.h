@@ -1,7 +1,8 @@
 // SnapshotReplicator: the shell of --snapshot-dir replication (issue 11) around the pure
 // SnapshotReplica (snapshot_replica.h). It
-// - watches the directory with inotify (IN_CLOSE_WRITE, IN_MOVED_TO) and announces every file a
-//   worker completed there to the other agents of the round;
+// - watches the directory with inotify (IN_CLOSE_WRITE, IN_MOVED_TO, IN_DELETE, IN_MOVED_FROM)
+//   and announces every file a worker completed or deleted there to the other agents of the
+//   round;
 // - records the versions it holds in the directory's version table (.ddprun-versions), so that
 //   they keep their versions when the agent starts again;
 // - serves the versions this node holds to the others (rendezvous/snapshot_transfer.h), each
@@ -115,8 +116,10 @@ class SnapshotReplicator {
   // A large completed file: announced now, hashed on a thread while others fetch it.
   void announceThenHash(const std::string& name, std::shared_ptr<rendezvous::OpenFile> file,
                         const struct stat& st);
-  // A version this node's workers wrote: held and served here, announced down the tree (the
-  // log line ends with `note`).
+  // No file `name` any more: if one was held, its deletion is a version, announced as a write.
+  void onDeleted(const std::string& name);
+  // A version this node's workers wrote (or a deletion): held and served here, announced down
+  // the tree (the log line ends with `note`).
   void publishWritten(const SnapshotVersion& v, Held held, const std::string& note);
   // This node holds that very file (same inode and mtime) as its current version of `name`.
   bool holdsAlready(const std::string& name, const struct stat& st) const;
@@ -136,6 +139,9 @@ class SnapshotReplicator {
   std::shared_ptr<rendezvous::ArrivingFile> serveArriving(
       const SnapshotVersion& v, std::shared_ptr<rendezvous::PendingCrc>* pending);
   void pump();
+  // A deletion another node made: this node's copy is deleted (no fetch), and the deletion
+  // passed on down the tree.
+  void applyDeletion(const SnapshotTransfer& t);
   void onFetched(const SnapshotTransfer& t, const Status& st, const std::string& temp,
                  TimePoint started);
   void maybeFinishSync();

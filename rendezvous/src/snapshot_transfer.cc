@@ -51,6 +51,8 @@ SnapshotFile fromProto(const spb::FileVersion& f) {
   SnapshotFile out{f.name(), f.version(), f.size(), f.crc32()};
   out.crc32_pending = f.crc32_pending();
   if (out.crc32_pending) out.crc32 = 0;
+  out.deleted = f.deleted();
+  if (out.deleted) out = SnapshotFile{out.name, out.version, 0, 0, false, true};
   return out;
 }
 
@@ -782,6 +784,7 @@ Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
   f->set_size(file.size);
   f->set_crc32(file.crc32);
   f->set_crc32_pending(file.crc32_pending);
+  f->set_deleted(file.deleted);
   spb::AnnounceResponse resp;
   return convert::fromGrpc(stub->Announce(&ctx, req, &resp));
 }

@@ -304,3 +304,66 @@ TEST_CASE("a version kept from before the agent started is held, and what is wri
   newer.onHolder(file(kept), "a:1");
   CHECK_FALSE(newer.wanted("snapshot.pt"));
 }
+
+TEST_CASE("a deletion is a version: older copies are deleted, not fetched back", "[snapshot]") {
+  SnapshotReplica writer;
+  CHECK_FALSE(writer.onLocalDelete("snapshot.pt", 1));  // nothing held: nothing to tell
+  const SnapshotVersion written = writer.onLocalWrite("snapshot.pt", 10, 5, 1);
+  auto gone = writer.onLocalDelete("snapshot.pt", 1);
+  REQUIRE(gone);
+  CHECK(gone->deleted);
+  CHECK(gone->version > written.version);
+  CHECK(gone->size == 0);
+  CHECK(writer.held("snapshot.pt")->deleted);
+  CHECK_FALSE(writer.onLocalDelete("snapshot.pt", 1));  // deleted already
+  // A node holding the written version is told: one "transfer" of the deletion, no fetch.
+  SnapshotReplica other;
+  other.onHolder(written, "w:1");
+  other.onTransferDone(other.takeTransfers().at(0), TransferOutcome::kOk);
+  other.onHolder(*gone, "w:1");
+  auto ts = other.takeTransfers();
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].file.deleted);
+  other.onTransferDone(ts[0], TransferOutcome::kOk);
+  CHECK(other.held("snapshot.pt")->deleted);
+  CHECK_FALSE(other.busy());
+  // The older version, held elsewhere, is not fetched back; a later write is.
+  other.onHolder(written, "x:1");
+  CHECK(other.takeTransfers().empty());
+  const SnapshotVersion again = writer.onLocalWrite("snapshot.pt", 12, 6, 2);
+  CHECK(again.version > gone->version);
+  other.onHolder(again, "w:1");
+  CHECK(other.takeTransfers().size() == 1);
+  // The same number deleted on one node and written on another is not the same version.
+  SnapshotVersion as_file = *gone;
+  as_file.deleted = false;
+  CHECK_FALSE(as_file.sameContent(*gone));
+}
+
+TEST_CASE("deletions travel in the holdings and the version table", "[snapshot]") {
+  SnapshotReplica r;
+  r.onLocalWrite("a.bin", 10, 5, 1);
+  r.onLocalWrite("b.bin", 3, 4, 1);
+  r.onLocalDelete("a.bin", 1);
+  auto back = decodeHoldings(encodeHoldings("h:1", r.heldList()));
+  REQUIRE(back.isOk());
+  CHECK(back->second == r.heldList());
+  auto table = decodeVersionTable(encodeVersionTable(r.heldList()));
+  REQUIRE(table.isOk());
+  CHECK(table->at("a.bin") == *r.held("a.bin"));
+  CHECK(table->at("a.bin").deleted);
+  // A deletion recorded is no version of a file that is there again (even an empty one, whose
+  // size and CRC-32 are 0 too).
+  CHECK(recordedVersion(*table, "a.bin", 0, 0) == 0);
+  CHECK(recordedVersion(*table, "b.bin", 3, 4) == r.held("b.bin")->version);
+  // Kept across a restart: an older copy elsewhere is not fetched back.
+  SnapshotReplica restarted;
+  restarted.adoptDeleted("a.bin", table->at("a.bin").version);
+  CHECK(restarted.maxVersionSeen() == table->at("a.bin").version);
+  restarted.onHolder(SnapshotVersion{"a.bin", makeSnapshotVersion(1, 1), 10, 5}, "x:1");
+  CHECK(restarted.takeTransfers().empty());
+  // A deletion line carries no size or CRC-32.
+  CHECK_FALSE(decodeHoldings("h:1\na.bin\t5\t7\tdeleted\n").isOk());
+  CHECK(decodeHoldings("h:1\na.bin\t5\t0\tdeleted\n")->second.at(0).deleted);
+  CHECK_FALSE(decodeHoldings("h:1\na.bin\t5\t0\tDeleted\n").isOk());
+}

@@ -373,6 +373,92 @@ TEST_CASE("a job started again keeps the versions its nodes held", "[snapshot]")
   CHECK(readFile(b_dir / ".ddprun-versions").find("\nstate.bin\t") != std::string::npos);
 }
 
+TEST_CASE("a file deleted on one node is deleted on the others, and stays deleted", "[snapshot]") {
+  // Three nodes: the writer's worker writes keep.bin and old.bin, then deletes old.bin; the
+  // deletion travels the chain like a version. A second job, where one node's disk came back
+  // from before the deletion (old.bin there again, its version table gone), deletes it there
+  // too: the others' tables recorded the deletion.
+  TempDir triggers;
+  std::vector<std::unique_ptr<TempDir>> dirs;
+  for (int i = 0; i < 3; ++i) dirs.push_back(std::make_unique<TempDir>());
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  auto wait_for = [&](const std::string& name) {
+    return "while [ ! -e '" + triggers / name + "' ]; do sleep 0.1; done; ";
+  };
+  std::string old_copy;
+  {
+    RendezvousDaemon rdzv;
+    const std::string script = "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then echo keep > " + d +
+                               "/keep.bin.tmp && mv " + d + "/keep.bin.tmp " + d +
+                               "/keep.bin; head -c 100000 /dev/urandom > " + d +
+                               "/old.bin.tmp && mv " + d + "/old.bin.tmp " + d + "/old.bin; " +
+                               wait_for("delete") + "rm " + d + "/old.bin; fi; " + wait_for("stop");
+    std::vector<std::unique_ptr<Process>> nodes;
+    for (int i = 0; i < 3; ++i) {
+      nodes.push_back(node(
+          {"127.0.0." + std::to_string(2 + i), dirs[i]->path(), {{"WRITER", i == 0 ? "1" : "0"}}},
+          rdzv.endpoint, "3", "snap-delete-1", 1, writerScript(script)));
+    }
+    auto everywhere = [&](const std::string& name) {
+      return std::all_of(dirs.begin(), dirs.end(),
+                         [&](auto& dir) { return fileExists(*dir / name); });
+    };
+    REQUIRE(waitUntil(
+        [&] {
+          return everywhere("keep.bin") && everywhere("old.bin") &&
+                 readFile(*dirs[2] / "old.bin").size() == 100000;
+        },
+        120s));
+    old_copy = readFile(*dirs[2] / "old.bin");
+    std::ofstream(triggers / "delete") << "";
+    const bool deleted = waitUntil(
+        [&] {
+          return std::none_of(dirs.begin(), dirs.end(),
+                              [&](auto& dir) { return fileExists(*dir / "old.bin"); });
+        },
+        60s);
+    std::ofstream(triggers / "stop") << "";
+    for (auto& n : nodes) {
+      auto r = finish(*n, 120s);
+      INFO(n->err());
+      REQUIRE(r);
+      CHECK(r->exit_code == 0);
+    }
+    INFO(nodes[0]->err() << nodes[1]->err() << nodes[2]->err());
+    REQUIRE(deleted);
+    CHECK(std::regex_search(
+        nodes[0]->err(), std::regex(R"(snapshot: old.bin version \S+ \(a deletion\) made here)")));
+    for (int i : {1, 2}) {
+      CHECK(nodes[i]->err().find("snapshot: deleted old.bin (version ") != std::string::npos);
+      CHECK(readFile(*dirs[i] / "keep.bin") == "keep\n");
+    }
+  }
+
+  // The third node's disk, as it was before the deletion.
+  std::ofstream(*dirs[2] / "old.bin") << old_copy;
+  REQUIRE(::unlink((*dirs[2] / ".ddprun-versions").c_str()) == 0);
+  RendezvousDaemon rdzv;
+  const std::string script = "ls " + d;
+  std::vector<std::unique_ptr<Process>> nodes;
+  for (int i = 0; i < 3; ++i) {
+    nodes.push_back(node({"127.0.0." + std::to_string(2 + i), dirs[i]->path(), {}}, rdzv.endpoint,
+                         "3", "snap-delete-2", 1, writerScript(script)));
+  }
+  std::string out;
+  for (auto& n : nodes) {
+    auto r = finish(*n, 120s);
+    INFO(n->err());
+    REQUIRE(r);
+    CHECK(r->exit_code == 0);
+    out += r->out;
+  }
+  INFO(out << nodes[2]->err());
+  CHECK(countOf(out, "keep.bin") == 3);
+  CHECK(out.find("old.bin") == std::string::npos);
+  CHECK(nodes[2]->err().find("snapshot: deleted old.bin (version ") != std::string::npos);
+  CHECK_FALSE(fileExists(*dirs[2] / "old.bin"));
+}
+
 namespace {
 
 // Four nodes of one job on 127.0.0.10-13, each replicating a directory of its own. The first

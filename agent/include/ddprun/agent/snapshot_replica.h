@@ -12,6 +12,8 @@
 //   version of a name wins. A file present when the agent starts keeps the version the
 //   directory's version table (encodeVersionTable) recorded for that very content; any other
 //   has version 0 (unknown, older than every version written).
+// - A file deleted here gets a version too (a tombstone, numbered as a write): a node holding an
+//   older version deletes its copy, and older versions are not fetched back.
 // - What a node holds is only ever replaced by a newer complete, verified copy: the previous
 //   version stays in place until then, and a transfer that fails changes nothing.
 // - A failed transfer is retried from the next holder, up to `max_attempts`; no space for it
@@ -40,13 +42,16 @@ struct SnapshotVersion {
   // Announced by its writer while the hash ran: crc32 is unknown (0), a fetch learns it from the
   // source.
   bool crc_pending = false;
+  // This version deletes the file (a tombstone: size and crc32 are 0). Held like any version, so
+  // that older versions of the name are not fetched back; applied by deleting the file.
+  bool deleted = false;
   bool operator==(const SnapshotVersion& o) const {
     return name == o.name && version == o.version && size == o.size && crc32 == o.crc32 &&
-           crc_pending == o.crc_pending;
+           crc_pending == o.crc_pending && deleted == o.deleted;
   }
   // The same version, as far as both know: equal, or one of them without its CRC-32 yet.
   bool sameContent(const SnapshotVersion& o) const {
-    return name == o.name && version == o.version && size == o.size &&
+    return name == o.name && version == o.version && size == o.size && deleted == o.deleted &&
            (crc_pending || o.crc_pending || crc32 == o.crc32);
   }
 };
@@ -81,6 +86,8 @@ class SnapshotReplica {
   // recorded for this content (recordedVersion), 0 when nothing. Versions written here later
   // number above it.
   void adoptExisting(const std::string& name, uint64_t size, uint32_t crc32, uint64_t version = 0);
+  // A deletion the version table recorded, of a file that is still absent.
+  void adoptDeleted(const std::string& name, uint64_t version);
   // This node's workers completed `name` with this content during `round`: it is held now and
   // the returned version is what to announce. Transfers of older versions of it are dropped.
   SnapshotVersion onLocalWrite(const std::string& name, uint64_t size, uint32_t crc32,
@@ -88,12 +95,16 @@ class SnapshotReplica {
   // The same before the hash is known (a large file is announced while it is hashed); the
   // CRC-32 follows with onCrcKnown().
   SnapshotVersion onLocalWritePending(const std::string& name, uint64_t size, uint64_t round);
+  // This node's workers deleted `name` during `round`: the returned tombstone is what to announce;
+  // nullopt when nothing of it was held (or its deletion already was).
+  std::optional<SnapshotVersion> onLocalDelete(const std::string& name, uint64_t round);
   // The CRC-32 of the held `version` of `name` is known now (hashed here, or verified by a fetch).
   // Nothing happens when another version is held by then.
   void onCrcKnown(const std::string& name, uint64_t version, uint32_t crc32);
   // `source` holds `v`. A version not newer than the one held is ignored.
   void onHolder(const SnapshotVersion& v, const std::string& source);
-  // The transfers to start now: at most one per name, none for a name with one running.
+  // The transfers to start now: at most one per name, none for a name with one running. One of a
+  // tombstone (file.deleted) fetches nothing: the shell deletes its copy.
   std::vector<SnapshotTransfer> takeTransfers();
   // Whether a complete verified copy of `v` may replace what is held (checked just before the
   // rename: a newer version may have arrived meanwhile).
@@ -150,13 +161,14 @@ StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
 // The version table an agent keeps in its directory (.ddprun-versions), so that what it held
 // keeps its version when the agent starts again (a job restarted as a whole, a Slurm requeue):
 // otherwise every node's file would be version 0 and nodes that held different versions would
-// keep them. Only versions with a known CRC-32 are recorded (a version 0 has nothing to keep).
+// keep them. Only versions with a known CRC-32 are recorded (a version 0 has nothing to keep);
+// deletions are (their tombstones keep a deleted file from being fetched back).
 // decodeVersionTable refuses a table that is not one (INVALID_ARGUMENT naming the line); a
 // version from round 2^31 on is refused too (no job gets there; the numbers above it must stay).
 std::string encodeVersionTable(const std::vector<SnapshotVersion>& held);
 StatusOr<std::map<std::string, SnapshotVersion>> decodeVersionTable(const std::string& text);
 // The version `table` recorded for `name` when the file still has that content (size and CRC-32
-// equal); 0 otherwise (changed since, or never recorded).
+// equal); 0 otherwise (changed since, never recorded, or recorded as deleted).
 uint64_t recordedVersion(const std::map<std::string, SnapshotVersion>& table,
                          const std::string& name, uint64_t size, uint32_t crc32);
 

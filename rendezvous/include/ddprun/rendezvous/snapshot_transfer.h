@@ -35,9 +35,11 @@ struct SnapshotFile {
   // Announced while the writer still hashed it: a fetch learns the CRC-32 from the source's last
   // chunk(s) instead.
   bool crc32_pending = false;
+  // This version deletes the file (a tombstone: size and crc32 are 0; never served or fetched).
+  bool deleted = false;
   bool operator==(const SnapshotFile& o) const {
     return name == o.name && version == o.version && size == o.size && crc32 == o.crc32 &&
-           crc32_pending == o.crc32_pending;
+           crc32_pending == o.crc32_pending && deleted == o.deleted;
   }
 };
 
