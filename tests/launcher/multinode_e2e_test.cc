@@ -16,6 +16,7 @@
 #include "multinode_helpers.h"
 #include "process_helpers.h"
 #include "rendezvous_daemon.h"
+#include "test_pki.h"
 
 using namespace ddprun;
 using namespace ddprun::testing;
@@ -258,82 +259,6 @@ TEST_CASE(
   CHECK(r->err.find("some other program holds that port") != std::string::npos);
   CHECK(r->err.find("this agent speaks plaintext gRPC") != std::string::npos);  // still there
 }
-
-namespace {
-
-// A throwaway CA and a server certificate for 127.0.0.1 (SAN IP:127.0.0.1) signed by it, made
-// with the openssl command line in `dir`. ok is false, with the reason in `why`, where openssl is
-// missing or fails.
-struct TestPki {
-  explicit TestPki(const TempDir& dir)
-      : ca(dir / "ca.pem"), cert(dir / "server.pem"), key(dir / "server.key") {
-    std::ofstream(dir / "ca.cnf") << "[req]\n"
-                                     "distinguished_name = dn\n"
-                                     "prompt = no\n"
-                                     "x509_extensions = v3_ca\n"
-                                     "[dn]\n"
-                                     "CN = ddprun test CA\n"
-                                     "[v3_ca]\n"
-                                     "basicConstraints = critical, CA:TRUE\n"
-                                     "keyUsage = critical, keyCertSign, cRLSign\n"
-                                     "subjectKeyIdentifier = hash\n";
-    std::ofstream(dir / "server.cnf") << "[req]\n"
-                                         "distinguished_name = dn\n"
-                                         "prompt = no\n"
-                                         "[dn]\n"
-                                         "CN = 127.0.0.1\n"
-                                         "[ext]\n"
-                                         "basicConstraints = CA:FALSE\n"
-                                         "keyUsage = critical, digitalSignature\n"
-                                         "extendedKeyUsage = serverAuth\n"
-                                         "subjectAltName = IP:127.0.0.1\n";
-    const std::vector<std::string> ec = {"-newkey", "ec", "-pkeyopt",
-                                         "ec_paramgen_curve:prime256v1", "-nodes"};
-    std::vector<std::string> make_ca = {"openssl",      "req",   "-x509", "-config",
-                                        dir / "ca.cnf", "-days", "2",     "-keyout",
-                                        dir / "ca.key", "-out",  ca};
-    make_ca.insert(make_ca.end(), ec.begin(), ec.end());
-    std::vector<std::string> make_csr = {"openssl",          "req",     "-new", "-config",
-                                         dir / "server.cnf", "-keyout", key,    "-out",
-                                         dir / "server.csr"};
-    make_csr.insert(make_csr.end(), ec.begin(), ec.end());
-    const std::vector<std::string> sign = {"openssl",
-                                           "x509",
-                                           "-req",
-                                           "-in",
-                                           dir / "server.csr",
-                                           "-CA",
-                                           ca,
-                                           "-CAkey",
-                                           dir / "ca.key",
-                                           "-CAcreateserial",
-                                           "-days",
-                                           "2",
-                                           "-out",
-                                           cert,
-                                           "-extfile",
-                                           dir / "server.cnf",
-                                           "-extensions",
-                                           "ext"};
-    for (const auto& argv : {make_ca, make_csr, sign}) {
-      Finished f = run(argv);
-      if (f.exit_code == 127) {
-        why = "openssl is not installed (deploy/install-deps.sh installs it)";
-        return;
-      }
-      if (f.exit_code != 0) {
-        why = join(argv, " ") + " failed: " + f.err;
-        return;
-      }
-    }
-    ok = true;
-  }
-  bool ok = false;
-  std::string why;
-  std::string ca, cert, key;
-};
-
-}  // namespace
 
 TEST_CASE(
     "with tls_ca agents speak TLS to a TLS ddprun-rendezvous, without it or trusting another "

@@ -17,6 +17,7 @@
 #include "multinode_helpers.h"
 #include "process_helpers.h"
 #include "rendezvous_daemon.h"
+#include "test_pki.h"
 
 using namespace ddprun;
 using namespace ddprun::testing;
@@ -26,12 +27,17 @@ namespace {
 
 struct NodeSpec {
   NodeSpec(std::string a, std::string dir, std::map<std::string, std::string> e = {},
-           std::vector<std::string> f = {})
-      : addr(std::move(a)), snapshot_dir(std::move(dir)), env(std::move(e)), flags(std::move(f)) {}
+           std::vector<std::string> f = {}, std::string c = "")
+      : addr(std::move(a)),
+        snapshot_dir(std::move(dir)),
+        env(std::move(e)),
+        flags(std::move(f)),
+        conf(std::move(c)) {}
   std::string addr;
   std::string snapshot_dir;
   std::map<std::string, std::string> env;
   std::vector<std::string> flags;  // more ddprun flags
+  std::string conf;                // more --rdzv-conf settings ("key=value,...")
 };
 
 // One node: a ddprun agent advertising `addr`, replicating its own `snapshot_dir`.
@@ -47,7 +53,8 @@ std::unique_ptr<Process> node(const NodeSpec& spec, const std::string& endpoint,
                                    "--local-addr=" + spec.addr,
                                    "--max-restarts=3",
                                    "--rdzv-conf=last_call_timeout=1,heartbeat_interval=1,"
-                                   "heartbeat_misses=3",
+                                   "heartbeat_misses=3" +
+                                       (spec.conf.empty() ? "" : "," + spec.conf),
                                    "--snapshot-dir=" + spec.snapshot_dir};
   argv.insert(argv.end(), spec.flags.begin(), spec.flags.end());
   argv.insert(argv.end(), program.begin(), program.end());
@@ -600,6 +607,49 @@ TEST_CASE(
   }
   CHECK(relayed == 2);
   job.stop();
+}
+
+TEST_CASE("over TLS the nodes replicate with the rendezvous' token and certificates",
+          "[snapshot][tls]") {
+  // Each node's replication service serves TLS with the job's certificate (valid for every
+  // node's address) and requires the token; the rendezvous daemon too.
+  TempDir pki_dir, a_dir, b_dir;
+  TestPki pki(pki_dir, {"127.0.0.1", "127.0.0.2", "127.0.0.3"});
+  if (!pki.ok) {
+    WARN("skipped: " + pki.why);
+    return;
+  }
+  const std::string token = pki_dir / "token";
+  std::ofstream(token) << "snapshot-tls\n";
+  RendezvousDaemon rdzv({"--tls-cert", pki.cert, "--tls-key", pki.key, "--token-file", token});
+  const std::string tls =
+      "token_file=" + token + ",tls_ca=" + pki.ca + ",tls_cert=" + pki.cert + ",tls_key=" + pki.key;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const std::string script =
+      "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then head -c 3000000 "
+      "/dev/urandom > " +
+      d + "/data.bin.tmp && mv " + d + "/data.bin.tmp " + d + "/data.bin; fi; sleep 3";
+  auto a = node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}}, {}, tls}, rdzv.endpoint, "2",
+                "snap-tls", 1, writerScript(script));
+  auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}, {}, tls}, rdzv.endpoint, "2",
+                "snap-tls", 1, writerScript(script));
+  auto [ra, rb] = bothSucceed(*a, *b);
+  INFO(ra.err << "\n" << rb.err);
+  CHECK(std::regex_search(ra.err, std::regex(R"(serving at 127\.0\.0\.2:\d+ \(TLS\))")));
+  CHECK(std::regex_search(
+      rb.err, std::regex(R"(fetched data.bin version \S+: 3000000 bytes from 127\.0\.0\.2:\d+)")));
+  CHECK(readFile(b_dir / "data.bin") == readFile(a_dir / "data.bin"));
+  CHECK(readFile(b_dir / "data.bin").size() == 3000000);
+
+  // A node that trusts the CA but has no certificate of its own cannot serve TLS: a usage error
+  // before anything starts.
+  auto c = node({"127.0.0.4", b_dir.path(), {}, {}, "token_file=" + token + ",tls_ca=" + pki.ca},
+                rdzv.endpoint, "2", "snap-tls-2", 1, writerScript("true"));
+  auto rc = finish(*c, 30s);
+  REQUIRE(rc);
+  CHECK(rc->exit_code == 2);
+  CHECK(rc->err.find("--snapshot-dir with TLS (tls_ca= in --rdzv-conf) needs tls_cert= and "
+                     "tls_key=") != std::string::npos);
 }
 
 TEST_CASE("a missing or unwritable --snapshot-dir is a usage error before anything starts",
