@@ -316,6 +316,16 @@ void SnapshotReplicator::setHeld(const std::string& name, Held held) {
   recordVersions();
 }
 
+void SnapshotReplicator::restoreHeld(const std::string& name, const std::optional<Held>& before) {
+  if (before) return setHeld(name, *before);
+  held_files_.erase(name);
+  {
+    std::lock_guard<std::mutex> lock(served_mu_);
+    served_.erase(name);
+  }
+  recordVersions();
+}
+
 void SnapshotReplicator::releaseOffLoop(std::shared_ptr<const rendezvous::OpenFile> file) {
   if (!file) return;
   offLoop([file = std::move(file)]() mutable { file.reset(); }, [] {});
@@ -655,12 +665,7 @@ void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
     setHeld(name, Held{{toWire(t.file), nullptr, nullptr}});
     if (::unlink(path(name).c_str()) != 0 && errno != ENOENT) {
       st = internalError("cannot delete " + path(name) + ": " + std::strerror(errno));
-      if (previous) {
-        setHeld(name, *previous);
-      } else {
-        held_files_.erase(name);
-        recordVersions();
-      }
+      restoreHeld(name, previous);
       ++metrics_.transfer_failures;
       snapLog()->warn("snapshot: {} (deleted at version {} on another node)", st.message(),
                       versionText(t.file.version));
@@ -698,16 +703,7 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
       if (::rename(temp.c_str(), path(t.file.name).c_str()) != 0) {
         st = internalError("cannot rename " + temp + " into place: " + std::strerror(errno));
         ::unlink(temp.c_str());
-        if (before) {
-          setHeld(t.file.name, *before);
-        } else {
-          held_files_.erase(t.file.name);
-          {
-            std::lock_guard<std::mutex> lock(served_mu_);
-            served_.erase(t.file.name);
-          }
-          recordVersions();
-        }
+        restoreHeld(t.file.name, before);
       } else {
         const int dfd = ::open(options_.dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (dfd >= 0) {

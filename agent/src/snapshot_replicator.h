@@ -35,6 +35,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -148,6 +149,8 @@ class SnapshotReplicator {
   // Records what this node holds of `name` (and serves). The version it replaces is released
   // off the loop (releaseOffLoop).
   void setHeld(const std::string& name, Held held);
+  // Undoes a setHeld whose file operation failed: `before` held again, or nothing of `name`.
+  void restoreHeld(const std::string& name, const std::optional<Held>& before);
   // Drops a reference to a file on a thread of its own: closing the last descriptor of a file
   // that was renamed over frees its blocks and page cache in close() (here 100 MiB took ~26 ms,
   // 1 GiB ~220 ms), which on the loop delayed the next version's announcement by as much.
