@@ -79,7 +79,7 @@ void SnapshotReplica::onCrcKnown(const std::string& name, uint64_t version, uint
 
 bool SnapshotReplica::newerThanHeld(const SnapshotVersion& v) const {
   auto it = held_.find(v.name);
-  return it == held_.end() || v.version > it->second.version;
+  return it == held_.end() || v.supersedes(it->second);
 }
 
 void SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& source) {
@@ -87,7 +87,7 @@ void SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& sour
   max_seen_ = std::max(max_seen_, v.version);
   if (!newerThanHeld(v)) return;
   auto it = wants_.find(v.name);
-  if (it == wants_.end() || v.version > it->second.target.version) {
+  if (it == wants_.end() || v.supersedes(it->second.target)) {
     Want w;
     w.target = v;
     w.sources = {source};
@@ -96,9 +96,8 @@ void SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& sour
     return;
   }
   Want& w = it->second;
-  if (v.version < w.target.version) return;
-  // Same number, other content: keep the first one heard of. A holder that knows the CRC-32
-  // serves the same version as one that is still hashing it.
+  // Older, or the same number with lesser content. A holder that knows the CRC-32 serves the same
+  // version as one that is still hashing it.
   if (!v.sameContent(w.target)) return;
   if (std::find(w.sources.begin(), w.sources.end(), source) == w.sources.end()) {
     w.sources.push_back(source);

@@ -44,7 +44,7 @@ TEST_CASE("a newer version held elsewhere is fetched but an older or equal one i
   r.onLocalWrite("snapshot.pt", 10, 1, 2);
   const uint64_t mine = r.held("snapshot.pt")->version;
   r.onHolder(file(mine - 1), "b:1");
-  r.onHolder(file(mine), "b:1");
+  r.onHolder(SnapshotVersion{"snapshot.pt", mine, 10, 1}, "b:1");  // what is held
   CHECK(r.takeTransfers().empty());
   CHECK_FALSE(r.busy());
   r.onHolder(file(mine + 1), "b:1");
@@ -54,6 +54,55 @@ TEST_CASE("a newer version held elsewhere is fetched but an older or equal one i
   CHECK(t[0].file == file(mine + 1));
   CHECK(t[0].source == "b:1");
   CHECK(r.takeTransfers().empty());  // one transfer per name at a time
+}
+
+TEST_CASE("two nodes that wrote a name under one number end with the same content", "[snapshot]") {
+  // Nodes a and b both wrote snapshot.pt in round 4 before hearing of each other's write: the
+  // same number, other bytes. Each hears of the other's; the greater content wins on both.
+  SnapshotReplica a, b;
+  const SnapshotVersion va = a.onLocalWrite("snapshot.pt", 100, 7, 4);
+  const SnapshotVersion vb = b.onLocalWrite("snapshot.pt", 100, 9, 4);
+  REQUIRE(va.version == vb.version);
+  CHECK(vb.supersedes(va));
+  CHECK_FALSE(va.supersedes(vb));
+  CHECK_FALSE(va.supersedes(va));
+  b.onHolder(va, "a:1");
+  CHECK_FALSE(b.busy());  // b's is the greater: kept
+  a.onHolder(vb, "b:1");
+  auto t = a.takeTransfers();
+  REQUIRE(t.size() == 1);
+  CHECK(t[0].file == vb);
+  CHECK(a.shouldInstall(vb));
+  a.onTransferDone(t[0], TransferOutcome::kOk);
+  CHECK(a.held("snapshot.pt") == vb);
+  CHECK_FALSE(a.busy());
+  a.onHolder(va, "c:1");  // a's own, heard of again from a node that still holds it
+  CHECK_FALSE(a.busy());
+
+  // The order: the larger size first, then the larger CRC-32, and a file over a tombstone.
+  const uint64_t n = va.version;
+  CHECK(SnapshotVersion({"s", n, 101, 1}).supersedes({"s", n, 100, 9}));
+  SnapshotVersion gone{"s", n, 0, 0};
+  gone.deleted = true;
+  CHECK(SnapshotVersion({"s", n, 0, 0}).supersedes(gone));
+  CHECK_FALSE(gone.supersedes({"s", n, 0, 0}));
+  // Version 0 (files no agent recorded) is never decided by content: each node keeps its own.
+  CHECK_FALSE(SnapshotVersion({"s", 0, 101, 1}).supersedes({"s", 0, 100, 9}));
+  // A higher number wins whatever the content.
+  CHECK(SnapshotVersion({"s", n + 1, 1, 1}).supersedes({"s", n, 100, 9}));
+
+  // Content still being hashed decides nothing until its CRC-32 is known.
+  SnapshotVersion pending{"s", n, 100, 0};
+  pending.crc_pending = true;
+  CHECK_FALSE(pending.supersedes({"s", n, 100, 9}));
+  CHECK_FALSE(SnapshotVersion({"s", n, 100, 9}).supersedes(pending));
+  SnapshotReplica hashing;
+  hashing.onLocalWritePending("s", 100, 4);
+  hashing.onHolder({"s", n, 100, 9}, "b:1");
+  CHECK_FALSE(hashing.busy());
+  hashing.onCrcKnown("s", n, 5);  // hashed: the next round's holdings are compared
+  hashing.onHolder({"s", n, 100, 9}, "b:1");
+  CHECK(hashing.busy());
 }
 
 TEST_CASE("the previous version stays held until the new copy is installed", "[snapshot]") {

@@ -14,6 +14,7 @@
 #include <regex>
 #include <set>
 
+#include "ddprun/common/crc32.h"
 #include "multinode_helpers.h"
 #include "process_helpers.h"
 #include "rendezvous_daemon.h"
@@ -378,6 +379,63 @@ TEST_CASE("a job started again keeps the versions its nodes held", "[snapshot]")
   CHECK(readFile(b_dir / "state.bin") == "v2\n");
   // The table was rewritten with what the node holds now.
   CHECK(readFile(b_dir / ".ddprun-versions").find("\nstate.bin\t") != std::string::npos);
+}
+
+TEST_CASE("nodes that wrote one name under one version end with the same bytes", "[snapshot]") {
+  // Two nodes' workers each write same.bin at once, before either hears of the other's write:
+  // both number it above the same last version, so the numbers may be equal. Whatever the
+  // numbers, both directories must end with the same bytes.
+  SECTION("written on both nodes in one round") {
+    TempDir a_dir, b_dir, triggers;
+    RendezvousDaemon rdzv;
+    const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+    const std::string script = "echo \"written on $NODE\" > " + d + "/same.bin.tmp && mv " + d +
+                               "/same.bin.tmp " + d + "/same.bin; while [ ! -e '" +
+                               triggers / "stop" + "' ]; do sleep 0.1; done";
+    auto a = node({"127.0.0.2", a_dir.path(), {{"NODE", "a"}}}, rdzv.endpoint, "2", "snap-same-1",
+                  1, writerScript(script));
+    auto b = node({"127.0.0.3", b_dir.path(), {{"NODE", "bb"}}}, rdzv.endpoint, "2", "snap-same-1",
+                  1, writerScript(script));
+    const bool same = waitUntil(
+        [&] {
+          const std::string in_a = readFile(a_dir / "same.bin");
+          return !in_a.empty() && in_a == readFile(b_dir / "same.bin");
+        },
+        60s);
+    std::ofstream(triggers / "stop") << "";
+    auto [ra, rb] = bothSucceed(*a, *b);
+    INFO(ra.err << "\n" << rb.err);
+    CHECK(same);
+    CHECK(readFile(a_dir / "same.bin") == readFile(b_dir / "same.bin"));
+  }
+  SECTION("recorded under one version with other bytes") {
+    // Deterministic: each node's version table records state.bin at the same version, with the
+    // bytes its directory holds (as a past job that wrote on both nodes at once could leave
+    // them). The greater content (here the longer) wins on both before any worker starts.
+    TempDir a_dir, b_dir;
+    const uint64_t version = (3ull << 32) | 1;  // round 3, the first write
+    auto hold = [&](const TempDir& dir, const std::string& bytes) {
+      std::ofstream(dir / "state.bin") << bytes;
+      std::ofstream(dir / ".ddprun-versions")
+          << "ddprun snapshot versions 1\nstate.bin\t" << version << "\t" << bytes.size() << "\t"
+          << crc32Update(0, bytes.data(), bytes.size()) << "\n";
+    };
+    hold(a_dir, "b\n");
+    hold(b_dir, "a longer one\n");
+    RendezvousDaemon rdzv;
+    const std::string script = "echo \"resumed from $(cat \"$DDPRUN_SNAPSHOT_DIR\"/state.bin)\"";
+    auto a = node({"127.0.0.2", a_dir.path(), {}}, rdzv.endpoint, "2", "snap-same-2", 1,
+                  writerScript(script));
+    auto b = node({"127.0.0.3", b_dir.path(), {}}, rdzv.endpoint, "2", "snap-same-2", 1,
+                  writerScript(script));
+    auto [ra, rb] = bothSucceed(*a, *b);
+    INFO(ra.err << "\n" << rb.err);
+    CHECK(ra.err.find("state.bin (2 bytes) is version ") != std::string::npos);  // table taken
+    CHECK(ra.out.find("resumed from a longer one") != std::string::npos);
+    CHECK(rb.out.find("resumed from a longer one") != std::string::npos);
+    CHECK(ra.err.find("snapshot: fetched state.bin version ") != std::string::npos);
+    CHECK(rb.err.find("snapshot: fetched state.bin") == std::string::npos);
+  }
 }
 
 TEST_CASE("a file deleted on one node is deleted on the others, and stays deleted", "[snapshot]") {

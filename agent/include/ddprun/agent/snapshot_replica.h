@@ -9,9 +9,11 @@
 // - A version number is (round << 32) | sequence: rounds are agreed through the rendezvous and
 //   only increase, so a version written in a later round is newer than any of an earlier one;
 //   within a round a node numbers its writes above every version it has seen. The highest
-//   version of a name wins. A file present when the agent starts keeps the version the
-//   directory's version table (encodeVersionTable) recorded for that very content; any other
-//   has version 0 (unknown, older than every version written).
+//   version of a name wins; two nodes that wrote a name in the same round may pick the same
+//   number, and then the greater content wins (SnapshotVersion::supersedes), so that they do
+//   not keep different bytes under one version. A file present when the agent starts keeps the
+//   version the directory's version table (encodeVersionTable) recorded for that very content; any
+//   other has version 0 (unknown, older than every version written).
 // - A file deleted here gets a version too (a tombstone, numbered as a write): a node holding an
 //   older version deletes its copy, and older versions are not fetched back.
 // - What a node holds is only ever replaced by a newer complete, verified copy: the previous
@@ -27,6 +29,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -53,6 +56,17 @@ struct SnapshotVersion {
   bool sameContent(const SnapshotVersion& o) const {
     return name == o.name && version == o.version && size == o.size && deleted == o.deleted &&
            (crc_pending || o.crc_pending || crc32 == o.crc32);
+  }
+  // Whether this version is to replace `o`, a version of the same name: a higher number; at the
+  // same number (two nodes wrote the name in one round, each numbering above the same last
+  // version), the greater content, so that every node ends with the same bytes: a file over a
+  // tombstone, then the larger size, then the larger CRC-32. Content still being hashed decides
+  // nothing until its CRC-32 is known (the next round's holdings carry it), and neither does that
+  // of version 0 (files no agent recorded: which is newer is unknown, so each node keeps its own).
+  bool supersedes(const SnapshotVersion& o) const {
+    if (version != o.version) return version > o.version;
+    if (version == 0 || crc_pending || o.crc_pending) return false;
+    return std::make_tuple(!deleted, size, crc32) > std::make_tuple(!o.deleted, o.size, o.crc32);
   }
 };
 
