@@ -145,12 +145,34 @@ void SnapshotReplica::onTransferDone(const SnapshotTransfer& t, TransferOutcome 
       return;
     case TransferOutcome::kCorrupt:
     case TransferOutcome::kFailed:
-      if (w.attempts >= options_.max_attempts) {
+      if (w.sources.empty()) {  // no live holder left (keepSources)
+        wants_.erase(it);
+      } else if (w.attempts >= options_.max_attempts) {
         w.given_up = true;
-      } else {
+      } else if (w.sources[w.next_source % w.sources.size()] == t.source) {
         w.next_source = (w.next_source + 1) % w.sources.size();
-      }
+      }  // else its source was dropped: next_source names one not tried yet
       return;
+  }
+}
+
+void SnapshotReplica::keepSources(const std::vector<std::string>& live) {
+  for (auto it = wants_.begin(); it != wants_.end();) {
+    Want& w = it->second;
+    const std::string current =
+        w.sources.empty() ? "" : w.sources[w.next_source % w.sources.size()];
+    w.sources.erase(std::remove_if(w.sources.begin(), w.sources.end(),
+                                   [&](const std::string& s) {
+                                     return std::find(live.begin(), live.end(), s) == live.end();
+                                   }),
+                    w.sources.end());
+    auto at = std::find(w.sources.begin(), w.sources.end(), current);
+    w.next_source = at == w.sources.end() ? 0 : static_cast<size_t>(at - w.sources.begin());
+    if (w.sources.empty() && !w.running) {
+      it = wants_.erase(it);
+    } else {
+      ++it;
+    }
   }
 }
 

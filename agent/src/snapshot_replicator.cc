@@ -194,7 +194,9 @@ Status SnapshotReplicator::init() {
 
 SnapshotReplicator::~SnapshotReplicator() {
   alive_.reset();
-  cancel_ = true;
+  for (auto& [name, fetch] : fetching_) {
+    fetch.second->cancel(Status(StatusCode::kCancelled, "the agent is stopping"));
+  }
   if (inotify_) {
     boost::system::error_code ignored;
     inotify_->close(ignored);
@@ -628,16 +630,22 @@ void SnapshotReplicator::pump() {
     // A node this one relays the version to fetches it from here while it arrives.
     std::shared_ptr<rendezvous::PendingCrc> pending;
     auto arriving = serveArriving(t.file, &pending);
+    auto cancel = std::make_shared<rendezvous::FetchCancel>();
+    fetching_[t.file.name] = {t.source, cancel};
     offLoop(
-        [peer, file = toWire(t.file), temp, status, crc, cancel = &cancel_,
-         streams = options_.fetch_streams, arriving, pending] {
-          *status =
-              rendezvous::fetchSnapshot(peer, file, temp, cancel, streams, crc.get(), arriving);
+        [peer, file = toWire(t.file), temp, status, crc, cancel, streams = options_.fetch_streams,
+         arriving, pending] {
+          *status = rendezvous::fetchSnapshot(peer, file, temp, cancel.get(), streams, crc.get(),
+                                              arriving);
           // Set here, not on the loop: streams waiting for it must end even while the agent
           // stops (its server waits for them).
           if (pending) pending->set(status->isOk() ? StatusOr<uint32_t>(*crc) : *status);
         },
-        [this, t, status, crc, temp, started, arriving]() mutable {
+        [this, t, status, crc, temp, started, arriving, cancel]() mutable {
+          auto running = fetching_.find(t.file.name);
+          if (running != fetching_.end() && running->second.second == cancel) {
+            fetching_.erase(running);
+          }
           if (status->isOk()) {  // the verified CRC-32 (the target's may have been pending)
             t.file.crc32 = *crc;
             t.file.crc_pending = false;
@@ -755,6 +763,18 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
   pump();
 }
 
+void SnapshotReplicator::dropGoneSources(const std::vector<std::string>& live) {
+  replica_.keepSources(live);
+  for (auto& [name, fetch] : fetching_) {
+    const std::string& source = fetch.first;
+    if (std::find(live.begin(), live.end(), source) != live.end()) continue;
+    snapLog()->warn("snapshot: ending the fetch of {} from {}: not a node of round {}", name,
+                    source, round_);
+    fetch.second->cancel(Status(StatusCode::kUnavailable,
+                                source + " is not a node of round " + std::to_string(round_)));
+  }
+}
+
 void SnapshotReplicator::maybeFinishSync() {
   if (!sync_done_ || replica_.busy()) return;
   auto done = std::move(sync_done_);
@@ -849,6 +869,7 @@ void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& se
                              replica_.onHolder(v, h->first);
                            }
                          }
+                         dropGoneSources(nodes_);
                          finish();
                        });
       });

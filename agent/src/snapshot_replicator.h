@@ -146,6 +146,9 @@ class SnapshotReplicator {
   void onFetched(const SnapshotTransfer& t, const Status& st, const std::string& temp,
                  TimePoint started);
   void maybeFinishSync();
+  // A new round's nodes serve at `live`: fetches from any other source end now, and other
+  // sources are not tried again.
+  void dropGoneSources(const std::vector<std::string>& live);
   // Records what this node holds of `name` (and serves). The version it replaces is released
   // off the loop (releaseOffLoop).
   void setHeld(const std::string& name, Held held);
@@ -197,7 +200,10 @@ class SnapshotReplicator {
   std::unique_ptr<boost::asio::steady_timer> quiet_timer_;
   uint64_t sync_generation_ = 0;
   SnapshotMetrics metrics_;
-  std::atomic<bool> cancel_{false};
+  // The fetches under way: name → source, and what ends it (the agent stopping, or its source
+  // not a node of the next round: a source that stopped answering would hold the round's sync
+  // until the fetch's deadline).
+  std::map<std::string, std::pair<std::string, std::shared_ptr<rendezvous::FetchCancel>>> fetching_;
   std::map<uint64_t, std::thread> threads_;
   uint64_t next_thread_ = 0;
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);

@@ -983,10 +983,17 @@ constexpr uint64_t kRangeMin = 32 << 20;
 // 4 nodes sharing one disk, 100 MB: 0.37 s against 0.53 s).
 constexpr size_t kRelayChunk = 1 << 20;
 
-// The streams of one fetch: the first that fails cancels the others.
+// The streams of one fetch: the first that fails cancels the others, and so does `cancel`.
 class FetchAbort {
  public:
-  explicit FetchAbort(const std::atomic<bool>* cancel) : cancel_(cancel) {}
+  explicit FetchAbort(FetchCancel* cancel) : cancel_(cancel) {
+    if (cancel_ != nullptr) subscription_ = cancel_->subscribe([this] { fail(); });
+  }
+  ~FetchAbort() {
+    if (cancel_ != nullptr) cancel_->unsubscribe(subscription_);
+  }
+  FetchAbort(const FetchAbort&) = delete;
+  FetchAbort& operator=(const FetchAbort&) = delete;
   // False once the fetch is cancelled or failed; else `ctx` is cancelled with them until left.
   bool enter(grpc::ClientContext* ctx) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1003,10 +1010,11 @@ class FetchAbort {
     failed_ = true;
     for (auto* ctx : contexts_) ctx->TryCancel();
   }
-  bool stopped() const { return (cancel_ != nullptr && cancel_->load()) || failed_.load(); }
+  bool stopped() const { return failed_.load(); }
 
  private:
-  const std::atomic<bool>* cancel_;
+  FetchCancel* cancel_;
+  uint64_t subscription_ = 0;
   std::mutex mu_;
   std::atomic<bool> failed_{false};
   std::vector<grpc::ClientContext*> contexts_;  // guarded by mu_
@@ -1129,7 +1137,7 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
 namespace {
 
 Status fetchInto(const SnapshotPeer& peer, const SnapshotFile& file, const std::string& temp_path,
-                 const std::atomic<bool>* cancel, size_t streams_at_most, uint32_t* crc32_out,
+                 FetchCancel* cancel, size_t streams_at_most, uint32_t* crc32_out,
                  ArrivingFile* arriving) {
   const auto slash = temp_path.rfind('/');
   const std::string dir = slash == std::string::npos ? "." : temp_path.substr(0, slash);
@@ -1224,11 +1232,38 @@ Status fetchInto(const SnapshotPeer& peer, const SnapshotFile& file, const std::
 
 }  // namespace
 
+// Subscribers run under mu_, so none runs after unsubscribe() returned (FetchAbort's lock is
+// only ever taken inside this one, never the other way round).
+void FetchCancel::cancel(Status why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cancelled_.load()) return;
+  why_ = std::move(why);
+  cancelled_ = true;
+  for (auto& [id, on_cancel] : subscribers_) on_cancel();
+}
+
+Status FetchCancel::why() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return why_;
+}
+
+uint64_t FetchCancel::subscribe(std::function<void()> on_cancel) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cancelled_.load()) on_cancel();
+  subscribers_[++next_id_] = std::move(on_cancel);
+  return next_id_;
+}
+
+void FetchCancel::unsubscribe(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  subscribers_.erase(id);
+}
+
 Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
-                     const std::string& temp_path, const std::atomic<bool>* cancel,
-                     size_t streams_at_most, uint32_t* crc32_out,
-                     const std::shared_ptr<ArrivingFile>& arriving) {
+                     const std::string& temp_path, FetchCancel* cancel, size_t streams_at_most,
+                     uint32_t* crc32_out, const std::shared_ptr<ArrivingFile>& arriving) {
   Status st = fetchInto(peer, file, temp_path, cancel, streams_at_most, crc32_out, arriving.get());
+  if (!st.isOk() && cancel != nullptr && cancel->cancelled()) st = cancel->why();
   if (arriving && !st.isOk()) arriving->fail(st);
   return st;
 }

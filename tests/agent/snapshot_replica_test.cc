@@ -270,6 +270,44 @@ TEST_CASE("a large file is held and announced before its CRC-32 is known, which 
   CHECK(encodeHoldings("h:1", r.heldList()).find("\t99\n") != std::string::npos);
 }
 
+TEST_CASE("holders that are not nodes of the new round are not asked again", "[snapshot]") {
+  SnapshotReplica r;
+  r.onHolder(file(5), "gone:1");
+  r.onHolder(file(5), "live:2");
+  r.onHolder(file(3, 7, "only-gone.bin"), "gone:1");
+  auto t = r.takeTransfers();
+  REQUIRE(t.size() == 2);
+  const SnapshotTransfer from_gone = t[0].file.name == "snapshot.pt" ? t[0] : t[1];
+  REQUIRE(from_gone.source == "gone:1");
+  const SnapshotTransfer only_gone = t[0].file.name == "snapshot.pt" ? t[1] : t[0];
+  // gone:1 stopped answering and the next round is formed without it.
+  r.keepSources({"live:2", "me:3"});
+  CHECK(r.busy());  // the transfers still run: the shell ends them
+  r.onTransferDone(only_gone, TransferOutcome::kFailed);
+  CHECK_FALSE(r.wanted("only-gone.bin"));  // no live node holds it: wanted no more
+  r.onTransferDone(from_gone, TransferOutcome::kFailed);
+  t = r.takeTransfers();
+  REQUIRE(t.size() == 1);
+  CHECK(t[0].source == "live:2");
+  r.onTransferDone(t[0],
+                   TransferOutcome::kFailed);  // live:2 failed once: tried again, never gone:1
+  for (int i = 0; i < 2; ++i) {
+    t = r.takeTransfers();
+    REQUIRE(t.size() == 1);
+    CHECK(t[0].source == "live:2");
+    r.onTransferDone(t[0], TransferOutcome::kFailed);
+  }
+  CHECK_FALSE(r.busy());  // given up after max_attempts
+  // A version wanted only from a gone holder, with no transfer running: dropped at once.
+  SnapshotReplica idle;
+  idle.onHolder(file(5), "gone:1");
+  idle.keepSources({"live:2"});
+  CHECK_FALSE(idle.busy());
+  CHECK(idle.takeTransfers().empty());
+  idle.onHolder(file(5), "live:2");  // a live node that holds it is asked
+  REQUIRE(idle.takeTransfers().size() == 1);
+}
+
 TEST_CASE("a holder still hashing and one that knows the CRC-32 serve the same version",
           "[snapshot]") {
   SnapshotReplica r;

@@ -264,9 +264,12 @@ TEST_CASE("when the writer dies mid-transfer the others resume from the previous
           "[snapshot]") {
   // With four nodes two receivers fetch from a relay that passes the version on as it arrives
   // (the chain from the writer): a relay's own fetch fails with the writer, and so does the one
-  // below it.
+  // below it. A writer stopped with SIGSTOP resets no connection and sends nothing more: the
+  // next round, formed without it, ends the fetch from it (else it would hold the round's start
+  // until the fetch's deadline, over a minute).
+  const int sig = GENERATE(SIGKILL, SIGSTOP);
   const int count = GENERATE(3, 4);
-  CAPTURE(count);
+  CAPTURE(sig, count);
   RendezvousDaemon rdzv;
   std::vector<std::unique_ptr<TempDir>> dirs;
   const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
@@ -303,9 +306,9 @@ TEST_CASE("when the writer dies mid-transfer the others resume from the previous
                            [&](auto& dir) { return receiving(*dir); });
       },
       120s));
-  nodes[0]->signal(SIGKILL);
-  REQUIRE(nodes[0]->wait(10s));
-  int relays = 0, below_relay = 0;
+  nodes[0]->signal(sig);
+  if (sig == SIGKILL) REQUIRE(nodes[0]->wait(10s));
+  int relays = 0, below_relay = 0, ended = 0;
   for (int i = 1; i < count; ++i) {
     auto r = finish(*nodes[i], 180s);
     INFO(nodes[i]->err());
@@ -318,9 +321,17 @@ TEST_CASE("when the writer dies mid-transfer the others resume from the previous
     const std::string err = nodes[i]->err();
     relays += err.find("snapshot: passing state.bin") != std::string::npos;
     below_relay += err.find("served as it arrived, failed") != std::string::npos;
+    ended += std::regex_search(
+        err, std::regex(R"(fetching state.bin version \S+ from 127\.0\.0\.2:\d+ failed \(attempt )"
+                        R"(\d+\): 127\.0\.0\.2:\d+ is not a node of round \d+)"));
   }
   CHECK(relays == count - 2);
   CHECK(below_relay == relays);
+  CHECK(ended == (sig == SIGSTOP ? 1 : 0));  // the fetch from the stopped writer, ended at once
+  if (sig == SIGSTOP) {
+    nodes[0]->signal(SIGKILL);
+    CHECK(nodes[0]->wait(10s));
+  }
 }
 
 TEST_CASE("a job started again keeps the versions its nodes held", "[snapshot]") {

@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <fstream>
+#include <future>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -771,4 +772,32 @@ TEST_CASE(
   CHECK(ran.size() == 8);
   CHECK(ran[6] == "past the end failed");
   CHECK(ran[7] == "the fetch failed");  // after a failure even bytes that are there are refused
+}
+
+TEST_CASE("a fetch blocked on a source that stopped sending ends when it is cancelled",
+          "[snapshot]") {
+  // The source pauses 5 s before every chunk, as one stopped with SIGSTOP sends nothing: the
+  // fetch would wait for its deadline (over a minute). Cancelled from another thread, it ends
+  // then, with the reason given, and leaves no temp file.
+  Holder h(1000 * 1000, "", ServeFault{ServeFault::Kind::kSlow, 5000});
+  Dir out;
+  FetchCancel cancel;
+  auto fetch = std::async(std::launch::async, [&] {
+    return fetchSnapshot(h.peer(), h.served.file, out / ".recv", &cancel);
+  });
+  REQUIRE(fetch.wait_for(std::chrono::milliseconds(300)) == std::future_status::timeout);
+  cancel.cancel(Status(StatusCode::kUnavailable, "the source left the round"));
+  REQUIRE(fetch.wait_for(std::chrono::seconds(30)) == std::future_status::ready);
+  const Status st = fetch.get();
+  CHECK(st.code() == StatusCode::kUnavailable);
+  CHECK(st.message() == "the source left the round");
+  CHECK_FALSE(exists(out / ".recv"));
+  // A fetch that starts after the cancellation ends before it asks the source anything.
+  const int asked = h.lookups.load();
+  CHECK(fetchSnapshot(h.peer(), h.served.file, out / ".recv2", &cancel).message() ==
+        "the source left the round");
+  CHECK(h.lookups.load() == asked);
+  CHECK_FALSE(exists(out / ".recv2"));
+  cancel.cancel(Status(StatusCode::kCancelled, "later"));  // the first reason stays
+  CHECK(cancel.why().message() == "the source left the round");
 }

@@ -128,6 +128,11 @@ class SnapshotReplica {
   void onTransferDone(const SnapshotTransfer& t, TransferOutcome outcome);
   // Versions given up become wanted again (their holders are asked once more).
   void retryGivenUp();
+  // A new round's nodes serve at `live`: holders elsewhere (nodes gone, or stopped and left out of
+  // the round) are not asked again, and a version that no live node holds is wanted no more
+  // (what is held stays). A transfer from a gone holder that still runs fails on its own (the
+  // shell ends it) and is retried from a live one.
+  void keepSources(const std::vector<std::string>& live);
   // This node's group rank in the current round (spreads first tries over the holders).
   void setSelfIndex(int index) { options_.self_index = index; }
 

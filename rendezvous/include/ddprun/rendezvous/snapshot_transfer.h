@@ -187,11 +187,33 @@ struct SnapshotPeer {
 Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
                         const std::string& source, const std::string& origin, Duration timeout);
 
+// Ends fetches from another thread (the agent's loop). cancel() cancels their gRPC calls at once,
+// so a fetch blocked on a source that stopped answering (SIGSTOP, a cut link: no reset, no bytes)
+// ends then rather than at its deadline; a fetch that starts after cancel() ends before it
+// begins. Such fetches return `why`. Thread-safe; must outlive the fetches that use it.
+class FetchCancel {
+ public:
+  void cancel(Status why);
+  bool cancelled() const { return cancelled_.load(); }
+  Status why() const;
+  // For the fetch: `on_cancel` runs on cancel()'s thread when it comes, or here at once if it
+  // came already, until unsubscribe(). It must not call back into this object.
+  uint64_t subscribe(std::function<void()> on_cancel);
+  void unsubscribe(uint64_t id);
+
+ private:
+  mutable std::mutex mu_;
+  std::atomic<bool> cancelled_{false};
+  Status why_;                                             // guarded by mu_
+  std::map<uint64_t, std::function<void()>> subscribers_;  // guarded by mu_
+  uint64_t next_id_ = 0;                                   // guarded by mu_
+};
+
 // Receives `file` from `peer` into `temp_path` (created, never replacing anything), checks every
 // chunk's CRC-32, the size and the whole content's CRC-32, and fsyncs it. On any failure the temp
 // file is removed and the status says why: DATA_LOSS for a checksum or size mismatch,
 // RESOURCE_EXHAUSTED when the disk lacks the space (naming the bytes needed), NOT_FOUND when the
-// peer no longer holds that version, CANCELLED when `*cancel` became true, UNAVAILABLE or
+// peer no longer holds that version, `cancel`'s reason once it was cancelled, UNAVAILABLE or
 // DEADLINE_EXCEEDED for the network. A version of 64 MiB or more comes over up to
 // `streams_at_most` streams at once, one range of 32 MiB or more each, each on a helper thread and
 // a connection of its own. The whole content's verified CRC-32 goes to `*crc32_out` when given
@@ -200,7 +222,7 @@ Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
 // them on; it is failed unless the fetch succeeds. Blocks the calling thread.
 inline constexpr size_t kDefaultFetchStreams = 2;
 Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
-                     const std::string& temp_path, const std::atomic<bool>* cancel,
+                     const std::string& temp_path, FetchCancel* cancel,
                      size_t streams_at_most = kDefaultFetchStreams, uint32_t* crc32_out = nullptr,
                      const std::shared_ptr<ArrivingFile>& arriving = nullptr);
 
