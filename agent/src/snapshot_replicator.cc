@@ -767,6 +767,7 @@ void SnapshotReplicator::dropGoneSources(const std::vector<std::string>& live) {
   replica_.keepSources(live);
   for (auto& [name, fetch] : fetching_) {
     const std::string& source = fetch.first;
+    if (fetch.second->cancelled()) continue;  // ended at an earlier round's sync
     if (std::find(live.begin(), live.end(), source) != live.end()) continue;
     snapLog()->warn("snapshot: ending the fetch of {} from {}: not a node of round {}", name,
                     source, round_);
