@@ -23,6 +23,7 @@
 #include <utility>
 
 #include "convert.h"
+#include "ddprun/common/block_cache.h"
 #include "ddprun/common/crc32.h"
 #include "ddprun/common/log.h"
 #include "ddprun/snapshot/v1/snapshot.grpc.pb.h"
@@ -140,53 +141,30 @@ size_t putVarint(uint8_t* out, uint64_t v) {
   return n;
 }
 
-// Buffers the server reads chunks into. gRPC sends a chunk from its buffer and lets go of it
-// (the slice's destroy callback, on any thread) once sent, which may be after OnWriteDone: a
-// buffer goes back to the pool only then.
-class ChunkPool : public std::enable_shared_from_this<ChunkPool> {
+// Buffers the server reads chunks into: blocks of the process's transfer cache (present in
+// memory and reused, see BlockCache), malloc for chunks larger than a block. gRPC sends a chunk
+// from its buffer and lets go of it (the slice's destroy callback, on any thread) once sent,
+// which may be after OnWriteDone: a buffer is given back only then.
+class ChunkBuffers {
  public:
-  explicit ChunkPool(size_t bytes) : bytes_(bytes) {}
-  ~ChunkPool() {
-    for (char* b : free_) std::free(b);
-  }
-  ChunkPool(const ChunkPool&) = delete;
-  ChunkPool& operator=(const ChunkPool&) = delete;
+  explicit ChunkBuffers(size_t bytes)
+      : bytes_(bytes), cached_(bytes <= BlockCache::transfers().blockBytes()) {}
 
-  // A buffer of `bytes` bytes (nullptr when memory is short); give it back with put() or slice().
-  char* take() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!free_.empty()) {
-        char* b = free_.back();
-        free_.pop_back();
-        return b;
-      }
-    }
-    return static_cast<char*>(std::malloc(bytes_));
+  // A buffer of at least `bytes` bytes (nullptr when memory is short); give it back with put()
+  // or slice().
+  char* take() const {
+    return cached_ ? BlockCache::transfers().take() : static_cast<char*>(std::malloc(bytes_));
   }
-  void put(char* b) {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(b);
-  }
-  // The first `n` bytes of `b` as a slice that returns `b` to this pool when gRPC drops it.
-  grpc::Slice slice(char* b, size_t n) {
-    auto* lease = new Lease{shared_from_this(), b};
-    return grpc::Slice(b, n, &ChunkPool::release, lease);
+  void put(char* b) const { (cached_ ? &giveBlock : &std::free)(b); }
+  // The first `n` bytes of `b` as a slice that gives `b` back when gRPC drops it.
+  grpc::Slice slice(char* b, size_t n) const {
+    return grpc::Slice(b, n, cached_ ? &giveBlock : &std::free);
   }
 
  private:
-  struct Lease {
-    std::shared_ptr<ChunkPool> pool;
-    char* buf;
-  };
-  static void release(void* p) {
-    auto* lease = static_cast<Lease*>(p);
-    lease->pool->put(lease->buf);
-    delete lease;
-  }
+  static void giveBlock(void* b) { BlockCache::transfers().give(static_cast<char*>(b)); }
   size_t bytes_;
-  std::mutex mu_;
-  std::vector<char*> free_;  // guarded by mu_
+  bool cached_;
 };
 
 // One Chunk message: offset, then the data slice as it is, then the data's CRC-32 (and on a
@@ -414,18 +392,19 @@ namespace {
 
 // CRC-32 of the bytes from `begin` up to `end` or the end of the file, whichever comes first.
 StatusOr<std::pair<uint64_t, uint32_t>> crc32OfPart(int fd, uint64_t begin, uint64_t end) {
-  std::string buf(4 << 20, '\0');
+  CachedBlock buf(BlockCache::transfers());
+  if (!buf) return Status(StatusCode::kResourceExhausted, "no memory for a buffer to hash into");
   uint32_t crc = 0;
   uint64_t at = begin;
   while (at < end) {
     const size_t want = static_cast<size_t>(std::min<uint64_t>(buf.size(), end - at));
-    ssize_t n = ::pread(fd, buf.data(), want, static_cast<off_t>(at));
+    ssize_t n = ::pread(fd, buf.get(), want, static_cast<off_t>(at));
     if (n < 0) {
       if (errno == EINTR) continue;
       return internalError("cannot read: " + errnoText(errno));
     }
     if (n == 0) break;
-    crc = crc32Update(crc, buf.data(), static_cast<size_t>(n));
+    crc = crc32Update(crc, buf.get(), static_cast<size_t>(n));
     at += static_cast<uint64_t>(n);
   }
   return std::make_pair(at - begin, crc);
@@ -515,7 +494,7 @@ class FailedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
 // Streams one version from its open file, one chunk in flight at a time: the next chunk is read
 // only when gRPC took the last one, so a slow receiver slows the reads (backpressure). gRPC sends
-// each chunk from the buffer it was read into (see ChunkPool). A version still arriving here
+// each chunk from the buffer it was read into (see ChunkBuffers). A version still arriving here
 // (ArrivingFile) is served as its bytes come: the stream waits for each chunk's bytes, parked in
 // a WaitSlot that the arrival's progress or the receiver's cancellation takes it out of, whichever
 // comes first.
@@ -528,7 +507,7 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         begin_(begin),
         end_(end),
         chunk_bytes_(chunk_bytes),
-        pool_(std::make_shared<ChunkPool>(chunk_bytes)),
+        buffers_(chunk_bytes),
         fault_(fault),
         slow_ms_(slow_ms),
         active_(active),
@@ -599,7 +578,7 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   // Reads, checksums and sends the `n` bytes at offset_.
   void sendChunk(size_t n) {
-    char* data = pool_->take();
+    char* data = buffers_.take();
     if (data == nullptr) {
       Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                           "no memory for a " + std::to_string(chunk_bytes_) + "-byte chunk"));
@@ -611,7 +590,7 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
           ::pread(served_.data->fd(), data + got, n - got, static_cast<off_t>(offset_ + got));
       if (r < 0 && errno == EINTR) continue;
       if (r <= 0) {
-        pool_->put(data);
+        buffers_.put(data);
         Finish(grpc::Status(grpc::StatusCode::DATA_LOSS,
                             "the served file is shorter than its version says"));
         return;
@@ -625,29 +604,29 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     const uint64_t at = offset_;
     offset_ += n;
     if (offset_ < end_) {
-      send(encodeChunk(at, pool_->slice(data, n), crc, std::nullopt));
+      send(encodeChunk(at, buffers_.slice(data, n), crc, std::nullopt));
       return;
     }
     // The last chunk carries the whole file's CRC-32: for a version announced while it was
     // still being hashed, once the hash is done (usually long before the stream gets here).
     if (!served_.file.crc32_pending) {
-      send(encodeChunk(at, pool_->slice(data, n), crc, served_.file.crc32));
+      send(encodeChunk(at, buffers_.slice(data, n), crc, served_.file.crc32));
       return;
     }
     if (!served_.pending_crc) {
-      pool_->put(data);
+      buffers_.put(data);
       Finish(grpc::Status(grpc::StatusCode::INTERNAL, "no CRC-32 for a version being hashed"));
       return;
     }
     served_.pending_crc->whenKnown([this, at, data, n, crc](const StatusOr<uint32_t>& file_crc) {
       if (!file_crc.isOk()) {
-        pool_->put(data);
+        buffers_.put(data);
         Finish(grpc::Status(
             grpc::StatusCode::DATA_LOSS,
             "the source could not hash " + served_.file.name + ": " + file_crc.status().message()));
         return;
       }
-      send(encodeChunk(at, pool_->slice(data, n), crc, *file_crc));
+      send(encodeChunk(at, buffers_.slice(data, n), crc, *file_crc));
     });
   }
 
@@ -660,7 +639,7 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   uint64_t begin_;
   uint64_t end_;
   size_t chunk_bytes_;
-  std::shared_ptr<ChunkPool> pool_;
+  ChunkBuffers buffers_;
   ServeFault::Kind fault_;
   int slow_ms_;
   std::atomic<int>* active_;
@@ -832,14 +811,15 @@ class TempFile {
 };
 
 // Writes a fetched version sequentially. Large files go to disk with O_DIRECT, through two
-// aligned buffers: one is written on a helper thread while the fetch fills the other, so the
-// disk's time overlaps the receiving. A fetched version is read once by the workers that resume
-// from it and served to peers, so caching it on the way in only takes memory from the training
-// node, and filling fresh page cache is itself slow on some hosts (this 2-core VM: 1 GB buffered
-// took 2.7 s plus a 0.4 s fsync, with O_DIRECT 0.6-0.7 s). Falls back to buffered writes where
-// the file system refuses O_DIRECT (the fcntl fails) or an aligned direct write (EINVAL); the
-// tail that does not fill a whole block is always written buffered. A relay's fetch, which reads
-// what it writes back to serve it on, writes buffered (kRelayChunk).
+// page-aligned blocks of BlockCache::transfers() (present in memory, kept between fetches): one is
+// written on a helper thread while the fetch fills the other, so the disk's time overlaps the
+// receiving. A fetched version is read once by the workers that resume from it and served to peers,
+// so caching it on the way in only takes memory from the training node, and filling fresh page
+// cache is itself slow on some hosts (this 2-core VM: 1 GB buffered took 2.7 s plus a 0.4 s fsync,
+// with O_DIRECT 0.6-0.7 s). Falls back to buffered writes where the file system refuses O_DIRECT
+// (the fcntl fails) or an aligned direct write (EINVAL); the tail that does not fill a whole block
+// is always written buffered. A relay's fetch, which reads what it writes back to serve it on,
+// writes buffered (kRelayChunk).
 // Threading: one thread calls append/finish; at most one buffer write runs on the helper.
 class SequentialWriter {
  public:
@@ -851,11 +831,10 @@ class SequentialWriter {
   // buffered whatever the size.
   SequentialWriter(int fd, uint64_t at, uint64_t size, bool direct = true)
       : fd_(fd), offset_(at), durable_(at) {
-    if (size < kDirectFrom || !direct) return;
+    if (size < kDirectFrom || !direct || BlockCache::transfers().blockBytes() < kBuffer) return;
     for (auto& b : buffers_) {
-      void* mem = nullptr;
-      if (::posix_memalign(&mem, kBlock, kBuffer) != 0) return;
-      b.reset(static_cast<char*>(mem));
+      b.reset(BlockCache::transfers().take());  // page-aligned, as O_DIRECT needs
+      if (!b) return;
     }
     const int flags = ::fcntl(fd_, F_GETFL);
     direct_ = flags >= 0 && ::fcntl(fd_, F_SETFL, flags | O_DIRECT) == 0;
@@ -957,7 +936,7 @@ class SequentialWriter {
   }
 
   struct Free {
-    void operator()(char* p) const { std::free(p); }
+    void operator()(char* p) const { BlockCache::transfers().give(p); }
   };
   int fd_;
   bool direct_ = false;
