@@ -112,6 +112,8 @@ int runAgent(const AgentConfig& cfg) {
   }
   log->info("log directory set to: {}", *run_dir);
 
+  // Before gRPC's threads exist (see the function).
+  if (!cfg.snapshot_dir.empty()) rendezvous::tuneAllocatorForTransfers();
   boost::asio::io_context io;
   PosixProcessLauncher launcher(io);
   Supervisor* supervisor_ptr = nullptr;

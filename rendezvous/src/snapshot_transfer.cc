@@ -416,6 +416,11 @@ void tuneAllocatorForTransfers() {
 #ifdef __GLIBC__
   ::mallopt(M_MMAP_THRESHOLD, 8 << 20);
   ::mallopt(M_TRIM_THRESHOLD, 64 << 20);
+  // One heap for every thread (taking effect for threads that have not allocated yet): each of
+  // gRPC's threads otherwise grows a heap of its own to what the receive window admits, and a
+  // process's first fetch faulted in every one (a fresh agent fetching 100 MB: 12.8-13.6k page
+  // faults, 9.8-10.2k with one heap, and a fifth less CPU).
+  ::mallopt(M_ARENA_MAX, 1);
 #endif
 }
 

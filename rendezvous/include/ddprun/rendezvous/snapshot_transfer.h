@@ -230,10 +230,10 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
 // allocation of a few MiB, as gRPC makes for each read of a fetch, with a fresh mmap and returns
 // it with munmap, so every byte received first cost a page fault and a page cleared: a fifth of a
 // 100 MB fetch's CPU here. From this call on, allocations up to 8 MiB come from the heap, and up
-// to 64 MiB of freed heap stays with the process for the next ones. (The transfers' own buffers,
-// chunks served, O_DIRECT write buffers and hashing buffers, come from BlockCache::transfers().)
-// Process-wide; call it once before transfers start (the agent does so with
-// --snapshot-dir). Elsewhere than glibc it does nothing.
+// to 64 MiB of freed heap stays with the process for the next ones, and all threads share one heap.
+// (The transfers' own buffers, chunks served, O_DIRECT write buffers and hashing buffers, come from
+// BlockCache::transfers().) Process-wide; call it before any other thread allocates (the agent
+// does so first thing with --snapshot-dir). Elsewhere than glibc it does nothing.
 void tuneAllocatorForTransfers();
 
 // zlib's CRC-32 of a whole open file, reading from offset 0 (the size read is returned too). A
