@@ -620,6 +620,7 @@ void SnapshotReplicator::pump() {
       applyDeletion(t);
       continue;
     }
+    if (urgency == Urgency::kPrompt) rendezvous::warmHeapForFetches();  // no workers yet
     std::random_device rd;
     const std::string temp = path(std::string(kRecvPrefix) + t.file.name + "." +
                                   std::to_string(::getpid()) + "." + std::to_string(rd()));

@@ -3,6 +3,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdint>
+
 namespace ddprun {
 
 namespace {
@@ -11,13 +13,25 @@ namespace {
 constexpr int MADV_POPULATE_WRITE = 23;  // Linux 5.14; older headers lack it
 #endif
 
-size_t wholePages(size_t bytes) {
+size_t pageBytes() {
   const long page = ::sysconf(_SC_PAGESIZE);
-  const size_t p = page > 0 ? static_cast<size_t>(page) : 4096;
+  return page > 0 ? static_cast<size_t>(page) : 4096;
+}
+
+size_t wholePages(size_t bytes) {
+  const size_t p = pageBytes();
   return (bytes == 0 ? p : (bytes + p - 1) / p * p);
 }
 
 }  // namespace
+
+bool populatePages(void* p, size_t n) {
+  const uintptr_t page = pageBytes();
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
+  if (end <= begin) return true;
+  return ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) == 0;
+}
 
 BlockCache::BlockCache(size_t block_bytes, size_t keep)
     : bytes_(wholePages(block_bytes)), keep_(keep) {}
@@ -39,7 +53,7 @@ char* BlockCache::take() {
   if (p == MAP_FAILED) return nullptr;
   // Both are advice: without them (an older kernel) the block still works, page by page.
   (void)::madvise(p, bytes_, MADV_DONTFORK);
-  (void)::madvise(p, bytes_, MADV_POPULATE_WRITE);
+  (void)populatePages(p, bytes_);
   return static_cast<char*>(p);
 }
 

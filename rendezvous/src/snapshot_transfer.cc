@@ -410,6 +410,27 @@ StatusOr<std::pair<uint64_t, uint32_t>> crc32OfPart(int fd, uint64_t begin, uint
   return std::make_pair(at - begin, crc);
 }
 
+#ifdef __GLIBC__
+// What warmHeapForFetches() adds to the heap: what a fetch's receive window admits (8 MiB a
+// stream, two streams) and some.
+constexpr size_t kWarmHeap = 24 << 20;
+
+// Grows the heap by `bytes`, populated: pieces below M_MMAP_THRESHOLD, faulted in, then freed
+// back into the heap's top (the last one freed joins them all to it).
+void warmHeap(size_t bytes) {
+  constexpr size_t kPiece = 1 << 20;
+  std::vector<void*> pieces;
+  pieces.reserve(bytes / kPiece);
+  for (size_t got = 0; got < bytes; got += kPiece) {
+    void* p = std::malloc(kPiece);
+    if (p == nullptr) break;
+    pieces.push_back(p);
+    if (!populatePages(p, kPiece)) break;  // a kernel that cannot: leave it to the faults
+  }
+  for (void* p : pieces) std::free(p);
+}
+#endif
+
 }  // namespace
 
 void tuneAllocatorForTransfers() {
@@ -421,6 +442,13 @@ void tuneAllocatorForTransfers() {
   // process's first fetch faulted in every one (a fresh agent fetching 100 MB: 12.8-13.6k page
   // faults, 9.8-10.2k with one heap, and a fifth less CPU).
   ::mallopt(M_ARENA_MAX, 1);
+#endif
+}
+
+void warmHeapForFetches() {
+#ifdef __GLIBC__
+  static std::once_flag warmed;
+  std::call_once(warmed, [] { warmHeap(kWarmHeap); });
 #endif
 }
 

@@ -48,6 +48,10 @@ class BlockCache {
   std::vector<char*> free_;  // guarded by mu_
 };
 
+// Faults in the whole pages inside [p, p + n) for writing, at once (MADV_POPULATE_WRITE), leaving
+// their content as it is. False where the kernel cannot (before Linux 5.14); nothing is done then.
+bool populatePages(void* p, size_t n);
+
 // A block of a BlockCache, given back when it goes out of scope.
 class CachedBlock {
  public:
