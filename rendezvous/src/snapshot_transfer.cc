@@ -155,14 +155,15 @@ class ChunkBuffers {
   char* take() const {
     return cached_ ? BlockCache::transfers().take() : static_cast<char*>(std::malloc(bytes_));
   }
-  void put(char* b) const { (cached_ ? &giveBlock : &std::free)(b); }
+  void put(char* b) const { (cached_ ? &giveBlock : &freeBuffer)(b); }
   // The first `n` bytes of `b` as a slice that gives `b` back when gRPC drops it.
   grpc::Slice slice(char* b, size_t n) const {
-    return grpc::Slice(b, n, cached_ ? &giveBlock : &std::free);
+    return grpc::Slice(b, n, cached_ ? &giveBlock : &freeBuffer);
   }
 
  private:
   static void giveBlock(void* b) { BlockCache::transfers().give(static_cast<char*>(b)); }
+  static void freeBuffer(void* b) { std::free(b); }
   size_t bytes_;
   bool cached_;
 };

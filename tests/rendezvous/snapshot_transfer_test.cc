@@ -16,6 +16,7 @@
 #include <random>
 #include <thread>
 
+#include "ddprun/common/block_cache.h"
 #include "ddprun/snapshot/v1/snapshot.grpc.pb.h"
 #include "server_fixture.h"
 
@@ -123,6 +124,25 @@ TEST_CASE("large versions go to disk whole: block-multiple sizes, odd tails, dis
       CHECK(same);
       std::system(("rm -rf '" + dir + "'").c_str());
     }
+  }
+}
+
+TEST_CASE(
+    "chunks up to a transfer block come from the block cache and go back to it, larger ones "
+    "too work",
+    "[snapshot]") {
+  // A server's chunk buffers are blocks of BlockCache::transfers() (4 MiB) up to that size, and
+  // malloc'd beyond it; either way the fetch gets the whole version.
+  for (size_t chunk : {size_t{4} << 20, size_t{6} << 20}) {
+    CAPTURE(chunk);
+    Holder h((13 << 20) + 5, "", {}, "", "", chunk);
+    Dir out;
+    REQUIRE(fetchSnapshot(h.peer(), h.served.file, out / ".recv", nullptr, 1).isOk());
+    const bool same = readAll(out / ".recv") == h.content;
+    CHECK(same);
+    // Every block the fetch and the server took is back (gRPC lets go of a sent chunk's slice
+    // shortly after the stream ends).
+    CHECK(ddprun::testing::waitUntil([] { return BlockCache::transfers().cached() >= 2; }));
   }
 }
 
