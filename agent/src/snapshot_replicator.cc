@@ -135,7 +135,6 @@ SnapshotReplicator::SnapshotReplicator(boost::asio::io_context& io,
 StatusOr<std::unique_ptr<SnapshotReplicator>> SnapshotReplicator::start(
     boost::asio::io_context& io, SnapshotReplicatorOptions options) {
   DDPRUN_RETURN_IF_ERROR(checkSnapshotDir(options.dir));
-  rendezvous::tuneAllocatorForTransfers();
   std::unique_ptr<SnapshotReplicator> r(new SnapshotReplicator(io, std::move(options)));
   DDPRUN_RETURN_IF_ERROR(r->init());
   return r;
