@@ -327,7 +327,14 @@ TEST_CASE("when the writer dies mid-transfer the others resume from the previous
   }
   CHECK(relays == count - 2);
   CHECK(below_relay == relays);
-  CHECK(ended == (sig == SIGSTOP ? 1 : 0));  // the fetch from the stopped writer, ended at once
+  // The fetch from a stopped writer is ended by the next round's sync. From a killed one it fails
+  // on its own when the connection resets, or, where the sync comes first (a loaded host: the
+  // fetch thread runs at background priority), is ended by it the same way.
+  if (sig == SIGSTOP) {
+    CHECK(ended == 1);
+  } else {
+    CHECK(ended <= 1);
+  }
   if (sig == SIGSTOP) {
     nodes[0]->signal(SIGKILL);
     CHECK(nodes[0]->wait(10s));
