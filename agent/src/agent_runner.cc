@@ -272,9 +272,9 @@ int runAgent(const AgentConfig& cfg) {
       std::cerr << formatFailureReport(cfg.entrypoint, hostname, supervisor.failures())
                 << pythonInterpreterHint(cfg.python_interpreter, cfg.python_interpreter_source,
                                          supervisor.failures());
-    } else if (!supervisor.errorMessage().empty()) {
-      log->error("{}", supervisor.errorMessage());
     }
+    // What ended the agent after the failures (a round that could not form) is said too.
+    if (!supervisor.errorMessage().empty()) log->error("{}", supervisor.errorMessage());
   }
   return supervisor.exitCode();
 }

@@ -541,6 +541,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     std::weak_ptr<Impl> weak = weak_from_this();
     int64_t next_rev = 0;  // 0: a full sync is needed
     bool resumed = false;  // this stream continues an earlier one
+    int refused = 0;       // streams in a row that ended before etcd created the watch
     while (!stopping()) {
       if (next_rev == 0) {
         ep::RangeRequest range;
@@ -583,9 +584,11 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       create->set_key(prefix_);
       create->set_range_end(prefixEnd(prefix_));
       create->set_start_revision(next_rev);
+      bool created = false;
       if (stream->Write(req)) {
         ep::WatchResponse wr;
         while (stream->Read(&wr)) {
+          created = created || wr.created();
           if (wr.compact_revision() != 0) {
             log()->warn("etcd rendezvous: revision {} was compacted; syncing the whole run again",
                         next_rev);
@@ -621,11 +624,16 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       grpc::Status fin = stream->Finish();
       client_.release(&ctx);
       if (stopping()) return;
-      log()->info("etcd rendezvous: watch ended ({}); resuming at revision {} on the next member",
-                  fin.error_message(), next_rev);
+      refused = created ? 0 : refused + 1;
+      // While no member answers, one line says so (not one per attempt), and the attempts slow
+      // down to one a second.
+      log()->log(refused <= 1 ? spdlog::level::info : spdlog::level::debug,
+                 "etcd rendezvous: watch ended ({}); resuming at revision {} on the next member",
+                 fin.error_message(), next_rev);
       resumed = true;
       client_.rotate();
-      if (!pause(std::chrono::milliseconds(100))) return;
+      const auto wait = std::chrono::milliseconds(100 << std::min(refused, 4));
+      if (!pause(std::min<Duration>(wait, std::chrono::seconds(1)))) return;
     }
   }
 
@@ -638,19 +646,40 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
         continue;
       }
       if (ttl.value() > 0) continue;
-      // The lease expired (etcd unreachable too long): others declared this node dead. A new
-      // lease keeps the node ids alive again; the agent re-joins when it sees NOT_FOUND.
-      log()->warn("etcd rendezvous: this agent's lease expired; taking a new one");
-      StatusOr<int64_t> fresh = client_.leaseGrant(lease_ttl_);
-      if (!fresh.isOk()) continue;
-      lease_ = fresh.value();
-      std::vector<std::string> nodes;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        nodes.assign(my_nodes_.begin(), my_nodes_.end());
-      }
-      for (const std::string& node : nodes) (void)putAlive(node);
+      (void)replaceLease(lease_.load());
     }
+  }
+
+  // The lease `lost` expired (etcd unreachable too long; others may have declared this node
+  // dead): a new lease keeps the node ids alive again, and the agent re-joins when it sees
+  // NOT_FOUND. Taken once, however many threads (the keeper, a transaction) saw `lost` go.
+  Status replaceLease(int64_t lost) {
+    std::lock_guard<std::mutex> renewing(lease_mu_);
+    if (lease_.load() != lost) return Status::ok();  // replaced already
+    log()->warn("etcd rendezvous: this agent's lease expired; taking a new one");
+    StatusOr<int64_t> fresh = client_.leaseGrant(lease_ttl_);
+    if (!fresh.isOk()) return fresh.status();
+    lease_ = fresh.value();
+    std::vector<std::string> nodes;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      nodes.assign(my_nodes_.begin(), my_nodes_.end());
+    }
+    for (const std::string& node : nodes) (void)putAliveUnder(node, fresh.value());
+    return Status::ok();
+  }
+
+  // Runs `call` with this agent's lease; when etcd answers that the lease is gone (it expired
+  // while etcd was down, and the keeper has not noticed yet), once more under a fresh one.
+  template <typename Call>
+  Status underLease(Call call) {
+    const int64_t lease = lease_.load();
+    Status st = call(lease);
+    // etcd's only NOT_FOUND: ErrGRPCLeaseNotFound.
+    if (st.code() != StatusCode::kNotFound) return st;
+    Status renewed = replaceLease(lease);
+    if (!renewed.isOk()) return renewed;
+    return call(lease_.load());
   }
 
   // The newest value of the state key this agent has seen (watch, reads, its own transactions),
@@ -664,10 +693,14 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   Status putAlive(const std::string& node) {
+    return underLease([&](int64_t lease) { return putAliveUnder(node, lease); });
+  }
+
+  Status putAliveUnder(const std::string& node, int64_t lease) {
     ep::PutRequest put;
     put.set_key(alive_prefix_ + node);
     put.set_value("1");
-    put.set_lease(lease_.load());
+    put.set_lease(lease);
     ep::PutResponse resp;
     return client_.put(put, &resp);
   }
@@ -767,15 +800,21 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       auto written = std::make_shared<const std::string>(
           encodeStateValue(applied.out.changes, applied.out.joins, snapshot, next_deadline));
       put->set_value(*written);
+      ep::PutRequest* alive = nullptr;
       if (!alive_node.empty()) {
-        ep::PutRequest* alive = txn.add_success()->mutable_request_put();
+        alive = txn.add_success()->mutable_request_put();
         alive->set_key(alive_prefix_ + alive_node);
         alive->set_value("1");
-        alive->set_lease(lease_.load());
       }
       txn.add_failure()->mutable_request_range()->set_key(state_key_);
       ep::TxnResponse resp;
-      Status st = retrying(retry_for, [&] { return client_.txn(txn, &resp); });
+      Status st = retrying(retry_for, [&] {
+        if (alive == nullptr) return client_.txn(txn, &resp);
+        return underLease([&](int64_t lease) {
+          alive->set_lease(lease);
+          return client_.txn(txn, &resp);
+        });
+      });
       if (!st.isOk()) return st;
       if (resp.succeeded()) {
         applied.revision = resp.header().revision();
@@ -1090,6 +1129,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   EtcdClient client_;
   int64_t lease_ttl_ = 2;
   std::atomic<int64_t> lease_{0};
+  std::mutex lease_mu_;  // held while a lost lease is replaced
 
   // Threads and what they share (guarded by mu_).
   std::thread worker_, watcher_, keeper_;

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <sstream>
 
 #include "etcd_cluster.h"
 #include "etcd_http_probe.h"
@@ -275,6 +276,41 @@ TEST_CASE("etcd-v3: failure reports of one round cost one round", "[etcd]") {
                        rendezvous::ChangeReason::kFailureReported) == 1);
   REQUIRE(joinAll(job, {&a, &b}));
   CHECK(a.info->round == 2);
+}
+
+// After an etcd outage longer than the lease's TTL, a transaction that puts an alive key may come
+// before the keeper notices that the lease is gone: it is written under a fresh lease, not failed
+// with etcd's "requested lease not found" (which ended the agent).
+TEST_CASE("etcd-v3: a join under a lease etcd no longer has is made under a fresh one", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 1, 1, std::chrono::milliseconds(200));
+  Agent a(job);
+  REQUIRE(joinAll(job, {&a}));
+  REQUIRE(a.result->isOk());
+  auto leases = [&] {
+    auto listed = etcd.etcdctl({"lease", "list"});
+    std::vector<std::string> ids;
+    std::istringstream in(listed.out);
+    for (std::string line; std::getline(in, line);) {
+      if (!line.empty() && line.find(' ') == std::string::npos) ids.push_back(line);
+    }
+    return ids;
+  };
+  const std::vector<std::string> before = leases();
+  REQUIRE(before.size() == 1);
+  // etcd loses the lease (as when it expired while etcd was down); the agent re-joins at once,
+  // well within the keeper's period (a quarter of the TTL).
+  REQUIRE(etcd.etcdctl({"lease", "revoke", before[0]}).exit_code == 0);
+  a.join();
+  REQUIRE(job.runUntil([&] { return a.done(); }));
+  INFO(a.result->status().toString());
+  REQUIRE(a.result->isOk());
+  const std::vector<std::string> after = leases();
+  REQUIRE(after.size() == 1);
+  CHECK(after[0] != before[0]);
+  auto alive = etcd.etcdctl({"get", "--prefix", "--keys-only", "/ddprun/rdzv/"});
+  CHECK_THAT(alive.out, Catch::Contains("/alive/" + a.info->node_id));
 }
 
 TEST_CASE("etcd-v3: master address, key-value store and close", "[etcd]") {
