@@ -38,6 +38,7 @@ void SnapshotReplica::adoptDeleted(const std::string& name, uint64_t version) {
   v.deleted = true;
   held_[name] = v;
   max_seen_ = std::max(max_seen_, version);
+  trimTombstones();
 }
 
 std::optional<SnapshotVersion> SnapshotReplica::onLocalDelete(const std::string& name,
@@ -47,7 +48,23 @@ std::optional<SnapshotVersion> SnapshotReplica::onLocalDelete(const std::string&
   SnapshotVersion v = onLocalWrite(name, 0, 0, round);
   v.deleted = true;
   held_[name] = v;
+  trimTombstones();
   return v;
+}
+
+void SnapshotReplica::trimTombstones() {
+  std::vector<std::pair<uint64_t, std::string>> deletions;
+  for (const auto& [name, v] : held_) {
+    if (v.deleted) deletions.emplace_back(v.version, name);
+  }
+  if (deletions.size() <= options_.max_tombstones) return;
+  const size_t excess = deletions.size() - options_.max_tombstones;
+  std::nth_element(deletions.begin(), deletions.begin() + static_cast<std::ptrdiff_t>(excess - 1),
+                   deletions.end());
+  for (size_t i = 0; i < excess; ++i) {
+    forgotten_ = std::max(forgotten_, deletions[i].first);
+    held_.erase(deletions[i].second);
+  }
 }
 
 SnapshotVersion SnapshotReplica::onLocalWrite(const std::string& name, uint64_t size,
@@ -86,6 +103,9 @@ void SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& sour
   if (!isReplicatedName(v.name) || source.empty()) return;
   max_seen_ = std::max(max_seen_, v.version);
   if (!newerThanHeld(v)) return;
+  // A deletion this node forgot, announced by a peer that has not yet: nothing to do here unless
+  // a copy it deletes is held.
+  if (v.deleted && v.version <= forgotten_ && held_.count(v.name) == 0) return;
   auto it = wants_.find(v.name);
   if (it == wants_.end() || v.supersedes(it->second.target)) {
     Want w;
@@ -123,7 +143,10 @@ bool SnapshotReplica::shouldInstall(const SnapshotVersion& v) const { return new
 
 void SnapshotReplica::onTransferDone(const SnapshotTransfer& t, TransferOutcome outcome) {
   const std::string& name = t.file.name;
-  if (outcome == TransferOutcome::kOk && newerThanHeld(t.file)) held_[name] = t.file;
+  if (outcome == TransferOutcome::kOk && newerThanHeld(t.file)) {
+    held_[name] = t.file;
+    if (t.file.deleted) trimTombstones();
+  }
   auto it = wants_.find(name);
   if (it == wants_.end()) return;
   Want& w = it->second;

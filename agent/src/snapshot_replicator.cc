@@ -314,7 +314,21 @@ void SnapshotReplicator::setHeld(const std::string& name, Held held) {
   auto replaced = std::move(slot.served.data);
   slot = std::move(held);
   if (replaced != slot.served.data) releaseOffLoop(std::move(replaced));  // else: the same file
+  dropForgottenDeletions();
   recordVersions();
+}
+
+bool SnapshotReplicator::dropForgottenDeletions() {
+  bool dropped = false;
+  for (auto it = held_files_.begin(); it != held_files_.end();) {
+    if (it->second.served.file.deleted && !replica_.held(it->first)) {
+      it = held_files_.erase(it);
+      dropped = true;
+    } else {
+      ++it;
+    }
+  }
+  return dropped;
 }
 
 void SnapshotReplicator::restoreHeld(const std::string& name, const std::optional<Held>& before) {
@@ -683,6 +697,7 @@ void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
     }
   }
   replica_.onTransferDone(t, st.isOk() ? TransferOutcome::kOk : TransferOutcome::kFailed);
+  if (dropForgottenDeletions()) recordVersions();
   if (st.isOk()) relay(t.file, endpoint_);
 }
 

@@ -152,6 +152,9 @@ class SnapshotReplicator {
   // Records what this node holds of `name` (and serves). The version it replaces is released
   // off the loop (releaseOffLoop).
   void setHeld(const std::string& name, Held held);
+  // Deletions the core forgot (its max_tombstones) are no longer held here or recorded; true
+  // when there were any.
+  bool dropForgottenDeletions();
   // Undoes a setHeld whose file operation failed: `before` held again, or nothing of `name`.
   void restoreHeld(const std::string& name, const std::optional<Held>& before);
   // Drops a reference to a file on a thread of its own: closing the last descriptor of a file

@@ -454,3 +454,47 @@ TEST_CASE("deletions travel in the holdings and the version table", "[snapshot]"
   CHECK(decodeHoldings("h:1\na.bin\t5\t0\tdeleted\n")->second.at(0).deleted);
   CHECK_FALSE(decodeHoldings("h:1\na.bin\t5\t0\tDeleted\n").isOk());
 }
+
+TEST_CASE("only the newest deletions are kept, and a forgotten one is not learned back",
+          "[snapshot]") {
+  SnapshotReplicaOptions o;
+  o.max_tombstones = 3;
+  SnapshotReplica r(o);
+  std::vector<SnapshotVersion> gone;
+  // A job that writes a new name every epoch and deletes the one before.
+  for (int epoch = 0; epoch < 6; ++epoch) {
+    r.onLocalWrite("ckpt" + std::to_string(epoch) + ".pt", 10, 5, 1);
+    if (epoch > 0) gone.push_back(*r.onLocalDelete("ckpt" + std::to_string(epoch - 1) + ".pt", 1));
+  }
+  int deletions = 0;
+  for (const auto& v : r.heldList()) deletions += v.deleted ? 1 : 0;
+  CHECK(deletions == 3);
+  CHECK(r.heldList().size() == 4);  // ckpt5.pt and the deletions of ckpt2..4
+  CHECK_FALSE(r.held("ckpt0.pt"));
+  CHECK_FALSE(r.held("ckpt1.pt"));
+  CHECK(r.held("ckpt2.pt")->deleted);
+  CHECK(r.forgottenDeletions() == gone[1].version);
+  auto table = decodeVersionTable(encodeVersionTable(r.heldList()));
+  REQUIRE(table.isOk());
+  CHECK(table->size() == 4);
+  // A peer that still announces a forgotten deletion: nothing to do here...
+  r.onHolder(gone[0], "p:1");
+  CHECK(r.takeTransfers().empty());
+  CHECK_FALSE(r.held("ckpt0.pt"));
+  // ...but a node that still holds a copy the forgotten deletion removes deletes it, and keeps
+  // no more than the newest deletions after.
+  SnapshotReplica away(o);
+  away.onHolder(SnapshotVersion{"ckpt0.pt", makeSnapshotVersion(1, 1), 10, 5}, "w:1");
+  away.onTransferDone(away.takeTransfers().at(0), TransferOutcome::kOk);
+  for (int i = 1; i < 5; ++i) away.onHolder(gone[i], "w:1");
+  for (auto& t : away.takeTransfers()) away.onTransferDone(t, TransferOutcome::kOk);
+  REQUIRE(away.forgottenDeletions() == gone[1].version);  // above ckpt0.pt's deletion
+  away.onHolder(gone[0], "w:1");
+  auto ts = away.takeTransfers();
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].file.deleted);
+  away.onTransferDone(ts[0], TransferOutcome::kOk);
+  CHECK_FALSE(away.held("ckpt0.pt"));  // deleted, and the oldest deletion: forgotten at once
+  CHECK(away.forgottenDeletions() == gone[1].version);
+  CHECK_FALSE(away.busy());
+}

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <csignal>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -540,6 +541,63 @@ TEST_CASE("a file deleted on one node is deleted on the others, and stays delete
   CHECK(out.find("old.bin") == std::string::npos);
   CHECK(nodes[2]->err().find("snapshot: deleted old.bin (version ") != std::string::npos);
   CHECK_FALSE(fileExists(*dirs[2] / "old.bin"));
+}
+
+TEST_CASE("a job that writes a new name and deletes old ones keeps only the newest 1024 deletions",
+          "[snapshot]") {
+  // 1100 checkpoints, each under a name of its own, then all but the last deleted: both nodes
+  // delete them, and each version table records the newest 1024 deletions, not all 1099.
+  constexpr int kFiles = 1100;
+  TempDir a_dir, b_dir, triggers;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  auto wait_for = [&](const std::string& name) {
+    return "while [ ! -e '" + triggers / name + "' ]; do sleep 0.1; done; ";
+  };
+  const std::string last = std::to_string(kFiles - 1);
+  const std::string script = "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then for i in $(seq 0 " + last +
+                             "); do echo $i > " + d + "/ckpt$i.tmp && mv " + d + "/ckpt$i.tmp " +
+                             d + "/ckpt$i; done; " + wait_for("delete") + "for i in $(seq 0 " +
+                             std::to_string(kFiles - 2) + "); do rm " + d + "/ckpt$i; done; fi; " +
+                             wait_for("stop");
+  RendezvousDaemon rdzv;
+  auto a = node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}}}, rdzv.endpoint, "2", "snap-tombs", 1,
+                writerScript(script));
+  auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2", "snap-tombs", 1,
+                writerScript(script));
+  auto files = [](const TempDir& dir) {
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+      n += e.path().filename().string().rfind("ckpt", 0) == 0 ? 1 : 0;
+    }
+    return n;
+  };
+  auto deletions = [](const TempDir& dir) {
+    return countOf(readFile(dir / ".ddprun-versions"), "\tdeleted\n");
+  };
+  const bool copied = waitUntil([&] { return files(b_dir) == kFiles; }, 180s);
+  std::ofstream(triggers / "delete") << "";
+  const bool deleted = waitUntil(
+      [&] {
+        return files(a_dir) == 1 && files(b_dir) == 1 && deletions(a_dir) == 1024 &&
+               deletions(b_dir) == 1024;
+      },
+      180s);
+  std::ofstream(triggers / "stop") << "";
+  auto ra = finish(*a, 120s), rb = finish(*b, 120s);
+  INFO("tables: " << deletions(a_dir) << " and " << deletions(b_dir)
+                  << " deletions; files: " << files(a_dir) << " and " << files(b_dir) << "\n"
+                  << a->err().substr(0, 3000) << b->err().substr(0, 3000));
+  REQUIRE(copied);
+  REQUIRE(deleted);
+  REQUIRE(ra);
+  REQUIRE(rb);
+  CHECK(ra->exit_code == 0);
+  CHECK(rb->exit_code == 0);
+  CHECK(readFile(b_dir / ("ckpt" + last)) == last + "\n");
+  // The oldest deletions were forgotten, the newest kept.
+  const std::string table = readFile(b_dir / ".ddprun-versions");
+  CHECK(table.find("ckpt0\t") == std::string::npos);
+  CHECK(table.find("ckpt" + std::to_string(kFiles - 2) + "\t") != std::string::npos);
 }
 
 namespace {

@@ -15,7 +15,12 @@
 //   version the directory's version table (encodeVersionTable) recorded for that very content; any
 //   other has version 0 (unknown, older than every version written).
 // - A file deleted here gets a version too (a tombstone, numbered as a write): a node holding an
-//   older version deletes its copy, and older versions are not fetched back.
+//   older version deletes its copy, and older versions are not fetched back. Only the newest
+//   `max_tombstones` deletions are kept (a job that writes a new name every epoch and deletes
+//   the old ones would otherwise grow its holdings and version table without end); an older
+//   deletion is forgotten, and a peer's announcement of it is ignored unless this node still
+//   holds a copy it would delete. What that gives up: a node away through more than
+//   `max_tombstones` deletions may bring back a file deleted while it was away.
 // - What a node holds is only ever replaced by a newer complete, verified copy: the previous
 //   version stays in place until then, and a transfer that fails changes nothing.
 // - A failed transfer is retried from the next holder, up to `max_attempts`; no space for it
@@ -88,8 +93,9 @@ struct SnapshotTransfer {
 enum class TransferOutcome { kOk, kCorrupt, kNoSpace, kFailed, kCancelled };
 
 struct SnapshotReplicaOptions {
-  int max_attempts = 4;  // per version, over all its holders
-  int self_index = 0;    // this node's group rank: spreads first tries over the holders
+  int max_attempts = 4;          // per version, over all its holders
+  int self_index = 0;            // this node's group rank: spreads first tries over the holders
+  size_t max_tombstones = 1024;  // deletions kept, the newest ones
 };
 
 class SnapshotReplica {
@@ -144,6 +150,8 @@ class SnapshotReplica {
   // The version `name` is wanted at, if any (not given up).
   std::optional<uint64_t> wanted(const std::string& name) const;
   uint64_t maxVersionSeen() const { return max_seen_; }
+  // The newest deletion forgotten (max_tombstones), 0 when none was.
+  uint64_t forgottenDeletions() const { return forgotten_; }
 
  private:
   struct Want {
@@ -155,11 +163,14 @@ class SnapshotReplica {
     bool given_up = false;
   };
   bool newerThanHeld(const SnapshotVersion& v) const;
+  // Forgets the oldest deletions beyond max_tombstones.
+  void trimTombstones();
 
   SnapshotReplicaOptions options_;
   std::map<std::string, SnapshotVersion> held_;
   std::map<std::string, Want> wants_;
   uint64_t max_seen_ = 0;
+  uint64_t forgotten_ = 0;
 };
 
 // Who tells whom about a new version: the nodes of the round form a chain that starts at the
