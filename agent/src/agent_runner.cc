@@ -113,7 +113,10 @@ int runAgent(const AgentConfig& cfg) {
   log->info("log directory set to: {}", *run_dir);
 
   // Before gRPC's threads exist (see the function).
-  if (!cfg.snapshot_dir.empty()) rendezvous::tuneAllocatorForTransfers();
+  if (!cfg.snapshot_dir.empty()) {
+    rendezvous::tuneAllocatorForTransfers();
+    log->debug("snapshot dir: up to {} open files", raiseOpenFileLimit());
+  }
   boost::asio::io_context io;
   PosixProcessLauncher launcher(io);
   Supervisor* supervisor_ptr = nullptr;

@@ -118,6 +118,33 @@ StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text) {
   return fault;
 }
 
+uint64_t raiseOpenFileLimit() {
+  struct rlimit lim {};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return 0;
+  if (lim.rlim_cur < lim.rlim_max) {
+    struct rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
+  }
+  return static_cast<uint64_t>(lim.rlim_cur);
+}
+
+namespace {
+constexpr int kUnopenedNamed = 5;
+
+// Why a file a worker completed cannot be opened to be replicated.
+std::string cannotOpen(const std::string& path, int err) {
+  std::string out = "cannot open " + path + ": " + std::strerror(err);
+  if (err == EMFILE || err == ENFILE) {
+    struct rlimit lim {};
+    ::getrlimit(RLIMIT_NOFILE, &lim);
+    out += " (the agent keeps one open file per replicated name; its limit is " +
+           std::to_string(lim.rlim_cur) + ": raise the hard limit, ulimit -Hn)";
+  }
+  return out;
+}
+}  // namespace
+
 StatusOr<size_t> parseSnapshotStreams(const std::string& text) {
   if (text.empty()) return rendezvous::kDefaultFetchStreams;
   auto n = parseInt(text);
@@ -403,6 +430,7 @@ void SnapshotReplicator::hashNext() {
     StatusOr<std::pair<uint64_t, uint32_t>> crc = internalError("not read");
     bool deferred = false;  // large: announced first, hashed after
     bool gone = false;      // no file of that name (deleted, or renamed away)
+    std::string unopened;   // why it could not be opened (not for ENOENT)
   };
   auto looked = std::make_shared<Looked>();
   offLoop(
@@ -410,6 +438,7 @@ void SnapshotReplicator::hashNext() {
         const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
         if (fd < 0) {
           looked->gone = errno == ENOENT;
+          if (!looked->gone) looked->unopened = cannotOpen(path, errno);
           return;
         }
         looked->file = std::make_shared<rendezvous::OpenFile>(fd);
@@ -437,6 +466,12 @@ void SnapshotReplicator::hashNext() {
           return;
         }
         hashing_ = false;
+        // Named for the first few files (past a descriptor limit, every later file fails too).
+        if (!looked->unopened.empty() && ++unopened_files_ <= kUnopenedNamed) {
+          snapLog()->warn(
+              "snapshot dir: {}; {} is not replicated{}", looked->unopened, name,
+              unopened_files_ == kUnopenedNamed ? " (further such files: not named)" : "");
+        }
         if (looked->gone) {
           onDeleted(name);
         } else {

@@ -77,6 +77,12 @@ StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text);
 // default); INVALID_ARGUMENT naming the variable otherwise.
 StatusOr<size_t> parseSnapshotStreams(const std::string& text);
 
+// The agent keeps one open descriptor per replicated file name (its current version, served
+// from that inode): the soft limit on open files is raised to the hard one. Workers inherit it;
+// a program that kept under the old limit sees no descriptor numbers it did not see before.
+// Returns the soft limit in force.
+uint64_t raiseOpenFileLimit();
+
 class SnapshotReplicator {
  public:
   static StatusOr<std::unique_ptr<SnapshotReplicator>> start(boost::asio::io_context& io,
@@ -200,6 +206,7 @@ class SnapshotReplicator {
   int announcing_ = 0;                  // announcement threads running
   std::deque<std::string> hash_queue_;  // completed files waiting to be hashed and announced
   bool hashing_ = false;
+  int unopened_files_ = 0;  // completed files that could not be opened (the first are named)
   std::unique_ptr<boost::asio::steady_timer> quiet_timer_;
   uint64_t sync_generation_ = 0;
   SnapshotMetrics metrics_;

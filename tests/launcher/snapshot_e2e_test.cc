@@ -40,6 +40,7 @@ struct NodeSpec {
   std::map<std::string, std::string> env;
   std::vector<std::string> flags;  // more ddprun flags
   std::string conf;                // more --rdzv-conf settings ("key=value,...")
+  std::string ulimit;              // ulimit options the agent starts under ("-Sn 128")
 };
 
 // One node: a ddprun agent advertising `addr`, replicating its own `snapshot_dir`.
@@ -60,6 +61,9 @@ std::unique_ptr<Process> node(const NodeSpec& spec, const std::string& endpoint,
                                    "--snapshot-dir=" + spec.snapshot_dir};
   argv.insert(argv.end(), spec.flags.begin(), spec.flags.end());
   argv.insert(argv.end(), program.begin(), program.end());
+  if (!spec.ulimit.empty()) {
+    argv.insert(argv.begin(), {"/bin/sh", "-c", "ulimit " + spec.ulimit + " && exec \"$@\"", "sh"});
+  }
   auto env = spec.env;
   env["PYTHON_EXEC"] = torchPython();
   return std::make_unique<Process>(argv, env);
@@ -741,6 +745,49 @@ TEST_CASE(
   }
   CHECK(relayed == 2);
   job.stop();
+}
+
+TEST_CASE("an agent started under a low open-file limit replicates more files than it",
+          "[snapshot]") {
+  // The agent keeps one descriptor per replicated name: under a soft limit of 128 it raises the
+  // limit to the hard one and all 300 files arrive; where the hard limit is 128 too, the files
+  // it cannot open are named in a warning that says what to raise, and the job goes on.
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const std::string script =
+      "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then for i in $(seq 1 300); do "
+      "echo $i > " +
+      d + "/f$i.tmp && mv " + d + "/f$i.tmp " + d + "/f$i; done; fi; sleep 4";
+  auto files = [](const TempDir& dir) {
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+      n += e.path().filename().string()[0] == 'f' ? 1 : 0;
+    }
+    return n;
+  };
+  for (const std::string limit : {"-Sn 128", "-n 128"}) {
+    INFO("ulimit " << limit);
+    RendezvousDaemon rdzv;
+    TempDir a_dir, b_dir;
+    NodeSpec writer{"127.0.0.2", a_dir.path(), {{"WRITER", "1"}}};
+    writer.ulimit = limit;
+    auto a = node(writer, rdzv.endpoint, "2", "snap-nofile", 1, writerScript(script));
+    auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2", "snap-nofile",
+                  1, writerScript(script));
+    auto [ra, rb] = bothSucceed(*a, *b);
+    INFO(ra.err.substr(0, 4000));
+    CHECK(files(a_dir) == 300);
+    if (limit == "-Sn 128") {
+      CHECK(files(b_dir) == 300);
+      CHECK(ra.err.find("is not replicated") == std::string::npos);
+    } else {
+      CHECK(files(b_dir) < 300);
+      CHECK(countOf(ra.err, "is not replicated") == 5);
+      CHECK(ra.err.find("Too many open files (the agent keeps one open file per replicated name; "
+                        "its limit is 128: raise the hard limit, ulimit -Hn); ") !=
+            std::string::npos);
+      CHECK(ra.err.find("(further such files: not named)") != std::string::npos);
+    }
+  }
 }
 
 TEST_CASE("over TLS the nodes replicate with the rendezvous' token and certificates",
