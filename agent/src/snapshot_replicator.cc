@@ -323,6 +323,7 @@ void SnapshotReplicator::scanExisting() {
     replica_.adoptDeleted(name, v.version);
     setHeld(name, Held{{toWire(v), nullptr, nullptr}});
   }
+  dropForgottenDeletions();  // a table of more deletions than are kept
   recording_ = true;
   recordVersions();  // drops what is no longer there
 }
@@ -341,7 +342,6 @@ void SnapshotReplicator::setHeld(const std::string& name, Held held) {
   auto replaced = std::move(slot.served.data);
   slot = std::move(held);
   if (replaced != slot.served.data) releaseOffLoop(std::move(replaced));  // else: the same file
-  dropForgottenDeletions();
   recordVersions();
 }
 
@@ -552,7 +552,9 @@ void SnapshotReplicator::onHashed(const std::string& name,
 
 void SnapshotReplicator::onDeleted(const std::string& name) {
   auto v = replica_.onLocalDelete(name, round_);
-  if (v) publishWritten(*v, Held{{toWire(*v), nullptr, nullptr}}, "");
+  if (!v) return;
+  dropForgottenDeletions();  // the oldest one, past the core's max_tombstones
+  publishWritten(*v, Held{{toWire(*v), nullptr, nullptr}}, "");
 }
 
 void SnapshotReplicator::publishWritten(const SnapshotVersion& v, Held held,

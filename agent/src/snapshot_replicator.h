@@ -159,7 +159,8 @@ class SnapshotReplicator {
   // off the loop (releaseOffLoop).
   void setHeld(const std::string& name, Held held);
   // Deletions the core forgot (its max_tombstones) are no longer held here or recorded; true
-  // when there were any.
+  // when there were any. Called where the core may forget one: a local deletion, one applied
+  // from another node, the version table read at start.
   bool dropForgottenDeletions();
   // Undoes a setHeld whose file operation failed: `before` held again, or nothing of `name`.
   void restoreHeld(const std::string& name, const std::optional<Held>& before);
