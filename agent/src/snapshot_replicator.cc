@@ -15,6 +15,7 @@
 #include <cstring>
 #include <optional>
 #include <random>
+#include <tuple>
 
 #include "ddprun/common/log.h"
 #include "ddprun/common/strings.h"
@@ -60,6 +61,12 @@ SnapshotVersion fromWire(const rendezvous::SnapshotFile& f) {
 // (its CRC-32 follows the last chunk of every stream); smaller ones are hashed first (under
 // 15 ms), which keeps their announcements self-contained.
 constexpr uint64_t kAnnounceBeforeHash = 64 << 20;
+
+// An announcement is a small unary call that a live agent answers in milliseconds: one that has
+// not answered in this long (stopped, or its host gone without a reset) is stepped over, and told
+// again this often while the round lasts.
+constexpr auto kAnnounceTimeout = std::chrono::seconds(2);
+constexpr auto kAnnounceRetry = std::chrono::seconds(1);
 
 // A version for people: "<round>.<sequence>" (the number itself is (round << 32) | sequence).
 std::string versionText(uint64_t v) {
@@ -191,13 +198,16 @@ Status SnapshotReplicator::init() {
   so.run_id = options_.run_id;
   so.security = options_.security;
   so.fault = options_.fault;
-  so.lookup = [this](const std::string& name,
-                     uint64_t version) -> std::optional<rendezvous::ServedFile> {
+  so.lookup =
+      [this](const rendezvous::SnapshotFile& want) -> std::optional<rendezvous::ServedFile> {
+    const SnapshotVersion wanted = fromWire(want);
     std::lock_guard<std::mutex> lock(served_mu_);
-    auto it = served_.find(name);
-    if (it != served_.end() && it->second.file.version == version) return it->second;
-    it = arriving_.find(name);  // being fetched here: served as it arrives
-    if (it != arriving_.end() && it->second.file.version == version) return it->second;
+    // Held here, or being fetched here (served as it arrives): under one number that may be
+    // other content (written on two nodes in one round), so the content decides.
+    for (const auto* table : {&served_, &arriving_}) {
+      auto it = table->find(want.name);
+      if (it != table->end() && fromWire(it->second.file).sameContent(wanted)) return it->second;
+    }
     return std::nullopt;
   };
   std::weak_ptr<int> alive = alive_;
@@ -571,52 +581,97 @@ void SnapshotReplicator::publishWritten(const SnapshotVersion& v, Held held,
 }
 
 void SnapshotReplicator::announce(const SnapshotVersion& v, const std::string& source,
-                                  const std::string& origin, const std::vector<int>& ranks) {
-  std::vector<std::string> peers;
+                                  const std::string& origin, const std::vector<int>& ranks,
+                                  bool retry) {
+  // For each target: it, then the nodes after it in the chain, each tried only when the one
+  // before did not take the announcement (a node stopped or gone, not yet out of the round).
+  const auto at = std::find(nodes_.begin(), nodes_.end(), origin);
+  const int origin_rank = at == nodes_.end() ? -1 : static_cast<int>(at - nodes_.begin());
+  const int nodes = static_cast<int>(nodes_.size());
+  std::vector<std::vector<std::string>> lines;
   for (int r : ranks) {
-    if (r >= 0 && r < static_cast<int>(nodes_.size())) peers.push_back(nodes_[r]);
+    std::vector<std::string> line;
+    for (int next = r; next >= 0 && next < nodes && next != self_rank_;) {
+      line.push_back(nodes_[next]);
+      const auto after = retry ? std::vector<int>{} : relayTargets(origin_rank, next, nodes);
+      next = after.empty() ? -1 : after.front();
+    }
+    if (!line.empty()) lines.push_back(std::move(line));
   }
-  if (peers.empty()) return;
+  if (lines.empty()) return;
   ++announcing_;
   const std::string run_id = options_.run_id;
   const auto security = options_.security;
-  auto failed = std::make_shared<std::vector<std::string>>();
+  // (peer, why, whether the next node of the chain was told instead)
+  auto failed = std::make_shared<std::vector<std::tuple<std::string, std::string, bool>>>();
   offLoop(
-      [peers, v, source, origin, run_id, security, failed] {
-        for (const auto& p : peers) {
-          Status st =
-              rendezvous::announceSnapshot(rendezvous::SnapshotPeer{p, run_id, security}, toWire(v),
-                                           source, origin, std::chrono::seconds(5));
-          if (!st.isOk()) failed->push_back(p + ": " + st.message());
+      [lines, v, source, origin, run_id, security, failed] {
+        for (const auto& line : lines) {
+          for (size_t i = 0; i < line.size(); ++i) {
+            Status st =
+                rendezvous::announceSnapshot(rendezvous::SnapshotPeer{line[i], run_id, security},
+                                             toWire(v), source, origin, kAnnounceTimeout);
+            if (st.isOk()) break;
+            failed->emplace_back(line[i], st.message(), i + 1 < line.size());
+          }
         }
       },
-      [this, failed, v] {
+      [this, failed, v, source, origin, retry, round = round_] {
         --announcing_;
-        for (const auto& f : *failed) {
-          snapLog()->warn("snapshot: announcing {} version {} failed at {}", v.name,
-                          versionText(v.version), f);
+        for (const auto& [peer, why, stepped] : *failed) {
+          if (!retry) {
+            snapLog()->warn("snapshot: announcing {} version {} failed at {}: {}; {}", v.name,
+                            versionText(v.version), peer, why,
+                            stepped ? "told the next node of the chain, and telling it again"
+                                    : "telling it again");
+          }
+          // One to tell again per node and name: the newest.
+          auto& list = unannounced_;
+          list.erase(std::remove_if(list.begin(), list.end(),
+                                    [&, &peer = peer](const Unannounced& u) {
+                                      return u.peer == peer && u.version.name == v.name &&
+                                             u.version.version < v.version;
+                                    }),
+                     list.end());
+          list.push_back(Unannounced{v, source, origin, peer, round});
         }
+        if (!failed->empty()) announceAgainLater();
       },
       Urgency::kPrompt);
 }
 
+void SnapshotReplicator::announceAgainLater() {
+  if (!announce_timer_) announce_timer_ = std::make_unique<boost::asio::steady_timer>(io_);
+  if (announce_timer_armed_) return;
+  announce_timer_armed_ = true;
+  announce_timer_->expires_after(kAnnounceRetry);
+  std::weak_ptr<int> alive = alive_;
+  announce_timer_->async_wait([this, alive](const boost::system::error_code& ec) {
+    if (ec || !alive.lock()) return;
+    announce_timer_armed_ = false;
+    auto due = std::move(unannounced_);
+    unannounced_.clear();
+    for (const auto& u : due) {
+      // A later round's sync covers what the earlier one's announcements did not.
+      auto at = std::find(nodes_.begin(), nodes_.end(), u.peer);
+      if (u.round != round_ || at == nodes_.end()) continue;
+      announce(u.version, u.source, u.origin, {static_cast<int>(at - nodes_.begin())},
+               /*retry=*/true);
+    }
+  });
+}
+
 void SnapshotReplicator::relay(const SnapshotVersion& v, const std::string& source) {
-  auto it = relay_pending_.find(v.name);
-  if (it == relay_pending_.end() || it->second.first != v.version) return;
-  std::string origin;
-  const auto targets = subtree(v, &origin);  // none when the round changed: its sync covers it
-  relay_pending_.erase(it);
-  announce(v, source, origin, targets);
+  const auto origin = relays_.pass(v, /*early=*/false);
+  // None when the round changed: its sync covers it.
+  if (origin) announce(v, source, *origin, chainAfter(*origin));
 }
 
 void SnapshotReplicator::onAnnounce(const SnapshotVersion& v, const std::string& source,
                                     const std::string& origin) {
   const bool newer = replica_.shouldInstall(v);
   replica_.onHolder(v, source);
-  auto pending = relay_pending_.find(v.name);
-  if (pending == relay_pending_.end() || pending->second.first < v.version) {
-    relay_pending_[v.name] = {v.version, origin};
-  }
+  relays_.told(v, origin);
   if (newer) {
     auto& heard = first_heard_[v.name];
     if (heard.first != v.version) heard = {v.version, std::chrono::steady_clock::now()};
@@ -625,15 +680,15 @@ void SnapshotReplicator::onAnnounce(const SnapshotVersion& v, const std::string&
 }
 
 std::vector<int> SnapshotReplicator::subtree(const SnapshotVersion& v, std::string* origin) const {
-  std::optional<std::pair<uint64_t, std::string>> told;
-  for (const auto* table : {&relay_pending_, &relayed_early_}) {
-    auto it = table->find(v.name);
-    if (it != table->end() && it->second.first == v.version) told = it->second;
-  }
-  if (!told || self_rank_ < 0) return {};
-  auto at = std::find(nodes_.begin(), nodes_.end(), told->second);
-  if (at == nodes_.end()) return {};  // the round changed: its sync covers it
-  *origin = told->second;
+  auto told = relays_.origin(v);
+  if (!told) return {};
+  *origin = *told;
+  return chainAfter(*told);
+}
+
+std::vector<int> SnapshotReplicator::chainAfter(const std::string& origin) const {
+  auto at = std::find(nodes_.begin(), nodes_.end(), origin);
+  if (self_rank_ < 0 || at == nodes_.end()) return {};  // the round changed: its sync covers it
   return relayTargets(static_cast<int>(at - nodes_.begin()), self_rank_,
                       static_cast<int>(nodes_.size()));
 }
@@ -649,11 +704,7 @@ std::shared_ptr<rendezvous::ArrivingFile> SnapshotReplicator::serveArriving(
     std::lock_guard<std::mutex> lock(served_mu_);
     arriving_[v.name] = rendezvous::ServedFile{toWire(v), nullptr, *pending, arriving};
   }
-  auto told = relay_pending_.find(v.name);
-  if (told != relay_pending_.end() && told->second.first == v.version) {
-    // Told once: a retry of the fetch serves it again, quietly.
-    relay_pending_.erase(told);
-    relayed_early_[v.name] = {v.version, origin};
+  if (relays_.pass(v, /*early=*/true)) {  // told once: a retry of the fetch serves it quietly
     snapLog()->info("snapshot: passing {} version {} on to {} node(s) as it arrives", v.name,
                     versionText(v.version), targets.size());
     announce(v, endpoint_, origin, targets);
@@ -796,11 +847,11 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
   replica_.onTransferDone(t, outcomeOf(st));
   if (!st.isOk()) {
     std::string origin;
-    auto early = relayed_early_.find(t.file.name);
-    if (early != relayed_early_.end() && early->second.first == t.file.version) {
+    const auto targets = subtree(t.file, &origin);
+    if (relays_.passedEarly(t.file)) {
       // The subtree was told to fetch from here as it arrived: their streams failed with this
       // one. They fetch from where this node tried too.
-      announce(t.file, t.source, early->second.second, subtree(t.file, &origin));
+      announce(t.file, t.source, origin, targets);
     } else if (!replica_.wanted(t.file.name)) {
       relay(t.file, t.source);  // given up here: the subtree fetches from where this node tried
     }

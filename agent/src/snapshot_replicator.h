@@ -131,14 +131,23 @@ class SnapshotReplicator {
   // This node holds that very file (same inode and mtime) as its current version of `name`.
   bool holdsAlready(const std::string& name, const struct stat& st) const;
   void onAnnounce(const SnapshotVersion& v, const std::string& source, const std::string& origin);
-  // Announces `v` (held at `source`, written by `origin`) to the given group ranks.
+  // Announces `v` (held at `source`, written by `origin`) to the given group ranks. A node that
+  // does not take it (stopped, gone, not yet out of the round) is stepped over: the next node of
+  // the chain is told instead, so that the rest of the chain is not held up until the next round.
+  // It is told again every kAnnounceRetry while this round lasts (`retry`: such a telling again,
+  // which steps over nobody and warns no more).
   void announce(const SnapshotVersion& v, const std::string& source, const std::string& origin,
-                const std::vector<int>& ranks);
+                const std::vector<int>& ranks, bool retry = false);
+  // Arms the timer that tells unannounced_ again.
+  void announceAgainLater();
   // Passes an announcement on down the tree (relayTargets), once per version.
   void relay(const SnapshotVersion& v, const std::string& source);
   // The group ranks this node passes `v` on to (relayTargets; `origin` set), if it was told of
   // `v` with the round's tree; else none.
   std::vector<int> subtree(const SnapshotVersion& v, std::string* origin) const;
+  // The group ranks this node passes an announcement on to in the chain `origin` starts; none
+  // when `origin` is not a node of this round.
+  std::vector<int> chainAfter(const std::string& origin) const;
   // A fetch of `v` starts: if this node passes `v` on, it serves `v` as it arrives and tells
   // its subtree so at once (a pipelined relay), instead of once the copy is complete. Returns
   // what the fetch reports its progress to, and in `pending` where the verified CRC-32 goes
@@ -197,10 +206,9 @@ class SnapshotReplicator {
   std::map<std::string, rendezvous::ServedFile> arriving_;  // guarded by served_mu_
   std::vector<std::string> nodes_;  // every node's endpoint this round, by group rank
   int self_rank_ = -1;
-  // Announcements to pass on once the version is held (or given up): name → version, origin.
-  std::map<std::string, std::pair<uint64_t, std::string>> relay_pending_;
-  // Announcements passed on as the version arrived (serveArriving): name → version, origin.
-  std::map<std::string, std::pair<uint64_t, std::string>> relayed_early_;
+  // Announcements to pass on once the version is held (or given up), and those passed on as the
+  // version arrived (serveArriving).
+  SnapshotRelays relays_;
   uint64_t round_ = 0;
   std::map<std::string, std::pair<uint64_t, TimePoint>> first_heard_;  // name → version, when
   std::function<void()> sync_done_;
@@ -209,6 +217,17 @@ class SnapshotReplicator {
   bool hashing_ = false;
   int unopened_files_ = 0;  // completed files that could not be opened (the first are named)
   std::unique_ptr<boost::asio::steady_timer> quiet_timer_;
+  // Announcements a node did not take, to tell it again (announce).
+  struct Unannounced {
+    SnapshotVersion version;
+    std::string source;
+    std::string origin;
+    std::string peer;
+    uint64_t round = 0;
+  };
+  std::vector<Unannounced> unannounced_;
+  std::unique_ptr<boost::asio::steady_timer> announce_timer_;
+  bool announce_timer_armed_ = false;
   uint64_t sync_generation_ = 0;
   SnapshotMetrics metrics_;
   // The fetches under way: name → source, and what ends it (the agent stopping, or its source

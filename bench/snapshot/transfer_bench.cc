@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   SnapshotServerOptions o;
   o.listen = "127.0.0.1:0";
   o.run_id = "bench";
-  o.lookup = [&](const std::string&, uint64_t) -> std::optional<ServedFile> { return served; };
+  o.lookup = [&](const SnapshotFile&) -> std::optional<ServedFile> { return served; };
   auto server = SnapshotServer::start(std::move(o));
   if (!server.isOk()) return 1;
   const SnapshotPeer peer{"127.0.0.1:" + std::to_string((*server)->port()), "bench", {}};

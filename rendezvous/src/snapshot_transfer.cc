@@ -715,10 +715,12 @@ class ReplicationService final : public ServiceBase {
     Status st = impl_->authorize(ctx, req.run_id());
     if (!st.isOk()) return new FailedStream(st);
     std::optional<ServedFile> served;
-    if (impl_->options.lookup) served = impl_->options.lookup(req.name(), req.version());
+    SnapshotFile wanted{req.name(), req.version(), req.size(), req.crc32()};
+    wanted.crc32_pending = req.crc32_pending();
+    if (impl_->options.lookup) served = impl_->options.lookup(wanted);
     if (!served) {
       return new FailedStream(notFound("this agent does not hold " + req.name() + " version " +
-                                       versionText(req.version())));
+                                       versionText(req.version()) + " with that content"));
     }
     const uint64_t size = served->file.size;
     if (req.offset() > size || req.length() > size - req.offset()) {
@@ -1083,6 +1085,9 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
   req.set_version(file.version);
   req.set_offset(range->begin);
   req.set_length(range->end - range->begin);
+  req.set_size(file.size);
+  req.set_crc32(file.crc32);
+  req.set_crc32_pending(file.crc32_pending);
   if (arriving != nullptr) req.set_chunk_bytes(kRelayChunk);
   // The generated stub's call, reading each message as gRPC's slices rather than a Chunk.
   const grpc::internal::RpcMethod method(kFetchMethod, grpc::internal::RpcMethod::SERVER_STREAMING,

@@ -1,6 +1,8 @@
 #include "ddprun/agent/snapshot_replica.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <random>
 
 using namespace ddprun;
 using namespace ddprun::agent;
@@ -497,4 +499,102 @@ TEST_CASE("only the newest deletions are kept, and a forgotten one is not learne
   CHECK_FALSE(away.held("ckpt0.pt"));  // deleted, and the oldest deletion: forgotten at once
   CHECK(away.forgottenDeletions() == gone[1].version);
   CHECK_FALSE(away.busy());
+}
+
+TEST_CASE("announcements are passed on by content, each along the chain it came by", "[snapshot]") {
+  SnapshotRelays relays;
+  const auto a = file(5, 1), b = file(5, 2);  // one number, other bytes: written on two nodes
+  relays.told(a, "node-a");
+  relays.told(b, "node-b");
+  CHECK(relays.origin(a) == "node-a");
+  CHECK(relays.origin(b) == "node-b");  // not the chain of the first one told
+  // Passed on once each: as it arrives, then no more when its copy completes.
+  CHECK(relays.pass(b, /*early=*/true) == "node-b");
+  CHECK(relays.passedEarly(b));
+  CHECK_FALSE(relays.pass(b, /*early=*/true));
+  CHECK_FALSE(relays.pass(b, /*early=*/false));
+  CHECK(relays.origin(b) == "node-b");  // a retry of its fetch serves it on again
+  CHECK_FALSE(relays.passedEarly(a));
+  CHECK(relays.pass(a, /*early=*/false) == "node-a");
+  CHECK_FALSE(relays.origin(a));
+  // Told again after it was passed on as it arrived: to be passed on again, by its first chain.
+  relays.told(b, "node-c");
+  CHECK_FALSE(relays.passedEarly(b));
+  CHECK(relays.pass(b, /*early=*/false) == "node-b");
+  // The same content while its CRC-32 is pending, then known, is one announcement.
+  auto pending = file(6, 0);
+  pending.crc_pending = true;
+  relays.told(pending, "node-a");
+  CHECK(relays.origin(file(6, 9)) == "node-a");
+  CHECK(relays.pass(file(6, 9), /*early=*/false) == "node-a");
+  CHECK_FALSE(relays.origin(pending));
+  // A newer number forgets the older ones; an older one told later is ignored.
+  relays.told(file(7, 1), "node-a");
+  relays.told(file(8, 1), "node-b");
+  CHECK_FALSE(relays.origin(file(7, 1)));
+  relays.told(file(7, 1), "node-a");
+  CHECK_FALSE(relays.origin(file(7, 1)));
+  CHECK(relays.origin(file(8, 1)) == "node-b");
+  CHECK_FALSE(relays.origin(file(8, 1, "other.pt")));  // names are apart
+}
+
+TEST_CASE("nodes that wrote one name under one number all end with the greatest content",
+          "[snapshot]") {
+  // A model of the agents' replication with the pure pieces: each node a SnapshotReplica and a
+  // SnapshotRelays; an announcement passed on to the next node of its chain when the fetch of it
+  // starts (the pipelined relay), fetches that take a while and succeed. Messages and fetches
+  // complete in a random order. Every node must end with the greatest content, in any order.
+  constexpr int kNodes = 5;
+  struct Event {
+    int node;
+    SnapshotVersion v;
+    int source;  // announce: who holds it; -1: `v`'s fetch at `node` completes
+    int origin;
+  };
+  for (unsigned seed = 0; seed < 300; ++seed) {
+    std::mt19937 rng(seed);
+    std::vector<SnapshotReplica> replicas;
+    std::vector<SnapshotRelays> relays(kNodes);
+    for (int i = 0; i < kNodes; ++i) replicas.emplace_back(SnapshotReplicaOptions{4, i});
+    std::vector<Event> queue;
+    auto tell = [&](const SnapshotVersion& v, int from, int origin) {
+      for (int next : relayTargets(origin, from, kNodes)) queue.push_back({next, v, from, origin});
+    };
+    // Some nodes write the name in round 3, none having heard of another's write: one number.
+    std::vector<int> writers;
+    for (int i = 0; i < kNodes; ++i) {
+      if (writers.empty() || rng() % 2 == 0) writers.push_back(i);
+    }
+    uint32_t greatest = 0;
+    for (int w : writers) {
+      const uint32_t crc = 1000 + static_cast<uint32_t>(rng() % 1000);
+      greatest = std::max(greatest, crc);
+      auto v = replicas[w].onLocalWrite("snapshot.pt", 64, crc, 3);
+      REQUIRE(v.version == makeSnapshotVersion(3, 1));
+      tell(v, w, w);
+    }
+    while (!queue.empty()) {
+      const size_t pick = rng() % queue.size();
+      Event e = queue[pick];
+      queue.erase(queue.begin() + static_cast<std::ptrdiff_t>(pick));
+      auto& replica = replicas[e.node];
+      if (e.source < 0) {
+        replica.onTransferDone(SnapshotTransfer{e.v, "holder"}, TransferOutcome::kOk);
+        if (auto origin = relays[e.node].pass(e.v, false)) tell(e.v, e.node, std::stoi(*origin));
+      } else {
+        relays[e.node].told(e.v, std::to_string(e.origin));
+        replica.onHolder(e.v, std::to_string(e.source));
+      }
+      for (const auto& t : replica.takeTransfers()) {
+        if (auto origin = relays[e.node].pass(t.file, true))
+          tell(t.file, e.node, std::stoi(*origin));
+        queue.push_back({e.node, t.file, -1, -1});
+      }
+    }
+    for (int i = 0; i < kNodes; ++i) {
+      INFO("seed " << seed << ", node " << i << " of " << writers.size() << " writer(s)");
+      REQUIRE(replicas[i].held("snapshot.pt"));
+      CHECK(replicas[i].held("snapshot.pt")->crc32 == greatest);
+    }
+  }
 }

@@ -41,6 +41,8 @@ struct NodeSpec {
   std::vector<std::string> flags;  // more ddprun flags
   std::string conf;                // more --rdzv-conf settings ("key=value,...")
   std::string ulimit;              // ulimit options the agent starts under ("-Sn 128")
+  // How soon a silent node leaves the round (--rdzv-conf).
+  std::string heartbeat = "heartbeat_interval=1,heartbeat_misses=3";
 };
 
 // One node: a ddprun agent advertising `addr`, replicating its own `snapshot_dir`.
@@ -55,8 +57,7 @@ std::unique_ptr<Process> node(const NodeSpec& spec, const std::string& endpoint,
                                    "--rdzv-id=" + run_id,
                                    "--local-addr=" + spec.addr,
                                    "--max-restarts=3",
-                                   "--rdzv-conf=last_call_timeout=1,heartbeat_interval=1,"
-                                   "heartbeat_misses=3" +
+                                   "--rdzv-conf=last_call_timeout=1," + spec.heartbeat +
                                        (spec.conf.empty() ? "" : "," + spec.conf),
                                    "--snapshot-dir=" + spec.snapshot_dir};
   argv.insert(argv.end(), spec.flags.begin(), spec.flags.end());
@@ -431,6 +432,45 @@ TEST_CASE("nodes that wrote one name under one version end with the same bytes",
     CHECK(same);
     CHECK(readFile(a_dir / "same.bin") == readFile(b_dir / "same.bin"));
   }
+  SECTION("written on four nodes in one round") {
+    // Versions the nodes announce under one number each travel a chain of their own; whichever
+    // wins (a higher number, written after hearing of another, or at one number the greater
+    // content) reaches every node in this round, not only at the next round's sync.
+    std::vector<std::unique_ptr<TempDir>> dirs;
+    std::vector<std::unique_ptr<Process>> nodes;
+    TempDir triggers;
+    RendezvousDaemon rdzv;
+    const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+    const std::string script = "echo \"written on $NODE\" > " + d + "/same.bin.tmp && mv " + d +
+                               "/same.bin.tmp " + d + "/same.bin; while [ ! -e '" +
+                               triggers / "stop" + "' ]; do sleep 0.1; done";
+    for (int i = 0; i < 4; ++i) {
+      dirs.push_back(std::make_unique<TempDir>());
+      nodes.push_back(node({"127.0.0.2" + std::to_string(i),
+                            dirs[i]->path(),
+                            {{"NODE", std::string(static_cast<size_t>(i + 1), 'n')}}},
+                           rdzv.endpoint, "4", "snap-same-4", 1, writerScript(script)));
+    }
+    const bool converged = waitUntil(
+        [&] {
+          const std::string first = readFile(*dirs[0] / "same.bin");
+          return !first.empty() && std::all_of(dirs.begin(), dirs.end(), [&](const auto& dir) {
+            return readFile(*dir / "same.bin") == first;
+          });
+        },
+        60s);
+    std::string logs;  // until now: the one round the workers ran in
+    for (auto& n : nodes) logs += n->err() + "\n";
+    std::ofstream(triggers / "stop") << "";
+    for (auto& n : nodes) {
+      auto r = n->wait(120s);
+      REQUIRE(r);
+      CHECK(r->exit_code == 0);
+    }
+    INFO(logs);
+    CHECK(converged);
+    CHECK(logs.find("round 2") == std::string::npos);
+  }
   SECTION("recorded under one version with other bytes") {
     // Deterministic: each node's version table records state.bin at the same version, with the
     // bytes its directory holds (as a past job that wrote on both nodes at once could leave
@@ -745,6 +785,74 @@ TEST_CASE(
   }
   CHECK(relayed == 2);
   job.stop();
+}
+
+TEST_CASE("a node that does not take an announcement is stepped over, and told again later",
+          "[snapshot]") {
+  // Three nodes. The agent after the writer in the chain is stopped (SIGSTOP) when the version is
+  // written: it neither answers nor leaves the round (a minute of heartbeats may be missed). The
+  // node after it must not wait for the next round: the writer tells it instead. Once the stopped
+  // agent runs again, it is told too, in the same round.
+  TempDir go;
+  RendezvousDaemon rdzv;
+  std::vector<std::unique_ptr<TempDir>> dirs;
+  std::vector<std::unique_ptr<Process>> nodes;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const std::string script = "if [ \"$WRITER\" = 1 ]; then while [ ! -e '" + go / "write" +
+                             "' ]; do sleep 0.05; done; head -c 1048576 /dev/urandom > " + d +
+                             "/data.bin.tmp && mv " + d + "/data.bin.tmp " + d +
+                             "/data.bin; fi; while [ ! -e '" + go / "stop" +
+                             "' ]; do sleep 0.1; done";
+  for (int i = 0; i < 3; ++i) {
+    dirs.push_back(std::make_unique<TempDir>());
+    NodeSpec spec("127.0.0.3" + std::to_string(i), dirs[i]->path(),
+                  {{"WRITER", i == 0 ? "1" : "0"}});
+    spec.heartbeat = "heartbeat_interval=1,heartbeat_misses=60";
+    nodes.push_back(node(spec, rdzv.endpoint, "3", "snap-step-over", 1, writerScript(script)));
+  }
+  std::vector<int> ranks(3, -1);
+  REQUIRE(waitUntil(
+      [&] {
+        for (int i = 0; i < 3; ++i) {
+          std::smatch m;
+          const std::string err = nodes[i]->err();
+          if (!std::regex_search(err, m, std::regex(R"(round 1: group rank (\d) of 3)")) ||
+              err.find("started 1 worker(s)") == std::string::npos) {
+            return false;
+          }
+          ranks[i] = std::stoi(m[1]);
+        }
+        return true;
+      },
+      120s));
+  const int next =
+      static_cast<int>(std::find(ranks.begin(), ranks.end(), (ranks[0] + 1) % 3) - ranks.begin());
+  const int last = 3 - next;  // the nodes are 0 (the writer), 1 and 2
+  nodes[next]->signal(SIGSTOP);
+  std::ofstream(go / "write") << "";
+  auto holds = [&](int i) {
+    const std::string written = readFile(*dirs[0] / "data.bin");
+    return written.size() == 1048576 && readFile(*dirs[i] / "data.bin") == written;
+  };
+  const bool last_has_it = waitUntil([&] { return holds(last); }, 30s);
+  const std::string writer_log = nodes[0]->err();
+  const std::string last_log = nodes[last]->err();
+  nodes[next]->signal(SIGCONT);
+  const bool next_has_it = waitUntil([&] { return holds(next); }, 30s);
+  std::string logs;  // before the job's end: the one round the workers ran in
+  for (auto& n : nodes) logs += n->err() + "\n";
+  std::ofstream(go / "stop") << "";
+  for (auto& n : nodes) {
+    auto r = n->wait(120s);
+    REQUIRE(r);
+    CHECK(r->exit_code == 0);
+  }
+  INFO(logs);
+  CHECK(last_has_it);
+  CHECK(last_log.find("from 127.0.0.30:") != std::string::npos);  // the writer told it
+  CHECK(writer_log.find("told the next node of the chain") != std::string::npos);
+  CHECK(next_has_it);
+  CHECK(logs.find("round 2") == std::string::npos);
 }
 
 TEST_CASE("an agent started under a low open-file limit replicates more files than it",

@@ -64,9 +64,9 @@ struct Holder {
     o.security.tls_key_pem = std::move(key);
     o.chunk_bytes = chunk_bytes;
     o.fault = fault;
-    o.lookup = [this](const std::string& name, uint64_t version) -> std::optional<ServedFile> {
+    o.lookup = [this](const SnapshotFile& want) -> std::optional<ServedFile> {
       ++lookups;
-      if (name != served.file.name || version != served.file.version) return std::nullopt;
+      if (want.name != served.file.name || want.version != served.file.version) return std::nullopt;
       return served;
     };
     o.on_announce = [this](const SnapshotFile& f, const std::string& source,
@@ -360,7 +360,7 @@ TEST_CASE(
   SnapshotServerOptions o;
   o.listen = "127.0.0.1:" + std::to_string(port);
   o.run_id = "run";
-  o.lookup = [&h](const std::string&, uint64_t) -> std::optional<ServedFile> { return h.served; };
+  o.lookup = [&h](const SnapshotFile&) -> std::optional<ServedFile> { return h.served; };
   std::atomic<int> announced{0};
   o.on_announce = [&announced](const SnapshotFile&, const std::string&, const std::string&) {
     ++announced;
@@ -644,9 +644,9 @@ struct Relay {
     o.listen = "127.0.0.1:0";
     o.run_id = "run";
     o.chunk_bytes = chunk_bytes;
-    o.lookup = [this](const std::string& name, uint64_t version) -> std::optional<ServedFile> {
+    o.lookup = [this](const SnapshotFile& want) -> std::optional<ServedFile> {
       ++lookups;
-      if (name != file.name || version != file.version) return std::nullopt;
+      if (want.name != file.name || want.version != file.version) return std::nullopt;
       return ServedFile{file, nullptr, nullptr, arriving};
     };
     auto s = SnapshotServer::start(std::move(o));

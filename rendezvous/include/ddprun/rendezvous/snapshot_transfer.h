@@ -149,8 +149,10 @@ struct SnapshotServerOptions {
   std::string run_id;  // requests for another run are refused (FAILED_PRECONDITION)
   TransferSecurity security;
   size_t chunk_bytes = 4 << 20;
-  // The version this agent holds and can serve; nullopt: NOT_FOUND. Called on gRPC threads.
-  std::function<std::optional<ServedFile>(const std::string& name, uint64_t version)> lookup;
+  // What this agent holds (or is fetching) of `wanted`'s name and version, if it is that content
+  // (its size, and its CRC-32 unless either is pending: what the requester was announced);
+  // nullopt: NOT_FOUND. Called on gRPC threads.
+  std::function<std::optional<ServedFile>(const SnapshotFile& wanted)> lookup;
   // Another agent holds `file` and serves it at `source` (HOST:PORT); `origin` wrote it. Called
   // on gRPC threads.
   std::function<void(const SnapshotFile& file, const std::string& source,
