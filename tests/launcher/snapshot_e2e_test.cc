@@ -88,6 +88,21 @@ std::unique_ptr<Finished> finish(Process& p, std::chrono::seconds bound) {
   return std::make_unique<Finished>(*r);
 }
 
+// The nodes' logs so far (the one round their workers ran in: nodes that leave at the end start
+// another), then `stop_file` is created and every node must exit 0.
+std::string logsThenStop(const std::vector<std::unique_ptr<Process>>& nodes,
+                         const std::string& stop_file) {
+  std::string logs;
+  for (const auto& n : nodes) logs += n->err() + "\n";
+  std::ofstream(stop_file) << "";
+  for (const auto& n : nodes) {
+    auto r = n->wait(120s);
+    REQUIRE(r);
+    CHECK(r->exit_code == 0);
+  }
+  return logs;
+}
+
 // Two nodes run `program` to the end undisturbed; returns their combined stdout.
 std::string uninterrupted(const std::vector<std::string>& program, const std::string& run_id) {
   RendezvousDaemon rdzv;
@@ -459,14 +474,7 @@ TEST_CASE("nodes that wrote one name under one version end with the same bytes",
           });
         },
         60s);
-    std::string logs;  // until now: the one round the workers ran in
-    for (auto& n : nodes) logs += n->err() + "\n";
-    std::ofstream(triggers / "stop") << "";
-    for (auto& n : nodes) {
-      auto r = n->wait(120s);
-      REQUIRE(r);
-      CHECK(r->exit_code == 0);
-    }
+    const std::string logs = logsThenStop(nodes, triggers / "stop");
     INFO(logs);
     CHECK(converged);
     CHECK(logs.find("round 2") == std::string::npos);
@@ -839,14 +847,7 @@ TEST_CASE("a node that does not take an announcement is stepped over, and told a
   const std::string last_log = nodes[last]->err();
   nodes[next]->signal(SIGCONT);
   const bool next_has_it = waitUntil([&] { return holds(next); }, 30s);
-  std::string logs;  // before the job's end: the one round the workers ran in
-  for (auto& n : nodes) logs += n->err() + "\n";
-  std::ofstream(go / "stop") << "";
-  for (auto& n : nodes) {
-    auto r = n->wait(120s);
-    REQUIRE(r);
-    CHECK(r->exit_code == 0);
-  }
+  const std::string logs = logsThenStop(nodes, go / "stop");
   INFO(logs);
   CHECK(last_has_it);
   CHECK(last_log.find("from 127.0.0.30:") != std::string::npos);  // the writer told it
