@@ -585,8 +585,7 @@ void SnapshotReplicator::announce(const SnapshotVersion& v, const std::string& s
                                   bool retry) {
   // For each target: it, then the nodes after it in the chain, each tried only when the one
   // before did not take the announcement (a node stopped or gone, not yet out of the round).
-  const auto at = std::find(nodes_.begin(), nodes_.end(), origin);
-  const int origin_rank = at == nodes_.end() ? -1 : static_cast<int>(at - nodes_.begin());
+  const int origin_rank = rankOf(origin);
   const int nodes = static_cast<int>(nodes_.size());
   std::vector<std::vector<std::string>> lines;
   for (int r : ranks) {
@@ -653,10 +652,9 @@ void SnapshotReplicator::announceAgainLater() {
     unannounced_.clear();
     for (const auto& u : due) {
       // A later round's sync covers what the earlier one's announcements did not.
-      auto at = std::find(nodes_.begin(), nodes_.end(), u.peer);
-      if (u.round != round_ || at == nodes_.end()) continue;
-      announce(u.version, u.source, u.origin, {static_cast<int>(at - nodes_.begin())},
-               /*retry=*/true);
+      const int rank = rankOf(u.peer);
+      if (u.round != round_ || rank < 0) continue;
+      announce(u.version, u.source, u.origin, {rank}, /*retry=*/true);
     }
   });
 }
@@ -687,10 +685,14 @@ std::vector<int> SnapshotReplicator::subtree(const SnapshotVersion& v, std::stri
 }
 
 std::vector<int> SnapshotReplicator::chainAfter(const std::string& origin) const {
-  auto at = std::find(nodes_.begin(), nodes_.end(), origin);
-  if (self_rank_ < 0 || at == nodes_.end()) return {};  // the round changed: its sync covers it
-  return relayTargets(static_cast<int>(at - nodes_.begin()), self_rank_,
-                      static_cast<int>(nodes_.size()));
+  const int origin_rank = rankOf(origin);
+  if (self_rank_ < 0 || origin_rank < 0) return {};  // the round changed: its sync covers it
+  return relayTargets(origin_rank, self_rank_, static_cast<int>(nodes_.size()));
+}
+
+int SnapshotReplicator::rankOf(const std::string& endpoint) const {
+  auto at = std::find(nodes_.begin(), nodes_.end(), endpoint);
+  return at == nodes_.end() ? -1 : static_cast<int>(at - nodes_.begin());
 }
 
 std::shared_ptr<rendezvous::ArrivingFile> SnapshotReplicator::serveArriving(

@@ -148,6 +148,8 @@ class SnapshotReplicator {
   // The group ranks this node passes an announcement on to in the chain `origin` starts; none
   // when `origin` is not a node of this round.
   std::vector<int> chainAfter(const std::string& origin) const;
+  // The group rank this round of the node serving at `endpoint`; -1 when it is not one of them.
+  int rankOf(const std::string& endpoint) const;
   // A fetch of `v` starts: if this node passes `v` on, it serves `v` as it arrives and tells
   // its subtree so at once (a pipelined relay), instead of once the copy is complete. Returns
   // what the fetch reports its progress to, and in `pending` where the verified CRC-32 goes
