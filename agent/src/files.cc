@@ -25,6 +25,28 @@ Status makeDirs(const std::string& path) {
   return Status::ok();
 }
 
+Status makeParentDirsUnder(const std::string& root, const std::string& rel) {
+  for (size_t slash = rel.find('/'); slash != std::string::npos; slash = rel.find('/', slash + 1)) {
+    const std::string dir = root + "/" + rel.substr(0, slash);
+    if (::mkdir(dir.c_str(), 0755) == 0) continue;
+    const int err = errno;
+    struct stat st {};
+    if (err == EEXIST && ::lstat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) continue;
+    return failedPrecondition("cannot create directory " + dir + ": " +
+                              (err == EEXIST ? std::string("something other than a directory is "
+                                                           "in the way there")
+                                             : std::string(std::strerror(err))));
+  }
+  return Status::ok();
+}
+
+void removeEmptyParentsUnder(const std::string& root, const std::string& rel) {
+  for (size_t slash = rel.rfind('/'); slash != std::string::npos && slash > 0;
+       slash = rel.rfind('/', slash - 1)) {
+    if (::rmdir((root + "/" + rel.substr(0, slash)).c_str()) != 0) return;
+  }
+}
+
 StatusOr<std::string> makeTempDir(const std::string& parent, const std::string& prefix) {
   DDPRUN_RETURN_IF_ERROR(makeDirs(parent));
   std::string templ = parent + "/" + prefix + "XXXXXX";

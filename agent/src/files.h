@@ -20,6 +20,14 @@ Status removeIfExists(const std::string& path);
 // FAILED_PRECONDITION when it cannot be read, is no regular file or is larger (symlinks are not
 // followed).
 StatusOr<std::optional<std::string>> readSmallFile(const std::string& path, size_t max_bytes);
+// Makes the directories of the relative file path `rel` under `root` (for "a/b/c": root/a, then
+// root/a/b), mode 0755; those there already are kept. FAILED_PRECONDITION naming the directory
+// when one cannot be made, or when something other than a directory is in the way there (a
+// symlink is not followed).
+Status makeParentDirsUnder(const std::string& root, const std::string& rel);
+// Removes the directories of `rel`'s parent path under `root` that are empty, deepest first,
+// stopping at the first that is not (or cannot be removed); `root` itself stays.
+void removeEmptyParentsUnder(const std::string& root, const std::string& rel);
 // Replaces `path` with `contents`: written to a fresh `path`.tmp (whatever was there is removed
 // first, a symlink is not followed), then renamed over it, so a reader sees the old or the new
 // contents, never a part (not fsynced). FAILED_PRECONDITION naming the file

@@ -16,13 +16,26 @@ std::optional<uint64_t> parseUint(const std::string& s) {
 }
 }  // namespace
 
+bool isReplicatedPart(std::string_view part, bool top) {
+  if (part.empty() || part.size() > 255 || part == "." || part == "..") return false;
+  if (part.find(".tmp") != std::string_view::npos || part.substr(0, 7) == ".ddprun") return false;
+  if (top && part == "lost+found") return false;
+  return std::none_of(part.begin(), part.end(), [](char ch) {
+    const auto c = static_cast<unsigned char>(ch);
+    return c == '/' || c < 0x20 || c == 0x7f;
+  });
+}
+
 bool isReplicatedName(const std::string& name) {
-  if (name.empty() || name[0] == '.' || name.size() > 255) return false;
-  if (name.find(".tmp") != std::string::npos) return false;
-  for (unsigned char c : name) {
-    if (c == '/' || c < 0x20 || c == 0x7f) return false;
+  if (name.size() > kMaxReplicatedName) return false;
+  for (size_t begin = 0;;) {
+    const size_t end = std::min(name.find('/', begin), name.size());
+    if (!isReplicatedPart(std::string_view(name).substr(begin, end - begin), begin == 0)) {
+      return false;
+    }
+    if (end == name.size()) return true;
+    begin = end + 1;
   }
-  return true;
 }
 
 SnapshotReplica::SnapshotReplica(SnapshotReplicaOptions options) : options_(options) {}

@@ -28,10 +28,16 @@ namespace {
 auto snapLog() { return logger("agent"); }
 
 constexpr const char* kRecvPrefix = ".ddprun-recv.";
+constexpr size_t kRecvNameKept = 200;  // of the file's name, in its receiving temp file's
 // The directory's version table (encodeVersionTable), rewritten whenever what is held changes.
 constexpr const char* kVersionTable = ".ddprun-versions";
 constexpr size_t kVersionTableMax = 16 << 20;  // ~60,000 names
 constexpr int kTransferNice = 10;
+// What is watched in the snapshot dir and every directory below it: files completed, renamed in
+// or away, deleted; directories made (IN_CREATE: only a directory's is acted on).
+constexpr uint32_t kWatchMask =
+    IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE | IN_MOVED_FROM | IN_CREATE | IN_ONLYDIR;
+constexpr int kUnwatchedNamed = 5;
 
 // The calling thread as background work: on a busy node the workers' training comes first.
 // SCHED_IDLE runs it on the CPU time the workers leave (they wait in collectives often enough: a
@@ -178,14 +184,15 @@ Status SnapshotReplicator::init() {
   // Watch first, then scan: a file completed in between is seen twice, never missed.
   const int fd = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
   if (fd < 0) return internalError(std::string("inotify: ") + std::strerror(errno));
-  if (::inotify_add_watch(fd, options_.dir.c_str(),
-                          IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE | IN_MOVED_FROM |
-                              IN_DELETE_SELF | IN_MOVE_SELF) < 0) {
+  const int wd = ::inotify_add_watch(fd, options_.dir.c_str(),
+                                     kWatchMask | IN_DELETE_SELF | IN_MOVE_SELF);
+  if (wd < 0) {
     const int err = errno;
     ::close(fd);
     return invalidArgument("--snapshot-dir: cannot watch " + options_.dir + ": " +
                            std::strerror(err));
   }
+  watched_[wd] = "";
   inotify_ = std::make_unique<boost::asio::posix::stream_descriptor>(io_, fd);
   scanExisting();
 
@@ -285,16 +292,84 @@ void SnapshotReplicator::recordVersions() {
   recorded_table_ = std::move(text);
 }
 
+std::vector<std::string> SnapshotReplicator::watchTree(const std::string& top) {
+  std::vector<std::string> files;
+  std::vector<std::string> dirs{top};
+  while (!dirs.empty()) {
+    const std::string rel = std::move(dirs.back());
+    dirs.pop_back();
+    if (!rel.empty()) {
+      const int wd = ::inotify_add_watch(inotify_->native_handle(), path(rel).c_str(),
+                                         kWatchMask | IN_DONT_FOLLOW);
+      if (wd < 0) {
+        const int err = errno;
+        if (err != ENOENT && err != ENOTDIR && ++unwatched_dirs_ <= kUnwatchedNamed) {
+          snapLog()->warn("snapshot dir: cannot watch {}: {}{}; files completed there are not "
+                          "replicated{}",
+                          path(rel), std::strerror(err),
+                          err == ENOSPC ? " (raise fs.inotify.max_user_watches)" : "",
+                          unwatched_dirs_ == kUnwatchedNamed ? " (further such directories: "
+                                                               "not named)"
+                                                             : "");
+        }
+        continue;
+      }
+      watched_[wd] = rel;
+    }
+    DIR* d = ::opendir(path(rel).c_str());
+    if (d == nullptr) continue;
+    while (auto* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name == "." || name == "..") continue;
+      const std::string child = rel.empty() ? name : rel + "/" + name;
+      bool is_dir = e->d_type == DT_DIR;
+      if (e->d_type == DT_UNKNOWN) {
+        struct stat st {};
+        is_dir = ::lstat(path(child).c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+      }
+      if (!is_dir) {
+        files.push_back(child);
+      } else if (isReplicatedName(child)) {  // a symlink to one is not followed
+        dirs.push_back(child);
+      }
+    }
+    ::closedir(d);
+  }
+  return files;
+}
+
+void SnapshotReplicator::forgetTree(const std::string& rel) {
+  const std::string below = rel + "/";
+  for (auto it = watched_.begin(); it != watched_.end();) {
+    if (it->second == rel || startsWith(it->second, below)) {
+      ::inotify_rm_watch(inotify_->native_handle(), it->first);
+      it = watched_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  std::vector<std::string> held;
+  for (const auto& [name, h] : held_files_) {
+    if (!h.served.file.deleted && startsWith(name, below)) held.push_back(name);
+  }
+  for (const auto& name : held) onDirEvent(name);
+}
+
+void SnapshotReplicator::rescan() {
+  for (const auto& name : watchTree("")) onDirEvent(name);
+  std::vector<std::string> held;
+  for (const auto& [name, h] : held_files_) {
+    if (!h.served.file.deleted) held.push_back(name);
+  }
+  for (const auto& name : held) onDirEvent(name);
+}
+
 void SnapshotReplicator::scanExisting() {
   const auto table = readVersionTable();
-  DIR* d = ::opendir(options_.dir.c_str());
-  if (d == nullptr) return;
-  std::vector<std::string> names;
-  while (auto* e = ::readdir(d)) names.emplace_back(e->d_name);
-  ::closedir(d);
-  for (const auto& name : names) {
-    if (startsWith(name, kRecvPrefix)) {  // a transfer cut short by a crash
-      ::unlink(path(name).c_str());
+  for (const auto& name : watchTree("")) {
+    const auto slash = name.rfind('/');
+    if (startsWith(name.substr(slash == std::string::npos ? 0 : slash + 1), kRecvPrefix)) {
+      ::unlink(path(name).c_str());  // a transfer cut short by a crash
       continue;
     }
     if (!isReplicatedName(name)) continue;
@@ -392,24 +467,51 @@ void SnapshotReplicator::watchDir() {
           }
           return;
         }
-        std::vector<std::string> names;
+        struct Event {
+          int wd;
+          uint32_t mask;
+          std::string name;
+        };
+        std::vector<Event> events;
         size_t off = 0;
         while (off + sizeof(inotify_event) <= n) {
           auto* ev = reinterpret_cast<const inotify_event*>(event_buf_.data() + off);
-          if (ev->mask & (IN_DELETE_SELF | IN_MOVE_SELF)) {
-            snapLog()->error("snapshot dir {} was removed or moved: replication stops",
-                             options_.dir);
-          } else if (ev->mask & IN_Q_OVERFLOW) {
-            snapLog()->warn("snapshot dir {}: too many changes at once; some may be missed",
-                            options_.dir);
-          } else if (ev->len > 0) {
-            names.emplace_back(ev->name);
-          }
+          events.push_back(Event{ev->wd, ev->mask, ev->len > 0 ? ev->name : ""});
           off += sizeof(inotify_event) + ev->len;
         }
-        for (const auto& name : names) onDirEvent(name);
+        for (const auto& ev : events) onWatchEvent(ev.wd, ev.mask, ev.name);
         watchDir();
       });
+}
+
+void SnapshotReplicator::onWatchEvent(int wd, uint32_t mask, const std::string& name) {
+  if (mask & (IN_DELETE_SELF | IN_MOVE_SELF)) {
+    snapLog()->error("snapshot dir {} was removed or moved: replication stops", options_.dir);
+    return;
+  }
+  if (mask & IN_Q_OVERFLOW) {
+    snapLog()->warn("snapshot dir {}: too many changes at once; looking at every file again",
+                    options_.dir);
+    rescan();
+    return;
+  }
+  auto dir = watched_.find(wd);
+  if (dir == watched_.end()) return;  // a directory no longer watched (renamed or deleted)
+  if (mask & IN_IGNORED) {            // its watch is gone: the directory was deleted
+    watched_.erase(dir);
+    return;
+  }
+  if (name.empty()) return;
+  const std::string rel = dir->second.empty() ? name : dir->second + "/" + name;
+  if (mask & IN_ISDIR) {
+    if (mask & (IN_MOVED_FROM | IN_DELETE)) forgetTree(rel);
+    if ((mask & (IN_CREATE | IN_MOVED_TO)) && isReplicatedName(rel)) {
+      for (const auto& file : watchTree(rel)) onDirEvent(file);
+    }
+    return;
+  }
+  if (mask & IN_CREATE) return;  // a file being written: looked at once it is complete
+  onDirEvent(rel);
 }
 
 void SnapshotReplicator::onDirEvent(const std::string& name) {
@@ -667,6 +769,7 @@ void SnapshotReplicator::relay(const SnapshotVersion& v, const std::string& sour
 
 void SnapshotReplicator::onAnnounce(const SnapshotVersion& v, const std::string& source,
                                     const std::string& origin) {
+  if (!isReplicatedName(v.name)) return;  // a peer's name that would leave the directory
   const bool newer = replica_.shouldInstall(v);
   replica_.onHolder(v, source);
   relays_.told(v, origin);
@@ -725,8 +828,13 @@ void SnapshotReplicator::pump() {
     }
     if (urgency == Urgency::kPrompt) rendezvous::warmHeapForFetches();  // no workers yet
     std::random_device rd;
-    const std::string temp = path(std::string(kRecvPrefix) + t.file.name + "." +
-                                  std::to_string(::getpid()) + "." + std::to_string(rd()));
+    // Received next to where it goes (the rename stays in one directory and file system), under
+    // a name that stays within NAME_MAX (255) whatever the file's.
+    const auto slash = t.file.name.rfind('/');
+    const std::string dir = slash == std::string::npos ? "" : t.file.name.substr(0, slash + 1);
+    const std::string temp =
+        path(dir + kRecvPrefix + t.file.name.substr(dir.size(), kRecvNameKept) + "." +
+             std::to_string(::getpid()) + "." + std::to_string(rd()));
     const auto started = std::chrono::steady_clock::now();
     auto status = std::make_shared<Status>();
     auto crc = std::make_shared<uint32_t>(0);
@@ -738,9 +846,14 @@ void SnapshotReplicator::pump() {
     fetching_[t.file.name] = {t.source, cancel};
     offLoop(
         [peer, file = toWire(t.file), temp, status, crc, cancel, streams = options_.fetch_streams,
-         arriving, pending] {
-          *status = rendezvous::fetchSnapshot(peer, file, temp, cancel.get(), streams, crc.get(),
-                                              arriving);
+         arriving, pending, root = options_.dir] {
+          *status = makeParentDirsUnder(root, file.name);
+          if (status->isOk()) {
+            *status = rendezvous::fetchSnapshot(peer, file, temp, cancel.get(), streams,
+                                                crc.get(), arriving);
+          } else if (arriving) {
+            arriving->fail(*status);
+          }
           // Set here, not on the loop: streams waiting for it must end even while the agent
           // stops (its server waits for them).
           if (pending) pending->set(status->isOk() ? StatusOr<uint32_t>(*crc) : *status);
@@ -782,6 +895,7 @@ void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
       snapLog()->warn("snapshot: {} (deleted at version {} on another node)", st.message(),
                       versionText(t.file.version));
     } else {
+      removeEmptyParentsUnder(options_.dir, name);  // as a deleted checkpoint directory goes
       snapLog()->info("snapshot: deleted {} (version {}, deleted on another node)", name,
                       versionText(t.file.version));
     }

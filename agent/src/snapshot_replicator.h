@@ -114,7 +114,20 @@ class SnapshotReplicator {
   // Rewrites the version table after what is held changed (a warning when it cannot).
   void recordVersions();
   void scanExisting();
+  // Watches the directory `rel` (relative to the snapshot dir; "" is the dir itself, watched by
+  // init) and every replicated directory below it, each watched before it is read: a file
+  // completed meanwhile is seen twice, never missed. Returns the relative paths of what is in
+  // them other than directories (replicated names or not).
+  std::vector<std::string> watchTree(const std::string& rel);
+  // Stops watching the directory `rel` and those below it (renamed or deleted), and looks again
+  // at every file held there: their deletions are versions.
+  void forgetTree(const std::string& rel);
+  // Events lost (the kernel's queue overflowed): every file there and every file held is looked
+  // at again.
+  void rescan();
   void watchDir();
+  // An inotify event for `name` in the directory watched as `wd`.
+  void onWatchEvent(int wd, uint32_t mask, const std::string& name);
   void onDirEvent(const std::string& name);
   void hashNext();
   void onHashed(const std::string& name, std::shared_ptr<rendezvous::OpenFile> file,
@@ -198,6 +211,8 @@ class SnapshotReplicator {
   std::string endpoint_;
   std::unique_ptr<boost::asio::posix::stream_descriptor> inotify_;
   std::vector<char> event_buf_;
+  std::map<int, std::string> watched_;  // watch descriptor → directory, relative ("" the top)
+  int unwatched_dirs_ = 0;              // directories that could not be watched (the first named)
   std::map<std::string, Held> held_files_;  // loop thread
   std::string recorded_table_;              // what the version table file holds
   bool table_failing_ = false;              // the last write of it failed (warned once)

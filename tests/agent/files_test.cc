@@ -41,6 +41,36 @@ TEST_CASE("readSmallFile reads a regular file and names what it refuses", "[file
   CHECK(fifo.status().message().find("not a regular file") != std::string::npos);
 }
 
+TEST_CASE("a replicated file's directories are made, and removed once empty", "[files]") {
+  TempDir dir;
+  REQUIRE(makeParentDirsUnder(dir.path(), "top.bin").isOk());  // nothing to make
+  REQUIRE(makeParentDirsUnder(dir.path(), "a/b/c.bin").isOk());
+  CHECK(ddprun::testing::isDirectory(dir / "a/b"));
+  CHECK_FALSE(ddprun::testing::fileExists(dir / "a/b/c.bin"));
+  REQUIRE(makeParentDirsUnder(dir.path(), "a/b/d.bin").isOk());  // there already
+  // A file or a symlink in the way is named, and nothing is made through the symlink.
+  std::ofstream(dir / "f") << "x";
+  Status st = makeParentDirsUnder(dir.path(), "f/g.bin");
+  REQUIRE_FALSE(st.isOk());
+  CHECK(st.message() == "cannot create directory " + dir / "f" +
+                            ": something other than a directory is in the way there");
+  TempDir elsewhere;
+  REQUIRE(::symlink(elsewhere.path().c_str(), (dir / "s").c_str()) == 0);
+  CHECK_FALSE(makeParentDirsUnder(dir.path(), "s/t/u.bin").isOk());
+  CHECK_FALSE(ddprun::testing::fileExists(elsewhere / "t"));
+
+  std::ofstream(dir / "a/keep.bin") << "x";
+  removeEmptyParentsUnder(dir.path(), "a/b/c.bin");  // a/b goes, a holds a file
+  CHECK_FALSE(ddprun::testing::fileExists(dir / "a/b"));
+  CHECK(ddprun::testing::fileExists(dir / "a/keep.bin"));
+  REQUIRE(::unlink((dir / "a/keep.bin").c_str()) == 0);
+  removeEmptyParentsUnder(dir.path(), "a/keep.bin");
+  CHECK_FALSE(ddprun::testing::fileExists(dir / "a"));
+  CHECK(ddprun::testing::isDirectory(dir.path()));
+  removeEmptyParentsUnder(dir.path(), "top.bin");  // the root stays
+  CHECK(ddprun::testing::isDirectory(dir.path()));
+}
+
 TEST_CASE("replaceFile puts the new contents in place whole and leaves no temp file", "[files]") {
   TempDir dir;
   REQUIRE(replaceFile(dir / "t", "one").isOk());

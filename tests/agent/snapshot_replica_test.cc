@@ -15,16 +15,40 @@ SnapshotVersion file(uint64_t version, uint32_t crc = 7, const std::string& name
 
 }  // namespace
 
-TEST_CASE("only plain, visible, non-temporary names are replicated", "[snapshot]") {
+TEST_CASE("files at any depth are replicated, except temp files, the agent's own and escapes",
+          "[snapshot]") {
   CHECK(isReplicatedName("snapshot.pt"));
   CHECK(isReplicatedName("model-3.bin"));
+  CHECK(isReplicatedName(".metadata"));  // torch.distributed.checkpoint's
+  CHECK(isReplicatedName("checkpoint-500/optimizer.pt"));
+  CHECK(isReplicatedName("step_100/.metadata"));
+  CHECK(isReplicatedName("a/b/c/d/e/f"));
+  CHECK(isReplicatedName("runs/lost+found"));  // only the file system's own, at the top
+  CHECK(isReplicatedName(std::string(255, 'a') + "/" + std::string(255, 'b')));
+  std::string deep;  // 5 directories of 200 bytes
+  for (int i = 0; i < 5; ++i) deep += std::string(200, 'a') + "/";
+  CHECK(isReplicatedName(deep + std::string(kMaxReplicatedName - deep.size(), 'b')));
+
   CHECK_FALSE(isReplicatedName(""));
-  CHECK_FALSE(isReplicatedName(".hidden"));
   CHECK_FALSE(isReplicatedName("snapshot.pt.tmp"));
   CHECK_FALSE(isReplicatedName("snap.pt.tmp.123.456"));
-  CHECK_FALSE(isReplicatedName("a/b"));
+  CHECK_FALSE(isReplicatedName("step_100/.metadata.tmp"));
+  CHECK_FALSE(isReplicatedName("ckpt.tmp/model.pt"));  // a directory written before its rename
+  CHECK_FALSE(isReplicatedName(".ddprun-versions"));
+  CHECK_FALSE(isReplicatedName("ckpt/.ddprun-recv.model.pt.1.2"));
+  CHECK_FALSE(isReplicatedName("lost+found"));
+  CHECK_FALSE(isReplicatedName("lost+found/x"));
   CHECK_FALSE(isReplicatedName("bad\nname"));
+  CHECK_FALSE(isReplicatedName("a/bad\x7fname"));
   CHECK_FALSE(isReplicatedName(std::string(256, 'a')));
+  CHECK_FALSE(isReplicatedName("a/" + std::string(256, 'b')));
+  CHECK_FALSE(isReplicatedName(deep + std::string(kMaxReplicatedName - deep.size() + 1, 'b')));
+  // Nothing that leaves the directory, or names it twice.
+  for (const char* escape : {"/etc/passwd", "../x", "a/../../x", "a/..", "./x", "a/./b", "a//b",
+                             "a/", "/", ".", ".."}) {
+    INFO(escape);
+    CHECK_FALSE(isReplicatedName(escape));
+  }
 }
 
 TEST_CASE("a local write gets a version above every version seen, later rounds above earlier",
@@ -56,6 +80,20 @@ TEST_CASE("a newer version held elsewhere is fetched but an older or equal one i
   CHECK(t[0].file == file(mine + 1));
   CHECK(t[0].source == "b:1");
   CHECK(r.takeTransfers().empty());  // one transfer per name at a time
+}
+
+TEST_CASE("a file in a directory is fetched under its path; a peer's escaping name never is",
+          "[snapshot]") {
+  SnapshotReplica r;
+  for (const char* hostile : {"../x", "/etc/passwd", "ckpt/../../x", ".ddprun-versions", "a//b"}) {
+    r.onHolder(file(makeSnapshotVersion(1, 1), 7, hostile), "b:1");
+  }
+  CHECK(r.takeTransfers().empty());
+  CHECK_FALSE(r.busy());
+  r.onHolder(file(makeSnapshotVersion(1, 2), 7, "ckpt-5/.metadata"), "b:1");
+  auto t = r.takeTransfers();
+  REQUIRE(t.size() == 1);
+  CHECK(t[0].file.name == "ckpt-5/.metadata");
 }
 
 TEST_CASE("two nodes that wrote a name under one number end with the same content", "[snapshot]") {
@@ -221,7 +259,11 @@ TEST_CASE("holdings survive the key-value text and malformed text is refused", "
   CHECK_FALSE(decodeHoldings("").isOk());
   CHECK_FALSE(decodeHoldings("h:1\nsnapshot.pt\t1\t2\n").isOk());
   CHECK_FALSE(decodeHoldings("h:1\nsnapshot.pt\t1\tx\t3\n").isOk());
-  CHECK_FALSE(decodeHoldings("h:1\n.hidden\t1\t2\t3\n").isOk());
+  CHECK_FALSE(decodeHoldings("h:1\n../escape\t1\t2\t3\n").isOk());
+  CHECK_FALSE(decodeHoldings("h:1\n.ddprun-versions\t1\t2\t3\n").isOk());
+  auto nested = decodeHoldings("h:1\nckpt-5/.metadata\t1\t2\t3\n");
+  REQUIRE(nested.isOk());
+  CHECK(nested->second.at(0).name == "ckpt-5/.metadata");
   CHECK_FALSE(decodeHoldings("h:1\nsnapshot.pt\t1\t2\t4294967296\n").isOk());
 }
 

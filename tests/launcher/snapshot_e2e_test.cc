@@ -595,6 +595,95 @@ TEST_CASE("a file deleted on one node is deleted on the others, and stays delete
   CHECK_FALSE(fileExists(*dirs[2] / "old.bin"));
 }
 
+TEST_CASE("checkpoint directories are replicated at any depth, and deleted directories go too",
+          "[snapshot]") {
+  // The writer saves checkpoints as directories, as torch.distributed.checkpoint and Hugging
+  // Face's Trainer do: ckpt-1 file by file (DCP's ".metadata" renamed from ".metadata.tmp"),
+  // ckpt-2 written under a temp name and renamed into place whole (with a directory inside),
+  // ckpt-3 made and written at once. Then ckpt-1 is removed (rm -rf) and ckpt-2 renamed away:
+  // both go on the other node, files and directories. A fresh node with an empty directory then
+  // gets what is left before its worker starts.
+  TempDir triggers, a_dir, b_dir;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  auto wait_for = [&](const std::string& name) {
+    return "while [ ! -e '" + triggers / name + "' ]; do sleep 0.1; done; ";
+  };
+  const std::string big = triggers / "big.bin";
+  {
+    std::ofstream out(big, std::ios::binary);
+    for (uint32_t i = 0; i < 300000; ++i) out.put(static_cast<char>(i * 7919u % 251u));
+  }
+  // A name as long as a file name may be: its receiving temp file's name must fit too.
+  const std::string longest = "ckpt-1/" + std::string(255, 'n');
+  const std::map<std::string, std::string> expected = {
+      {"ckpt-1/model.pt", "model1\n"},     {"ckpt-1/.metadata", "meta1\n"}, {longest, "long\n"},
+      {"ckpt-2/model.pt", "model2\n"},     {"ckpt-2/sub/deep.bin", "deep\n"},
+      {"ckpt-3/optimizer.pt", readFile(big)}};
+  const std::string script =
+      "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then cd " + d + " && mkdir ckpt-1 && " +
+      "echo model1 > ckpt-1/model.pt.tmp && mv ckpt-1/model.pt.tmp ckpt-1/model.pt && " +
+      "echo meta1 > ckpt-1/.metadata.tmp && mv ckpt-1/.metadata.tmp ckpt-1/.metadata && " +
+      "echo long > ckpt-1/x.tmp && mv ckpt-1/x.tmp " + longest + " && " +
+      "mkdir -p ckpt-2.tmp/sub && echo model2 > ckpt-2.tmp/model.pt && " +
+      "echo deep > ckpt-2.tmp/sub/deep.bin && mv ckpt-2.tmp ckpt-2 && " +
+      "mkdir ckpt-3 && cat '" + big + "' > ckpt-3/optimizer.pt && " + wait_for("delete") +
+      "rm -rf ckpt-1 && mv ckpt-2 \"" + triggers / "moved-away" + "\"; fi; " + wait_for("stop");
+  auto holds = [&](const TempDir& dir, const std::string& name, const std::string& content) {
+    return fileExists(dir / name) && readFile(dir / name) == content;
+  };
+  {
+    RendezvousDaemon rdzv;
+    std::vector<std::unique_ptr<Process>> nodes;
+    nodes.push_back(node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}}}, rdzv.endpoint, "2",
+                         "snap-dirs-1", 1, writerScript(script)));
+    nodes.push_back(node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2",
+                         "snap-dirs-1", 1, writerScript(script)));
+    const bool arrived = waitUntil(
+        [&] {
+          return std::all_of(expected.begin(), expected.end(),
+                             [&](const auto& f) { return holds(b_dir, f.first, f.second); });
+        },
+        60s);
+    std::ofstream(triggers / "delete") << "";
+    const bool deleted = arrived && waitUntil(
+                                        [&] {
+                                          return !fileExists(b_dir / "ckpt-1") &&
+                                                 !fileExists(b_dir / "ckpt-2");
+                                        },
+                                        60s);
+    const std::string logs = logsThenStop(nodes, triggers / "stop");
+    INFO(logs);
+    REQUIRE(arrived);
+    CHECK(deleted);
+    CHECK(holds(b_dir, "ckpt-3/optimizer.pt", expected.at("ckpt-3/optimizer.pt")));
+    CHECK(fileExists(triggers / "moved-away/sub/deep.bin"));
+    CHECK(std::regex_search(logs, std::regex(R"(snapshot: fetched ckpt-2/sub/deep.bin version )")));
+    CHECK(logs.find("snapshot: deleted ckpt-1/.metadata (version ") != std::string::npos);
+    // Nothing of the agent's own, or of a temp name, arrived.
+    for (const auto& entry : std::filesystem::recursive_directory_iterator(b_dir.path())) {
+      const std::string name = entry.path().filename().string();
+      CHECK(name.find(".tmp") == std::string::npos);
+      CHECK((name.rfind(".ddprun", 0) != 0 || name == ".ddprun-versions"));
+    }
+  }
+
+  // A fresh node with an empty directory: ckpt-3 arrives before its worker starts.
+  TempDir c_dir;
+  RendezvousDaemon rdzv;
+  const std::string list = "cd " + d + " && find . -type f ! -name .ddprun-versions | sort";
+  auto a = node({"127.0.0.2", a_dir.path(), {}}, rdzv.endpoint, "2", "snap-dirs-2", 1,
+                writerScript(list));
+  auto c = node({"127.0.0.4", c_dir.path(), {}}, rdzv.endpoint, "2", "snap-dirs-2", 1,
+                writerScript(list));
+  auto [ra, rc] = bothSucceed(*a, *c);
+  INFO(ra.err << "\n" << rc.err);
+  for (const auto& out : {ra.out, rc.out}) {
+    CHECK(countOf(out, "./ckpt-") == 1);
+    CHECK(out.find("./ckpt-3/optimizer.pt\n") != std::string::npos);
+  }
+  CHECK(holds(c_dir, "ckpt-3/optimizer.pt", expected.at("ckpt-3/optimizer.pt")));
+}
+
 TEST_CASE("a job that writes a new name and deletes old ones keeps only the newest 1024 deletions",
           "[snapshot]") {
   // 1100 checkpoints, each under a name of its own, then all but the last deleted: both nodes

@@ -63,6 +63,11 @@ inline bool fileExists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
+inline bool isDirectory(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
 // A fresh directory, removed with its contents when the object goes away.
 class TempDir {
  public:

@@ -34,6 +34,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -79,9 +80,18 @@ inline uint64_t makeSnapshotVersion(uint64_t round, uint32_t sequence) {
   return (round << 32) | sequence;
 }
 
-// A name the replicator handles: a plain file name that is not hidden and not a temp file (a
-// name containing ".tmp", as the SDK's and PyTorch tutorial's writers use before the rename).
+// A name the replicator handles: a file's path relative to the snapshot directory ("snapshot.pt",
+// "checkpoint-500/optimizer.pt", "step_100/.metadata"), at most kMaxReplicatedName bytes, whose
+// every '/'-separated part is replicated (isReplicatedPart).
+inline constexpr size_t kMaxReplicatedName = 1024;
 bool isReplicatedName(const std::string& name);
+// One part of such a path: a file or directory name of at most 255 bytes, not "." or "..", without
+// control characters, not a temp file (containing ".tmp", as the SDK's and PyTorch's writers name
+// theirs before the rename, and as torch.distributed.checkpoint writes ".metadata.tmp"), not the
+// agent's own (starting with ".ddprun"). Other hidden names are replicated (".metadata").
+// `top`: the part names something directly in the snapshot directory, where "lost+found" (the
+// directory is a file system's root) is not replicated either.
+bool isReplicatedPart(std::string_view part, bool top);
 
 // One transfer the shell should run now.
 struct SnapshotTransfer {
