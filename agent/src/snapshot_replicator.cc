@@ -331,6 +331,8 @@ std::vector<std::string> SnapshotReplicator::watchTree(const std::string& top) {
         files.push_back(child);
       } else if (isReplicatedName(child)) {  // a symlink to one is not followed
         dirs.push_back(child);
+      } else {
+        warnIfTooLong(child);
       }
     }
     ::closedir(d);
@@ -372,7 +374,10 @@ void SnapshotReplicator::scanExisting() {
       ::unlink(path(name).c_str());  // a transfer cut short by a crash
       continue;
     }
-    if (!isReplicatedName(name)) continue;
+    if (!isReplicatedName(name)) {
+      warnIfTooLong(name);
+      continue;
+    }
     // Regular files only: a symlink is not followed out of the directory, a FIFO does not block.
     const int fd = ::open(path(name).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) continue;
@@ -490,8 +495,11 @@ void SnapshotReplicator::onWatchEvent(int wd, uint32_t mask, const std::string& 
     return;
   }
   if (mask & IN_Q_OVERFLOW) {
-    snapLog()->warn("snapshot dir {}: too many changes at once; looking at every file again",
-                    options_.dir);
+    if (++overflows_ <= kUnwatchedNamed) {
+      snapLog()->warn("snapshot dir {}: too many changes at once; looking at every file again{}",
+                      options_.dir,
+                      overflows_ == kUnwatchedNamed ? " (further such warnings: not logged)" : "");
+    }
     rescan();
     return;
   }
@@ -505,17 +513,24 @@ void SnapshotReplicator::onWatchEvent(int wd, uint32_t mask, const std::string& 
   const std::string rel = dir->second.empty() ? name : dir->second + "/" + name;
   if (mask & IN_ISDIR) {
     if (mask & (IN_MOVED_FROM | IN_DELETE)) forgetTree(rel);
-    if ((mask & (IN_CREATE | IN_MOVED_TO)) && isReplicatedName(rel)) {
-      for (const auto& file : watchTree(rel)) onDirEvent(file);
-    }
+    if (!(mask & (IN_CREATE | IN_MOVED_TO))) return;
+    if (!isReplicatedName(rel)) return warnIfTooLong(rel);
+    for (const auto& file : watchTree(rel)) onDirEvent(file);
     return;
   }
   if (mask & IN_CREATE) return;  // a file being written: looked at once it is complete
   onDirEvent(rel);
 }
 
+void SnapshotReplicator::warnIfTooLong(const std::string& name) {
+  if (name.size() <= kMaxReplicatedName || ++long_names_ > kUnwatchedNamed) return;
+  snapLog()->warn("snapshot dir: {} is not replicated: its path there is longer than {} bytes{}",
+                  path(name), kMaxReplicatedName,
+                  long_names_ == kUnwatchedNamed ? " (further such names: not named)" : "");
+}
+
 void SnapshotReplicator::onDirEvent(const std::string& name) {
-  if (!isReplicatedName(name)) return;
+  if (!isReplicatedName(name)) return warnIfTooLong(name);
   // Several events for one name while it waits: one look at the file (its latest content) is
   // enough.
   if (std::find(hash_queue_.begin(), hash_queue_.end(), name) == hash_queue_.end()) {

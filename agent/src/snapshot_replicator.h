@@ -129,6 +129,9 @@ class SnapshotReplicator {
   // An inotify event for `name` in the directory watched as `wd`.
   void onWatchEvent(int wd, uint32_t mask, const std::string& name);
   void onDirEvent(const std::string& name);
+  // A warning for a file or directory not replicated because its path is too long (the first
+  // few named).
+  void warnIfTooLong(const std::string& name);
   void hashNext();
   void onHashed(const std::string& name, std::shared_ptr<rendezvous::OpenFile> file,
                 const struct stat& st, bool same,
@@ -213,6 +216,8 @@ class SnapshotReplicator {
   std::vector<char> event_buf_;
   std::map<int, std::string> watched_;  // watch descriptor → directory, relative ("" the top)
   int unwatched_dirs_ = 0;              // directories that could not be watched (the first named)
+  int long_names_ = 0;                  // paths too long to be replicated (the first named)
+  int overflows_ = 0;                   // inotify queue overflows (the first logged)
   std::map<std::string, Held> held_files_;  // loop thread
   std::string recorded_table_;              // what the version table file holds
   bool table_failing_ = false;              // the last write of it failed (warned once)
