@@ -33,6 +33,12 @@ constexpr size_t kRecvNameKept = 200;  // of the file's name, in its receiving t
 constexpr const char* kVersionTable = ".ddprun-versions";
 constexpr size_t kVersionTableMax = 16 << 20;  // ~60,000 names
 constexpr int kTransferNice = 10;
+// Threads of offLoop work at once, fetches and the rest (announcements, hashing) apart, so that
+// announcements stuck on a stopped node never hold up fetches; more waits its turn. A checkpoint
+// directory of thousands of files (2000 written at once) otherwise started a thread for each
+// fetch (331 threads in the receiving agent), and past the process's limit the agent would fail.
+constexpr size_t kMaxThreads = 32;
+constexpr size_t kMaxFetchThreads = 8;
 // What is watched in the snapshot dir and every directory below it: files completed, renamed in
 // or away, deleted; directories made (IN_CREATE: only a directory's is acted on).
 constexpr uint32_t kWatchMask =
@@ -889,7 +895,7 @@ void SnapshotReplicator::pump() {
             if (it != arriving_.end() && it->second.arriving == arriving) arriving_.erase(it);
           }
         },
-        urgency);
+        urgency, Pool::kFetch);
   }
   maybeFinishSync();
 }
@@ -1018,23 +1024,55 @@ void SnapshotReplicator::maybeFinishSync() {
 }
 
 void SnapshotReplicator::offLoop(std::function<void()> work, std::function<void()> then,
-                                 Urgency urgency) {
+                                 Urgency urgency, Pool pool) {
+  auto& slots = pools_[static_cast<size_t>(pool)];
+  if (slots.running >= (pool == Pool::kFetch ? kMaxFetchThreads : kMaxThreads)) {
+    slots.waiting.push_back(Work{std::move(work), std::move(then), urgency});
+    return;
+  }
   const uint64_t id = next_thread_++;
   std::weak_ptr<int> alive = alive_;
-  threads_[id] =
-      std::thread([this, id, alive, urgency, work = std::move(work), then = std::move(then)] {
-        if (urgency == Urgency::kBackground) runAsBackground();
-        work();
-        boost::asio::post(io_, [this, id, alive, then] {
-          if (!alive.lock()) return;
-          auto it = threads_.find(id);
-          if (it != threads_.end()) {
-            it->second.join();  // it has posted this: it is at its end
-            threads_.erase(it);
-          }
-          then();
-        });
-      });
+  auto body = [this, id, alive, urgency, pool, work, then] {
+    if (urgency == Urgency::kBackground) runAsBackground();
+    work();
+    boost::asio::post(io_, [this, id, alive, pool, then] {
+      if (!alive.lock()) return;
+      auto it = threads_.find(id);
+      if (it != threads_.end()) {
+        it->second.join();  // it has posted this: it is at its end
+        threads_.erase(it);
+      }
+      --pools_[static_cast<size_t>(pool)].running;
+      then();
+      startWaiting(pool);
+    });
+  };
+  try {
+    threads_[id] = std::thread(std::move(body));
+    ++slots.running;
+  } catch (const std::system_error& e) {  // out of threads (ulimit -u, memory)
+    threads_.erase(id);
+    if (slots.running == 0) {  // none of its pool to wait for: done here, on the loop
+      snapLog()->warn("snapshot: cannot start a thread ({}); working on the agent's loop",
+                      e.what());
+      work();
+      then();
+      return;
+    }
+    slots.waiting.push_front(Work{std::move(work), std::move(then), urgency});
+  }
+}
+
+void SnapshotReplicator::startWaiting(Pool pool) {
+  auto& slots = pools_[static_cast<size_t>(pool)];
+  const size_t cap = pool == Pool::kFetch ? kMaxFetchThreads : kMaxThreads;
+  while (!slots.waiting.empty() && slots.running < cap) {
+    Work next = std::move(slots.waiting.front());
+    slots.waiting.pop_front();
+    const size_t running = slots.running;
+    offLoop(std::move(next.work), std::move(next.then), next.urgency, pool);
+    if (slots.running == running) return;  // it could not start either (put back): later
+  }
 }
 
 void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& service,

@@ -30,6 +30,7 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <array>
 #include <deque>
 #include <functional>
 #include <map>
@@ -202,9 +203,14 @@ class SnapshotReplicator {
   // that a round's sync waits for are prompt too: this node's workers are stopped then, and their
   // start waits for the fetch.
   enum class Urgency { kBackground, kPrompt };
+  // Which threads offLoop work counts against (each pool runs at most so many at once).
+  enum class Pool { kGeneral, kFetch };
   // Runs `work` on a thread of its own; `then` runs on the loop afterwards (unless destroyed).
+  // When its pool has no thread free, the work waits its turn (first come, first served).
   void offLoop(std::function<void()> work, std::function<void()> then,
-               Urgency urgency = Urgency::kBackground);
+               Urgency urgency = Urgency::kBackground, Pool pool = Pool::kGeneral);
+  // Starts work waiting in `pool` while it has threads free.
+  void startWaiting(Pool pool);
   std::string path(const std::string& name) const { return options_.dir + "/" + name; }
 
   boost::asio::io_context& io_;
@@ -257,6 +263,16 @@ class SnapshotReplicator {
   // until the fetch's deadline).
   std::map<std::string, std::pair<std::string, std::shared_ptr<rendezvous::FetchCancel>>> fetching_;
   std::map<uint64_t, std::thread> threads_;
+  struct Work {
+    std::function<void()> work;
+    std::function<void()> then;
+    Urgency urgency;
+  };
+  struct PoolSlots {
+    size_t running = 0;         // threads of the pool running
+    std::deque<Work> waiting;   // its work waiting for one
+  };
+  std::array<PoolSlots, 2> pools_;  // by Pool
   uint64_t next_thread_ = 0;
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);
 };

@@ -684,6 +684,55 @@ TEST_CASE("checkpoint directories are replicated at any depth, and deleted direc
   CHECK(holds(c_dir, "ckpt-3/optimizer.pt", expected.at("ckpt-3/optimizer.pt")));
 }
 
+TEST_CASE("a checkpoint of 2000 files arrives whole, fetched a few files at a time", "[snapshot]") {
+  // A sharded checkpoint (torch.distributed.checkpoint writes a file per rank and storage unit),
+  // written under a temp name and renamed into place: all its files appear at once. Every file
+  // arrives on the other node, with the receiving agent running a bounded number of threads (it
+  // started one per fetch before: 300 and more at the peak).
+  TempDir triggers, a_dir, b_dir;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  constexpr int kFiles = 2000;
+  const std::string script =
+      "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then mkdir -p " + d + "/ckpt.tmp/shards && i=0 && " +
+      "while [ $i -lt " + std::to_string(kFiles) + " ]; do head -c 4096 /dev/urandom > " + d +
+      "/ckpt.tmp/shards/__${i}_0.distcp; i=$((i+1)); done; mv " + d + "/ckpt.tmp " + d +
+      "/ckpt; fi; while [ ! -e '" + triggers / "stop" + "' ]; do sleep 0.1; done";
+  RendezvousDaemon rdzv;
+  std::vector<std::unique_ptr<Process>> nodes;
+  nodes.push_back(node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}}}, rdzv.endpoint, "2",
+                       "snap-many", 1, writerScript(script)));
+  nodes.push_back(node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2",
+                       "snap-many", 1, writerScript(script)));
+  auto threadsOf = [](int pid) {
+    const std::string status = readFile("/proc/" + std::to_string(pid) + "/status");
+    const auto at = status.find("Threads:");
+    return at == std::string::npos ? 0 : std::atoi(status.c_str() + at + 8);
+  };
+  int peak = 0;
+  auto count = [&] {
+    peak = std::max(peak, threadsOf(nodes[1]->pid()));
+    std::error_code ec;
+    const auto dir = std::filesystem::path(b_dir.path()) / "ckpt/shards";
+    int n = 0;
+    for (auto it = std::filesystem::directory_iterator(dir, ec);
+         !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+      n += it->path().filename().string().rfind("__", 0) == 0 ? 1 : 0;
+    }
+    return n;
+  };
+  const bool arrived = waitUntil([&] { return count() == kFiles; }, 120s);
+  const std::string logs = logsThenStop(nodes, triggers / "stop");
+  INFO(logs);
+  REQUIRE(arrived);
+  for (int i = 0; i < kFiles; ++i) {
+    const std::string name = "ckpt/shards/__" + std::to_string(i) + "_0.distcp";
+    REQUIRE(readFile(b_dir / name) == readFile(a_dir / name));
+  }
+  INFO("the receiving agent ran " << peak << " threads at the most");
+  CHECK(peak > 0);
+  CHECK(peak < 64);
+}
+
 TEST_CASE("a job that writes a new name and deletes old ones keeps only the newest 1024 deletions",
           "[snapshot]") {
   // 1100 checkpoints, each under a name of its own, then all but the last deleted: both nodes
