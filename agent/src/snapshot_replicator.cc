@@ -704,22 +704,31 @@ void SnapshotReplicator::publishWritten(const SnapshotVersion& v, Held held,
 }
 
 void SnapshotReplicator::announce(const SnapshotVersion& v, const std::string& source,
-                                  const std::string& origin, const std::vector<int>& ranks,
-                                  bool retry) {
+                                  const std::string& origin, const std::vector<int>& ranks) {
   // For each target: it, then the nodes after it in the chain, each tried only when the one
-  // before did not take the announcement (a node stopped or gone, not yet out of the round).
+  // before did not take the announcement (a node stopped or gone, not yet out of the round). A
+  // node that did not answer an earlier announcement is stepped over without a try: it is told
+  // again, with everything else it missed, by announceAgainLater (at worst twice, which it
+  // takes as once).
   const int origin_rank = rankOf(origin);
   const int nodes = static_cast<int>(nodes_.size());
   std::vector<std::vector<std::string>> lines;
+  bool missed = false;
   for (int r : ranks) {
     std::vector<std::string> line;
     for (int next = r; next >= 0 && next < nodes && next != self_rank_;) {
-      line.push_back(nodes_[next]);
-      const auto after = retry ? std::vector<int>{} : relayTargets(origin_rank, next, nodes);
+      if (unanswering_.count(nodes_[next]) != 0) {
+        keepToTellAgain(Unannounced{v, source, origin, nodes_[next], round_});
+        missed = true;
+      } else {
+        line.push_back(nodes_[next]);
+      }
+      const auto after = relayTargets(origin_rank, next, nodes);
       next = after.empty() ? -1 : after.front();
     }
     if (!line.empty()) lines.push_back(std::move(line));
   }
+  if (missed) announceAgainLater();
   if (lines.empty()) return;
   ++announcing_;
   const std::string run_id = options_.run_id;
@@ -738,28 +747,37 @@ void SnapshotReplicator::announce(const SnapshotVersion& v, const std::string& s
           }
         }
       },
-      [this, failed, v, source, origin, retry, round = round_] {
+      [this, failed, v, source, origin, round = round_] {
         --announcing_;
         for (const auto& [peer, why, stepped] : *failed) {
-          if (!retry) {
+          if (unanswering_.insert(peer).second) {  // warned once per node, until it answers
             snapLog()->warn("snapshot: announcing {} version {} failed at {}: {}; {}", v.name,
                             versionText(v.version), peer, why,
                             stepped ? "told the next node of the chain, and telling it again"
                                     : "telling it again");
           }
-          // One to tell again per node and name: the newest.
-          auto& list = unannounced_;
-          list.erase(std::remove_if(list.begin(), list.end(),
-                                    [&, &peer = peer](const Unannounced& u) {
-                                      return u.peer == peer && u.version.name == v.name &&
-                                             u.version.version < v.version;
-                                    }),
-                     list.end());
-          list.push_back(Unannounced{v, source, origin, peer, round});
+          keepToTellAgain(Unannounced{v, source, origin, peer, round});
         }
         if (!failed->empty()) announceAgainLater();
       },
       Urgency::kPrompt);
+}
+
+void SnapshotReplicator::keepToTellAgain(Unannounced u) {
+  // One to tell again per node and name: the newest.
+  auto& list = unannounced_;
+  for (const auto& kept : list) {
+    if (kept.peer == u.peer && kept.version.name == u.version.name &&
+        kept.version.version >= u.version.version) {
+      return;
+    }
+  }
+  list.erase(std::remove_if(list.begin(), list.end(),
+                            [&](const Unannounced& kept) {
+                              return kept.peer == u.peer && kept.version.name == u.version.name;
+                            }),
+             list.end());
+  list.push_back(std::move(u));
 }
 
 void SnapshotReplicator::announceAgainLater() {
@@ -771,15 +789,40 @@ void SnapshotReplicator::announceAgainLater() {
   announce_timer_->async_wait([this, alive](const boost::system::error_code& ec) {
     if (ec || !alive.lock()) return;
     announce_timer_armed_ = false;
-    auto due = std::move(unannounced_);
-    unannounced_.clear();
-    for (const auto& u : due) {
-      // A later round's sync covers what the earlier one's announcements did not.
-      const int rank = rankOf(u.peer);
-      if (u.round != round_ || rank < 0) continue;
-      announce(u.version, u.source, u.origin, {rank}, /*retry=*/true);
+    // A later round's sync covers what the earlier one's announcements did not.
+    std::map<std::string, std::vector<Unannounced>> by_peer;
+    for (auto& u : unannounced_) {
+      if (u.round == round_ && rankOf(u.peer) >= 0) by_peer[u.peer].push_back(std::move(u));
     }
+    unannounced_.clear();
+    for (auto& [peer, list] : by_peer) announceAgain(peer, std::move(list));
   });
+}
+
+void SnapshotReplicator::announceAgain(const std::string& peer, std::vector<Unannounced> list) {
+  ++announcing_;
+  auto told = std::make_shared<size_t>(0);  // how many it took, in order
+  auto shared = std::make_shared<std::vector<Unannounced>>(std::move(list));
+  offLoop(
+      [peer, shared, told, run_id = options_.run_id, security = options_.security] {
+        for (const auto& u : *shared) {
+          Status st = rendezvous::announceSnapshot(rendezvous::SnapshotPeer{peer, run_id, security},
+                                                   toWire(u.version), u.source, u.origin,
+                                                   kAnnounceTimeout);
+          if (!st.isOk()) return;  // still not answering: the rest waits for the next time
+          ++*told;
+        }
+      },
+      [this, peer, shared, told] {
+        --announcing_;
+        if (*told == shared->size()) {
+          unanswering_.erase(peer);
+          return;
+        }
+        for (size_t i = *told; i < shared->size(); ++i) keepToTellAgain((*shared)[i]);
+        announceAgainLater();
+      },
+      Urgency::kPrompt);
 }
 
 void SnapshotReplicator::relay(const SnapshotVersion& v, const std::string& source) {
@@ -1084,6 +1127,7 @@ void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& se
   }
   const uint64_t generation = ++sync_generation_;
   round_ = static_cast<uint64_t>(round.round);
+  unanswering_.clear();  // this round's nodes are tried afresh
   replica_.retryGivenUp();
   replica_.setSelfIndex(round.group_rank);
   const int nodes = static_cast<int>(round.local_world_sizes.size());

@@ -32,6 +32,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <array>
 #include <deque>
+#include <set>
 #include <functional>
 #include <map>
 #include <memory>
@@ -151,12 +152,17 @@ class SnapshotReplicator {
   // Announces `v` (held at `source`, written by `origin`) to the given group ranks. A node that
   // does not take it (stopped, gone, not yet out of the round) is stepped over: the next node of
   // the chain is told instead, so that the rest of the chain is not held up until the next round.
-  // It is told again every kAnnounceRetry while this round lasts (`retry`: such a telling again,
-  // which steps over nobody and warns no more).
+  // It is told again every kAnnounceRetry while this round lasts, and until it answers, later
+  // announcements step over it without trying it (one warning per node).
   void announce(const SnapshotVersion& v, const std::string& source, const std::string& origin,
-                const std::vector<int>& ranks, bool retry = false);
-  // Arms the timer that tells unannounced_ again.
+                const std::vector<int>& ranks);
+  // Arms the timer that tells unannounced_ again: each node on one thread, its announcements one
+  // after another until one is not taken (the rest waits for the next time).
   void announceAgainLater();
+  struct Unannounced;
+  void announceAgain(const std::string& peer, std::vector<Unannounced> list);
+  // Keeps `u` to tell again: one per node and name, the newest.
+  void keepToTellAgain(Unannounced u);
   // Passes an announcement on down the tree (relayTargets), once per version.
   void relay(const SnapshotVersion& v, const std::string& source);
   // The group ranks this node passes `v` on to (relayTargets; `origin` set), if it was told of
@@ -254,6 +260,8 @@ class SnapshotReplicator {
     uint64_t round = 0;
   };
   std::vector<Unannounced> unannounced_;
+  // Nodes that did not answer an announcement and have not answered one since (this round).
+  std::set<std::string> unanswering_;
   std::unique_ptr<boost::asio::steady_timer> announce_timer_;
   bool announce_timer_armed_ = false;
   uint64_t sync_generation_ = 0;

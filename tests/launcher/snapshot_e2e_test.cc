@@ -938,7 +938,9 @@ TEST_CASE("a node that does not take an announcement is stepped over, and told a
   // Three nodes. The agent after the writer in the chain is stopped (SIGSTOP) when the version is
   // written: it neither answers nor leaves the round (a minute of heartbeats may be missed). The
   // node after it must not wait for the next round: the writer tells it instead. Once the stopped
-  // agent runs again, it is told too, in the same round.
+  // agent runs again, it is told too, in the same round. Then a directory of 200 files is renamed
+  // into place while it is stopped: the later announcements step over it without trying it, and
+  // it is told of them all once it runs again.
   TempDir go;
   RendezvousDaemon rdzv;
   std::vector<std::unique_ptr<TempDir>> dirs;
@@ -947,7 +949,10 @@ TEST_CASE("a node that does not take an announcement is stepped over, and told a
   const std::string script = "if [ \"$WRITER\" = 1 ]; then while [ ! -e '" + go / "write" +
                              "' ]; do sleep 0.05; done; head -c 1048576 /dev/urandom > " + d +
                              "/data.bin.tmp && mv " + d + "/data.bin.tmp " + d +
-                             "/data.bin; fi; while [ ! -e '" + go / "stop" +
+                             "/data.bin; while [ ! -e '" + go / "many" +
+                             "' ]; do sleep 0.05; done; mkdir " + d + "/many.tmp && for i in $(seq " +
+                             "200); do echo $i > " + d + "/many.tmp/$i; done && mv " + d +
+                             "/many.tmp " + d + "/many; fi; while [ ! -e '" + go / "stop" +
                              "' ]; do sleep 0.1; done";
   for (int i = 0; i < 3; ++i) {
     dirs.push_back(std::make_unique<TempDir>());
@@ -985,12 +990,27 @@ TEST_CASE("a node that does not take an announcement is stepped over, and told a
   const std::string last_log = nodes[last]->err();
   nodes[next]->signal(SIGCONT);
   const bool next_has_it = waitUntil([&] { return holds(next); }, 30s);
+  auto holds_many = [&](int i) {
+    for (int k = 1; k <= 200; ++k) {
+      if (readFile(*dirs[i] / ("many/" + std::to_string(k))) != std::to_string(k) + "\n") {
+        return false;
+      }
+    }
+    return true;
+  };
+  nodes[next]->signal(SIGSTOP);
+  std::ofstream(go / "many") << "";
+  const bool last_has_many = waitUntil([&] { return holds_many(last); }, 60s);
+  nodes[next]->signal(SIGCONT);
+  const bool next_has_many = waitUntil([&] { return holds_many(next); }, 60s);
   const std::string logs = logsThenStop(nodes, go / "stop");
   INFO(logs);
   CHECK(last_has_it);
   CHECK(last_log.find("from 127.0.0.30:") != std::string::npos);  // the writer told it
   CHECK(writer_log.find("told the next node of the chain") != std::string::npos);
   CHECK(next_has_it);
+  CHECK(last_has_many);
+  CHECK(next_has_many);
   CHECK(logs.find("round 2") == std::string::npos);
 }
 
