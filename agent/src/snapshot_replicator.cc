@@ -43,7 +43,14 @@ constexpr size_t kMaxFetchThreads = 8;
 // or away, deleted; directories made (IN_CREATE: only a directory's is acted on).
 constexpr uint32_t kWatchMask =
     IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE | IN_MOVED_FROM | IN_CREATE | IN_ONLYDIR;
-constexpr int kUnwatchedNamed = 5;
+
+// Warnings of one kind (each counted in `count`): the first few are logged, the last of them
+// saying so. The text to end the warning with, or nothing when this one is not logged.
+std::optional<const char*> firstFew(int& count) {
+  constexpr int kLogged = 5;
+  if (++count > kLogged) return std::nullopt;
+  return count == kLogged ? " (further such warnings: not logged)" : "";
+}
 
 // The calling thread as background work: on a busy node the workers' training comes first.
 // SCHED_IDLE runs it on the CPU time the workers leave (they wait in collectives often enough: a
@@ -149,7 +156,6 @@ uint64_t raiseOpenFileLimit() {
 }
 
 namespace {
-constexpr int kUnopenedNamed = 5;
 
 // Why a file a worker completed cannot be opened to be replicated.
 std::string cannotOpen(const std::string& path, int err) {
@@ -190,8 +196,8 @@ Status SnapshotReplicator::init() {
   // Watch first, then scan: a file completed in between is seen twice, never missed.
   const int fd = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
   if (fd < 0) return internalError(std::string("inotify: ") + std::strerror(errno));
-  const int wd = ::inotify_add_watch(fd, options_.dir.c_str(),
-                                     kWatchMask | IN_DELETE_SELF | IN_MOVE_SELF);
+  const int wd =
+      ::inotify_add_watch(fd, options_.dir.c_str(), kWatchMask | IN_DELETE_SELF | IN_MOVE_SELF);
   if (wd < 0) {
     const int err = errno;
     ::close(fd);
@@ -309,14 +315,12 @@ std::vector<std::string> SnapshotReplicator::watchTree(const std::string& top) {
                                          kWatchMask | IN_DONT_FOLLOW);
       if (wd < 0) {
         const int err = errno;
-        if (err != ENOENT && err != ENOTDIR && ++unwatched_dirs_ <= kUnwatchedNamed) {
-          snapLog()->warn("snapshot dir: cannot watch {}: {}{}; files completed there are not "
-                          "replicated{}",
-                          path(rel), std::strerror(err),
-                          err == ENOSPC ? " (raise fs.inotify.max_user_watches)" : "",
-                          unwatched_dirs_ == kUnwatchedNamed ? " (further such directories: "
-                                                               "not named)"
-                                                             : "");
+        if (err == ENOENT || err == ENOTDIR) continue;  // gone meanwhile
+        if (auto more = firstFew(unwatched_dirs_)) {
+          snapLog()->warn(
+              "snapshot dir: cannot watch {}: {}{}; files completed there are not replicated{}",
+              path(rel), std::strerror(err),
+              err == ENOSPC ? " (raise fs.inotify.max_user_watches)" : "", *more);
         }
         continue;
       }
@@ -356,18 +360,18 @@ void SnapshotReplicator::forgetTree(const std::string& rel) {
       ++it;
     }
   }
-  std::vector<std::string> held;
-  for (const auto& [name, h] : held_files_) {
-    if (!h.served.file.deleted && startsWith(name, below)) held.push_back(name);
-  }
-  for (const auto& name : held) onDirEvent(name);
+  lookAgainAtHeld(below);
 }
 
 void SnapshotReplicator::rescan() {
   for (const auto& name : watchTree("")) onDirEvent(name);
+  lookAgainAtHeld("");
+}
+
+void SnapshotReplicator::lookAgainAtHeld(const std::string& prefix) {
   std::vector<std::string> held;
   for (const auto& [name, h] : held_files_) {
-    if (!h.served.file.deleted) held.push_back(name);
+    if (!h.served.file.deleted && startsWith(name, prefix)) held.push_back(name);
   }
   for (const auto& name : held) onDirEvent(name);
 }
@@ -501,10 +505,9 @@ void SnapshotReplicator::onWatchEvent(int wd, uint32_t mask, const std::string& 
     return;
   }
   if (mask & IN_Q_OVERFLOW) {
-    if (++overflows_ <= kUnwatchedNamed) {
+    if (auto more = firstFew(overflows_)) {
       snapLog()->warn("snapshot dir {}: too many changes at once; looking at every file again{}",
-                      options_.dir,
-                      overflows_ == kUnwatchedNamed ? " (further such warnings: not logged)" : "");
+                      options_.dir, *more);
     }
     rescan();
     return;
@@ -529,10 +532,11 @@ void SnapshotReplicator::onWatchEvent(int wd, uint32_t mask, const std::string& 
 }
 
 void SnapshotReplicator::warnIfTooLong(const std::string& name) {
-  if (name.size() <= kMaxReplicatedName || ++long_names_ > kUnwatchedNamed) return;
-  snapLog()->warn("snapshot dir: {} is not replicated: its path there is longer than {} bytes{}",
-                  path(name), kMaxReplicatedName,
-                  long_names_ == kUnwatchedNamed ? " (further such names: not named)" : "");
+  if (name.size() <= kMaxReplicatedName) return;
+  if (auto more = firstFew(long_names_)) {
+    snapLog()->warn("snapshot dir: {} is not replicated: its path there is longer than {} bytes{}",
+                    path(name), kMaxReplicatedName, *more);
+  }
 }
 
 void SnapshotReplicator::onDirEvent(const std::string& name) {
@@ -600,10 +604,11 @@ void SnapshotReplicator::hashNext() {
         }
         hashing_ = false;
         // Named for the first few files (past a descriptor limit, every later file fails too).
-        if (!looked->unopened.empty() && ++unopened_files_ <= kUnopenedNamed) {
-          snapLog()->warn(
-              "snapshot dir: {}; {} is not replicated{}", looked->unopened, name,
-              unopened_files_ == kUnopenedNamed ? " (further such files: not named)" : "");
+        if (!looked->unopened.empty()) {
+          if (auto more = firstFew(unopened_files_)) {
+            snapLog()->warn("snapshot dir: {}; {} is not replicated{}", looked->unopened, name,
+                            *more);
+          }
         }
         if (looked->gone) {
           onDeleted(name);
@@ -806,9 +811,9 @@ void SnapshotReplicator::announceAgain(const std::string& peer, std::vector<Unan
   offLoop(
       [peer, shared, told, run_id = options_.run_id, security = options_.security] {
         for (const auto& u : *shared) {
-          Status st = rendezvous::announceSnapshot(rendezvous::SnapshotPeer{peer, run_id, security},
-                                                   toWire(u.version), u.source, u.origin,
-                                                   kAnnounceTimeout);
+          Status st =
+              rendezvous::announceSnapshot(rendezvous::SnapshotPeer{peer, run_id, security},
+                                           toWire(u.version), u.source, u.origin, kAnnounceTimeout);
           if (!st.isOk()) return;  // still not answering: the rest waits for the next time
           ++*told;
         }
@@ -913,8 +918,8 @@ void SnapshotReplicator::pump() {
          arriving, pending, root = options_.dir] {
           *status = makeParentDirsUnder(root, file.name);
           if (status->isOk()) {
-            *status = rendezvous::fetchSnapshot(peer, file, temp, cancel.get(), streams,
-                                                crc.get(), arriving);
+            *status = rendezvous::fetchSnapshot(peer, file, temp, cancel.get(), streams, crc.get(),
+                                                arriving);
           } else if (arriving) {
             arriving->fail(*status);
           }

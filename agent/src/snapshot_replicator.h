@@ -26,18 +26,18 @@
 
 #include <sys/stat.h>
 
+#include <array>
 #include <atomic>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/steady_timer.hpp>
-#include <array>
 #include <deque>
-#include <set>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -127,6 +127,9 @@ class SnapshotReplicator {
   // Events lost (the kernel's queue overflowed): every file there and every file held is looked
   // at again.
   void rescan();
+  // Looks again at every file held whose name starts with `prefix` (one that is gone: its
+  // deletion is a version).
+  void lookAgainAtHeld(const std::string& prefix);
   void watchDir();
   // An inotify event for `name` in the directory watched as `wd`.
   void onWatchEvent(int wd, uint32_t mask, const std::string& name);
@@ -226,10 +229,10 @@ class SnapshotReplicator {
   std::string endpoint_;
   std::unique_ptr<boost::asio::posix::stream_descriptor> inotify_;
   std::vector<char> event_buf_;
-  std::map<int, std::string> watched_;  // watch descriptor → directory, relative ("" the top)
-  int unwatched_dirs_ = 0;              // directories that could not be watched (the first named)
-  int long_names_ = 0;                  // paths too long to be replicated (the first named)
-  int overflows_ = 0;                   // inotify queue overflows (the first logged)
+  std::map<int, std::string> watched_;      // watch descriptor → directory, relative ("" the top)
+  int unwatched_dirs_ = 0;                  // directories that could not be watched (firstFew)
+  int long_names_ = 0;                      // paths too long to be replicated (firstFew)
+  int overflows_ = 0;                       // inotify queue overflows (firstFew)
   std::map<std::string, Held> held_files_;  // loop thread
   std::string recorded_table_;              // what the version table file holds
   bool table_failing_ = false;              // the last write of it failed (warned once)
@@ -249,7 +252,7 @@ class SnapshotReplicator {
   int announcing_ = 0;                  // announcement threads running
   std::deque<std::string> hash_queue_;  // completed files waiting to be hashed and announced
   bool hashing_ = false;
-  int unopened_files_ = 0;  // completed files that could not be opened (the first are named)
+  int unopened_files_ = 0;  // completed files that could not be opened (firstFew)
   std::unique_ptr<boost::asio::steady_timer> quiet_timer_;
   // Announcements a node did not take, to tell it again (announce).
   struct Unannounced {
@@ -277,8 +280,8 @@ class SnapshotReplicator {
     Urgency urgency;
   };
   struct PoolSlots {
-    size_t running = 0;         // threads of the pool running
-    std::deque<Work> waiting;   // its work waiting for one
+    size_t running = 0;        // threads of the pool running
+    std::deque<Work> waiting;  // its work waiting for one
   };
   std::array<PoolSlots, 2> pools_;  // by Pool
   uint64_t next_thread_ = 0;

@@ -44,8 +44,8 @@ TEST_CASE("files at any depth are replicated, except temp files, the agent's own
   CHECK_FALSE(isReplicatedName("a/" + std::string(256, 'b')));
   CHECK_FALSE(isReplicatedName(deep + std::string(kMaxReplicatedName - deep.size() + 1, 'b')));
   // Nothing that leaves the directory, or names it twice.
-  for (const char* escape : {"/etc/passwd", "../x", "a/../../x", "a/..", "./x", "a/./b", "a//b",
-                             "a/", "/", ".", ".."}) {
+  for (const char* escape :
+       {"/etc/passwd", "../x", "a/../../x", "a/..", "./x", "a/./b", "a//b", "a/", "/", ".", ".."}) {
     INFO(escape);
     CHECK_FALSE(isReplicatedName(escape));
   }
