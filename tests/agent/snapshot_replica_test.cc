@@ -82,7 +82,7 @@ TEST_CASE("a newer version held elsewhere is fetched but an older or equal one i
   CHECK(r.takeTransfers().empty());  // one transfer per name at a time
 }
 
-TEST_CASE("a file in a directory is fetched under its path; a peer's escaping name never is",
+TEST_CASE("a file in a directory is fetched under its path but a peer's escaping name never is",
           "[snapshot]") {
   SnapshotReplica r;
   for (const char* hostile : {"../x", "/etc/passwd", "ckpt/../../x", ".ddprun-versions", "a//b"}) {
