@@ -208,6 +208,21 @@ std::vector<std::string> writerScript(const std::string& steps) {
   return {"--no-python", "/bin/sh", "-c", steps};
 }
 
+// A job of two nodes running `script`: the writer (WRITER=1) on 127.0.0.2 with `dir_a`, the other
+// (WRITER=0) on 127.0.0.3 with `dir_b`.
+std::vector<std::unique_ptr<Process>> writerAndReader(const RendezvousDaemon& rdzv,
+                                                      const std::string& dir_a,
+                                                      const std::string& dir_b,
+                                                      const std::string& run_id,
+                                                      const std::string& script) {
+  std::vector<std::unique_ptr<Process>> nodes;
+  nodes.push_back(node({"127.0.0.2", dir_a, {{"WRITER", "1"}}}, rdzv.endpoint, "2", run_id, 1,
+                       writerScript(script)));
+  nodes.push_back(node({"127.0.0.3", dir_b, {{"WRITER", "0"}}}, rdzv.endpoint, "2", run_id, 1,
+                       writerScript(script)));
+  return nodes;
+}
+
 // A later job of two nodes, each with its directory as an earlier job left it: 127.0.0.2 on
 // `dir_a`, and `b`; a fresh rendezvous; both run `script` to the end and must exit 0.
 std::pair<Finished, Finished> nextJob(const std::string& dir_a, const NodeSpec& b,
@@ -640,11 +655,7 @@ TEST_CASE("checkpoint directories are replicated at any depth, and deleted direc
   };
   {
     RendezvousDaemon rdzv;
-    std::vector<std::unique_ptr<Process>> nodes;
-    nodes.push_back(node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}}}, rdzv.endpoint, "2",
-                         "snap-dirs-1", 1, writerScript(script)));
-    nodes.push_back(node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2",
-                         "snap-dirs-1", 1, writerScript(script)));
+    auto nodes = writerAndReader(rdzv, a_dir.path(), b_dir.path(), "snap-dirs-1", script);
     const bool arrived = waitUntil(
         [&] {
           return std::all_of(expected.begin(), expected.end(),
@@ -698,11 +709,7 @@ TEST_CASE("a checkpoint of 2000 files arrives whole, fetched a few files at a ti
       "/ckpt.tmp/shards/__${i}_0.distcp; i=$((i+1)); done; mv " + d + "/ckpt.tmp " + d +
       "/ckpt; fi; while [ ! -e '" + triggers / "stop" + "' ]; do sleep 0.1; done";
   RendezvousDaemon rdzv;
-  std::vector<std::unique_ptr<Process>> nodes;
-  nodes.push_back(node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}}}, rdzv.endpoint, "2",
-                       "snap-many", 1, writerScript(script)));
-  nodes.push_back(node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2",
-                       "snap-many", 1, writerScript(script)));
+  auto nodes = writerAndReader(rdzv, a_dir.path(), b_dir.path(), "snap-many", script);
   auto threadsOf = [](int pid) {
     const std::string status = readFile("/proc/" + std::to_string(pid) + "/status");
     const auto at = status.find("Threads:");
