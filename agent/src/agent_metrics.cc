@@ -67,6 +67,10 @@ std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const A
     add("ddprun_snapshot_versions_written_total",
         "Snapshot versions this node's workers completed (announced to the others).", "counter",
         static_cast<double>(s.versions_written));
+    add("ddprun_snapshot_versions_copied_locally_total",
+        "Snapshot versions another node renamed, copied here from this node's own file of the "
+        "old name instead of fetched.",
+        "counter", static_cast<double>(s.versions_copied));
     add("ddprun_snapshot_transfer_failures_total",
         "Snapshot fetches that failed (corrupt, no space, source gone).", "counter",
         static_cast<double>(s.transfer_failures));

@@ -92,6 +92,21 @@ SnapshotVersion SnapshotReplica::onLocalWrite(const std::string& name, uint64_t 
   return v;
 }
 
+std::optional<SnapshotVersion> SnapshotReplica::onLocalRename(const std::string& name,
+                                                              const std::string& from,
+                                                              uint64_t round) {
+  auto it = held_.find(from);
+  if (from == name || it == held_.end() || it->second.deleted || it->second.crc_pending ||
+      it->second.version == 0) {
+    return std::nullopt;  // version 0: no other node can tell its copy is the same
+  }
+  const SnapshotVersion was = it->second;
+  SnapshotVersion v = onLocalWrite(name, was.size, was.crc32, round);
+  v.moved_from = from;
+  v.moved_from_version = was.version;
+  return v;
+}
+
 SnapshotVersion SnapshotReplica::onLocalWritePending(const std::string& name, uint64_t size,
                                                      uint64_t round) {
   SnapshotVersion v = onLocalWrite(name, size, 0, round);
@@ -132,6 +147,11 @@ void SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& sour
   // Older, or the same number with lesser content. A holder that knows the CRC-32 serves the same
   // version as one that is still hashing it.
   if (!v.sameContent(w.target)) return;
+  if (w.target.moved_from.empty() && w.target.moved_to.empty()) {  // told of a rename later
+    w.target.moved_from = v.moved_from;
+    w.target.moved_from_version = v.moved_from_version;
+    w.target.moved_to = v.moved_to;
+  }
   if (std::find(w.sources.begin(), w.sources.end(), source) == w.sources.end()) {
     w.sources.push_back(source);
   }
@@ -157,7 +177,10 @@ bool SnapshotReplica::shouldInstall(const SnapshotVersion& v) const { return new
 void SnapshotReplica::onTransferDone(const SnapshotTransfer& t, TransferOutcome outcome) {
   const std::string& name = t.file.name;
   if (outcome == TransferOutcome::kOk && newerThanHeld(t.file)) {
-    held_[name] = t.file;
+    SnapshotVersion& held = held_[name] = t.file;
+    held.moved_from.clear();  // the hint travels with announcements only
+    held.moved_from_version = 0;
+    held.moved_to.clear();
     if (t.file.deleted) trimTombstones();
   }
   auto it = wants_.find(name);

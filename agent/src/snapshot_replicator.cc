@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/inotify.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -67,12 +68,18 @@ rendezvous::SnapshotFile toWire(const SnapshotVersion& v) {
   rendezvous::SnapshotFile f{v.name, v.version, v.size, v.crc32};
   f.crc32_pending = v.crc_pending;
   f.deleted = v.deleted;
+  f.moved_from = v.moved_from;
+  f.moved_from_version = v.moved_from_version;
+  f.moved_to = v.moved_to;
   return f;
 }
 SnapshotVersion fromWire(const rendezvous::SnapshotFile& f) {
   SnapshotVersion v{f.name, f.version, f.size, f.crc32};
   v.crc_pending = f.crc32_pending;
   v.deleted = f.deleted;
+  v.moved_from = f.moved_from;
+  v.moved_from_version = f.moved_from_version;
+  v.moved_to = f.moved_to;
   return v;
 }
 
@@ -86,6 +93,10 @@ constexpr uint64_t kAnnounceBeforeHash = 64 << 20;
 // again this often while the round lasts.
 constexpr auto kAnnounceTimeout = std::chrono::seconds(2);
 constexpr auto kAnnounceRetry = std::chrono::seconds(1);
+
+// How long a file deleted here because another node renamed it stays open for the copy under its
+// new name (keptForCopy), in case the deletion arrived first.
+constexpr auto kKeepRenamedFor = std::chrono::seconds(10);
 
 // A version for people: "<round>.<sequence>" (the number itself is (round << 32) | sequence).
 std::string versionText(uint64_t v) {
@@ -351,6 +362,11 @@ std::vector<std::string> SnapshotReplicator::watchTree(const std::string& top) {
 }
 
 void SnapshotReplicator::forgetTree(const std::string& rel) {
+  unwatchTree(rel);
+  lookAgainAtHeld(rel + "/");
+}
+
+void SnapshotReplicator::unwatchTree(const std::string& rel) {
   const std::string below = rel + "/";
   for (auto it = watched_.begin(); it != watched_.end();) {
     if (it->second == rel || startsWith(it->second, below)) {
@@ -360,7 +376,6 @@ void SnapshotReplicator::forgetTree(const std::string& rel) {
       ++it;
     }
   }
-  lookAgainAtHeld(below);
 }
 
 void SnapshotReplicator::rescan() {
@@ -485,21 +500,29 @@ void SnapshotReplicator::watchDir() {
         struct Event {
           int wd;
           uint32_t mask;
+          uint32_t cookie;
           std::string name;
         };
         std::vector<Event> events;
         size_t off = 0;
         while (off + sizeof(inotify_event) <= n) {
           auto* ev = reinterpret_cast<const inotify_event*>(event_buf_.data() + off);
-          events.push_back(Event{ev->wd, ev->mask, ev->len > 0 ? ev->name : ""});
+          events.push_back(Event{ev->wd, ev->mask, ev->cookie, ev->len > 0 ? ev->name : ""});
           off += sizeof(inotify_event) + ev->len;
         }
-        for (const auto& ev : events) onWatchEvent(ev.wd, ev.mask, ev.name);
+        for (const auto& ev : events) onWatchEvent(ev.wd, ev.mask, ev.cookie, ev.name);
+        // A rename's two events are queued together: with nothing more queued, a rename away
+        // without its IN_MOVED_TO left the directory (or the name for an unreplicated one).
+        int queued = 0;
+        if (::ioctl(inotify_->native_handle(), FIONREAD, &queued) != 0 || queued == 0) {
+          notRenamedWithin();
+        }
         watchDir();
       });
 }
 
-void SnapshotReplicator::onWatchEvent(int wd, uint32_t mask, const std::string& name) {
+void SnapshotReplicator::onWatchEvent(int wd, uint32_t mask, uint32_t cookie,
+                                      const std::string& name) {
   if (mask & (IN_DELETE_SELF | IN_MOVE_SELF)) {
     snapLog()->error("snapshot dir {} was removed or moved: replication stops", options_.dir);
     return;
@@ -520,15 +543,54 @@ void SnapshotReplicator::onWatchEvent(int wd, uint32_t mask, const std::string& 
   }
   if (name.empty()) return;
   const std::string rel = dir->second.empty() ? name : dir->second + "/" + name;
-  if (mask & IN_ISDIR) {
+  const bool dir_event = (mask & IN_ISDIR) != 0;
+  // Renamed away: a rename within the directory if its IN_MOVED_TO follows (notRenamedWithin).
+  if ((mask & IN_MOVED_FROM) && cookie != 0 && isReplicatedName(rel)) {
+    if (dir_event) unwatchTree(rel);
+    renamed_away_[cookie] = RenamedAway{rel, dir_event};
+    return;
+  }
+  std::optional<RenamedAway> from;
+  if (mask & IN_MOVED_TO) {
+    if (auto it = renamed_away_.find(cookie); cookie != 0 && it != renamed_away_.end()) {
+      from = std::move(it->second);
+      renamed_away_.erase(it);
+      if (from->dir != dir_event) from.reset();  // cannot be; treated as unrelated
+    }
+  }
+  if (dir_event) {
     if (mask & (IN_MOVED_FROM | IN_DELETE)) forgetTree(rel);
     if (!(mask & (IN_CREATE | IN_MOVED_TO))) return;
-    if (!isReplicatedName(rel)) return warnIfTooLong(rel);
-    for (const auto& file : watchTree(rel)) onDirEvent(file);
+    if (isReplicatedName(rel)) {
+      for (const auto& file : watchTree(rel)) {
+        // The same file under its name before, if it was held: no hash, no fetch elsewhere.
+        if (from && isReplicatedName(file)) {
+          renamed_from_[file] = from->name + file.substr(rel.size());
+        }
+        onDirEvent(file);
+      }
+    } else {
+      warnIfTooLong(rel);
+    }
+    if (from) lookAgainAtHeld(from->name + "/");  // their deletions, after the new names
     return;
   }
   if (mask & IN_CREATE) return;  // a file being written: looked at once it is complete
+  if (from && isReplicatedName(rel)) renamed_from_[rel] = from->name;
   onDirEvent(rel);
+  if (from) onDirEvent(from->name);  // its deletion, after the new name
+}
+
+void SnapshotReplicator::notRenamedWithin() {
+  auto away = std::move(renamed_away_);
+  renamed_away_.clear();
+  for (auto& [cookie, r] : away) {
+    if (r.dir) {
+      lookAgainAtHeld(r.name + "/");
+    } else {
+      onDirEvent(r.name);
+    }
+  }
 }
 
 void SnapshotReplicator::warnIfTooLong(const std::string& name) {
@@ -560,10 +622,29 @@ void SnapshotReplicator::hashNext() {
   hash_queue_.pop_front();
   std::optional<Held> known;
   if (auto it = held_files_.find(name); it != held_files_.end()) known = it->second;
+  // Renamed to another name (onRenamed): its deletion says so.
+  std::string moved_to;
+  if (auto r = renamed_to_.find(name); r != renamed_to_.end()) {
+    moved_to = std::move(r->second);
+    renamed_to_.erase(r);
+  }
+  // Renamed from a name held with a known version and CRC-32: the same inode needs no hash.
+  std::optional<Held> renamed;
+  std::string from;
+  if (auto r = renamed_from_.find(name); r != renamed_from_.end()) {
+    from = std::move(r->second);
+    renamed_from_.erase(r);
+    auto it = held_files_.find(from);
+    if (it != held_files_.end() && it->second.served.data && !it->second.served.file.deleted &&
+        !it->second.served.file.crc32_pending && it->second.served.file.version != 0) {
+      renamed = it->second;
+    }
+  }
   struct Looked {
     std::shared_ptr<rendezvous::OpenFile> file;
     struct stat st {};
-    bool same = false;  // what this node holds already
+    bool same = false;     // what this node holds already
+    bool renamed = false;  // what this node held as `from`
     StatusOr<std::pair<uint64_t, uint32_t>> crc = internalError("not read");
     bool deferred = false;  // large: announced first, hashed after
     bool gone = false;      // no file of that name (deleted, or renamed away)
@@ -571,7 +652,7 @@ void SnapshotReplicator::hashNext() {
   };
   auto looked = std::make_shared<Looked>();
   offLoop(
-      [looked, known, path = path(name)] {
+      [looked, known, renamed, path = path(name)] {
         const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
         if (fd < 0) {
           looked->gone = errno == ENOENT;
@@ -584,10 +665,16 @@ void SnapshotReplicator::hashNext() {
           return;
         }
         const auto& st = looked->st;
-        if (known && known->dev == st.st_dev && known->ino == st.st_ino &&
-            known->mtime_ns == mtimeNs(st) &&
-            known->served.file.size == static_cast<uint64_t>(st.st_size)) {
+        auto isFile = [&](const std::optional<Held>& h) {
+          return h && h->dev == st.st_dev && h->ino == st.st_ino && h->mtime_ns == mtimeNs(st) &&
+                 h->served.file.size == static_cast<uint64_t>(st.st_size);
+        };
+        if (isFile(known)) {
           looked->same = true;  // e.g. a copy this node just renamed into place
+          return;
+        }
+        if (isFile(renamed)) {
+          looked->renamed = true;
           return;
         }
         if (static_cast<uint64_t>(st.st_size) >= kAnnounceBeforeHash) {
@@ -597,9 +684,13 @@ void SnapshotReplicator::hashNext() {
         runAsBackground();
         looked->crc = rendezvous::crc32OfFile(fd);
       },
-      [this, name, looked] {
+      [this, name, looked, from, moved_to] {
         if (looked->deferred) {
           announceThenHash(name, looked->file, looked->st);
+          return;
+        }
+        if (looked->renamed) {
+          onRenamed(name, from, looked->file, looked->st);
           return;
         }
         hashing_ = false;
@@ -611,7 +702,7 @@ void SnapshotReplicator::hashNext() {
           }
         }
         if (looked->gone) {
-          onDeleted(name);
+          onDeleted(name, moved_to);
         } else {
           onHashed(name, looked->file, looked->st, looked->same, looked->crc);
         }
@@ -688,9 +779,27 @@ void SnapshotReplicator::onHashed(const std::string& name,
                  "");
 }
 
-void SnapshotReplicator::onDeleted(const std::string& name) {
+void SnapshotReplicator::onRenamed(const std::string& name, const std::string& from,
+                                   std::shared_ptr<rendezvous::OpenFile> file,
+                                   const struct stat& st) {
+  hashing_ = false;
+  if (!holdsAlready(name, st)) {
+    if (auto v = replica_.onLocalRename(name, from, round_)) {
+      renamed_to_[from] = name;  // its deletion, looked at next, says so
+      publishWritten(
+          *v, Held{{toWire(*v), std::move(file), nullptr}, st.st_dev, st.st_ino, mtimeNs(st)},
+          " (renamed from " + from + ")");
+    } else {
+      hash_queue_.push_front(name);  // what was held as `from` changed meanwhile: hashed after all
+    }
+  }
+  hashNext();
+}
+
+void SnapshotReplicator::onDeleted(const std::string& name, const std::string& moved_to) {
   auto v = replica_.onLocalDelete(name, round_);
   if (!v) return;
+  v->moved_to = moved_to;
   dropForgottenDeletions();  // the oldest one, past the core's max_tombstones
   publishWritten(*v, Held{{toWire(*v), nullptr, nullptr}}, "");
 }
@@ -836,9 +945,15 @@ void SnapshotReplicator::relay(const SnapshotVersion& v, const std::string& sour
   if (origin) announce(v, source, *origin, chainAfter(*origin));
 }
 
-void SnapshotReplicator::onAnnounce(const SnapshotVersion& v, const std::string& source,
+void SnapshotReplicator::onAnnounce(const SnapshotVersion& announced, const std::string& source,
                                     const std::string& origin) {
-  if (!isReplicatedName(v.name)) return;  // a peer's name that would leave the directory
+  if (!isReplicatedName(announced.name)) return;  // a peer's name that would leave the directory
+  SnapshotVersion v = announced;
+  if (!v.moved_from.empty() && !isReplicatedName(v.moved_from)) {
+    v.moved_from.clear();  // a hint naming nothing this node could hold
+    v.moved_from_version = 0;
+  }
+  if (!v.moved_to.empty() && !isReplicatedName(v.moved_to)) v.moved_to.clear();
   const bool newer = replica_.shouldInstall(v);
   replica_.onHolder(v, source);
   relays_.told(v, origin);
@@ -908,16 +1023,31 @@ void SnapshotReplicator::pump() {
     auto status = std::make_shared<Status>();
     auto crc = std::make_shared<uint32_t>(0);
     const rendezvous::SnapshotPeer peer{t.source, options_.run_id, options_.security};
-    // A node this one relays the version to fetches it from here while it arrives.
+    // Renamed on the node that wrote it, from a file held here: copied from that (it is passed on
+    // once complete, a local copy being quick). Else a node this one relays the version to
+    // fetches it from here while it arrives.
+    auto local = localCopyOf(t.file);
+    auto copied = std::make_shared<bool>(false);
     std::shared_ptr<rendezvous::PendingCrc> pending;
-    auto arriving = serveArriving(t.file, &pending);
+    auto arriving = local ? nullptr : serveArriving(t.file, &pending);
     auto cancel = std::make_shared<rendezvous::FetchCancel>();
     fetching_[t.file.name] = {t.source, cancel};
     offLoop(
         [peer, file = toWire(t.file), temp, status, crc, cancel, streams = options_.fetch_streams,
-         arriving, pending, root = options_.dir] {
+         arriving, pending, root = options_.dir, local, copied] {
           *status = makeParentDirsUnder(root, file.name);
-          if (status->isOk()) {
+          if (status->isOk() && local) {
+            *status = rendezvous::copySnapshotLocally(*local, file, temp, cancel.get());
+            *copied = status->isOk();
+            *crc = file.crc32;
+            if (!status->isOk() && status->code() != StatusCode::kCancelled &&
+                status->code() != StatusCode::kResourceExhausted) {
+              snapLog()->warn("snapshot: copying {} from {} here failed: {}; fetching it from {}",
+                              file.name, file.moved_from, status->message(), peer.endpoint);
+              *status =
+                  rendezvous::fetchSnapshot(peer, file, temp, cancel.get(), streams, crc.get());
+            }
+          } else if (status->isOk()) {
             *status = rendezvous::fetchSnapshot(peer, file, temp, cancel.get(), streams, crc.get(),
                                                 arriving);
           } else if (arriving) {
@@ -927,7 +1057,7 @@ void SnapshotReplicator::pump() {
           // stops (its server waits for them).
           if (pending) pending->set(status->isOk() ? StatusOr<uint32_t>(*crc) : *status);
         },
-        [this, t, status, crc, temp, started, arriving, cancel]() mutable {
+        [this, t, status, crc, temp, started, arriving, cancel, copied]() mutable {
           auto running = fetching_.find(t.file.name);
           if (running != fetching_.end() && running->second.second == cancel) {
             fetching_.erase(running);
@@ -936,7 +1066,7 @@ void SnapshotReplicator::pump() {
             t.file.crc32 = *crc;
             t.file.crc_pending = false;
           }
-          onFetched(t, *status, temp, started);
+          onFetched(t, *status, temp, started, *copied ? t.file.moved_from : std::string());
           if (arriving) {  // after onFetched: a copy renamed into place is served from there now
             std::lock_guard<std::mutex> lock(served_mu_);
             auto it = arriving_.find(t.file.name);
@@ -964,6 +1094,8 @@ void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
       snapLog()->warn("snapshot: {} (deleted at version {} on another node)", st.message(),
                       versionText(t.file.version));
     } else {
+      // Renamed on the node that deleted it: its copy under the new name may not have started.
+      if (previous && !t.file.moved_to.empty()) keepForCopy(name, previous->served);
       removeEmptyParentsUnder(options_.dir, name);  // as a deleted checkpoint directory goes
       snapLog()->info("snapshot: deleted {} (version {}, deleted on another node)", name,
                       versionText(t.file.version));
@@ -974,8 +1106,59 @@ void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
   if (st.isOk()) relay(t.file, endpoint_);
 }
 
+std::shared_ptr<const rendezvous::OpenFile> SnapshotReplicator::localCopyOf(
+    const SnapshotVersion& v) {
+  if (v.moved_from.empty() || v.crc_pending || v.deleted) return nullptr;
+  auto isIt = [&](const rendezvous::ServedFile& s) {
+    const auto& f = s.file;
+    return s.data && !f.deleted && !f.crc32_pending && f.version == v.moved_from_version &&
+           f.size == v.size && f.crc32 == v.crc32;
+  };
+  if (auto it = held_files_.find(v.moved_from);
+      it != held_files_.end() && isIt(it->second.served)) {
+    return it->second.served.data;
+  }
+  auto kept = kept_for_copy_.find(v.moved_from);
+  if (kept == kept_for_copy_.end() || !isIt(kept->second.served)) return nullptr;
+  auto data = std::move(kept->second.served.data);
+  kept_for_copy_.erase(kept);
+  return data;
+}
+
+void SnapshotReplicator::keepForCopy(const std::string& name,
+                                     const rendezvous::ServedFile& before) {
+  if (!before.data || before.file.deleted || before.file.crc32_pending) return;
+  kept_for_copy_[name] = KeptCopy{before, std::chrono::steady_clock::now() + kKeepRenamedFor};
+  dropKeptCopiesLater();
+}
+
+void SnapshotReplicator::dropKeptCopiesLater() {
+  if (kept_timer_armed_ || kept_for_copy_.empty()) return;
+  if (!kept_timer_) kept_timer_ = std::make_unique<boost::asio::steady_timer>(io_);
+  TimePoint first = TimePoint::max();
+  for (const auto& [name, kept] : kept_for_copy_) first = std::min(first, kept.until);
+  kept_timer_armed_ = true;
+  kept_timer_->expires_at(first);
+  std::weak_ptr<int> alive = alive_;
+  kept_timer_->async_wait([this, alive](const boost::system::error_code& ec) {
+    if (ec || !alive.lock()) return;
+    kept_timer_armed_ = false;
+    const auto now = std::chrono::steady_clock::now();
+    for (auto it = kept_for_copy_.begin(); it != kept_for_copy_.end();) {
+      if (it->second.until > now) {
+        ++it;
+        continue;
+      }
+      releaseOffLoop(std::move(it->second.served.data));  // its blocks are freed then
+      it = kept_for_copy_.erase(it);
+    }
+    dropKeptCopiesLater();
+  });
+}
+
 void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetched,
-                                   const std::string& temp, TimePoint started) {
+                                   const std::string& temp, TimePoint started,
+                                   const std::string& copied_from) {
   Status st = fetched;
   const auto now = std::chrono::steady_clock::now();
   const double secs = std::chrono::duration<double>(now - started).count();
@@ -1006,15 +1189,26 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
           ::fsync(dfd);
           ::close(dfd);
         }
-        ++metrics_.versions_fetched;
-        metrics_.bytes_fetched += t.file.size;
+        if (copied_from.empty()) {
+          ++metrics_.versions_fetched;
+          metrics_.bytes_fetched += t.file.size;
+        } else {
+          ++metrics_.versions_copied;
+        }
         auto heard = first_heard_.find(t.file.name);
         const TimePoint since = heard != first_heard_.end() && heard->second.first == t.file.version
                                     ? std::min(heard->second.second, started)
                                     : started;
         metrics_.last_lag_seconds = std::chrono::duration<double>(now - since).count();
-        snapLog()->info("snapshot: fetched {} version {}: {} bytes from {} in {:.3f} s",
-                        t.file.name, versionText(t.file.version), t.file.size, t.source, secs);
+        if (copied_from.empty()) {
+          snapLog()->info("snapshot: fetched {} version {}: {} bytes from {} in {:.3f} s",
+                          t.file.name, versionText(t.file.version), t.file.size, t.source, secs);
+        } else {
+          snapLog()->info(
+              "snapshot: {} version {}: {} bytes copied from {} here (renamed on another node) "
+              "in {:.3f} s",
+              t.file.name, versionText(t.file.version), t.file.size, copied_from, secs);
+        }
         relay(t.file, endpoint_);  // this node serves its subtree of the announcement tree
       }
       if (before) releaseOffLoop(std::move(before->served.data));

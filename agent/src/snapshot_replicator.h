@@ -65,8 +65,9 @@ struct SnapshotMetrics {
   uint64_t bytes_fetched = 0;
   uint64_t versions_written = 0;  // completed here by this node's workers
   uint64_t transfer_failures = 0;
-  double last_lag_seconds = 0;  // from learning of a version to holding it, for the last fetch
-  uint64_t newest_version = 0;  // highest version held of any file
+  uint64_t versions_copied = 0;  // renamed elsewhere: copied from this node's own file instead
+  double last_lag_seconds = 0;   // from learning of a version to holding it, for the last fetch
+  uint64_t newest_version = 0;   // highest version held of any file
 };
 
 // INVALID_ARGUMENT: a --snapshot-dir that is missing, not a directory or not writable.
@@ -124,6 +125,11 @@ class SnapshotReplicator {
   // Stops watching the directory `rel` and those below it (renamed or deleted), and looks again
   // at every file held there: their deletions are versions.
   void forgetTree(const std::string& rel);
+  // Stops watching the directory `rel` and those below it.
+  void unwatchTree(const std::string& rel);
+  // The names renamed away (renamed_away_) whose IN_MOVED_TO did not come: they left the
+  // directory, and are looked at again (their deletions are versions).
+  void notRenamedWithin();
   // Events lost (the kernel's queue overflowed): every file there and every file held is looked
   // at again.
   void rescan();
@@ -132,7 +138,8 @@ class SnapshotReplicator {
   void lookAgainAtHeld(const std::string& prefix);
   void watchDir();
   // An inotify event for `name` in the directory watched as `wd`.
-  void onWatchEvent(int wd, uint32_t mask, const std::string& name);
+  // (`cookie` pairs a rename's IN_MOVED_FROM and IN_MOVED_TO.)
+  void onWatchEvent(int wd, uint32_t mask, uint32_t cookie, const std::string& name);
   void onDirEvent(const std::string& name);
   // A warning for a file or directory not replicated because its path is too long (the first
   // few named).
@@ -144,8 +151,22 @@ class SnapshotReplicator {
   // A large completed file: announced now, hashed on a thread while others fetch it.
   void announceThenHash(const std::string& name, std::shared_ptr<rendezvous::OpenFile> file,
                         const struct stat& st);
+  // `name` is the file held as `from` until this node's workers renamed it (same inode): its new
+  // version is announced with the rename as a hint, so that nodes holding `from` copy their own.
+  void onRenamed(const std::string& name, const std::string& from,
+                 std::shared_ptr<rendezvous::OpenFile> file, const struct stat& st);
+  // The file this node holds that `v` is a renamed copy of (v.moved_from at that version and
+  // content), if any: copied here instead of fetched.
+  // Takes it from kept_for_copy_ when it is there.
+  std::shared_ptr<const rendezvous::OpenFile> localCopyOf(const SnapshotVersion& v);
+  // A file held as `before` is deleted because another node renamed it: kept open for the copy a
+  // while (kept_for_copy_), then let go.
+  void keepForCopy(const std::string& name, const rendezvous::ServedFile& before);
+  // Arms the timer that lets go of the kept copies whose time is up.
+  void dropKeptCopiesLater();
   // No file `name` any more: if one was held, its deletion is a version, announced as a write.
-  void onDeleted(const std::string& name);
+  // `moved_to`: it was renamed to that name (onRenamed).
+  void onDeleted(const std::string& name, const std::string& moved_to = "");
   // A version this node's workers wrote (or a deletion): held and served here, announced down
   // the tree (the log line ends with `note`).
   void publishWritten(const SnapshotVersion& v, Held held, const std::string& note);
@@ -186,8 +207,9 @@ class SnapshotReplicator {
   // A deletion another node made: this node's copy is deleted (no fetch), and the deletion
   // passed on down the tree.
   void applyDeletion(const SnapshotTransfer& t);
+  // `copied_from`: the version came as a copy of this node's own file of that name (localCopyOf).
   void onFetched(const SnapshotTransfer& t, const Status& st, const std::string& temp,
-                 TimePoint started);
+                 TimePoint started, const std::string& copied_from);
   void maybeFinishSync();
   // A new round's nodes serve at `live`: fetches from any other source end now, and other
   // sources are not tried again.
@@ -234,9 +256,29 @@ class SnapshotReplicator {
   int long_names_ = 0;                      // paths too long to be replicated (firstFew)
   int overflows_ = 0;                       // inotify queue overflows (firstFew)
   std::map<std::string, Held> held_files_;  // loop thread
-  std::string recorded_table_;              // what the version table file holds
-  bool table_failing_ = false;              // the last write of it failed (warned once)
-  bool recording_ = false;                  // the version table is kept (after the start's scan)
+  // Renamed away, by the rename's cookie, until its IN_MOVED_TO (or none) came.
+  struct RenamedAway {
+    std::string name;
+    bool dir = false;
+  };
+  std::map<uint32_t, RenamedAway> renamed_away_;
+  // Names renamed within the directory, to what they were called before: taken when the file is
+  // next looked at (hashNext).
+  std::map<std::string, std::string> renamed_from_;
+  // The other way: names renamed away (onRenamed), to their new names, until looked at again.
+  std::map<std::string, std::string> renamed_to_;
+  // Files deleted here because another node renamed them, kept open a while for the copy under
+  // the new name in case the deletion came first (by name).
+  struct KeptCopy {
+    rendezvous::ServedFile served;
+    TimePoint until;
+  };
+  std::map<std::string, KeptCopy> kept_for_copy_;
+  std::unique_ptr<boost::asio::steady_timer> kept_timer_;
+  bool kept_timer_armed_ = false;
+  std::string recorded_table_;  // what the version table file holds
+  bool table_failing_ = false;  // the last write of it failed (warned once)
+  bool recording_ = false;      // the version table is kept (after the start's scan)
   mutable std::mutex served_mu_;
   std::map<std::string, rendezvous::ServedFile> served_;  // guarded by served_mu_
   // Versions being fetched here that are served on as they arrive (serveArriving).

@@ -54,6 +54,11 @@ SnapshotFile fromProto(const spb::FileVersion& f) {
   if (out.crc32_pending) out.crc32 = 0;
   out.deleted = f.deleted();
   if (out.deleted) out = SnapshotFile{out.name, out.version, 0, 0, false, true};
+  if (!out.deleted && !out.crc32_pending && f.moved_from_version() != 0) {
+    out.moved_from = f.moved_from();
+    out.moved_from_version = f.moved_from_version();
+  }
+  if (out.deleted) out.moved_to = f.moved_to();
   return out;
 }
 
@@ -806,6 +811,9 @@ Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
   f->set_crc32(file.crc32);
   f->set_crc32_pending(file.crc32_pending);
   f->set_deleted(file.deleted);
+  f->set_moved_from(file.moved_from);
+  f->set_moved_from_version(file.moved_from_version);
+  f->set_moved_to(file.moved_to);
   spb::AnnounceResponse resp;
   return convert::fromGrpc(stub->Announce(&ctx, req, &resp));
 }
@@ -1160,17 +1168,21 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
 
 namespace {
 
-Status fetchInto(const SnapshotPeer& peer, const SnapshotFile& file, const std::string& temp_path,
-                 FetchCancel* cancel, size_t streams_at_most, uint32_t* crc32_out,
-                 ArrivingFile* arriving) {
-  const auto slash = temp_path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : temp_path.substr(0, slash);
+std::string dirOf(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+// Creates the temp file a version is received into, with its space reserved (RESOURCE_EXHAUSTED
+// naming the bytes when there is none), and hands it to `arriving` for serving on.
+Status prepareTemp(const SnapshotFile& file, TempFile& out, const std::string& temp_path,
+                   ArrivingFile* arriving) {
+  const std::string dir = dirOf(temp_path);
   struct statvfs vfs {};
   if (::statvfs(dir.c_str(), &vfs) == 0) {
     const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
     if (free_bytes < file.size) return noSpace(file, dir, free_bytes);
   }
-  TempFile out(temp_path);
   DDPRUN_RETURN_IF_ERROR(out.create());
   if (file.size > 0) {
     const int err = ::posix_fallocate(out.fd(), 0, static_cast<off_t>(file.size));
@@ -1188,6 +1200,15 @@ Status fetchInto(const SnapshotPeer& peer, const SnapshotFile& file, const std::
     if (fd < 0) return internalError("cannot open " + temp_path + ": " + errnoText(errno));
     arriving->setData(std::make_shared<OpenFile>(fd));
   }
+  return Status::ok();
+}
+
+Status fetchInto(const SnapshotPeer& peer, const SnapshotFile& file, const std::string& temp_path,
+                 FetchCancel* cancel, size_t streams_at_most, uint32_t* crc32_out,
+                 ArrivingFile* arriving) {
+  const std::string dir = dirOf(temp_path);
+  TempFile out(temp_path);
+  DDPRUN_RETURN_IF_ERROR(prepareTemp(file, out, temp_path, arriving));
 
   // Large versions come over several streams at once, each a range of the file on a connection
   // of its own: one gRPC stream on loopback kept this 2-core host's CPUs only ~70 % busy.
@@ -1254,6 +1275,48 @@ Status fetchInto(const SnapshotPeer& peer, const SnapshotFile& file, const std::
   return Status::ok();
 }
 
+Status copyInto(const OpenFile& from, const SnapshotFile& file, const std::string& temp_path,
+                FetchCancel* cancel, ArrivingFile* arriving) {
+  if (file.crc32_pending) return internalError("a local copy needs the version's CRC-32");
+  TempFile out(temp_path);
+  DDPRUN_RETURN_IF_ERROR(prepareTemp(file, out, temp_path, arriving));
+  if (arriving != nullptr) arriving->addRange(0, file.size);
+  CachedBlock buf(BlockCache::transfers());
+  if (!buf) return Status(StatusCode::kResourceExhausted, "no memory for a buffer to copy with");
+  // Served on in relay-sized steps (each is written, and checked once the whole is).
+  const size_t step = arriving != nullptr ? std::min(buf.size(), kRelayChunk) : buf.size();
+  SequentialWriter writer(out.fd(), 0, file.size, /*direct=*/arriving == nullptr);
+  uint32_t crc = 0;
+  uint64_t at = 0;
+  while (at < file.size) {
+    if (cancel != nullptr && cancel->cancelled()) return cancel->why();
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(step, file.size - at));
+    const ssize_t n = ::pread(from.fd(), buf.get(), want, static_cast<off_t>(at));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return internalError("cannot read the local copy: " + errnoText(errno));
+    if (n == 0) {
+      return Status(StatusCode::kDataLoss, "the local copy ends after " + std::to_string(at) +
+                                               " of " + std::to_string(file.size) + " bytes");
+    }
+    crc = crc32Update(crc, buf.get(), static_cast<size_t>(n));
+    if (const int err = writer.append(buf.get(), static_cast<size_t>(n))) {
+      return err == ENOSPC || err == EDQUOT
+                 ? noSpace(file, dirOf(temp_path), 0)
+                 : internalError("cannot write " + temp_path + ": " + errnoText(err));
+    }
+    at += static_cast<uint64_t>(n);
+    if (arriving != nullptr) arriving->advance(0, writer.durable());
+  }
+  if (const int err = writer.finish()) {
+    return internalError("cannot write " + temp_path + ": " + errnoText(err));
+  }
+  if (crc != file.crc32) {
+    return Status(StatusCode::kDataLoss, "the local copy does not match the version's CRC-32");
+  }
+  if (arriving != nullptr) arriving->advance(0, file.size);
+  return out.finish();
+}
+
 }  // namespace
 
 // Subscribers run under mu_, so none runs after unsubscribe() returned (FetchAbort's lock is
@@ -1288,6 +1351,14 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
                      uint32_t* crc32_out, const std::shared_ptr<ArrivingFile>& arriving) {
   Status st = fetchInto(peer, file, temp_path, cancel, streams_at_most, crc32_out, arriving.get());
   if (!st.isOk() && cancel != nullptr && cancel->cancelled()) st = cancel->why();
+  if (arriving && !st.isOk()) arriving->fail(st);
+  return st;
+}
+
+Status copySnapshotLocally(const OpenFile& from, const SnapshotFile& file,
+                           const std::string& temp_path, FetchCancel* cancel,
+                           const std::shared_ptr<ArrivingFile>& arriving) {
+  Status st = copyInto(from, file, temp_path, cancel, arriving.get());
   if (arriving && !st.isOk()) arriving->fail(st);
   return st;
 }

@@ -471,6 +471,51 @@ TEST_CASE("a deletion is a version: older copies are deleted, not fetched back",
   CHECK_FALSE(as_file.sameContent(*gone));
 }
 
+TEST_CASE("a rename is a new version of the new name that names the old one as a hint",
+          "[snapshot]") {
+  SnapshotReplica writer;
+  const SnapshotVersion old = writer.onLocalWrite("ckpt.new", 10, 5, 1);
+  auto renamed = writer.onLocalRename("ckpt.pt", "ckpt.new", 1);
+  REQUIRE(renamed);
+  CHECK(renamed->version > old.version);
+  CHECK(renamed->size == 10);
+  CHECK(renamed->crc32 == 5);
+  CHECK(renamed->moved_from == "ckpt.new");
+  CHECK(renamed->moved_from_version == old.version);
+  // Held without the hint (it is not recorded), and the old name's deletion follows as usual.
+  CHECK(writer.held("ckpt.pt")->moved_from.empty());
+  CHECK(*writer.held("ckpt.pt") == SnapshotVersion{"ckpt.pt", renamed->version, 10, 5});
+  auto gone = writer.onLocalDelete("ckpt.new", 1);
+  REQUIRE(gone);
+  CHECK(gone->version > renamed->version);
+  // Nothing to copy from: not held, deleted, never recorded (version 0), still hashed, itself.
+  CHECK_FALSE(writer.onLocalRename("b", "ckpt.new", 1));
+  CHECK_FALSE(writer.onLocalRename("b", "nothing", 1));
+  writer.adoptExisting("before.pt", 3, 3);
+  CHECK_FALSE(writer.onLocalRename("b", "before.pt", 1));
+  writer.onLocalWritePending("big.bin", 1 << 30, 1);
+  CHECK_FALSE(writer.onLocalRename("b", "big.bin", 1));
+  CHECK_FALSE(writer.onLocalRename("ckpt.pt", "ckpt.pt", 1));
+
+  // A receiver keeps the hint with what it wants, also when the holdings told it first.
+  SnapshotReplica other;
+  other.onHolder(old, "w:1");
+  other.onTransferDone(other.takeTransfers().at(0), TransferOutcome::kOk);
+  SnapshotVersion plain = *renamed;
+  plain.moved_from.clear();
+  plain.moved_from_version = 0;
+  other.onHolder(plain, "x:1");  // the round's holdings: no hint
+  other.onHolder(*renamed, "w:1");
+  auto ts = other.takeTransfers();
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].file == *renamed);
+  CHECK(ts[0].file.moved_from == "ckpt.new");
+  CHECK(ts[0].file.moved_from_version == old.version);
+  other.onTransferDone(ts[0], TransferOutcome::kOk);
+  CHECK(other.held("ckpt.pt")->moved_from.empty());
+  CHECK_FALSE(other.busy());
+}
+
 TEST_CASE("deletions travel in the holdings and the version table", "[snapshot]") {
   SnapshotReplica r;
   r.onLocalWrite("a.bin", 10, 5, 1);

@@ -695,6 +695,75 @@ TEST_CASE("checkpoint directories are replicated at any depth, and deleted direc
   CHECK(holds(c_dir, "ckpt-3/optimizer.pt", expected.at("ckpt-3/optimizer.pt")));
 }
 
+TEST_CASE(
+    "a file or directory renamed in the snapshot dir is copied from the old name, not fetched",
+    "[snapshot]") {
+  // The writer saves under staging names that are not temp names (replicated as they are), then
+  // renames: a file to a new name, a checkpoint directory to its final name, a file over an older
+  // version of its new name, and a file to a temp name (which deletes it). The other node holds
+  // the old names already: it copies its own files under the new names (no fetch), deletes the
+  // old ones, and ends with the writer's names and bytes.
+  TempDir triggers, a_dir, b_dir;
+  auto wait_for = [&](const std::string& name) {
+    return "while [ ! -e '" + triggers / name + "' ]; do sleep 0.1; done; ";
+  };
+  std::string contents[2];
+  for (uint32_t k = 0; k < 2; ++k) {
+    for (uint32_t i = 0; i < 300000; ++i) contents[k].push_back(static_cast<char>(i * (7 + k)));
+    std::ofstream(triggers / ("big" + std::to_string(k)), std::ios::binary) << contents[k];
+  }
+  const std::string big0 = triggers / "big0", big1 = triggers / "big1";
+  const std::string script =
+      "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then cd \"$DDPRUN_SNAPSHOT_DIR\" && cat '" + big0 +
+      "' > staging.pt && mkdir -p stage-1/sub && cat '" + big1 +
+      "' > stage-1/model.pt && echo deep > stage-1/sub/deep.bin && " + wait_for("1") +
+      "mv staging.pt snapshot.pt && mv stage-1 ckpt-1 && " + wait_for("2") + "cat '" + big1 +
+      "' > staging.pt && " + wait_for("3") + "mv staging.pt snapshot.pt && " + wait_for("4") +
+      "mv snapshot.pt snapshot.pt.tmp; fi; " + wait_for("stop");
+  auto holds = [&](const std::string& name, const std::string& content) {
+    return fileExists(b_dir / name) && readFile(b_dir / name) == content;
+  };
+  auto step = [&](const std::string& trigger, const std::function<bool()>& done) {
+    const bool ok = waitUntil(done, 60s);
+    if (ok && !trigger.empty()) std::ofstream(triggers / trigger) << "";
+    return ok;
+  };
+  RendezvousDaemon rdzv;
+  auto nodes = writerAndReader(rdzv, a_dir.path(), b_dir.path(), "snap-renames", script);
+  const bool ok =
+      step("1",
+           [&] {
+             return holds("staging.pt", contents[0]) && holds("stage-1/model.pt", contents[1]) &&
+                    holds("stage-1/sub/deep.bin", "deep\n");
+           }) &&
+      step("2",
+           [&] {
+             return holds("snapshot.pt", contents[0]) && holds("ckpt-1/model.pt", contents[1]) &&
+                    holds("ckpt-1/sub/deep.bin", "deep\n") && !fileExists(b_dir / "staging.pt") &&
+                    !fileExists(b_dir / "stage-1");
+           }) &&
+      step("3", [&] { return holds("staging.pt", contents[1]); }) &&
+      step(
+          "4",
+          [&] { return holds("snapshot.pt", contents[1]) && !fileExists(b_dir / "staging.pt"); }) &&
+      step("", [&] { return !fileExists(b_dir / "snapshot.pt"); });
+  const std::string logs = logsThenStop(nodes, triggers / "stop");
+  const std::string reader = nodes[1]->err();
+  INFO(logs);
+  REQUIRE(ok);
+  CHECK(logs.find("ckpt-1/model.pt version ") != std::string::npos);
+  CHECK(logs.find("(renamed from stage-1/model.pt)") != std::string::npos);
+  CHECK(logs.find("(renamed from staging.pt)") != std::string::npos);
+  // Every renamed file came from the reader's own copy of the old name.
+  CHECK(countOf(reader, "300000 bytes copied from staging.pt here (renamed on another node)") == 2);
+  CHECK(countOf(reader, "300000 bytes copied from stage-1/model.pt here") == 1);
+  CHECK(countOf(reader, "5 bytes copied from stage-1/sub/deep.bin here") == 1);
+  CHECK(reader.find("snapshot: fetched snapshot.pt") == std::string::npos);
+  CHECK(reader.find("snapshot: fetched ckpt-1/") == std::string::npos);
+  CHECK(reader.find("snapshot: deleted stage-1/model.pt (version ") != std::string::npos);
+  CHECK(reader.find("snapshot: deleted snapshot.pt (version ") != std::string::npos);
+}
+
 TEST_CASE("a checkpoint of 2000 files arrives whole, fetched a few files at a time", "[snapshot]") {
   // A sharded checkpoint (torch.distributed.checkpoint writes a file per rank and storage unit),
   // written under a temp name and renamed into place: all its files appear at once. Every file

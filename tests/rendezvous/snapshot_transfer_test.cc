@@ -295,6 +295,88 @@ TEST_CASE("a source whose file does not match the announced CRC-32 is refused", 
   CHECK_FALSE(exists(out / ".recv"));
 }
 
+TEST_CASE("a renamed version is copied from the local file, checked as a fetch is", "[snapshot]") {
+  for (size_t size : {size_t{0}, size_t{1000}, size_t{12 << 20} + 5}) {  // buffered, O_DIRECT
+    CAPTURE(size);
+    Holder h(size);  // its file stands for the one this node holds under the old name
+    SnapshotFile renamed = h.served.file;
+    renamed.name = "renamed.bin";
+    Dir out;
+    REQUIRE(copySnapshotLocally(*h.served.data, renamed, out / ".recv", nullptr).isOk());
+    CHECK(readAll(out / ".recv") == h.content);
+    CHECK(h.lookups == 0);  // nothing over the network
+  }
+  Holder h(300 * 1000);
+  Dir out;
+  SECTION("other content than the version's is refused and leaves nothing") {
+    SnapshotFile other = h.served.file;
+    other.crc32 ^= 1;
+    Status st = copySnapshotLocally(*h.served.data, other, out / ".recv", nullptr);
+    CHECK(st.code() == StatusCode::kDataLoss);
+    CHECK(st.message().find("does not match the version's CRC-32") != std::string::npos);
+    CHECK_FALSE(exists(out / ".recv"));
+  }
+  SECTION("a local file shorter than the version is refused") {
+    SnapshotFile longer = h.served.file;
+    longer.size += 10;
+    Status st = copySnapshotLocally(*h.served.data, longer, out / ".recv", nullptr);
+    CHECK(st.code() == StatusCode::kDataLoss);
+    CHECK(st.message().find("ends after 300000 of 300010 bytes") != std::string::npos);
+    CHECK_FALSE(exists(out / ".recv"));
+  }
+  SECTION("a cancelled copy ends with the cancel's reason") {
+    FetchCancel cancel;
+    cancel.cancel(Status(StatusCode::kUnavailable, "stopping"));
+    Status st = copySnapshotLocally(*h.served.data, h.served.file, out / ".recv", &cancel);
+    CHECK(st.code() == StatusCode::kUnavailable);
+    CHECK_FALSE(exists(out / ".recv"));
+  }
+  SECTION("without the space, RESOURCE_EXHAUSTED naming the bytes") {
+    SnapshotFile huge = h.served.file;
+    huge.size = uint64_t{1} << 60;
+    Status st = copySnapshotLocally(*h.served.data, huge, out / ".recv", nullptr);
+    CHECK(st.code() == StatusCode::kResourceExhausted);
+    CHECK(st.message().find("needs 1152921504606846976 bytes") != std::string::npos);
+    CHECK_FALSE(exists(out / ".recv"));
+  }
+  SECTION("a version whose CRC-32 is not known yet cannot be copied") {
+    SnapshotFile pending = h.served.file;
+    pending.crc32_pending = true;
+    CHECK_FALSE(copySnapshotLocally(*h.served.data, pending, out / ".recv", nullptr).isOk());
+    CHECK_FALSE(exists(out / ".recv"));
+  }
+}
+
+TEST_CASE(
+    "an announcement carries the rename hints: where a version came from, where a deletion went",
+    "[snapshot]") {
+  Holder h(10);
+  SnapshotFile renamed{"b/new.pt", 9, 5, 77};
+  renamed.moved_from = "a/old.pt";
+  renamed.moved_from_version = 8;
+  renamed.moved_to = "c/other.pt";  // only a deletion says where it went
+  SnapshotFile pending = renamed;
+  pending.crc32_pending = true;
+  SnapshotFile deleted{"b/new.pt", 10, 0, 0};
+  deleted.deleted = true;
+  deleted.moved_from = "a/old.pt";
+  deleted.moved_from_version = 8;
+  deleted.moved_to = "b/new.pt";
+  for (const auto& f : {renamed, pending, deleted}) {
+    REQUIRE(announceSnapshot(h.peer(), f, "x:1", "x:1", std::chrono::seconds(5)).isOk());
+  }
+  std::lock_guard<std::mutex> lock(h.mu);
+  REQUIRE(h.announced.size() == 3);
+  CHECK(h.announced[0].first.moved_from == "a/old.pt");
+  CHECK(h.announced[0].first.moved_from_version == 8);
+  CHECK(h.announced[0].first.moved_to.empty());
+  CHECK(h.announced[1].first.moved_from.empty());
+  CHECK(h.announced[1].first.moved_from_version == 0);
+  CHECK(h.announced[2].first.moved_from.empty());
+  CHECK(h.announced[2].first.moved_from_version == 0);
+  CHECK(h.announced[2].first.moved_to == "b/new.pt");
+}
+
 TEST_CASE("a version the source does not hold is NOT_FOUND", "[snapshot]") {
   Holder h(1000);
   Dir out;

@@ -54,6 +54,14 @@ struct SnapshotVersion {
   // This version deletes the file (a tombstone: size and crc32 are 0). Held like any version, so
   // that older versions of the name are not fetched back; applied by deleting the file.
   bool deleted = false;
+  // A hint that travels with an announcement, not part of the version (neither compared nor
+  // recorded): its writer renamed `moved_from`, held there at `moved_from_version`, to this name.
+  // A node holding that version may copy its own file instead of fetching (the copy is checked
+  // against crc32 as a fetch is).
+  std::string moved_from{};
+  uint64_t moved_from_version = 0;
+  // On a deletion, the same hint the other way: the file was renamed to `moved_to`.
+  std::string moved_to{};
   bool operator==(const SnapshotVersion& o) const {
     return name == o.name && version == o.version && size == o.size && crc32 == o.crc32 &&
            crc_pending == o.crc_pending && deleted == o.deleted;
@@ -125,6 +133,12 @@ class SnapshotReplica {
   // The same before the hash is known (a large file is announced while it is hashed); the
   // CRC-32 follows with onCrcKnown().
   SnapshotVersion onLocalWritePending(const std::string& name, uint64_t size, uint64_t round);
+  // This node's workers renamed `from` to `name` during `round`: the file `name` is the very file
+  // held as `from` (the shell checked its inode), so it needs no hash. Returns the version to
+  // announce, with the rename as its hint (moved_from); nullopt when `from` is not held with a
+  // known CRC-32 (then the file is hashed as any other). The deletion of `from` is onLocalDelete's.
+  std::optional<SnapshotVersion> onLocalRename(const std::string& name, const std::string& from,
+                                               uint64_t round);
   // This node's workers deleted `name` during `round`: the returned tombstone is what to announce;
   // nullopt when nothing of it was held (or its deletion already was).
   std::optional<SnapshotVersion> onLocalDelete(const std::string& name, uint64_t round);

@@ -28,7 +28,7 @@ namespace ddprun::rendezvous {
 
 // One complete version of one file of a snapshot directory.
 struct SnapshotFile {
-  std::string name;      // plain file name, no '/'
+  std::string name;      // path relative to the snapshot directory
   uint64_t version = 0;  // (round << 32) | sequence; 0: present before the job, version unknown
   uint64_t size = 0;
   uint32_t crc32 = 0;  // zlib's CRC-32 of the whole content, unless crc32_pending
@@ -37,6 +37,11 @@ struct SnapshotFile {
   bool crc32_pending = false;
   // This version deletes the file (a tombstone: size and crc32 are 0; never served or fetched).
   bool deleted = false;
+  // A hint, not part of the version: its writer renamed `moved_from` at `moved_from_version` to
+  // this name (empty: not a rename). See the proto's FileVersion.
+  std::string moved_from{};
+  uint64_t moved_from_version = 0;
+  std::string moved_to{};  // on a deletion: renamed to that name
   bool operator==(const SnapshotFile& o) const {
     return name == o.name && version == o.version && size == o.size && crc32 == o.crc32 &&
            crc32_pending == o.crc32_pending && deleted == o.deleted;
@@ -227,6 +232,15 @@ Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
                      const std::string& temp_path, FetchCancel* cancel,
                      size_t streams_at_most = kDefaultFetchStreams, uint32_t* crc32_out = nullptr,
                      const std::shared_ptr<ArrivingFile>& arriving = nullptr);
+
+// As fetchSnapshot, from a file this node holds instead of a peer: `file` (its CRC-32 known) is
+// the content of `from` (a version another node renamed, announced with moved_from). The copy is
+// checked against file.crc32 and fsynced; DATA_LOSS when `from` does not hold that content,
+// RESOURCE_EXHAUSTED without the space, `cancel`'s reason once cancelled. Blocks the calling
+// thread.
+Status copySnapshotLocally(const OpenFile& from, const SnapshotFile& file,
+                           const std::string& temp_path, FetchCancel* cancel,
+                           const std::shared_ptr<ArrivingFile>& arriving = nullptr);
 
 // Sets this process's allocator up for bulk transfers (glibc: mallopt). By default glibc serves an
 // allocation of a few MiB, as gRPC makes for each read of a fetch, with a fresh mmap and returns
