@@ -1027,6 +1027,15 @@ void SnapshotReplicator::pump() {
     // once complete, a local copy being quick). Else a node this one relays the version to
     // fetches it from here while it arrives.
     auto local = localCopyOf(t.file);
+    if (local && linkHeld(t.file, temp)) {
+      // Installed from the loop's next turn (onFetched pumps, and this loop is not done).
+      std::weak_ptr<int> alive = alive_;
+      boost::asio::post(io_, [this, alive, t, temp, started] {
+        if (alive.lock())
+          onFetched(t, Status::ok(), temp, started, "linked from " + t.file.moved_from);
+      });
+      continue;
+    }
     auto copied = std::make_shared<bool>(false);
     std::shared_ptr<rendezvous::PendingCrc> pending;
     auto arriving = local ? nullptr : serveArriving(t.file, &pending);
@@ -1066,7 +1075,8 @@ void SnapshotReplicator::pump() {
             t.file.crc32 = *crc;
             t.file.crc_pending = false;
           }
-          onFetched(t, *status, temp, started, *copied ? t.file.moved_from : std::string());
+          onFetched(t, *status, temp, started,
+                    *copied ? "copied from " + t.file.moved_from : std::string());
           if (arriving) {  // after onFetched: a copy renamed into place is served from there now
             std::lock_guard<std::mutex> lock(served_mu_);
             auto it = arriving_.find(t.file.name);
@@ -1125,6 +1135,23 @@ std::shared_ptr<const rendezvous::OpenFile> SnapshotReplicator::localCopyOf(
   return data;
 }
 
+bool SnapshotReplicator::linkHeld(const SnapshotVersion& v, const std::string& temp) {
+  auto it = held_files_.find(v.moved_from);
+  if (it == held_files_.end() || it->second.served.file.version != v.moved_from_version) {
+    return false;  // kept for the copy only (keepForCopy)
+  }
+  const Held& h = it->second;
+  struct stat st {};
+  const std::string from = path(v.moved_from);
+  if (::lstat(from.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_dev != h.dev ||
+      st.st_ino != h.ino || mtimeNs(st) != h.mtime_ns ||
+      static_cast<uint64_t>(st.st_size) != v.size) {
+    return false;  // not the file held (changed by a worker meanwhile)
+  }
+  return makeParentDirsUnder(options_.dir, v.name).isOk() &&
+         ::link(from.c_str(), temp.c_str()) == 0;
+}
+
 void SnapshotReplicator::keepForCopy(const std::string& name,
                                      const rendezvous::ServedFile& before) {
   if (!before.data || before.file.deleted || before.file.crc32_pending) return;
@@ -1158,7 +1185,7 @@ void SnapshotReplicator::dropKeptCopiesLater() {
 
 void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetched,
                                    const std::string& temp, TimePoint started,
-                                   const std::string& copied_from) {
+                                   const std::string& taken) {
   Status st = fetched;
   const auto now = std::chrono::steady_clock::now();
   const double secs = std::chrono::duration<double>(now - started).count();
@@ -1189,7 +1216,7 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
           ::fsync(dfd);
           ::close(dfd);
         }
-        if (copied_from.empty()) {
+        if (taken.empty()) {
           ++metrics_.versions_fetched;
           metrics_.bytes_fetched += t.file.size;
         } else {
@@ -1200,14 +1227,13 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
                                     ? std::min(heard->second.second, started)
                                     : started;
         metrics_.last_lag_seconds = std::chrono::duration<double>(now - since).count();
-        if (copied_from.empty()) {
+        if (taken.empty()) {
           snapLog()->info("snapshot: fetched {} version {}: {} bytes from {} in {:.3f} s",
                           t.file.name, versionText(t.file.version), t.file.size, t.source, secs);
         } else {
           snapLog()->info(
-              "snapshot: {} version {}: {} bytes copied from {} here (renamed on another node) "
-              "in {:.3f} s",
-              t.file.name, versionText(t.file.version), t.file.size, copied_from, secs);
+              "snapshot: {} version {}: {} bytes {} here (renamed on another node) in {:.3f} s",
+              t.file.name, versionText(t.file.version), t.file.size, taken, secs);
         }
         relay(t.file, endpoint_);  // this node serves its subtree of the announcement tree
       }

@@ -207,9 +207,14 @@ class SnapshotReplicator {
   // A deletion another node made: this node's copy is deleted (no fetch), and the deletion
   // passed on down the tree.
   void applyDeletion(const SnapshotTransfer& t);
-  // `copied_from`: the version came as a copy of this node's own file of that name (localCopyOf).
+  // `taken`: the version came from this node's own file of the old name ("copied from NAME",
+  // "linked from NAME"), not from t.source.
   void onFetched(const SnapshotTransfer& t, const Status& st, const std::string& temp,
-                 TimePoint started, const std::string& copied_from);
+                 TimePoint started, const std::string& taken);
+  // A renamed version whose old name this node still holds as that very file (localCopyOf):
+  // linked under `temp` (no copy, no space; the old name's deletion follows). False when it
+  // cannot be (then it is copied).
+  bool linkHeld(const SnapshotVersion& v, const std::string& temp);
   void maybeFinishSync();
   // A new round's nodes serve at `live`: fetches from any other source end now, and other
   // sources are not tried again.

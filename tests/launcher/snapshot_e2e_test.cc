@@ -16,6 +16,7 @@
 #include <set>
 
 #include "ddprun/common/crc32.h"
+#include "ddprun/rendezvous/snapshot_transfer.h"
 #include "multinode_helpers.h"
 #include "process_helpers.h"
 #include "rendezvous_daemon.h"
@@ -754,14 +755,75 @@ TEST_CASE(
   CHECK(logs.find("ckpt-1/model.pt version ") != std::string::npos);
   CHECK(logs.find("(renamed from stage-1/model.pt)") != std::string::npos);
   CHECK(logs.find("(renamed from staging.pt)") != std::string::npos);
-  // Every renamed file came from the reader's own copy of the old name.
-  CHECK(countOf(reader, "300000 bytes copied from staging.pt here (renamed on another node)") == 2);
-  CHECK(countOf(reader, "300000 bytes copied from stage-1/model.pt here") == 1);
-  CHECK(countOf(reader, "5 bytes copied from stage-1/sub/deep.bin here") == 1);
+  // Every renamed file came from the reader's own file of the old name: linked while it still
+  // held it, copied when the old name's deletion came first.
+  auto taken = [&](const std::string& bytes, const std::string& from) {
+    return countOf(reader, bytes + " bytes linked from " + from + " here") +
+           countOf(reader, bytes + " bytes copied from " + from + " here");
+  };
+  CHECK(taken("300000", "staging.pt") == 2);
+  CHECK(taken("300000", "stage-1/model.pt") == 1);
+  CHECK(taken("5", "stage-1/sub/deep.bin") == 1);
   CHECK(reader.find("snapshot: fetched snapshot.pt") == std::string::npos);
   CHECK(reader.find("snapshot: fetched ckpt-1/") == std::string::npos);
   CHECK(reader.find("snapshot: deleted stage-1/model.pt (version ") != std::string::npos);
   CHECK(reader.find("snapshot: deleted snapshot.pt (version ") != std::string::npos);
+}
+
+TEST_CASE("a rename whose deletion arrives before its new name is copied from the kept old file",
+          "[snapshot]") {
+  // Announcements travel on calls of their own, so a node may learn of the old name's deletion
+  // before the new name's version. The test plays the writer's agent for those two announcements,
+  // in that order: the reader deletes staging.pt but keeps it open, and copies final.pt from it
+  // (no fetch: the writer never held final.pt).
+  TempDir triggers, a_dir, b_dir;
+  std::string content;
+  for (uint32_t i = 0; i < 200000; ++i) content.push_back(static_cast<char>(i * 13));
+  std::ofstream(triggers / "big", std::ios::binary) << content;
+  const std::string script = "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then cat '" + triggers / "big" +
+                             "' > \"$DDPRUN_SNAPSHOT_DIR/staging.pt\"; fi; while [ ! -e '" +
+                             triggers / "stop" + "' ]; do sleep 0.1; done";
+  RendezvousDaemon rdzv;
+  auto nodes = writerAndReader(rdzv, a_dir.path(), b_dir.path(), "snap-rename-order", script);
+  auto holds = [&](const std::string& name) {
+    return fileExists(b_dir / name) && readFile(b_dir / name) == content;
+  };
+  const bool arrived = waitUntil([&] { return holds("staging.pt"); }, 60s);
+  auto serving = [&](int i) {
+    std::smatch m;
+    const std::string err = nodes[i]->err();
+    return std::regex_search(err, m, std::regex(R"(serving at (127\.0\.0\.\d+:\d+))"))
+               ? m[1].str()
+               : std::string();
+  };
+  std::smatch m;
+  const std::string reader_log = nodes[1]->err();
+  const bool versioned =
+      std::regex_search(reader_log, m, std::regex(R"(fetched staging\.pt version (\d+)\.(\d+):)"));
+  bool renamed = false;
+  if (arrived && versioned) {
+    const uint64_t held = (std::stoull(m[1].str()) << 32) | std::stoull(m[2].str());
+    const rendezvous::SnapshotPeer reader{serving(1), "snap-rename-order", {}};
+    const std::string writer = serving(0);
+    rendezvous::SnapshotFile gone{"staging.pt", held + 10, 0, 0};
+    gone.deleted = true;
+    gone.moved_to = "final.pt";
+    rendezvous::SnapshotFile moved{"final.pt", held + 11, content.size(),
+                                   crc32Update(0, content.data(), content.size())};
+    moved.moved_from = "staging.pt";
+    moved.moved_from_version = held;
+    REQUIRE(rendezvous::announceSnapshot(reader, gone, writer, writer, 5s).isOk());
+    REQUIRE(waitUntil([&] { return !fileExists(b_dir / "staging.pt"); }, 30s));
+    REQUIRE(rendezvous::announceSnapshot(reader, moved, writer, writer, 5s).isOk());
+    renamed = waitUntil([&] { return holds("final.pt"); }, 30s);
+  }
+  const std::string logs = logsThenStop(nodes, triggers / "stop");
+  INFO(logs);
+  REQUIRE(arrived);
+  REQUIRE(versioned);
+  CHECK(renamed);
+  CHECK(countOf(logs, "200000 bytes copied from staging.pt here (renamed on another node)") == 1);
+  CHECK(logs.find("snapshot: fetched final.pt") == std::string::npos);
 }
 
 TEST_CASE("a checkpoint of 2000 files arrives whole, fetched a few files at a time", "[snapshot]") {
