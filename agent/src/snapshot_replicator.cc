@@ -1105,7 +1105,7 @@ void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
                       versionText(t.file.version));
     } else {
       // Renamed on the node that deleted it: its copy under the new name may not have started.
-      if (previous && !t.file.moved_to.empty()) keepForCopy(name, previous->served);
+      if (previous && !t.file.moved_to.empty()) keepForCopy(t.file.moved_to, name, *previous);
       removeEmptyParentsUnder(options_.dir, name);  // as a deleted checkpoint directory goes
       snapLog()->info("snapshot: deleted {} (version {}, deleted on another node)", name,
                       versionText(t.file.version));
@@ -1152,10 +1152,16 @@ bool SnapshotReplicator::linkHeld(const SnapshotVersion& v, const std::string& t
          ::link(from.c_str(), temp.c_str()) == 0;
 }
 
-void SnapshotReplicator::keepForCopy(const std::string& name,
-                                     const rendezvous::ServedFile& before) {
-  if (!before.data || before.file.deleted || before.file.crc32_pending) return;
-  kept_for_copy_[name] = KeptCopy{before, std::chrono::steady_clock::now() + kKeepRenamedFor};
+void SnapshotReplicator::keepForCopy(const std::string& moved_to, const std::string& name,
+                                     const Held& before) {
+  const auto& served = before.served;
+  if (!served.data || served.file.deleted || served.file.crc32_pending) return;
+  auto now_there = held_files_.find(moved_to);
+  if (now_there != held_files_.end() && now_there->second.dev == before.dev &&
+      now_there->second.ino == before.ino) {
+    return;  // linked there already (linkHeld): nothing left to copy
+  }
+  kept_for_copy_[name] = KeptCopy{served, std::chrono::steady_clock::now() + kKeepRenamedFor};
   dropKeptCopiesLater();
 }
 

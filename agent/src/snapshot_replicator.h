@@ -159,9 +159,9 @@ class SnapshotReplicator {
   // content), if any: copied here instead of fetched.
   // Takes it from kept_for_copy_ when it is there.
   std::shared_ptr<const rendezvous::OpenFile> localCopyOf(const SnapshotVersion& v);
-  // A file held as `before` is deleted because another node renamed it: kept open for the copy a
-  // while (kept_for_copy_), then let go.
-  void keepForCopy(const std::string& name, const rendezvous::ServedFile& before);
+  // The file `name`, held as `before`, is deleted because another node renamed it to `moved_to`:
+  // kept open for the copy a while (kept_for_copy_), then let go; not when it was linked there.
+  void keepForCopy(const std::string& moved_to, const std::string& name, const Held& before);
   // Arms the timer that lets go of the kept copies whose time is up.
   void dropKeptCopiesLater();
   // No file `name` any more: if one was held, its deletion is a version, announced as a write.
