@@ -1000,6 +1000,18 @@ Status noSpace(const SnapshotFile& file, const std::string& dir, uint64_t free_b
                     std::to_string(free_bytes) + " free");
 }
 
+std::string dirOf(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+// A write of `file`'s temp file that failed with `err`: no space (naming the bytes), or why.
+Status writeFailure(const SnapshotFile& file, const std::string& temp_path, int err) {
+  return err == ENOSPC || err == EDQUOT
+             ? noSpace(file, dirOf(temp_path), 0)
+             : internalError("cannot write " + temp_path + ": " + errnoText(err));
+}
+
 // Ranges of at least this size get a stream of their own (a multiple of SequentialWriter::kBuffer,
 // so that every range but the last starts and ends on a block).
 constexpr uint64_t kRangeMin = 32 << 20;
@@ -1059,8 +1071,7 @@ struct RangeFetch {
 };
 
 void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::string& temp_path,
-                const std::string& dir, size_t lane, RangeFetch* range, FetchAbort* abort,
-                ArrivingFile* arriving) {
+                size_t lane, RangeFetch* range, FetchAbort* abort, ArrivingFile* arriving) {
   auto fail = [&](Status st) {
     range->status = std::move(st);
     abort->fail();
@@ -1071,11 +1082,6 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
   OpenFile closer(fd);
   SequentialWriter writer(fd, range->begin, range->end - range->begin,
                           /*direct=*/arriving == nullptr);
-  auto writeFailure = [&](int err) {
-    return err == ENOSPC || err == EDQUOT
-               ? noSpace(file, dir, 0)
-               : internalError("cannot write " + temp_path + ": " + errnoText(err));
-  };
 
   auto channel = channelTo(peer, lane);
   grpc::ClientContext ctx;
@@ -1132,7 +1138,7 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
     for (const auto& [data, n] : chunk.pieces) {
       chunk_crc = crc32Update(chunk_crc, data, n);
       if (const int err = writer.append(data, n)) {
-        failure = writeFailure(err);
+        failure = writeFailure(file, temp_path, err);
         break;
       }
     }
@@ -1159,7 +1165,7 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
                        "the stream ended after " + std::to_string(offset - range->begin) + " of " +
                            std::to_string(range->end - range->begin) + " bytes of its range"));
   }
-  if (const int err = writer.finish()) return fail(writeFailure(err));
+  if (const int err = writer.finish()) return fail(writeFailure(file, temp_path, err));
   range->crc = crc;
   if (arriving != nullptr) arriving->advance(range->begin, range->end);
 }
@@ -1167,11 +1173,6 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
 }  // namespace
 
 namespace {
-
-std::string dirOf(const std::string& path) {
-  const auto slash = path.rfind('/');
-  return slash == std::string::npos ? "." : path.substr(0, slash);
-}
 
 // Creates the temp file a version is received into, with its space reserved (RESOURCE_EXHAUSTED
 // naming the bytes when there is none), and hands it to `arriving` for serving on.
@@ -1206,7 +1207,6 @@ Status prepareTemp(const SnapshotFile& file, TempFile& out, const std::string& t
 Status fetchInto(const SnapshotPeer& peer, const SnapshotFile& file, const std::string& temp_path,
                  FetchCancel* cancel, size_t streams_at_most, uint32_t* crc32_out,
                  ArrivingFile* arriving) {
-  const std::string dir = dirOf(temp_path);
   TempFile out(temp_path);
   DDPRUN_RETURN_IF_ERROR(prepareTemp(file, out, temp_path, arriving));
 
@@ -1230,15 +1230,15 @@ Status fetchInto(const SnapshotPeer& peer, const SnapshotFile& file, const std::
   for (size_t i = 1; i < ranges.size(); ++i) {
     try {
       helpers.emplace_back(
-          [&, i] { fetchRange(peer, file, temp_path, dir, i + 1, &ranges[i], &abort, arriving); });
+          [&, i] { fetchRange(peer, file, temp_path, i + 1, &ranges[i], &abort, arriving); });
     } catch (const std::system_error&) {
       inline_from = i;
       break;
     }
   }
-  fetchRange(peer, file, temp_path, dir, 1, &ranges[0], &abort, arriving);
+  fetchRange(peer, file, temp_path, 1, &ranges[0], &abort, arriving);
   for (size_t i = inline_from; i < ranges.size(); ++i) {
-    fetchRange(peer, file, temp_path, dir, i + 1, &ranges[i], &abort, arriving);
+    fetchRange(peer, file, temp_path, i + 1, &ranges[i], &abort, arriving);
   }
   for (auto& t : helpers) t.join();
   uint32_t crc = 0;
@@ -1300,16 +1300,12 @@ Status copyInto(const OpenFile& from, const SnapshotFile& file, const std::strin
     }
     crc = crc32Update(crc, buf.get(), static_cast<size_t>(n));
     if (const int err = writer.append(buf.get(), static_cast<size_t>(n))) {
-      return err == ENOSPC || err == EDQUOT
-                 ? noSpace(file, dirOf(temp_path), 0)
-                 : internalError("cannot write " + temp_path + ": " + errnoText(err));
+      return writeFailure(file, temp_path, err);
     }
     at += static_cast<uint64_t>(n);
     if (arriving != nullptr) arriving->advance(0, writer.durable());
   }
-  if (const int err = writer.finish()) {
-    return internalError("cannot write " + temp_path + ": " + errnoText(err));
-  }
+  if (const int err = writer.finish()) return writeFailure(file, temp_path, err);
   if (crc != file.crc32) {
     return Status(StatusCode::kDataLoss, "the local copy does not match the version's CRC-32");
   }
