@@ -376,11 +376,12 @@ TEST_CASE("when the writer dies mid-transfer the others resume from the previous
   CHECK(below_relay == relays);
   // The fetch from a stopped writer is ended by the next round's sync. From a killed one it fails
   // on its own when the connection resets, or, where the sync comes first (a loaded host: the
-  // fetch thread runs at background priority), is ended by it the same way.
+  // fetch thread runs at background priority), is ended by it the same way; so may the retry
+  // from the writer of a node below the relay (the failed relay names the writer to it).
   if (sig == SIGSTOP) {
     CHECK(ended == 1);
   } else {
-    CHECK(ended <= 1);
+    CHECK(ended <= count - 1);
   }
   if (sig == SIGSTOP) {
     nodes[0]->signal(SIGKILL);
