@@ -59,14 +59,14 @@ def make_file(path, size):
 
 
 class Rendezvous:
-    def __init__(self, build):
+    def __init__(self, build, host="127.0.0.1"):
         self.proc = subprocess.Popen([os.path.join(build, "rendezvous", "ddprun-rendezvous"),
-                                      "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE,
+                                      "--listen", f"{host}:0"], stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True)
         for line in self.proc.stdout:
             m = re.search(r"listening on \S+:(\d+)", line)
             if m:
-                self.endpoint = "127.0.0.1:" + m.group(1)
+                self.endpoint = f"{host}:{m.group(1)}"
                 break
 
     def stop(self):
@@ -261,6 +261,7 @@ def bench_join(build, size, work, replicate, reps):
             os.rename(os.path.join(a_dir, "snapshot.pt.tmp"), os.path.join(a_dir, "snapshot.pt"))
             if replicate:
                 wait_for(lambda: "written here" in a.err(), 120, 0.01)
+            os.sync()  # a node joins long after the save: the disk is not still writing it back
             b = Agent(build, rdzv, "127.0.0.3", "1:2", run_id, b_dir if replicate else "", prog,
                       work)
             wait_for(lambda: "started 1 worker(s)" in b.err(), 300, 0.002)

@@ -12,14 +12,18 @@ a switch is. Each node replicates a directory of its own.
         node 1 to node 2 over the same shaped link (read, send, write, fsync). The issue's goal:
         lag <= 1.5x one copy. With N nodes, a writer that sent every node its own copy would take
         (N-1)x one copy through its uplink.
+  join  a one-node job (--nnodes=1:2) on node 1 whose directory holds a SIZE-byte snapshot; a
+        fresh node 2 with an empty directory starts; time until its worker runs. Against: the same
+        job without --snapshot-dir (a shared directory: nothing to fetch) plus one plain copy from
+        node 1 to node 2. The issue's goal: join <= that sum.
 
 Needs root (ip, tc). Usage:
   bench_replication_hosts.py --build BUILD [--sizes 100M] [--nodes 2,4] [--rate 1gbit] [--reps 3]
+                             [--what lag,join]
 The namespaces and the bridge are removed on the way out.
 """
 import argparse
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -29,6 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_replication import PY, make_file, parse_size, save_and_wait, wait_for  # noqa: E402
+from bench_replication import Rendezvous  # noqa: E402
 
 BRIDGE = "ddpsbr"
 BRIDGE_ADDR = "10.204.0.254"
@@ -125,9 +130,12 @@ class Node:
         cmd = ["ip", "netns", "exec", ns(i), os.path.join(build, "launcher", "ddprun"),
                f"--nnodes={nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
                f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={run_id}",
-               f"--local-addr={addr(i)}", "--rdzv-conf=last_call_timeout=1",
-               f"--snapshot-dir={snapshot_dir}", "--no-python", "/bin/sleep", "3600"]
+               f"--local-addr={addr(i)}", "--rdzv-conf=last_call_timeout=1"]
+        if snapshot_dir:
+            cmd.append(f"--snapshot-dir={snapshot_dir}")
+        cmd += ["--no-python", "/bin/sleep", "3600"]
         self.err_path = os.path.join(log_dir, f"{run_id}-{i}.err")
+        self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                      stderr=open(self.err_path, "w"), start_new_session=True,
                                      env=dict(os.environ, PYTHON_EXEC=PY))
@@ -142,15 +150,8 @@ class Node:
 
 
 def bench_lag(build, size, n, work, reps):
-    rdzv = subprocess.Popen([os.path.join(build, "rendezvous", "ddprun-rendezvous"), "--listen",
-                             f"{BRIDGE_ADDR}:0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    endpoint = None
-    for line in rdzv.stdout:
-        m = re.search(r"listening on \S+:(\d+)", line)
-        if m:
-            endpoint = f"{BRIDGE_ADDR}:{m.group(1)}"
-            break
+    rdzv = Rendezvous(build, BRIDGE_ADDR)
+    endpoint = rdzv.endpoint
     dirs = [tempfile.mkdtemp(dir=work) for _ in range(n)]
     nodes = []
     try:
@@ -170,10 +171,56 @@ def bench_lag(build, size, n, work, reps):
     finally:
         for x in nodes:
             x.stop()
-        rdzv.terminate()
-        rdzv.wait()
+        rdzv.stop()
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def join_once(build, size, work, replicate, run_id, endpoint):
+    """Node 1 runs a one-node job whose directory holds a SIZE-byte snapshot; seconds from a
+    fresh node 2's start to its worker running. Without `replicate`, neither node has
+    --snapshot-dir (the shared-directory job: nothing to fetch)."""
+    dirs = [tempfile.mkdtemp(dir=work) for _ in range(2)]
+    nodes = []
+    try:
+        nodes.append(Node(build, 1, "1:2", endpoint, run_id, dirs[0] if replicate else "", work))
+        wait_for(lambda: "started 1 worker(s)" in nodes[0].err(), 120, 0.01)
+        if replicate:
+            make_file(os.path.join(dirs[0], "snapshot.pt.tmp"), size)
+            os.rename(os.path.join(dirs[0], "snapshot.pt.tmp"),
+                      os.path.join(dirs[0], "snapshot.pt"))
+            wait_for(lambda: "written here" in nodes[0].err(), 120, 0.01)
+        os.sync()  # a node joins long after the save: the disk is not still writing it back
+        nodes.append(Node(build, 2, "1:2", endpoint, run_id, dirs[1] if replicate else "", work))
+        wait_for(lambda: "started 1 worker(s)" in nodes[1].err(), 300, 0.002)
+        took = time.monotonic() - nodes[1].started
+        if replicate and os.path.getsize(os.path.join(dirs[1], "snapshot.pt")) != size:
+            raise RuntimeError("bench: the fresh node's worker started without the snapshot")
+        return took
+    finally:
+        for x in nodes:
+            x.stop()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def bench_join(build, size, work, reps):
+    """Medians of --reps: the fresh node's join with --snapshot-dir, the same job without, and
+    one plain copy from node 1 to node 2; the reps of the three alternate."""
+    rdzv = Rendezvous(build, BRIDGE_ADDR)
+    src = os.path.join(work, "payload.bin")
+    make_file(src, size)
+    joins, shared, copies = [], [], []
+    try:
+        for rep in range(reps):
+            joins.append(join_once(build, size, work, True, f"join-{size}-1-{rep}", rdzv.endpoint))
+            shared.append(join_once(build, size, work, False, f"join-{size}-0-{rep}",
+                                    rdzv.endpoint))
+            copies.append(plain_copy(src, os.path.join(work, "copy.bin")))
+    finally:
+        rdzv.stop()
+        os.unlink(src)
+    return statistics.median(joins), statistics.median(shared), statistics.median(copies)
 
 
 def main():
@@ -183,6 +230,7 @@ def main():
     ap.add_argument("--nodes", default="2,4")
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--what", default="lag,join")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_replication_hosts: needs root (network namespaces and tc)")
@@ -193,12 +241,18 @@ def main():
         rig_up(max(counts), args.rate)
         for size_text in args.sizes.split(","):
             size = parse_size(size_text)
-            for n in counts:
+            for n in counts if "lag" in args.what else []:
                 lag, copy, fastest, relays = bench_lag(build, size, n, work, args.reps)
                 print(f"lag {size_text:>5} {n} hosts, {args.rate} links: replication {lag:.3f} s, "
                       f"one plain copy {copy:.3f} s (fastest {fastest:.3f} s), ratio "
                       f"{lag / copy:.2f}x (goal <= 1.5x); {relays} node(s) relayed as the "
                       f"version arrived", flush=True)
+            if "join" in args.what:
+                join, shared, copy = bench_join(build, size, work, args.reps)
+                print(f"join {size_text:>5}, {args.rate} links: fresh node's worker running after "
+                      f"{join:.3f} s; shared directory {shared:.3f} s + one plain copy "
+                      f"{copy:.3f} s = {shared + copy:.3f} s; ratio {join / (shared + copy):.2f}x "
+                      f"(goal <= 1x)", flush=True)
     finally:
         rig_down(max(counts))
         shutil.rmtree(work, ignore_errors=True)
