@@ -1,5 +1,6 @@
 #include "files.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -114,6 +115,51 @@ Status replaceFile(const std::string& path, const std::string& contents) {
     return failedPrecondition("cannot write " + path + ": " + std::strerror(err));
   }
   return Status::ok();
+}
+
+namespace {
+
+// The access mode of descriptor `fd_name` from its fdinfo ("flags:\t0100002"); -1 when unread.
+int accessModeOf(int fdinfo_dir, const char* fd_name) {
+  const int fd = ::openat(fdinfo_dir, fd_name, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char text[512];
+  const ssize_t n = ::read(fd, text, sizeof(text) - 1);
+  ::close(fd);
+  if (n <= 0) return -1;
+  text[n] = '\0';
+  const char* flags = std::strstr(text, "flags:");
+  if (flags == nullptr) return -1;
+  return static_cast<int>(std::strtol(flags + 6, nullptr, 8)) & O_ACCMODE;
+}
+
+}  // namespace
+
+std::set<std::pair<uint64_t, uint64_t>> filesOpenForWriting(uint64_t dev) {
+  std::set<std::pair<uint64_t, uint64_t>> open;
+  DIR* procs = ::opendir("/proc");
+  if (procs == nullptr) return open;
+  const std::string self = std::to_string(::getpid());
+  while (auto* p = ::readdir(procs)) {
+    if (p->d_name[0] < '1' || p->d_name[0] > '9' || self == p->d_name) continue;
+    const std::string base = std::string("/proc/") + p->d_name;
+    DIR* fds = ::opendir((base + "/fd").c_str());
+    if (fds == nullptr) continue;
+    const int fdinfo = ::open((base + "/fdinfo").c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    while (auto* f = (fdinfo < 0 ? nullptr : ::readdir(fds))) {
+      struct stat st {};
+      if (f->d_name[0] == '.' || ::fstatat(::dirfd(fds), f->d_name, &st, 0) != 0 ||
+          !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_dev) != dev) {
+        continue;
+      }
+      const int mode = accessModeOf(fdinfo, f->d_name);
+      if (mode == O_WRONLY || mode == O_RDWR) open.emplace(st.st_dev, st.st_ino);
+    }
+    if (fdinfo >= 0) ::close(fdinfo);
+    ::closedir(fds);
+  }
+  ::closedir(procs);
+  return open;
 }
 
 }  // namespace ddprun::agent

@@ -3,8 +3,11 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
 
 #include "ddprun/common/status.h"
 
@@ -33,5 +36,9 @@ void removeEmptyParentsUnder(const std::string& root, const std::string& rel);
 // contents, never a part (not fsynced). FAILED_PRECONDITION naming the file
 // and the error; the temp file is removed then.
 Status replaceFile(const std::string& path, const std::string& contents);
+// The regular files on device `dev`, as (device, inode), that a process other than this one
+// holds open for writing (O_WRONLY or O_RDWR), read from /proc/PID/fd and fdinfo. Processes
+// whose entries cannot be read (another user's, or gone meanwhile) are passed over.
+std::set<std::pair<uint64_t, uint64_t>> filesOpenForWriting(uint64_t dev);
 
 }  // namespace ddprun::agent

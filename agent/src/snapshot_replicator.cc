@@ -366,6 +366,23 @@ void SnapshotReplicator::forgetTree(const std::string& rel) {
   lookAgainAtHeld(rel + "/");
 }
 
+std::vector<std::string> SnapshotReplicator::closedFiles(std::vector<std::string> files) const {
+  struct stat top {};
+  if (files.empty() || ::stat(options_.dir.c_str(), &top) != 0) return files;
+  const auto writing = filesOpenForWriting(top.st_dev);
+  if (writing.empty()) return files;
+  auto open = [&](const std::string& name) {
+    struct stat st {};
+    if (::lstat(path(name).c_str(), &st) != 0 || writing.count({st.st_dev, st.st_ino}) == 0) {
+      return false;
+    }
+    snapLog()->debug("snapshot dir: {} is open for writing; looked at once it is closed", name);
+    return true;
+  };
+  files.erase(std::remove_if(files.begin(), files.end(), open), files.end());
+  return files;
+}
+
 void SnapshotReplicator::unwatchTree(const std::string& rel) {
   const std::string below = rel + "/";
   for (auto it = watched_.begin(); it != watched_.end();) {
@@ -379,7 +396,7 @@ void SnapshotReplicator::unwatchTree(const std::string& rel) {
 }
 
 void SnapshotReplicator::rescan() {
-  for (const auto& name : watchTree("")) onDirEvent(name);
+  for (const auto& name : closedFiles(watchTree(""))) onDirEvent(name);
   lookAgainAtHeld("");
 }
 
@@ -562,7 +579,7 @@ void SnapshotReplicator::onWatchEvent(int wd, uint32_t mask, uint32_t cookie,
     if (mask & (IN_MOVED_FROM | IN_DELETE)) forgetTree(rel);
     if (!(mask & (IN_CREATE | IN_MOVED_TO))) return;
     if (isReplicatedName(rel)) {
-      for (const auto& file : watchTree(rel)) {
+      for (const auto& file : closedFiles(watchTree(rel))) {
         // The same file under its name before, if it was held: no hash, no fetch elsewhere.
         if (from && isReplicatedName(file)) {
           renamed_from_[file] = from->name + file.substr(rel.size());

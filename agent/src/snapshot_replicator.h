@@ -122,6 +122,10 @@ class SnapshotReplicator {
   // completed meanwhile is seen twice, never missed. Returns the relative paths of what is in
   // them other than directories (replicated names or not).
   std::vector<std::string> watchTree(const std::string& rel);
+  // `files` (relative paths found by watchTree) but those some other process holds open for
+  // writing: each is looked at once its IN_CLOSE_WRITE comes (its directory is watched), not
+  // announced half-written first.
+  std::vector<std::string> closedFiles(std::vector<std::string> files) const;
   // Stops watching the directory `rel` and those below it (renamed or deleted), and looks again
   // at every file held there: their deletions are versions.
   void forgetTree(const std::string& rel);

@@ -2,7 +2,9 @@
 // and written with.
 #include "files.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -93,4 +95,55 @@ TEST_CASE("replaceFile puts the new contents in place whole and leaves no temp f
   REQUIRE(replaceFile(dir / "s", "x").isOk());
   CHECK(ddprun::testing::readFile(dir / "s") == "x");
   CHECK(ddprun::testing::readFile(dir / "victim") == "keep");
+}
+
+TEST_CASE("filesOpenForWriting names the files another process holds open to write", "[files]") {
+  TempDir dir;
+  for (const char* name : {"w", "r", "rw", "mine"}) std::ofstream(dir / name) << name;
+  auto id = [&](const std::string& name) {
+    struct stat st {};
+    REQUIRE(::stat((dir / name).c_str(), &st) == 0);
+    return std::make_pair(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
+  };
+  struct stat top {};
+  REQUIRE(::stat(dir.path().c_str(), &top) == 0);
+  const uint64_t dev = top.st_dev;
+  CHECK(filesOpenForWriting(dev).count(id("w")) == 0);
+
+  // This process's own descriptors are not counted: the agent writes only what it fetches.
+  const int mine = ::open((dir / "mine").c_str(), O_WRONLY | O_CLOEXEC);
+  REQUIRE(mine >= 0);
+  int ready[2], done[2];
+  REQUIRE(::pipe(ready) == 0);
+  REQUIRE(::pipe(done) == 0);
+  const std::string w = dir / "w", r = dir / "r", rw = dir / "rw";
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(mine);
+    ::close(done[1]);
+    const bool opened = ::open(w.c_str(), O_WRONLY | O_APPEND) >= 0 &&
+                        ::open(r.c_str(), O_RDONLY) >= 0 && ::open(rw.c_str(), O_RDWR) >= 0;
+    char c = opened ? '1' : '0';
+    if (::write(ready[1], &c, 1) != 1) ::_exit(1);
+    (void)!::read(done[0], &c, 1);  // until the parent is done looking
+    ::_exit(0);
+  }
+  ::close(ready[1]);
+  ::close(done[0]);
+  char c = 0;
+  REQUIRE(::read(ready[0], &c, 1) == 1);
+  CHECK(c == '1');
+  const auto open = filesOpenForWriting(dev);
+  CHECK(open.count(id("w")) == 1);
+  CHECK(open.count(id("rw")) == 1);
+  CHECK(open.count(id("r")) == 0);
+  CHECK(open.count(id("mine")) == 0);
+  CHECK(filesOpenForWriting(dev + 1).count(id("w")) == 0);  // another device: not looked at
+  ::close(done[1]);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(filesOpenForWriting(dev).count(id("w")) == 0);  // closed with its process
+  ::close(ready[0]);
+  ::close(mine);
 }

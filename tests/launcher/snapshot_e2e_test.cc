@@ -771,6 +771,48 @@ TEST_CASE(
   CHECK(reader.find("snapshot: deleted snapshot.pt (version ") != std::string::npos);
 }
 
+TEST_CASE("a file still open for writing in a directory renamed into place is announced once",
+          "[snapshot]") {
+  // The writer makes ckpt.tmp/part.bin, renames the directory into place while the file is still
+  // open (a shell's descriptor 3), writes more, and only then closes it. The new directory is read
+  // when it appears; the open file is left to its IN_CLOSE_WRITE, so its first half is never
+  // announced: one version, with all the bytes, reaches the other node.
+  TempDir triggers, a_dir, b_dir;
+  const std::string script =
+      "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then cd \"$DDPRUN_SNAPSHOT_DIR\" && mkdir ckpt.tmp && "
+      "exec 3> ckpt.tmp/part.bin && printf first >&3 && echo whole > ckpt.tmp/closed.bin && "
+      "mv ckpt.tmp ckpt && while [ ! -e '" +
+      triggers / "more" + "' ]; do sleep 0.1; done && printf second >&3 && exec 3>&-; fi; " +
+      "while [ ! -e '" + triggers / "stop" + "' ]; do sleep 0.1; done";
+  RendezvousDaemon rdzv;
+  auto nodes = writerAndReader(rdzv, a_dir.path(), b_dir.path(), "snap-open", script);
+  // The closed file in the same directory arrives; then the open one is written further.
+  const bool closed_arrived = waitUntil(
+      [&] {
+        return fileExists(b_dir / "ckpt/closed.bin") &&
+               readFile(b_dir / "ckpt/closed.bin") == "whole\n";
+      },
+      60s);
+  std::this_thread::sleep_for(1s);  // time enough for a half-written part.bin to be announced
+  const bool early = fileExists(b_dir / "ckpt/part.bin");
+  std::ofstream(triggers / "more") << "";
+  const bool arrived =
+      closed_arrived && waitUntil(
+                            [&] {
+                              return fileExists(b_dir / "ckpt/part.bin") &&
+                                     readFile(b_dir / "ckpt/part.bin") == "firstsecond";
+                            },
+                            60s);
+  const std::string logs = logsThenStop(nodes, triggers / "stop");
+  INFO(logs);
+  REQUIRE(arrived);
+  CHECK_FALSE(early);
+  CHECK(countOf(logs, "snapshot: ckpt/part.bin version ") == 1);
+  CHECK(std::regex_search(
+      logs, std::regex(R"(snapshot: ckpt/part.bin version \S+ \(11 bytes\) written here)")));
+  CHECK(countOf(logs, "snapshot: fetched ckpt/part.bin version ") == 1);
+}
+
 TEST_CASE("a rename whose deletion arrives before its new name is copied from the kept old file",
           "[snapshot]") {
   // Announcements travel on calls of their own, so a node may learn of the old name's deletion
