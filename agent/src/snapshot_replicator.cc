@@ -260,6 +260,9 @@ Status SnapshotReplicator::init() {
 
 SnapshotReplicator::~SnapshotReplicator() {
   alive_.reset();
+  for (const auto& [name, kept] : kept_for_copy_) {
+    if (!kept.aside.empty()) ::unlink(kept.aside.c_str());
+  }
   for (auto& [name, fetch] : fetching_) {
     fetch.second->cancel(Status(StatusCode::kCancelled, "the agent is stopping"));
   }
@@ -1044,7 +1047,9 @@ void SnapshotReplicator::pump() {
     // once complete, a local copy being quick). Else a node this one relays the version to
     // fetches it from here while it arrives.
     auto local = localCopyOf(t.file);
-    if (local && linkHeld(t.file, temp)) {
+    const bool linked = local && linkHeld(t.file, temp);
+    if (local) dropKept(t.file.moved_from);  // linked, or copied from `local` (held by the copy)
+    if (linked) {
       // Installed from the loop's next turn (onFetched pumps, and this loop is not done).
       std::weak_ptr<int> alive = alive_;
       boost::asio::post(io_, [this, alive, t, temp, started] {
@@ -1114,15 +1119,18 @@ void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
     std::optional<Held> previous;
     if (before != held_files_.end()) previous = before->second;
     setHeld(name, Held{{toWire(t.file), nullptr, nullptr}});
-    if (::unlink(path(name).c_str()) != 0 && errno != ENOENT) {
+    // Renamed on the node that deleted it: its new name may not have arrived yet.
+    const bool keep =
+        previous && !t.file.moved_to.empty() && worthKeeping(t.file.moved_to, *previous);
+    std::string aside = keep ? setAside(name) : std::string();
+    if (aside.empty() && ::unlink(path(name).c_str()) != 0 && errno != ENOENT) {
       st = internalError("cannot delete " + path(name) + ": " + std::strerror(errno));
       restoreHeld(name, previous);
       ++metrics_.transfer_failures;
       snapLog()->warn("snapshot: {} (deleted at version {} on another node)", st.message(),
                       versionText(t.file.version));
     } else {
-      // Renamed on the node that deleted it: its copy under the new name may not have started.
-      if (previous && !t.file.moved_to.empty()) keepForCopy(t.file.moved_to, name, *previous);
+      if (keep) keepForCopy(name, *previous, std::move(aside));
       removeEmptyParentsUnder(options_.dir, name);  // as a deleted checkpoint directory goes
       snapLog()->info("snapshot: deleted {} (version {}, deleted on another node)", name,
                       versionText(t.file.version));
@@ -1146,20 +1154,26 @@ std::shared_ptr<const rendezvous::OpenFile> SnapshotReplicator::localCopyOf(
     return it->second.served.data;
   }
   auto kept = kept_for_copy_.find(v.moved_from);
-  if (kept == kept_for_copy_.end() || !isIt(kept->second.served)) return nullptr;
-  auto data = std::move(kept->second.served.data);
-  kept_for_copy_.erase(kept);
-  return data;
+  if (kept == kept_for_copy_.end() || !isIt(kept->second.held.served)) return nullptr;
+  return kept->second.held.served.data;
 }
 
 bool SnapshotReplicator::linkHeld(const SnapshotVersion& v, const std::string& temp) {
-  auto it = held_files_.find(v.moved_from);
-  if (it == held_files_.end() || it->second.served.file.version != v.moved_from_version) {
-    return false;  // kept for the copy only (keepForCopy)
+  const Held* held = nullptr;
+  std::string from;
+  if (auto it = held_files_.find(v.moved_from);
+      it != held_files_.end() && it->second.served.file.version == v.moved_from_version) {
+    held = &it->second;
+    from = path(v.moved_from);
+  } else if (auto kept = kept_for_copy_.find(v.moved_from);
+             kept != kept_for_copy_.end() && !kept->second.aside.empty()) {
+    held = &kept->second.held;
+    from = kept->second.aside;
+  } else {
+    return false;  // kept open for the copy only (keepForCopy)
   }
-  const Held& h = it->second;
+  const Held& h = *held;
   struct stat st {};
-  const std::string from = path(v.moved_from);
   if (::lstat(from.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_dev != h.dev ||
       st.st_ino != h.ino || mtimeNs(st) != h.mtime_ns ||
       static_cast<uint64_t>(st.st_size) != v.size) {
@@ -1169,17 +1183,35 @@ bool SnapshotReplicator::linkHeld(const SnapshotVersion& v, const std::string& t
          ::link(from.c_str(), temp.c_str()) == 0;
 }
 
-void SnapshotReplicator::keepForCopy(const std::string& moved_to, const std::string& name,
-                                     const Held& before) {
+bool SnapshotReplicator::worthKeeping(const std::string& moved_to, const Held& before) const {
   const auto& served = before.served;
-  if (!served.data || served.file.deleted || served.file.crc32_pending) return;
+  if (!served.data || served.file.deleted || served.file.crc32_pending) return false;
   auto now_there = held_files_.find(moved_to);
-  if (now_there != held_files_.end() && now_there->second.dev == before.dev &&
-      now_there->second.ino == before.ino) {
-    return;  // linked there already (linkHeld): nothing left to copy
-  }
-  kept_for_copy_[name] = KeptCopy{served, std::chrono::steady_clock::now() + kKeepRenamedFor};
+  return now_there == held_files_.end() || now_there->second.dev != before.dev ||
+         now_there->second.ino != before.ino;  // else linked there already (linkHeld)
+}
+
+std::string SnapshotReplicator::setAside(const std::string& name) {
+  std::random_device rd;
+  const std::string aside = path(std::string(kRecvPrefix) + "kept." + std::to_string(::getpid()) +
+                                 "." + std::to_string(rd()));
+  return ::rename(path(name).c_str(), aside.c_str()) == 0 ? aside : std::string();
+}
+
+void SnapshotReplicator::keepForCopy(const std::string& name, const Held& before,
+                                     std::string aside) {
+  dropKept(name);  // one kept before under that name: the newer deletion's file replaces it
+  kept_for_copy_[name] =
+      KeptCopy{before, std::chrono::steady_clock::now() + kKeepRenamedFor, std::move(aside)};
   dropKeptCopiesLater();
+}
+
+void SnapshotReplicator::dropKept(const std::string& name) {
+  auto it = kept_for_copy_.find(name);
+  if (it == kept_for_copy_.end()) return;
+  if (!it->second.aside.empty()) ::unlink(it->second.aside.c_str());
+  releaseOffLoop(std::move(it->second.held.served.data));  // its blocks are freed then
+  kept_for_copy_.erase(it);
 }
 
 void SnapshotReplicator::dropKeptCopiesLater() {
@@ -1194,14 +1226,11 @@ void SnapshotReplicator::dropKeptCopiesLater() {
     if (ec || !alive.lock()) return;
     kept_timer_armed_ = false;
     const auto now = std::chrono::steady_clock::now();
-    for (auto it = kept_for_copy_.begin(); it != kept_for_copy_.end();) {
-      if (it->second.until > now) {
-        ++it;
-        continue;
-      }
-      releaseOffLoop(std::move(it->second.served.data));  // its blocks are freed then
-      it = kept_for_copy_.erase(it);
+    std::vector<std::string> due;
+    for (const auto& [name, kept] : kept_for_copy_) {
+      if (kept.until <= now) due.push_back(name);
     }
+    for (const auto& name : due) dropKept(name);
     dropKeptCopiesLater();
   });
 }

@@ -160,12 +160,20 @@ class SnapshotReplicator {
   void onRenamed(const std::string& name, const std::string& from,
                  std::shared_ptr<rendezvous::OpenFile> file, const struct stat& st);
   // The file this node holds that `v` is a renamed copy of (v.moved_from at that version and
-  // content), if any: copied here instead of fetched.
-  // Takes it from kept_for_copy_ when it is there.
+  // content), if any: linked or copied here instead of fetched. Also one in kept_for_copy_.
   std::shared_ptr<const rendezvous::OpenFile> localCopyOf(const SnapshotVersion& v);
-  // The file `name`, held as `before`, is deleted because another node renamed it to `moved_to`:
-  // kept open for the copy a while (kept_for_copy_), then let go; not when it was linked there.
-  void keepForCopy(const std::string& moved_to, const std::string& name, const Held& before);
+  // Whether the file `name`, held as `before` and deleted because another node renamed it to
+  // `moved_to`, is worth keeping a while for its new name: not when it was linked there already.
+  bool worthKeeping(const std::string& moved_to, const Held& before) const;
+  // Renames the file `name` out of the way to a hidden name (kRecvPrefix) at the top of the
+  // directory instead of deleting it, so its new name can be linked to it; that path, or ""
+  // when it cannot be (then it is deleted and kept open for a copy).
+  std::string setAside(const std::string& name);
+  // Keeps `before` (and the file set aside at `aside`, if any) for the copy under the new name a
+  // while (kept_for_copy_), then lets go of it.
+  void keepForCopy(const std::string& name, const Held& before, std::string aside);
+  // Lets go of what is kept for `name` at once (its new name is linked or being copied).
+  void dropKept(const std::string& name);
   // Arms the timer that lets go of the kept copies whose time is up.
   void dropKeptCopiesLater();
   // No file `name` any more: if one was held, its deletion is a version, announced as a write.
@@ -215,9 +223,9 @@ class SnapshotReplicator {
   // "linked from NAME"), not from t.source.
   void onFetched(const SnapshotTransfer& t, const Status& st, const std::string& temp,
                  TimePoint started, const std::string& taken);
-  // A renamed version whose old name this node still holds as that very file (localCopyOf):
-  // linked under `temp` (no copy, no space; the old name's deletion follows). False when it
-  // cannot be (then it is copied).
+  // A renamed version whose old name this node still holds as that very file (localCopyOf), or
+  // set aside when the old name's deletion came first: linked under `temp` (no copy, no space).
+  // False when it cannot be (then it is copied).
   bool linkHeld(const SnapshotVersion& v, const std::string& temp);
   void maybeFinishSync();
   // A new round's nodes serve at `live`: fetches from any other source end now, and other
@@ -276,11 +284,13 @@ class SnapshotReplicator {
   std::map<std::string, std::string> renamed_from_;
   // The other way: names renamed away (onRenamed), to their new names, until looked at again.
   std::map<std::string, std::string> renamed_to_;
-  // Files deleted here because another node renamed them, kept open a while for the copy under
-  // the new name in case the deletion came first (by name).
+  // Files deleted here because another node renamed them, kept a while for their new name in
+  // case the deletion came first (by name): set aside under a hidden name (`aside`; linked from
+  // there), else open only (copied).
   struct KeptCopy {
-    rendezvous::ServedFile served;
+    Held held;
     TimePoint until;
+    std::string aside{};
   };
   std::map<std::string, KeptCopy> kept_for_copy_;
   std::unique_ptr<boost::asio::steady_timer> kept_timer_;

@@ -813,25 +813,39 @@ TEST_CASE("a file still open for writing in a directory renamed into place is an
   CHECK(countOf(logs, "snapshot: fetched ckpt/part.bin version ") == 1);
 }
 
-TEST_CASE("a rename whose deletion arrives before its new name is copied from the kept old file",
-          "[snapshot]") {
+TEST_CASE(
+    "a rename whose deletion arrives before its new name is linked from the old file set aside",
+    "[snapshot]") {
   // Announcements travel on calls of their own, so a node may learn of the old name's deletion
   // before the new name's version. The test plays the writer's agent for those two announcements,
-  // in that order: the reader deletes staging.pt but keeps it open, and copies final.pt from it
-  // (no fetch: the writer never held final.pt).
+  // in that order: the reader sets staging.pt aside under a hidden name instead of deleting it,
+  // and links final.pt to it (no fetch: the writer never held final.pt; no copy). A deletion
+  // whose new name never comes (other.pt) has its file set aside only a while.
   TempDir triggers, a_dir, b_dir;
   std::string content;
   for (uint32_t i = 0; i < 200000; ++i) content.push_back(static_cast<char>(i * 13));
   std::ofstream(triggers / "big", std::ios::binary) << content;
-  const std::string script = "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then cat '" + triggers / "big" +
-                             "' > \"$DDPRUN_SNAPSHOT_DIR/staging.pt\"; fi; while [ ! -e '" +
-                             triggers / "stop" + "' ]; do sleep 0.1; done";
+  const std::string script =
+      "if [ \"$WRITER$LOCAL_RANK\" = 10 ]; then cat '" + triggers / "big" +
+      "' > \"$DDPRUN_SNAPSHOT_DIR/staging.pt\" && cp \"$DDPRUN_SNAPSHOT_DIR/staging.pt\" "
+      "\"$DDPRUN_SNAPSHOT_DIR/other.pt\"; fi; while [ ! -e '" +
+      triggers / "stop" + "' ]; do sleep 0.1; done";
   RendezvousDaemon rdzv;
   auto nodes = writerAndReader(rdzv, a_dir.path(), b_dir.path(), "snap-rename-order", script);
   auto holds = [&](const std::string& name) {
     return fileExists(b_dir / name) && readFile(b_dir / name) == content;
   };
-  const bool arrived = waitUntil([&] { return holds("staging.pt"); }, 60s);
+  const bool arrived = waitUntil([&] { return holds("staging.pt") && holds("other.pt"); }, 60s);
+  // The files set aside: hidden names at the top of the reader's directory.
+  auto aside = [&] {
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(b_dir.path())) {
+      n += e.path().filename().string().rfind(".ddprun-recv.kept.", 0) == 0;
+    }
+    return n;
+  };
+  int aside_before_link = 0;
+  bool aside_gone = false;
   auto serving = [&](int i) {
     std::smatch m;
     const std::string err = nodes[i]->err();
@@ -843,6 +857,9 @@ TEST_CASE("a rename whose deletion arrives before its new name is copied from th
   const std::string reader_log = nodes[1]->err();
   const bool versioned =
       std::regex_search(reader_log, m, std::regex(R"(fetched staging\.pt version (\d+)\.(\d+):)"));
+  std::smatch other_m;
+  const bool other_versioned = std::regex_search(
+      reader_log, other_m, std::regex(R"(fetched other\.pt version (\d+)\.(\d+):)"));
   bool renamed = false;
   if (arrived && versioned) {
     const uint64_t held = (std::stoull(m[1].str()) << 32) | std::stoull(m[2].str());
@@ -857,16 +874,31 @@ TEST_CASE("a rename whose deletion arrives before its new name is copied from th
     moved.moved_from_version = held;
     REQUIRE(rendezvous::announceSnapshot(reader, gone, writer, writer, 5s).isOk());
     REQUIRE(waitUntil([&] { return !fileExists(b_dir / "staging.pt"); }, 30s));
+    aside_before_link = aside();
     REQUIRE(rendezvous::announceSnapshot(reader, moved, writer, writer, 5s).isOk());
     renamed = waitUntil([&] { return holds("final.pt"); }, 30s);
+    if (other_versioned) {
+      const uint64_t other = (std::stoull(other_m[1].str()) << 32) | std::stoull(other_m[2].str());
+      rendezvous::SnapshotFile other_gone{"other.pt", other + 20, 0, 0};
+      other_gone.deleted = true;
+      other_gone.moved_to = "never.pt";
+      REQUIRE(rendezvous::announceSnapshot(reader, other_gone, writer, writer, 5s).isOk());
+      REQUIRE(waitUntil([&] { return !fileExists(b_dir / "other.pt"); }, 30s));
+      // Let go after the kept time (10 s), with nothing left behind.
+      aside_gone = waitUntil([&] { return aside() == 0; }, 30s);
+    }
   }
   const std::string logs = logsThenStop(nodes, triggers / "stop");
   INFO(logs);
   REQUIRE(arrived);
   REQUIRE(versioned);
+  REQUIRE(other_versioned);
   CHECK(renamed);
-  CHECK(countOf(logs, "200000 bytes copied from staging.pt here (renamed on another node)") == 1);
+  CHECK(aside_before_link == 1);
+  CHECK(countOf(logs, "200000 bytes linked from staging.pt here (renamed on another node)") == 1);
   CHECK(logs.find("snapshot: fetched final.pt") == std::string::npos);
+  CHECK(aside_gone);
+  CHECK_FALSE(fileExists(b_dir / "never.pt"));
 }
 
 TEST_CASE("a checkpoint of 2000 files arrives whole, fetched a few files at a time", "[snapshot]") {
