@@ -143,10 +143,14 @@ std::set<std::pair<uint64_t, uint64_t>> filesOpenForWriting(uint64_t dev) {
   while (auto* p = ::readdir(procs)) {
     if (p->d_name[0] < '1' || p->d_name[0] > '9' || self == p->d_name) continue;
     const std::string base = std::string("/proc/") + p->d_name;
-    DIR* fds = ::opendir((base + "/fd").c_str());
-    if (fds == nullptr) continue;
     const int fdinfo = ::open((base + "/fdinfo").c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    while (auto* f = (fdinfo < 0 ? nullptr : ::readdir(fds))) {
+    if (fdinfo < 0) continue;  // another user's, or gone
+    DIR* fds = ::opendir((base + "/fd").c_str());
+    if (fds == nullptr) {
+      ::close(fdinfo);
+      continue;
+    }
+    while (auto* f = ::readdir(fds)) {
       struct stat st {};
       if (f->d_name[0] == '.' || ::fstatat(::dirfd(fds), f->d_name, &st, 0) != 0 ||
           !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_dev) != dev) {
@@ -155,7 +159,7 @@ std::set<std::pair<uint64_t, uint64_t>> filesOpenForWriting(uint64_t dev) {
       const int mode = accessModeOf(fdinfo, f->d_name);
       if (mode == O_WRONLY || mode == O_RDWR) open.emplace(st.st_dev, st.st_ino);
     }
-    if (fdinfo >= 0) ::close(fdinfo);
+    ::close(fdinfo);
     ::closedir(fds);
   }
   ::closedir(procs);
