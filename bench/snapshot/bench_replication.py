@@ -19,10 +19,14 @@ snapshot directory, against a standalone ddprun-rendezvous. Three measurements:
            without --snapshot-dir. Goal: <= 2 % overhead. Single runs swing by +-15 % on this
            VM, so --pairs N runs N pairs (without, with; the order alternating from pair to
            pair) and prints the median and mean of the per-pair overheads with a 90 % bootstrap
-           interval of the mean.
+           interval of the mean. --pin-workers CPU runs every worker on that CPU and the agents
+           on the others: a node whose training leaves the agent a core of its own, as GPU
+           nodes do (on a 2-core VM the workers otherwise take both cores, and any CPU the
+           agents use for replication is taken from them).
 
 Usage: bench_replication.py --build BUILD [--sizes 100M,1G] [--nodes 2,4] [--what lag,join,step]
-                            [--reps 3] [--epochs 6] [--pairs 1]
+                            [--reps 3] [--epochs 6] [--pairs 1] [--pin-workers CPU]
+                            [--dataset-size 512] [--step-dirs DIR]
 """
 import argparse
 import multiprocessing
@@ -75,8 +79,9 @@ class Rendezvous:
 
 
 class Agent:
-    def __init__(self, build, rdzv, addr, nnodes, run_id, snapshot_dir, program, log_dir):
-        cmd = [os.path.join(build, "launcher", "ddprun"), f"--nnodes={nnodes}",
+    def __init__(self, build, rdzv, addr, nnodes, run_id, snapshot_dir, program, log_dir,
+                 prefix=()):
+        cmd = list(prefix) + [os.path.join(build, "launcher", "ddprun"), f"--nnodes={nnodes}",
                "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}",
                f"--rdzv-id={run_id}", f"--local-addr={addr}", "--max-restarts=3",
                "--rdzv-conf=last_call_timeout=1"]
@@ -278,18 +283,26 @@ def bench_join(build, size, work, replicate, reps):
     return statistics.median(times)
 
 
-def bench_step(build, work, replicate, epochs):
+def bench_step(build, work, replicate, epochs, pin=None, dataset_size=512, dirs_in=None):
+    """ms/step of rank 0 and the snapshot's size. `pin`: the CPU every worker runs on, the
+    agents on the others (a node whose training leaves the agent a core, as GPU nodes do).
+    `dirs_in`: where the nodes' directories are made (else in `work`)."""
     rdzv = Rendezvous(build)
-    dirs = [tempfile.mkdtemp(dir=work) for _ in range(2)]
+    dirs = [tempfile.mkdtemp(dir=dirs_in or work) for _ in range(2)]
     run_id = f"step-{int(replicate)}"
     prog = ["--no-python", os.path.join(build, "examples", "train"), str(epochs), "1", "--model",
-            "mlp", "--dataset-size", "512", "--timing"]
+            "mlp", "--dataset-size", str(dataset_size), "--timing"]
+    prefix = ()
+    if pin is not None:
+        others = sorted(os.sched_getaffinity(0) - {pin})
+        prefix = ("taskset", "-c", ",".join(str(c) for c in others))
+        prog = ["--no-python", "taskset", "-c", str(pin)] + prog[1:]
     agents = []
     try:
         for i in range(2):
             p = prog if replicate else prog + ["--snapshot-path", os.path.join(dirs[i], "s.pt")]
             agents.append(Agent(build, rdzv, f"127.0.0.{2 + i}", "2", run_id,
-                                dirs[i] if replicate else "", p, work))
+                                dirs[i] if replicate else "", p, work, prefix))
         for a in agents:
             a.proc.wait(timeout=1800)
         out = "".join(a.out() for a in agents)
@@ -325,6 +338,12 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--pairs", type=int, default=1)
+    ap.add_argument("--pin-workers", type=int, default=None,
+                    help="step: run every worker on this CPU and the agents on the others")
+    ap.add_argument("--dataset-size", type=int, default=512,
+                    help="step: samples per epoch (a snapshot every epoch; 64 a step: 2 ranks of 32)")
+    ap.add_argument("--step-dirs", default=None,
+                    help="step: make the nodes' directories here (e.g. a tmpfs: no shared disk)")
     args = ap.parse_args()
     build = os.path.abspath(args.build)
     work = tempfile.mkdtemp(prefix="snapbench_")
@@ -361,9 +380,14 @@ def main():
                 order = (False, True) if pair % 2 == 0 else (True, False)
                 ms = {}
                 for replicate in order:
-                    ms[replicate], size = bench_step(build, work, replicate, args.epochs)
+                    ms[replicate], size = bench_step(build, work, replicate, args.epochs,
+                                                     args.pin_workers, args.dataset_size,
+                                                     args.step_dirs)
                 overheads.append(100 * (ms[True] / ms[False] - 1))
-                print(f"step train mlp, 2 nodes, snapshot {size / 1e6:.1f} MB every epoch: "
+                pinned = "" if args.pin_workers is None else f", workers on CPU {args.pin_workers}"
+                pinned += f", {args.dataset_size // 64} steps an epoch"
+                pinned += f", directories in {args.step_dirs}" if args.step_dirs else ""
+                print(f"step train mlp, 2 nodes{pinned}, snapshot {size / 1e6:.1f} MB every epoch: "
                       f"{ms[True]:.2f} ms/step with --snapshot-dir, {ms[False]:.2f} without, "
                       f"overhead {overheads[-1]:+.1f} % (goal <= 2 %)", flush=True)
             if len(overheads) > 1:
