@@ -103,6 +103,14 @@ std::string versionText(uint64_t v) {
   return std::to_string(v >> 32) + "." + std::to_string(v & 0xffffffffu);
 }
 
+// A name of the agent's own under the relative directory `dir` ("" or ending in '/'):
+// kRecvPrefix, `stem`, this process and a random number. Never replicated, and removed at the
+// next start if a crash leaves it behind (scanExisting).
+std::string hiddenName(const std::string& dir, const std::string& stem) {
+  std::random_device rd;
+  return dir + kRecvPrefix + stem + "." + std::to_string(::getpid()) + "." + std::to_string(rd());
+}
+
 int64_t mtimeNs(const struct stat& st) {
   return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
 }
@@ -1031,14 +1039,11 @@ void SnapshotReplicator::pump() {
       continue;
     }
     if (urgency == Urgency::kPrompt) rendezvous::warmHeapForFetches();  // no workers yet
-    std::random_device rd;
     // Received next to where it goes (the rename stays in one directory and file system), under
     // a name that stays within NAME_MAX (255) whatever the file's.
     const auto slash = t.file.name.rfind('/');
     const std::string dir = slash == std::string::npos ? "" : t.file.name.substr(0, slash + 1);
-    const std::string temp =
-        path(dir + kRecvPrefix + t.file.name.substr(dir.size(), kRecvNameKept) + "." +
-             std::to_string(::getpid()) + "." + std::to_string(rd()));
+    const std::string temp = path(hiddenName(dir, t.file.name.substr(dir.size(), kRecvNameKept)));
     const auto started = std::chrono::steady_clock::now();
     auto status = std::make_shared<Status>();
     auto crc = std::make_shared<uint32_t>(0);
@@ -1192,9 +1197,7 @@ bool SnapshotReplicator::worthKeeping(const std::string& moved_to, const Held& b
 }
 
 std::string SnapshotReplicator::setAside(const std::string& name) {
-  std::random_device rd;
-  const std::string aside = path(std::string(kRecvPrefix) + "kept." + std::to_string(::getpid()) +
-                                 "." + std::to_string(rd()));
+  const std::string aside = path(hiddenName("", "kept"));
   return ::rename(path(name).c_str(), aside.c_str()) == 0 ? aside : std::string();
 }
 
