@@ -539,12 +539,7 @@ void SnapshotReplicator::watchDir() {
           off += sizeof(inotify_event) + ev->len;
         }
         for (const auto& ev : events) onWatchEvent(ev.wd, ev.mask, ev.cookie, ev.name);
-        // A rename's two events are queued together: with nothing more queued, a rename away
-        // without its IN_MOVED_TO left the directory (or the name for an unreplicated one).
-        int queued = 0;
-        if (::ioctl(inotify_->native_handle(), FIONREAD, &queued) != 0 || queued == 0) {
-          notRenamedWithin();
-        }
+        notRenamedWithin();
         watchDir();
       });
 }
@@ -575,16 +570,14 @@ void SnapshotReplicator::onWatchEvent(int wd, uint32_t mask, uint32_t cookie,
   // Renamed away: a rename within the directory if its IN_MOVED_TO follows (notRenamedWithin).
   if ((mask & IN_MOVED_FROM) && cookie != 0 && isReplicatedName(rel)) {
     if (dir_event) unwatchTree(rel);
-    renamed_away_[cookie] = RenamedAway{rel, dir_event};
+    renamed_away_.movedFrom(cookie, RenamePairs::Away{rel, dir_event},
+                            std::chrono::steady_clock::now());
     return;
   }
-  std::optional<RenamedAway> from;
-  if (mask & IN_MOVED_TO) {
-    if (auto it = renamed_away_.find(cookie); cookie != 0 && it != renamed_away_.end()) {
-      from = std::move(it->second);
-      renamed_away_.erase(it);
-      if (from->dir != dir_event) from.reset();  // cannot be; treated as unrelated
-    }
+  std::optional<RenamePairs::Away> from;
+  if ((mask & IN_MOVED_TO) && cookie != 0) {
+    from = renamed_away_.movedTo(cookie);
+    if (from && from->dir != dir_event) from.reset();  // cannot be; treated as unrelated
   }
   if (dir_event) {
     if (mask & (IN_MOVED_FROM | IN_DELETE)) forgetTree(rel);
@@ -610,15 +603,29 @@ void SnapshotReplicator::onWatchEvent(int wd, uint32_t mask, uint32_t cookie,
 }
 
 void SnapshotReplicator::notRenamedWithin() {
-  auto away = std::move(renamed_away_);
-  renamed_away_.clear();
-  for (auto& [cookie, r] : away) {
+  // With events still queued, the read they wait for comes first; it calls this again.
+  int queued = 0;
+  if (::ioctl(inotify_->native_handle(), FIONREAD, &queued) == 0 && queued > 0) return;
+  for (const auto& r : renamed_away_.gone(std::chrono::steady_clock::now())) {
     if (r.dir) {
       lookAgainAtHeld(r.name + "/");
     } else {
       onDirEvent(r.name);
     }
   }
+  const auto due = renamed_away_.nextDue();
+  if (!due || renamed_away_timer_armed_) return;
+  if (!renamed_away_timer_) {
+    renamed_away_timer_ = std::make_unique<boost::asio::steady_timer>(io_);
+  }
+  renamed_away_timer_armed_ = true;
+  renamed_away_timer_->expires_at(*due);
+  std::weak_ptr<int> alive = alive_;
+  renamed_away_timer_->async_wait([this, alive](const boost::system::error_code& ec) {
+    if (ec || !alive.lock()) return;
+    renamed_away_timer_armed_ = false;
+    notRenamedWithin();
+  });
 }
 
 void SnapshotReplicator::warnIfTooLong(const std::string& name) {

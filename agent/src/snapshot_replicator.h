@@ -46,6 +46,7 @@
 #include "ddprun/agent/rendezvous_service.h"
 #include "ddprun/agent/snapshot_replica.h"
 #include "ddprun/rendezvous/snapshot_transfer.h"
+#include "rename_pairs.h"
 
 namespace ddprun::agent {
 
@@ -131,8 +132,9 @@ class SnapshotReplicator {
   void forgetTree(const std::string& rel);
   // Stops watching the directory `rel` and those below it.
   void unwatchTree(const std::string& rel);
-  // The names renamed away (renamed_away_) whose IN_MOVED_TO did not come: they left the
-  // directory, and are looked at again (their deletions are versions).
+  // The names renamed away (renamed_away_) whose IN_MOVED_TO did not come within
+  // kRenamePairWait (rename_pairs.h), with nothing more queued: they left the directory, and are
+  // looked at again (their deletions are versions). Looks again when the next of them is due.
   void notRenamedWithin();
   // Events lost (the kernel's queue overflowed): every file there and every file held is looked
   // at again.
@@ -272,13 +274,12 @@ class SnapshotReplicator {
   int unwatched_dirs_ = 0;                  // directories that could not be watched (firstFew)
   int long_names_ = 0;                      // paths too long to be replicated (firstFew)
   int overflows_ = 0;                       // inotify queue overflows (firstFew)
+  int impossible_versions_ = 0;             // announcements of versions refused (firstFew)
   std::map<std::string, Held> held_files_;  // loop thread
-  // Renamed away, by the rename's cookie, until its IN_MOVED_TO (or none) came.
-  struct RenamedAway {
-    std::string name;
-    bool dir = false;
-  };
-  std::map<uint32_t, RenamedAway> renamed_away_;
+  // Renamed away, by the rename's cookie, until its IN_MOVED_TO came or it is gone.
+  RenamePairs renamed_away_{kRenamePairWait};
+  std::unique_ptr<boost::asio::steady_timer> renamed_away_timer_;
+  bool renamed_away_timer_armed_ = false;
   // Names renamed within the directory, to what they were called before: taken when the file is
   // next looked at (hashNext).
   std::map<std::string, std::string> renamed_from_;
