@@ -29,7 +29,10 @@ Status makeDirs(const std::string& path) {
 Status makeParentDirsUnder(const std::string& root, const std::string& rel) {
   for (size_t slash = rel.find('/'); slash != std::string::npos; slash = rel.find('/', slash + 1)) {
     const std::string dir = root + "/" + rel.substr(0, slash);
-    if (::mkdir(dir.c_str(), 0755) == 0) continue;
+    if (::mkdir(dir.c_str(), 0755) == 0) {
+      syncDir(dir.substr(0, dir.rfind('/')));
+      continue;
+    }
     const int err = errno;
     struct stat st {};
     if (err == EEXIST && ::lstat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) continue;
@@ -39,6 +42,14 @@ Status makeParentDirsUnder(const std::string& root, const std::string& rel) {
                                              : std::string(std::strerror(err))));
   }
   return Status::ok();
+}
+
+bool syncDir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool synced = ::fsync(fd) == 0;
+  ::close(fd);
+  return synced;
 }
 
 void removeEmptyParentsUnder(const std::string& root, const std::string& rel) {

@@ -24,10 +24,13 @@ Status removeIfExists(const std::string& path);
 // followed).
 StatusOr<std::optional<std::string>> readSmallFile(const std::string& path, size_t max_bytes);
 // Makes the directories of the relative file path `rel` under `root` (for "a/b/c": root/a, then
-// root/a/b), mode 0755; those there already are kept. FAILED_PRECONDITION naming the directory
-// when one cannot be made, or when something other than a directory is in the way there (a
-// symlink is not followed).
+// root/a/b), mode 0755; those there already are kept, and each one made is synced into its
+// parent (syncDir). FAILED_PRECONDITION naming the directory when one cannot be made, or when
+// something other than a directory is in the way there (a symlink is not followed).
 Status makeParentDirsUnder(const std::string& root, const std::string& rel);
+// fsync of the directory `dir`, so that the names made, renamed or removed in it last through a
+// crash of the host; best effort (false when it cannot be opened or synced).
+bool syncDir(const std::string& dir);
 // Removes the directories of `rel`'s parent path under `root` that are empty, deepest first,
 // stopping at the first that is not (or cannot be removed); `root` itself stays.
 void removeEmptyParentsUnder(const std::string& root, const std::string& rel);

@@ -1273,11 +1273,10 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
         ::unlink(temp.c_str());
         restoreHeld(t.file.name, before);
       } else {
-        const int dfd = ::open(options_.dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (dfd >= 0) {
-          ::fsync(dfd);
-          ::close(dfd);
-        }
+        // The directory that holds the name (not always the top): its new entry lasts through a
+        // crash of the host.
+        const std::string placed = path(t.file.name);
+        syncDir(placed.substr(0, placed.rfind('/')));
         if (taken.empty()) {
           ++metrics_.versions_fetched;
           metrics_.bytes_fetched += t.file.size;
