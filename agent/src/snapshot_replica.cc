@@ -127,13 +127,29 @@ bool SnapshotReplica::newerThanHeld(const SnapshotVersion& v) const {
   return it == held_.end() || v.supersedes(it->second);
 }
 
-void SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& source) {
-  if (!isReplicatedName(v.name) || source.empty()) return;
-  max_seen_ = std::max(max_seen_, v.version);
-  if (!newerThanHeld(v)) return;
+bool SnapshotReplica::worthFetching(const SnapshotVersion& v) const {
   // A deletion this node forgot, announced by a peer that has not yet: nothing to do here unless
   // a copy it deletes is held.
-  if (v.deleted && v.version <= forgotten_ && held_.count(v.name) == 0) return;
+  return newerThanHeld(v) && !(v.deleted && v.version <= forgotten_ && held_.count(v.name) == 0);
+}
+
+void SnapshotReplica::pruneHeard(const std::string& name, const std::vector<std::string>* live) {
+  auto heard = heard_.find(name);
+  if (heard == heard_.end()) return;
+  auto& holders = heard->second;
+  for (auto h = holders.begin(); h != holders.end();) {
+    const bool gone = live && std::find(live->begin(), live->end(), h->first) == live->end();
+    h = gone || !worthFetching(h->second) ? holders.erase(h) : std::next(h);
+  }
+  if (holders.empty()) heard_.erase(heard);
+}
+
+void SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& source) {
+  if (!isReplicatedName(v.name) || source.empty() || !isPossibleVersion(v.version)) return;
+  max_seen_ = std::max(max_seen_, v.version);
+  if (!worthFetching(v)) return;
+  auto& heard = heard_[v.name][source];
+  if (heard.name.empty() || v.supersedes(heard)) heard = v;
   auto it = wants_.find(v.name);
   if (it == wants_.end() || v.supersedes(it->second.target)) {
     Want w;
@@ -182,12 +198,19 @@ void SnapshotReplica::onTransferDone(const SnapshotTransfer& t, TransferOutcome 
     held.moved_from_version = 0;
     held.moved_to.clear();
     if (t.file.deleted) trimTombstones();
+    pruneHeard(name);
   }
   auto it = wants_.find(name);
   if (it == wants_.end()) return;
   Want& w = it->second;
   w.running = false;
   if (!newerThanHeld(w.target)) {  // what is held now is at least as new as the wanted one
+    wants_.erase(it);
+    return;
+  }
+  // No live holder of what is wanted is left (keepSources), nor of anything newer than what is
+  // held: wanted no more, so that the round's sync does not wait for it.
+  if (w.sources.empty() && !fallBack(name, w)) {
     wants_.erase(it);
     return;
   }
@@ -204,9 +227,7 @@ void SnapshotReplica::onTransferDone(const SnapshotTransfer& t, TransferOutcome 
       return;
     case TransferOutcome::kCorrupt:
     case TransferOutcome::kFailed:
-      if (w.sources.empty()) {  // no live holder left (keepSources)
-        wants_.erase(it);
-      } else if (w.attempts >= options_.max_attempts) {
+      if (w.attempts >= options_.max_attempts) {
         w.given_up = true;
       } else if (w.sources[w.next_source % w.sources.size()] == t.source) {
         w.next_source = (w.next_source + 1) % w.sources.size();
@@ -215,19 +236,41 @@ void SnapshotReplica::onTransferDone(const SnapshotTransfer& t, TransferOutcome 
   }
 }
 
+bool SnapshotReplica::fallBack(const std::string& name, Want& w) {
+  auto heard = heard_.find(name);
+  if (heard == heard_.end()) return false;
+  std::optional<SnapshotVersion> best;
+  for (const auto& [source, v] : heard->second) {
+    if (worthFetching(v) && (!best || v.supersedes(*best))) best = v;
+  }
+  if (!best) return false;
+  Want next;
+  next.target = *best;
+  for (const auto& [source, v] : heard->second) {
+    if (v.sameContent(*best)) next.sources.push_back(source);
+  }
+  next.running = w.running;  // a transfer that still runs ends first
+  w = std::move(next);
+  return true;
+}
+
 void SnapshotReplica::keepSources(const std::vector<std::string>& live) {
+  const auto isLive = [&](const std::string& s) {
+    return std::find(live.begin(), live.end(), s) != live.end();
+  };
+  std::vector<std::string> names;
+  for (const auto& [name, holders] : heard_) names.push_back(name);
+  for (const auto& name : names) pruneHeard(name, &live);
   for (auto it = wants_.begin(); it != wants_.end();) {
     Want& w = it->second;
     const std::string current =
         w.sources.empty() ? "" : w.sources[w.next_source % w.sources.size()];
     w.sources.erase(std::remove_if(w.sources.begin(), w.sources.end(),
-                                   [&](const std::string& s) {
-                                     return std::find(live.begin(), live.end(), s) == live.end();
-                                   }),
+                                   [&](const auto& s) { return !isLive(s); }),
                     w.sources.end());
     auto at = std::find(w.sources.begin(), w.sources.end(), current);
     w.next_source = at == w.sources.end() ? 0 : static_cast<size_t>(at - w.sources.begin());
-    if (w.sources.empty() && !w.running) {
+    if (w.sources.empty() && !fallBack(it->first, w) && !w.running) {
       it = wants_.erase(it);
     } else {
       ++it;
@@ -375,6 +418,11 @@ StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
     if (lines[i].empty()) continue;
     auto v = parseVersionLine(lines[i]);
     if (!v) return invalidArgument("snapshot holdings: malformed line '" + lines[i] + "'");
+    if (!isPossibleVersion(v->version)) {
+      return invalidArgument("snapshot holdings: line '" + lines[i] +
+                             "' has a version from round " + std::to_string(v->version >> 32) +
+                             ", which no job reaches");
+    }
     held.push_back(std::move(*v));
   }
   return std::make_pair(lines[0], std::move(held));
@@ -401,7 +449,7 @@ StatusOr<std::map<std::string, SnapshotVersion>> decodeVersionTable(const std::s
     const std::string where = "line " + std::to_string(i + 1) + " ('" + lines[i].substr(0, 300) +
                               (lines[i].size() > 300 ? "...'" : "'");
     if (!v || v->crc_pending) return invalidArgument(where + ") is not NAME VERSION SIZE CRC32");
-    if ((v->version >> 32) >= (1ull << 31)) {
+    if (!isPossibleVersion(v->version)) {
       return invalidArgument(where + ") has a version from round " +
                              std::to_string(v->version >> 32) + ", which no job reaches");
     }

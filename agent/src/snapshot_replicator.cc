@@ -983,6 +983,15 @@ void SnapshotReplicator::relay(const SnapshotVersion& v, const std::string& sour
 void SnapshotReplicator::onAnnounce(const SnapshotVersion& announced, const std::string& source,
                                     const std::string& origin) {
   if (!isReplicatedName(announced.name)) return;  // a peer's name that would leave the directory
+  if (!isPossibleVersion(announced.version)) {
+    if (auto more = firstFew(impossible_versions_)) {
+      snapLog()->warn(
+          "snapshot: {} announced {} with version {} (round {}), which no job reaches: "
+          "ignored{}",
+          source, announced.name, announced.version, announced.version >> 32, *more);
+    }
+    return;
+  }
   SnapshotVersion v = announced;
   if (!v.moved_from.empty() && !isReplicatedName(v.moved_from)) {
     v.moved_from.clear();  // a hint naming nothing this node could hold

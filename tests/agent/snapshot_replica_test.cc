@@ -352,6 +352,80 @@ TEST_CASE("holders that are not nodes of the new round are not asked again", "[s
   REQUIRE(idle.takeTransfers().size() == 1);
 }
 
+TEST_CASE("a newer version whose only holder is gone falls back to the newest a live node holds",
+          "[snapshot]") {
+  // Fetching 4 from the writer when it announces 5; the writer is then lost, and the next round's
+  // holdings say that live:2 holds 4 (5 supersedes it, so it is not added as 5's source).
+  SnapshotReplica r;
+  r.onHolder(file(4), "writer:1");
+  auto t4 = r.takeTransfers().at(0);
+  r.onHolder(file(5), "writer:1");
+  r.onHolder(file(4), "live:2");
+  r.onHolder(file(3, 7, "other.bin"), "live:2");
+  r.onHolder(file(3, 8, "other.bin"), "writer:1");  // the same number, greater content
+  r.keepSources({"live:2", "me:3"});
+  CHECK(r.busy());
+  REQUIRE(r.wanted("snapshot.pt") == 4u);  // 5 is held by no live node: 4 is wanted from live:2
+  REQUIRE(r.wanted("other.bin") == 3u);
+  // The fetch from the gone writer ends (the shell ends it): 4 comes from live:2 next.
+  r.onTransferDone(t4, TransferOutcome::kFailed);
+  auto t = r.takeTransfers();
+  REQUIRE(t.size() == 2);
+  for (const auto& each : t) {
+    INFO(each.file.name);
+    CHECK(each.source == "live:2");
+    CHECK(each.file.version == (each.file.name == "snapshot.pt" ? 4u : 3u));
+    CHECK(each.file.crc32 == 7u);  // what live:2 holds
+    r.onTransferDone(each, TransferOutcome::kOk);
+  }
+  CHECK(r.held("snapshot.pt")->version == 4);
+  CHECK_FALSE(r.busy());
+
+  // With no live holder of anything newer, the want ends when its transfer does: the round's
+  // sync is not held up by it.
+  SnapshotReplica alone;
+  alone.onHolder(file(4), "writer:1");
+  auto a4 = alone.takeTransfers().at(0);
+  alone.onHolder(file(5), "writer:1");
+  alone.keepSources({"me:3"});
+  CHECK(alone.busy());  // the transfer still runs
+  alone.onTransferDone(a4, TransferOutcome::kFailed);
+  CHECK_FALSE(alone.busy());
+  CHECK_FALSE(alone.wanted("snapshot.pt"));
+  CHECK(alone.takeTransfers().empty());
+  // A holder heard of before, newer than nothing held, and gone since is no fallback either.
+  SnapshotReplica stale;
+  stale.onHolder(file(4), "old:4");
+  stale.onHolder(file(5), "writer:1");
+  stale.keepSources({"me:3"});
+  CHECK_FALSE(stale.busy());
+  stale.onHolder(file(2), "live:2");  // older: still wanted, from the holder that has it
+  REQUIRE(stale.wanted("snapshot.pt") == 2u);
+}
+
+TEST_CASE("a peer's version from a round no job reaches is refused, and never wraps numbering",
+          "[snapshot]") {
+  SnapshotReplica r;
+  auto mine = r.onLocalWrite("snapshot.pt", 10, 1, 5);
+  for (uint64_t bogus : {UINT64_MAX, makeSnapshotVersion(uint64_t{1} << 31, 0)}) {
+    CAPTURE(bogus);
+    SnapshotVersion v{"snapshot.pt", bogus, 10, 2};
+    r.onHolder(v, "peer:1");
+    CHECK_FALSE(r.wanted("snapshot.pt"));
+    CHECK(r.maxVersionSeen() == mine.version);
+    auto holdings = decodeHoldings(encodeHoldings("peer:1", {v}));
+    REQUIRE_FALSE(holdings.isOk());
+    CHECK(holdings.status().message().find("which no job reaches") != std::string::npos);
+  }
+  // The last possible round is still a version.
+  r.onHolder(SnapshotVersion{"snapshot.pt", makeSnapshotVersion((uint64_t{1} << 31) - 1, 1), 10, 2},
+             "peer:1");
+  CHECK(r.wanted("snapshot.pt"));
+  // What this node writes next numbers above what it holds.
+  auto next = r.onLocalWrite("snapshot.pt", 10, 3, 5);
+  CHECK(next.version > mine.version);
+}
+
 TEST_CASE("a holder still hashing and one that knows the CRC-32 serve the same version",
           "[snapshot]") {
   SnapshotReplica r;

@@ -88,6 +88,11 @@ inline uint64_t makeSnapshotVersion(uint64_t round, uint32_t sequence) {
   return (round << 32) | sequence;
 }
 
+// A version of a round below 2^31, which every job stays in. The version table records no other,
+// and a peer's other is refused (holdings, announcements): this node numbers its own writes above
+// every version seen, and would otherwise wrap round to numbers older than what it holds.
+inline bool isPossibleVersion(uint64_t version) { return (version >> 32) < (uint64_t{1} << 31); }
+
 // A name the replicator handles: a file's path relative to the snapshot directory ("snapshot.pt",
 // "checkpoint-500/optimizer.pt", "step_100/.metadata"), at most kMaxReplicatedName bytes, whose
 // every '/'-separated part is replicated (isReplicatedPart).
@@ -160,8 +165,9 @@ class SnapshotReplica {
   void retryGivenUp();
   // A new round's nodes serve at `live`: holders elsewhere (nodes gone, or stopped and left out of
   // the round) are not asked again, and a version that no live node holds is wanted no more
-  // (what is held stays). A transfer from a gone holder that still runs fails on its own (the
-  // shell ends it) and is retried from a live one.
+  // (what is held stays): the newest version that a live node was heard to hold (onHolder) and
+  // that is newer than the one held is wanted instead. A transfer from a gone holder that still
+  // runs fails on its own (the shell ends it) and is retried from a live one.
   void keepSources(const std::vector<std::string>& live);
   // This node's group rank in the current round (spreads first tries over the holders).
   void setSelfIndex(int index) { options_.self_index = index; }
@@ -187,12 +193,23 @@ class SnapshotReplica {
     bool given_up = false;
   };
   bool newerThanHeld(const SnapshotVersion& v) const;
+  // Newer than held, and not a deletion that was forgotten (max_tombstones) of a name not held.
+  bool worthFetching(const SnapshotVersion& v) const;
+  // Forgets what was heard of `name` that is not worth fetching (any more), and what holders not
+  // in `live` hold (unless null).
+  void pruneHeard(const std::string& name, const std::vector<std::string>* live = nullptr);
+  // `w` (of `name`) has no holder left: wants instead the newest version, newer than the one held,
+  // that a holder still heard of holds (keeping w.running). False when there is none.
+  bool fallBack(const std::string& name, Want& w);
   // Forgets the oldest deletions beyond max_tombstones.
   void trimTombstones();
 
   SnapshotReplicaOptions options_;
   std::map<std::string, SnapshotVersion> held_;
   std::map<std::string, Want> wants_;
+  // Per name, the newest version each holder was heard to hold (onHolder), while newer than the
+  // one held here: what a want whose holders are gone falls back to (keepSources).
+  std::map<std::string, std::map<std::string, SnapshotVersion>> heard_;
   uint64_t max_seen_ = 0;
   uint64_t forgotten_ = 0;
 };
