@@ -466,8 +466,13 @@ StatusOr<std::pair<uint64_t, uint32_t>> crc32OfFile(int fd) {
       ::fstat(fd, &st) == 0 && st.st_size > 0 ? static_cast<uint64_t>(st.st_size) : 0;
   if (size < (64 << 20)) return crc32OfPart(fd, 0, UINT64_MAX);
   const uint64_t half = size / 2;
-  auto second =
-      std::async(std::launch::async, [fd, half] { return crc32OfPart(fd, half, UINT64_MAX); });
+  std::future<StatusOr<std::pair<uint64_t, uint32_t>>> second;
+  try {
+    second =
+        std::async(std::launch::async, [fd, half] { return crc32OfPart(fd, half, UINT64_MAX); });
+  } catch (const std::system_error&) {  // no thread to be had (RLIMIT_NPROC): all of it here
+    return crc32OfPart(fd, 0, UINT64_MAX);
+  }
   auto first = crc32OfPart(fd, 0, half);
   auto rest = second.get();
   if (!first.isOk()) return first.status();
@@ -905,8 +910,13 @@ class SequentialWriter {
         if (const int err = collect()) return err;
         const char* full = buffers_[current_].get();
         const uint64_t at = offset_;
-        pending_ = std::async(std::launch::async,
-                              [this, full, at] { return writeBlocks(full, kBuffer, at); });
+        try {
+          pending_ = std::async(std::launch::async,
+                                [this, full, at] { return writeBlocks(full, kBuffer, at); });
+        } catch (const std::system_error&) {  // no thread to be had: written here, then
+          if (const int err = writeBlocks(full, kBuffer, at)) return err;
+          durable_ = at + kBuffer;
+        }
         offset_ += kBuffer;
         pending_end_ = offset_;
         current_ ^= 1;

@@ -5,6 +5,8 @@
 #include <fcntl.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -277,6 +279,62 @@ TEST_CASE("a large file's CRC-32, read in two halves at once, is zlib's", "[snap
   CHECK(crc->second ==
         static_cast<uint32_t>(::crc32(0L, reinterpret_cast<const Bytef*>(content.data()),
                                       static_cast<uInt>(content.size()))));
+}
+
+TEST_CASE("without a thread to be had, a large file is hashed and copied on the calling thread",
+          "[snapshot]") {
+  // Threads count against RLIMIT_NPROC of the user, the workers' too: a hash or an O_DIRECT write
+  // that could not start its helper thread ended the agent (std::async threw, uncaught). Run as
+  // another user with no processes to spare (root is exempt from the limit).
+  if (::geteuid() != 0) {
+    WARN("skipped: needs root to run a child as nobody with RLIMIT_NPROC 0");
+    return;
+  }
+  Dir d;
+  ::chmod(d.path.c_str(), 0777);
+  std::string content((64 << 20) + 4096 + 5, '\0');
+  std::mt19937 rng(11);
+  for (auto& c : content) c = static_cast<char>(rng());
+  std::ofstream(d / "big", std::ios::binary) << content;
+  const uint32_t want = static_cast<uint32_t>(::crc32(
+      0L, reinterpret_cast<const Bytef*>(content.data()), static_cast<uInt>(content.size())));
+  const int fd = ::open((d / "big").c_str(), O_RDONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  OpenFile closer(fd);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    struct rlimit none {};
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0 || ::setrlimit(RLIMIT_NPROC, &none) != 0) {
+      ::_exit(20);
+    }
+    try {
+      std::thread([] {}).join();
+      ::_exit(21);  // the limit does not bite here
+    } catch (const std::system_error&) {
+    }
+    try {  // in the agent, an exception out of a transfer thread is std::terminate
+      auto crc = crc32OfFile(fd);
+      if (!crc.isOk() || crc->second != want) ::_exit(1);
+      const SnapshotFile file{"big", 1, content.size(), want};
+      Status st = copySnapshotLocally(OpenFile(::dup(fd)), file, d / ".recv", nullptr);
+      ::_exit(st.isOk() ? 0 : 2);
+    } catch (...) {
+      ::_exit(3);
+    }
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  if (WIFEXITED(status) && (WEXITSTATUS(status) == 20 || WEXITSTATUS(status) == 21)) {
+    WARN("skipped: could not run a child as nobody with RLIMIT_NPROC 0 (" +
+         std::to_string(WEXITSTATUS(status)) + ")");
+    return;
+  }
+  INFO("child status " << status << (WIFSIGNALED(status) ? " (killed by a signal)" : ""));
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  const bool same = readAll(d / ".recv") == content;  // no megabytes in a failure
+  CHECK(same);
 }
 
 TEST_CASE("an empty file is a version too", "[snapshot]") {
