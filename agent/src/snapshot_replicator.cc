@@ -281,6 +281,19 @@ SnapshotReplicator::~SnapshotReplicator() {
   for (auto& [id, t] : threads_) {
     if (t.joinable()) t.join();
   }
+  // Work still queued (pools_) never runs: a Fetch stream waiting for a hash or a fetch of it (a
+  // CRC-32 pending, bytes still arriving) would hold up the server's shutdown for ever. Ended now.
+  std::vector<rendezvous::ServedFile> waited_on;
+  {
+    std::lock_guard<std::mutex> lock(served_mu_);
+    for (const auto& [name, s] : served_) waited_on.push_back(s);
+    for (const auto& [name, s] : arriving_) waited_on.push_back(s);
+  }
+  const Status stopping(StatusCode::kCancelled, "the agent is stopping");
+  for (const auto& s : waited_on) {
+    if (s.pending_crc) s.pending_crc->set(stopping);
+    if (s.arriving) s.arriving->fail(stopping);
+  }
   server_.reset();
 }
 
