@@ -94,10 +94,11 @@ SnapshotVersion SnapshotReplica::onLocalWrite(const std::string& name, uint64_t 
 
 std::optional<SnapshotVersion> SnapshotReplica::onLocalRename(const std::string& name,
                                                               const std::string& from,
+                                                              uint64_t from_version,
                                                               uint64_t round) {
   auto it = held_.find(from);
-  if (from == name || it == held_.end() || it->second.deleted || it->second.crc_pending ||
-      it->second.version == 0) {
+  if (from == name || it == held_.end() || it->second.version != from_version ||
+      it->second.deleted || it->second.crc_pending || it->second.version == 0) {
     return std::nullopt;  // version 0: no other node can tell its copy is the same
   }
   const SnapshotVersion was = it->second;

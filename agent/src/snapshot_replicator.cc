@@ -732,13 +732,13 @@ void SnapshotReplicator::hashNext() {
         runAsBackground();
         looked->crc = rendezvous::crc32OfFile(fd);
       },
-      [this, name, looked, from, moved_to] {
+      [this, name, looked, from, moved_to, renamed] {
         if (looked->deferred) {
           announceThenHash(name, looked->file, looked->st);
           return;
         }
         if (looked->renamed) {
-          onRenamed(name, from, looked->file, looked->st);
+          onRenamed(name, from, renamed->served.file.version, looked->file, looked->st);
           return;
         }
         hashing_ = false;
@@ -828,11 +828,12 @@ void SnapshotReplicator::onHashed(const std::string& name,
 }
 
 void SnapshotReplicator::onRenamed(const std::string& name, const std::string& from,
+                                   uint64_t from_version,
                                    std::shared_ptr<rendezvous::OpenFile> file,
                                    const struct stat& st) {
   hashing_ = false;
   if (!holdsAlready(name, st)) {
-    if (auto v = replica_.onLocalRename(name, from, round_)) {
+    if (auto v = replica_.onLocalRename(name, from, from_version, round_)) {
       renamed_to_[from] = name;  // its deletion, looked at next, says so
       publishWritten(
           *v, Held{{toWire(*v), std::move(file), nullptr}, st.st_dev, st.st_ino, mtimeNs(st)},

@@ -157,9 +157,10 @@ class SnapshotReplicator {
   // A large completed file: announced now, hashed on a thread while others fetch it.
   void announceThenHash(const std::string& name, std::shared_ptr<rendezvous::OpenFile> file,
                         const struct stat& st);
-  // `name` is the file held as `from` until this node's workers renamed it (same inode): its new
-  // version is announced with the rename as a hint, so that nodes holding `from` copy their own.
-  void onRenamed(const std::string& name, const std::string& from,
+  // `name` is the file held as `from` at `from_version` until this node's workers renamed it
+  // (same inode): its new version is announced with the rename as a hint, so that nodes holding
+  // `from` copy their own.
+  void onRenamed(const std::string& name, const std::string& from, uint64_t from_version,
                  std::shared_ptr<rendezvous::OpenFile> file, const struct stat& st);
   // The file this node holds that `v` is a renamed copy of (v.moved_from at that version and
   // content), if any: linked or copied here instead of fetched. Also one in kept_for_copy_.

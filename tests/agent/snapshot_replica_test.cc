@@ -549,7 +549,7 @@ TEST_CASE("a rename is a new version of the new name that names the old one as a
           "[snapshot]") {
   SnapshotReplica writer;
   const SnapshotVersion old = writer.onLocalWrite("ckpt.new", 10, 5, 1);
-  auto renamed = writer.onLocalRename("ckpt.pt", "ckpt.new", 1);
+  auto renamed = writer.onLocalRename("ckpt.pt", "ckpt.new", old.version, 1);
   REQUIRE(renamed);
   CHECK(renamed->version > old.version);
   CHECK(renamed->size == 10);
@@ -563,13 +563,24 @@ TEST_CASE("a rename is a new version of the new name that names the old one as a
   REQUIRE(gone);
   CHECK(gone->version > renamed->version);
   // Nothing to copy from: not held, deleted, never recorded (version 0), still hashed, itself.
-  CHECK_FALSE(writer.onLocalRename("b", "ckpt.new", 1));
-  CHECK_FALSE(writer.onLocalRename("b", "nothing", 1));
+  CHECK_FALSE(writer.onLocalRename("b", "ckpt.new", gone->version, 1));
+  CHECK_FALSE(writer.onLocalRename("b", "nothing", 0, 1));
   writer.adoptExisting("before.pt", 3, 3);
-  CHECK_FALSE(writer.onLocalRename("b", "before.pt", 1));
-  writer.onLocalWritePending("big.bin", 1 << 30, 1);
-  CHECK_FALSE(writer.onLocalRename("b", "big.bin", 1));
-  CHECK_FALSE(writer.onLocalRename("ckpt.pt", "ckpt.pt", 1));
+  CHECK_FALSE(writer.onLocalRename("b", "before.pt", 0, 1));
+  auto big = writer.onLocalWritePending("big.bin", 1 << 30, 1);
+  CHECK_FALSE(writer.onLocalRename("b", "big.bin", big.version, 1));
+  CHECK_FALSE(writer.onLocalRename("ckpt.pt", "ckpt.pt", renamed->version, 1));
+  // The file renamed was the old name's version the shell matched; a newer copy of the old name
+  // installed since is other bytes: no rename, the file is hashed.
+  const SnapshotVersion a1 = writer.onLocalWrite("a.pt", 10, 1, 1);
+  const SnapshotVersion a2{"a.pt", makeSnapshotVersion(2, 1), 12, 9};
+  writer.onHolder(a2, "p:1");
+  writer.onTransferDone(writer.takeTransfers().at(0), TransferOutcome::kOk);
+  CHECK_FALSE(writer.onLocalRename("c.pt", "a.pt", a1.version, 2));
+  auto c = writer.onLocalRename("c.pt", "a.pt", a2.version, 2);
+  REQUIRE(c);
+  CHECK(c->size == 12);
+  CHECK(c->crc32 == 9);
 
   // A receiver keeps the hint with what it wants, also when the holdings told it first.
   SnapshotReplica other;

@@ -139,11 +139,12 @@ class SnapshotReplica {
   // CRC-32 follows with onCrcKnown().
   SnapshotVersion onLocalWritePending(const std::string& name, uint64_t size, uint64_t round);
   // This node's workers renamed `from` to `name` during `round`: the file `name` is the very file
-  // held as `from` (the shell checked its inode), so it needs no hash. Returns the version to
-  // announce, with the rename as its hint (moved_from); nullopt when `from` is not held with a
-  // known CRC-32 (then the file is hashed as any other). The deletion of `from` is onLocalDelete's.
+  // held as `from` at `from_version` (the shell checked its inode), so it needs no hash. Returns
+  // the version to announce, with the rename as its hint (moved_from); nullopt when `from` is not
+  // held at that version (a newer copy was installed meanwhile) with a known CRC-32 (then the
+  // file is hashed as any other). The deletion of `from` is onLocalDelete's.
   std::optional<SnapshotVersion> onLocalRename(const std::string& name, const std::string& from,
-                                               uint64_t round);
+                                               uint64_t from_version, uint64_t round);
   // This node's workers deleted `name` during `round`: the returned tombstone is what to announce;
   // nullopt when nothing of it was held (or its deletion already was).
   std::optional<SnapshotVersion> onLocalDelete(const std::string& name, uint64_t round);
