@@ -94,6 +94,11 @@ constexpr uint64_t kAnnounceBeforeHash = 64 << 20;
 constexpr auto kAnnounceTimeout = std::chrono::seconds(2);
 constexpr auto kAnnounceRetry = std::chrono::seconds(1);
 
+// How long a round's sync, and a failed job's end, wait for what the workers wrote to be looked
+// at and versioned (Quiet::kVersioned): a checkpoint of 2000 files is hashed in ~6 s here. A
+// round's sync waits at most half the holdings timeout, which the other nodes wait for it.
+constexpr auto kVersionedWithin = std::chrono::seconds(10);
+
 // How long a file deleted here because another node renamed it stays open for the copy under its
 // new name (keptForCopy), in case the deletion arrived first.
 constexpr auto kKeepRenamedFor = std::chrono::seconds(10);
@@ -152,13 +157,16 @@ StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text) {
   auto parts = split(text, ':');
   auto count = parts.size() == 2 ? parseInt(parts[1]) : std::nullopt;
   if (!count || *count < 0 || *count > 1000 ||
-      (parts[0] != "in-flight" && parts[0] != "at-source" && parts[0] != "slow")) {
+      (parts[0] != "in-flight" && parts[0] != "at-source" && parts[0] != "slow" &&
+       parts[0] != "slow-hash")) {
     return invalidArgument("DDPRUN_SNAPSHOT_FAULT: '" + text +
-                           "' is not in-flight:N, at-source:N or slow:MS (a test hook)");
+                           "' is not in-flight:N, at-source:N, slow:MS or slow-hash:MS (a test "
+                           "hook)");
   }
   fault.kind = parts[0] == "in-flight"   ? rendezvous::ServeFault::Kind::kInFlight
                : parts[0] == "at-source" ? rendezvous::ServeFault::Kind::kAtSource
-                                         : rendezvous::ServeFault::Kind::kSlow;
+               : parts[0] == "slow"      ? rendezvous::ServeFault::Kind::kSlow
+                                         : rendezvous::ServeFault::Kind::kSlowHash;
   fault.count = static_cast<int>(*count);
   return fault;
 }
@@ -699,8 +707,11 @@ void SnapshotReplicator::hashNext() {
     std::string unopened;   // why it could not be opened (not for ENOENT)
   };
   auto looked = std::make_shared<Looked>();
+  const auto slow_hash = std::chrono::milliseconds(
+      options_.fault.kind == rendezvous::ServeFault::Kind::kSlowHash ? options_.fault.count : 0);
   offLoop(
-      [looked, known, renamed, path = path(name)] {
+      [looked, known, renamed, path = path(name), slow_hash] {
+        std::this_thread::sleep_for(slow_hash);  // test hook (DDPRUN_SNAPSHOT_FAULT=slow-hash)
         const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
         if (fd < 0) {
           looked->gone = errno == ENOENT;
@@ -1454,10 +1465,24 @@ void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& se
     };
     pump();
   };
+  // What the workers wrote just before the round ended (a checkpoint saved, then a failure) is
+  // versioned first, so that the holdings published say so and no node starts without it.
+  const Duration versioned_within =
+      std::min<Duration>(kVersionedWithin, options_.holdings_timeout / 2);
+  whenQuiet(Quiet::kVersioned, Duration::zero(), versioned_within,
+            [this, &service, prefix, keys, generation, me = round.group_rank,
+             finish = std::move(finish)]() mutable {
+              if (generation != sync_generation_) return;
+              publishHoldings(service, prefix, keys, generation, me, std::move(finish));
+            });
+}
+
+void SnapshotReplicator::publishHoldings(RendezvousService& service, const std::string& prefix,
+                                         const std::vector<std::string>& keys, uint64_t generation,
+                                         int me, std::function<void()> finish) {
   service.kvSet(
-      prefix + std::to_string(round.group_rank), encodeHoldings(endpoint_, replica_.heldList()), {},
-      [this, &service, keys, generation, me = round.group_rank,
-       finish = std::move(finish)](Status st) mutable {
+      prefix + std::to_string(me), encodeHoldings(endpoint_, replica_.heldList()), {},
+      [this, &service, keys, generation, me, finish = std::move(finish)](Status st) mutable {
         if (generation != sync_generation_) return;
         if (!st.isOk()) {
           snapLog()->warn("snapshot: cannot publish this node's holdings: {}", st.message());
@@ -1501,30 +1526,48 @@ void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& se
       });
 }
 
-void SnapshotReplicator::whenQuiet(bool serving, Duration grace, Duration bound,
+bool SnapshotReplicator::isQuiet(Quiet level) const {
+  int queued = 0;
+  const bool versioned =
+      !hashing_ && hash_queue_.empty() && !renamed_away_.nextDue() &&
+      (!inotify_ || ::ioctl(inotify_->native_handle(), FIONREAD, &queued) != 0 || queued == 0);
+  if (level == Quiet::kVersioned || !versioned) return versioned;
+  const bool replicated = !replica_.busy() && announcing_ == 0;
+  if (level == Quiet::kReplicated || !replicated) return replicated;
+  return server_->activeStreams() == 0;
+}
+
+void SnapshotReplicator::whenQuiet(Quiet level, Duration grace, Duration bound,
                                    std::function<void()> done) {
-  if (!quiet_timer_) quiet_timer_ = std::make_unique<boost::asio::steady_timer>(io_);
+  auto timer = std::make_shared<boost::asio::steady_timer>(io_);  // one per wait: they may overlap
   const auto deadline = std::chrono::steady_clock::now() + bound;
   auto quiet_since = std::make_shared<std::optional<TimePoint>>();
   auto check = std::make_shared<std::function<void()>>();
-  *check = [this, serving, grace, deadline, quiet_since, done = std::move(done), check] {
+  *check = [this, level, grace, bound, deadline, quiet_since, timer, done = std::move(done),
+            check] {
     const auto now = std::chrono::steady_clock::now();
-    const bool quiet = !replica_.busy() && announcing_ == 0 && !hashing_ && hash_queue_.empty() &&
-                       (!serving || server_->activeStreams() == 0);
+    const bool quiet = isQuiet(level);
     if (!quiet) {
       quiet_since->reset();
     } else if (!*quiet_since) {
       *quiet_since = now;
     }
     if ((*quiet_since && now - **quiet_since >= grace) || now >= deadline) {
-      if (!quiet) snapLog()->warn("snapshot: stopping with transfers still under way");
+      if (!quiet) {
+        snapLog()->warn(
+            level == Quiet::kVersioned
+                ? "snapshot: files written here are still being looked at after {:.1f} s; "
+                  "going on without waiting for them"
+                : "snapshot: stopping with transfers still under way",
+            std::chrono::duration<double>(bound).count());
+      }
       auto d = done;
       *check = nullptr;  // breaks the cycle
       d();
       return;
     }
-    quiet_timer_->expires_after(std::chrono::milliseconds(50));
-    quiet_timer_->async_wait([check](const boost::system::error_code& ec) {
+    timer->expires_after(std::chrono::milliseconds(20));
+    timer->async_wait([check](const boost::system::error_code& ec) {
       if (!ec && *check) (*check)();
     });
   };
@@ -1533,7 +1576,7 @@ void SnapshotReplicator::whenQuiet(bool serving, Duration grace, Duration bound,
 
 void SnapshotSyncClient::exitBarrier(Duration timeout, StatusCallback done) {
   const auto start = std::chrono::steady_clock::now();
-  replicator_.whenQuiet(false, Duration::zero(), timeout / 2,
+  replicator_.whenQuiet(SnapshotReplicator::Quiet::kReplicated, Duration::zero(), timeout / 2,
                         [this, start, timeout, done = std::move(done)]() mutable {
                           const auto spent = std::chrono::steady_clock::now() - start;
                           inner_.exitBarrier(std::max<Duration>(timeout - spent, Duration::zero()),
@@ -1543,10 +1586,18 @@ void SnapshotSyncClient::exitBarrier(Duration timeout, StatusCallback done) {
 
 void SnapshotSyncClient::shutdown(bool succeeded, bool left, std::function<void()> done) {
   if (!succeeded) {
-    inner_.shutdown(succeeded, left, std::move(done));
+    // A failed or stopped job (SIGTERM, a Slurm requeue) still records what its workers wrote
+    // last, often the checkpoint written on that very signal: unrecorded, it would count as
+    // version 0 when the job starts again, and an older version another node holds would be
+    // fetched over it.
+    replicator_.whenQuiet(SnapshotReplicator::Quiet::kVersioned, Duration::zero(), kVersionedWithin,
+                          [this, succeeded, left, done = std::move(done)]() mutable {
+                            inner_.shutdown(succeeded, left, std::move(done));
+                          });
     return;
   }
-  replicator_.whenQuiet(true, std::chrono::seconds(1), std::chrono::seconds(20),
+  replicator_.whenQuiet(SnapshotReplicator::Quiet::kServed, std::chrono::seconds(1),
+                        std::chrono::seconds(20),
                         [this, succeeded, left, done = std::move(done)]() mutable {
                           inner_.shutdown(succeeded, left, std::move(done));
                         });

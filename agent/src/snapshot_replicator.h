@@ -73,8 +73,8 @@ struct SnapshotMetrics {
 
 // INVALID_ARGUMENT: a --snapshot-dir that is missing, not a directory or not writable.
 Status checkSnapshotDir(const std::string& dir);
-// DDPRUN_SNAPSHOT_FAULT=in-flight:N | at-source:N | slow:MS (test hook); INVALID_ARGUMENT when
-// malformed.
+// DDPRUN_SNAPSHOT_FAULT=in-flight:N | at-source:N | slow:MS | slow-hash:MS (test hook);
+// INVALID_ARGUMENT when malformed.
 StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text);
 
 // DDPRUN_SNAPSHOT_STREAMS=N: at most N streams at once for one large fetch (1-16; empty: the
@@ -97,10 +97,21 @@ class SnapshotReplicator {
   // elsewhere, then calls `done` (on the loop). Never fails: what cannot be fetched is logged and
   // the previous version stays.
   void syncRound(const RoundInfo& round, RendezvousService& service, std::function<void()> done);
-  // Calls `done` (on the loop) once nothing is being fetched or announced here and, with
-  // `serving`, no other node has fetched from here for `grace`; or after `bound` at the latest.
-  // The end of a job waits for it so that the last version written reaches every node.
-  void whenQuiet(bool serving, Duration grace, Duration bound, std::function<void()> done);
+  // How much whenQuiet waits for, each level including the ones before it.
+  enum class Quiet {
+    // What the workers wrote has its version: every event read, every file looked at (hashed),
+    // every name renamed away settled; the version table records it.
+    kVersioned,
+    // And nothing is being fetched or announced here.
+    kReplicated,
+    // And no other node is fetching from here.
+    kServed,
+  };
+  // Calls `done` (on the loop) once the replicator has been quiet to `level` for `grace`, or
+  // after `bound` at the latest. A round's sync waits for kVersioned before this node publishes
+  // its holdings; the end of a job waits for more, so that the last version written reaches
+  // every node.
+  void whenQuiet(Quiet level, Duration grace, Duration bound, std::function<void()> done);
   const SnapshotMetrics& metrics() const { return metrics_; }
   const std::string& endpoint() const { return endpoint_; }
 
@@ -187,6 +198,12 @@ class SnapshotReplicator {
   void publishWritten(const SnapshotVersion& v, Held held, const std::string& note);
   // This node holds that very file (same inode and mtime) as its current version of `name`.
   bool holdsAlready(const std::string& name, const struct stat& st) const;
+  bool isQuiet(Quiet level) const;
+  // syncRound's second half: publishes what this node (group rank `me`) holds under `prefix`,
+  // reads every node's (`keys`), learns their holdings, then calls `finish`.
+  void publishHoldings(RendezvousService& service, const std::string& prefix,
+                       const std::vector<std::string>& keys, uint64_t generation, int me,
+                       std::function<void()> finish);
   void onAnnounce(const SnapshotVersion& v, const std::string& source, const std::string& origin);
   // Announces `v` (held at `source`, written by `origin`) to the given group ranks. A node that
   // does not take it (stopped, gone, not yet out of the round) is stepped over: the next node of
@@ -316,7 +333,6 @@ class SnapshotReplicator {
   std::deque<std::string> hash_queue_;  // completed files waiting to be hashed and announced
   bool hashing_ = false;
   int unopened_files_ = 0;  // completed files that could not be opened (firstFew)
-  std::unique_ptr<boost::asio::steady_timer> quiet_timer_;
   // Announcements a node did not take, to tell it again (announce).
   struct Unannounced {
     SnapshotVersion version;

@@ -516,7 +516,8 @@ struct SnapshotServer::Impl {
   ServeFault::Kind takeFault() {
     std::lock_guard<std::mutex> lock(fault_mu);
     if (options.fault.kind == ServeFault::Kind::kSlow) return ServeFault::Kind::kSlow;
-    if (options.fault.kind == ServeFault::Kind::kNone || faults_left <= 0) {
+    if (options.fault.kind == ServeFault::Kind::kNone ||
+        options.fault.kind == ServeFault::Kind::kSlowHash || faults_left <= 0) {
       return ServeFault::Kind::kNone;
     }
     --faults_left;

@@ -442,6 +442,70 @@ TEST_CASE("a job started again keeps the versions its nodes held", "[snapshot]")
   CHECK(readFile(b_dir / ".ddprun-versions").find("\nstate.bin\t") != std::string::npos);
 }
 
+TEST_CASE(
+    "a checkpoint written just before the job is stopped is recorded, and the next job "
+    "resumes from it",
+    "[snapshot]") {
+  // A job stopped as a whole (SIGTERM to every agent, as a Slurm requeue does) right after the
+  // writer saved a new version: its agent must still hash and record it before it exits. Before,
+  // a stopping agent went at once, the new file (200 MB: announced before its hash, recorded
+  // once hashed) was missing from its version table, counted as version 0 in the next job, and
+  // the older version the other node held was fetched over it.
+  TempDir a_dir, b_dir, flags;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const std::string trigger = flags / "write-new", written = flags / "new-written";
+  {
+    RendezvousDaemon rdzv;
+    const std::string script =
+        "if [ \"$WRITER\" = 1 ]; then echo v1 > " + d + "/state.bin.tmp && mv " + d +
+        "/state.bin.tmp " + d + "/state.bin; while [ ! -e " + trigger +
+        " ]; do sleep 0.05; done; head -c 200000000 /dev/zero > " + d + "/state.bin.tmp && mv " +
+        d + "/state.bin.tmp " + d + "/state.bin && touch " + written + "; fi; sleep 60";
+    auto nodes = writerAndReader(rdzv, a_dir.path(), b_dir.path(), "snap-stop-1", script);
+    REQUIRE(waitUntil([&] { return readFile(b_dir / "state.bin") == "v1\n"; }, 120s));
+    std::ofstream(trigger) << "";
+    REQUIRE(waitUntil([&] { return std::filesystem::exists(written); }, 60s));
+    for (auto& n : nodes) n->signal(SIGTERM);
+    for (auto& n : nodes) REQUIRE(n->wait(60s));
+    INFO(nodes[0]->err());
+    CHECK(std::filesystem::file_size(a_dir / "state.bin") == 200000000);
+    CHECK(readFile(a_dir / ".ddprun-versions").find("\t200000000\t") != std::string::npos);
+  }
+  REQUIRE(std::filesystem::file_size(a_dir / "state.bin") == 200000000);
+  const std::string script = "echo \"resumed from $(stat -c %s " + d + "/state.bin) bytes\"";
+  auto [ra, rb] = nextJob(a_dir.path(), {"127.0.0.3", b_dir.path()}, "snap-stop-2", script);
+  INFO(ra.err << "\n" << rb.err);
+  CHECK(ra.out.find("resumed from 200000000 bytes") != std::string::npos);
+  CHECK(rb.out.find("resumed from 200000000 bytes") != std::string::npos);
+}
+
+TEST_CASE("files written just before a failure are in the restarted round before its workers start",
+          "[snapshot]") {
+  // The writer's worker writes a checkpoint of 300 files in place and fails at once; its agent
+  // takes 10 ms more to hash each file (DDPRUN_SNAPSHOT_FAULT=slow-hash:10, as a large sharded
+  // checkpoint would take), so some 3 s. Each file is hashed before it is announced; the
+  // restart's round must not start the other node's workers until all of them are versioned and
+  // fetched. Before, the writer published its holdings as they were when the round formed,
+  // without the files still to be hashed, and the other node's worker started without them.
+  RendezvousDaemon rdzv;
+  TempDir a_dir, b_dir;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const std::string script =
+      "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then if [ \"$WRITER\" = 1 ]; then mkdir " + d +
+      "/ckpt; i=0; while [ $i -lt 300 ]; do echo $i > " + d +
+      "/ckpt/f$i; i=$((i+1)); done; exit 1; fi; sleep 60; fi; echo \"saw $(ls " + d +
+      "/ckpt | wc -l) files\"";
+  auto a = node(
+      {"127.0.0.2", a_dir.path(), {{"WRITER", "1"}, {"DDPRUN_SNAPSHOT_FAULT", "slow-hash:10"}}},
+      rdzv.endpoint, "2", "snap-fail-sync", 1, writerScript(script));
+  auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2",
+                "snap-fail-sync", 1, writerScript(script));
+  auto [ra, rb] = bothSucceed(*a, *b);
+  INFO(ra.err << "\n" << rb.err);
+  CHECK(ra.out.find("saw 300 files") != std::string::npos);
+  CHECK(rb.out.find("saw 300 files") != std::string::npos);
+}
+
 TEST_CASE("nodes that wrote one name under one version end with the same bytes", "[snapshot]") {
   // Two nodes' workers each write same.bin at once, before either hears of the other's write:
   // both number it above the same last version, so the numbers may be equal. Whatever the

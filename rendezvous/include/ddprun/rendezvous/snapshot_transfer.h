@@ -143,9 +143,11 @@ struct TransferSecurity {
 // Test hook (DDPRUN_SNAPSHOT_FAULT in the agent): damage the first `count` transfers this server
 // makes, either after the chunk's checksum (corrupted in flight) or before it (a file that does
 // not match its announced CRC-32, as a bad disk at the source would give); or (kSlow) pause
-// `count` milliseconds before every chunk, so a test can kill a writer mid-transfer.
+// `count` milliseconds before every chunk, so a test can kill a writer mid-transfer. kSlowHash is
+// the agent's, not the server's: it pauses `count` milliseconds before hashing each file written
+// on its node, so a test can end a round while files are still to be hashed.
 struct ServeFault {
-  enum class Kind { kNone, kInFlight, kAtSource, kSlow } kind = Kind::kNone;
+  enum class Kind { kNone, kInFlight, kAtSource, kSlow, kSlowHash } kind = Kind::kNone;
   int count = 0;
 };
 
