@@ -938,11 +938,12 @@ void SnapshotReplicator::announce(const SnapshotVersion& v, const std::string& s
 }
 
 void SnapshotReplicator::keepToTellAgain(Unannounced u) {
-  // One to tell again per node and name: the newest.
+  // One to tell again per node and name: the newest, by content too (two nodes that wrote the
+  // name under one number: the greater content, which every node ends with).
   auto& list = unannounced_;
   for (const auto& kept : list) {
     if (kept.peer == u.peer && kept.version.name == u.version.name &&
-        kept.version.version >= u.version.version) {
+        (kept.version.sameContent(u.version) || kept.version.supersedes(u.version))) {
       return;
     }
   }

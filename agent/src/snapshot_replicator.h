@@ -217,7 +217,7 @@ class SnapshotReplicator {
   void announceAgainLater();
   struct Unannounced;
   void announceAgain(const std::string& peer, std::vector<Unannounced> list);
-  // Keeps `u` to tell again: one per node and name, the newest.
+  // Keeps `u` to tell again: one per node and name, the newest (SnapshotVersion::supersedes).
   void keepToTellAgain(Unannounced u);
   // Passes an announcement on down the tree (relayTargets), once per version.
   void relay(const SnapshotVersion& v, const std::string& source);
