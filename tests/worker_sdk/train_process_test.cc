@@ -232,18 +232,21 @@ TEST_CASE(
 
 namespace {
 
-// Runs `train <epochs> 1` on two ranks, rank r with --snapshot-path paths[r]; returns each rank's
-// output after both exited 0.
+// Runs `train <epochs> 1` on two ranks, rank r with --snapshot-path paths[r] (and `env` added);
+// returns each rank's output after both exited 0.
 std::vector<std::string> trainTwoRanks(const t::TempDir& dir, const std::string& epochs,
                                        const std::vector<std::string>& paths,
-                                       const std::string& tag) {
+                                       const std::string& tag,
+                                       const std::map<std::string, std::string>& env = {}) {
   const int port = t::freePort();
   std::vector<std::unique_ptr<t::Process>> ranks;
   for (int r = 0; r < 2; ++r) {
+    auto e = rankEnv(r, 2, port, dir.str());
+    for (const auto& [k, v] : env) e[k] = v;
     ranks.push_back(std::make_unique<t::Process>(
         std::vector<std::string>{trainBin(), epochs, "1", "--dataset-size", "128",
                                  "--snapshot-path", paths[static_cast<size_t>(r)]},
-        rankEnv(r, 2, port, dir.str()), ranked(dir.str() + "/" + tag, r)));
+        e, ranked(dir.str() + "/" + tag, r)));
   }
   std::vector<std::string> out;
   for (auto& c : ranks) {
@@ -287,6 +290,26 @@ TEST_CASE("ranks with their own snapshot files resume from the newest any of the
   CHECK_THAT(out[0], Catch::Contains("received the newest snapshot"));
   for (const auto& o : out)
     CHECK_THAT(o, Catch::Contains("Resuming training from snapshot at Epoch 3"));
+
+  // Under ddprun's --snapshot-dir, a rank that lacks the newest loads what it was sent and does
+  // not write it there: the agent brings the file, and a copy written by the worker would be a
+  // new version of older content for every node. Rank 1 holds the snapshot after epoch 4, which
+  // ends the 4-epoch job: nothing is trained or saved after the resume.
+  const std::string agent_dir = dir.str() + "/replicated";
+  std::filesystem::create_directories(agent_dir);
+  const std::string replicated0 = agent_dir + "/snap.pt";
+  std::filesystem::copy_file(older, replicated0);
+  const std::string newest = dir.str() + "/newest.pt";
+  std::filesystem::copy_file(stale0, newest);  // rank 0 of the run above saved epoch 4 there
+  const auto before = t::readFile(replicated0);
+  out = trainTwoRanks(dir, "4", {replicated0, newest}, "replicated",
+                      {{"DDPRUN_SNAPSHOT_DIR", agent_dir + "/"}});
+  CHECK_THAT(out[0], Catch::Contains("received the newest snapshot"));
+  CHECK_THAT(out[0], Catch::Contains("loaded from memory (ddprun replicates " + replicated0));
+  CHECK_THAT(out[0], !Catch::Contains("written to"));
+  for (const auto& o : out)
+    CHECK_THAT(o, Catch::Contains("Resuming training from snapshot at Epoch 4"));
+  CHECK(t::readFile(replicated0) == before);
 }
 
 namespace {

@@ -232,7 +232,12 @@ bool loadSnapshot(const std::string& path, torch::nn::Module& model,
                   torch::optim::Optimizer& optimizer, TrainingProgress& progress) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return false;
-  const std::string bytes = readSnapshotFile(path);
+  loadSnapshotBytes(readSnapshotFile(path), path, model, optimizer, progress);
+  return true;
+}
+
+void loadSnapshotBytes(const std::string& bytes, const std::string& path, torch::nn::Module& model,
+                       torch::optim::Optimizer& optimizer, TrainingProgress& progress) {
   const std::string_view archive = checkedArchive(bytes, path);
   const auto shapes = shapesOf(model);
   try {
@@ -263,7 +268,6 @@ bool loadSnapshot(const std::string& path, torch::nn::Module& model,
     // A damaged archive can fail deep inside the reader with a message that names nothing.
     unreadable(path, e.what());
   }
-  return true;
 }
 
 }  // namespace ddprun::worker

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iomanip>
 #include <iostream>
@@ -67,7 +68,7 @@ bool Trainer::resumeFromNewestSnapshot() {
   };
   auto all = comm.allGather(torch::tensor({int64_t{mine ? 1 : 0}, mine ? mine->global_step : 0,
                                            mine ? mine->epoch : 0, mine ? mine->step_in_epoch : 0},
-                                          torch::kLong));
+                                          onDevice(torch::kLong)));
   int source = -1;
   std::tuple<int64_t, int64_t, int64_t> newest{};
   std::vector<std::tuple<int64_t, int64_t, int64_t>> held(all.size());
@@ -87,24 +88,48 @@ bool Trainer::resumeFromNewestSnapshot() {
   const int rank = group_->rank();
   if (anyone_lacks) {
     std::string bytes;
-    auto length = torch::zeros({1}, torch::kLong);
+    auto length = torch::zeros({1}, onDevice(torch::kLong));
     if (rank == source) {
       bytes = readSnapshotFile(path);
       length[0] = static_cast<int64_t>(bytes.size());
     }
     comm.broadcast(length, source);
     const int64_t n = length[0].item<int64_t>();
-    auto buffer = torch::empty({n}, torch::kUInt8);
-    if (rank == source) std::memcpy(buffer.data_ptr(), bytes.data(), bytes.size());
+    auto host = torch::empty({n}, torch::kUInt8);
+    if (rank == source) std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
+    auto buffer = host.to(inputs_.device());  // the same tensor on the CPU
     comm.broadcast(buffer, source);
+    if (buffer.data_ptr() != host.data_ptr()) host.copy_(buffer);
     if (!mine || key(mine->global_step, mine->epoch, mine->step_in_epoch) != newest) {
-      writeFileAtomically(
-          path, std::string(static_cast<const char*>(buffer.data_ptr()), static_cast<size_t>(n)));
+      const std::string received(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
       log() << "[RANK " << rank << "] received the newest snapshot (" << n << " bytes) from rank "
-            << source << ", written to " << path << std::endl;
+            << source;
+      if (replicatedByAgent(path)) {
+        // ddprun's agent keeps this directory in step with the other nodes: written here, the
+        // copy would be a new version of older content, replicated to every node (and able to
+        // replace a newer one). The agent brings the file; this rank loads what it was sent.
+        log() << ", loaded from memory (ddprun replicates " << path << ")" << std::endl;
+        loadSnapshotBytes(received, path, *model_, *optimizer_, progress_);
+        return true;
+      }
+      writeFileAtomically(path, received);
+      log() << ", written to " << path << std::endl;
     }
   }
   return loadSnapshot(path, *model_, *optimizer_, progress_);
+}
+
+bool Trainer::replicatedByAgent(const std::string& path) {
+  const char* dir = std::getenv("DDPRUN_SNAPSHOT_DIR");
+  if (dir == nullptr || *dir == '\0') return false;
+  std::string top = dir;
+  while (top.size() > 1 && top.back() == '/') top.pop_back();
+  return path.size() > top.size() && path.compare(0, top.size(), top) == 0 &&
+         (top == "/" || path[top.size()] == '/');
+}
+
+at::TensorOptions Trainer::onDevice(at::ScalarType type) const {
+  return at::TensorOptions().dtype(type).device(inputs_.device());
 }
 
 std::ostream& Trainer::log() { return options_.log != nullptr ? *options_.log : std::cout; }
@@ -127,7 +152,7 @@ Trainer::Outcome Trainer::train() {
 
   // Stop requests are agreed on one step late: the flag all-reduce launched after step k is read
   // after step k+1, so its latency hides behind a step and every rank stops at the same boundary.
-  torch::Tensor stop_flag = torch::zeros({1}, torch::kInt);
+  torch::Tensor stop_flag = torch::zeros({1}, onDevice(torch::kInt));
   std::shared_ptr<Work> stop_work;
   auto agreedStop = [&]() {
     bool stop = false;
@@ -156,7 +181,7 @@ Trainer::Outcome Trainer::train() {
   for (; progress_.epoch < options_.total_epochs; ++progress_.epoch) {
     sampler.setEpoch(progress_.epoch);
     const std::vector<int64_t> idx = sampler.indices();
-    auto index = torch::tensor(idx, torch::kLong);
+    auto index = torch::tensor(idx, onDevice(torch::kLong));
     for (int64_t s = progress_.step_in_epoch; s < steps_per_epoch; ++s) {
       const int64_t begin = s * options_.batch_size;
       const int64_t len =
@@ -177,7 +202,7 @@ Trainer::Outcome Trainer::train() {
     }
     auto mean = torch::tensor(
         {progress_.epoch_loss_sum / static_cast<double>(std::max<int64_t>(steps_per_epoch, 1))},
-        torch::kDouble);
+        onDevice(torch::kDouble));
     if (stop_work) stop_work->wait();
     comm.allReduce(mean, ReduceOp::kAvg);
     {

@@ -32,6 +32,11 @@ void saveSnapshot(const std::string& path, const torch::nn::Module& model,
 bool loadSnapshot(const std::string& path, torch::nn::Module& model,
                   torch::optim::Optimizer& optimizer, TrainingProgress& progress);
 
+// The same from a snapshot file's bytes (readSnapshotFile), as they came from `path`: a rank
+// that lacked the snapshot loads what another rank sent it. Throws WorkerError naming `path`.
+void loadSnapshotBytes(const std::string& bytes, const std::string& path, torch::nn::Module& model,
+                       torch::optim::Optimizer& optimizer, TrainingProgress& progress);
+
 // Removes the temp files an interrupted writeFileAtomically(path, ...) left behind
 // (`<path>.tmp.<pid>.<random>` whose writer is no longer alive on this host); returns how many.
 int removeStaleTempFiles(const std::string& path);
