@@ -624,9 +624,7 @@ void SnapshotReplicator::onWatchEvent(int wd, uint32_t mask, uint32_t cookie,
 }
 
 void SnapshotReplicator::notRenamedWithin() {
-  // With events still queued, the read they wait for comes first; it calls this again.
-  int queued = 0;
-  if (::ioctl(inotify_->native_handle(), FIONREAD, &queued) == 0 && queued > 0) return;
+  if (eventsQueued()) return;  // the read they wait for comes first; it calls this again
   for (const auto& r : renamed_away_.gone(std::chrono::steady_clock::now())) {
     if (r.dir) {
       lookAgainAtHeld(r.name + "/");
@@ -1527,11 +1525,14 @@ void SnapshotReplicator::publishHoldings(RendezvousService& service, const std::
       });
 }
 
-bool SnapshotReplicator::isQuiet(Quiet level) const {
+bool SnapshotReplicator::eventsQueued() const {
   int queued = 0;
+  return inotify_ && ::ioctl(inotify_->native_handle(), FIONREAD, &queued) == 0 && queued > 0;
+}
+
+bool SnapshotReplicator::isQuiet(Quiet level) const {
   const bool versioned =
-      !hashing_ && hash_queue_.empty() && !renamed_away_.nextDue() &&
-      (!inotify_ || ::ioctl(inotify_->native_handle(), FIONREAD, &queued) != 0 || queued == 0);
+      !hashing_ && hash_queue_.empty() && !renamed_away_.nextDue() && !eventsQueued();
   if (level == Quiet::kVersioned || !versioned) return versioned;
   const bool replicated = !replica_.busy() && announcing_ == 0;
   if (level == Quiet::kReplicated || !replicated) return replicated;

@@ -199,6 +199,8 @@ class SnapshotReplicator {
   // This node holds that very file (same inode and mtime) as its current version of `name`.
   bool holdsAlready(const std::string& name, const struct stat& st) const;
   bool isQuiet(Quiet level) const;
+  // Whether inotify events wait to be read.
+  bool eventsQueued() const;
   // syncRound's second half: publishes what this node (group rank `me`) holds under `prefix`,
   // reads every node's (`keys`), learns their holdings, then calls `finish`.
   void publishHoldings(RendezvousService& service, const std::string& prefix,
