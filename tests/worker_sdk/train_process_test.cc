@@ -2,7 +2,9 @@
 // built, otherwise the reference torchrun).
 #include <catch2/catch.hpp>
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <memory>
 #include <regex>
 #include <sstream>
 
@@ -310,6 +312,37 @@ TEST_CASE("ranks with their own snapshot files resume from the newest any of the
   for (const auto& o : out)
     CHECK_THAT(o, Catch::Contains("Resuming training from snapshot at Epoch 4"));
   CHECK(t::readFile(replicated0) == before);
+
+  // A rank whose file is damaged resumes from the other's good one (and its file is replaced);
+  // with no good one anywhere, every rank fails naming the damage instead of starting afresh.
+  const std::string damaged0 = dir.str() + "/damaged0.pt";
+  std::ofstream(damaged0) << "not a snapshot";
+  out = trainTwoRanks(dir, "4", {damaged0, newest}, "damaged");
+  CHECK_THAT(out[0], Catch::Contains("cannot load snapshot '" + damaged0));
+  CHECK_THAT(out[0], Catch::Contains("resuming from rank 1's snapshot instead"));
+  for (const auto& o : out)
+    CHECK_THAT(o, Catch::Contains("Resuming training from snapshot at Epoch 4"));
+  CHECK(t::readFile(damaged0) == t::readFile(newest));
+  const std::string damaged1 = dir.str() + "/damaged1.pt";
+  std::ofstream(damaged0) << "not a snapshot";
+  std::ofstream(damaged1) << "nor this";
+  const std::vector<std::string> bad = {damaged0, damaged1};
+  const int port = t::freePort();
+  std::vector<std::unique_ptr<t::Process>> ranks;
+  for (size_t r = 0; r < 2; ++r) {
+    ranks.push_back(std::make_unique<t::Process>(
+        std::vector<std::string>{trainBin(), "4", "1", "--dataset-size", "128", "--snapshot-path",
+                                 bad[r]},
+        rankEnv(static_cast<int>(r), 2, port, dir.str()),
+        ranked(dir.str() + "/both-damaged", static_cast<int>(r))));
+  }
+  for (size_t r = 0; r < 2; ++r) {
+    auto code = ranks[r]->waitExit(120s);
+    INFO(ranks[r]->output());
+    REQUIRE(code.has_value());
+    CHECK(*code != 0);
+    CHECK_THAT(ranks[r]->output(), Catch::Contains("cannot load snapshot '" + bad[r]));
+  }
 }
 
 namespace {

@@ -62,30 +62,51 @@ bool Trainer::resumeFromNewestSnapshot() {
   // that does not, so all resume from the same point.
   Communicator& comm = group_->comm();
   const std::string& path = options_.snapshot_path;
-  const std::optional<TrainingProgress> mine = readSnapshotProgress(path);
+  const int rank = group_->rank();
+  // A damaged file here is no reason to fail while another rank holds a good snapshot (it is
+  // sent here like a missing one); every rank fails only when none does. State: 0 none, 1 held,
+  // 2 damaged.
+  std::optional<TrainingProgress> mine;
+  std::string damaged;
+  try {
+    mine = readSnapshotProgress(path);
+  } catch (const WorkerError& e) {
+    damaged = e.what();
+  }
+  const int64_t state = mine ? 1 : damaged.empty() ? 0 : 2;
   auto key = [](int64_t global_step, int64_t epoch, int64_t step) {
     return std::make_tuple(global_step, epoch, step);
   };
-  auto all = comm.allGather(torch::tensor({int64_t{mine ? 1 : 0}, mine ? mine->global_step : 0,
-                                           mine ? mine->epoch : 0, mine ? mine->step_in_epoch : 0},
-                                          onDevice(torch::kLong)));
+  auto all = comm.allGather(torch::tensor(
+      {state, mine ? mine->global_step : 0, mine ? mine->epoch : 0, mine ? mine->step_in_epoch : 0},
+      onDevice(torch::kLong)));
   int source = -1;
+  int damaged_rank = -1;
   std::tuple<int64_t, int64_t, int64_t> newest{};
   std::vector<std::tuple<int64_t, int64_t, int64_t>> held(all.size());
   for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r][0].item<int64_t>() == 0) continue;
+    if (all[r][0].item<int64_t>() == 2 && damaged_rank < 0) damaged_rank = static_cast<int>(r);
+    if (all[r][0].item<int64_t>() != 1) continue;
     held[r] = key(all[r][1].item<int64_t>(), all[r][2].item<int64_t>(), all[r][3].item<int64_t>());
     if (source < 0 || held[r] > newest) {
       newest = held[r];
       source = static_cast<int>(r);
     }
   }
+  if (source < 0 && damaged_rank >= 0) {  // not a fresh start: what was there is unreadable
+    throw WorkerError(!damaged.empty() ? damaged
+                                       : "rank " + std::to_string(damaged_rank) +
+                                             "'s snapshot is damaged and no rank holds a good one");
+  }
   if (source < 0) return false;  // nobody has one: a fresh start everywhere
+  if (!damaged.empty()) {
+    log() << "[RANK " << rank << "] " << damaged << "; resuming from rank " << source
+          << "'s snapshot instead" << std::endl;
+  }
   bool anyone_lacks = false;
   for (size_t r = 0; r < all.size(); ++r) {
-    anyone_lacks = anyone_lacks || all[r][0].item<int64_t>() == 0 || held[r] != newest;
+    anyone_lacks = anyone_lacks || all[r][0].item<int64_t>() != 1 || held[r] != newest;
   }
-  const int rank = group_->rank();
   if (anyone_lacks) {
     std::string bytes;
     auto length = torch::zeros({1}, onDevice(torch::kLong));
