@@ -296,16 +296,18 @@ TEST_CASE("ranks with their own snapshot files resume from the newest any of the
   // Under ddprun's --snapshot-dir, a rank that lacks the newest loads what it was sent and does
   // not write it there: the agent brings the file, and a copy written by the worker would be a
   // new version of older content for every node. Rank 1 holds the snapshot after epoch 4, which
-  // ends the 4-epoch job: nothing is trained or saved after the resume.
+  // ends the 4-epoch job: nothing is trained or saved after the resume. DDPRUN_SNAPSHOT_DIR names
+  // the directory through a symlink, with a trailing '/': the paths are compared resolved.
   const std::string agent_dir = dir.str() + "/replicated";
   std::filesystem::create_directories(agent_dir);
+  std::filesystem::create_directory_symlink(agent_dir, dir.path() / "link");
   const std::string replicated0 = agent_dir + "/snap.pt";
   std::filesystem::copy_file(older, replicated0);
   const std::string newest = dir.str() + "/newest.pt";
   std::filesystem::copy_file(stale0, newest);  // rank 0 of the run above saved epoch 4 there
   const auto before = t::readFile(replicated0);
   out = trainTwoRanks(dir, "4", {replicated0, newest}, "replicated",
-                      {{"DDPRUN_SNAPSHOT_DIR", agent_dir + "/"}});
+                      {{"DDPRUN_SNAPSHOT_DIR", dir.str() + "/link/"}});
   CHECK_THAT(out[0], Catch::Contains("received the newest snapshot"));
   CHECK_THAT(out[0], Catch::Contains("loaded from memory (ddprun replicates " + replicated0));
   CHECK_THAT(out[0], !Catch::Contains("written to"));

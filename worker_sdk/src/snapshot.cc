@@ -215,7 +215,10 @@ TrainingProgress readProgress(torch::serialize::InputArchive& root) {
 std::optional<TrainingProgress> readSnapshotProgress(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return std::nullopt;
-  const std::string bytes = readSnapshotFile(path);
+  return snapshotProgress(readSnapshotFile(path), path);
+}
+
+TrainingProgress snapshotProgress(const std::string& bytes, const std::string& path) {
   const std::string_view archive = checkedArchive(bytes, path);
   try {
     torch::serialize::InputArchive root;

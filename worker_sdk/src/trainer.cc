@@ -2,9 +2,11 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <optional>
@@ -66,12 +68,19 @@ bool Trainer::resumeFromNewestSnapshot() {
   // A damaged file here is no reason to fail while another rank holds a good snapshot (it is
   // sent here like a missing one); every rank fails only when none does. State: 0 none, 1 held,
   // 2 damaged.
+  // The file is read once: the progress agreed on, the bytes sent and the bytes loaded are one
+  // version of it, even if the agent renames a newer copy into place meanwhile.
   std::optional<TrainingProgress> mine;
+  std::string bytes;
   std::string damaged;
-  try {
-    mine = readSnapshotProgress(path);
-  } catch (const WorkerError& e) {
-    damaged = e.what();
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec)) {
+    try {
+      bytes = readSnapshotFile(path);
+      mine = snapshotProgress(bytes, path);
+    } catch (const WorkerError& e) {
+      damaged = e.what();
+    }
   }
   const int64_t state = mine ? 1 : damaged.empty() ? 0 : 2;
   auto key = [](int64_t global_step, int64_t epoch, int64_t step) {
@@ -108,12 +117,8 @@ bool Trainer::resumeFromNewestSnapshot() {
     anyone_lacks = anyone_lacks || all[r][0].item<int64_t>() != 1 || held[r] != newest;
   }
   if (anyone_lacks) {
-    std::string bytes;
     auto length = torch::zeros({1}, onDevice(torch::kLong));
-    if (rank == source) {
-      bytes = readSnapshotFile(path);
-      length[0] = static_cast<int64_t>(bytes.size());
-    }
+    if (rank == source) length[0] = static_cast<int64_t>(bytes.size());
     comm.broadcast(length, source);
     const int64_t n = length[0].item<int64_t>();
     auto host = torch::empty({n}, torch::kUInt8);
@@ -122,7 +127,7 @@ bool Trainer::resumeFromNewestSnapshot() {
     comm.broadcast(buffer, source);
     if (buffer.data_ptr() != host.data_ptr()) host.copy_(buffer);
     if (!mine || key(mine->global_step, mine->epoch, mine->step_in_epoch) != newest) {
-      const std::string received(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
+      bytes.assign(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
       log() << "[RANK " << rank << "] received the newest snapshot (" << n << " bytes) from rank "
             << source;
       if (replicatedByAgent(path)) {
@@ -130,23 +135,29 @@ bool Trainer::resumeFromNewestSnapshot() {
         // copy would be a new version of older content, replicated to every node (and able to
         // replace a newer one). The agent brings the file; this rank loads what it was sent.
         log() << ", loaded from memory (ddprun replicates " << path << ")" << std::endl;
-        loadSnapshotBytes(received, path, *model_, *optimizer_, progress_);
-        return true;
+      } else {
+        writeFileAtomically(path, bytes);
+        log() << ", written to " << path << std::endl;
       }
-      writeFileAtomically(path, received);
-      log() << ", written to " << path << std::endl;
     }
   }
-  return loadSnapshot(path, *model_, *optimizer_, progress_);
+  loadSnapshotBytes(bytes, path, *model_, *optimizer_, progress_);
+  return true;
 }
 
 bool Trainer::replicatedByAgent(const std::string& path) {
   const char* dir = std::getenv("DDPRUN_SNAPSHOT_DIR");
   if (dir == nullptr || *dir == '\0') return false;
-  std::string top = dir;
-  while (top.size() > 1 && top.back() == '/') top.pop_back();
-  return path.size() > top.size() && path.compare(0, top.size(), top) == 0 &&
-         (top == "/" || path[top.size()] == '/');
+  // Compared resolved, element by element: the flag's value may be relative, end in '/', or
+  // reach the directory through a symlink, and so may the snapshot path.
+  std::error_code ec;
+  std::filesystem::path top = std::filesystem::weakly_canonical(dir, ec);
+  if (ec) return false;
+  const std::filesystem::path file = std::filesystem::weakly_canonical(path, ec);
+  if (ec) return false;
+  if (top.filename().empty()) top = top.parent_path();
+  const auto [t, f] = std::mismatch(top.begin(), top.end(), file.begin(), file.end());
+  return t == top.end() && f != file.end();
 }
 
 at::TensorOptions Trainer::onDevice(at::ScalarType type) const {

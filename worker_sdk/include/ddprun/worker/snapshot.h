@@ -44,6 +44,9 @@ int removeStaleTempFiles(const std::string& path);
 // The progress recorded in the snapshot at `path` (nothing else is loaded); nullopt when there is
 // none. Throws WorkerError naming the path when it exists but cannot be read.
 std::optional<TrainingProgress> readSnapshotProgress(const std::string& path);
+// The same from a snapshot file's bytes (readSnapshotFile) as they came from `path`, so that a
+// caller that also loads or sends them reads the file once and cannot see two versions of it.
+TrainingProgress snapshotProgress(const std::string& bytes, const std::string& path);
 // The snapshot file's bytes as they are on disk (to hand to a rank that lacks it).
 std::string readSnapshotFile(const std::string& path);
 
