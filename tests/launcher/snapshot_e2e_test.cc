@@ -867,6 +867,10 @@ TEST_CASE("a file still open for writing in a directory renamed into place is an
                                      readFile(b_dir / "ckpt/part.bin") == "firstsecond";
                             },
                             60s);
+  // The file is renamed into place before its fetch is logged: the line follows at once.
+  if (arrived) {
+    waitUntil([&] { return countOf(nodes[1]->err(), "snapshot: fetched ckpt/part.bin") > 0; }, 10s);
+  }
   const std::string logs = logsThenStop(nodes, triggers / "stop");
   INFO(logs);
   REQUIRE(arrived);
