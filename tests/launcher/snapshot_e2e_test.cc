@@ -728,11 +728,26 @@ TEST_CASE("checkpoint directories are replicated at any depth, and deleted direc
                              [&](const auto& f) { return holds(b_dir, f.first, f.second); });
         },
         60s);
+    // A file is renamed into place before its fetch is logged: the line follows at once.
+    if (arrived) {
+      waitUntil(
+          [&] {
+            return nodes[1]->err().find("snapshot: fetched ckpt-2/sub/deep.bin version ") !=
+                   std::string::npos;
+          },
+          10s);
+    }
     std::ofstream(triggers / "delete") << "";
     const bool deleted =
         arrived &&
-        waitUntil([&] { return !fileExists(b_dir / "ckpt-1") && !fileExists(b_dir / "ckpt-2"); },
-                  60s);
+        waitUntil(
+            [&] {
+              // A deletion is logged after its file and emptied directories are gone.
+              return !fileExists(b_dir / "ckpt-1") && !fileExists(b_dir / "ckpt-2") &&
+                     nodes[1]->err().find("snapshot: deleted ckpt-1/.metadata (version ") !=
+                         std::string::npos;
+            },
+            60s);
     const std::string logs = logsThenStop(nodes, triggers / "stop");
     INFO(logs);
     REQUIRE(arrived);
@@ -812,7 +827,11 @@ TEST_CASE(
       step(
           "4",
           [&] { return holds("snapshot.pt", contents[1]) && !fileExists(b_dir / "staging.pt"); }) &&
-      step("", [&] { return !fileExists(b_dir / "snapshot.pt"); });
+      step("", [&] {
+        // A deletion is logged after its file is gone.
+        return !fileExists(b_dir / "snapshot.pt") &&
+               nodes[1]->err().find("snapshot: deleted snapshot.pt (version ") != std::string::npos;
+      });
   const std::string logs = logsThenStop(nodes, triggers / "stop");
   const std::string reader = nodes[1]->err();
   INFO(logs);
@@ -903,7 +922,15 @@ TEST_CASE(
   auto holds = [&](const std::string& name) {
     return fileExists(b_dir / name) && readFile(b_dir / name) == content;
   };
-  const bool arrived = waitUntil([&] { return holds("staging.pt") && holds("other.pt"); }, 60s);
+  // Each file is renamed into place before its fetch is logged: wait for both lines too.
+  const bool arrived = waitUntil(
+      [&] {
+        const std::string err = nodes[1]->err();
+        return holds("staging.pt") && holds("other.pt") &&
+               err.find("fetched staging.pt version") != std::string::npos &&
+               err.find("fetched other.pt version") != std::string::npos;
+      },
+      60s);
   // The files set aside: hidden names at the top of the reader's directory.
   auto aside = [&] {
     int n = 0;
@@ -1266,6 +1293,16 @@ TEST_CASE("a node that does not take an announcement is stepped over, and told a
     return written.size() == 1048576 && readFile(*dirs[i] / "data.bin") == written;
   };
   const bool last_has_it = waitUntil([&] { return holds(last); }, 30s);
+  // The file is renamed into place before its fetch is logged, and the writer logs the node it
+  // stepped over once its announcements are done: both lines follow at once, in either order.
+  if (last_has_it) {
+    waitUntil(
+        [&] {
+          return nodes[last]->err().find("snapshot: fetched data.bin") != std::string::npos &&
+                 nodes[0]->err().find("told the next node of the chain") != std::string::npos;
+        },
+        10s);
+  }
   const std::string writer_log = nodes[0]->err();
   const std::string last_log = nodes[last]->err();
   nodes[next]->signal(SIGCONT);
