@@ -9,8 +9,13 @@ include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 # --- binaries -------------------------------------------------------------------------------
-install(TARGETS ddprun ddprun-agent ddprun-rendezvous train
-        RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+# DDPRUN_SDK_ONLY builds have the worker SDK and train only.
+if(DDPRUN_SDK_ONLY)
+  set(_ddprun_binaries train)
+else()
+  set(_ddprun_binaries ddprun ddprun-agent ddprun-rendezvous train)
+endif()
+install(TARGETS ${_ddprun_binaries} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 # train links libddprun_worker: find it next to the binary wherever the prefix is.
 set_target_properties(train PROPERTIES INSTALL_RPATH "$ORIGIN/../${CMAKE_INSTALL_LIBDIR}")
 
@@ -49,7 +54,6 @@ if(DDPRUN_WORKER_SHARED)
 
   # pkg-config for non-CMake builds. LibTorch ships no .pc file, so its flags are spelled out
   # from what this build found.
-  find_package(Torch REQUIRED)
   set(_pc_cflags "${TORCH_CXX_FLAGS}")
   foreach(dir IN LISTS TORCH_INCLUDE_DIRS)
     string(APPEND _pc_cflags " -I${dir}")
@@ -88,6 +92,9 @@ if(DDPRUN_HELP2MAN)
     string(REPLACE "|" ";" pair "${pair}")
     list(GET pair 0 bin)
     list(GET pair 1 what)
+    if(NOT bin IN_LIST _ddprun_binaries)
+      continue()
+    endif()
     set(page ${CMAKE_CURRENT_BINARY_DIR}/man/${bin}.1)
     add_custom_command(OUTPUT ${page}
       COMMAND ${CMAKE_COMMAND} -E make_directory ${CMAKE_CURRENT_BINARY_DIR}/man
@@ -101,6 +108,9 @@ if(DDPRUN_HELP2MAN)
 else()
   message(STATUS "ddprun install: help2man not found (deploy/install-deps.sh installs it); "
                  "no man pages: run each binary with --help")
+endif()
+if(DDPRUN_SDK_ONLY)
+  return()  # the daemons' files and the Debian package come from a full build
 endif()
 # One script for the three commands: it completes from the command's own --help.
 foreach(bin ddprun ddprun-agent ddprun-rendezvous)

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "ddprun/common/log_text.h"
+
 namespace ddprun {
 namespace {
 
@@ -33,6 +35,32 @@ void setLogLevel(const std::string& level) {
   spdlog::apply_all([&](const std::shared_ptr<spdlog::logger>& l) {
     l->set_level(spdlog::level::from_str(level));
   });
+}
+
+namespace {
+spdlog::level::level_enum spdlogLevel(LogLevel level) {
+  switch (level) {
+    case LogLevel::kTrace:
+      return spdlog::level::trace;
+    case LogLevel::kDebug:
+      return spdlog::level::debug;
+    case LogLevel::kInfo:
+      return spdlog::level::info;
+    case LogLevel::kWarn:
+      return spdlog::level::warn;
+    case LogLevel::kError:
+      break;
+  }
+  return spdlog::level::err;
+}
+}  // namespace
+
+TextLogger::TextLogger(const std::string& component) : logger_(logger(component)) {}
+
+bool TextLogger::enabled(LogLevel level) const { return logger_->should_log(spdlogLevel(level)); }
+
+void TextLogger::write(LogLevel level, const std::string& text) const {
+  logger_->log(spdlogLevel(level), "{}", text);
 }
 
 }  // namespace ddprun

@@ -6,10 +6,11 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <iomanip>
 #include <mutex>
 #include <sstream>
 
-#include "ddprun/common/log.h"
+#include "ddprun/common/log_text.h"
 #include "ddprun/worker/bucket_assignment.h"
 #include "ddprun/worker/errors.h"
 #include "half_kernels.h"
@@ -151,20 +152,45 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     params_.push_back(item.value());
   }
 
+  // The tensor-device rule (worker_sdk/README.md): a collective takes tensors on the
+  // communicator's device. The parameters and buffers are broadcast in place and the gradients
+  // reduced in buckets of the parameters' device, so the model must be there already.
+  const at::Device device = comm.device();
+  auto misplaced = [&](const torch::Tensor& t) {
+    return t.device().type() != device.type() ||
+           (device.has_index() && t.device().index() != device.index());
+  };
+  for (auto& item : module_->named_parameters(/*recurse=*/true)) {
+    if (!misplaced(item.value())) continue;
+    throw ConfigError("DistributedDataParallel: parameter '" + item.key() + "' is on " +
+                      item.value().device().str() + " but the " + backendName(comm.backend()) +
+                      " communicator works on " + device.str() +
+                      ": move the model there (module->to(device)) before wrapping it");
+  }
+  for (auto& item : module_->named_buffers(/*recurse=*/true)) {
+    if (!misplaced(item.value())) continue;
+    throw ConfigError("DistributedDataParallel: buffer '" + item.key() + "' is on " +
+                      item.value().device().str() + " but the " + backendName(comm.backend()) +
+                      " communicator works on " + device.str() +
+                      ": move the model there (module->to(device)) before wrapping it");
+  }
+
   // Every rank must hold the same model: compare parameter count and total size.
   {
     int64_t total = 0;
     for (auto& p : params_) total += p.numel();
-    auto sig = torch::tensor({static_cast<int64_t>(params_.size()), total}, torch::kLong);
-    auto all = comm.allGather(sig);
+    auto sig = torch::tensor({static_cast<int64_t>(params_.size()), total},
+                             torch::TensorOptions().dtype(torch::kLong).device(device));
+    const torch::Tensor all = torch::stack(comm.allGather(sig)).to(torch::kCPU);
     for (int r = 0; r < comm.size(); ++r) {
-      if (!torch::equal(all[static_cast<size_t>(r)], sig)) {
-        throw ConfigError(
-            "DistributedDataParallel: rank " + std::to_string(r) + " has " +
-            std::to_string(all[static_cast<size_t>(r)][0].item<int64_t>()) + " parameters / " +
-            std::to_string(all[static_cast<size_t>(r)][1].item<int64_t>()) + " elements but rank " +
-            std::to_string(comm.rank()) + " has " + std::to_string(params_.size()) + " / " +
-            std::to_string(total) + ": every rank must build the same model");
+      const int64_t count = all[r][0].item<int64_t>();
+      const int64_t elements = all[r][1].item<int64_t>();
+      if (count != static_cast<int64_t>(params_.size()) || elements != total) {
+        throw ConfigError("DistributedDataParallel: rank " + std::to_string(r) + " has " +
+                          std::to_string(count) + " parameters / " + std::to_string(elements) +
+                          " elements but rank " + std::to_string(comm.rank()) + " has " +
+                          std::to_string(params_.size()) + " / " + std::to_string(total) +
+                          ": every rank must build the same model");
       }
     }
   }
@@ -220,21 +246,26 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
 
   // Look every accumulator up before registering any hook, so a failure cannot leave hooks that
   // point at a half-constructed object.
+  // The accumulator's pointer type changed across LibTorch versions (shared_ptr, intrusive_ptr).
+  using Accumulator =
+      decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::Tensor&>()));
+  std::vector<Accumulator> accumulators;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
     if (!acc)
       throw WorkerError("DistributedDataParallel: parameter '" + names_[i] +
                         "' is not a leaf tensor");
-    grad_accumulators_.push_back(std::move(acc));
+    accumulators.push_back(std::move(acc));
   }
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    hook_keys_.push_back(grad_accumulators_[i]->add_post_hook(
-        std::make_unique<torch::autograd::utils::LambdaPostHook>(
+    const auto key =
+        accumulators[i]->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
             [this, i](const torch::autograd::variable_list& outputs,
                       const torch::autograd::variable_list&) {
               onGradReady(i);
               return outputs;
-            })));
+            }));
+    remove_hooks_.push_back([acc = accumulators[i], key] { acc->del_post_hook(key); });
   }
   resetIteration();
 }
@@ -250,8 +281,7 @@ DistributedDataParallel::~DistributedDataParallel() {
     }
   }
   // Hooks capture `this` and the accumulators may outlive us (a live graph holds them).
-  for (std::size_t i = 0; i < grad_accumulators_.size(); ++i)
-    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+  for (auto& remove : remove_hooks_) remove();
 }
 
 DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp) {
@@ -320,9 +350,11 @@ void DistributedDataParallel::launchReadyBuckets() {
   // Strictly in bucket order so that every rank issues the same sequence of collectives.
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_]->pending == 0) {
     Bucket& b = *buckets_[next_bucket_];
-    static const auto log = ddprun::logger("worker");
-    log->trace("{:.3f} ms: bucket {} ({} params, {} elements) launched", nowMs(), next_bucket_,
-               b.params.size(), b.flat.numel());
+    static const ddprun::TextLogger log("worker");
+    DDPRUN_LOG(log, kTrace,
+               std::fixed << std::setprecision(3) << nowMs() << " ms: bucket " << next_bucket_
+                          << " (" << b.params.size() << " params, " << b.flat.numel()
+                          << " elements) launched");
     b.work = hook_(group_->comm(), GradBucket{next_bucket_, b.flat});
     if (!b.work) {
       throw WorkerError(
@@ -364,8 +396,10 @@ void DistributedDataParallel::finalizeBackward() {
     launchReadyBuckets();
   }
   torch::NoGradGuard no_grad;
-  static const auto log = ddprun::logger("worker");
-  log->trace("{:.3f} ms: backward done, waiting for {} buckets", nowMs(), buckets_.size());
+  static const ddprun::TextLogger log("worker");
+  DDPRUN_LOG(log, kTrace,
+             std::fixed << std::setprecision(3) << nowMs() << " ms: backward done, waiting for "
+                        << buckets_.size() << " buckets");
   for (auto& bp : buckets_) {
     Bucket& b = *bp;
     b.work->wait();
@@ -380,7 +414,8 @@ void DistributedDataParallel::finalizeBackward() {
       }
     }
   }
-  log->trace("{:.3f} ms: all buckets reduced", nowMs());
+  DDPRUN_LOG(log, kTrace,
+             std::fixed << std::setprecision(3) << nowMs() << " ms: all buckets reduced");
   std::lock_guard<std::mutex> lock(mu_);
   resetIteration();
 }

@@ -1,6 +1,7 @@
 #include "gloo_communicator.h"
 
 #include <ATen/ATen.h>
+#include <dlfcn.h>
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
@@ -14,8 +15,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <iomanip>
 
-#include "ddprun/common/log.h"
+#include "ddprun/common/log_text.h"
 #include "ddprun/worker/errors.h"
 #include "half_kernels.h"
 #include "op_queue.h"
@@ -141,6 +143,7 @@ class GlooCommunicator : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Backend backend() const override { return Backend::kGloo; }
+  at::Device device() const override { return at::kCPU; }
 
   std::shared_ptr<Work> allReduceAsync(at::Tensor tensor, ReduceOp op) override {
     checkCpu(tensor, "all_reduce");
@@ -151,7 +154,7 @@ class GlooCommunicator : public Communicator {
     checkReducible(tensor.scalar_type());
     const uint32_t tag = nextTag();
     return queue_.submit([this, tensor, op, tag] {
-      static const auto log = ddprun::logger("worker");
+      static const ddprun::TextLogger log("worker");
       const auto t0 = std::chrono::steady_clock::now();
       at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
       const size_t n = static_cast<size_t>(work.numel());
@@ -179,10 +182,15 @@ class GlooCommunicator : public Communicator {
       }
       if (op == ReduceOp::kAvg && !averaged) work.div_(size_);
       if (!work.is_same(tensor)) tensor.copy_(work);
-      log->trace(
-          "{:.3f} ms: all_reduce of {} elements took {:.3f} ms",
-          std::chrono::duration<double, std::milli>(t0.time_since_epoch()).count(), n,
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      DDPRUN_LOG(
+          log, kTrace,
+          std::fixed << std::setprecision(3)
+                     << std::chrono::duration<double, std::milli>(t0.time_since_epoch()).count()
+                     << " ms: all_reduce of " << n << " elements took "
+                     << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                                  t0)
+                            .count()
+                     << " ms");
     });
   }
 
@@ -443,7 +451,7 @@ uint64_t fingerprint(const std::string& s) {
 AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueStore>& store,
                             const GlooOptions& options, const std::shared_ptr<gloo::Context>& ctx,
                             std::shared_ptr<gloo::transport::Device> device) {
-  static const auto log = ddprun::logger("worker");
+  static const ddprun::TextLogger log("worker");
   AllReducePlan plan;
   const bool wanted = options.shared_memory && !shmDisabledByEnvironment();
   if (size < 2) return plan;
@@ -466,8 +474,9 @@ AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueSt
   const int local_rank = topology.local_rank;
   const int local_size = static_cast<int>(topology.host_ranks.size());
   if (topology.kind == TopologyKind::kFlat) {
-    log->debug("rank {}: {} host(s), {} rank(s) on this one: no shared-memory all-reduce", rank,
-               num_hosts, local_size);
+    DDPRUN_LOG(log, kDebug,
+               "rank " << rank << ": " << num_hosts << " host(s), " << local_size
+                       << " rank(s) on this one: no shared-memory all-reduce");
     return plan;
   }
 
@@ -528,9 +537,25 @@ AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueSt
 
 }  // namespace
 
+std::string glooBindingProblem(const void* gloo_function) {
+  Dl_info info{};
+  if (dladdr(gloo_function, &info) == 0 || info.dli_fname == nullptr) return "";
+  const std::string file = info.dli_fname;
+  if (file.find("libgloo") != std::string::npos) return "";
+  return "gloo: this process reaches gloo's functions in " + file +
+         ", not in the libgloo the worker SDK was built with (LibTorch 2.x carries a gloo of its "
+         "own, built from other headers, and it was loaded first). Link libgloo before LibTorch "
+         "(the ddprun::worker CMake target does; check your program's link line and that "
+         "--as-needed does not drop libgloo), or use the nccl backend; see docs/libtorch.md";
+}
+
 std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,
                                                    std::shared_ptr<KeyValueStore> store,
                                                    const GlooOptions& options) {
+  // Every gloo symbol binds to the first library that defines it: one of them tells for all.
+  static const std::string binding_problem =
+      glooBindingProblem(reinterpret_cast<const void*>(&gloo::transport::tcp::CreateDevice));
+  if (!binding_problem.empty()) throw ConfigError(binding_problem);
   gloo::transport::tcp::attr attr;
   attr.hostname = options.local_address;
   std::shared_ptr<gloo::transport::Device> device;
@@ -551,7 +576,10 @@ std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,
   }
   ctx->setTimeout(options.op_timeout);
   AllReducePlan plan = planAllReduce(rank, size, store, options, ctx, device);
-  if (rank == 0) ddprun::logger("worker")->info("all_reduce over {}", plan.description);
+  if (rank == 0) {
+    static const ddprun::TextLogger log("worker");
+    DDPRUN_LOG(log, kInfo, "all_reduce over " << plan.description);
+  }
   return std::make_unique<GlooCommunicator>(rank, size, std::move(ctx), options.op_timeout,
                                             std::move(plan));
 }

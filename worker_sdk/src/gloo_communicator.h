@@ -23,6 +23,12 @@ struct GlooOptions {
   std::string host_identity;  // empty = this host's; tests simulate several hosts with it
 };
 
+// Empty when `gloo_function` (the address of one of libgloo's functions, as this process resolved
+// it) lies in libgloo; otherwise the error a user sees: LibTorch 2.x exports a gloo of its own, and
+// when it is loaded before libgloo the SDK's gloo calls would reach that copy and crash.
+std::string glooBindingProblem(const void* gloo_function);
+
+// Throws ConfigError with glooBindingProblem's text when this process binds gloo wrongly.
 std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,
                                                    std::shared_ptr<KeyValueStore> store,
                                                    const GlooOptions& options);

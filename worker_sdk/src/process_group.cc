@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "ddprun/common/log.h"
+#include "ddprun/common/log_text.h"
 #include "ddprun/worker/errors.h"
 #include "gloo_communicator.h"
 
@@ -69,7 +69,7 @@ std::unique_ptr<Communicator> makeCommunicator(int rank, int size,
 #else
     throw ConfigError(
         "the nccl backend was requested but this build of ddprun's worker SDK has no NCCL support "
-        "(it needs the CUDA toolkit and NCCL >= 2.10 at build time; see the configure line "
+        "(it needs the CUDA toolkit and NCCL >= 2.14 at build time; see the configure line "
         "'ddprun worker SDK: NCCL backend ...'); use --backend gloo");
 #endif
   }
@@ -101,8 +101,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
   if (opts.cuda_device < 0) opts.cuda_device = env.local_rank;
   // A restarted group reuses MASTER_PORT with a fresh store, but keep keys per attempt anyway.
   opts.prefix += "/attempt" + std::to_string(env.restart_count);
-  ddprun::logger("worker")->debug("rank {}/{}: store {}:{}, gloo on {}", env.rank, env.world_size,
-                                  env.master_addr, env.master_port, opts.local_address);
+  static const ddprun::TextLogger log("worker");
+  DDPRUN_LOG(log, kDebug,
+             "rank " << env.rank << "/" << env.world_size << ": store " << env.master_addr << ":"
+                     << env.master_port << ", gloo on " << opts.local_address);
   return create(env.rank, env.world_size, std::move(store), opts);
 }
 

@@ -21,7 +21,7 @@
 #include <random>
 #include <sstream>
 
-#include "ddprun/common/log.h"
+#include "ddprun/common/log_text.h"
 #include "ddprun/worker/errors.h"
 #include "half_kernels.h"
 
@@ -370,7 +370,7 @@ std::string shareSegment(int rank, int size, KeyValueStore& store, const std::st
 std::unique_ptr<ShmAllReduce> ShmAllReduce::tryCreate(int rank, int size,
                                                       std::shared_ptr<KeyValueStore> store,
                                                       const ShmOptions& options) {
-  static const auto log = ddprun::logger("worker");
+  static const ddprun::TextLogger log("worker");
   if (size < 2) return nullptr;
   const size_t slot_bytes =
       options.slot_bytes > 0
@@ -396,17 +396,20 @@ std::unique_ptr<ShmAllReduce> ShmAllReduce::tryCreate(int rank, int size,
                          refusal.find("another host") != std::string::npos ||
                          refusal.find("has no segment") != std::string::npos;
     if (rank == 0 && !planned) {
-      log->warn("intra-host shared-memory all-reduce off ({}); using gloo TCP", refusal);
+      DDPRUN_LOG(log, kWarn,
+                 "intra-host shared-memory all-reduce off (" << refusal << "); using gloo TCP");
     } else {
-      log->debug("rank {}: intra-host shared-memory all-reduce off ({}); using gloo TCP", rank,
-                 refusal);
+      DDPRUN_LOG(log, kDebug,
+                 "rank " << rank << ": intra-host shared-memory all-reduce off (" << refusal
+                         << "); using gloo TCP");
     }
     return nullptr;
   }
   // Every rank mapped the segment before reporting, so no peer check can miss a pid.
   pidsOf(control->base)[rank].store(static_cast<int32_t>(getpid()));
-  log->debug("rank {}: all {} ranks share this host: shared-memory all-reduce, {} KiB slots", rank,
-             size, slot_bytes >> 10);
+  DDPRUN_LOG(log, kDebug,
+             "rank " << rank << ": all " << size << " ranks share this host: shared-memory "
+                     << "all-reduce, " << (slot_bytes >> 10) << " KiB slots");
   return std::unique_ptr<ShmAllReduce>(
       new ShmAllReduce(rank, size, std::move(control), slot_bytes, std::move(store), options));
 }
@@ -424,7 +427,7 @@ ShmAllReduce::ShmAllReduce(int rank, int size, std::shared_ptr<Segment> control,
 ShmAllReduce::~ShmAllReduce() = default;
 
 std::shared_ptr<void> ShmAllReduce::allocate(size_t bytes) {
-  static const auto log = ddprun::logger("worker");
+  static const ddprun::TextLogger log("worker");
   const uint64_t id = ++allocations_;
   const size_t stride = roundUp(std::max<size_t>(bytes, 1), kPageBytes);
   auto seg = std::make_shared<Segment>();
@@ -434,8 +437,9 @@ std::shared_ptr<void> ShmAllReduce::allocate(size_t bytes) {
       options_.host_identity.empty() ? localHostIdentity() : options_.host_identity,
       options_.setup_timeout, *seg, [](char*) {});
   if (!refusal.empty()) {
-    log->debug("rank {}: shared buffer {} of {} bytes refused ({}); it stays private", rank_, id,
-               bytes, refusal);
+    DDPRUN_LOG(log, kDebug,
+               "rank " << rank_ << ": shared buffer " << id << " of " << bytes << " bytes refused ("
+                       << refusal << "); it stays private");
     return nullptr;
   }
   char* rank0 = seg->base + kPageBytes;

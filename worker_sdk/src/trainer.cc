@@ -123,7 +123,7 @@ bool Trainer::resumeFromNewestSnapshot() {
     const int64_t n = length[0].item<int64_t>();
     auto host = torch::empty({n}, torch::kUInt8);
     if (rank == source) std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
-    auto buffer = host.to(inputs_.device());  // the same tensor on the CPU
+    auto buffer = host.to(group_->comm().device());  // the same tensor on the CPU
     comm.broadcast(buffer, source);
     if (buffer.data_ptr() != host.data_ptr()) host.copy_(buffer);
     if (!mine || key(mine->global_step, mine->epoch, mine->step_in_epoch) != newest) {
@@ -161,7 +161,7 @@ bool Trainer::replicatedByAgent(const std::string& path) {
 }
 
 at::TensorOptions Trainer::onDevice(at::ScalarType type) const {
-  return at::TensorOptions().dtype(type).device(inputs_.device());
+  return at::TensorOptions().dtype(type).device(group_->comm().device());
 }
 
 std::ostream& Trainer::log() { return options_.log != nullptr ? *options_.log : std::cout; }
@@ -213,7 +213,7 @@ Trainer::Outcome Trainer::train() {
   for (; progress_.epoch < options_.total_epochs; ++progress_.epoch) {
     sampler.setEpoch(progress_.epoch);
     const std::vector<int64_t> idx = sampler.indices();
-    auto index = torch::tensor(idx, onDevice(torch::kLong));
+    auto index = torch::tensor(idx, torch::TensorOptions(torch::kLong).device(inputs_.device()));
     for (int64_t s = progress_.step_in_epoch; s < steps_per_epoch; ++s) {
       const int64_t begin = s * options_.batch_size;
       const int64_t len =

@@ -40,6 +40,10 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual Backend backend() const = 0;
+  // Where the tensors handed to this communicator's collectives must live: the CPU for gloo,
+  // this rank's cuda:N for NCCL. The SDK's rule (worker_sdk/README.md, "Tensors and devices"):
+  // every tensor the SDK hands to a collective is made on, or moved to, this device.
+  virtual at::Device device() const = 0;
   // One line on how collectives run here (e.g. "gloo: all_reduce over shared memory (...)").
   virtual std::string describe() const { return backendName(backend()); }
 

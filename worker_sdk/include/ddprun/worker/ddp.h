@@ -125,8 +125,9 @@ class DistributedDataParallel {
   DdpOptions options_;
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // kept alive for hooks
-  std::vector<std::uintptr_t> hook_keys_;
+  // One per parameter: removes its gradient accumulator's post hook (and keeps the accumulator
+  // alive until then).
+  std::vector<std::function<void()>> remove_hooks_;
   std::vector<std::vector<std::size_t>> bucket_indices_;
   CommHook hook_;
   std::vector<std::unique_ptr<Bucket>> buckets_;

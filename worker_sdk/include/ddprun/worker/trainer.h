@@ -60,9 +60,8 @@ class Trainer {
  private:
   void save(std::int64_t finished_epoch, const std::string& why);
   std::ostream& log();
-  // `type` on the training data's device: what the communicator takes (NCCL: CUDA tensors only),
-  // for the small tensors the trainer exchanges itself (resume, stop flag, epoch loss) and the
-  // batch indices.
+  // `type` on the communicator's device (NCCL: CUDA tensors only), for the small tensors the
+  // trainer exchanges itself (resume, stop flag, epoch loss): the SDK's tensor-device rule.
   at::TensorOptions onDevice(at::ScalarType type) const;
   // Whether `path` lies in the directory ddprun's agent replicates (DDPRUN_SNAPSHOT_DIR).
   static bool replicatedByAgent(const std::string& path);
