@@ -1,5 +1,5 @@
 // NCCL implementation of Communicator for CUDA tensors. Compiled when CMake finds the CUDA toolkit
-// and NCCL >= 2.10 (DDPRUN_WITH_NCCL). It needs only the CUDA runtime API and NCCL, not a CUDA
+// and NCCL >= 2.14 (DDPRUN_WITH_NCCL). It needs only the CUDA runtime API and NCCL, not a CUDA
 // build of LibTorch: tensors are touched through the device-agnostic Tensor API (data_ptr, numel,
 // element_size, scalar_type, device, is_contiguous) and nothing here launches an ATen kernel, so
 // the same code serves a CUDA LibTorch and a CPU-only one handed CUDA tensors made with
@@ -8,8 +8,13 @@
 // Ordering: at submission, each op records an event on the producer stream (the legacy default
 // stream unless setNcclProducerStream says otherwise) and the communicator's own non-blocking
 // stream waits on it, so the collective sees the producer's kernels. The queue thread (OpQueue)
-// only enqueues work on that stream and records a completion event; Work::wait() polls that event,
-// NCCL's asynchronous error and op_timeout, so a dead peer is a CommError rather than a hang.
+// only enqueues work on that stream and records a completion event.
+//
+// Faults (nccl_health.h): the communicator is non-blocking (ncclConfig_t.blocking = 0), so no NCCL
+// call blocks. Init is polled until connect_timeout; an enqueue until op_timeout. A watchdog
+// thread aborts the communicator when a collective outlives op_timeout or NCCL reports an
+// asynchronous error, whether or not anyone waits on it; Work::wait() then throws CommError
+// naming the op and the timeout. Every way out of a failure goes through ncclCommAbort.
 #include "nccl_communicator.h"
 
 #include <cuda_runtime.h>
@@ -18,33 +23,38 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "ddprun/common/log_text.h"
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/nccl.h"
 #include "gloo_communicator.h"
+#include "nccl_health.h"
 #include "op_queue.h"
 
-#if NCCL_VERSION_CODE < 21000
-#error "ddprun's NCCL communicator needs NCCL >= 2.10 (ncclAvg, ncclBfloat16)"
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
+#error "ddprun's NCCL communicator needs NCCL >= 2.14 (non-blocking communicators, ncclAvg)"
 #endif
 
 namespace ddprun::worker {
 
 namespace {
 
-void ncclCheck(ncclResult_t r, const char* what) {
-  if (r != ncclSuccess)
-    throw CommError(std::string("nccl ") + what + " failed: " + ncclGetErrorString(r));
-}
+using Clock = std::chrono::steady_clock;
 
 void cudaCheck(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
     throw CommError(std::string("cuda ") + what + " failed: " + cudaGetErrorString(e));
+}
+
+std::string msText(const char* name, std::chrono::milliseconds d) {
+  return std::string(name) + " (" + std::to_string(d.count()) + " ms)";
 }
 
 // Unsupported dtypes map to ncclNumTypes.
@@ -89,8 +99,39 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
-// An owned cudaEvent_t shared by the submitting thread, the queue thread and the Work: whichever
-// lets go last destroys it (an op dropped by a broken queue never runs, yet its events are freed).
+// An ncclResult_t as NcclHealth sees it, with NCCL's last error text for failures.
+NcclStatus statusOf(ncclResult_t r, ncclComm_t comm) {
+  if (r == ncclSuccess) return NcclStatus::success();
+  if (r == ncclInProgress) return NcclStatus::inProgress();
+  std::string text = ncclGetErrorString(r);
+  const char* last = ncclGetLastError(comm);
+  if (last != nullptr && *last != '\0') text += std::string(" (") + last + ")";
+  return NcclStatus::failure(text);
+}
+
+// The real NCCL calls behind NcclHealth.
+class RealNcclComm : public NcclComm {
+ public:
+  RealNcclComm(ncclComm_t comm, int device) : comm_(comm), device_(device) {}
+  NcclStatus asyncError() override {
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm_, &async);
+    return statusOf(r != ncclSuccess ? r : async, comm_);
+  }
+  void abort() override {
+    cudaSetDevice(device_);
+    ncclCommAbort(comm_);
+  }
+  ncclComm_t handle() const { return comm_; }
+
+ private:
+  ncclComm_t comm_;
+  int device_;
+};
+
+// An owned cudaEvent_t shared by the submitting thread, the queue thread, the watchdog and the
+// Work: whichever lets go last destroys it (an op dropped by a broken queue never runs, yet its
+// events are freed).
 using Event = std::shared_ptr<CUevent_st>;
 
 Event makeEvent() {
@@ -99,55 +140,71 @@ Event makeEvent() {
   return Event(ev, [](cudaEvent_t e) { cudaEventDestroy(e); });
 }
 
-class NcclCommunicator;
+bool eventDone(const Event& e) { return cudaEventQuery(e.get()) != cudaErrorNotReady; }
 
 // Work of one NCCL op: done once the queue thread enqueued it and the device finished it.
 class NcclWork : public Work {
  public:
-  NcclWork(NcclCommunicator* comm, std::shared_ptr<Work> enqueued, Event done,
-           std::vector<at::Tensor> keep_alive, const char* op)
-      : comm_(comm),
+  NcclWork(std::shared_ptr<NcclHealth> health, std::shared_ptr<Work> enqueued, Event done,
+           std::vector<at::Tensor> keep_alive)
+      : health_(std::move(health)),
         enqueued_(std::move(enqueued)),
         done_(std::move(done)),
-        keep_alive_(std::move(keep_alive)),
-        op_(op) {}
+        keep_alive_(std::move(keep_alive)) {}
 
   void wait() override;
   bool isCompleted() override {
     // An event never recorded (the op failed before) queries as complete.
-    return enqueued_->isCompleted() && cudaEventQuery(done_.get()) != cudaErrorNotReady;
+    return enqueued_->isCompleted() && eventDone(done_);
   }
 
  private:
-  NcclCommunicator* comm_;
+  std::shared_ptr<NcclHealth> health_;
   std::shared_ptr<Work> enqueued_;
   Event done_;
   std::vector<at::Tensor> keep_alive_;  // the GPU may still read/write them until done_
-  const char* op_;
 };
 
 class NcclCommunicator : public Communicator {
  public:
-  NcclCommunicator(int rank, int size, int device, ncclComm_t comm, cudaStream_t stream,
-                   void* barrier_buffer, std::chrono::milliseconds op_timeout)
+  NcclCommunicator(int rank, int size, int device, std::unique_ptr<RealNcclComm> comm,
+                   std::shared_ptr<NcclHealth> health, cudaStream_t stream, void* barrier_buffer)
       : rank_(rank),
         size_(size),
         device_(device),
-        comm_(comm),
+        comm_(std::move(comm)),
+        health_(std::move(health)),
         stream_(stream),
         barrier_buffer_(barrier_buffer),
-        op_timeout_(op_timeout),
-        queue_(std::make_unique<OpQueue>("nccl communicator")) {}
+        queue_(std::make_unique<OpQueue>("nccl communicator")),
+        watchdog_([this] { watch(); }) {}
 
   ~NcclCommunicator() override {
-    queue_.reset();  // drain and join before the communicator and stream go away
-    DeviceGuard guard(device_);
-    if (failed_) {
-      ncclCommAbort(comm_);  // a hung collective would block ncclCommDestroy forever
-    } else {
-      cudaStreamSynchronize(stream_);
-      ncclCommDestroy(comm_);
+    queue_.reset();  // drain and join: every op is enqueued or failed
+    // Let what is in flight finish; the watchdog aborts a collective stuck past op_timeout.
+    while (health_->inFlight() > 0 && health_->check().empty()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
+    {
+      std::lock_guard<std::mutex> lock(watchdog_mu_);
+      stopping_ = true;
+    }
+    watchdog_cv_.notify_all();
+    watchdog_.join();
+    DeviceGuard guard(device_);
+    if (!health_->aborted()) {
+      try {
+        const ncclComm_t c = comm_->handle();
+        health_->settle(health_->call([c] { return statusOf(ncclCommFinalize(c), c); }),
+                        "comm finalize", Clock::now() + health_->opTimeout(),
+                        msText("op_timeout", health_->opTimeout()));
+      } catch (const std::exception&) {
+        // settle aborted the communicator
+      }
+      if (!health_->aborted()) ncclCommDestroy(comm_->handle());
+      health_->retire();
+    }
+    cudaStreamSynchronize(stream_);  // an aborted communicator's kernels have ended
     cudaFree(barrier_buffer_);
     cudaStreamDestroy(stream_);
   }
@@ -155,6 +212,7 @@ class NcclCommunicator : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Backend backend() const override { return Backend::kNccl; }
+  at::Device device() const override { return at::Device(at::kCUDA, device_); }
 
   std::shared_ptr<Work> allReduceAsync(at::Tensor tensor, ReduceOp op) override {
     nccl_detail::checkTensor(tensor, device_, "all_reduce");
@@ -165,8 +223,8 @@ class NcclCommunicator : public Communicator {
     const ncclRedOp_t red = op == ReduceOp::kAvg ? ncclAvg : ncclSum;
     void* data = tensor.data_ptr();
     const auto count = static_cast<size_t>(tensor.numel());
-    return submit("all_reduce", {std::move(tensor)}, [this, data, count, type, red] {
-      ncclCheck(ncclAllReduce(data, data, count, type, red, comm_, stream_), "all_reduce");
+    return submit("all_reduce", {std::move(tensor)}, [this, data, count, type, red](ncclComm_t c) {
+      return ncclAllReduce(data, data, count, type, red, c, stream_);
     });
   }
 
@@ -178,8 +236,8 @@ class NcclCommunicator : public Communicator {
     }
     void* data = tensor.data_ptr();
     const size_t bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
-    return submit("broadcast", {std::move(tensor)}, [this, data, bytes, root] {
-      ncclCheck(ncclBroadcast(data, data, bytes, ncclUint8, root, comm_, stream_), "broadcast");
+    return submit("broadcast", {std::move(tensor)}, [this, data, bytes, root](ncclComm_t c) {
+      return ncclBroadcast(data, data, bytes, ncclUint8, root, c, stream_);
     });
   }
 
@@ -193,18 +251,17 @@ class NcclCommunicator : public Communicator {
     const void* in = input.data_ptr();
     void* out = output.data_ptr();
     const size_t bytes = static_cast<size_t>(input.numel()) * input.element_size();
-    return submit("all_gather", {std::move(input), std::move(output)}, [this, in, out, bytes] {
-      ncclCheck(ncclAllGather(in, out, bytes, ncclUint8, comm_, stream_), "all_gather");
-    });
+    return submit("all_gather", {std::move(input), std::move(output)},
+                  [this, in, out, bytes](ncclComm_t c) {
+                    return ncclAllGather(in, out, bytes, ncclUint8, c, stream_);
+                  });
   }
 
   // An all-reduce of one float in the communicator's own device buffer: done on this rank only
   // after every rank joined it.
   std::shared_ptr<Work> barrierAsync() override {
-    return submit("barrier", {}, [this] {
-      ncclCheck(
-          ncclAllReduce(barrier_buffer_, barrier_buffer_, 1, ncclFloat32, ncclSum, comm_, stream_),
-          "barrier");
+    return submit("barrier", {}, [this](ncclComm_t c) {
+      return ncclAllReduce(barrier_buffer_, barrier_buffer_, 1, ncclFloat32, ncclSum, c, stream_);
     });
   }
 
@@ -212,40 +269,15 @@ class NcclCommunicator : public Communicator {
     producer_.store(stream == nullptr ? cudaStreamLegacy : stream);
   }
 
-  // Called by a waiting Work: throws CommError (and marks the communicator failed) when NCCL
-  // reported an asynchronous error, e.g. a peer that went away.
-  void checkAsyncError(const char* op) {
-    ncclResult_t async = ncclSuccess;
-    ncclResult_t r = ncclCommGetAsyncError(comm_, &async);
-    if (r != ncclSuccess) async = r;
-    if (async == ncclSuccess || async == ncclInProgress) return;
-    failed_ = true;
-    std::string detail = ncclGetErrorString(async);
-#if NCCL_VERSION_CODE >= 21300
-    const char* last = ncclGetLastError(comm_);
-    if (last != nullptr && *last != '\0') detail += std::string(" (") + last + ")";
-#endif
-    throw CommError(std::string("nccl ") + op + " failed: " + detail +
-                    "; the communicator is unusable from now on");
-  }
-
-  void timedOut(const char* op) {
-    failed_ = true;
-    throw CommError(std::string("nccl ") + op + " did not complete within op_timeout (" +
-                    std::to_string(op_timeout_.count()) +
-                    " ms): a peer is gone or stuck; the communicator is unusable from now on");
-  }
-
-  std::chrono::milliseconds opTimeout() const { return op_timeout_; }
-
  private:
   // Records the ready event on the producer stream now (the submitting thread's view of the
   // data), then queues `enqueue` behind it on the communicator's stream.
   template <typename F>
   std::shared_ptr<Work> submit(const char* op, std::vector<at::Tensor> tensors, F enqueue) {
-    if (failed_) {
+    const std::string failure = health_->failure();
+    if (!failure.empty()) {
       throw CommError(std::string("nccl ") + op +
-                      ": the communicator failed earlier and cannot run collectives");
+                      ": the communicator failed earlier and cannot run collectives: " + failure);
     }
     Event ready;
     Event done;
@@ -256,45 +288,77 @@ class NcclCommunicator : public Communicator {
       cudaCheck(cudaEventRecord(ready.get(), producer_.load()), "event record (producer stream)");
     }
     auto enqueued = queue_->submit([this, op, ready, done, enqueue] {
-      if (failed_) throw CommError(std::string("nccl ") + op + ": the communicator failed earlier");
-      cudaCheck(cudaSetDevice(device_), "set device");
-      cudaCheck(cudaStreamWaitEvent(stream_, ready.get(), 0), "stream wait event");
-      enqueue();
-      cudaCheck(cudaEventRecord(done.get(), stream_), "event record");
+      const std::string failed = health_->failure();
+      if (!failed.empty()) throw CommError(failed);
+      try {
+        cudaCheck(cudaSetDevice(device_), "set device");
+        cudaCheck(cudaStreamWaitEvent(stream_, ready.get(), 0), "stream wait event");
+        const auto start = Clock::now();
+        const ncclComm_t c = comm_->handle();
+        health_->settle(health_->call([&] { return statusOf(enqueue(c), c); }), op,
+                        start + health_->opTimeout(), msText("op_timeout", health_->opTimeout()));
+        cudaCheck(cudaEventRecord(done.get(), stream_), "event record");
+        health_->track(op, start, [done] { return eventDone(done); });
+      } catch (const std::exception& e) {
+        health_->fail(std::string("nccl ") + op + ": " + e.what());  // aborts (once)
+        throw;
+      }
     });
-    return std::make_shared<NcclWork>(this, std::move(enqueued), std::move(done),
-                                      std::move(tensors), op);
+    return std::make_shared<NcclWork>(health_, std::move(enqueued), std::move(done),
+                                      std::move(tensors));
+  }
+
+  // The watchdog: a pass every 100 ms (sooner for short op_timeouts) until destruction.
+  void watch() {
+    static const ddprun::TextLogger log("worker");
+    const auto interval = std::clamp<std::chrono::milliseconds>(
+        health_->opTimeout() / 4, std::chrono::milliseconds(1), std::chrono::milliseconds(100));
+    bool reported = false;
+    std::unique_lock<std::mutex> lock(watchdog_mu_);
+    while (!watchdog_cv_.wait_for(lock, interval, [this] { return stopping_; })) {
+      lock.unlock();
+      const std::string failure = health_->check();
+      if (!failure.empty() && !reported) {
+        reported = true;
+        DDPRUN_LOG(log, kError, "rank " << rank_ << ": " << failure);
+      }
+      lock.lock();
+    }
   }
 
   int rank_;
   int size_;
   int device_;
-  ncclComm_t comm_;
+  std::unique_ptr<RealNcclComm> comm_;
+  std::shared_ptr<NcclHealth> health_;
   cudaStream_t stream_;
   void* barrier_buffer_;
-  std::chrono::milliseconds op_timeout_;
   std::atomic<cudaStream_t> producer_{cudaStreamLegacy};
-  std::atomic<bool> failed_{false};
   std::unique_ptr<OpQueue> queue_;
+  std::mutex watchdog_mu_;
+  std::condition_variable watchdog_cv_;
+  bool stopping_ = false;  // guarded by watchdog_mu_
+  std::thread watchdog_;   // last: it starts running in the constructor
 };
 
 void NcclWork::wait() {
-  using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
-  const auto deadline = start + comm_->opTimeout();
   // Spin for the first millisecond (small collectives finish in microseconds), then back off.
+  const auto start = Clock::now();
   auto pause = std::chrono::microseconds(10);
   for (;;) {
     if (enqueued_->isCompleted()) {
       enqueued_->wait();  // rethrows a failure of the enqueue step
       const cudaError_t e = cudaEventQuery(done_.get());
       if (e == cudaSuccess) return;
-      if (e != cudaErrorNotReady) cudaCheck(e, "event query");
+      if (e != cudaErrorNotReady) {
+        const std::string reason = std::string("cuda event query failed: ") + cudaGetErrorString(e);
+        health_->fail(reason);
+        throw CommError(health_->failure());
+      }
     }
-    comm_->checkAsyncError(op_);
-    const auto now = Clock::now();
-    if (now > deadline) comm_->timedOut(op_);
-    if (now - start < std::chrono::milliseconds(1)) {
+    const std::string failure = health_->check();
+    if (!failure.empty()) throw CommError(failure);
+    if (Clock::now() - start < std::chrono::milliseconds(1)) {
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(pause);
@@ -372,7 +436,9 @@ std::unique_ptr<Communicator> makeNcclCommunicator(int rank, int size,
   const std::string key = options.prefix + "/nccl/unique_id";
   ncclUniqueId id;
   if (rank == 0) {
-    ncclCheck(ncclGetUniqueId(&id), "get unique id");
+    const ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess)
+      throw CommError(std::string("nccl get unique id failed: ") + ncclGetErrorString(r));
     store->set(key, std::vector<char>(id.internal, id.internal + sizeof(id.internal)));
   } else {
     store->wait({key}, options.connect_timeout);
@@ -381,26 +447,46 @@ std::unique_ptr<Communicator> makeNcclCommunicator(int rank, int size,
       throw CommError("nccl: malformed unique id under store key " + key);
     std::memcpy(id.internal, bytes.data(), sizeof(id.internal));
   }
-  // Allocate before the (blocking) NCCL init so a failure here leaks no communicator.
+  // Allocate before the NCCL init so a failure here leaks no communicator.
   cudaStream_t stream = nullptr;
   cudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream create");
   void* barrier_buffer = nullptr;
   cudaError_t e = cudaMalloc(&barrier_buffer, sizeof(float));
   if (e == cudaSuccess) e = cudaMemsetAsync(barrier_buffer, 0, sizeof(float), stream);
-  if (e != cudaSuccess) {
+  auto release = [&] {
     cudaFree(barrier_buffer);
     cudaStreamDestroy(stream);
+  };
+  if (e != cudaSuccess) {
+    release();
     cudaCheck(e, "barrier buffer");
   }
-  ncclComm_t comm = nullptr;
-  const ncclResult_t r = ncclCommInitRank(&comm, size, id, rank);
-  if (r != ncclSuccess) {
-    cudaFree(barrier_buffer);
-    cudaStreamDestroy(stream);
-    ncclCheck(r, "comm init");
+  // Non-blocking: the init returns at once and is polled, so a rank that never arrives costs
+  // connect_timeout, not a hang.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t handle = nullptr;
+  const ncclResult_t r = ncclCommInitRankConfig(&handle, size, id, rank, &config);
+  if (handle == nullptr) {
+    release();
+    throw CommError(std::string("nccl comm init failed: ") + ncclGetErrorString(r));
   }
-  return std::make_unique<NcclCommunicator>(rank, size, device, comm, stream, barrier_buffer,
-                                            options.op_timeout);
+  auto comm = std::make_unique<RealNcclComm>(handle, device);
+  auto health = std::make_shared<NcclHealth>(
+      *comm, options.op_timeout, [] { return Clock::now(); },
+      [](std::chrono::microseconds d) { std::this_thread::sleep_for(d); });
+  try {
+    health->settle(statusOf(r, handle),
+                   "comm init (rank " + std::to_string(rank) + " of " + std::to_string(size) + ")",
+                   Clock::now() + options.connect_timeout,
+                   msText("connect_timeout", options.connect_timeout) +
+                       ": a rank did not join, or cannot reach the others");
+  } catch (...) {
+    release();  // settle aborted the communicator
+    throw;
+  }
+  return std::make_unique<NcclCommunicator>(rank, size, device, std::move(comm), std::move(health),
+                                            stream, barrier_buffer);
 }
 
 }  // namespace ddprun::worker
