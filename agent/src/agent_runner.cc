@@ -23,12 +23,15 @@
 #include "rendezvous_factory.h"
 #include "snapshot_replicator.h"
 #include "stat_heartbeat_probe.h"
+#include "torch_probe.h"
 
 namespace ddprun::agent {
 namespace {
 
 // How long the endgame (departures, close) may hold an agent whose rendezvous is gone.
 constexpr Duration kShutdownTimeout = std::chrono::seconds(30);
+// How long the first launch waits for the Python workers' torch version (TorchProbe).
+constexpr std::chrono::milliseconds kTorchProbeBound = std::chrono::seconds(3);
 
 // <log_dir or a fresh temp dir>/<run_id>_XXXXXX: this run's log directory.
 StatusOr<std::string> makeRunLogDir(const AgentConfig& cfg) {
@@ -117,6 +120,8 @@ int runAgent(const AgentConfig& cfg) {
     rendezvous::tuneAllocatorForTransfers();
     log->debug("snapshot dir: up to {} open files", raiseOpenFileLimit());
   }
+  // A Python program's torch version, asked while the rendezvous forms.
+  TorchProbe torch_probe(cfg.python_interpreter);
   boost::asio::io_context io;
   PosixProcessLauncher launcher(io);
   Supervisor* supervisor_ptr = nullptr;
@@ -167,7 +172,10 @@ int runAgent(const AgentConfig& cfg) {
   StatHeartbeatProbe heartbeat_probe;
   Supervisor supervisor(
       options, launcher, rendezvous, clock,
-      [&planner](const RoundInfo& r, int restarts) {
+      [&planner, &torch_probe, &log](const RoundInfo& r, int restarts) {
+        const auto torch = torch_probe.result(kTorchProbeBound);
+        if (torch) log->debug("the workers' torch is {}.{}", torch->major, torch->minor);
+        planner.setTorchVersion(torch);
         return prepareAttempt(planner.plan(r, restarts));
       },
       &heartbeat_probe);

@@ -7,6 +7,24 @@
 
 namespace ddprun::agent {
 
+std::optional<TorchVersion> parseTorchVersion(const std::string& text) {
+  // Digits, '.', digits; what follows the minor version (".0a0+gitunknown") does not matter.
+  const std::string t = trim(text);
+  size_t i = 0;
+  auto number = [&]() -> std::optional<int> {
+    const size_t start = i;
+    while (i < t.size() && i - start < 6 && t[i] >= '0' && t[i] <= '9') ++i;
+    if (i == start || (i < t.size() && t[i] >= '0' && t[i] <= '9')) return std::nullopt;
+    return std::stoi(t.substr(start, i - start));
+  };
+  const auto major = number();
+  if (!major || i >= t.size() || t[i] != '.') return std::nullopt;
+  ++i;
+  const auto minor = number();
+  if (!minor) return std::nullopt;
+  return TorchVersion{*major, *minor};
+}
+
 int baseRank(const std::vector<int>& local_world_sizes, int group_rank) {
   DDPRUN_CHECK(group_rank >= 0 && group_rank < static_cast<int>(local_world_sizes.size()),
                "group rank outside the round");
@@ -40,14 +58,21 @@ std::map<std::string, std::string> buildWorkerEnv(
   set("TORCHELASTIC_RUN_ID", r.run_id);
   set("TORCHELASTIC_USE_AGENT_STORE", r.use_agent_store ? "True" : "False");
   set("TORCHELASTIC_ERROR_FILE", in.error_file);
-  // The parent's value wins, as torchrun does; both spellings carry the same value.
+  // The parent's value wins, as torchrun does; the name is the one the workers' torch reads
+  // (both when the version is unknown), with the value of either name the parent set.
   auto nccl = parent_env.find("TORCH_NCCL_ASYNC_ERROR_HANDLING");
   if (nccl == parent_env.end()) nccl = parent_env.find("NCCL_ASYNC_ERROR_HANDLING");
   const std::string nccl_value = nccl == parent_env.end() ? "1" : nccl->second;
-  if (!parent_env.count("NCCL_ASYNC_ERROR_HANDLING")) set("NCCL_ASYNC_ERROR_HANDLING", nccl_value);
-  if (!parent_env.count("TORCH_NCCL_ASYNC_ERROR_HANDLING")) {
+  const auto& torch = in.torch_version;
+  const bool current = !torch || torch->major > 2 || (torch->major == 2 && torch->minor >= 2);
+  const bool legacy = !torch || !current;
+  if (legacy && !parent_env.count("NCCL_ASYNC_ERROR_HANDLING")) {
+    set("NCCL_ASYNC_ERROR_HANDLING", nccl_value);
+  }
+  if (current && !parent_env.count("TORCH_NCCL_ASYNC_ERROR_HANDLING")) {
     set("TORCH_NCCL_ASYNC_ERROR_HANDLING", nccl_value);
   }
+  if (!in.signals_to_handle.empty()) set("TORCHELASTIC_SIGNALS_TO_HANDLE", in.signals_to_handle);
   if (in.set_omp_num_threads && !parent_env.count("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
   if (in.virtual_local_rank) {
     std::string device = std::to_string(local_rank);

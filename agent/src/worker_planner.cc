@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "ddprun/agent/failure_report.h"
+
 namespace ddprun::agent {
 
 namespace {
@@ -39,6 +41,10 @@ AttemptPlan WorkerPlanner::plan(const RoundInfo& round, int restart_count) const
   in.snapshot_dir = cfg_.snapshot_dir;
   in.set_omp_num_threads = cfg_.set_omp_num_threads;
   in.virtual_local_rank = cfg_.virtual_local_rank;
+  in.torch_version = torch_version_;
+  for (int sig : cfg_.signals_to_handle) {
+    in.signals_to_handle += (in.signals_to_handle.empty() ? "" : ",") + signalName(sig);
+  }
   const int local_world_size = round.local_world_sizes.at(round.group_rank);
   const int base = baseRank(round.local_world_sizes, round.group_rank);
   AttemptPlan out;

@@ -88,3 +88,58 @@ TEST_CASE("each worker gets its own heartbeat file, and none when hang detection
   auto off = buildWorkerEnv(in, 1, {{"DDPRUN_HEARTBEAT_FILE", "/parent/heartbeat"}});
   CHECK(off.count("DDPRUN_HEARTBEAT_FILE") == 0);
 }
+
+TEST_CASE("torch versions are read from what pip and Debian report", "[agent]") {
+  auto v = parseTorchVersion("2.15.0+cu132\n");
+  REQUIRE(v);
+  CHECK(v->major == 2);
+  CHECK(v->minor == 15);
+  v = parseTorchVersion("1.13.0a0+gitunknown");
+  REQUIRE(v);
+  CHECK(v->major == 1);
+  CHECK(v->minor == 13);
+  v = parseTorchVersion("2.2");
+  REQUIRE(v);
+  CHECK(v->minor == 2);
+  for (const char* bad : {"", "2", "2.", ".2", "x2.1", "2.x", "torch 2.1", "99999999.1",
+                          "Traceback (most recent call last):"}) {
+    INFO(bad);
+    CHECK_FALSE(parseTorchVersion(bad));
+  }
+}
+
+TEST_CASE("NCCL's error handling switch has the name the workers' torch reads", "[agent]") {
+  auto in = inputs({2}, 0);
+  // torch >= 2.2 reads TORCH_NCCL_ASYNC_ERROR_HANDLING and warns about the old name on every rank.
+  in.torch_version = TorchVersion{2, 15};
+  auto env = buildWorkerEnv(in, 0, {});
+  CHECK(env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1");
+  CHECK(env.count("NCCL_ASYNC_ERROR_HANDLING") == 0);
+  in.torch_version = TorchVersion{2, 2};
+  CHECK(buildWorkerEnv(in, 0, {}).count("NCCL_ASYNC_ERROR_HANDLING") == 0);
+  // torch 1.13 (and 2.0, 2.1) reads only the old name: error handling stays on.
+  for (TorchVersion old : {TorchVersion{1, 13}, TorchVersion{2, 1}}) {
+    in.torch_version = old;
+    env = buildWorkerEnv(in, 0, {});
+    CHECK(env["NCCL_ASYNC_ERROR_HANDLING"] == "1");
+    CHECK(env.count("TORCH_NCCL_ASYNC_ERROR_HANDLING") == 0);
+  }
+  // The parent's value travels under the right name; a name the parent set itself passes as is.
+  in.torch_version = TorchVersion{2, 15};
+  env = buildWorkerEnv(in, 0, {{"NCCL_ASYNC_ERROR_HANDLING", "0"}});
+  CHECK(env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0");
+  CHECK(env["NCCL_ASYNC_ERROR_HANDLING"] == "0");  // the user's own, as torchrun passes it
+  in.torch_version = TorchVersion{1, 13};
+  env = buildWorkerEnv(in, 0, {{"TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"}});
+  CHECK(env["NCCL_ASYNC_ERROR_HANDLING"] == "3");
+}
+
+TEST_CASE("the handled signals reach the workers as torchrun 2.x names them", "[agent]") {
+  auto in = inputs({1}, 0);
+  CHECK(buildWorkerEnv(in, 0, {}).count("TORCHELASTIC_SIGNALS_TO_HANDLE") == 0);
+  in.signals_to_handle = "SIGTERM,SIGINT,SIGHUP,SIGQUIT";
+  CHECK(buildWorkerEnv(
+            in, 0,
+            {{"TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGUSR2"}})["TORCHELASTIC_SIGNALS_TO_HANDLE"] ==
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT");
+}

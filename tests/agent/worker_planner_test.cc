@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <csignal>
 
 using namespace ddprun;
 using namespace ddprun::agent;
@@ -164,4 +165,22 @@ TEST_CASE("numa binding: each worker gets its local rank's CPUs", "[agent]") {
   CHECK(plan.launches[3].cpu_affinity == std::vector<int>{5});
   cfg.cpu_affinity.clear();
   CHECK(planner.plan(round4And2(0), 0).launches[1].cpu_affinity.empty());
+}
+
+TEST_CASE("the planner names the handled signals and NCCL's switch for the workers' torch",
+          "[agent]") {
+  AgentConfig cfg;
+  cfg.worker_argv = {"/usr/bin/python3", "-u", "train.py"};
+  cfg.signals_to_handle = {SIGTERM, SIGINT, SIGHUP, SIGQUIT};
+  WorkerPlanner planner(cfg, "/logs/run_x", "host1", {});
+  // Before the probe answered (or for a program that is not Python): both names.
+  AttemptPlan plan = planner.plan(round4And2(0), 0);
+  CHECK(envOf(plan.launches[0], "TORCHELASTIC_SIGNALS_TO_HANDLE") ==
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT");
+  CHECK(envOf(plan.launches[0], "NCCL_ASYNC_ERROR_HANDLING") == "1");
+  CHECK(envOf(plan.launches[0], "TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1");
+  planner.setTorchVersion(TorchVersion{2, 15});
+  plan = planner.plan(round4And2(0), 0);
+  CHECK(envOf(plan.launches[0], "NCCL_ASYNC_ERROR_HANDLING") == "<unset>");
+  CHECK(envOf(plan.launches[0], "TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1");
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,15 @@ struct RoundInfo {
   std::string run_id;
   bool use_agent_store = false;
 };
+
+// A PyTorch version as far as the worker contract depends on it.
+struct TorchVersion {
+  int major = 0;
+  int minor = 0;
+};
+
+// "2.15.0+cu132", "1.13.0a0+gitunknown", "2.2" -> {major, minor}; nullopt for anything else.
+std::optional<TorchVersion> parseTorchVersion(const std::string& text);
 
 struct WorkerEnvInputs {
   RoundInfo round;
@@ -37,6 +47,14 @@ struct WorkerEnvInputs {
   // --virtual-local-rank: LOCAL_RANK=0, and CUDA_VISIBLE_DEVICES names only this worker's device
   // (the local rank-th entry of the agent's CUDA_VISIBLE_DEVICES, or the local rank itself).
   bool virtual_local_rank = false;
+  // TORCHELASTIC_SIGNALS_TO_HANDLE, as torchrun 2.x sets it: the handled signals' names,
+  // comma-separated ("SIGTERM,SIGINT,SIGHUP,SIGQUIT"). Empty: not set.
+  std::string signals_to_handle;
+  // The workers' PyTorch, when known (a Python program: agent/src/torch_probe.h). It names NCCL's
+  // asynchronous error handling switch as that version's torchrun does: torch >= 2.2 reads
+  // TORCH_NCCL_ASYNC_ERROR_HANDLING and warns, on every rank, about the older
+  // NCCL_ASYNC_ERROR_HANDLING, which is all torch < 2.2 reads. Unknown: both are set.
+  std::optional<TorchVersion> torch_version;
 };
 
 // Base global rank of `group_rank`: the sum of the local world sizes of lower group ranks.

@@ -39,11 +39,15 @@ class WorkerPlanner {
   // under <run_log_dir>/attempt_<n>/<local_rank>/.
   AttemptPlan plan(const RoundInfo& round, int restart_count) const;
 
+  // The workers' PyTorch, once known (WorkerEnvInputs::torch_version).
+  void setTorchVersion(std::optional<TorchVersion> version) { torch_version_ = version; }
+
  private:
   const AgentConfig& cfg_;
   std::string run_log_dir_;
   std::string hostname_;
   std::map<std::string, std::string> parent_env_;
+  std::optional<TorchVersion> torch_version_;
 };
 
 }  // namespace ddprun::agent
