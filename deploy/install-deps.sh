@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Installs every Debian 12 package that ddprun's build, tests, examples and benchmarks need.
+# Installs every Debian 12 package that ddprun's build, tests, examples and benchmarks need, and a
+# current PyTorch from PyPI (deploy/requirements-torch2.txt, every package pinned) in the
+# project's own virtual environment: .venv/torch2 in this checkout, or DDPRUN_TORCH2_VENV. The
+# worker SDK is built and tested against its LibTorch as well as Debian's 1.13, and the PyTorch
+# tests run under both. DDPRUN_TORCH2=0 skips it (the test command then says what it skips).
 # Idempotent: when everything is already installed it only checks (well under a second).
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 PACKAGES=(
   # toolchain
@@ -13,6 +18,8 @@ PACKAGES=(
   libspdlog-dev nlohmann-json3-dev
   # worker SDK
   libtorch-dev libgloo-dev libopenblas0-pthread zlib1g-dev
+  # the current PyTorch's virtual environment (Debian's python3 is its interpreter)
+  python3-venv
   # tests: reference peer (torchrun, PyTorch workers) and the tools the tests drive
   catch2 python3-torch procps iproute2 hostname
   # rendezvous TLS test: a self-signed certificate
@@ -33,15 +40,28 @@ for p in "${PACKAGES[@]}"; do
   fi
 done
 
-if [ ${#missing[@]} -eq 0 ]; then
-  exit 0
-fi
-
 if [ "$(id -u)" -ne 0 ]; then
   SUDO=sudo
 else
   SUDO=
 fi
-echo "install-deps: installing ${missing[*]}" >&2
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-deps: installing ${missing[*]}" >&2
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The current PyTorch. The requirements file is copied into the environment once everything in it
+# is installed, so an interrupted install is redone and a changed pin reinstalls.
+if [ "${DDPRUN_TORCH2:-1}" != 0 ]; then
+  venv=${DDPRUN_TORCH2_VENV:-$PWD/.venv/torch2}
+  if ! cmp -s deploy/requirements-torch2.txt "$venv/ddprun-requirements.txt" 2>/dev/null; then
+    echo "install-deps: installing $(grep -m1 '^torch==' deploy/requirements-torch2.txt) from PyPI" \
+      "into $venv (about 5 GB with its CUDA libraries)" >&2
+    rm -f "$venv/ddprun-requirements.txt"
+    /usr/bin/python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir \
+      -r deploy/requirements-torch2.txt
+    cp deploy/requirements-torch2.txt "$venv/ddprun-requirements.txt"
+  fi
+fi

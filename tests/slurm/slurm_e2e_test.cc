@@ -223,7 +223,7 @@ TEST_CASE("the API's srun command and step flags run train to completion", "[slu
 }
 
 TEST_CASE("plain srun of ddprun inside an allocation derives the rendezvous itself",
-          "[slurm][e2e]") {
+          "[slurm][e2e][pytorch]") {
   if (!torchAvailable()) {
     WARN("skipped: no torch at " + torchPython());
     return;

@@ -25,7 +25,9 @@ using ddprun::testing::readFile;
 using ddprun::testing::sourceDir;
 using ddprun::testing::waitUntil;
 
-inline std::string python() { return "/usr/bin/python3"; }
+// The PyTorch the references run under: PYTHON_EXEC (the current PyTorch's interpreter in the
+// build against its LibTorch), else Debian's python3-torch.
+inline std::string python() { return ddprun::testing::torchPython(); }
 
 struct CommandResult {
   int exit_code = -1;

@@ -35,9 +35,10 @@ t::ProcessOptions ranked(const std::string& prefix, int rank) {
   return {prefix + std::to_string(rank), /*own_process_group=*/true};
 }
 
-// argv that runs `args` on 2 local workers with one restart allowed.
+// argv that runs `args` on 2 local workers with one restart allowed. ddprun: this build's, or
+// DDPRUN_TEST_DDPRUN's (a build of the SDK alone, deploy/test.sh).
 std::vector<std::string> launcherArgv(const std::vector<std::string>& args, std::string* which) {
-  const std::string ddprun = t::buildDir() + "/launcher/ddprun";
+  const std::string ddprun = t::envOr("DDPRUN_TEST_DDPRUN", t::buildDir() + "/launcher/ddprun");
   std::vector<std::string> argv;
   if (std::filesystem::exists(ddprun)) {
     *which = "ddprun";
