@@ -27,6 +27,8 @@ PACKAGES=(
   # install and packaging (cmake --install, cpack -G DEB; tests/install): man pages from --help,
   # dpkg-shlibdeps, the Kubernetes manifest check
   help2man dpkg-dev file python3-yaml
+  # the GPU check's carried launcher (deploy/gpu-prepare.sh)
+  patchelf
   # Slurm tests: a real two-node cluster on this machine (tests/slurm/cluster.sh)
   slurm-wlm slurmctld slurmd slurm-client munge
   # etcd-v3 rendezvous: etcd's v3 API protos (generated at build time) and a real etcd for tests

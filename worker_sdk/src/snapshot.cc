@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <torch/cuda.h>
 #include <torch/serialize.h>
 #include <unistd.h>
 
@@ -11,7 +12,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -22,6 +22,7 @@
 
 #include "ddprun/common/crc32.h"
 #include "ddprun/worker/errors.h"
+#include "posix_files.h"
 
 namespace ddprun::worker {
 
@@ -75,9 +76,9 @@ std::map<std::string, std::vector<int64_t>> shapesOf(const torch::nn::Module& mo
   return out;
 }
 
-void fsyncDir(const std::filesystem::path& dir) {
+void fsyncDir(const std::string& dir) {
   int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) fail("cannot open snapshot directory", dir.string());
+  if (fd < 0) fail("cannot open snapshot directory", dir);
   ::fsync(fd);
   ::close(fd);
 }
@@ -85,10 +86,8 @@ void fsyncDir(const std::filesystem::path& dir) {
 }  // namespace
 
 void writeFileAtomically(const std::string& path, const std::string& bytes) {
-  const std::filesystem::path target(path);
-  const std::filesystem::path dir = target.parent_path();
-  std::error_code ec;
-  if (!dir.empty()) std::filesystem::create_directories(dir, ec);
+  const std::string dir = files::parentOf(path);
+  files::makeDirs(dir);  // a failure shows as the open's below
   std::random_device rd;
   const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(rd());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -125,15 +124,13 @@ void touchFile(const std::string& path) {
 }
 
 int removeStaleTempFiles(const std::string& path) {
-  const std::filesystem::path target(path);
-  const std::filesystem::path dir = target.parent_path().empty() ? "." : target.parent_path();
-  const std::string prefix = target.filename().string() + ".tmp.";
-  std::error_code ec;
-  std::filesystem::directory_iterator it(dir, ec);
-  if (ec) return 0;
+  const std::string parent = files::parentOf(path);
+  const std::string dir = parent.empty() ? "." : parent;
+  const std::string prefix = files::nameOf(path) + ".tmp.";
+  const auto names = files::listDir(dir);
+  if (!names) return 0;
   int removed = 0;
-  for (const auto& entry : it) {
-    const std::string name = entry.path().filename().string();
+  for (const std::string& name : *names) {
     if (name.rfind(prefix, 0) != 0) continue;
     // <path>.tmp.<pid>.<random>, as writeFileAtomically names them: a writer that is still alive
     // on this host keeps its file.
@@ -143,7 +140,7 @@ int removeStaleTempFiles(const std::string& path) {
     if (rest.find_first_not_of("0123456789") != dot) continue;
     const long pid = std::strtol(rest.substr(0, dot).c_str(), nullptr, 10);
     if (pid > 0 && pid <= INT32_MAX && ::kill(static_cast<pid_t>(pid), 0) == 0) continue;
-    if (std::filesystem::remove(entry.path(), ec)) ++removed;
+    if (::unlink((dir + "/" + name).c_str()) == 0) ++removed;
   }
   return removed;
 }
@@ -155,6 +152,11 @@ void writeSmallFile(const std::string& path, const std::string& content) {
   ::close(fd);
   if (n != static_cast<ssize_t>(content.size())) fail("cannot write", path);
 }
+
+namespace {
+// CUDA devices whose generators a snapshot carries: none with a CPU-only LibTorch.
+int cudaDevices() { return torch::cuda::is_available() ? torch::cuda::device_count() : 0; }
+}  // namespace
 
 void saveSnapshot(const std::string& path, const torch::nn::Module& model,
                   const torch::optim::Optimizer& optimizer, const TrainingProgress& progress) {
@@ -173,6 +175,12 @@ void saveSnapshot(const std::string& path, const torch::nn::Module& model,
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     root.write("rng_cpu", gen.get_state());
+  }
+  // Each CUDA device's generator (dropout on the GPU), where LibTorch has CUDA.
+  for (int d = 0; d < cudaDevices(); ++d) {
+    auto gen = at::globalContext().defaultGenerator(at::Device(at::kCUDA, d));
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    root.write("rng_cuda" + std::to_string(d), gen.get_state());
   }
   std::ostringstream out;
   root.save_to(out);
@@ -213,8 +221,7 @@ TrainingProgress readProgress(torch::serialize::InputArchive& root) {
 }  // namespace
 
 std::optional<TrainingProgress> readSnapshotProgress(const std::string& path) {
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) return std::nullopt;
+  if (!files::exists(path)) return std::nullopt;
   return snapshotProgress(readSnapshotFile(path), path);
 }
 
@@ -233,8 +240,7 @@ TrainingProgress snapshotProgress(const std::string& bytes, const std::string& p
 
 bool loadSnapshot(const std::string& path, torch::nn::Module& model,
                   torch::optim::Optimizer& optimizer, TrainingProgress& progress) {
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) return false;
+  if (!files::exists(path)) return false;
   loadSnapshotBytes(readSnapshotFile(path), path, model, optimizer, progress);
   return true;
 }
@@ -260,9 +266,19 @@ void loadSnapshotBytes(const std::string& bytes, const std::string& path, torch:
     progress = readProgress(root);
     torch::Tensor t;
     root.read("rng_cpu", t);
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(t);
+    {
+      auto gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(t);
+    }
+    // A snapshot from a machine with other (or no) GPUs restores what both have.
+    for (int d = 0; d < cudaDevices(); ++d) {
+      torch::Tensor state;
+      if (!root.try_read("rng_cuda" + std::to_string(d), state)) break;
+      auto gen = at::globalContext().defaultGenerator(at::Device(at::kCUDA, d));
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(state);
+    }
   } catch (const c10::Error& e) {
     unreadable(path, e.what_without_backtrace());
   } catch (const WorkerError&) {

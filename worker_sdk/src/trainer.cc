@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <optional>
@@ -15,6 +14,7 @@
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/sampler.h"
 #include "ddprun/worker/signals.h"
+#include "posix_files.h"
 
 namespace ddprun::worker {
 
@@ -73,8 +73,7 @@ bool Trainer::resumeFromNewestSnapshot() {
   std::optional<TrainingProgress> mine;
   std::string bytes;
   std::string damaged;
-  std::error_code ec;
-  if (std::filesystem::exists(path, ec)) {
+  if (files::exists(path)) {
     try {
       bytes = readSnapshotFile(path);
       mine = snapshotProgress(bytes, path);
@@ -148,16 +147,9 @@ bool Trainer::resumeFromNewestSnapshot() {
 bool Trainer::replicatedByAgent(const std::string& path) {
   const char* dir = std::getenv("DDPRUN_SNAPSHOT_DIR");
   if (dir == nullptr || *dir == '\0') return false;
-  // Compared resolved, element by element: the flag's value may be relative, end in '/', or
-  // reach the directory through a symlink, and so may the snapshot path.
-  std::error_code ec;
-  std::filesystem::path top = std::filesystem::weakly_canonical(dir, ec);
-  if (ec) return false;
-  const std::filesystem::path file = std::filesystem::weakly_canonical(path, ec);
-  if (ec) return false;
-  if (top.filename().empty()) top = top.parent_path();
-  const auto [t, f] = std::mismatch(top.begin(), top.end(), file.begin(), file.end());
-  return t == top.end() && f != file.end();
+  // Compared resolved: the flag's value may be relative, end in '/', or reach the directory
+  // through a symlink, and so may the snapshot path.
+  return files::isInside(path, dir);
 }
 
 at::TensorOptions Trainer::onDevice(at::ScalarType type) const {

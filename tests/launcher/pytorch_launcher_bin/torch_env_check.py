@@ -1,7 +1,8 @@
 # A PyTorch worker that checks the environment ddprun gave it against what its own torch reads:
 # NCCL's asynchronous error handling switch on under the name this torch reads, none of the names
 # this torch reports as deprecated, and the handled signals named as torchrun 2.x names them. Then
-# a gloo all_reduce, so that whatever torch warns about at init reaches stderr.
+# an all_reduce (gloo; `nccl` as the argument: NCCL on cuda:LOCAL_RANK, where torch reads and warns
+# about NCCL's variables), so that whatever torch warns about at init reaches stderr.
 # Prints "env ok <torch version>" on success; exits 1 naming what is wrong.
 import os
 import pathlib
@@ -35,8 +36,13 @@ signals = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
 if signals != "SIGTERM,SIGINT,SIGHUP,SIGQUIT":
     problems.append(f"TORCHELASTIC_SIGNALS_TO_HANDLE is {signals!r}")
 
-dist.init_process_group("gloo")
-t = torch.ones(1)
+nccl = len(sys.argv) > 1 and sys.argv[1] == "nccl"
+device = torch.device("cpu")
+if nccl:
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+dist.init_process_group("nccl" if nccl else "gloo")
+t = torch.ones(1, device=device)
 dist.all_reduce(t)
 dist.destroy_process_group()
 if t.item() != int(os.environ["WORLD_SIZE"]):
@@ -45,4 +51,4 @@ if t.item() != int(os.environ["WORLD_SIZE"]):
 if problems:
     print("env check failed: " + "; ".join(problems), file=sys.stderr)
     sys.exit(1)
-print(f"env ok {torch.__version__} ({len(deprecated)} deprecated names checked)")
+print(f"env ok {torch.__version__} ({len(deprecated)} renamed variables checked)")
