@@ -33,6 +33,8 @@ if(DDPRUN_WORKER_SHARED)
     worker_sdk/include/ddprun/worker/ddp.h
     worker_sdk/include/ddprun/worker/env.h
     worker_sdk/include/ddprun/worker/errors.h
+    worker_sdk/include/ddprun/worker/loss_scaler.h
+    worker_sdk/include/ddprun/worker/mixed_precision.h
     worker_sdk/include/ddprun/worker/nccl.h
     worker_sdk/include/ddprun/worker/process_group.h
     worker_sdk/include/ddprun/worker/sampler.h

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The sanitizer leg of the test command (deploy/test.sh runs it after the main suite): the pure
 # suites (ctest -L pure: common, the rendezvous state and --rdzv-conf, the launcher's command line,
-# Slurm parsing, the NCCL communicator's health logic) built with clang++ and
+# Slurm parsing, the worker SDK's NCCL health and loss scale) built with clang++ and
 # -fsanitize=address,undefined in their own build dir, and the libFuzzer targets of fuzz/
 # (ctest -L fuzz: seeds plus a bounded number of generated inputs).
 # Undefined behaviour, a leak or a memory error fails the test that hit it.
@@ -14,7 +14,7 @@ if command -v ccache >/dev/null 2>&1; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCH
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
   -DDDPRUN_SANITIZE=address,undefined -DDDPRUN_FUZZ=ON "${launcher[@]}" "$@" >/dev/null
 cmake --build "$BUILD_DIR" -j "$JOBS" --target common_tests rendezvous_state_tests launcher_tests \
-  slurm_tests worker_nccl_health_test fuzz_hostlist fuzz_rdzv_conf fuzz_cli fuzz_nnodes_endpoint fuzz_rendezvous_state
+  slurm_tests worker_core_test fuzz_hostlist fuzz_rdzv_conf fuzz_cli fuzz_nnodes_endpoint fuzz_rendezvous_state
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
 UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} \
   ctest --test-dir "$BUILD_DIR" -L 'pure|fuzz' --output-on-failure -j "${DDPRUN_TEST_JOBS:-2}" \

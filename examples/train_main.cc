@@ -25,8 +25,11 @@ constexpr const char* kUsage =
     "linear|mlp|cnn]\n"
     "             [--backend gloo|nccl] [--lr F] [--dataset-size N] [--bucket-cap-mb F] "
     "[--no-overlap]\n"
-    "             [--compression none|fp16|bf16]\n"
+    "             [--compression none|fp16|bf16] [--accumulate N] [--amp none|bf16|fp16]\n"
     "             [--seed N] [--dump-params FILE] [--timing] [--fail-at-step N]\n"
+    "  --accumulate N:   N micro-batches of --batch-size per optimizer step, reduced once "
+    "(no_sync)\n"
+    "  --amp bf16|fp16:  mixed precision: autocast forward and loss; fp16 also scales the loss\n"
     "  --fail-at-step N: fault injection for tests: the last rank kills itself (SIGKILL) after "
     "global\n"
     "                    step N on the first attempt (TORCHELASTIC_RESTART_COUNT=0)";
@@ -47,6 +50,8 @@ struct Args {
   double bucket_cap_mb = 25;
   bool overlap = true;
   ddprun::worker::Compression compression = ddprun::worker::Compression::kNone;
+  int64_t accumulate = 1;
+  ddprun::worker::Amp amp = ddprun::worker::Amp::kNone;
   int64_t seed = 0;
   std::string dump_params;
   bool timing = false;
@@ -111,6 +116,14 @@ Args parseArgs(int argc, char** argv) {
         a.compression = ddprun::worker::parseCompression(value());
       } catch (const ddprun::worker::ConfigError& e) {
         throw UsageError(std::string("--compression: ") + e.what());
+      }
+    } else if (arg == "--accumulate")
+      a.accumulate = intArg(arg, value(), 1);
+    else if (arg == "--amp") {
+      try {
+        a.amp = ddprun::worker::parseAmp(value());
+      } catch (const ddprun::worker::ConfigError& e) {
+        throw UsageError(std::string("--amp: ") + e.what());
       }
     } else if (arg == "--seed")
       a.seed = intArg(arg, value(), 0);
@@ -186,6 +199,8 @@ int main(int argc, char** argv) {
     o.ddp.bucket_cap_mb = args.bucket_cap_mb;
     o.ddp.compression = args.compression;
     o.ddp.overlap = args.overlap;
+    o.accumulate_steps = args.accumulate;
+    o.amp = args.amp;
     // Step timing (--timing): steady-state mean, skipping the first kWarmup steps of this run.
     constexpr int64_t kWarmup = 5;
     std::vector<std::chrono::steady_clock::time_point> stamps;

@@ -1,5 +1,6 @@
 // The worker SDK on CUDA: DDP over NCCL against a single-process reference, snapshots of a CUDA
-// model, `train --backend nccl` to the end, and buckets overlapping backward. Every case skips with
+// model, `train --backend nccl` to the end, buckets overlapping backward, and fp16 mixed precision
+// with its loss scaler. Every case skips with
 // a message where LibTorch sees no CUDA device (Debian's CPU LibTorch; machines without a GPU) or
 // the build has no NCCL; deploy/gpu-check.sh runs them on a GPU machine. With one GPU NCCL runs
 // world 1 (it puts no two ranks on one device); with more, one rank per GPU.
@@ -10,9 +11,11 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <sstream>
 
 #include "ddprun/worker/ddp.h"
 #include "ddprun/worker/errors.h"
+#include "ddprun/worker/mixed_precision.h"
 #include "ddprun/worker/snapshot.h"
 #include "ddprun/worker/trainer.h"
 #include "test_util.h"
@@ -305,4 +308,65 @@ TEST_CASE("DDP's first bucket is handed to NCCL while backward still has kernels
   CHECK(gap_ms > 0);                 // on the device: ahead of backward's last kernels
   cudaEventDestroy(marks.first_launch);
   cudaEventDestroy(marks.last_grad);
+}
+
+TEST_CASE("fp16 mixed precision on CUDA trains, and an inf gradient skips the step and backs off",
+          "[worker][gpu][amp]") {
+  REQUIRE_CUDA_OR_SKIP();
+  const torch::Device dev(torch::kCUDA, 0);
+  std::vector<float> scales;
+  std::vector<torch::Tensor> first_param;
+  at::ScalarType forward_dtype = at::kFloat;
+  double first_loss = 0, last_loss = 0;
+  t::runRanks(
+      1,
+      [&](ProcessGroup& pg) {
+        torch::manual_seed(5);
+        auto m = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                                       torch::nn::Linear(64, 8));
+        m->to(dev);
+        const auto x = torch::randn({256, 32}, dev);
+        const auto y = torch::randn({256, 8}, dev);
+        auto opt =
+            std::make_shared<torch::optim::SGD>(m->parameters(), torch::optim::SGDOptions(0.05));
+        TrainerOptions o;
+        o.total_epochs = 3;
+        o.batch_size = 16;
+        o.accumulate_steps = 2;  // 256 / 16 / 2 = 8 steps an epoch
+        o.amp = Amp::kFp16;
+        o.loss_scaler.growth_interval = 4;
+        std::ostringstream log;
+        o.log = &log;
+        int64_t global = 0;
+        o.on_step = [&](const TrainingProgress& p) {
+          global = p.global_step;
+          scales.push_back(p.loss_scale);
+          first_param.push_back(m->parameters()[0].detach().cpu().clone());
+        };
+        auto forward = [&, m](const torch::Tensor& in) mutable {
+          auto out = m->forward(in);
+          forward_dtype = out.scalar_type();
+          return out;
+        };
+        auto loss = [&](const torch::Tensor& out, const torch::Tensor& target) {
+          auto l = torch::mse_loss(out, target);
+          return global + 1 == 3 ? l * INFINITY : l;  // step 3's gradients are inf
+        };
+        Trainer trainer(std::shared_ptr<ProcessGroup>(&pg, [](auto*) {}), m.ptr(), forward, loss,
+                        opt, x, y, o);
+        trainer.train();
+        const std::string lines = log.str();
+        const auto at = [&](size_t pos) { return std::stod(lines.substr(pos + 6, 10)); };
+        first_loss = at(lines.find("| loss ", lines.find("Epoch 1 |")));  // epoch 0 had the inf
+        last_loss = at(lines.rfind("| loss "));
+      },
+      [](int) { return ncclOn(0); });
+  CHECK(forward_dtype == at::kHalf);  // autocast ran the linear layers in fp16
+  REQUIRE(scales.size() == 24);
+  CHECK(scales[1] == 65536.0f);
+  CHECK(scales[2] == 32768.0f);                         // step 3: backed off
+  CHECK(torch::equal(first_param[1], first_param[2]));  // and skipped
+  CHECK(scales[6] == 65536.0f);                         // steps 4-7 clean: grown again
+  for (const auto& p : first_param) CHECK(torch::isfinite(p).all().item<bool>());
+  CHECK(last_loss < first_loss);
 }

@@ -171,6 +171,12 @@ void saveSnapshot(const std::string& path, const torch::nn::Module& model,
   root.write("step_in_epoch", torch::tensor(progress.step_in_epoch, torch::kLong));
   root.write("global_step", torch::tensor(progress.global_step, torch::kLong));
   root.write("epoch_loss_sum", torch::tensor(progress.epoch_loss_sum, torch::kDouble));
+  root.write("accumulate_steps", torch::tensor(progress.accumulate_steps, torch::kLong));
+  if (progress.loss_scale > 0) {
+    root.write("loss_scale", torch::tensor(progress.loss_scale, torch::kFloat));
+    root.write("loss_scale_growth_tracker",
+               torch::tensor(progress.loss_scale_growth_tracker, torch::kLong));
+  }
   {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -209,6 +215,15 @@ TrainingProgress readProgress(torch::serialize::InputArchive& root) {
   progress.step_in_epoch = readTensor("step_in_epoch").item<int64_t>();
   progress.global_step = readTensor("global_step").item<int64_t>();
   progress.epoch_loss_sum = readTensor("epoch_loss_sum").item<double>();
+  // Keys that snapshots written before accumulation and mixed precision lack (each read into a
+  // fresh tensor, as readTensor does).
+  torch::Tensor steps, scale, tracker;
+  if (root.try_read("accumulate_steps", steps)) progress.accumulate_steps = steps.item<int64_t>();
+  if (root.try_read("loss_scale", scale)) {
+    progress.loss_scale = scale.item<float>();
+    root.read("loss_scale_growth_tracker", tracker);
+    progress.loss_scale_growth_tracker = tracker.item<int64_t>();
+  }
   return progress;
 }
 

@@ -9,6 +9,7 @@
 #include <iomanip>
 #include <iostream>
 #include <optional>
+#include <sstream>
 #include <tuple>
 
 #include "ddprun/worker/errors.h"
@@ -34,6 +35,10 @@ Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn:
   if (options_.total_epochs < 0) throw ConfigError("Trainer: total_epochs must be >= 0");
   if (options_.save_every < 0) throw ConfigError("Trainer: save_every must be >= 0");
   if (options_.batch_size < 1) throw ConfigError("Trainer: batch_size must be >= 1");
+  if (options_.accumulate_steps < 1) throw ConfigError("Trainer: accumulate_steps must be >= 1");
+  const at::DeviceType device = group_->comm().device().type();
+  checkAmpSupported(device, options_.amp);
+  if (options_.amp == Amp::kFp16) scaler_ = std::make_unique<LossScaler>(options_.loss_scaler);
   if (inputs_.size(0) != targets_.size(0)) {
     throw ConfigError("Trainer: inputs and targets differ in length (" +
                       std::to_string(inputs_.size(0)) + " vs " + std::to_string(targets_.size(0)) +
@@ -45,6 +50,21 @@ Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn:
             << options_.snapshot_path << std::endl;
     }
     resumed_ = resumeFromNewestSnapshot();
+    if (resumed_ && progress_.step_in_epoch > 0 &&
+        progress_.accumulate_steps != options_.accumulate_steps) {
+      // Mid-epoch, a step is a run of micro-batches: another count would take other samples.
+      throw ConfigError("Trainer: the snapshot at " + options_.snapshot_path +
+                        " was taken in epoch " + std::to_string(progress_.epoch) + " after " +
+                        std::to_string(progress_.step_in_epoch) + " steps of " +
+                        std::to_string(progress_.accumulate_steps) +
+                        " micro-batches; resume it with accumulate_steps " +
+                        std::to_string(progress_.accumulate_steps) + ", not " +
+                        std::to_string(options_.accumulate_steps));
+    }
+    if (resumed_ && scaler_ && progress_.loss_scale > 0) {
+      scaler_->restore(
+          LossScaler::State{progress_.loss_scale, progress_.loss_scale_growth_tracker});
+    }
     if (resumed_)
       log() << "[RANK " << group_->rank() << "] Resuming training from snapshot at Epoch "
             << progress_.epoch
@@ -52,8 +72,46 @@ Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn:
                                             : "")
             << std::endl;
   }
+  progress_.accumulate_steps = options_.accumulate_steps;
   ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, options_.ddp);
   installCheckpointSignalHandlers();
+}
+
+torch::Tensor Trainer::step(const torch::Tensor& index, int64_t first, int64_t last) {
+  const int64_t batch = options_.batch_size;
+  const int64_t begin = first * batch;
+  const int64_t samples = std::min<int64_t>(last * batch, index.size(0)) - begin;
+  const at::DeviceType device = group_->comm().device().type();
+  optimizer_->zero_grad();
+  torch::Tensor step_loss;
+  for (int64_t m = first; m < last; ++m) {
+    const int64_t len = std::min<int64_t>(batch, index.size(0) - m * batch);
+    auto micro = index.narrow(0, m * batch, len);
+    auto x = inputs_.index_select(0, micro);
+    auto y = targets_.index_select(0, micro);
+    // All but the step's last backward accumulate locally; the last reduces the sum.
+    std::optional<DistributedDataParallel::NoSyncGuard> no_sync;
+    if (m + 1 < last) no_sync.emplace(*ddp_);
+    torch::Tensor loss;
+    {
+      AutocastGuard autocast(device, options_.amp);
+      loss = loss_(forward_(x), y);
+    }
+    if (last - first > 1) loss = loss * (static_cast<double>(len) / static_cast<double>(samples));
+    (scaler_ ? loss * static_cast<double>(scaler_->scale()) : loss).backward();
+    const torch::Tensor value = loss.detach().to(torch::kFloat);
+    step_loss = step_loss.defined() ? step_loss + value : value;
+  }
+  bool apply = true;
+  if (scaler_) {
+    // DDP's reduced gradients are the same bits on every rank: so is the verdict.
+    const bool found_inf = unscaleGradients(model_->parameters(), scaler_->inverseScale());
+    apply = scaler_->update(found_inf);
+    progress_.loss_scale = scaler_->state().scale;
+    progress_.loss_scale_growth_tracker = scaler_->state().growth_tracker;
+  }
+  if (apply) optimizer_->step();
+  return step_loss;
 }
 
 Trainer::~Trainer() = default;
@@ -171,8 +229,10 @@ Trainer::Outcome Trainer::train() {
   const int rank = group_->rank();
   DistributedSampler sampler(SamplerOptions{inputs_.size(0), group_->size(), rank, options_.shuffle,
                                             options_.seed, false});
-  const int64_t steps_per_epoch =
+  const int64_t micro_per_epoch =
       (sampler.numSamples() + options_.batch_size - 1) / options_.batch_size;
+  const int64_t steps_per_epoch =
+      (micro_per_epoch + options_.accumulate_steps - 1) / options_.accumulate_steps;
 
   // Stop requests are agreed on one step late: the flag all-reduce launched after step k is read
   // after step k+1, so its latency hides behind a step and every rank stops at the same boundary.
@@ -207,17 +267,9 @@ Trainer::Outcome Trainer::train() {
     const std::vector<int64_t> idx = sampler.indices();
     auto index = torch::tensor(idx, torch::TensorOptions(torch::kLong).device(inputs_.device()));
     for (int64_t s = progress_.step_in_epoch; s < steps_per_epoch; ++s) {
-      const int64_t begin = s * options_.batch_size;
-      const int64_t len =
-          std::min<int64_t>(options_.batch_size, static_cast<int64_t>(idx.size()) - begin);
-      auto batch = index.narrow(0, begin, len);
-      auto x = inputs_.index_select(0, batch);
-      auto y = targets_.index_select(0, batch);
-      optimizer_->zero_grad();
-      auto loss = loss_(forward_(x), y);
-      loss.backward();
-      optimizer_->step();
-      progress_.epoch_loss_sum += loss.item<double>();
+      const int64_t first = s * options_.accumulate_steps;
+      const int64_t last = std::min(first + options_.accumulate_steps, micro_per_epoch);
+      progress_.epoch_loss_sum += step(index, first, last).item<double>();
       progress_.step_in_epoch = s + 1;
       ++progress_.global_step;
       if (!options_.heartbeat_file.empty()) touchFile(options_.heartbeat_file);

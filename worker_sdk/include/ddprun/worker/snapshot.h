@@ -18,9 +18,14 @@ namespace ddprun::worker {
 
 struct TrainingProgress {
   std::int64_t epoch = 0;          // epoch to run next (or in progress when step_in_epoch > 0)
-  std::int64_t step_in_epoch = 0;  // batches of `epoch` already done
-  std::int64_t global_step = 0;
-  double epoch_loss_sum = 0;  // this rank's summed batch losses so far in `epoch`
+  std::int64_t step_in_epoch = 0;  // optimizer steps of `epoch` already done
+  std::int64_t global_step = 0;    // optimizer steps
+  double epoch_loss_sum = 0;       // this rank's summed step losses so far in `epoch`
+  // Micro-batches per optimizer step when the snapshot was taken (TrainerOptions).
+  std::int64_t accumulate_steps = 1;
+  // fp16 mixed precision's loss scale (LossScaler::State); 0 = none.
+  float loss_scale = 0;
+  std::int64_t loss_scale_growth_tracker = 0;
 };
 
 // Throws WorkerError naming the path when it cannot be written.

@@ -3,7 +3,10 @@
 // sampler, batches of this rank's shard, DDP backward, optimizer step), saves every `save_every`
 // epochs on rank 0, honours SIGTERM/SIGUSR1 (save at the next step boundary, then return
 // kStoppedBySignal so the program exits 0), touches the heartbeat file every step and prints
-// one line per epoch with the loss averaged across ranks.
+// one line per epoch with the loss averaged across ranks. The large-model loop is two options:
+// gradient accumulation (accumulate_steps micro-batches per optimizer step, all but the last
+// under DDP's no_sync) and mixed precision (autocast bf16, or fp16 with a loss scaler); steps,
+// snapshots and stops count optimizer steps.
 // Single-threaded: construct and call train() from the rank's main thread.
 #pragma once
 
@@ -16,6 +19,7 @@
 #include <string>
 
 #include "ddprun/worker/ddp.h"
+#include "ddprun/worker/mixed_precision.h"
 #include "ddprun/worker/process_group.h"
 #include "ddprun/worker/snapshot.h"
 
@@ -23,9 +27,20 @@ namespace ddprun::worker {
 
 struct TrainerOptions {
   std::int64_t total_epochs = 1;
-  std::int64_t save_every = 1;  // epochs between snapshots; 0 = only on signal
-  std::string snapshot_path;    // empty = no snapshots
-  std::int64_t batch_size = 32;
+  std::int64_t save_every = 1;   // epochs between snapshots; 0 = only on signal
+  std::string snapshot_path;     // empty = no snapshots
+  std::int64_t batch_size = 32;  // per rank and micro-batch
+  // Gradient accumulation (PyTorch: N-1 backward passes under ddp.no_sync()): each optimizer step
+  // takes accumulate_steps micro-batches of batch_size, reduced once, at the last backward. Each
+  // micro-batch's loss counts by its share of the step's samples (1/N for a full step, as users
+  // write loss / N), so a step equals one batch of N * batch_size.
+  std::int64_t accumulate_steps = 1;
+  // Mixed precision (PyTorch: torch.autocast around forward and loss, torch.amp.GradScaler for
+  // fp16): kBf16 autocasts; kFp16 also scales the loss, unscales the reduced gradients, skips the
+  // step (and backs the scale off) on inf/NaN. The scale is in the snapshot. Independent of
+  // ddp.compression.
+  Amp amp = Amp::kNone;
+  LossScalerOptions loss_scaler;
   bool shuffle = true;
   std::uint64_t seed = 0;
   std::string heartbeat_file;  // empty = none
@@ -78,7 +93,11 @@ class Trainer {
   bool resumed_ = false;
 
   bool resumeFromNewestSnapshot();
+  // One optimizer step over micro-batches [first, last) of `index` (this epoch's samples); returns
+  // the step's loss (a tensor: no host sync per micro-batch).
+  torch::Tensor step(const torch::Tensor& index, std::int64_t first, std::int64_t last);
   std::unique_ptr<DistributedDataParallel> ddp_;
+  std::unique_ptr<LossScaler> scaler_;  // fp16 only
 };
 
 }  // namespace ddprun::worker
