@@ -74,8 +74,8 @@ class Check:
         if self.a.ddprun:
             env["DDPRUN_TEST_DDPRUN"] = self.a.ddprun
         code, out = run(["ctest", "--test-dir", self.a.build, "-j", str(max(2, self.a.jobs // 2)),
-                         "--output-on-failure", "--timeout", "600"], self.log("ctest.log"), env=env,
-                        timeout=1800)
+                         "--output-on-failure", "--timeout", "300"], self.log("ctest.log"), env=env,
+                        timeout=600)
         m = re.search(r"(\d+)% tests passed, (\d+) tests? failed out of (\d+)", out)
         summary = f"{int(m.group(3)) - int(m.group(2))}/{m.group(3)} passed" if m else f"no summary (exit {code})"
         failed = re.findall(r"^\s*\d+ - (.*) \(Failed\)", out, re.M)
@@ -87,7 +87,7 @@ class Check:
             if not os.path.exists(path):
                 self.row("tests", binary, "not built (no NCCL in this build)")
                 continue
-            code, out = run([path, "--durations", "yes"], self.log(binary + ".log"), env=env, timeout=900)
+            code, out = run([path, "--durations", "yes"], self.log(binary + ".log"), env=env, timeout=300)
             cases = re.findall(r"^\s*([0-9.]+) s: (.+)$", out, re.M)
             skipped = out.count("skipped:")
             verdict = "passed" if code == 0 else f"FAILED (exit {code})"
@@ -112,7 +112,7 @@ class Check:
                 self.train, str(epochs), "0", "--model", model, "--batch-size", str(batch),
                 "--dataset-size", str(dataset), "--backend", "nccl", "--timing", "--dump-params", mine,
                 "--snapshot-path", os.path.join(work, f"snap{i}.pt")] + list(extra_train),
-                self.log("train-vs-ddp.log"), env=self.env, cwd=work)
+                self.log("train-vs-ddp.log"), env=self.env, cwd=work, timeout=180)
             t = re.search(r"\[RANK 0\] timing: ([0-9.]+) ms/step", out)
             if code != 0 or not t:
                 shutil.rmtree(work, ignore_errors=True)
@@ -123,7 +123,7 @@ class Check:
                 os.path.join(HERE, "ddp_torch.py"), "--backend", "nccl", "--model", model, "--epochs",
                 str(epochs), "--batch-size", str(batch), "--dataset-size", str(dataset),
                 "--dump-params", ref] + list(extra_torch), self.log("train-vs-ddp.log"), env=self.env,
-                cwd=work)
+                cwd=work, timeout=180)
             t = re.search(r"\[RANK 0\] timing: ([0-9.]+) ms/step", out)
             if code != 0 or not t:
                 shutil.rmtree(work, ignore_errors=True)
@@ -149,14 +149,15 @@ class Check:
                      self.compare(model, batch))
         if self.help_has("--accumulate"):
             self.row("train vs PyTorch DDP", f"mlp, batch 64, --accumulate 4 (no_sync), {self.world} GPU(s)",
-                     self.compare("mlp", 64, ["--accumulate", "4"], ["--accumulate", "4"], " acc4"))
+                     self.compare("mlp", 64, ["--accumulate", "4"], ["--accumulate", "4"], " acc4", repeats=1))
         else:
             self.row("train vs PyTorch DDP", "--accumulate 4", "not measured: this train has no --accumulate")
         if self.help_has("--amp"):
             for amp in ["bf16", "fp16"]:
                 for model in (["mlp"] if self.a.quick else ["mlp", "cnn"]):
                     self.row("train vs PyTorch AMP", f"{model}, batch 256, --amp {amp}, {self.world} GPU(s)",
-                             self.compare(model, 256, ["--amp", amp], ["--amp", amp], f" amp-{amp}"))
+                             self.compare(model, 256, ["--amp", amp], ["--amp", amp], f" amp-{amp}",
+                                          repeats=1))
         else:
             self.row("train vs PyTorch AMP", "--amp bf16|fp16", "not measured: this train has no --amp")
 

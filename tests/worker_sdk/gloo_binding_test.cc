@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
 #include <gloo/transport/tcp/device.h>
+#include <link.h>
 
 #include <catch2/catch.hpp>
 #include <filesystem>
@@ -31,14 +32,40 @@ TEST_CASE("a gloo function found in another library (LibTorch's own gloo) is a c
   CHECK(glooBindingProblem(nullptr) == "");  // nothing known about it: no claim
 }
 
+namespace {
+// The first library, in the order the dynamic linker searches them (load order), that defines
+// `symbol`: where a call from the program binds. (The address of a function taken in the
+// executable may be its own PLT entry, so dladdr of it says nothing.)
+std::string firstDefiner(const char* symbol) {
+  std::pair<const char*, std::string> state{symbol, ""};
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) -> int {
+        auto* st = static_cast<std::pair<const char*, std::string>*>(data);
+        if (info->dlpi_name == nullptr || *info->dlpi_name == '\0') return 0;  // the executable
+        void* handle = dlopen(info->dlpi_name, RTLD_NOW | RTLD_NOLOAD);
+        if (handle == nullptr) return 0;
+        void* address = dlsym(handle, st->first);  // this library or one it loads
+        dlclose(handle);
+        Dl_info where{};
+        if (address == nullptr || dladdr(address, &where) == 0 || where.dli_fname == nullptr ||
+            std::string(where.dli_fname) != info->dlpi_name) {
+          return 0;
+        }
+        st->second = info->dlpi_name;
+        return 1;
+      },
+      &state);
+  return state.second;
+}
+}  // namespace
+
 TEST_CASE("the SDK's programs reach libstdc++'s std::filesystem, not LibTorch's copy of it",
           "[worker][gloo]") {
   // remove_all is the one that crashed in LibTorch 2.11's copy with GCC 13's headers.
-  using RemoveAll = std::uintmax_t (*)(const std::filesystem::path&, std::error_code&);
-  const auto* fn =
-      reinterpret_cast<const void*>(static_cast<RemoveAll>(&std::filesystem::remove_all));
-  Dl_info info{};
-  REQUIRE(dladdr(fn, &info) != 0);
-  REQUIRE(info.dli_fname != nullptr);
-  CHECK_THAT(std::string(info.dli_fname), Catch::Contains("libstdc++"));
+  const std::string lib =
+      firstDefiner("_ZNSt10filesystem10remove_allERKNS_7__cxx114pathERSt10error_code");
+  INFO("std::filesystem::remove_all binds to " << lib);
+  CHECK_THAT(lib, Catch::Contains("libstdc++"));
+  CHECK(firstDefiner("_ZN4gloo9transport3tcp12CreateDeviceERKNS1_4attrE").find("libgloo") !=
+        std::string::npos);
 }

@@ -4,7 +4,11 @@
 #include "ddprun/worker/mixed_precision.h"
 
 #include <ATen/autocast_mode.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <sstream>
 
@@ -263,4 +267,35 @@ TEST_CASE("autocast guards nest and restore what was there", "[worker][amp]") {
   CHECK(parseAmp("fp16") == Amp::kFp16);
   CHECK(ampName(Amp::kBf16) == "bf16");
   CHECK_THROWS_WITH(parseAmp("fp8"), Catch::Contains("must be none, bf16 or fp16, got 'fp8'"));
+}
+
+TEST_CASE("a temp file of a snapshot write killed in an earlier attempt is gone when training ends",
+          "[worker][trainer][snapshot]") {
+  t::TempDir dir;
+  const std::string path = dir.str() + "/snap.pt";
+  // A writer that is gone: its pid names the temp file (<path>.tmp.<pid>.<random>).
+  const pid_t gone = ::fork();
+  if (gone == 0) ::_exit(0);
+  ::waitpid(gone, nullptr, 0);
+  const std::string stale = path + ".tmp." + std::to_string(gone) + ".42";
+  t::runRanks(1, [&](ProcessGroup& pg) {
+    auto m = torch::nn::Linear(2, 1);
+    auto opt = std::make_shared<torch::optim::SGD>(m->parameters(), torch::optim::SGDOptions(0.1));
+    TrainerOptions o;
+    o.snapshot_path = path;
+    o.save_every = 0;
+    o.batch_size = 4;
+    std::ostringstream log;
+    o.log = &log;
+    // Left after the start's cleanup, as by a write that another process's attempt was killed in.
+    o.on_step = [&](const TrainingProgress& p) {
+      if (p.global_step == 1) std::ofstream(stale) << "half a snapshot";
+    };
+    Trainer trainer(
+        unowned(pg), m.ptr(), [m](const torch::Tensor& in) mutable { return m->forward(in); },
+        [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); }, opt,
+        torch::zeros({8, 2}), torch::zeros({8, 1}), o);
+    trainer.train();
+  });
+  CHECK_FALSE(std::filesystem::exists(stale));
 }

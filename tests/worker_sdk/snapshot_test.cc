@@ -1,9 +1,12 @@
 #include "ddprun/worker/snapshot.h"
 
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 
 #include "ddprun/worker/errors.h"
@@ -152,4 +155,50 @@ TEST_CASE("temp files of an interrupted snapshot write are removed, a live write
   CHECK(std::filesystem::exists(other));
   CHECK(std::filesystem::exists(odd));
   CHECK(removeStaleTempFiles(dir.str() + "/missing/snap.pt") == 0);
+}
+
+TEST_CASE("a directory where the snapshot file should be is named as such", "[worker][snapshot]") {
+  t::TempDir dir;
+  const std::string path = dir.str() + "/snapshot.pt";
+  std::filesystem::create_directories(path);
+  torch::nn::Linear m(3, 1);
+  torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.1));
+  TrainingProgress p;
+  for (auto attempt : {std::function<void()>([&] { readSnapshotFile(path); }),
+                       std::function<void()>([&] { loadSnapshot(path, *m, opt, p); }),
+                       std::function<void()>([&] { saveSnapshot(path, *m, opt, p); })}) {
+    CHECK_THROWS_WITH(attempt(), Catch::Contains("'" + path + "': it is a directory"));
+  }
+  CHECK(std::filesystem::is_directory(path));  // left alone
+}
+
+TEST_CASE("a snapshot write past the file size limit fails clearly and leaves no temp file",
+          "[worker][snapshot]") {
+  t::TempDir dir;
+  const std::string path = dir.str() + "/snap.pt";
+  const std::string message = dir.str() + "/message";
+  // In a child: RLIMIT_FSIZE is the process's, and SIGXFSZ would end the whole test binary.
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    rlimit limit{4096, 4096};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    try {
+      writeFileAtomically(path, std::string(1 << 20, 'x'));
+      ::_exit(3);
+    } catch (const WorkerError& e) {
+      std::ofstream(message) << e.what();
+      ::_exit(0);
+    }
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  REQUIRE(WIFEXITED(status));  // not killed by SIGXFSZ
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK_THAT(t::readFile(message), Catch::Contains("larger than the process's file size limit"));
+  int left = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+    left += entry.path().filename().string().rfind("snap.pt", 0) == 0;
+  }
+  CHECK(left == 0);
 }

@@ -85,11 +85,39 @@ void fsyncDir(const std::string& dir) {
 
 }  // namespace
 
+namespace {
+// While alive, a write past RLIMIT_FSIZE fails with EFBIG instead of killing the process with
+// SIGXFSZ, which would leave the temp file behind.
+class IgnoreFileSizeSignal {
+ public:
+  IgnoreFileSizeSignal() {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    ::sigemptyset(&ignore.sa_mask);
+    saved_ = ::sigaction(SIGXFSZ, &ignore, &previous_) == 0;
+  }
+  ~IgnoreFileSizeSignal() {
+    if (saved_) ::sigaction(SIGXFSZ, &previous_, nullptr);
+  }
+  IgnoreFileSizeSignal(const IgnoreFileSizeSignal&) = delete;
+  IgnoreFileSizeSignal& operator=(const IgnoreFileSizeSignal&) = delete;
+
+ private:
+  struct sigaction previous_ {};
+  bool saved_ = false;
+};
+}  // namespace
+
 void writeFileAtomically(const std::string& path, const std::string& bytes) {
+  if (files::isDirectory(path)) {
+    throw WorkerError("cannot write snapshot '" + path +
+                      "': it is a directory; give a file's path (e.g. " + path + "/snapshot.pt)");
+  }
   const std::string dir = files::parentOf(path);
   files::makeDirs(dir);  // a failure shows as the open's below
   std::random_device rd;
   const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(rd());
+  IgnoreFileSizeSignal no_sigxfsz;
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail("cannot create snapshot file", tmp);
   size_t off = 0;
@@ -97,9 +125,15 @@ void writeFileAtomically(const std::string& path, const std::string& bytes) {
     ssize_t n = ::write(fd, bytes.data() + off, bytes.size() - off);
     if (n < 0) {
       if (errno == EINTR) continue;
+      const int error = errno;
       ::close(fd);
       ::unlink(tmp.c_str());
-      fail("cannot write snapshot file", tmp);
+      errno = error;
+      fail(error == EFBIG
+               ? "cannot write snapshot file (larger than the process's file size limit, "
+                 "ulimit -f)"
+               : "cannot write snapshot file",
+           tmp);
     }
     off += static_cast<size_t>(n);
   }
@@ -196,6 +230,11 @@ void saveSnapshot(const std::string& path, const torch::nn::Module& model,
 }
 
 std::string readSnapshotFile(const std::string& path) {
+  if (files::isDirectory(path)) {
+    throw WorkerError("cannot read snapshot '" + path +
+                      "': it is a directory, not a snapshot file; give the file's path (e.g. " +
+                      path + "/snapshot.pt) or remove the directory");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("cannot open snapshot", path);
   std::string bytes(std::istreambuf_iterator<char>(in), {});

@@ -259,6 +259,7 @@ Trainer::Outcome Trainer::train() {
     }
     if (!options_.snapshot_path.empty()) save(progress_.epoch, " (checkpoint signal)");
     comm.barrier();  // nobody exits before the snapshot is on disk
+    removeTempFilesAtEnd();
     return Outcome::kStoppedBySignal;
   };
 
@@ -307,7 +308,18 @@ Trainer::Outcome Trainer::train() {
     }
   }
   if (stop_work) stop_work->wait();
+  removeTempFilesAtEnd();
   return Outcome::kCompleted;
+}
+
+void Trainer::removeTempFilesAtEnd() {
+  // A snapshot write that a previous attempt did not finish (killed mid-write) leaves a temp file
+  // that the next start would remove: the job is ending, so remove it now.
+  if (options_.snapshot_path.empty() || group_->rank() != 0) return;
+  if (removeStaleTempFiles(options_.snapshot_path) > 0) {
+    log() << "[RANK 0] removed temp files of an interrupted snapshot write next to "
+          << options_.snapshot_path << std::endl;
+  }
 }
 
 }  // namespace ddprun::worker

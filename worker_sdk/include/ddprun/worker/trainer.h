@@ -74,6 +74,7 @@ class Trainer {
 
  private:
   void save(std::int64_t finished_epoch, const std::string& why);
+  void removeTempFilesAtEnd();
   std::ostream& log();
   // `type` on the communicator's device (NCCL: CUDA tensors only), for the small tensors the
   // trainer exchanges itself (resume, stop flag, epoch loss): the SDK's tensor-device rule.
