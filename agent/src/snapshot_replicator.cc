@@ -277,7 +277,7 @@ Status SnapshotReplicator::init() {
 SnapshotReplicator::~SnapshotReplicator() {
   alive_.reset();
   for (const auto& [name, kept] : kept_for_copy_) {
-    if (!kept.aside.empty()) ::unlink(kept.aside.c_str());
+    if (!kept.aside.empty()) ::unlink(path(kept.aside).c_str());
   }
   for (auto& [name, fetch] : fetching_) {
     fetch.second->cancel(Status(StatusCode::kCancelled, "the agent is stopping"));
@@ -1168,12 +1168,13 @@ void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
     const bool keep =
         previous && !t.file.moved_to.empty() && worthKeeping(t.file.moved_to, *previous);
     std::string aside = keep ? setAside(name) : std::string();
-    if (aside.empty() && ::unlink(path(name).c_str()) != 0 && errno != ENOENT) {
-      st = internalError("cannot delete " + path(name) + ": " + std::strerror(errno));
+    // Never through a symlink: a name another node announced stays inside the directory.
+    if (aside.empty()) st = removeBeneath(options_.dir, name);
+    if (!st.isOk()) {
       restoreHeld(name, previous);
       ++metrics_.transfer_failures;
-      snapLog()->warn("snapshot: {} (deleted at version {} on another node)", st.message(),
-                      versionText(t.file.version));
+      snapLog()->warn("snapshot: not deleting {} (deleted at version {} on another node): {}", name,
+                      versionText(t.file.version), st.message());
     } else {
       if (keep) keepForCopy(name, *previous, std::move(aside));
       removeEmptyParentsUnder(options_.dir, name);  // as a deleted checkpoint directory goes
@@ -1205,11 +1206,11 @@ std::shared_ptr<const rendezvous::OpenFile> SnapshotReplicator::localCopyOf(
 
 bool SnapshotReplicator::linkHeld(const SnapshotVersion& v, const std::string& temp) {
   const Held* held = nullptr;
-  std::string from;
+  std::string from;  // relative to the directory, as `temp`
   if (auto it = held_files_.find(v.moved_from);
       it != held_files_.end() && it->second.served.file.version == v.moved_from_version) {
     held = &it->second;
-    from = path(v.moved_from);
+    from = v.moved_from;
   } else if (auto kept = kept_for_copy_.find(v.moved_from);
              kept != kept_for_copy_.end() && !kept->second.aside.empty()) {
     held = &kept->second.held;
@@ -1218,14 +1219,14 @@ bool SnapshotReplicator::linkHeld(const SnapshotVersion& v, const std::string& t
     return false;  // kept open for the copy only (keepForCopy)
   }
   const Held& h = *held;
-  struct stat st {};
-  if (::lstat(from.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_dev != h.dev ||
-      st.st_ino != h.ino || mtimeNs(st) != h.mtime_ns ||
-      static_cast<uint64_t>(st.st_size) != v.size) {
+  // No symlink followed on either side (a directory replaced by one meanwhile is refused).
+  auto st = statBeneath(options_.dir, from);
+  if (!st.isOk() || !S_ISREG(st->st_mode) || st->st_dev != h.dev || st->st_ino != h.ino ||
+      mtimeNs(*st) != h.mtime_ns || static_cast<uint64_t>(st->st_size) != v.size) {
     return false;  // not the file held (changed by a worker meanwhile)
   }
   return makeParentDirsUnder(options_.dir, v.name).isOk() &&
-         ::link(from.c_str(), temp.c_str()) == 0;
+         linkBeneath(options_.dir, from, relativeName(temp)).isOk();
 }
 
 bool SnapshotReplicator::worthKeeping(const std::string& moved_to, const Held& before) const {
@@ -1237,8 +1238,8 @@ bool SnapshotReplicator::worthKeeping(const std::string& moved_to, const Held& b
 }
 
 std::string SnapshotReplicator::setAside(const std::string& name) {
-  const std::string aside = path(hiddenName("", "kept"));
-  return ::rename(path(name).c_str(), aside.c_str()) == 0 ? aside : std::string();
+  const std::string aside = hiddenName("", "kept");
+  return renameBeneath(options_.dir, name, aside).isOk() ? aside : std::string();
 }
 
 void SnapshotReplicator::keepForCopy(const std::string& name, const Held& before,
@@ -1252,7 +1253,7 @@ void SnapshotReplicator::keepForCopy(const std::string& name, const Held& before
 void SnapshotReplicator::dropKept(const std::string& name) {
   auto it = kept_for_copy_.find(name);
   if (it == kept_for_copy_.end()) return;
-  if (!it->second.aside.empty()) ::unlink(it->second.aside.c_str());
+  if (!it->second.aside.empty()) ::unlink(path(it->second.aside).c_str());
   releaseOffLoop(std::move(it->second.held.served.data));  // its blocks are freed then
   kept_for_copy_.erase(it);
 }
@@ -1301,8 +1302,10 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
       std::optional<Held> before;  // released off the loop below (releaseOffLoop)
       if (previous != held_files_.end()) before = previous->second;
       setHeld(t.file.name, held);
-      if (::rename(temp.c_str(), path(t.file.name).c_str()) != 0) {
-        st = internalError("cannot rename " + temp + " into place: " + std::strerror(errno));
+      // Never through a symlink, which would place the file outside the directory.
+      if (Status moved = renameBeneath(options_.dir, relativeName(temp), t.file.name);
+          !moved.isOk()) {
+        st = Status(moved.code(), "cannot place " + t.file.name + ": " + moved.message());
         ::unlink(temp.c_str());
         restoreHeld(t.file.name, before);
       } else {

@@ -180,7 +180,7 @@ class SnapshotReplicator {
   // `moved_to`, is worth keeping a while for its new name: not when it was linked there already.
   bool worthKeeping(const std::string& moved_to, const Held& before) const;
   // Renames the file `name` out of the way to a hidden name (kRecvPrefix) at the top of the
-  // directory instead of deleting it, so its new name can be linked to it; that path, or ""
+  // directory instead of deleting it, so its new name can be linked to it; that name, or ""
   // when it cannot be (then it is deleted and kept open for a copy).
   std::string setAside(const std::string& name);
   // Keeps `before` (and the file set aside at `aside`, if any) for the copy under the new name a
@@ -282,6 +282,10 @@ class SnapshotReplicator {
   // Starts work waiting in `pool` while it has threads free.
   void startWaiting(Pool pool);
   std::string path(const std::string& name) const { return options_.dir + "/" + name; }
+  // The name relative to the directory of a path(name).
+  std::string relativeName(const std::string& full) const {
+    return full.substr(options_.dir.size() + 1);
+  }
 
   boost::asio::io_context& io_;
   SnapshotReplicatorOptions options_;
@@ -311,7 +315,7 @@ class SnapshotReplicator {
   struct KeptCopy {
     Held held;
     TimePoint until;
-    std::string aside{};
+    std::string aside{};  // relative to the directory
   };
   std::map<std::string, KeptCopy> kept_for_copy_;
   std::unique_ptr<boost::asio::steady_timer> kept_timer_;

@@ -147,3 +147,51 @@ TEST_CASE("filesOpenForWriting names the files another process holds open to wri
   ::close(ready[0]);
   ::close(mine);
 }
+
+TEST_CASE("a peer's path never leads through a symlink out of the snapshot directory", "[files]") {
+  TempDir dir, outside;
+  std::ofstream(outside / "victim") << "keep";
+  REQUIRE(::symlink(outside.path().c_str(), (dir / "ld").c_str()) == 0);
+  REQUIRE(::mkdir((dir / "real").c_str(), 0755) == 0);
+  std::ofstream(dir / "real/file") << "mine";
+
+  // Deletions, renames, links and looks through the symlinked directory are refused, naming it.
+  Status st = removeBeneath(dir.path(), "ld/victim");
+  REQUIRE_FALSE(st.isOk());
+  CHECK(st.message() == dir / "ld" + " is a symbolic link (not followed)");
+  CHECK(ddprun::testing::readFile(outside / "victim") == "keep");
+  CHECK_FALSE(renameBeneath(dir.path(), "ld/victim", "real/taken").isOk());
+  CHECK_FALSE(renameBeneath(dir.path(), "real/file", "ld/planted").isOk());
+  CHECK_FALSE(linkBeneath(dir.path(), "ld/victim", "real/linked").isOk());
+  CHECK_FALSE(linkBeneath(dir.path(), "real/file", "ld/linked").isOk());
+  CHECK_FALSE(statBeneath(dir.path(), "ld/victim").isOk());
+  CHECK_FALSE(openDirBeneath(dir.path(), "ld").isOk());
+  CHECK(ddprun::testing::readFile(outside / "victim") == "keep");
+  CHECK_FALSE(ddprun::testing::fileExists(outside / "planted"));
+  CHECK_FALSE(ddprun::testing::fileExists(outside / "linked"));
+  CHECK_FALSE(ddprun::testing::fileExists(dir / "real/taken"));
+  // Empty directories are removed up to the symlink, never through it.
+  REQUIRE(::mkdir((outside / "sub").c_str(), 0755) == 0);
+  removeEmptyParentsUnder(dir.path(), "ld/sub/x.bin");
+  CHECK(ddprun::testing::isDirectory(outside / "sub"));
+  // Names that are not plain are refused.
+  CHECK_FALSE(removeBeneath(dir.path(), "../x").isOk());
+  CHECK_FALSE(removeBeneath(dir.path(), "real/../../x").isOk());
+  CHECK_FALSE(removeBeneath(dir.path(), "real//file").isOk());
+
+  // The last part itself is acted on, not what it points to: a symlink is removed as a name.
+  REQUIRE(::symlink((outside / "victim").c_str(), (dir / "real/lnk").c_str()) == 0);
+  REQUIRE(removeBeneath(dir.path(), "real/lnk").isOk());
+  CHECK_FALSE(ddprun::testing::fileExists(dir / "real/lnk"));
+  CHECK(ddprun::testing::readFile(outside / "victim") == "keep");
+  // And what is inside works as before.
+  REQUIRE(linkBeneath(dir.path(), "real/file", "real/second").isOk());
+  REQUIRE(renameBeneath(dir.path(), "real/second", "third").isOk());
+  CHECK(ddprun::testing::readFile(dir / "third") == "mine");
+  auto st3 = statBeneath(dir.path(), "third");
+  REQUIRE(st3.isOk());
+  CHECK(S_ISREG(st3->st_mode));
+  REQUIRE(removeBeneath(dir.path(), "third").isOk());
+  REQUIRE(removeBeneath(dir.path(), "third").isOk());  // gone already: fine
+  REQUIRE(removeBeneath(dir.path(), "nodir/x").isOk());
+}
