@@ -150,6 +150,12 @@ int runAgent(const AgentConfig& cfg) {
       return started.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
     }
     replicator = std::move(started).value();
+    if (cfg.rdzv_conf.token.empty()) {
+      log->warn(
+          "snapshot replication without a token (--snapshot-allow-unauthenticated): anyone who "
+          "can reach {} may plant or delete files in {}",
+          replicator->endpoint(), cfg.snapshot_dir);
+    }
     synced_client = std::make_unique<SnapshotSyncClient>(*rendezvous_or->client,
                                                          *rendezvous_or->service, *replicator);
   }

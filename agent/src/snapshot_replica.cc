@@ -224,6 +224,7 @@ void SnapshotReplica::onTransferDone(const SnapshotTransfer& t, TransferOutcome 
       wants_.erase(it);
       return;
     case TransferOutcome::kNoSpace:
+    case TransferOutcome::kRefused:
       w.given_up = true;
       return;
     case TransferOutcome::kCorrupt:

@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "ddprun/common/log.h"
+#include "ddprun/common/log_throttle.h"
 #include "ddprun/common/strings.h"
 #include "files.h"
 
@@ -1007,6 +1008,24 @@ void SnapshotReplicator::relay(const SnapshotVersion& v, const std::string& sour
 void SnapshotReplicator::onAnnounce(const SnapshotVersion& announced, const std::string& source,
                                     const std::string& origin) {
   if (!isReplicatedName(announced.name)) return;  // a peer's name that would leave the directory
+  // Only the nodes of the round are listened to (their endpoints came through the rendezvous,
+  // which has the job's token). While a round's holdings are still awaited, who is a node is not
+  // known yet: the announcement waits for them (a few, the newest kept).
+  if (!nodes_known_) {
+    if (unverified_.size() >= kMaxUnverified) unverified_.pop_front();
+    unverified_.push_back(Unverified{announced, source, origin});
+    return;
+  }
+  if (rankOf(source) < 0) {
+    if (auto n = ignored_log_.note(source, std::chrono::steady_clock::now())) {
+      snapLog()->warn(
+          "snapshot: ignored {} announcement(s) from {}, which is not a node of round {} (the "
+          "last: {} version {})",
+          *n, quotePeerText(source, 100), round_, quotePeerText(announced.name, 200),
+          versionText(announced.version));
+    }
+    return;
+  }
   if (!isPossibleVersion(announced.version)) {
     if (auto more = firstFew(impossible_versions_)) {
       snapLog()->warn(
@@ -1182,7 +1201,8 @@ void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
                       versionText(t.file.version));
     }
   }
-  replica_.onTransferDone(t, st.isOk() ? TransferOutcome::kOk : TransferOutcome::kFailed);
+  // A deletion refused (through a symlink) is not tried again: nothing here would change that.
+  replica_.onTransferDone(t, st.isOk() ? TransferOutcome::kOk : TransferOutcome::kRefused);
   if (dropForgottenDeletions()) recordVersions();
   if (st.isOk()) relay(t.file, endpoint_);
 }
@@ -1449,6 +1469,7 @@ void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& se
   }
   const uint64_t generation = ++sync_generation_;
   round_ = static_cast<uint64_t>(round.round);
+  nodes_known_ = false;  // announcements wait for this round's holdings (onAnnounce)
   unanswering_.clear();  // this round's nodes are tried afresh
   replica_.retryGivenUp();
   replica_.setSelfIndex(round.group_rank);
@@ -1500,6 +1521,7 @@ void SnapshotReplicator::publishHoldings(RendezvousService& service, const std::
                                "snapshot: the other nodes' holdings did not arrive ({}); "
                                "starting with what this node holds",
                                values.status().message());
+                           nodesKnown();  // those of the round before, if any
                            finish();
                            return;
                          }
@@ -1523,9 +1545,17 @@ void SnapshotReplicator::publishHoldings(RendezvousService& service, const std::
                            }
                          }
                          dropGoneSources(nodes_);
+                         nodesKnown();
                          finish();
                        });
       });
+}
+
+void SnapshotReplicator::nodesKnown() {
+  nodes_known_ = true;
+  auto waiting = std::move(unverified_);
+  unverified_.clear();
+  for (const auto& u : waiting) onAnnounce(u.version, u.source, u.origin);
 }
 
 bool SnapshotReplicator::eventsQueued() const {

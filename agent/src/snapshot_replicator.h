@@ -45,6 +45,7 @@
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/agent/rendezvous_service.h"
 #include "ddprun/agent/snapshot_replica.h"
+#include "ddprun/common/log_throttle.h"
 #include "ddprun/rendezvous/snapshot_transfer.h"
 #include "rename_pairs.h"
 
@@ -206,7 +207,13 @@ class SnapshotReplicator {
   void publishHoldings(RendezvousService& service, const std::string& prefix,
                        const std::vector<std::string>& keys, uint64_t generation, int me,
                        std::function<void()> finish);
+  // An announcement of `v` (held at `source`, written by `origin`): taken only from a node of the
+  // round (its source among the round's endpoints); others are ignored, named in a throttled
+  // warning.
   void onAnnounce(const SnapshotVersion& v, const std::string& source, const std::string& origin);
+  // The round's nodes are known (its holdings arrived, or will not): the announcements that
+  // waited for them are looked at.
+  void nodesKnown();
   // Announces `v` (held at `source`, written by `origin`) to the given group ranks. A node that
   // does not take it (stopped, gone, not yet out of the round) is stepped over: the next node of
   // the chain is told instead, so that the rest of the chain is not held up until the next round.
@@ -329,6 +336,17 @@ class SnapshotReplicator {
   std::map<std::string, rendezvous::ServedFile> arriving_;  // guarded by served_mu_
   std::vector<std::string> nodes_;  // every node's endpoint this round, by group rank
   int self_rank_ = -1;
+  // Whether nodes_ is the round's (round_): false from a round's sync until its holdings came.
+  bool nodes_known_ = false;
+  struct Unverified {
+    SnapshotVersion version;
+    std::string source;
+    std::string origin;
+  };
+  // Announcements that came while nodes_known_ was false, the newest kMaxUnverified.
+  static constexpr size_t kMaxUnverified = 1024;
+  std::deque<Unverified> unverified_;
+  LogThrottle ignored_log_{std::chrono::seconds(60)};  // announcements from outside the round
   // Announcements to pass on once the version is held (or given up), and those passed on as the
   // version arrived (serveArriving).
   SnapshotRelays relays_;

@@ -113,7 +113,8 @@ struct SnapshotTransfer {
   int attempt = 1;     // 1 for the first try of this version
 };
 
-enum class TransferOutcome { kOk, kCorrupt, kNoSpace, kFailed, kCancelled };
+// kRefused: this node will not apply it (a path through a symlink): given up, as kNoSpace.
+enum class TransferOutcome { kOk, kCorrupt, kNoSpace, kFailed, kCancelled, kRefused };
 
 struct SnapshotReplicaOptions {
   int max_attempts = 4;          // per version, over all its holders

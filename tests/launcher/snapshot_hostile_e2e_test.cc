@@ -1,0 +1,150 @@
+// --snapshot-dir replication against a hostile peer (issue 34): a real ddprun agent and a node of
+// its round that is not ddprun (hostile_peer.h), which announces and serves what a careless or
+// malicious node would. Each case holds the agent to one clear log line and no harm done.
+#include <sys/resource.h>
+
+#include <catch2/catch.hpp>
+#include <fstream>
+#include <regex>
+
+#include "hostile_peer.h"
+#include "process_helpers.h"
+#include "rendezvous_daemon.h"
+
+using namespace ddprun;
+using namespace ddprun::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+// One ddprun agent at 127.0.0.2 replicating `dir`, in a round of two nodes with the hostile one;
+// its one worker runs until `dir`/../stop-<run> exists (no file of the directory).
+struct Agent {
+  Agent(const std::string& rdzv, const std::string& run_id, const std::string& dir,
+        std::vector<std::string> extra = {}, const std::string& conf = "")
+      : stop(stop_dir / "stop") {
+    std::vector<std::string> argv = {ddprunBin(),
+                                     "--nnodes=2",
+                                     "--nproc-per-node=1",
+                                     "--rdzv-backend=c10d",
+                                     "--rdzv-endpoint=" + rdzv,
+                                     "--rdzv-id=" + run_id,
+                                     "--local-addr=127.0.0.2",
+                                     "--rdzv-conf=last_call_timeout=1,heartbeat_interval=1,"
+                                     "heartbeat_misses=3" +
+                                         (conf.empty() ? "" : "," + conf),
+                                     "--exit-barrier-timeout=2",
+                                     "--snapshot-dir=" + dir};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    for (const std::string& a :
+         {std::string("--no-python"), std::string("/bin/sh"), std::string("-c"),
+          "while [ ! -e " + stop + " ]; do sleep 0.1; done"}) {
+      argv.push_back(a);
+    }
+    process = std::make_unique<Process>(argv);
+  }
+  // Waits until its workers run (its first round's sync is done) and returns its endpoint.
+  std::string ready() {
+    REQUIRE(waitUntil(
+        [&] { return process->err().find("started 1 worker(s)") != std::string::npos; }, 120s));
+    return servingAt(process->err());
+  }
+  bool logged(const std::string& text, std::chrono::milliseconds bound = 30s) {
+    return waitUntil([&] { return process->err().find(text) != std::string::npos; }, bound);
+  }
+  TempDir stop_dir;
+  std::string stop;
+  std::unique_ptr<Process> process;
+};
+
+std::string tokenFile(const TempDir& dir) {
+  const std::string path = dir / "token";
+  std::ofstream(path) << "hostile-test-token\n";
+  return path;
+}
+
+}  // namespace
+
+TEST_CASE("a deletion announced through a symlinked directory deletes nothing outside",
+          "[snapshot][hostile]") {
+  TempDir secrets, dir, outside;
+  const std::string token = tokenFile(secrets);
+  RendezvousDaemon rdzv({"--token-file", token});
+  std::ofstream(outside / "victim") << "precious";
+  REQUIRE(::symlink(outside.path().c_str(), (dir / "ld").c_str()) == 0);
+  HostileNode peer(rdzv.endpoint, "hostile-symlink", "hostile-test-token");
+  peer.start();
+  Agent agent(rdzv.endpoint, "hostile-symlink", dir.path(), {}, "token_file=" + token);
+  peer.waitJoined();
+  const std::string at = agent.ready();
+  REQUIRE(!at.empty());
+
+  rendezvous::SnapshotFile gone{"ld/victim", peer.version(7), 0, 0};
+  gone.deleted = true;
+  REQUIRE(peer.announce(at, gone).isOk());
+  INFO(agent.process->err());
+  CHECK(agent.logged("not deleting ld/victim"));
+  CHECK(agent.process->err().find("is a symbolic link (not followed)") != std::string::npos);
+  CHECK(agent.process->err().find("snapshot: deleted ld/victim") == std::string::npos);
+  CHECK(readFile(outside / "victim") == "precious");
+
+  // The same deletion set aside as a rename (moved_to) goes nowhere either.
+  gone.version = peer.version(8);
+  gone.moved_to = "ld/elsewhere";
+  REQUIRE(peer.announce(at, gone).isOk());
+  CHECK(waitUntil([&] { return countOf(agent.process->err(), "not deleting ld/victim") >= 2; }));
+  CHECK(readFile(outside / "victim") == "precious");
+  CHECK_FALSE(fileExists(outside / "elsewhere"));
+}
+
+TEST_CASE("a replicated --snapshot-dir without a token is refused unless the risk is accepted",
+          "[snapshot][hostile]") {
+  TempDir dir;
+  auto r = run({ddprunBin(), "--nnodes=2", "--rdzv-backend=c10d",
+                "--rdzv-endpoint=127.0.0.1:" + std::to_string(freePort()), "--rdzv-id=no-token",
+                "--snapshot-dir=" + dir.path(), "--no-python", "/bin/true"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("argument --snapshot-dir: on a multi-node job the agents replicate") !=
+        std::string::npos);
+  CHECK(r.err.find("--snapshot-allow-unauthenticated") != std::string::npos);
+  CHECK(countOf(r.err, "\n") == 1);  // one line
+}
+
+TEST_CASE("announcements are taken only from the nodes of the current round",
+          "[snapshot][hostile]") {
+  TempDir dir;
+  RendezvousDaemon rdzv;
+  HostileNode member(rdzv.endpoint, "hostile-round");
+  member.start();
+  Agent agent(rdzv.endpoint, "hostile-round", dir.path(), {"--snapshot-allow-unauthenticated"});
+  member.waitJoined();
+  const std::string at = agent.ready();
+  REQUIRE(!at.empty());
+  CHECK(agent.process->err().find("snapshot replication without a token") != std::string::npos);
+
+  // An outsider (not in the round, not in the rendezvous) that can reach the agent: its file is
+  // neither fetched nor installed, and it is named once.
+  HostileNode outsider(rdzv.endpoint, "hostile-round");  // the job id, but never joined
+  const std::string planted(1 << 20, 'p');
+  outsider.serve(serveContent(planted));
+  rendezvous::SnapshotFile pt{"snapshot.pt", member.version(3), planted.size(),
+                              crc32Update(0, planted.data(), planted.size())};
+  for (int i = 0; i < 5; ++i) REQUIRE(outsider.announce(at, pt).isOk());
+  INFO(agent.process->err());
+  CHECK(agent.logged("snapshot: ignored 1 announcement(s) from " + outsider.endpoint +
+                     ", which is not a node of round"));
+  CHECK(countOf(agent.process->err(), "announcement(s) from " + outsider.endpoint) == 1);
+  // A node of the round that names the outsider as the source is not listened to either.
+  REQUIRE(member.announce(at, pt, outsider.endpoint).isOk());
+
+  // The member's own announcement is taken (the same agent, the same path).
+  const std::string good(300000, 'g');
+  member.serve(serveContent(good));
+  rendezvous::SnapshotFile g{"good.bin", member.version(4), good.size(),
+                             crc32Update(0, good.data(), good.size())};
+  REQUIRE(member.announce(at, g).isOk());
+  CHECK(agent.logged("snapshot: fetched good.bin"));
+  CHECK(readFile(dir / "good.bin") == good);
+  CHECK(outsider.service.fetches == 0);
+  CHECK_FALSE(fileExists(dir / "snapshot.pt"));
+}
