@@ -5,6 +5,7 @@
 // service on the test's io_context; the test thread runs the loop until what it waits for came.
 #include <boost/asio/io_context.hpp>
 #include <catch2/catch.hpp>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
@@ -80,6 +81,7 @@ class Job {
   }
 
   boost::asio::io_context io;
+  const std::string& runId() const { return run_id_; }
 
  private:
   std::string endpoints_;
@@ -365,6 +367,33 @@ TEST_CASE("etcd-v3: master address, key-value store and close", "[etcd]") {
   REQUIRE(job.runUntil([&] { return late.done(); }));
   CHECK(late.result->status().code() == StatusCode::kFailedPrecondition);
   CHECK_THAT(late.result->status().message(), Catch::Contains("closed"));
+}
+
+// The most memory this process has held (VmHWM), in KiB.
+long peakRssKb() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6));
+  }
+  return 0;
+}
+
+TEST_CASE("etcd-v3: a stored state that claims a huge snapshot is one error, not 1 GiB", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 1, 1, std::chrono::milliseconds(200));
+  // The 46-byte value of issue 34 (etcdctl put), which took every agent from 19 MB to 1.07 GB.
+  REQUIRE(etcd.etcdctl(
+                  {"put", "/ddprun/rdzv/" + job.runId() + "/state", "v3;-;0:0:z1073741824:garbage"})
+              .exit_code == 0);
+  const long before = peakRssKb();
+  Agent a(job);
+  a.join();
+  REQUIRE(job.runUntil([&] { return a.done(); }));
+  REQUIRE_FALSE(a.result->isOk());
+  CHECK_THAT(a.result->status().message(),
+             Catch::Contains("says its snapshot inflates to 1073741824 bytes, more than the"));
+  CHECK(peakRssKb() - before < 128 * 1024);
 }
 
 TEST_CASE("etcd-v3: an unreachable etcd is named in one error", "[etcd]") {
