@@ -61,6 +61,7 @@ StatusOr<SnapshotReplicatorOptions> snapshotReplicatorOptions(const AgentConfig&
   o.dir = cfg.snapshot_dir;
   o.run_id = cfg.rdzv_id;
   o.local_addr = local_addr;
+  o.limits = cfg.snapshot_limits;
   o.security.token = cfg.rdzv_conf.token;
   if (!cfg.rdzv_conf.tls_ca_pem.empty()) {
     if (cfg.rdzv_conf.tls_cert_pem.empty() || cfg.rdzv_conf.tls_key_pem.empty()) {

@@ -245,6 +245,9 @@ Status SnapshotReplicator::init() {
   so.run_id = options_.run_id;
   so.security = options_.security;
   so.fault = options_.fault;
+  so.max_streams_per_peer = options_.limits.streams_per_peer;
+  so.max_streams = options_.limits.streams;
+  so.max_buffered_bytes = options_.limits.buffered_bytes;
   so.lookup =
       [this](const rendezvous::SnapshotFile& want) -> std::optional<rendezvous::ServedFile> {
     const SnapshotVersion wanted = fromWire(want);

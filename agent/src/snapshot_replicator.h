@@ -42,6 +42,7 @@
 #include <thread>
 #include <vector>
 
+#include "ddprun/agent/config.h"
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/agent/rendezvous_service.h"
 #include "ddprun/agent/snapshot_replica.h"
@@ -59,6 +60,7 @@ struct SnapshotReplicatorOptions {
   rendezvous::ServeFault fault;                             // test hook (DDPRUN_SNAPSHOT_FAULT)
   size_t fetch_streams = rendezvous::kDefaultFetchStreams;  // DDPRUN_SNAPSHOT_STREAMS
   Duration holdings_timeout = std::chrono::seconds(15);     // waiting for the others' holdings
+  SnapshotLimits limits;  // --snapshot-limits: bounds against peers that misbehave
 };
 
 // What /metrics shows.

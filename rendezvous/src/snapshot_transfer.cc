@@ -26,6 +26,7 @@
 #include "ddprun/common/block_cache.h"
 #include "ddprun/common/crc32.h"
 #include "ddprun/common/log.h"
+#include "ddprun/common/strings.h"
 #include "ddprun/snapshot/v1/snapshot.grpc.pb.h"
 
 namespace ddprun::rendezvous {
@@ -147,30 +148,46 @@ size_t putVarint(uint8_t* out, uint64_t v) {
 }
 
 // Buffers the server reads chunks into: blocks of the process's transfer cache (present in
-// memory and reused, see BlockCache), malloc for chunks larger than a block. gRPC sends a chunk
-// from its buffer and lets go of it (the slice's destroy callback, on any thread) once sent,
-// which may be after OnWriteDone: a buffer is given back only then.
+// memory and reused, see BlockCache) for chunks of more than half a block, malloc for others
+// (with many streams sharing the server's chunk budget, or a relay's 1 MiB chunks: a block would
+// hold more memory than the chunk counts). gRPC sends a chunk from its buffer and lets go of it
+// (the slice's destroy callback, on any thread) once sent, which may be long after OnWriteDone
+// (a receiver that does not read): the buffer, and the bytes of the server's budget it took
+// (SnapshotServer::Impl::reserve), are given back only then.
 class ChunkBuffers {
  public:
-  explicit ChunkBuffers(size_t bytes)
-      : bytes_(bytes), cached_(bytes <= BlockCache::transfers().blockBytes()) {}
-
   // A buffer of at least `bytes` bytes (nullptr when memory is short); give it back with put()
-  // or slice().
-  char* take() const {
-    return cached_ ? BlockCache::transfers().take() : static_cast<char*>(std::malloc(bytes_));
+  // or slice(). One at a time: put() and slice() are of the last one taken.
+  char* take(size_t bytes) {
+    const size_t block = BlockCache::transfers().blockBytes();
+    cached_ = bytes <= block && bytes * 2 > block;
+    return cached_ ? BlockCache::transfers().take() : static_cast<char*>(std::malloc(bytes));
   }
   void put(char* b) const { (cached_ ? &giveBlock : &freeBuffer)(b); }
-  // The first `n` bytes of `b` as a slice that gives `b` back when gRPC drops it.
-  grpc::Slice slice(char* b, size_t n) const {
-    return grpc::Slice(b, n, cached_ ? &giveBlock : &freeBuffer);
+  // The first `n` bytes of `b` as a slice that gives `b` back, and `reserved` bytes to `budget`,
+  // when gRPC drops it.
+  grpc::Slice slice(char* b, size_t n, size_t reserved,
+                    std::shared_ptr<std::atomic<uint64_t>> budget) const {
+    auto* held = new Held{b, cached_, reserved, std::move(budget)};
+    return grpc::Slice(b, n, &drop, held);
   }
 
  private:
+  struct Held {
+    char* data;
+    bool cached;
+    size_t reserved;
+    std::shared_ptr<std::atomic<uint64_t>> budget;
+  };
+  static void drop(void* p) {
+    auto* held = static_cast<Held*>(p);
+    (held->cached ? &giveBlock : &freeBuffer)(held->data);
+    *held->budget -= held->reserved;
+    delete held;
+  }
   static void giveBlock(void* b) { BlockCache::transfers().give(static_cast<char*>(b)); }
   static void freeBuffer(void* b) { std::free(b); }
-  size_t bytes_;
-  bool cached_;
+  bool cached_ = false;
 };
 
 // One Chunk message: offset, then the data slice as it is, then the data's CRC-32 (and on a
@@ -485,6 +502,14 @@ StatusOr<std::pair<uint64_t, uint32_t>> crc32OfFile(int fd) {
 // ---------------------------------------------------------------------------------------------
 // Server
 
+// The address of a call's peer without its port ("ipv4:10.0.0.7:41234" -> "ipv4:10.0.0.7"):
+// what the server's per-peer bounds and throttled warnings count by.
+std::string peerAddress(const std::string& peer) {
+  const auto colon = peer.rfind(':');
+  const auto kind = peer.find(':');
+  return colon == std::string::npos || colon == kind ? peer : peer.substr(0, colon);
+}
+
 struct SnapshotServer::Impl {
   SnapshotServerOptions options;
   std::unique_ptr<grpc::Service> service;
@@ -493,6 +518,33 @@ struct SnapshotServer::Impl {
   std::atomic<int> active_streams{0};
   std::mutex fault_mu;
   int faults_left = 0;  // guarded by fault_mu
+  std::mutex streams_mu;
+  FetchAdmission admission;  // guarded by streams_mu
+  // Bytes of chunks read and not yet dropped by gRPC (shared with the chunks' slices, which may
+  // outlive a stream).
+  std::shared_ptr<std::atomic<uint64_t>> buffered = std::make_shared<std::atomic<uint64_t>>(0);
+
+  // A Fetch stream from `peer` may start (counted until release()), or RESOURCE_EXHAUSTED.
+  Status admit(const std::string& peer) {
+    std::lock_guard<std::mutex> lock(streams_mu);
+    return admission.admit(peer);
+  }
+  void release(const std::string& peer) {
+    std::lock_guard<std::mutex> lock(streams_mu);
+    admission.release(peer);
+  }
+  // Takes up to `want` bytes of the chunk budget (at least kChunkMin, or `want` when less): the
+  // size of the next chunk. Give them back with unreserve() once gRPC took the chunk.
+  size_t reserve(size_t want) {
+    uint64_t cur = buffered->load();
+    while (true) {
+      const uint64_t left = options.max_buffered_bytes > cur ? options.max_buffered_bytes - cur : 0;
+      const size_t n = static_cast<size_t>(
+          std::min<uint64_t>(want, std::max<uint64_t>(left, std::min<size_t>(want, 64 << 10))));
+      if (buffered->compare_exchange_weak(cur, cur + n)) return n;
+    }
+  }
+  void unreserve(size_t n) { *buffered -= n; }
 
   Status authorize(grpc::CallbackServerContext* ctx, const std::string& run_id) {
     const std::string& token = options.security.token;
@@ -538,7 +590,9 @@ class FailedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 };
 
 // Streams one version from its open file, one chunk in flight at a time: the next chunk is read
-// only when gRPC took the last one, so a slow receiver slows the reads (backpressure). gRPC sends
+// only when gRPC took the last one, so a slow receiver slows the reads (backpressure). Each chunk
+// is sized from the server's budget (Impl::reserve): with many streams open, chunks are smaller,
+// so that the bytes held for receivers that do not read stay within max_buffered_bytes. gRPC sends
 // each chunk from the buffer it was read into (see ChunkBuffers). A version still arriving here
 // (ArrivingFile) is served as its bytes come: the stream waits for each chunk's bytes, parked in
 // a WaitSlot that the arrival's progress or the receiver's cancellation takes it out of, whichever
@@ -546,16 +600,18 @@ class FailedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   // Serves bytes [begin, end) of `served`.
+  // Counted in `impl`'s admission as `peer` (admitted already) until done.
   FetchStream(ServedFile served, uint64_t begin, uint64_t end, size_t chunk_bytes,
-              ServeFault::Kind fault, int slow_ms, std::atomic<int>* active)
+              ServeFault::Kind fault, int slow_ms, SnapshotServer::Impl* impl, std::string peer)
       : served_(std::move(served)),
         begin_(begin),
         end_(end),
         chunk_bytes_(chunk_bytes),
-        buffers_(chunk_bytes),
         fault_(fault),
         slow_ms_(slow_ms),
-        active_(active),
+        active_(&impl->active_streams),
+        impl_(impl),
+        peer_(std::move(peer)),
         offset_(begin) {
     ++*active_;
     next();
@@ -568,6 +624,8 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     next();
   }
   void OnDone() override {
+    impl_->unreserve(std::exchange(reserved_, 0));
+    impl_->release(peer_);
     --*active_;
     delete this;
   }
@@ -597,7 +655,9 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (fault_ == ServeFault::Kind::kSlow) {  // test hook only: blocks this gRPC thread
       std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms_));
     }
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, end_ - offset_));
+    const size_t n =
+        impl_->reserve(static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, end_ - offset_)));
+    reserved_ = n;
     if (!served_.arriving) {
       sendChunk(n);
       return;
@@ -623,10 +683,10 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   // Reads, checksums and sends the `n` bytes at offset_.
   void sendChunk(size_t n) {
-    char* data = buffers_.take();
+    char* data = buffers_.take(n);
     if (data == nullptr) {
       Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          "no memory for a " + std::to_string(chunk_bytes_) + "-byte chunk"));
+                          "no memory for a " + std::to_string(n) + "-byte chunk"));
       return;
     }
     size_t got = 0;
@@ -649,13 +709,15 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     const uint64_t at = offset_;
     offset_ += n;
     if (offset_ < end_) {
-      send(encodeChunk(at, buffers_.slice(data, n), crc, std::nullopt));
+      send(encodeChunk(at, buffers_.slice(data, n, std::exchange(reserved_, 0), impl_->buffered),
+                       crc, std::nullopt));
       return;
     }
     // The last chunk carries the whole file's CRC-32: for a version announced while it was
     // still being hashed, once the hash is done (usually long before the stream gets here).
     if (!served_.file.crc32_pending) {
-      send(encodeChunk(at, buffers_.slice(data, n), crc, served_.file.crc32));
+      send(encodeChunk(at, buffers_.slice(data, n, std::exchange(reserved_, 0), impl_->buffered),
+                       crc, served_.file.crc32));
       return;
     }
     if (!served_.pending_crc) {
@@ -671,7 +733,8 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
             "the source could not hash " + served_.file.name + ": " + file_crc.status().message()));
         return;
       }
-      send(encodeChunk(at, buffers_.slice(data, n), crc, *file_crc));
+      send(encodeChunk(at, buffers_.slice(data, n, std::exchange(reserved_, 0), impl_->buffered),
+                       crc, *file_crc));
     });
   }
 
@@ -688,6 +751,9 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   ServeFault::Kind fault_;
   int slow_ms_;
   std::atomic<int>* active_;
+  SnapshotServer::Impl* impl_;
+  std::string peer_;
+  size_t reserved_ = 0;  // of the server's chunk budget, for the chunk in flight
   uint64_t offset_;
   grpc::ByteBuffer message_;  // the chunk being written
   std::shared_ptr<WaitSlot> wait_ = std::make_shared<WaitSlot>();
@@ -725,20 +791,29 @@ class ReplicationService final : public ServiceBase {
     }
     Status st = impl_->authorize(ctx, req.run_id());
     if (!st.isOk()) return new FailedStream(st);
+    std::string peer = peerAddress(ctx->peer());
+    st = impl_->admit(peer);
+    if (!st.isOk()) return new FailedStream(st);
+    // From here the stream counts against `peer` until a FetchStream's OnDone (or just below).
+    auto refuse = [&](const Status& why) {
+      impl_->release(peer);
+      return new FailedStream(why);
+    };
     std::optional<ServedFile> served;
     SnapshotFile wanted{req.name(), req.version(), req.size(), req.crc32()};
     wanted.crc32_pending = req.crc32_pending();
     if (impl_->options.lookup) served = impl_->options.lookup(wanted);
     if (!served) {
-      return new FailedStream(notFound("this agent does not hold " + req.name() + " version " +
-                                       versionText(req.version()) + " with that content"));
+      return refuse(notFound("this agent does not hold " + quotePeerText(req.name()) + " version " +
+                             versionText(req.version()) + " with that content"));
     }
     const uint64_t size = served->file.size;
     if (req.offset() > size || req.length() > size - req.offset()) {
-      return new FailedStream(Status(StatusCode::kOutOfRange,
-                                     "bytes " + std::to_string(req.offset()) + "+" +
-                                         std::to_string(req.length()) + " are past the end of " +
-                                         req.name() + " (" + std::to_string(size) + " bytes)"));
+      return refuse(Status(StatusCode::kOutOfRange, "bytes " + std::to_string(req.offset()) + "+" +
+                                                        std::to_string(req.length()) +
+                                                        " are past the end of " +
+                                                        quotePeerText(req.name()) + " (" +
+                                                        std::to_string(size) + " bytes)"));
     }
     const uint64_t end = req.length() == 0 ? size : req.offset() + req.length();
     const size_t most = std::max<size_t>(impl_->options.chunk_bytes, 1);
@@ -747,7 +822,7 @@ class ReplicationService final : public ServiceBase {
             ? most
             : std::clamp<size_t>(req.chunk_bytes(), std::min(kChunkMin, most), most);
     return new FetchStream(std::move(*served), req.offset(), end, chunk, impl_->takeFault(),
-                           impl_->options.fault.count, &impl_->active_streams);
+                           impl_->options.fault.count, impl_, std::move(peer));
   }
 
  private:
@@ -761,6 +836,7 @@ StatusOr<std::unique_ptr<SnapshotServer>> SnapshotServer::start(SnapshotServerOp
   auto impl = std::make_unique<Impl>();
   impl->options = std::move(options);
   impl->faults_left = impl->options.fault.count;
+  impl->admission = FetchAdmission(impl->options.max_streams_per_peer, impl->options.max_streams);
   impl->service = std::make_unique<ReplicationService>(impl.get());
   const auto& sec = impl->options.security;
   const auto creds = !sec.tls_cert_pem.empty() && !sec.tls_key_pem.empty()
@@ -795,6 +871,35 @@ SnapshotServer::~SnapshotServer() {
 int SnapshotServer::port() const { return impl_->port; }
 
 int SnapshotServer::activeStreams() const { return impl_->active_streams.load(); }
+
+uint64_t SnapshotServer::bufferedBytes() const { return impl_->buffered->load(); }
+
+Status FetchAdmission::admit(const std::string& peer) {
+  int& mine = by_peer_[peer];
+  if (mine >= per_peer_) {
+    if (mine == 0) by_peer_.erase(peer);
+    return Status(StatusCode::kResourceExhausted,
+                  "this agent serves at most " + std::to_string(per_peer_) +
+                      " Fetch streams at once to one peer, and " + peer + " has " +
+                      std::to_string(mine) + " (--snapshot-limits streams_per_peer)");
+  }
+  if (total_ >= max_) {
+    if (mine == 0) by_peer_.erase(peer);
+    return Status(StatusCode::kResourceExhausted,
+                  "this agent serves at most " + std::to_string(max_) +
+                      " Fetch streams at once (--snapshot-limits streams); try again later");
+  }
+  ++mine;
+  ++total_;
+  return Status::ok();
+}
+
+void FetchAdmission::release(const std::string& peer) {
+  auto it = by_peer_.find(peer);
+  if (it == by_peer_.end()) return;
+  --total_;
+  if (--it->second == 0) by_peer_.erase(it);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Client

@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 #include <fstream>
+#include <mutex>
 #include <regex>
 
 #include "hostile_peer.h"
@@ -147,4 +148,103 @@ TEST_CASE("announcements are taken only from the nodes of the current round",
   CHECK(readFile(dir / "good.bin") == good);
   CHECK(outsider.service.fetches == 0);
   CHECK_FALSE(fileExists(dir / "snapshot.pt"));
+}
+
+namespace {
+
+// A Fetch stream that is started and never read (a hostile peer's), through the callback API: it
+// ends only when the server refuses it or the test cancels it.
+class IdleFetch final : public grpc::ClientReadReactor<spb::Chunk> {
+ public:
+  IdleFetch(spb::SnapshotReplication::Stub* stub, spb::FetchRequest req) : req_(std::move(req)) {
+    stub->async()->Fetch(&ctx, &req_, this);
+    StartCall();
+  }
+  void OnDone(const grpc::Status& s) override {
+    std::lock_guard<std::mutex> lock(mu);
+    status = s;
+    done = true;
+  }
+  bool refused() {
+    std::lock_guard<std::mutex> lock(mu);
+    return done && status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
+  }
+  bool finished() {
+    std::lock_guard<std::mutex> lock(mu);
+    return done;
+  }
+  grpc::ClientContext ctx;
+  std::mutex mu;
+  grpc::Status status;  // guarded by mu
+  bool done = false;    // guarded by mu
+
+ private:
+  spb::FetchRequest req_;
+};
+
+long rssKb(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  }
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("Fetch streams that are never read are refused past the bound and hold little memory",
+          "[snapshot][hostile]") {
+  TempDir dir;
+  std::string content(8 << 20, '\0');
+  for (size_t i = 0; i < content.size(); ++i) content[i] = static_cast<char>(i * 2654435761u >> 24);
+  std::ofstream(dir / "held.bin", std::ios::binary) << content;
+  RendezvousDaemon rdzv;
+  HostileNode member(rdzv.endpoint, "hostile-streams");
+  member.start();
+  Agent agent(rdzv.endpoint, "hostile-streams", dir.path(), {"--snapshot-allow-unauthenticated"});
+  member.waitJoined();
+  const std::string at = agent.ready();
+  REQUIRE(!at.empty());
+  const long before = rssKb(agent.process->pid());
+
+  // 100 streams for the 8 MiB file (version 0: there before the job), none of them read, on a
+  // connection whose receive window stays small.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  auto stub = spb::SnapshotReplication::NewStub(
+      grpc::CreateCustomChannel(at, grpc::InsecureChannelCredentials(), args));
+  spb::FetchRequest req;
+  req.set_run_id("hostile-streams");
+  req.set_name("held.bin");
+  req.set_version(0);
+  req.set_size(content.size());
+  req.set_crc32(crc32Update(0, content.data(), content.size()));
+  std::vector<std::unique_ptr<IdleFetch>> streams;
+  for (int i = 0; i < 100; ++i) streams.push_back(std::make_unique<IdleFetch>(stub.get(), req));
+  auto refused = [&] {
+    int n = 0;
+    for (auto& s : streams) n += s->refused() ? 1 : 0;
+    return n;
+  };
+  INFO(agent.process->err());
+  // The default bound: 16 streams at once to one peer; the other 84 are refused at once.
+  CHECK(waitUntil([&] { return refused() == 84; }));
+  for (auto& s : streams) {
+    if (!s->refused()) continue;
+    CHECK(s->status.error_message().find("(--snapshot-limits streams_per_peer)") !=
+          std::string::npos);
+    break;
+  }
+  // What the agent holds for the 16 stays near its 64 MiB chunk budget (unbounded, 100 streams of
+  // an 8 MiB file took it past 800 MB).
+  const long after = rssKb(agent.process->pid());
+  CHECK(after - before < 150 * 1024);
+  for (auto& s : streams) s->ctx.TryCancel();
+  CHECK(waitUntil([&] {
+    for (auto& s : streams) {
+      if (!s->finished()) return false;
+    }
+    return true;
+  }));
 }

@@ -13,6 +13,7 @@
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <random>
@@ -47,7 +48,8 @@ bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0;
 // A server holding one version of "snap.bin" (`size` random bytes) and recording announcements.
 struct Holder {
   Holder(size_t size, std::string token = "", ServeFault fault = {}, std::string cert = "",
-         std::string key = "", size_t chunk_bytes = 64 * 1024) {
+         std::string key = "", size_t chunk_bytes = 64 * 1024,
+         const std::function<void(SnapshotServerOptions&)>& adjust = {}) {
     std::mt19937 rng(42);
     content.resize(size);
     for (auto& c : content) c = static_cast<char>(rng());
@@ -76,6 +78,7 @@ struct Holder {
       std::lock_guard<std::mutex> lock(mu);
       announced.emplace_back(f, source + " from " + origin);
     };
+    if (adjust) adjust(o);
     auto s = SnapshotServer::start(std::move(o));
     REQUIRE(s.isOk());
     server = std::move(s).value();
@@ -980,4 +983,107 @@ TEST_CASE("after warmHeapForFetches a fetch's receive buffers take no page fault
   INFO("page faults for 16 MiB (4096 pages): " << with << " tuned, " << without << " untuned");
   CHECK(without >= 2048);  // the probe sees the faults it is there to count
   CHECK(with < 256);
+}
+
+TEST_CASE("Fetch streams are admitted up to a bound per peer and in all", "[snapshot]") {
+  FetchAdmission a(2, 3);
+  CHECK(a.admit("ipv4:10.0.0.1").isOk());
+  CHECK(a.admit("ipv4:10.0.0.1").isOk());
+  Status third = a.admit("ipv4:10.0.0.1");
+  REQUIRE(third.code() == StatusCode::kResourceExhausted);
+  CHECK(third.message() ==
+        "this agent serves at most 2 Fetch streams at once to one peer, and ipv4:10.0.0.1 has 2 "
+        "(--snapshot-limits streams_per_peer)");
+  CHECK(a.admit("ipv4:10.0.0.2").isOk());
+  Status all = a.admit("ipv4:10.0.0.3");
+  REQUIRE(all.code() == StatusCode::kResourceExhausted);
+  CHECK(all.message().find("at most 3 Fetch streams at once (--snapshot-limits streams)") !=
+        std::string::npos);
+  a.release("ipv4:10.0.0.1");
+  CHECK(a.total() == 2);
+  CHECK(a.admit("ipv4:10.0.0.3").isOk());
+  a.release("ipv4:10.0.0.9");  // never admitted: nothing changes
+  CHECK(a.total() == 3);
+}
+
+TEST_CASE("streams that never read are bounded in number and in the bytes held for them",
+          "[snapshot]") {
+  // A hostile peer opens Fetch streams for an 8 MiB version and never reads them: 2,000 of them
+  // took an agent to 4.2 GB. Here at most 4 are served to one peer, with 8 MiB of chunks in all.
+  constexpr uint64_t kBudget = 8 << 20;
+  Holder h(8 << 20, "", {}, "", "", 4 << 20, [](SnapshotServerOptions& o) {
+    o.max_streams_per_peer = 4;
+    o.max_streams = 8;
+    o.max_buffered_bytes = kBudget;
+  });
+  auto stub = ddprun::snapshot::v1::SnapshotReplication::NewStub(
+      grpc::CreateChannel(h.peer().endpoint, grpc::InsecureChannelCredentials()));
+  ddprun::snapshot::v1::FetchRequest req;
+  req.set_run_id("run");
+  req.set_name("snap.bin");
+  req.set_version(7);
+  std::vector<std::unique_ptr<grpc::ClientContext>> held;
+  std::vector<std::unique_ptr<grpc::ClientReader<ddprun::snapshot::v1::Chunk>>> readers;
+  for (int i = 0; i < 4; ++i) {
+    held.push_back(std::make_unique<grpc::ClientContext>());
+    readers.push_back(stub->Fetch(held.back().get(), req));
+    REQUIRE(ddprun::testing::waitUntil([&] { return h.server->activeStreams() == i + 1; }));
+  }
+  // What the unread streams hold stays within the budget (and a smallest chunk each past it).
+  CHECK(h.server->bufferedBytes() <= kBudget + 4 * (64 << 10));
+  for (int i = 0; i < 3; ++i) {
+    grpc::ClientContext ctx;
+    auto refused = stub->Fetch(&ctx, req);
+    ddprun::snapshot::v1::Chunk chunk;
+    CHECK_FALSE(refused->Read(&chunk));
+    const grpc::Status st = refused->Finish();
+    CHECK(st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+    CHECK(st.error_message().find("at most 4 Fetch streams at once to one peer") !=
+          std::string::npos);
+  }
+  CHECK(h.server->activeStreams() == 4);
+  // Once they go, their streams and bytes are given back, and a fetch goes through whole.
+  for (auto& ctx : held) ctx->TryCancel();
+  for (auto& r : readers) (void)r->Finish();
+  REQUIRE(ddprun::testing::waitUntil([&] { return h.server->activeStreams() == 0; }));
+  CHECK(h.server->bufferedBytes() == 0);
+  Dir recv;
+  REQUIRE(fetchSnapshot(h.peer(), h.served.file, recv / "got", nullptr).isOk());
+  const bool same = readAll(recv / "got") == h.content;
+  CHECK(same);
+}
+
+TEST_CASE("with the chunk budget taken, other streams get smaller chunks and whole files",
+          "[snapshot]") {
+  Holder h(3 << 20, "", {}, "", "", 1 << 20, [](SnapshotServerOptions& o) {
+    o.max_buffered_bytes = 1 << 20;  // one chunk's worth in all
+  });
+  // A receive window that stays small: the idle stream's first chunk stays with the server.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  auto stub = ddprun::snapshot::v1::SnapshotReplication::NewStub(
+      grpc::CreateCustomChannel(h.peer().endpoint, grpc::InsecureChannelCredentials(), args));
+  ddprun::snapshot::v1::FetchRequest req;
+  req.set_run_id("run");
+  req.set_name("snap.bin");
+  req.set_version(7);
+  grpc::ClientContext idle_ctx;
+  auto idle = stub->Fetch(&idle_ctx, req);  // takes the whole budget and does not read
+  REQUIRE(ddprun::testing::waitUntil([&] { return h.server->bufferedBytes() >= (1 << 20); }));
+  grpc::ClientContext ctx;
+  auto reader = stub->Fetch(&ctx, req);
+  ddprun::snapshot::v1::Chunk chunk;
+  std::string got;
+  size_t most = 0;
+  while (reader->Read(&chunk)) {
+    most = std::max(most, chunk.data().size());
+    got += chunk.data();
+  }
+  REQUIRE(reader->Finish().ok());
+  CHECK(most == (64 << 10));
+  const bool same = got == h.content;
+  CHECK(same);
+  idle_ctx.TryCancel();
+  (void)idle->Finish();
 }

@@ -151,11 +151,37 @@ struct ServeFault {
   int count = 0;
 };
 
+// How many Fetch streams a server serves at once, to each peer address and in all (the
+// server's bounds against peers that open streams and never read). Pure; not thread-safe (the
+// server guards it).
+class FetchAdmission {
+ public:
+  FetchAdmission(int per_peer = 16, int max = 64) : per_peer_(per_peer), max_(max) {}
+  // One more stream from `peer`, counted until release(peer); RESOURCE_EXHAUSTED naming the
+  // bound (and its --snapshot-limits key) when it is reached.
+  Status admit(const std::string& peer);
+  void release(const std::string& peer);
+  int total() const { return total_; }
+
+ private:
+  int per_peer_;
+  int max_;
+  int total_ = 0;
+  std::map<std::string, int> by_peer_;
+};
+
 struct SnapshotServerOptions {
   std::string listen;  // HOST:PORT; port 0 picks a free one
   std::string run_id;  // requests for another run are refused (FAILED_PRECONDITION)
   TransferSecurity security;
   size_t chunk_bytes = 4 << 20;
+  // Bounds against peers that open Fetch streams and do not read them (docs/reliability.md):
+  // streams at once per peer address and in all (more: RESOURCE_EXHAUSTED), and the bytes of
+  // chunks read for streams whose receiver has not taken them yet, in all (each chunk is sized
+  // to fit, down to 64 KiB: a chunk in flight per stream).
+  int max_streams_per_peer = 16;
+  int max_streams = 64;
+  uint64_t max_buffered_bytes = uint64_t{64} << 20;
   // What this agent holds (or is fetching) of `wanted`'s name and version, if it is that content
   // (its size, and its CRC-32 unless either is pending: what the requester was announced);
   // nullopt: NOT_FOUND. Called on gRPC threads.
@@ -176,6 +202,9 @@ class SnapshotServer {
   int port() const;
   // Fetch streams being served now (any thread).
   int activeStreams() const;
+  // Bytes of chunks read and not yet dropped by gRPC (sent, or the stream gone; any thread): at
+  // most max_buffered_bytes, and 64 KiB more per stream when many share it.
+  uint64_t bufferedBytes() const;
 
   struct Impl;
 
