@@ -208,9 +208,21 @@ StatusOr<size_t> parseSnapshotStreams(const std::string& text) {
   return static_cast<size_t>(*n);
 }
 
+namespace {
+SnapshotReplicaOptions replicaOptions(const SnapshotLimits& limits) {
+  SnapshotReplicaOptions o;
+  o.max_names_per_holder = static_cast<size_t>(std::max(limits.names_per_peer, 1));
+  o.max_pending_names = static_cast<size_t>(std::max(limits.names, 1));
+  return o;
+}
+}  // namespace
+
 SnapshotReplicator::SnapshotReplicator(boost::asio::io_context& io,
                                        SnapshotReplicatorOptions options)
-    : io_(io), options_(std::move(options)), event_buf_(64 * 1024) {}
+    : io_(io),
+      options_(std::move(options)),
+      replica_(replicaOptions(options_.limits)),
+      event_buf_(64 * 1024) {}
 
 StatusOr<std::unique_ptr<SnapshotReplicator>> SnapshotReplicator::start(
     boost::asio::io_context& io, SnapshotReplicatorOptions options) {
@@ -1045,7 +1057,7 @@ void SnapshotReplicator::onAnnounce(const SnapshotVersion& announced, const std:
   }
   if (!v.moved_to.empty() && !isReplicatedName(v.moved_to)) v.moved_to.clear();
   const bool newer = replica_.shouldInstall(v);
-  replica_.onHolder(v, source);
+  if (!tookHolder(v, source)) return;
   relays_.told(v, origin);
   if (newer) {
     auto& heard = first_heard_[v.name];
@@ -1391,8 +1403,34 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
   pump();
 }
 
+bool SnapshotReplicator::tookHolder(const SnapshotVersion& v, const std::string& source) {
+  const HolderNews news = replica_.onHolder(v, source);
+  if (news != HolderNews::kTooManyFromHolder && news != HolderNews::kTooManyNames) return true;
+  if (auto n = names_log_.note(source, std::chrono::steady_clock::now())) {
+    const bool theirs = news == HolderNews::kTooManyFromHolder;
+    snapLog()->warn(
+        "snapshot: refused {} new name(s) from {} (the last: {}): {} names wait to be fetched "
+        "here{}, the most --snapshot-limits {} allows",
+        *n, quotePeerText(source, 100), quotePeerText(v.name, 200),
+        theirs ? replica_.namesFrom(source) : replica_.pendingNames(),
+        theirs ? " from it" : " in all", theirs ? "names_per_peer" : "names");
+  }
+  return false;
+}
+
 void SnapshotReplicator::dropGoneSources(const std::vector<std::string>& live) {
+  const size_t pending = replica_.pendingNames();
   replica_.keepSources(live);
+  // What only the nodes gone were heard to hold is forgotten, with what passing it on needed.
+  if (const size_t forgotten = pending - std::min(pending, replica_.pendingNames())) {
+    snapLog()->info("snapshot: forgot {} name(s) that only nodes no longer in round {} held",
+                    forgotten, round_);
+  }
+  for (auto it = first_heard_.begin(); it != first_heard_.end();) {
+    it = replica_.wanted(it->first) ? std::next(it) : first_heard_.erase(it);
+  }
+  relays_.forgetUnless(
+      [this](const std::string& name) { return replica_.wanted(name).has_value(); });
   for (auto& [name, fetch] : fetching_) {
     const std::string& source = fetch.first;
     if (fetch.second->cancelled()) continue;  // ended at an earlier round's sync
@@ -1540,11 +1578,10 @@ void SnapshotReplicator::publishHoldings(RendezvousService& service, const std::
                            nodes_[i] = h->first;
                            if (static_cast<int>(i) == me) continue;
                            for (const auto& v : h->second) {
-                             if (replica_.shouldInstall(v)) {
+                             if (replica_.shouldInstall(v) && tookHolder(v, h->first)) {
                                auto& heard = first_heard_[v.name];
                                if (heard.first != v.version) heard = {v.version, now};
                              }
-                             replica_.onHolder(v, h->first);
                            }
                          }
                          dropGoneSources(nodes_);

@@ -216,6 +216,9 @@ class SnapshotReplicator {
   // The round's nodes are known (its holdings arrived, or will not): the announcements that
   // waited for them are looked at.
   void nodesKnown();
+  // replica_.onHolder, with a throttled warning when the name is refused (the bounds on names
+  // waiting here); false then.
+  bool tookHolder(const SnapshotVersion& v, const std::string& source);
   // Announces `v` (held at `source`, written by `origin`) to the given group ranks. A node that
   // does not take it (stopped, gone, not yet out of the round) is stepped over: the next node of
   // the chain is told instead, so that the rest of the chain is not held up until the next round.
@@ -349,6 +352,7 @@ class SnapshotReplicator {
   static constexpr size_t kMaxUnverified = 1024;
   std::deque<Unverified> unverified_;
   LogThrottle ignored_log_{std::chrono::seconds(60)};  // announcements from outside the round
+  LogThrottle names_log_{std::chrono::seconds(60)};    // names refused past the bounds
   // Announcements to pass on once the version is held (or given up), and those passed on as the
   // version arrived (serveArriving).
   SnapshotRelays relays_;

@@ -101,7 +101,7 @@ const std::vector<LaunchFlag>& launchFlags() {
        "unpickles runs code)."},
       {"snapshot_limits", 0, true, "K=V,...",
        "Bounds of --snapshot-dir replication: streams_per_peer (16), streams (64), buffered_mb "
-       "(64), names_per_peer (16384), names (65536), stall_timeout (60 s)."},
+       "(64), names_per_peer (65536), names (131072), stall_timeout (60 s)."},
       {"metrics_port", 0, true, "PORT",
        "Serve /healthz and Prometheus /metrics of this agent on PORT (0: a free port, printed)."},
   };

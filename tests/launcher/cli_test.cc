@@ -826,7 +826,8 @@ TEST_CASE("--snapshot-limits sets the replication's bounds and names a bad key o
   CHECK(defaults->config.snapshot_limits.streams_per_peer == d.streams_per_peer);
   CHECK(d.streams_per_peer == 16);
   CHECK(d.streams == 64);
-  CHECK(d.names == 65536);
+  CHECK(d.names_per_peer == 65536);
+  CHECK(d.names == 131072);
 
   CHECK(errorOf({"--snapshot-limits=streams=0", f.exe}, f.env()) ==
         "argument --snapshot-limits: streams must be a whole number from 1 to 65536, got '0'");

@@ -100,14 +100,15 @@ class HostileNode {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   }
 
-  // Starts joining a round of `nodes` nodes (the agent under test joins it too).
-  void start(int nodes = 2) {
-    joined_ = std::async(std::launch::async, [this, nodes] {
+  // Starts joining a round of `nodes` nodes (the agent under test joins it too), or of
+  // `min_nodes` to `nodes` when given.
+  void start(int nodes = 2, int min_nodes = 0) {
+    joined_ = std::async(std::launch::async, [this, nodes, min_nodes] {
       rendezvous::JoinRequest req;
       req.run_id = run_id_;
       req.address = "127.0.0.1";
       req.local_world_size = 1;
-      req.config.min_nodes = static_cast<uint32_t>(nodes);
+      req.config.min_nodes = static_cast<uint32_t>(min_nodes > 0 ? min_nodes : nodes);
       req.config.max_nodes = static_cast<uint32_t>(nodes);
       req.config.last_call_timeout = std::chrono::seconds(1);
       req.config.heartbeat_interval = std::chrono::seconds(1);
@@ -158,6 +159,14 @@ class HostileNode {
     peer.security.token = token_;
     const std::string from = source.empty() ? endpoint : source;
     return rendezvous::announceSnapshot(peer, file, from, from, std::chrono::seconds(5));
+  }
+
+  // Leaves the run now (as a node that stops would): the next round is formed without it.
+  void leave() {
+    stop_ = true;
+    if (heartbeats_.joinable()) heartbeats_.join();
+    if (!node_id_.empty()) (void)client_->leave(run_id_, node_id_);
+    node_id_.clear();
   }
 
   void serve(FetchHandler h) {

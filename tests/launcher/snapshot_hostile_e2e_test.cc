@@ -22,10 +22,11 @@ namespace {
 // its one worker runs until `dir`/../stop-<run> exists (no file of the directory).
 struct Agent {
   Agent(const std::string& rdzv, const std::string& run_id, const std::string& dir,
-        std::vector<std::string> extra = {}, const std::string& conf = "")
+        std::vector<std::string> extra = {}, const std::string& conf = "",
+        const std::string& nnodes = "2")
       : stop(stop_dir / "stop") {
     std::vector<std::string> argv = {ddprunBin(),
-                                     "--nnodes=2",
+                                     "--nnodes=" + nnodes,
                                      "--nproc-per-node=1",
                                      "--rdzv-backend=c10d",
                                      "--rdzv-endpoint=" + rdzv,
@@ -247,4 +248,46 @@ TEST_CASE("Fetch streams that are never read are refused past the bound and hold
     }
     return true;
   }));
+}
+
+TEST_CASE("a peer's flood of names is bounded, and its names are forgotten once it left",
+          "[snapshot][hostile]") {
+  TempDir dir;
+  RendezvousDaemon rdzv;
+  // The agent runs alone first (1:2 nodes), then the hostile node joins its next round.
+  Agent agent(
+      rdzv.endpoint, "hostile-names", dir.path(),
+      {"--snapshot-allow-unauthenticated", "--snapshot-limits=names_per_peer=100,names=200"}, "",
+      "1:2");
+  REQUIRE(!agent.ready().empty());
+  HostileNode peer(rdzv.endpoint, "hostile-names");
+  peer.start(2, 1);
+  peer.waitJoined();
+  REQUIRE(peer.round.group_world_size == 2);
+  const std::string at = servingAt(agent.process->err());
+  INFO(agent.process->err());
+  REQUIRE(
+      waitUntil([&] { return countOf(agent.process->err(), "started 1 worker(s)") >= 2; }, 60s));
+  // Its fetches stall: every name it announces stays waiting here.
+  std::atomic<bool> release{false};
+  peer.serve(
+      [&](grpc::ServerContext* ctx, const spb::FetchRequest&, grpc::ServerWriter<spb::Chunk>*) {
+        while (!ctx->IsCancelled() && !release) std::this_thread::sleep_for(10ms);
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "stalled");
+      });
+  for (int i = 0; i < 1000; ++i) {
+    rendezvous::SnapshotFile f{"flood/" + std::to_string(i), peer.version(1), 10, 1};
+    REQUIRE(peer.announce(at, f).isOk());
+  }
+  // 100 taken, 900 refused, in one line (a minute's worth) naming the peer and the bound.
+  CHECK(agent.logged("snapshot: refused 1 new name(s) from " + peer.endpoint));
+  CHECK(agent.process->err().find("100 names wait to be fetched here from it, the most "
+                                  "--snapshot-limits names_per_peer allows") != std::string::npos);
+  CHECK(countOf(agent.process->err(), "new name(s) from") == 1);
+  CHECK(peer.service.fetches <= 100);
+
+  // It leaves: the next round is the agent's alone, and what only it held is forgotten.
+  peer.leave();
+  CHECK(agent.logged("snapshot: forgot 100 name(s) that only nodes no longer in round", 60s));
+  release = true;
 }

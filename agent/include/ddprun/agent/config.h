@@ -53,8 +53,10 @@ struct SnapshotLimits {
   // Chunks being sent, in all: a stream's next chunk is smaller (down to 64 KiB) when many
   // streams share this, so at most about this much memory holds chunks a peer has not read yet.
   uint64_t buffered_bytes = uint64_t{64} << 20;
-  int names_per_peer = 16384;  // names a peer's announcements may keep waiting here
-  int names = 65536;           // names waiting to be fetched, from all peers
+  // Names heard of and waiting to be fetched, from one peer and in all (a peer's announcements
+  // and round holdings). One peer's default is what a version table holds (~60,000 names).
+  int names_per_peer = 65536;
+  int names = 131072;
   // A fetch that receives no byte for this long ends (the holder stalled); its deadline is this
   // since the last byte, whatever the size.
   double stall_seconds = 60;
