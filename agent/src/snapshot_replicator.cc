@@ -1121,7 +1121,8 @@ void SnapshotReplicator::pump() {
     const auto started = std::chrono::steady_clock::now();
     auto status = std::make_shared<Status>();
     auto crc = std::make_shared<uint32_t>(0);
-    const rendezvous::SnapshotPeer peer{t.source, options_.run_id, options_.security};
+    rendezvous::SnapshotPeer peer{t.source, options_.run_id, options_.security};
+    peer.stall_timeout = seconds(options_.limits.stall_seconds);
     // Renamed on the node that wrote it, from a file held here: copied from that (it is passed on
     // once complete, a local copy being quick). Else a node this one relays the version to
     // fetches it from here while it arrives.

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -18,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -1169,12 +1171,81 @@ class FetchAbort {
   }
   bool stopped() const { return failed_.load(); }
 
+  // A chunk arrived (any stream of the fetch).
+  void progress() { last_progress_ = nowNs(); }
+  // Fails the fetch, `why` being its cause, when nothing arrived for `bound` (StallWatch).
+  bool stalledFor(Duration bound, const Status& why) {
+    if (nowNs() - last_progress_.load() < std::chrono::nanoseconds(bound).count()) return false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!stall_) stall_ = why;
+    }
+    fail();
+    return true;
+  }
+  // Why the fetch stalled, if it did.
+  std::optional<Status> stalled() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stall_;
+  }
+
  private:
+  static int64_t nowNs() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
   FetchCancel* cancel_;
   uint64_t subscription_ = 0;
   std::mutex mu_;
   std::atomic<bool> failed_{false};
   std::vector<grpc::ClientContext*> contexts_;  // guarded by mu_
+  std::atomic<int64_t> last_progress_{nowNs()};
+  std::optional<Status> stall_;  // guarded by mu_
+};
+
+// Ends a fetch whose source sent nothing for the peer's stall_timeout: a thread that looks a few
+// times per period, started for the fetch and joined at its end. Without a thread to be had, the
+// fetch's streams get the deadline a stall would have given a whole transfer before
+// (`fallback()`).
+class StallWatch {
+ public:
+  StallWatch(const SnapshotPeer& peer, FetchAbort* abort) {
+    const Duration bound = std::max<Duration>(peer.stall_timeout, std::chrono::milliseconds(10));
+    std::ostringstream secs;
+    secs << std::chrono::duration<double>(bound).count();
+    const Status why(StatusCode::kDeadlineExceeded, "no byte from " + peer.endpoint + " for " +
+                                                        secs.str() +
+                                                        " s (--snapshot-limits stall_timeout)");
+    const Duration step = std::min<Duration>(bound / 4, std::chrono::seconds(1));
+    try {
+      thread_ = std::thread([this, abort, bound, why, step] {
+        std::unique_lock<std::mutex> lock(mu_);
+        while (!done_) {
+          cv_.wait_for(lock, step);
+          if (!done_ && abort->stalledFor(bound, why)) return;
+        }
+      });
+    } catch (const std::system_error&) {
+      fallback_ = true;
+    }
+  }
+  ~StallWatch() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  bool fallback() const { return fallback_; }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;  // guarded by mu_
+  bool fallback_ = false;
+  std::thread thread_;
 };
 
 // One stream of a fetch: bytes [begin, end) of the version, written at the same offsets.
@@ -1187,7 +1258,8 @@ struct RangeFetch {
 };
 
 void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::string& temp_path,
-                size_t lane, RangeFetch* range, FetchAbort* abort, ArrivingFile* arriving) {
+                size_t lane, RangeFetch* range, FetchAbort* abort, ArrivingFile* arriving,
+                bool total_deadline) {
   auto fail = [&](Status st) {
     range->status = std::move(st);
     abort->fail();
@@ -1202,9 +1274,12 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
   auto channel = channelTo(peer, lane);
   grpc::ClientContext ctx;
   addToken(ctx, peer);
-  // A stuck source must not hold the node forever: a minute plus 10 s per 100 MB.
-  const auto allowed = std::chrono::seconds(60 + static_cast<int64_t>(file.size / (10 << 20)));
-  ctx.set_deadline(std::chrono::system_clock::now() + allowed);
+  // A stuck source must not hold the node forever: StallWatch ends a fetch that receives nothing
+  // for the stall timeout, whatever the size. Only without it, a deadline for the whole.
+  if (total_deadline) {
+    const auto allowed = std::chrono::seconds(60 + static_cast<int64_t>(file.size / (10 << 20)));
+    ctx.set_deadline(std::chrono::system_clock::now() + allowed);
+  }
   if (!abort->enter(&ctx)) {
     range->status = Status(StatusCode::kCancelled, "the fetch was cancelled");
     return;
@@ -1231,6 +1306,7 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
   uint32_t crc = 0;
   Status failure;
   while (reader->Read(&message)) {
+    abort->progress();
     if (abort->stopped()) {
       failure = Status(StatusCode::kCancelled, "the fetch was cancelled");
       break;
@@ -1274,6 +1350,7 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
   if (!failure.isOk()) ctx.TryCancel();
   Status st = convert::fromGrpc(reader->Finish());
   abort->leave(&ctx);
+  if (auto stalled = abort->stalled()) return fail(*stalled);
   if (!failure.isOk()) return fail(failure);
   if (!st.isOk()) return fail(st);
   if (offset != range->end) {
@@ -1290,8 +1367,9 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
 
 namespace {
 
-// Creates the temp file a version is received into, with its space reserved (RESOURCE_EXHAUSTED
-// naming the bytes when there is none), and hands it to `arriving` for serving on.
+// Creates the temp file a version is received into, once the disk has the space for it
+// (RESOURCE_EXHAUSTED naming the bytes when it has not), and hands it to `arriving` for serving
+// on.
 Status prepareTemp(const SnapshotFile& file, TempFile& out, const std::string& temp_path,
                    ArrivingFile* arriving) {
   const std::string dir = dirOf(temp_path);
@@ -1300,18 +1378,10 @@ Status prepareTemp(const SnapshotFile& file, TempFile& out, const std::string& t
     const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
     if (free_bytes < file.size) return noSpace(file, dir, free_bytes);
   }
+  // No space is reserved for the whole version up front (a holder that announces a large
+  // version and stalls would hold it from everyone else on this disk): the writes take it as the
+  // bytes arrive, and one that finds none fails the fetch as RESOURCE_EXHAUSTED.
   DDPRUN_RETURN_IF_ERROR(out.create());
-  if (file.size > 0) {
-    const int err = ::posix_fallocate(out.fd(), 0, static_cast<off_t>(file.size));
-    if (err == ENOSPC || err == EDQUOT) {
-      uint64_t free_bytes = 0;
-      if (::statvfs(dir.c_str(), &vfs) == 0) {
-        free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-      }
-      return noSpace(file, dir, free_bytes);
-    }
-    // Other errors (a file system without fallocate): writing finds out.
-  }
   if (arriving != nullptr) {  // served on as it arrives: through a descriptor of its own
     const int fd = ::open(temp_path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) return internalError("cannot open " + temp_path + ": " + errnoText(errno));
@@ -1343,20 +1413,25 @@ Status fetchInto(const SnapshotPeer& peer, const SnapshotFile& file, const std::
   FetchAbort abort(cancel);
   std::vector<std::thread> helpers;
   size_t inline_from = ranges.size();  // ranges no helper thread could be started for
-  for (size_t i = 1; i < ranges.size(); ++i) {
-    try {
-      helpers.emplace_back(
-          [&, i] { fetchRange(peer, file, temp_path, i + 1, &ranges[i], &abort, arriving); });
-    } catch (const std::system_error&) {
-      inline_from = i;
-      break;
+  {
+    StallWatch watch(peer, &abort);
+    const bool total = watch.fallback();
+    for (size_t i = 1; i < ranges.size(); ++i) {
+      try {
+        helpers.emplace_back([&, i] {
+          fetchRange(peer, file, temp_path, i + 1, &ranges[i], &abort, arriving, total);
+        });
+      } catch (const std::system_error&) {
+        inline_from = i;
+        break;
+      }
     }
+    fetchRange(peer, file, temp_path, 1, &ranges[0], &abort, arriving, total);
+    for (size_t i = inline_from; i < ranges.size(); ++i) {
+      fetchRange(peer, file, temp_path, i + 1, &ranges[i], &abort, arriving, total);
+    }
+    for (auto& t : helpers) t.join();
   }
-  fetchRange(peer, file, temp_path, 1, &ranges[0], &abort, arriving);
-  for (size_t i = inline_from; i < ranges.size(); ++i) {
-    fetchRange(peer, file, temp_path, i + 1, &ranges[i], &abort, arriving);
-  }
-  for (auto& t : helpers) t.join();
   uint32_t crc = 0;
   // The first failure is the cause; the others are mostly the cancellations it caused.
   for (const auto& r : ranges) {

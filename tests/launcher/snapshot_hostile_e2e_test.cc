@@ -2,8 +2,10 @@
 // its round that is not ddprun (hostile_peer.h), which announces and serves what a careless or
 // malicious node would. Each case holds the agent to one clear log line and no harm done.
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <catch2/catch.hpp>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <regex>
@@ -290,4 +292,47 @@ TEST_CASE("a peer's flood of names is bounded, and its names are forgotten once 
   peer.leave();
   CHECK(agent.logged("snapshot: forgot 100 name(s) that only nodes no longer in round", 60s));
   release = true;
+}
+
+TEST_CASE("a holder that announces a large version and stalls is dropped after the stall bound",
+          "[snapshot][hostile]") {
+  TempDir dir;
+  RendezvousDaemon rdzv;
+  HostileNode peer(rdzv.endpoint, "hostile-stall");
+  peer.start();
+  Agent agent(rdzv.endpoint, "hostile-stall", dir.path(),
+              {"--snapshot-allow-unauthenticated", "--snapshot-limits=stall_timeout=1"});
+  peer.waitJoined();
+  const std::string at = agent.ready();
+  // One 64 KiB chunk of a 20 MiB version, then nothing.
+  std::atomic<int> sent{0};
+  peer.serve([&](grpc::ServerContext* ctx, const spb::FetchRequest& req,
+                 grpc::ServerWriter<spb::Chunk>* w) {
+    const std::string data(64 << 10, 'x');
+    spb::Chunk c;
+    c.set_offset(req.offset());
+    c.set_data(data);
+    c.set_crc32(crc32Update(0, data.data(), data.size()));
+    w->Write(c);
+    ++sent;
+    while (!ctx->IsCancelled()) std::this_thread::sleep_for(10ms);
+    return grpc::Status(grpc::StatusCode::CANCELLED, "gone");
+  });
+  rendezvous::SnapshotFile big{"big.bin", peer.version(2), 20 << 20, 99};
+  const auto announced = std::chrono::steady_clock::now();
+  REQUIRE(peer.announce(at, big).isOk());
+  REQUIRE(waitUntil([&] { return sent.load() >= 1; }));
+  // What the receiving file takes of the disk is what arrived, not the 20 MiB announced.
+  uint64_t taken = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    struct stat st {};
+    if (::stat(e.path().c_str(), &st) == 0) taken += static_cast<uint64_t>(st.st_blocks) * 512;
+  }
+  CHECK(taken < (4 << 20));
+  INFO(agent.process->err());
+  CHECK(agent.logged("fetching big.bin version " + std::to_string(peer.round.round) + ".2 from " +
+                         peer.endpoint + " failed (attempt 1): no byte from " + peer.endpoint +
+                         " for 1 s (--snapshot-limits stall_timeout)",
+                     20s));
+  CHECK(std::chrono::steady_clock::now() - announced < 15s);
 }

@@ -1087,3 +1087,70 @@ TEST_CASE("with the chunk budget taken, other streams get smaller chunks and who
   idle_ctx.TryCancel();
   (void)idle->Finish();
 }
+
+namespace {
+
+// A hostile holder: announces a version of `size` bytes, sends its first 64 KiB chunk, then
+// nothing (as one stopped halfway), until the fetch goes away.
+struct StallingSource final : ddprun::snapshot::v1::SnapshotReplication::Service {
+  explicit StallingSource(uint64_t size) : size(size) {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(this);
+    server = b.BuildAndStart();
+    REQUIRE(server);
+  }
+  ~StallingSource() override {
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
+  grpc::Status Fetch(grpc::ServerContext* ctx, const ddprun::snapshot::v1::FetchRequest* req,
+                     grpc::ServerWriter<ddprun::snapshot::v1::Chunk>* w) override {
+    const std::string data(64 << 10, 'x');
+    ddprun::snapshot::v1::Chunk c;
+    c.set_offset(req->offset());
+    c.set_data(data);
+    c.set_crc32(static_cast<uint32_t>(
+        ::crc32(0L, reinterpret_cast<const Bytef*>(data.data()), static_cast<uInt>(data.size()))));
+    w->Write(c);
+    sent = true;
+    while (!ctx->IsCancelled()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return grpc::Status(grpc::StatusCode::CANCELLED, "gone");
+  }
+  SnapshotPeer peer(Duration stall) const {
+    SnapshotPeer p{"127.0.0.1:" + std::to_string(port), "run", {}};
+    p.stall_timeout = stall;
+    return p;
+  }
+  uint64_t size;
+  int port = 0;
+  std::atomic<bool> sent{false};
+  std::unique_ptr<grpc::Server> server;
+};
+
+}  // namespace
+
+TEST_CASE("a holder that stalls holds no disk beyond what it sent, and no longer than the bound",
+          "[snapshot]") {
+  // A holder that announced 20 MiB and stalled held 20 MiB of a 24 MiB disk for about a minute
+  // (reserved up front), and the fetch's deadline grew with the size announced.
+  StallingSource source(20 << 20);
+  const SnapshotFile file{"big.bin", 5, source.size, 1234};
+  Dir out;
+  const auto started = std::chrono::steady_clock::now();
+  auto fetch = std::async(std::launch::async, [&] {
+    return fetchSnapshot(source.peer(std::chrono::milliseconds(500)), file, out / ".recv", nullptr,
+                         1);
+  });
+  REQUIRE(ddprun::testing::waitUntil([&] { return source.sent.load(); }));
+  struct stat st {};
+  if (::stat((out / ".recv").c_str(), &st) == 0) {  // the fetch may have ended already
+    CHECK(static_cast<uint64_t>(st.st_blocks) * 512 < (1 << 20));
+  }
+  REQUIRE(fetch.wait_for(std::chrono::seconds(20)) == std::future_status::ready);
+  const Status failed = fetch.get();
+  CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(15));
+  CHECK(failed.code() == StatusCode::kDeadlineExceeded);
+  CHECK(failed.message() == "no byte from 127.0.0.1:" + std::to_string(source.port) +
+                                " for 0.5 s (--snapshot-limits stall_timeout)");
+  CHECK_FALSE(exists(out / ".recv"));
+}

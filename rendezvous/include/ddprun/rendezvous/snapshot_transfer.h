@@ -218,6 +218,9 @@ struct SnapshotPeer {
   std::string endpoint;  // HOST:PORT
   std::string run_id;
   TransferSecurity security;
+  // A fetch from it ends when no chunk arrived for this long (--snapshot-limits stall_timeout),
+  // however large the version: a holder that stalls holds nothing here for longer.
+  Duration stall_timeout = std::chrono::seconds(60);
 };
 
 // Tells `peer` that `file`, written by `origin`, can be fetched from `source`. Blocks up to
@@ -252,12 +255,15 @@ class FetchCancel {
 // file is removed and the status says why: DATA_LOSS for a checksum or size mismatch,
 // RESOURCE_EXHAUSTED when the disk lacks the space (naming the bytes needed), NOT_FOUND when the
 // peer no longer holds that version, `cancel`'s reason once it was cancelled, UNAVAILABLE or
-// DEADLINE_EXCEEDED for the network. A version of 64 MiB or more comes over up to
-// `streams_at_most` streams at once, one range of 32 MiB or more each, each on a helper thread and
-// a connection of its own. The whole content's verified CRC-32 goes to `*crc32_out` when given
-// (for a file.crc32_pending version, the one the source sent). With `arriving`, the bytes that
-// are in the temp file and checked are reported to it as they come, so that this node can serve
-// them on; it is failed unless the fetch succeeds. Blocks the calling thread.
+// DEADLINE_EXCEEDED for the network (DEADLINE_EXCEEDED too when no chunk came for the peer's
+// stall_timeout). The disk's space is checked first, but taken only as the bytes arrive: a holder
+// that announces a large version and stalls holds no more of the disk than it sent. A version of 64
+// MiB or more comes over up to `streams_at_most` streams at once, one range of 32 MiB or more each,
+// each on a helper thread and a connection of its own. The whole content's verified CRC-32 goes to
+// `*crc32_out` when given (for a file.crc32_pending version, the one the source sent). With
+// `arriving`, the bytes that are in the temp file and checked are reported to it as they come, so
+// that this node can serve them on; it is failed unless the fetch succeeds. Blocks the calling
+// thread.
 inline constexpr size_t kDefaultFetchStreams = 2;
 Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
                      const std::string& temp_path, FetchCancel* cancel,
