@@ -451,9 +451,11 @@ StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
   for (size_t i = 1; i < lines.size(); ++i) {
     if (lines[i].empty()) continue;
     auto v = parseVersionLine(lines[i]);
-    if (!v) return invalidArgument("snapshot holdings: malformed line '" + lines[i] + "'");
+    if (!v) {
+      return invalidArgument("snapshot holdings: malformed line '" + quotePeerText(lines[i]) + "'");
+    }
     if (!isPossibleVersion(v->version)) {
-      return invalidArgument("snapshot holdings: line '" + lines[i] +
+      return invalidArgument("snapshot holdings: line '" + quotePeerText(lines[i]) +
                              "' has a version from round " + std::to_string(v->version >> 32) +
                              ", which no job reaches");
     }

@@ -1375,11 +1375,18 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
   }
   if (!st.isOk()) {
     ++metrics_.transfer_failures;
-    if (st.code() == StatusCode::kResourceExhausted) {
-      snapLog()->error("snapshot: {}; keeping the previous version", st.message());
+    if (st.code() == StatusCode::kResourceExhausted) {  // this node's disk (or memory)
+      snapLog()->error("snapshot: {} (fetching it from {}); keeping the previous version",
+                       st.message(), t.source);
     } else if (st.code() != StatusCode::kCancelled) {
-      snapLog()->warn("snapshot: fetching {} version {} from {} failed (attempt {}): {}",
-                      t.file.name, versionText(t.file.version), t.source, t.attempt, st.message());
+      // A peer can fail many fetches (one per name it announced): a few lines a minute each.
+      if (auto n = fetch_log_.note(t.source, now)) {
+        snapLog()->warn(
+            "snapshot: fetching {} version {} from {} failed (attempt {}): {}{}", t.file.name,
+            versionText(t.file.version), t.source, t.attempt, st.message(),
+            *n > 1 ? " (" + std::to_string(*n - 1) + " more failures from it were not logged)"
+                   : std::string());
+      }
     }
   }
   replica_.onTransferDone(t, outcomeOf(st));
@@ -1397,9 +1404,13 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
   if (!st.isOk() && st.code() != StatusCode::kResourceExhausted && !replica_.wanted(t.file.name) &&
       replica_.shouldInstall(t.file)) {
     auto kept = replica_.held(t.file.name);
-    snapLog()->error("snapshot: gave up on {} version {}; keeping {}", t.file.name,
-                     versionText(t.file.version),
-                     kept ? "version " + versionText(kept->version) : std::string("none"));
+    if (auto n = gave_up_log_.note(t.source, now)) {
+      snapLog()->error("snapshot: gave up on {} version {} (last tried from {}); keeping {}{}",
+                       t.file.name, versionText(t.file.version), t.source,
+                       kept ? "version " + versionText(kept->version) : std::string("none"),
+                       *n > 1 ? " (" + std::to_string(*n - 1) + " more given up, not logged)"
+                              : std::string());
+    }
   }
   pump();
 }

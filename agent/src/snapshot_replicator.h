@@ -353,6 +353,9 @@ class SnapshotReplicator {
   std::deque<Unverified> unverified_;
   LogThrottle ignored_log_{std::chrono::seconds(60)};  // announcements from outside the round
   LogThrottle names_log_{std::chrono::seconds(60)};    // names refused past the bounds
+  // Fetch failures, by source: 20 lines a minute each.
+  LogThrottle fetch_log_{std::chrono::seconds(60), 1024, 20};
+  LogThrottle gave_up_log_{std::chrono::seconds(60), 1024, 20};  // versions given up, by source
   // Announcements to pass on once the version is held (or given up), and those passed on as the
   // version arrived (serveArriving).
   SnapshotRelays relays_;

@@ -28,6 +28,7 @@
 #include "ddprun/common/block_cache.h"
 #include "ddprun/common/crc32.h"
 #include "ddprun/common/log.h"
+#include "ddprun/common/log_throttle.h"
 #include "ddprun/common/strings.h"
 #include "ddprun/snapshot/v1/snapshot.grpc.pb.h"
 
@@ -520,6 +521,8 @@ struct SnapshotServer::Impl {
   std::atomic<int> active_streams{0};
   std::mutex fault_mu;
   int faults_left = 0;  // guarded by fault_mu
+  std::mutex log_mu;
+  LogThrottle refused_log{std::chrono::seconds(60)};  // guarded by log_mu
   std::mutex streams_mu;
   FetchAdmission admission;  // guarded by streams_mu
   // Bytes of chunks read and not yet dropped by gRPC (shared with the chunks' slices, which may
@@ -555,8 +558,19 @@ struct SnapshotServer::Impl {
       auto it = md.find("authorization");
       if (it == md.end() ||
           !sameSecret(std::string(it->second.data(), it->second.size()), "Bearer " + token)) {
-        logger("agent")->warn("snapshot replication: refused a call from {}: {} token", ctx->peer(),
-                              it == md.end() ? "missing" : "wrong");
+        const std::string peer = peerAddress(ctx->peer());
+        const char* why = it == md.end() ? "missing" : "wrong";
+        std::optional<uint64_t> n;
+        {
+          std::lock_guard<std::mutex> lock(log_mu);
+          n = refused_log.note(peer + " " + why, std::chrono::steady_clock::now());
+        }
+        if (n) {  // a flood of them is a line a minute per peer
+          logger("agent")->warn(
+              "snapshot replication: refused {} call(s) from {}: {} token (such calls from one "
+              "peer are logged at most once a minute)",
+              *n, quotePeerText(peer, 100), why);
+        }
         return Status(StatusCode::kUnauthenticated, "wrong or missing rendezvous token");
       }
     }
@@ -928,10 +942,27 @@ Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
   f->set_moved_from_version(file.moved_from_version);
   f->set_moved_to(file.moved_to);
   spb::AnnounceResponse resp;
-  return convert::fromGrpc(stub->Announce(&ctx, req, &resp));
+  const Status st = convert::fromGrpc(stub->Announce(&ctx, req, &resp));
+  if (st.isOk()) return st;
+  return Status(st.code(),
+                statusCodeName(st.code()) + std::string(": ") + quotePeerText(st.message()));
 }
 
 namespace {
+
+// What a peer answered, as this node tells it: the peer named, its text escaped and cut (it may
+// hold anything: 100 KB, terminal escapes). A holder's RESOURCE_EXHAUSTED (too many streams, no
+// memory) is its own state, not this node's disk: UNAVAILABLE, so the fetch is tried again
+// (from the next holder) rather than given up as a local lack of space. Other codes stay.
+Status fromPeer(const SnapshotPeer& peer, const Status& st) {
+  if (st.isOk()) return st;
+  const std::string text = quotePeerText(st.message());
+  if (st.code() == StatusCode::kResourceExhausted) {
+    return Status(StatusCode::kUnavailable,
+                  peer.endpoint + " is out of resources (RESOURCE_EXHAUSTED): " + text);
+  }
+  return Status(st.code(), peer.endpoint + " answered " + statusCodeName(st.code()) + ": " + text);
+}
 
 // The receiving end of one fetch: the temp file, removed unless the whole version arrived.
 class TempFile {
@@ -1318,10 +1349,18 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
                                                   " is not a Chunk message");
       break;
     }
-    if (chunk.offset != offset || offset + chunk.size > range->end) {
+    if (chunk.offset != offset) {
       failure = Status(StatusCode::kDataLoss, "a chunk at offset " + std::to_string(chunk.offset) +
                                                   " does not continue the file (expected " +
                                                   std::to_string(offset) + ")");
+      break;
+    }
+    if (chunk.size > range->end - offset) {
+      failure = Status(StatusCode::kDataLoss,
+                       "a chunk of " + std::to_string(chunk.size) + " bytes at offset " +
+                           std::to_string(offset) + " goes past the end of the bytes asked for (" +
+                           std::to_string(range->end) + "; the version has " +
+                           std::to_string(file.size) + ")");
       break;
     }
     // Written as it is checked: a chunk that fails its CRC-32 fails the fetch, and a failed
@@ -1348,7 +1387,7 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
     if (arriving != nullptr) arriving->advance(range->begin, std::min(offset, writer.durable()));
   }
   if (!failure.isOk()) ctx.TryCancel();
-  Status st = convert::fromGrpc(reader->Finish());
+  Status st = fromPeer(peer, convert::fromGrpc(reader->Finish()));
   abort->leave(&ctx);
   if (auto stalled = abort->stalled()) return fail(*stalled);
   if (!failure.isOk()) return fail(failure);

@@ -18,6 +18,17 @@ TEST_CASE("a throttled warning is logged once per key per interval with a count"
   CHECK(throttle.note("10.0.0.1", t0 + 122s) == 2u);
 }
 
+TEST_CASE("a throttle with a burst logs that many a key per interval", "[common]") {
+  LogThrottle throttle(60s, 16, 3);
+  const TimePoint t0{};
+  CHECK(throttle.note("s", t0) == 1u);
+  CHECK(throttle.note("s", t0 + 1s) == 1u);
+  CHECK(throttle.note("s", t0 + 2s) == 1u);
+  for (int i = 0; i < 10; ++i) CHECK_FALSE(throttle.note("s", t0 + 3s));
+  CHECK(throttle.note("s", t0 + 61s) == 11u);  // the 10 held back, and this one
+  CHECK(throttle.note("s", t0 + 62s) == 1u);
+}
+
 TEST_CASE("a throttle keeps a bounded number of keys", "[common]") {
   LogThrottle throttle(60s, 2);
   const TimePoint t0{};

@@ -336,3 +336,44 @@ TEST_CASE("a holder that announces a large version and stalls is dropped after t
                      20s));
   CHECK(std::chrono::steady_clock::now() - announced < 15s);
 }
+
+TEST_CASE("a peer's errors are named with the file and the peer, escaped, and a flood is one line",
+          "[snapshot][hostile]") {
+  TempDir secrets, dir;
+  const std::string token = tokenFile(secrets);
+  RendezvousDaemon rdzv({"--token-file", token});
+  HostileNode peer(rdzv.endpoint, "hostile-errors", "hostile-test-token");
+  peer.start();
+  Agent agent(rdzv.endpoint, "hostile-errors", dir.path(), {}, "token_file=" + token);
+  peer.waitJoined();
+  const std::string at = agent.ready();
+
+  // Out of resources, with terminal escapes in a long text: retried, named, escaped, cut.
+  peer.serve([](grpc::ServerContext*, const spb::FetchRequest&, grpc::ServerWriter<spb::Chunk>*) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        "\x1b[2J\x1b[31m" + std::string(5000, 'z'));
+  });
+  rendezvous::SnapshotFile busy{"busy.bin", peer.version(3), 10, 1};
+  REQUIRE(peer.announce(at, busy).isOk());
+  INFO(agent.process->err());
+  const std::string line = "snapshot: fetching busy.bin version " +
+                           std::to_string(peer.round.round) + ".3 from " + peer.endpoint +
+                           " failed (attempt ";
+  CHECK(agent.logged(line + "2)"));
+  CHECK(agent.process->err().find(
+            line + "1): " + peer.endpoint +
+            " is out of resources (RESOURCE_EXHAUSTED): \\x1b[2J\\x1b[31mzz") != std::string::npos);
+  CHECK(agent.process->err().find("zzz... (5009 bytes)") != std::string::npos);
+  CHECK(agent.process->err().find('\x1b') == std::string::npos);
+  CHECK(agent.process->err().find("keeping the previous version") == std::string::npos);
+
+  // 400 calls with a wrong token: refused each, logged once for the peer with a count.
+  rendezvous::SnapshotPeer wrong{at, "hostile-errors", {}};
+  wrong.security.token = "not-the-token";
+  for (int i = 0; i < 400; ++i) {
+    const Status st = rendezvous::announceSnapshot(wrong, busy, peer.endpoint, peer.endpoint, 5s);
+    REQUIRE(st.code() == StatusCode::kUnauthenticated);
+  }
+  CHECK(agent.logged("snapshot replication: refused 1 call(s) from ipv4:127.0.0.1: wrong token"));
+  CHECK(countOf(agent.process->err(), "snapshot replication: refused") == 1);
+}

@@ -629,10 +629,11 @@ TEST_CASE("a version announced with a CRC-32 is checked against the source's too
 namespace {
 
 // A peer that answers every Fetch with the given raw messages (the bytes of each as it is on the
-// wire), then OK: a broken or hostile replication service.
+// wire), then `end` (OK): a broken or hostile replication service.
 class RawFetchServer {
  public:
-  explicit RawFetchServer(std::vector<std::string> messages) : service_(std::move(messages)) {
+  explicit RawFetchServer(std::vector<std::string> messages, grpc::Status end = grpc::Status::OK)
+      : service_(std::move(messages), std::move(end)) {
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterCallbackGenericService(&service_);
@@ -647,7 +648,8 @@ class RawFetchServer {
  private:
   class Reactor final : public grpc::ServerGenericBidiReactor {
    public:
-    explicit Reactor(const std::vector<std::string>& messages) : messages_(messages) {
+    Reactor(const std::vector<std::string>& messages, const grpc::Status& end)
+        : messages_(messages), end_(end) {
       StartRead(&request_);
     }
     void OnReadDone(bool /*ok*/) override { next(); }  // the one request (or none): answer
@@ -663,7 +665,7 @@ class RawFetchServer {
    private:
     void next() {
       if (at_ == messages_.size()) {
-        Finish(grpc::Status::OK);
+        Finish(end_);
         return;
       }
       grpc::Slice slice(messages_[at_++]);
@@ -671,15 +673,18 @@ class RawFetchServer {
       StartWrite(&reply_);
     }
     const std::vector<std::string>& messages_;
+    const grpc::Status& end_;
     size_t at_ = 0;
     grpc::ByteBuffer request_, reply_;
   };
   struct Service final : grpc::CallbackGenericService {
-    explicit Service(std::vector<std::string> m) : messages(std::move(m)) {}
+    Service(std::vector<std::string> m, grpc::Status e)
+        : messages(std::move(m)), end(std::move(e)) {}
     grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext*) override {
-      return new Reactor(messages);
+      return new Reactor(messages, end);
     }
     std::vector<std::string> messages;
+    grpc::Status end;
   };
   Service service_;
   int port_ = 0;
@@ -734,7 +739,15 @@ TEST_CASE(
       {"two data fields", {chunkBytes(0, "01234") + std::string("\x12\x01x", 3)}, file, not_chunk},
       {"a bad chunk CRC-32", {chunkBytes(0, content, 12345)}, file, "fails its CRC-32"},
       {"a gap", {chunkBytes(0, "01234"), chunkBytes(6, "6789")}, file, "does not continue"},
-      {"more than the file", {chunkBytes(0, content + "x")}, file, "does not continue"},
+      {"more than the file",
+       {chunkBytes(0, content + "x")},
+       file,
+       "a chunk of 11 bytes at offset 0 goes past the end of the bytes asked for (10; the version "
+       "has 10)"},
+      {"a chunk longer than the rest",
+       {chunkBytes(0, "01234"), chunkBytes(5, "56789abc")},
+       file,
+       "a chunk of 8 bytes at offset 5 goes past the end"},
       {"too few bytes", {chunkBytes(0, "01234")}, file, "the stream ended after 5 of 10"},
       {"no messages at all", {}, file, "the stream ended after 0 of 10"},
       {"empty messages", {"", ""}, file, "the stream ended after 0 of 10"},
@@ -1153,4 +1166,34 @@ TEST_CASE("a holder that stalls holds no disk beyond what it sent, and no longer
   CHECK(failed.message() == "no byte from 127.0.0.1:" + std::to_string(source.port) +
                                 " for 0.5 s (--snapshot-limits stall_timeout)");
   CHECK_FALSE(exists(out / ".recv"));
+}
+
+TEST_CASE("a peer's error is named with the peer, escaped and cut, and its busy is no local disk",
+          "[snapshot]") {
+  // A holder out of resources once answered with 100 KB of text, ESC bytes in it: reported as
+  // this node's lack of space ("keeping the previous version"), never retried. (So much text is
+  // more than gRPC takes in a status: the client's own RESOURCE_EXHAUSTED, the same to us.)
+  const SnapshotFile file{"snap.bin", 7, 10, 1};
+  Dir out;
+  for (const size_t size : {size_t{5000}, size_t{100000}}) {
+    CAPTURE(size);
+    RawFetchServer busy({}, grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                         "\x1b[2J" + std::string(size - 4, 'z')));
+    const Status st = fetchSnapshot(busy.peer(), file, out / ".recv", nullptr);
+    INFO(st.toString());
+    CHECK(st.code() == StatusCode::kUnavailable);  // tried again, from the next holder
+    CHECK(st.message().find(busy.peer().endpoint + " is out of resources (RESOURCE_EXHAUSTED): ") ==
+          0);
+    CHECK(st.message().find('\x1b') == std::string::npos);
+    CHECK(st.message().size() < 400);
+    if (size == 5000) {
+      CHECK(st.message().find("\\x1b[2Jzzz") != std::string::npos);
+      CHECK(st.message().find("zzz... (5000 bytes)") != std::string::npos);
+    }
+  }
+
+  RawFetchServer odd({}, grpc::Status(grpc::StatusCode::NOT_FOUND, "gone\x1b[31m\nsecond line"));
+  const Status nf = fetchSnapshot(odd.peer(), file, out / ".recv2", nullptr);
+  CHECK(nf.code() == StatusCode::kNotFound);
+  CHECK(nf.message() == odd.peer().endpoint + " answered NOT_FOUND: gone\\x1b[31m\\nsecond line");
 }
