@@ -1405,11 +1405,11 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
       replica_.shouldInstall(t.file)) {
     auto kept = replica_.held(t.file.name);
     if (auto n = gave_up_log_.note(t.source, now)) {
-      snapLog()->error("snapshot: gave up on {} version {} (last tried from {}); keeping {}{}",
-                       t.file.name, versionText(t.file.version), t.source,
-                       kept ? "version " + versionText(kept->version) : std::string("none"),
-                       *n > 1 ? " (" + std::to_string(*n - 1) + " more given up, not logged)"
-                              : std::string());
+      snapLog()->error(
+          "snapshot: gave up on {} version {} (last tried from {}); keeping {}{}", t.file.name,
+          versionText(t.file.version), t.source,
+          kept ? "version " + versionText(kept->version) : std::string("none"),
+          *n > 1 ? " (" + std::to_string(*n - 1) + " more given up, not logged)" : std::string());
     }
   }
   pump();
