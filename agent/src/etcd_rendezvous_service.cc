@@ -537,11 +537,18 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   // it. When the stream breaks (a member went away, etcd restarted), the next watch resumes at the
   // revision after the last event seen, on the next member, so no round change is lost across
   // the break; only a compacted revision forces a full sync again.
+  //
+  // A store that went back (etcd restarted on an empty or older data directory, or another
+  // cluster behind the same address) is noticed from the headers etcd sends: a cluster id other
+  // than the one seen, or a revision below one seen. The watch would otherwise wait at a
+  // revision the new store never reaches (every change unseen, joins never answered, the exit
+  // barrier waited out): the run is read again as on a first sync, and the agents re-join.
   void watchLoop() {
     std::weak_ptr<Impl> weak = weak_from_this();
     int64_t next_rev = 0;  // 0: a full sync is needed
     bool resumed = false;  // this stream continues an earlier one
     int refused = 0;       // streams in a row that ended before etcd created the watch
+    StoreIdentity store;   // what the headers said so far
     while (!stopping()) {
       if (next_rev == 0) {
         ep::RangeRequest range;
@@ -560,6 +567,8 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
           continue;
         }
         const int64_t revision = resp.header().revision();
+        if (auto why = store.wentBack(resp.header())) forgetStore(*why);
+        store.note(resp.header());
         std::vector<mvccpb::KeyValue> kvs(resp.kvs().begin(), resp.kvs().end());
         bool has_state = false;
         for (const mvccpb::KeyValue& kv : kvs) {
@@ -588,6 +597,13 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       if (stream->Write(req)) {
         ep::WatchResponse wr;
         while (stream->Read(&wr)) {
+          if (auto why = store.wentBack(wr.header())) {
+            forgetStore(*why);
+            store = StoreIdentity{};
+            next_rev = 0;
+            break;
+          }
+          store.note(wr.header());
           created = created || wr.created();
           if (wr.compact_revision() != 0) {
             log()->warn("etcd rendezvous: revision {} was compacted; syncing the whole run again",
@@ -628,13 +644,58 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       // While no member answers, one line says so (not one per attempt), and the attempts slow
       // down to one a second.
       log()->log(refused <= 1 ? spdlog::level::info : spdlog::level::debug,
-                 "etcd rendezvous: watch ended ({}); resuming at revision {} on the next member",
-                 fin.error_message(), next_rev);
+                 "etcd rendezvous: watch ended ({}); {} on the next member", fin.error_message(),
+                 next_rev == 0 ? std::string("reading the whole run again")
+                               : "resuming at revision " + std::to_string(next_rev));
       resumed = true;
       client_.rotate();
       const auto wait = std::chrono::milliseconds(100 << std::min(refused, 4));
       if (!pause(std::min<Duration>(wait, std::chrono::seconds(1)))) return;
     }
+  }
+
+  // The cluster id and the highest revision the headers of one store carried.
+  struct StoreIdentity {
+    uint64_t cluster_id = 0;
+    int64_t revision = 0;
+    // Why `h` is not of this store (or of it gone back in time); nullopt when it may be.
+    std::optional<std::string> wentBack(const ep::ResponseHeader& h) const {
+      if (cluster_id != 0 && h.cluster_id() != 0 && h.cluster_id() != cluster_id) {
+        return "its cluster id changed from " + std::to_string(cluster_id) + " to " +
+               std::to_string(h.cluster_id());
+      }
+      if (h.revision() != 0 && h.revision() < revision) {
+        return "it is at revision " + std::to_string(h.revision()) + ", before the revision " +
+               std::to_string(revision) + " this agent saw";
+      }
+      return std::nullopt;
+    }
+    void note(const ep::ResponseHeader& h) {
+      if (h.cluster_id() != 0) cluster_id = h.cluster_id();
+      revision = std::max(revision, h.revision());
+    }
+  };
+
+  // The store went back: nothing read from the old one is kept for transactions, and the loop
+  // forgets the revisions it had seen (the full sync that follows brings the new store's).
+  void forgetStore(const std::string& why) {
+    log()->warn(
+        "etcd rendezvous: etcd's store went back ({}: restarted on an empty or older data "
+        "directory?); reading the run again, and the nodes join again",
+        why);
+    {
+      std::lock_guard<std::mutex> lock(stored_mu_);
+      stored_ = Stored{};
+    }
+    std::weak_ptr<Impl> weak = weak_from_this();
+    post(weak, [this] {
+      state_rev_ = 0;
+      seen_rev_ = 0;
+      for (auto& [id, j] : joins_) {
+        j.revision = 0;
+        j.check_state = true;
+      }
+    });
   }
 
   void keepAliveLoop() {
