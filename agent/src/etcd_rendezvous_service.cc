@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "ddprun/common/log.h"
+#include "ddprun/common/log_throttle.h"
 #include "ddprun/common/strings.h"
 #include "ddprun/rendezvous/state.h"
 #include "etcd_client.h"
@@ -166,6 +167,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   // A full picture of the prefix (first sync, or after the watch was re-established).
   void onSync(std::vector<mvccpb::KeyValue> kvs, int64_t revision) {
     kv_.clear();
+    kv_bytes_ = 0;
     alive_.clear();
     auto state_value = std::make_shared<const std::string>();
     for (mvccpb::KeyValue& kv : kvs) {
@@ -173,7 +175,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
         state_value = std::make_shared<const std::string>(std::move(*kv.mutable_value()));
         state_rev_ = kv.mod_revision();
       } else if (startsWith(kv.key(), kv_prefix_)) {
-        kv_[kv.key().substr(kv_prefix_.size())] = kv.value();
+        mirrorKv(kv.key().substr(kv_prefix_.size()), std::move(*kv.mutable_value()));
       } else if (startsWith(kv.key(), alive_prefix_)) {
         alive_.insert(kv.key().substr(alive_prefix_.size()));
       }
@@ -238,9 +240,9 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       } else if (startsWith(ev.key, kv_prefix_)) {
         const std::string key = ev.key.substr(kv_prefix_.size());
         if (ev.put) {
-          kv_[key] = *ev.value;
+          mirrorKv(key, *ev.value);
         } else {
-          kv_.erase(key);
+          forgetKv(key);
         }
       } else if (startsWith(ev.key, alive_prefix_)) {
         const std::string node = ev.key.substr(alive_prefix_.size());
@@ -1075,7 +1077,58 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     });
   }
 
+  // Keeps `key` of the run's key-value store, unless it would take the mirror past its bounds
+  // (then it is not kept: a warning a minute, with a count).
+  void mirrorKv(const std::string& key, std::string value) {
+    auto it = kv_.find(key);
+    const uint64_t without = kv_bytes_ - (it == kv_.end() ? 0 : key.size() + it->second.size());
+    const uint64_t with = without + key.size() + value.size();
+    const bool fresh = it == kv_.end();
+    if ((fresh && kv_.size() >= o_.max_kv_keys) || with > o_.max_kv_bytes) {
+      if (!fresh) {
+        kv_.erase(it);
+        kv_bytes_ = without;
+      }
+      if (auto n = kv_log_.note(kv_prefix_, std::chrono::steady_clock::now())) {
+        log()->warn(
+            "etcd rendezvous: not keeping {} key(s) of {} (the last: {}, {} bytes): this agent "
+            "keeps at most {} keys and {} bytes of the run's key-value store (kv_max_keys=, "
+            "kv_max_bytes= in --rdzv-conf)",
+            *n, kv_prefix_, quotePeerText(key, 100), value.size(), o_.max_kv_keys, o_.max_kv_bytes);
+      }
+      return;
+    }
+    kv_[key] = std::move(value);
+    kv_bytes_ = with;
+  }
+  std::pair<uint64_t, uint64_t> mirroredKv() const { return {kv_.size(), kv_bytes_}; }
+  void forgetKv(const std::string& key) {
+    auto it = kv_.find(key);
+    if (it == kv_.end()) return;
+    kv_bytes_ -= key.size() + it->second.size();
+    kv_.erase(it);
+  }
+
   void kvSet(const std::string& key, const std::string& value, CallPolicy policy, StatusDone done) {
+    // The bounds every agent mirrors the store within (as the gRPC server's quotas refuse).
+    {
+      auto it = kv_.find(key);
+      const uint64_t without = kv_bytes_ - (it == kv_.end() ? 0 : key.size() + it->second.size());
+      if (it == kv_.end() && kv_.size() >= o_.max_kv_keys) {
+        done(Status(StatusCode::kResourceExhausted, "the run's key-value store has " +
+                                                        std::to_string(kv_.size()) +
+                                                        " keys, the most kv_max_keys= allows"));
+        return;
+      }
+      if (without + key.size() + value.size() > o_.max_kv_bytes) {
+        done(Status(StatusCode::kResourceExhausted,
+                    "the run's key-value store would hold " +
+                        std::to_string(without + key.size() + value.size()) +
+                        " bytes of keys and values, more than kv_max_bytes=" +
+                        std::to_string(o_.max_kv_bytes)));
+        return;
+      }
+    }
     const uint64_t id = track<bool>([done](StatusOr<bool> r) { done(r.status()); });
     std::weak_ptr<Impl> weak = weak_from_this();
     const Duration retry = retryFor(policy);
@@ -1220,6 +1273,8 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   int64_t state_rev_ = 0;
   int64_t seen_rev_ = 0;
   std::map<std::string, std::string> kv_;
+  uint64_t kv_bytes_ = 0;                         // of the keys and values in kv_
+  LogThrottle kv_log_{std::chrono::seconds(60)};  // keys not kept
   std::set<std::string> alive_;
   std::set<std::string> dead_asked_;
   ChangeSink sink_;
@@ -1280,6 +1335,9 @@ void EtcdRendezvousService::kvSet(const std::string& key, const std::string& val
 void EtcdRendezvousService::kvWait(const std::vector<std::string>& keys, Duration timeout,
                                    CallPolicy, Done<std::vector<std::string>> done) {
   impl_->kvWait(keys, timeout, std::move(done));
+}
+std::pair<uint64_t, uint64_t> EtcdRendezvousService::mirroredKv() const {
+  return impl_->mirroredKv();
 }
 void EtcdRendezvousService::watch(const std::string&, ChangeSink on_change) {
   impl_->watch(std::move(on_change));

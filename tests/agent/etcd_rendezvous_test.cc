@@ -639,3 +639,50 @@ TEST_CASE("etcd-v3: a 3-member cluster loses its leader and the rendezvous goes 
   CHECK(c.info->round == 2);
   CHECK(a.info->group_world_size == 3);
 }
+
+TEST_CASE("etcd-v3: the run's key-value store each agent mirrors is bounded", "[etcd]") {
+  // 100 values of 1 MB under the job's kv/ took every agent to 131 MB: all of it was mirrored.
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 1, 1, std::chrono::milliseconds(200));
+  job.options.max_kv_keys = 20;
+  job.options.max_kv_bytes = 1 << 20;
+  Agent a(job);
+  REQUIRE(joinAll(job, {&a}));
+  REQUIRE(a.result->isOk());
+  const std::string prefix = "/ddprun/rdzv/" + job.runId() + "/kv/";
+  const std::string big(100 * 1000, 'b');
+  for (int i = 0; i < 15; ++i) {  // 1.5 MB: the last ones are beyond the bytes
+    REQUIRE(etcd.etcdctl({"put", prefix + "big" + std::to_string(i), big}).exit_code == 0);
+  }
+  REQUIRE(etcd.etcdctl({"put", prefix + "last", "x"}).exit_code == 0);
+  std::optional<StatusOr<std::vector<std::string>>> last;
+  a.service->kvWait({"last"}, std::chrono::seconds(20), {},
+                    [&](StatusOr<std::vector<std::string>> v) { last = v; });
+  REQUIRE(job.runUntil([&] { return last.has_value(); }));
+  REQUIRE(last->isOk());  // small keys still fit
+  auto [keys, bytes] = a.service->mirroredKv();
+  CHECK(bytes <= (1u << 20));
+  CHECK(keys <= 20);
+  CHECK(keys >= 10);
+  // What is beyond is not there for a waiter, and this agent's own kvSet is refused, named.
+  std::optional<StatusOr<std::vector<std::string>>> beyond;
+  a.service->kvWait({"big14"}, std::chrono::milliseconds(500), {},
+                    [&](StatusOr<std::vector<std::string>> v) { beyond = v; });
+  REQUIRE(job.runUntil([&] { return beyond.has_value(); }));
+  CHECK(beyond->status().code() == StatusCode::kDeadlineExceeded);
+  std::optional<Status> refused;
+  a.service->kvSet("huge", std::string(2 << 20, 'h'), {}, [&](Status st) { refused = st; });
+  REQUIRE(job.runUntil([&] { return refused.has_value(); }));
+  CHECK(refused->code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused->message(), Catch::Contains("more than kv_max_bytes=1048576"));
+  // Many small keys: bounded by the number of keys.
+  for (int i = 0; i < 30; ++i) {
+    REQUIRE(etcd.etcdctl({"put", prefix + "s" + std::to_string(i), "1"}).exit_code == 0);
+  }
+  std::optional<StatusOr<std::vector<std::string>>> s0;
+  a.service->kvWait({"s0"}, std::chrono::seconds(20), {},
+                    [&](StatusOr<std::vector<std::string>> v) { s0 = v; });
+  REQUIRE(job.runUntil([&] { return s0.has_value(); }));
+  CHECK(a.service->mirroredKv().first <= 20);
+}
