@@ -277,6 +277,15 @@ int runAgent(const AgentConfig& cfg) {
 
   launcher.drainAll();
   std::cout.flush();
+  if (!cfg.snapshot_dir.empty()) {
+    // A snapshot write killed mid-way (SIGXFSZ, SIGKILL) leaves its temp file; its bytes are not
+    // kept until the next start.
+    const auto removed = removeDeadWritersTempFiles(cfg.snapshot_dir);
+    if (!removed.empty()) {
+      log->info("snapshot dir: removed {} temp file(s) that killed writers left (e.g. {})",
+                removed.size(), removed.front());
+    }
+  }
   if (supervisor.state() == AgentState::kFailed) {
     if (!supervisor.failures().empty() && supervisor.exitCode() == 1) {
       std::cerr << formatFailureReport(cfg.entrypoint, hostname, supervisor.failures())

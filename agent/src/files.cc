@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -269,6 +270,63 @@ Status replaceFile(const std::string& path, const std::string& contents) {
     return failedPrecondition("cannot write " + path + ": " + std::strerror(err));
   }
   return Status::ok();
+}
+
+namespace {
+
+// "<name>.tmp.<pid>.<number>" with process <pid> gone.
+bool deadWritersTemp(const std::string& name) {
+  const auto at = name.rfind(".tmp.");
+  if (at == std::string::npos || at == 0) return false;
+  const std::string rest = name.substr(at + 5);
+  const auto dot = rest.find('.');
+  if (dot == std::string::npos || dot == 0 || dot + 1 == rest.size() || dot > 9) return false;
+  if (rest.find_first_not_of("0123456789") != dot ||
+      rest.find_first_not_of("0123456789", dot + 1) != std::string::npos) {
+    return false;
+  }
+  const long pid = std::strtol(rest.substr(0, dot).c_str(), nullptr, 10);
+  if (pid <= 0 || pid > INT32_MAX) return false;
+  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
+void removeDeadTempsIn(int dir_fd, const std::string& rel, int depth,
+                       std::vector<std::string>& removed) {
+  DIR* d = ::fdopendir(dir_fd);
+  if (d == nullptr) {
+    ::close(dir_fd);
+    return;
+  }
+  std::vector<std::string> subdirs;
+  while (auto* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    struct stat st {};
+    if (::fstatat(::dirfd(d), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+    if (S_ISDIR(st.st_mode)) {
+      subdirs.push_back(name);
+    } else if (S_ISREG(st.st_mode) && deadWritersTemp(name) &&
+               ::unlinkat(::dirfd(d), name.c_str(), 0) == 0) {
+      removed.push_back(rel + name);
+    }
+  }
+  if (depth < 32) {
+    for (const auto& sub : subdirs) {
+      const int fd =
+          ::openat(::dirfd(d), sub.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+      if (fd >= 0) removeDeadTempsIn(fd, rel + sub + "/", depth + 1, removed);
+    }
+  }
+  ::closedir(d);
+}
+
+}  // namespace
+
+std::vector<std::string> removeDeadWritersTempFiles(const std::string& dir) {
+  std::vector<std::string> removed;
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) removeDeadTempsIn(fd, "", 0, removed);
+  return removed;
 }
 
 namespace {

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <fstream>
 
@@ -194,4 +195,32 @@ TEST_CASE("a peer's path never leads through a symlink out of the snapshot direc
   REQUIRE(removeBeneath(dir.path(), "third").isOk());
   REQUIRE(removeBeneath(dir.path(), "third").isOk());  // gone already: fine
   REQUIRE(removeBeneath(dir.path(), "nodir/x").isOk());
+}
+
+TEST_CASE("the temp files of writers that were killed are removed, a live writer's are kept",
+          "[files]") {
+  TempDir dir;
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  REQUIRE(::waitpid(child, nullptr, 0) == child);  // a pid that is gone
+  const std::string dead = std::to_string(child), live = std::to_string(::getpid());
+  REQUIRE(::mkdir((dir / "step_1").c_str(), 0755) == 0);
+  for (const std::string& name :
+       {"snapshot.pt.tmp." + dead + ".123", "step_1/model.pt.tmp." + dead + ".9",
+        "snapshot.pt.tmp." + live + ".5", std::string("snapshot.pt"), std::string("notes.tmp.x.1"),
+        "a.tmp." + dead}) {
+    std::ofstream(dir / name) << "x";
+  }
+  TempDir outside;
+  std::ofstream(outside / ("o.tmp." + dead + ".1")) << "x";
+  REQUIRE(::symlink(outside.path().c_str(), (dir / "link").c_str()) == 0);
+  auto removed = removeDeadWritersTempFiles(dir.path());
+  std::sort(removed.begin(), removed.end());
+  CHECK(removed == std::vector<std::string>{"snapshot.pt.tmp." + dead + ".123",
+                                            "step_1/model.pt.tmp." + dead + ".9"});
+  CHECK(ddprun::testing::fileExists(dir / ("snapshot.pt.tmp." + live + ".5")));
+  CHECK(ddprun::testing::fileExists(dir / "snapshot.pt"));
+  CHECK(ddprun::testing::fileExists(dir / "notes.tmp.x.1"));
+  CHECK(ddprun::testing::fileExists(outside / ("o.tmp." + dead + ".1")));  // not followed
 }

@@ -582,6 +582,26 @@ TEST_CASE("a worker whose guardian is stopped still ends the agent, the guardian
   CHECK(r->err.find("exited with code 3") != std::string::npos);
 }
 
+TEST_CASE("a snapshot write killed mid-way leaves no temp file once the job ended", "[e2e]") {
+  // The worker SDK writes <name>.tmp.<pid>.<random>, then renames it; killed in between
+  // (SIGXFSZ past a file size limit, SIGKILL), its bytes stayed until the next start.
+  TempDir dir;
+  auto r = run(
+      ddprunArgv({"--standalone", "--snapshot-dir=" + dir.path(), "--no-python", "/bin/sh", "-c",
+                  "echo partial > \"$DDPRUN_SNAPSHOT_DIR/snapshot.pt.tmp.$$.7\"; "
+                  "kill -XFSZ $$"}));
+  INFO(r.err);
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("snapshot dir: removed 1 temp file(s) that killed writers left (e.g. "
+                   "snapshot.pt.tmp.") != std::string::npos);
+  DIR* d = ::opendir(dir.path().c_str());
+  REQUIRE(d != nullptr);
+  int left = 0;
+  while (dirent* e = ::readdir(d)) left += e->d_name[0] != '.' ? 1 : 0;
+  ::closedir(d);
+  CHECK(left == 0);
+}
+
 TEST_CASE("a worker that never touches its heartbeat file is not stopped however long it runs",
           "[e2e][heartbeat]") {
   TempDir logs, envs;
