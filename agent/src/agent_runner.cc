@@ -18,6 +18,7 @@
 #include "ddprun/common/strings.h"
 #include "files.h"
 #include "host_identity.h"
+#include "job_identity.h"
 #include "metrics_server.h"
 #include "posix_process_launcher.h"
 #include "rendezvous_factory.h"
@@ -135,6 +136,16 @@ int runAgent(const AgentConfig& cfg) {
     log->error("{}", rendezvous_or.status().message());
     return rendezvous_or.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
+  // A multi-node job's rounds are checked to be one job's (two jobs that share an id hang
+  // otherwise), before anything is replicated between their nodes.
+  std::unique_ptr<JobIdentityClient> identity_client;
+  RendezvousClient* joined = rendezvous_or->client.get();
+  if (rendezvous_or->service) {
+    identity_client = std::make_unique<JobIdentityClient>(
+        *rendezvous_or->client, *rendezvous_or->service, cfg.rdzv_id,
+        encodeJobIdentity(local_addr, cfg.entrypoint));
+    joined = identity_client.get();
+  }
   // --snapshot-dir on a multi-node job: the directory is replicated between the agents, and
   // every round reaches the supervisor only once this node holds the newest snapshot.
   std::unique_ptr<SnapshotReplicator> replicator;
@@ -157,10 +168,10 @@ int runAgent(const AgentConfig& cfg) {
           "can reach {} may plant or delete files in {}",
           replicator->endpoint(), cfg.snapshot_dir);
     }
-    synced_client = std::make_unique<SnapshotSyncClient>(*rendezvous_or->client,
-                                                         *rendezvous_or->service, *replicator);
+    synced_client =
+        std::make_unique<SnapshotSyncClient>(*joined, *rendezvous_or->service, *replicator);
   }
-  RendezvousClient& rendezvous = synced_client ? *synced_client : *rendezvous_or->client;
+  RendezvousClient& rendezvous = synced_client ? *synced_client : *joined;
 
   SteadyClock clock;
   WorkerPlanner planner(cfg, *run_dir, hostname, environmentMap());

@@ -145,6 +145,13 @@ class HostileNode {
                             std::to_string(round.group_rank),
                         endpoint + "\n")
                 .isOk());
+    // What it runs (agent/src/job_identity.h): the agents under test run /bin/sh.
+    REQUIRE(
+        client_
+            ->kvSet(run_id_,
+                    "job/" + std::to_string(round.round) + "/" + std::to_string(round.group_rank),
+                    "127.0.0.1\n/bin/sh")
+            .isOk());
     return round;
   }
 
