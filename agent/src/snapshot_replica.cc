@@ -482,7 +482,8 @@ StatusOr<std::map<std::string, SnapshotVersion>> decodeVersionTable(const std::s
   for (size_t i = 1; i < lines.size(); ++i) {
     if (lines[i].empty()) continue;
     auto v = parseVersionLine(lines[i]);
-    const std::string where = "line " + std::to_string(i + 1) + " ('" + lines[i].substr(0, 300) +
+    const std::string where = "line " + std::to_string(i + 1) + " ('" +
+                              escapeControl(lines[i].substr(0, 300)) +
                               (lines[i].size() > 300 ? "...'" : "'");
     if (!v || v->crc_pending) return invalidArgument(where + ") is not NAME VERSION SIZE CRC32");
     if (!isPossibleVersion(v->version)) {

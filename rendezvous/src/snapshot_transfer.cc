@@ -55,15 +55,11 @@ std::string versionText(uint64_t v) {
 SnapshotFile fromProto(const spb::FileVersion& f) {
   SnapshotFile out{f.name(), f.version(), f.size(), f.crc32()};
   out.crc32_pending = f.crc32_pending();
-  if (out.crc32_pending) out.crc32 = 0;
   out.deleted = f.deleted();
-  if (out.deleted) out = SnapshotFile{out.name, out.version, 0, 0, false, true};
-  if (!out.deleted && !out.crc32_pending && f.moved_from_version() != 0) {
-    out.moved_from = f.moved_from();
-    out.moved_from_version = f.moved_from_version();
-  }
-  if (out.deleted) out.moved_to = f.moved_to();
-  return out;
+  out.moved_from = f.moved_from();
+  out.moved_from_version = f.moved_from_version();
+  out.moved_to = f.moved_to();
+  return normalizeAnnounced(std::move(out));
 }
 
 // The channels to other agents, kept between calls: a fetch on a fresh connection waited
@@ -538,14 +534,14 @@ struct SnapshotServer::Impl {
     std::lock_guard<std::mutex> lock(streams_mu);
     admission.release(peer);
   }
-  // Takes up to `want` bytes of the chunk budget (at least kChunkMin, or `want` when less): the
-  // size of the next chunk. Give them back with unreserve() once gRPC took the chunk.
+  // Takes up to `want` bytes of the chunk budget (at least kMinFetchChunk, or `want` when less):
+  // the size of the next chunk. Give them back with unreserve() once gRPC took the chunk.
   size_t reserve(size_t want) {
     uint64_t cur = buffered->load();
     while (true) {
       const uint64_t left = options.max_buffered_bytes > cur ? options.max_buffered_bytes - cur : 0;
-      const size_t n = static_cast<size_t>(
-          std::min<uint64_t>(want, std::max<uint64_t>(left, std::min<size_t>(want, 64 << 10))));
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(
+          want, std::max<uint64_t>(left, std::min<size_t>(want, kMinFetchChunk))));
       if (buffered->compare_exchange_weak(cur, cur + n)) return n;
     }
   }
@@ -594,10 +590,6 @@ struct SnapshotServer::Impl {
 };
 
 namespace {
-
-// The smallest chunk a Fetch may ask for (FetchRequest.chunk_bytes): smaller ones cost the server
-// a message and a checksum call each for little.
-constexpr size_t kChunkMin = 64 << 10;
 
 class FailedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
@@ -823,22 +815,11 @@ class ReplicationService final : public ServiceBase {
       return refuse(notFound("this agent does not hold " + quotePeerText(req.name()) + " version " +
                              versionText(req.version()) + " with that content"));
     }
-    const uint64_t size = served->file.size;
-    if (req.offset() > size || req.length() > size - req.offset()) {
-      return refuse(Status(StatusCode::kOutOfRange, "bytes " + std::to_string(req.offset()) + "+" +
-                                                        std::to_string(req.length()) +
-                                                        " are past the end of " +
-                                                        quotePeerText(req.name()) + " (" +
-                                                        std::to_string(size) + " bytes)"));
-    }
-    const uint64_t end = req.length() == 0 ? size : req.offset() + req.length();
-    const size_t most = std::max<size_t>(impl_->options.chunk_bytes, 1);
-    const size_t chunk =
-        req.chunk_bytes() == 0
-            ? most
-            : std::clamp<size_t>(req.chunk_bytes(), std::min(kChunkMin, most), most);
-    return new FetchStream(std::move(*served), req.offset(), end, chunk, impl_->takeFault(),
-                           impl_->options.fault.count, impl_, std::move(peer));
+    auto plan = planFetch(req.name(), served->file.size, req.offset(), req.length(),
+                          req.chunk_bytes(), impl_->options.chunk_bytes);
+    if (!plan.isOk()) return refuse(plan.status());
+    return new FetchStream(std::move(*served), plan->begin, plan->end, plan->chunk,
+                           impl_->takeFault(), impl_->options.fault.count, impl_, std::move(peer));
   }
 
  private:
@@ -889,33 +870,6 @@ int SnapshotServer::port() const { return impl_->port; }
 int SnapshotServer::activeStreams() const { return impl_->active_streams.load(); }
 
 uint64_t SnapshotServer::bufferedBytes() const { return impl_->buffered->load(); }
-
-Status FetchAdmission::admit(const std::string& peer) {
-  int& mine = by_peer_[peer];
-  if (mine >= per_peer_) {
-    if (mine == 0) by_peer_.erase(peer);
-    return Status(StatusCode::kResourceExhausted,
-                  "this agent serves at most " + std::to_string(per_peer_) +
-                      " Fetch streams at once to one peer, and " + peer + " has " +
-                      std::to_string(mine) + " (--snapshot-limits streams_per_peer)");
-  }
-  if (total_ >= max_) {
-    if (mine == 0) by_peer_.erase(peer);
-    return Status(StatusCode::kResourceExhausted,
-                  "this agent serves at most " + std::to_string(max_) +
-                      " Fetch streams at once (--snapshot-limits streams); try again later");
-  }
-  ++mine;
-  ++total_;
-  return Status::ok();
-}
-
-void FetchAdmission::release(const std::string& peer) {
-  auto it = by_peer_.find(peer);
-  if (it == by_peer_.end()) return;
-  --total_;
-  if (--it->second == 0) by_peer_.erase(it);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Client

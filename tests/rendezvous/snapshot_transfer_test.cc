@@ -1197,3 +1197,35 @@ TEST_CASE("a peer's error is named with the peer, escaped and cut, and its busy 
   CHECK(nf.code() == StatusCode::kNotFound);
   CHECK(nf.message() == odd.peer().endpoint + " answered NOT_FOUND: gone\\x1b[31m\\nsecond line");
 }
+
+TEST_CASE("a Fetch's range and chunk size are checked, and an announcement's fields normalized",
+          "[snapshot]") {
+  auto whole = planFetch("a", 1000, 0, 0, 0, 4 << 20);
+  REQUIRE(whole.isOk());
+  CHECK(whole->begin == 0);
+  CHECK(whole->end == 1000);
+  CHECK(whole->chunk == (4u << 20));
+  CHECK(planFetch("a", 1000, 10, 20, 1, 4 << 20)->chunk == (64u << 10));
+  CHECK(planFetch("a", 1000, 10, 20, 1, 4 << 20)->end == 30);
+  CHECK(planFetch("a", 1000, 1000, 0, 0, 4 << 20).isOk());  // nothing past the end
+  const Status past = planFetch("x\x1b", 1000, 5, UINT64_MAX, 0, 4 << 20).status();
+  CHECK(past.code() == StatusCode::kOutOfRange);
+  CHECK(past.message() == "bytes 5+18446744073709551615 are past the end of x\\x1b (1000 bytes)");
+
+  SnapshotFile gone{"g", 9, 50, 7};
+  gone.deleted = true;
+  gone.moved_from = "f";
+  gone.moved_from_version = 3;
+  gone.moved_to = "t";
+  const SnapshotFile d = normalizeAnnounced(gone);
+  CHECK(d.size == 0);
+  CHECK(d.crc32 == 0);
+  CHECK(d.moved_from.empty());
+  CHECK(d.moved_to == "t");
+  SnapshotFile pending{"p", 9, 50, 7, true};
+  pending.moved_from = "f";
+  pending.moved_from_version = 3;
+  const SnapshotFile p = normalizeAnnounced(pending);
+  CHECK(p.crc32 == 0);
+  CHECK(p.moved_from.empty());
+}

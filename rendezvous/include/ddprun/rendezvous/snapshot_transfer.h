@@ -151,6 +151,28 @@ struct ServeFault {
   int count = 0;
 };
 
+// What a server makes of the requests it is sent, without gRPC (rendezvous/src/
+// snapshot_requests.cc; the fuzz target fuzz_snapshot_requests drives them with any input).
+
+// The smallest chunk a Fetch may ask for (FetchRequest.chunk_bytes), and the smallest a server
+// cuts when many streams share its chunk budget.
+inline constexpr size_t kMinFetchChunk = 64 << 10;
+
+// What a Fetch of `name` (a version of `size` bytes) asks for: bytes [begin, end) in chunks of
+// `chunk` bytes (chunk_bytes 0: `server_chunk`; others are kept between 64 KiB and it).
+// OUT_OF_RANGE, naming the bytes and the name (escaped), past the end.
+struct FetchPlan {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  size_t chunk = 0;
+};
+StatusOr<FetchPlan> planFetch(const std::string& name, uint64_t size, uint64_t offset,
+                              uint64_t length, uint32_t chunk_bytes, size_t server_chunk);
+
+// An announced FileVersion as a receiver takes it: a pending CRC-32 is 0; a deletion has no size,
+// CRC-32 or rename-from; a rename hint only on a version with a known CRC-32.
+SnapshotFile normalizeAnnounced(SnapshotFile f);
+
 // How many Fetch streams a server serves at once, to each peer address and in all (the
 // server's bounds against peers that open streams and never read). Pure; not thread-safe (the
 // server guards it).
