@@ -806,7 +806,7 @@ TEST_CASE("a replicated --snapshot-dir needs a token unless the risk is accepted
   CHECK(parse({"--snapshot-dir=/snap", f.exe}, f.env()).isOk());
 }
 
-TEST_CASE("--snapshot-limits sets the replication's bounds and names a bad key or value",
+TEST_CASE("the snapshot limits flag sets the replication's bounds and names a bad key or value",
           "[launcher]") {
   Files f;
   auto r = parse({"--snapshot-limits=streams_per_peer=4,streams=8,buffered-mb=16,names_per_peer="
@@ -840,7 +840,7 @@ TEST_CASE("--snapshot-limits sets the replication's bounds and names a bad key o
         "argument --snapshot-limits: streams_per_peer (9) is more than streams (8)");
 }
 
-TEST_CASE("--rdzv-id is checked itself and named, not as a --log-dir problem", "[launcher]") {
+TEST_CASE("the job id is checked itself and named, not as a --log-dir problem", "[launcher]") {
   Files f;
   CHECK(errorOf({"--rdzv-id=a/b", f.exe}, f.env()) ==
         "argument --rdzv-id: the job id 'a/b' contains '/' (it names the run's log directory; "
