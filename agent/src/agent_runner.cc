@@ -18,6 +18,7 @@
 #include "ddprun/common/strings.h"
 #include "files.h"
 #include "host_identity.h"
+#include "job_identity.h"
 #include "metrics_server.h"
 #include "posix_process_launcher.h"
 #include "rendezvous_factory.h"
@@ -64,6 +65,7 @@ StatusOr<SnapshotReplicatorOptions> snapshotReplicatorOptions(const AgentConfig&
   o.dir = cfg.snapshot_dir;
   o.run_id = cfg.rdzv_id;
   o.local_addr = local_addr;
+  o.limits = cfg.snapshot_limits;
   o.security.token = cfg.rdzv_conf.token;
   if (!cfg.rdzv_conf.tls_ca_pem.empty()) {
     if (cfg.rdzv_conf.tls_cert_pem.empty() || cfg.rdzv_conf.tls_key_pem.empty()) {
@@ -139,6 +141,16 @@ int runAgent(const AgentConfig& cfg) {
     log->error("{}", rendezvous_or.status().message());
     return rendezvous_or.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
+  // A multi-node job's rounds are checked to be one job's (two jobs that share an id hang
+  // otherwise), before anything is replicated between their nodes.
+  std::unique_ptr<JobIdentityClient> identity_client;
+  RendezvousClient* joined = rendezvous_or->client.get();
+  if (rendezvous_or->service) {
+    identity_client = std::make_unique<JobIdentityClient>(
+        *rendezvous_or->client, *rendezvous_or->service, cfg.rdzv_id,
+        encodeJobIdentity(local_addr, cfg.entrypoint));
+    joined = identity_client.get();
+  }
   // --snapshot-dir on a multi-node job: the directory is replicated between the agents, and
   // every round reaches the supervisor only once this node holds the newest snapshot.
   std::unique_ptr<SnapshotReplicator> replicator;
@@ -155,10 +167,16 @@ int runAgent(const AgentConfig& cfg) {
       return started.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
     }
     replicator = std::move(started).value();
-    synced_client = std::make_unique<SnapshotSyncClient>(*rendezvous_or->client,
-                                                         *rendezvous_or->service, *replicator);
+    if (cfg.rdzv_conf.token.empty()) {
+      log->warn(
+          "snapshot replication without a token (--snapshot-allow-unauthenticated): anyone who "
+          "can reach {} may plant or delete files in {}",
+          replicator->endpoint(), cfg.snapshot_dir);
+    }
+    synced_client =
+        std::make_unique<SnapshotSyncClient>(*joined, *rendezvous_or->service, *replicator);
   }
-  RendezvousClient& rendezvous = synced_client ? *synced_client : *rendezvous_or->client;
+  RendezvousClient& rendezvous = synced_client ? *synced_client : *joined;
 
   SteadyClock clock;
   WorkerPlanner planner(cfg, *run_dir, hostname, environmentMap());
@@ -278,6 +296,15 @@ int runAgent(const AgentConfig& cfg) {
 
   launcher.drainAll();
   std::cout.flush();
+  if (!cfg.snapshot_dir.empty()) {
+    // A snapshot write killed mid-way (SIGXFSZ, SIGKILL) leaves its temp file; its bytes are not
+    // kept until the next start.
+    const auto removed = removeDeadWritersTempFiles(cfg.snapshot_dir);
+    if (!removed.empty()) {
+      log->info("snapshot dir: removed {} temp file(s) that killed writers left (e.g. {})",
+                removed.size(), removed.front());
+    }
+  }
   if (supervisor.state() == AgentState::kFailed) {
     if (!supervisor.failures().empty() && supervisor.exitCode() == 1) {
       std::cerr << formatFailureReport(cfg.entrypoint, hostname, supervisor.failures())

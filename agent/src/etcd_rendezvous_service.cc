@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "ddprun/common/log.h"
+#include "ddprun/common/log_throttle.h"
 #include "ddprun/common/strings.h"
 #include "ddprun/rendezvous/state.h"
 #include "etcd_client.h"
@@ -166,6 +167,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   // A full picture of the prefix (first sync, or after the watch was re-established).
   void onSync(std::vector<mvccpb::KeyValue> kvs, int64_t revision) {
     kv_.clear();
+    kv_bytes_ = 0;
     alive_.clear();
     auto state_value = std::make_shared<const std::string>();
     for (mvccpb::KeyValue& kv : kvs) {
@@ -173,7 +175,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
         state_value = std::make_shared<const std::string>(std::move(*kv.mutable_value()));
         state_rev_ = kv.mod_revision();
       } else if (startsWith(kv.key(), kv_prefix_)) {
-        kv_[kv.key().substr(kv_prefix_.size())] = kv.value();
+        mirrorKv(kv.key().substr(kv_prefix_.size()), std::move(*kv.mutable_value()));
       } else if (startsWith(kv.key(), alive_prefix_)) {
         alive_.insert(kv.key().substr(alive_prefix_.size()));
       }
@@ -238,9 +240,9 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       } else if (startsWith(ev.key, kv_prefix_)) {
         const std::string key = ev.key.substr(kv_prefix_.size());
         if (ev.put) {
-          kv_[key] = *ev.value;
+          mirrorKv(key, *ev.value);
         } else {
-          kv_.erase(key);
+          forgetKv(key);
         }
       } else if (startsWith(ev.key, alive_prefix_)) {
         const std::string node = ev.key.substr(alive_prefix_.size());
@@ -537,11 +539,18 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   // it. When the stream breaks (a member went away, etcd restarted), the next watch resumes at the
   // revision after the last event seen, on the next member, so no round change is lost across
   // the break; only a compacted revision forces a full sync again.
+  //
+  // A store that went back (etcd restarted on an empty or older data directory, or another
+  // cluster behind the same address) is noticed from the headers etcd sends: a cluster id other
+  // than the one seen, or a revision below one seen. The watch would otherwise wait at a
+  // revision the new store never reaches (every change unseen, joins never answered, the exit
+  // barrier waited out): the run is read again as on a first sync, and the agents re-join.
   void watchLoop() {
     std::weak_ptr<Impl> weak = weak_from_this();
     int64_t next_rev = 0;  // 0: a full sync is needed
     bool resumed = false;  // this stream continues an earlier one
     int refused = 0;       // streams in a row that ended before etcd created the watch
+    StoreIdentity store;   // what the headers said so far
     while (!stopping()) {
       if (next_rev == 0) {
         ep::RangeRequest range;
@@ -560,6 +569,8 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
           continue;
         }
         const int64_t revision = resp.header().revision();
+        if (auto why = store.wentBack(resp.header())) forgetStore(*why);
+        store.note(resp.header());
         std::vector<mvccpb::KeyValue> kvs(resp.kvs().begin(), resp.kvs().end());
         bool has_state = false;
         for (const mvccpb::KeyValue& kv : kvs) {
@@ -588,6 +599,13 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       if (stream->Write(req)) {
         ep::WatchResponse wr;
         while (stream->Read(&wr)) {
+          if (auto why = store.wentBack(wr.header())) {
+            forgetStore(*why);
+            store = StoreIdentity{};
+            next_rev = 0;
+            break;
+          }
+          store.note(wr.header());
           created = created || wr.created();
           if (wr.compact_revision() != 0) {
             log()->warn("etcd rendezvous: revision {} was compacted; syncing the whole run again",
@@ -628,13 +646,58 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
       // While no member answers, one line says so (not one per attempt), and the attempts slow
       // down to one a second.
       log()->log(refused <= 1 ? spdlog::level::info : spdlog::level::debug,
-                 "etcd rendezvous: watch ended ({}); resuming at revision {} on the next member",
-                 fin.error_message(), next_rev);
+                 "etcd rendezvous: watch ended ({}); {} on the next member", fin.error_message(),
+                 next_rev == 0 ? std::string("reading the whole run again")
+                               : "resuming at revision " + std::to_string(next_rev));
       resumed = true;
       client_.rotate();
       const auto wait = std::chrono::milliseconds(100 << std::min(refused, 4));
       if (!pause(std::min<Duration>(wait, std::chrono::seconds(1)))) return;
     }
+  }
+
+  // The cluster id and the highest revision the headers of one store carried.
+  struct StoreIdentity {
+    uint64_t cluster_id = 0;
+    int64_t revision = 0;
+    // Why `h` is not of this store (or of it gone back in time); nullopt when it may be.
+    std::optional<std::string> wentBack(const ep::ResponseHeader& h) const {
+      if (cluster_id != 0 && h.cluster_id() != 0 && h.cluster_id() != cluster_id) {
+        return "its cluster id changed from " + std::to_string(cluster_id) + " to " +
+               std::to_string(h.cluster_id());
+      }
+      if (h.revision() != 0 && h.revision() < revision) {
+        return "it is at revision " + std::to_string(h.revision()) + ", before the revision " +
+               std::to_string(revision) + " this agent saw";
+      }
+      return std::nullopt;
+    }
+    void note(const ep::ResponseHeader& h) {
+      if (h.cluster_id() != 0) cluster_id = h.cluster_id();
+      revision = std::max(revision, h.revision());
+    }
+  };
+
+  // The store went back: nothing read from the old one is kept for transactions, and the loop
+  // forgets the revisions it had seen (the full sync that follows brings the new store's).
+  void forgetStore(const std::string& why) {
+    log()->warn(
+        "etcd rendezvous: etcd's store went back ({}: restarted on an empty or older data "
+        "directory?); reading the run again, and the nodes join again",
+        why);
+    {
+      std::lock_guard<std::mutex> lock(stored_mu_);
+      stored_ = Stored{};
+    }
+    std::weak_ptr<Impl> weak = weak_from_this();
+    post(weak, [this] {
+      state_rev_ = 0;
+      seen_rev_ = 0;
+      for (auto& [id, j] : joins_) {
+        j.revision = 0;
+        j.check_state = true;
+      }
+    });
   }
 
   void keepAliveLoop() {
@@ -1014,7 +1077,58 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     });
   }
 
+  // Keeps `key` of the run's key-value store, unless it would take the mirror past its bounds
+  // (then it is not kept: a warning a minute, with a count).
+  void mirrorKv(const std::string& key, std::string value) {
+    auto it = kv_.find(key);
+    const uint64_t without = kv_bytes_ - (it == kv_.end() ? 0 : key.size() + it->second.size());
+    const uint64_t with = without + key.size() + value.size();
+    const bool fresh = it == kv_.end();
+    if ((fresh && kv_.size() >= o_.max_kv_keys) || with > o_.max_kv_bytes) {
+      if (!fresh) {
+        kv_.erase(it);
+        kv_bytes_ = without;
+      }
+      if (auto n = kv_log_.note(kv_prefix_, std::chrono::steady_clock::now())) {
+        log()->warn(
+            "etcd rendezvous: not keeping {} key(s) of {} (the last: {}, {} bytes): this agent "
+            "keeps at most {} keys and {} bytes of the run's key-value store (kv_max_keys=, "
+            "kv_max_bytes= in --rdzv-conf)",
+            *n, kv_prefix_, quotePeerText(key, 100), value.size(), o_.max_kv_keys, o_.max_kv_bytes);
+      }
+      return;
+    }
+    kv_[key] = std::move(value);
+    kv_bytes_ = with;
+  }
+  std::pair<uint64_t, uint64_t> mirroredKv() const { return {kv_.size(), kv_bytes_}; }
+  void forgetKv(const std::string& key) {
+    auto it = kv_.find(key);
+    if (it == kv_.end()) return;
+    kv_bytes_ -= key.size() + it->second.size();
+    kv_.erase(it);
+  }
+
   void kvSet(const std::string& key, const std::string& value, CallPolicy policy, StatusDone done) {
+    // The bounds every agent mirrors the store within (as the gRPC server's quotas refuse).
+    {
+      auto it = kv_.find(key);
+      const uint64_t without = kv_bytes_ - (it == kv_.end() ? 0 : key.size() + it->second.size());
+      if (it == kv_.end() && kv_.size() >= o_.max_kv_keys) {
+        done(Status(StatusCode::kResourceExhausted, "the run's key-value store has " +
+                                                        std::to_string(kv_.size()) +
+                                                        " keys, the most kv_max_keys= allows"));
+        return;
+      }
+      if (without + key.size() + value.size() > o_.max_kv_bytes) {
+        done(Status(StatusCode::kResourceExhausted,
+                    "the run's key-value store would hold " +
+                        std::to_string(without + key.size() + value.size()) +
+                        " bytes of keys and values, more than kv_max_bytes=" +
+                        std::to_string(o_.max_kv_bytes)));
+        return;
+      }
+    }
     const uint64_t id = track<bool>([done](StatusOr<bool> r) { done(r.status()); });
     std::weak_ptr<Impl> weak = weak_from_this();
     const Duration retry = retryFor(policy);
@@ -1159,6 +1273,8 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
   int64_t state_rev_ = 0;
   int64_t seen_rev_ = 0;
   std::map<std::string, std::string> kv_;
+  uint64_t kv_bytes_ = 0;                         // of the keys and values in kv_
+  LogThrottle kv_log_{std::chrono::seconds(60)};  // keys not kept
   std::set<std::string> alive_;
   std::set<std::string> dead_asked_;
   ChangeSink sink_;
@@ -1219,6 +1335,9 @@ void EtcdRendezvousService::kvSet(const std::string& key, const std::string& val
 void EtcdRendezvousService::kvWait(const std::vector<std::string>& keys, Duration timeout,
                                    CallPolicy, Done<std::vector<std::string>> done) {
   impl_->kvWait(keys, timeout, std::move(done));
+}
+std::pair<uint64_t, uint64_t> EtcdRendezvousService::mirroredKv() const {
+  return impl_->mirroredKv();
 }
 void EtcdRendezvousService::watch(const std::string&, ChangeSink on_change) {
   impl_->watch(std::move(on_change));

@@ -49,6 +49,12 @@ struct EtcdServiceOptions {
   rendezvous::RunConfig run_config;
   Duration rpc_timeout = std::chrono::seconds(5);    // one etcd call on one member
   Duration connect_for = std::chrono::seconds(600);  // how long an unreachable etcd is retried
+  // Every agent mirrors the run's key-value store (<prefix>/kv/) from the watch: at most this
+  // many keys and bytes of keys and values (kv_max_keys=, kv_max_bytes= in --rdzv-conf; the gRPC
+  // server's per-run quotas). What is beyond is not kept (one warning a minute), and kvSet
+  // refuses it (RESOURCE_EXHAUSTED naming the bound).
+  uint64_t max_kv_keys = 65536;
+  uint64_t max_kv_bytes = uint64_t{16} << 20;
 };
 
 class EtcdRendezvousService final : public RendezvousService {
@@ -69,6 +75,8 @@ class EtcdRendezvousService final : public RendezvousService {
              StatusDone done) override;
   void kvWait(const std::vector<std::string>& keys, Duration timeout, CallPolicy policy,
               Done<std::vector<std::string>> done) override;
+  // Keys and bytes (keys and values) of the run's key-value store mirrored here (loop thread).
+  std::pair<uint64_t, uint64_t> mirroredKv() const;
   void watch(const std::string& node_id, ChangeSink on_change) override;
   void stopWatch() override;
   void cancelAll() override;

@@ -2,6 +2,7 @@
 
 #include <zlib.h>
 
+#include <algorithm>
 #include <charconv>
 #include <map>
 
@@ -20,8 +21,9 @@ constexpr std::string_view kTagPlain = "v2;";
 
 // Snapshots smaller than this are stored as they are: deflating them saves little.
 constexpr size_t kDeflateFrom = 1024;
-// A snapshot that says it inflates to more than this is damaged (a 4096-node run is ~0.6 MB).
-constexpr uint64_t kMaxSnapshot = uint64_t{1} << 30;
+// What inflating a stored snapshot allocates at first; the buffer doubles as the stream delivers
+// bytes, so a value that states a large size but holds garbage costs no more than this.
+constexpr size_t kInflateStep = 64 << 10;
 
 void appendSnapshot(std::string& out, const std::string& snapshot) {
   if (snapshot.size() < kDeflateFrom) {
@@ -243,7 +245,14 @@ StatusOr<StateValue> StateValue::parse(std::shared_ptr<const std::string> stored
     if (how == 'z') {
       Cursor size(s.substr(v.snapshot_begin_));
       v.inflated_size_ = size.num(':');
-      if (!size.ok() || v.inflated_size_ == 0 || v.inflated_size_ > kMaxSnapshot) return bad();
+      if (!size.ok() || v.inflated_size_ == 0) return bad();
+      if (v.inflated_size_ > kMaxStateSnapshotBytes) {
+        // Checked before anything is allocated: every agent parses every value pushed to it.
+        return invalidArgument("the stored rendezvous state says its snapshot inflates to " +
+                               std::to_string(v.inflated_size_) + " bytes, more than the " +
+                               std::to_string(kMaxStateSnapshotBytes) +
+                               " any run writes (a damaged or foreign value)");
+      }
       v.snapshot_begin_ = s.find(':', v.snapshot_begin_) + 1;
     } else if (how != 'p') {
       return bad();
@@ -255,15 +264,46 @@ StatusOr<StateValue> StateValue::parse(std::shared_ptr<const std::string> stored
 StatusOr<std::string> StateValue::snapshot() const {
   const std::string_view stored = std::string_view(*stored_).substr(snapshot_begin_);
   if (inflated_size_ == 0) return std::string(stored);
-  std::string out(static_cast<size_t>(inflated_size_), '\0');
-  uLongf got = static_cast<uLongf>(out.size());
-  if (uncompress(reinterpret_cast<Bytef*>(out.data()), &got,
-                 reinterpret_cast<const Bytef*>(stored.data()),
-                 static_cast<uLong>(stored.size())) != Z_OK ||
-      got != out.size()) {
-    return invalidArgument(
-        "the stored rendezvous state is unreadable (its snapshot does not inflate)");
+  return inflateBounded(stored, inflated_size_);
+}
+
+StatusOr<std::string> inflateBounded(std::string_view deflated, uint64_t size) {
+  auto bad = [](const std::string& why) {
+    return invalidArgument("the stored rendezvous state is unreadable (its snapshot " + why + ")");
+  };
+  if (size > kMaxStateSnapshotBytes) return bad("states more bytes than any run writes");
+  z_stream zs{};
+  if (inflateInit(&zs) != Z_OK) return bad("cannot be inflated: zlib did not start");
+  std::string out;
+  zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(deflated.data()));
+  zs.avail_in = static_cast<uInt>(std::min<size_t>(deflated.size(), UINT32_MAX));
+  int rc = Z_OK;
+  // The output grows with what the stream delivers, never past the stated size: one byte more
+  // than stated is room to notice a stream that goes on.
+  while (true) {
+    if (zs.total_out == out.size()) {
+      if (out.size() > size) break;
+      out.resize(static_cast<size_t>(std::min<uint64_t>(
+          size + 1, std::max<uint64_t>(kInflateStep, uint64_t{out.size()} * 2))));
+    }
+    zs.next_out = reinterpret_cast<Bytef*>(out.data() + zs.total_out);
+    zs.avail_out = static_cast<uInt>(out.size() - zs.total_out);
+    rc = inflate(&zs, Z_NO_FLUSH);
+    if (rc == Z_STREAM_END) break;
+    if (rc == Z_OK || (rc == Z_BUF_ERROR && zs.avail_out == 0)) continue;
+    break;  // damaged, or the input ended before the stream did
   }
+  const uint64_t got = zs.total_out;
+  inflateEnd(&zs);
+  if (got > size) {
+    return bad("does not inflate to the " + std::to_string(size) + " bytes stated: it gives more");
+  }
+  if (rc != Z_STREAM_END) return bad("does not inflate");
+  if (got != size) {
+    return bad("does not inflate to the " + std::to_string(size) + " bytes stated: it gives " +
+               std::to_string(got));
+  }
+  out.resize(static_cast<size_t>(got));
   return out;
 }
 

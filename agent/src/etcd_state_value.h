@@ -15,8 +15,10 @@
 // Older values still read: "v2;" (the snapshot as it is, no "p"), and a value without a tag
 // (written before join answers existed: no answers). An agent of a release before "v3;" cannot
 // read "v3;" values: every agent of a job runs the same ddprun.
-// Every read is bounds checked: a damaged value is INVALID_ARGUMENT, never a crash, and a
-// deflated snapshot inflates into no more than the size it states (at most 1 GiB).
+// Every read is bounds checked: a damaged value is INVALID_ARGUMENT, never a crash. A deflated
+// snapshot states its inflated size; a size over kMaxStateSnapshotBytes is refused before anything
+// is allocated, and the inflation grows its buffer with what the stream delivers (from 64 KiB),
+// never past the size stated: a 46-byte value that claims 1 GiB costs an agent nothing.
 //
 // Threading: pure functions and an immutable value type; StateValue shares the stored bytes
 // (copying one is cheap) and may be read from any thread.
@@ -35,6 +37,16 @@
 #include "ddprun/rendezvous/types.h"
 
 namespace ddprun::agent {
+
+// The largest snapshot a stored state may inflate to: etcd takes values of a few MiB at most
+// (--max-request-bytes, 1.5 MiB by default), and a 4096-node run's snapshot is ~0.6 MB before it
+// is deflated. (docs/reliability.md)
+inline constexpr uint64_t kMaxStateSnapshotBytes = uint64_t{16} << 20;
+
+// zlib's inflation of `deflated`, which must give exactly `size` bytes (at most
+// kMaxStateSnapshotBytes); INVALID_ARGUMENT otherwise. Memory grows with the output, not with
+// the size stated.
+StatusOr<std::string> inflateBounded(std::string_view deflated, uint64_t size);
 
 std::string encodeStateValue(const std::vector<rendezvous::RendezvousState::Change>& changes,
                              const std::vector<rendezvous::RendezvousState::JoinDone>& answers,

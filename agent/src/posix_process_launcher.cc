@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -96,15 +97,18 @@ StatusOr<int> PosixProcessLauncher::spawn(const WorkerLaunch& launch) {
   cpu_set_t affinity;
   CPU_ZERO(&affinity);
   for (int cpu : launch.cpu_affinity) CPU_SET(cpu, &affinity);
-  auto pid = spawnGuardedWorker(GuardedExec{argv.data(), envp.data(), child_out, child_err,
-                                            launch.cpu_affinity.empty() ? nullptr : &affinity});
+  auto pids = spawnGuardedWorker(GuardedExec{argv.data(), envp.data(), child_out, child_err,
+                                             launch.cpu_affinity.empty() ? nullptr : &affinity});
   if (child_out >= 0) ::close(child_out);
   if (child_err >= 0) ::close(child_err);
-  if (!pid.isOk()) {
+  if (!pids.isOk()) {
     if (tee_out_read >= 0) ::close(tee_out_read);
     if (tee_err_read >= 0) ::close(tee_err_read);
-    return pid.status();
+    return pids.status();
   }
+  const int pid = pids->worker;
+  children_[pid].guardian = pids->guardian;
+  watchExit(pid);
 
   const int out_console = launch.to_console ? STDOUT_FILENO : -1;
   const int err_console = launch.to_console ? STDERR_FILENO : -1;
@@ -116,7 +120,56 @@ StatusOr<int> PosixProcessLauncher::spawn(const WorkerLaunch& launch) {
     DDPRUN_RETURN_IF_ERROR(addTee(tee_err_read, launch.stderr_file, err_console,
                                   launch.console_prefix, launch.stderr_filter));
   }
-  return *pid;
+  return pid;
+}
+
+namespace {
+// How long a worker that exited may wait for its guardian to hand its zombie over (a guardian
+// does at once) before the guardian is killed.
+constexpr auto kHandOver = std::chrono::seconds(5);
+
+int pidfdOpen(int pid) {
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+  return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+}
+}  // namespace
+
+void PosixProcessLauncher::watchExit(int pid) {
+  // Only here, before the loop runs again, can the pid not have been reaped and reused.
+  const int fd = pidfdOpen(pid);
+  if (fd < 0) return;  // no pidfd (before Linux 5.3): the supervisor's reap bound still holds
+  auto& child = children_[pid];
+  child.pidfd = std::make_unique<boost::asio::posix::stream_descriptor>(io_, fd);
+  child.pidfd->async_wait(
+      boost::asio::posix::stream_descriptor::wait_read,
+      [this, pid](const boost::system::error_code& ec) {
+        if (ec) return;  // reaped (the descriptor closed) or the launcher is going
+        auto it = children_.find(pid);
+        if (it == children_.end()) return;
+        it->second.hand_over = std::make_unique<boost::asio::steady_timer>(io_, kHandOver);
+        it->second.hand_over->async_wait([this, pid](const boost::system::error_code& ec2) {
+          if (ec2) return;
+          auto c = children_.find(pid);
+          if (c == children_.end()) return;
+          logger("agent")->error(
+              "worker pid {} exited, but its guardian process (pid {}) did not hand it over "
+              "within {} s (stopped?); killing the guardian",
+              pid, c->second.guardian,
+              std::chrono::duration_cast<std::chrono::seconds>(kHandOver).count());
+          ::kill(c->second.guardian, SIGKILL);
+        });
+      });
+}
+
+void PosixProcessLauncher::forceEnd(int pid) {
+  auto it = children_.find(pid);
+  if (it != children_.end()) {
+    ::kill(it->second.guardian, SIGKILL);
+    children_.erase(it);  // its late exit is reaped as anyone's
+  }
+  ::kill(-pid, SIGKILL);
 }
 
 void PosixProcessLauncher::watchExits(ExitCallback on_exit, std::function<void()> after) {
@@ -138,6 +191,7 @@ void PosixProcessLauncher::reap() {
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, WNOHANG);
     if (pid <= 0) break;
+    children_.erase(pid);
     if (WIFSIGNALED(status)) {
       on_exit_(pid, ExitStatus{true, WTERMSIG(status)});
     } else if (WIFEXITED(status)) {

@@ -10,7 +10,9 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,6 +34,9 @@ class PosixProcessLauncher final : public ProcessLauncher {
 
   StatusOr<int> spawn(const WorkerLaunch& launch) override;
   void signalGroup(int pid, int sig) override;
+  // SIGKILL to the worker's guardian (and the worker's group again): the worker's zombie is then
+  // handed to the agent, a subreaper, and reaped as any exit.
+  void forceEnd(int pid) override;
 
   // Reads what is left in every tee pipe (the io_context must not be running) and flushes
   // partial lines, so nothing a worker wrote before exiting is lost.
@@ -61,6 +66,16 @@ class PosixProcessLauncher final : public ProcessLauncher {
   static void closeStream(TeeStream& s);
   void waitForExits();
   void reap();
+  // The worker exited (its pidfd is readable) and was not reaped: its guardian should hand its
+  // zombie over at once; one that has not within kHandOver (stopped) is killed.
+  void watchExit(int pid);
+
+  struct Child {
+    int guardian = 0;
+    std::unique_ptr<boost::asio::posix::stream_descriptor> pidfd;  // null: no pidfd here
+    std::unique_ptr<boost::asio::steady_timer> hand_over;
+  };
+  std::map<int, Child> children_;  // running workers by pid
 
   boost::asio::io_context& io_;
   std::vector<std::shared_ptr<TeeStream>> streams_;

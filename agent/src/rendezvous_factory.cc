@@ -27,6 +27,8 @@ StatusOr<RendezvousSetup> makeRendezvous(const RendezvousChoice& choice,
     o.run_id = choice.multinode.run_id;
     o.endpoints = choice.endpoint;
     o.key_prefix = conf.etcd.key_prefix;
+    o.max_kv_keys = conf.etcd.max_kv_keys;
+    o.max_kv_bytes = conf.etcd.max_kv_bytes;
     o.tls = conf.etcd.https;
     o.ca_pem = conf.etcd.ca_pem;
     o.ca_file = conf.etcd.ca_file;

@@ -140,15 +140,40 @@ void SnapshotReplica::pruneHeard(const std::string& name, const std::vector<std:
   auto& holders = heard->second;
   for (auto h = holders.begin(); h != holders.end();) {
     const bool gone = live && std::find(live->begin(), live->end(), h->first) == live->end();
-    h = gone || !worthFetching(h->second) ? holders.erase(h) : std::next(h);
+    if (!gone && worthFetching(h->second)) {
+      ++h;
+      continue;
+    }
+    auto count = heard_by_holder_.find(h->first);
+    if (count != heard_by_holder_.end() && --count->second == 0) heard_by_holder_.erase(count);
+    h = holders.erase(h);
   }
   if (holders.empty()) heard_.erase(heard);
 }
 
-void SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& source) {
-  if (!isReplicatedName(v.name) || source.empty() || !isPossibleVersion(v.version)) return;
+size_t SnapshotReplica::namesFrom(const std::string& holder) const {
+  auto it = heard_by_holder_.find(holder);
+  return it == heard_by_holder_.end() ? 0 : it->second;
+}
+
+HolderNews SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& source) {
+  if (!isReplicatedName(v.name) || source.empty() || !isPossibleVersion(v.version)) {
+    return HolderNews::kIgnored;
+  }
+  if (!worthFetching(v)) {
+    max_seen_ = std::max(max_seen_, v.version);
+    return HolderNews::kIgnored;
+  }
+  // What a name heard of costs stays bounded, per holder and in all.
+  auto names = heard_.find(v.name);
+  if (names == heard_.end() || names->second.count(source) == 0) {
+    if (namesFrom(source) >= options_.max_names_per_holder) return HolderNews::kTooManyFromHolder;
+    if (names == heard_.end() && heard_.size() >= options_.max_pending_names) {
+      return HolderNews::kTooManyNames;
+    }
+    ++heard_by_holder_[source];
+  }
   max_seen_ = std::max(max_seen_, v.version);
-  if (!worthFetching(v)) return;
   auto& heard = heard_[v.name][source];
   if (heard.name.empty() || v.supersedes(heard)) heard = v;
   auto it = wants_.find(v.name);
@@ -158,12 +183,12 @@ void SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& sour
     w.sources = {source};
     if (it != wants_.end()) w.running = it->second.running;  // the old transfer still runs
     wants_[v.name] = std::move(w);
-    return;
+    return HolderNews::kTaken;
   }
   Want& w = it->second;
   // Older, or the same number with lesser content. A holder that knows the CRC-32 serves the same
   // version as one that is still hashing it.
-  if (!v.sameContent(w.target)) return;
+  if (!v.sameContent(w.target)) return HolderNews::kTaken;
   if (w.target.moved_from.empty() && w.target.moved_to.empty()) {  // told of a rename later
     w.target.moved_from = v.moved_from;
     w.target.moved_from_version = v.moved_from_version;
@@ -172,6 +197,7 @@ void SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string& sour
   if (std::find(w.sources.begin(), w.sources.end(), source) == w.sources.end()) {
     w.sources.push_back(source);
   }
+  return HolderNews::kTaken;
 }
 
 std::vector<SnapshotTransfer> SnapshotReplica::takeTransfers() {
@@ -224,6 +250,7 @@ void SnapshotReplica::onTransferDone(const SnapshotTransfer& t, TransferOutcome 
       wants_.erase(it);
       return;
     case TransferOutcome::kNoSpace:
+    case TransferOutcome::kRefused:
       w.given_up = true;
       return;
     case TransferOutcome::kCorrupt:
@@ -361,6 +388,12 @@ std::optional<std::string> SnapshotRelays::pass(const SnapshotVersion& v, bool e
   return origin;
 }
 
+void SnapshotRelays::forgetUnless(const std::function<bool(const std::string&)>& keep) {
+  for (auto it = told_.begin(); it != told_.end();) {
+    it = keep(it->first) ? std::next(it) : told_.erase(it);
+  }
+}
+
 bool SnapshotRelays::passedEarly(const SnapshotVersion& v) const {
   const auto i = indexOf(v);
   return i && told_.at(v.name)[*i].early;
@@ -418,9 +451,11 @@ StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
   for (size_t i = 1; i < lines.size(); ++i) {
     if (lines[i].empty()) continue;
     auto v = parseVersionLine(lines[i]);
-    if (!v) return invalidArgument("snapshot holdings: malformed line '" + lines[i] + "'");
+    if (!v) {
+      return invalidArgument("snapshot holdings: malformed line '" + quotePeerText(lines[i]) + "'");
+    }
     if (!isPossibleVersion(v->version)) {
-      return invalidArgument("snapshot holdings: line '" + lines[i] +
+      return invalidArgument("snapshot holdings: line '" + quotePeerText(lines[i]) +
                              "' has a version from round " + std::to_string(v->version >> 32) +
                              ", which no job reaches");
     }
@@ -447,7 +482,8 @@ StatusOr<std::map<std::string, SnapshotVersion>> decodeVersionTable(const std::s
   for (size_t i = 1; i < lines.size(); ++i) {
     if (lines[i].empty()) continue;
     auto v = parseVersionLine(lines[i]);
-    const std::string where = "line " + std::to_string(i + 1) + " ('" + lines[i].substr(0, 300) +
+    const std::string where = "line " + std::to_string(i + 1) + " ('" +
+                              escapeControl(lines[i].substr(0, 300)) +
                               (lines[i].size() > 300 ? "...'" : "'");
     if (!v || v->crc_pending) return invalidArgument(where + ") is not NAME VERSION SIZE CRC32");
     if (!isPossibleVersion(v->version)) {

@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "ddprun/common/log.h"
+#include "ddprun/common/log_throttle.h"
 #include "ddprun/common/strings.h"
 #include "files.h"
 
@@ -207,9 +208,21 @@ StatusOr<size_t> parseSnapshotStreams(const std::string& text) {
   return static_cast<size_t>(*n);
 }
 
+namespace {
+SnapshotReplicaOptions replicaOptions(const SnapshotLimits& limits) {
+  SnapshotReplicaOptions o;
+  o.max_names_per_holder = static_cast<size_t>(std::max(limits.names_per_peer, 1));
+  o.max_pending_names = static_cast<size_t>(std::max(limits.names, 1));
+  return o;
+}
+}  // namespace
+
 SnapshotReplicator::SnapshotReplicator(boost::asio::io_context& io,
                                        SnapshotReplicatorOptions options)
-    : io_(io), options_(std::move(options)), event_buf_(64 * 1024) {}
+    : io_(io),
+      options_(std::move(options)),
+      replica_(replicaOptions(options_.limits)),
+      event_buf_(64 * 1024) {}
 
 StatusOr<std::unique_ptr<SnapshotReplicator>> SnapshotReplicator::start(
     boost::asio::io_context& io, SnapshotReplicatorOptions options) {
@@ -244,6 +257,9 @@ Status SnapshotReplicator::init() {
   so.run_id = options_.run_id;
   so.security = options_.security;
   so.fault = options_.fault;
+  so.max_streams_per_peer = options_.limits.streams_per_peer;
+  so.max_streams = options_.limits.streams;
+  so.max_buffered_bytes = options_.limits.buffered_bytes;
   so.lookup =
       [this](const rendezvous::SnapshotFile& want) -> std::optional<rendezvous::ServedFile> {
     const SnapshotVersion wanted = fromWire(want);
@@ -277,7 +293,7 @@ Status SnapshotReplicator::init() {
 SnapshotReplicator::~SnapshotReplicator() {
   alive_.reset();
   for (const auto& [name, kept] : kept_for_copy_) {
-    if (!kept.aside.empty()) ::unlink(kept.aside.c_str());
+    if (!kept.aside.empty()) ::unlink(path(kept.aside).c_str());
   }
   for (auto& [name, fetch] : fetching_) {
     fetch.second->cancel(Status(StatusCode::kCancelled, "the agent is stopping"));
@@ -1007,6 +1023,24 @@ void SnapshotReplicator::relay(const SnapshotVersion& v, const std::string& sour
 void SnapshotReplicator::onAnnounce(const SnapshotVersion& announced, const std::string& source,
                                     const std::string& origin) {
   if (!isReplicatedName(announced.name)) return;  // a peer's name that would leave the directory
+  // Only the nodes of the round are listened to (their endpoints came through the rendezvous,
+  // which has the job's token). While a round's holdings are still awaited, who is a node is not
+  // known yet: the announcement waits for them (a few, the newest kept).
+  if (!nodes_known_) {
+    if (unverified_.size() >= kMaxUnverified) unverified_.pop_front();
+    unverified_.push_back(Unverified{announced, source, origin});
+    return;
+  }
+  if (rankOf(source) < 0) {
+    if (auto n = ignored_log_.note(source, std::chrono::steady_clock::now())) {
+      snapLog()->warn(
+          "snapshot: ignored {} announcement(s) from {}, which is not a node of round {} (the "
+          "last: {} version {})",
+          *n, quotePeerText(source, 100), round_, quotePeerText(announced.name, 200),
+          versionText(announced.version));
+    }
+    return;
+  }
   if (!isPossibleVersion(announced.version)) {
     if (auto more = firstFew(impossible_versions_)) {
       snapLog()->warn(
@@ -1023,7 +1057,7 @@ void SnapshotReplicator::onAnnounce(const SnapshotVersion& announced, const std:
   }
   if (!v.moved_to.empty() && !isReplicatedName(v.moved_to)) v.moved_to.clear();
   const bool newer = replica_.shouldInstall(v);
-  replica_.onHolder(v, source);
+  if (!tookHolder(v, source)) return;
   relays_.told(v, origin);
   if (newer) {
     auto& heard = first_heard_[v.name];
@@ -1087,7 +1121,8 @@ void SnapshotReplicator::pump() {
     const auto started = std::chrono::steady_clock::now();
     auto status = std::make_shared<Status>();
     auto crc = std::make_shared<uint32_t>(0);
-    const rendezvous::SnapshotPeer peer{t.source, options_.run_id, options_.security};
+    rendezvous::SnapshotPeer peer{t.source, options_.run_id, options_.security};
+    peer.stall_timeout = seconds(options_.limits.stall_seconds);
     // Renamed on the node that wrote it, from a file held here: copied from that (it is passed on
     // once complete, a local copy being quick). Else a node this one relays the version to
     // fetches it from here while it arrives.
@@ -1168,12 +1203,13 @@ void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
     const bool keep =
         previous && !t.file.moved_to.empty() && worthKeeping(t.file.moved_to, *previous);
     std::string aside = keep ? setAside(name) : std::string();
-    if (aside.empty() && ::unlink(path(name).c_str()) != 0 && errno != ENOENT) {
-      st = internalError("cannot delete " + path(name) + ": " + std::strerror(errno));
+    // Never through a symlink: a name another node announced stays inside the directory.
+    if (aside.empty()) st = removeBeneath(options_.dir, name);
+    if (!st.isOk()) {
       restoreHeld(name, previous);
       ++metrics_.transfer_failures;
-      snapLog()->warn("snapshot: {} (deleted at version {} on another node)", st.message(),
-                      versionText(t.file.version));
+      snapLog()->warn("snapshot: not deleting {} (deleted at version {} on another node): {}", name,
+                      versionText(t.file.version), st.message());
     } else {
       if (keep) keepForCopy(name, *previous, std::move(aside));
       removeEmptyParentsUnder(options_.dir, name);  // as a deleted checkpoint directory goes
@@ -1181,7 +1217,8 @@ void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
                       versionText(t.file.version));
     }
   }
-  replica_.onTransferDone(t, st.isOk() ? TransferOutcome::kOk : TransferOutcome::kFailed);
+  // A deletion refused (through a symlink) is not tried again: nothing here would change that.
+  replica_.onTransferDone(t, st.isOk() ? TransferOutcome::kOk : TransferOutcome::kRefused);
   if (dropForgottenDeletions()) recordVersions();
   if (st.isOk()) relay(t.file, endpoint_);
 }
@@ -1205,11 +1242,11 @@ std::shared_ptr<const rendezvous::OpenFile> SnapshotReplicator::localCopyOf(
 
 bool SnapshotReplicator::linkHeld(const SnapshotVersion& v, const std::string& temp) {
   const Held* held = nullptr;
-  std::string from;
+  std::string from;  // relative to the directory, as `temp`
   if (auto it = held_files_.find(v.moved_from);
       it != held_files_.end() && it->second.served.file.version == v.moved_from_version) {
     held = &it->second;
-    from = path(v.moved_from);
+    from = v.moved_from;
   } else if (auto kept = kept_for_copy_.find(v.moved_from);
              kept != kept_for_copy_.end() && !kept->second.aside.empty()) {
     held = &kept->second.held;
@@ -1218,14 +1255,14 @@ bool SnapshotReplicator::linkHeld(const SnapshotVersion& v, const std::string& t
     return false;  // kept open for the copy only (keepForCopy)
   }
   const Held& h = *held;
-  struct stat st {};
-  if (::lstat(from.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_dev != h.dev ||
-      st.st_ino != h.ino || mtimeNs(st) != h.mtime_ns ||
-      static_cast<uint64_t>(st.st_size) != v.size) {
+  // No symlink followed on either side (a directory replaced by one meanwhile is refused).
+  auto st = statBeneath(options_.dir, from);
+  if (!st.isOk() || !S_ISREG(st->st_mode) || st->st_dev != h.dev || st->st_ino != h.ino ||
+      mtimeNs(*st) != h.mtime_ns || static_cast<uint64_t>(st->st_size) != v.size) {
     return false;  // not the file held (changed by a worker meanwhile)
   }
   return makeParentDirsUnder(options_.dir, v.name).isOk() &&
-         ::link(from.c_str(), temp.c_str()) == 0;
+         linkBeneath(options_.dir, from, relativeName(temp)).isOk();
 }
 
 bool SnapshotReplicator::worthKeeping(const std::string& moved_to, const Held& before) const {
@@ -1237,8 +1274,8 @@ bool SnapshotReplicator::worthKeeping(const std::string& moved_to, const Held& b
 }
 
 std::string SnapshotReplicator::setAside(const std::string& name) {
-  const std::string aside = path(hiddenName("", "kept"));
-  return ::rename(path(name).c_str(), aside.c_str()) == 0 ? aside : std::string();
+  const std::string aside = hiddenName("", "kept");
+  return renameBeneath(options_.dir, name, aside).isOk() ? aside : std::string();
 }
 
 void SnapshotReplicator::keepForCopy(const std::string& name, const Held& before,
@@ -1252,7 +1289,7 @@ void SnapshotReplicator::keepForCopy(const std::string& name, const Held& before
 void SnapshotReplicator::dropKept(const std::string& name) {
   auto it = kept_for_copy_.find(name);
   if (it == kept_for_copy_.end()) return;
-  if (!it->second.aside.empty()) ::unlink(it->second.aside.c_str());
+  if (!it->second.aside.empty()) ::unlink(path(it->second.aside).c_str());
   releaseOffLoop(std::move(it->second.held.served.data));  // its blocks are freed then
   kept_for_copy_.erase(it);
 }
@@ -1301,8 +1338,10 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
       std::optional<Held> before;  // released off the loop below (releaseOffLoop)
       if (previous != held_files_.end()) before = previous->second;
       setHeld(t.file.name, held);
-      if (::rename(temp.c_str(), path(t.file.name).c_str()) != 0) {
-        st = internalError("cannot rename " + temp + " into place: " + std::strerror(errno));
+      // Never through a symlink, which would place the file outside the directory.
+      if (Status moved = renameBeneath(options_.dir, relativeName(temp), t.file.name);
+          !moved.isOk()) {
+        st = Status(moved.code(), "cannot place " + t.file.name + ": " + moved.message());
         ::unlink(temp.c_str());
         restoreHeld(t.file.name, before);
       } else {
@@ -1336,11 +1375,18 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
   }
   if (!st.isOk()) {
     ++metrics_.transfer_failures;
-    if (st.code() == StatusCode::kResourceExhausted) {
-      snapLog()->error("snapshot: {}; keeping the previous version", st.message());
+    if (st.code() == StatusCode::kResourceExhausted) {  // this node's disk (or memory)
+      snapLog()->error("snapshot: {} (fetching it from {}); keeping the previous version",
+                       st.message(), t.source);
     } else if (st.code() != StatusCode::kCancelled) {
-      snapLog()->warn("snapshot: fetching {} version {} from {} failed (attempt {}): {}",
-                      t.file.name, versionText(t.file.version), t.source, t.attempt, st.message());
+      // A peer can fail many fetches (one per name it announced): a few lines a minute each.
+      if (auto n = fetch_log_.note(t.source, now)) {
+        snapLog()->warn(
+            "snapshot: fetching {} version {} from {} failed (attempt {}): {}{}", t.file.name,
+            versionText(t.file.version), t.source, t.attempt, st.message(),
+            *n > 1 ? " (" + std::to_string(*n - 1) + " more failures from it were not logged)"
+                   : std::string());
+      }
     }
   }
   replica_.onTransferDone(t, outcomeOf(st));
@@ -1358,15 +1404,45 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
   if (!st.isOk() && st.code() != StatusCode::kResourceExhausted && !replica_.wanted(t.file.name) &&
       replica_.shouldInstall(t.file)) {
     auto kept = replica_.held(t.file.name);
-    snapLog()->error("snapshot: gave up on {} version {}; keeping {}", t.file.name,
-                     versionText(t.file.version),
-                     kept ? "version " + versionText(kept->version) : std::string("none"));
+    if (auto n = gave_up_log_.note(t.source, now)) {
+      snapLog()->error(
+          "snapshot: gave up on {} version {} (last tried from {}); keeping {}{}", t.file.name,
+          versionText(t.file.version), t.source,
+          kept ? "version " + versionText(kept->version) : std::string("none"),
+          *n > 1 ? " (" + std::to_string(*n - 1) + " more given up, not logged)" : std::string());
+    }
   }
   pump();
 }
 
+bool SnapshotReplicator::tookHolder(const SnapshotVersion& v, const std::string& source) {
+  const HolderNews news = replica_.onHolder(v, source);
+  if (news != HolderNews::kTooManyFromHolder && news != HolderNews::kTooManyNames) return true;
+  if (auto n = names_log_.note(source, std::chrono::steady_clock::now())) {
+    const bool theirs = news == HolderNews::kTooManyFromHolder;
+    snapLog()->warn(
+        "snapshot: refused {} new name(s) from {} (the last: {}): {} names wait to be fetched "
+        "here{}, the most --snapshot-limits {} allows",
+        *n, quotePeerText(source, 100), quotePeerText(v.name, 200),
+        theirs ? replica_.namesFrom(source) : replica_.pendingNames(),
+        theirs ? " from it" : " in all", theirs ? "names_per_peer" : "names");
+  }
+  return false;
+}
+
 void SnapshotReplicator::dropGoneSources(const std::vector<std::string>& live) {
+  const size_t pending = replica_.pendingNames();
   replica_.keepSources(live);
+  // What only the nodes gone were heard to hold is forgotten, with what passing it on needed.
+  if (const size_t forgotten = pending - std::min(pending, replica_.pendingNames())) {
+    snapLog()->info("snapshot: forgot {} name(s) that only nodes no longer in round {} held",
+                    forgotten, round_);
+  }
+  for (auto it = first_heard_.begin(); it != first_heard_.end();) {
+    it = replica_.wanted(it->first) ? std::next(it) : first_heard_.erase(it);
+  }
+  relays_.forgetUnless(
+      [this](const std::string& name) { return replica_.wanted(name).has_value(); });
   for (auto& [name, fetch] : fetching_) {
     const std::string& source = fetch.first;
     if (fetch.second->cancelled()) continue;  // ended at an earlier round's sync
@@ -1446,6 +1522,7 @@ void SnapshotReplicator::syncRound(const RoundInfo& round, RendezvousService& se
   }
   const uint64_t generation = ++sync_generation_;
   round_ = static_cast<uint64_t>(round.round);
+  nodes_known_ = false;  // announcements wait for this round's holdings (onAnnounce)
   unanswering_.clear();  // this round's nodes are tried afresh
   replica_.retryGivenUp();
   replica_.setSelfIndex(round.group_rank);
@@ -1497,6 +1574,7 @@ void SnapshotReplicator::publishHoldings(RendezvousService& service, const std::
                                "snapshot: the other nodes' holdings did not arrive ({}); "
                                "starting with what this node holds",
                                values.status().message());
+                           nodesKnown();  // those of the round before, if any
                            finish();
                            return;
                          }
@@ -1512,17 +1590,24 @@ void SnapshotReplicator::publishHoldings(RendezvousService& service, const std::
                            nodes_[i] = h->first;
                            if (static_cast<int>(i) == me) continue;
                            for (const auto& v : h->second) {
-                             if (replica_.shouldInstall(v)) {
+                             if (replica_.shouldInstall(v) && tookHolder(v, h->first)) {
                                auto& heard = first_heard_[v.name];
                                if (heard.first != v.version) heard = {v.version, now};
                              }
-                             replica_.onHolder(v, h->first);
                            }
                          }
                          dropGoneSources(nodes_);
+                         nodesKnown();
                          finish();
                        });
       });
+}
+
+void SnapshotReplicator::nodesKnown() {
+  nodes_known_ = true;
+  auto waiting = std::move(unverified_);
+  unverified_.clear();
+  for (const auto& u : waiting) onAnnounce(u.version, u.source, u.origin);
 }
 
 bool SnapshotReplicator::eventsQueued() const {

@@ -42,9 +42,11 @@
 #include <thread>
 #include <vector>
 
+#include "ddprun/agent/config.h"
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/agent/rendezvous_service.h"
 #include "ddprun/agent/snapshot_replica.h"
+#include "ddprun/common/log_throttle.h"
 #include "ddprun/rendezvous/snapshot_transfer.h"
 #include "rename_pairs.h"
 
@@ -58,6 +60,7 @@ struct SnapshotReplicatorOptions {
   rendezvous::ServeFault fault;                             // test hook (DDPRUN_SNAPSHOT_FAULT)
   size_t fetch_streams = rendezvous::kDefaultFetchStreams;  // DDPRUN_SNAPSHOT_STREAMS
   Duration holdings_timeout = std::chrono::seconds(15);     // waiting for the others' holdings
+  SnapshotLimits limits;  // --snapshot-limits: bounds against peers that misbehave
 };
 
 // What /metrics shows.
@@ -180,7 +183,7 @@ class SnapshotReplicator {
   // `moved_to`, is worth keeping a while for its new name: not when it was linked there already.
   bool worthKeeping(const std::string& moved_to, const Held& before) const;
   // Renames the file `name` out of the way to a hidden name (kRecvPrefix) at the top of the
-  // directory instead of deleting it, so its new name can be linked to it; that path, or ""
+  // directory instead of deleting it, so its new name can be linked to it; that name, or ""
   // when it cannot be (then it is deleted and kept open for a copy).
   std::string setAside(const std::string& name);
   // Keeps `before` (and the file set aside at `aside`, if any) for the copy under the new name a
@@ -206,7 +209,16 @@ class SnapshotReplicator {
   void publishHoldings(RendezvousService& service, const std::string& prefix,
                        const std::vector<std::string>& keys, uint64_t generation, int me,
                        std::function<void()> finish);
+  // An announcement of `v` (held at `source`, written by `origin`): taken only from a node of the
+  // round (its source among the round's endpoints); others are ignored, named in a throttled
+  // warning.
   void onAnnounce(const SnapshotVersion& v, const std::string& source, const std::string& origin);
+  // The round's nodes are known (its holdings arrived, or will not): the announcements that
+  // waited for them are looked at.
+  void nodesKnown();
+  // replica_.onHolder, with a throttled warning when the name is refused (the bounds on names
+  // waiting here); false then.
+  bool tookHolder(const SnapshotVersion& v, const std::string& source);
   // Announces `v` (held at `source`, written by `origin`) to the given group ranks. A node that
   // does not take it (stopped, gone, not yet out of the round) is stepped over: the next node of
   // the chain is told instead, so that the rest of the chain is not held up until the next round.
@@ -282,6 +294,10 @@ class SnapshotReplicator {
   // Starts work waiting in `pool` while it has threads free.
   void startWaiting(Pool pool);
   std::string path(const std::string& name) const { return options_.dir + "/" + name; }
+  // The name relative to the directory of a path(name).
+  std::string relativeName(const std::string& full) const {
+    return full.substr(options_.dir.size() + 1);
+  }
 
   boost::asio::io_context& io_;
   SnapshotReplicatorOptions options_;
@@ -311,7 +327,7 @@ class SnapshotReplicator {
   struct KeptCopy {
     Held held;
     TimePoint until;
-    std::string aside{};
+    std::string aside{};  // relative to the directory
   };
   std::map<std::string, KeptCopy> kept_for_copy_;
   std::unique_ptr<boost::asio::steady_timer> kept_timer_;
@@ -325,6 +341,21 @@ class SnapshotReplicator {
   std::map<std::string, rendezvous::ServedFile> arriving_;  // guarded by served_mu_
   std::vector<std::string> nodes_;  // every node's endpoint this round, by group rank
   int self_rank_ = -1;
+  // Whether nodes_ is the round's (round_): false from a round's sync until its holdings came.
+  bool nodes_known_ = false;
+  struct Unverified {
+    SnapshotVersion version;
+    std::string source;
+    std::string origin;
+  };
+  // Announcements that came while nodes_known_ was false, the newest kMaxUnverified.
+  static constexpr size_t kMaxUnverified = 1024;
+  std::deque<Unverified> unverified_;
+  LogThrottle ignored_log_{std::chrono::seconds(60)};  // announcements from outside the round
+  LogThrottle names_log_{std::chrono::seconds(60)};    // names refused past the bounds
+  // Fetch failures, by source: 20 lines a minute each.
+  LogThrottle fetch_log_{std::chrono::seconds(60), 1024, 20};
+  LogThrottle gave_up_log_{std::chrono::seconds(60), 1024, 20};  // versions given up, by source
   // Announcements to pass on once the version is held (or given up), and those passed on as the
   // version arrived (serveArriving).
   SnapshotRelays relays_;

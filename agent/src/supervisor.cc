@@ -197,10 +197,15 @@ void Supervisor::checkHeartbeats() {
     if (!w.running || w.launch.heartbeat_file.empty()) continue;
     w.heartbeat.observe(heartbeats_->modificationTime(w.launch.heartbeat_file), now);
     if (!w.heartbeat.hung(now, options_.heartbeat_timeout)) continue;
-    // Its exit status is filled in once the stop below has ended it.
+    // Its exit status is filled in once it ended. A hung process may not act on SIGTERM at all
+    // (one stopped with SIGSTOP cannot): it gets SIGKILL now, as torchrun's timer kills a hung
+    // worker, instead of after the whole shutdown timeout. The others get SIGTERM as usual.
     recordFailure(WorkerFailure{
         w.launch.local_rank, w.launch.global_rank, w.pid, ExitStatus{}, clock_.wallSeconds(),
         w.launch.error_file, hangMessage(w.heartbeat.silentFor(now), options_.heartbeat_timeout)});
+    logger("agent")->warn("local rank {} (pid {}) is hung: sending SIGKILL", w.launch.local_rank,
+                          w.pid);
+    kill(w);
     any_hung = true;
   }
   if (any_hung) stopForLocalFailure();
@@ -267,10 +272,36 @@ void Supervisor::reportLocalFailure() {
   rendezvous_.reportFailure();
 }
 
+void Supervisor::kill(Worker& w) {
+  launcher_.signalGroup(w.pid, SIGKILL);
+  if (!w.killed_at) w.killed_at = clock_.now();
+}
+
+void Supervisor::giveUpUnreaped() {
+  const TimePoint now = clock_.now();
+  for (auto& w : workers_) {
+    if (!w.running || !w.killed_at || now < *w.killed_at + options_.reap_timeout) continue;
+    logger("agent")->error(
+        "local rank {} (pid {}) was not reaped {:.0f} s after SIGKILL (its guardian process does "
+        "not answer: stopped?); killing the guardian and no longer waiting for the worker",
+        w.launch.local_rank, w.pid, std::chrono::duration<double>(options_.reap_timeout).count());
+    launcher_.forceEnd(w.pid);
+    w.running = false;
+    for (auto& f : failures_) {
+      if (f.pid == w.pid && !f.hang.empty()) f.exit = ExitStatus{true, SIGKILL};
+    }
+  }
+}
+
 std::optional<TimePoint> Supervisor::nextDeadline() const {
   std::optional<TimePoint> next;
   for (const auto& d : {kill_deadline_, report_deadline_, heartbeat_check_, barrier_deadline_}) {
     if (d && (!next || *d < *next)) next = d;
+  }
+  for (const auto& w : workers_) {
+    if (!w.running || !w.killed_at) continue;
+    const TimePoint reap = *w.killed_at + options_.reap_timeout;
+    if (!next || reap < *next) next = reap;
   }
   return next;
 }
@@ -383,16 +414,21 @@ void Supervisor::onDeadline() {
     maybeFinishStop();
     if (finished() || state_ != AgentState::kStopping) return;
   }
-  if (!kill_deadline_ || clock_.now() < *kill_deadline_) return;
-  kill_deadline_.reset();
-  for (auto& w : workers_) {
-    if (w.running) {
-      logger("agent")->warn(
-          "local rank {} (pid {}) did not stop within the shutdown timeout; "
-          "sending SIGKILL",
-          w.launch.local_rank, w.pid);
-      launcher_.signalGroup(w.pid, SIGKILL);
+  if (kill_deadline_ && clock_.now() >= *kill_deadline_) {
+    kill_deadline_.reset();
+    for (auto& w : workers_) {
+      if (w.running) {
+        logger("agent")->warn(
+            "local rank {} (pid {}) did not stop within the shutdown timeout; "
+            "sending SIGKILL",
+            w.launch.local_rank, w.pid);
+        kill(w);
+      }
     }
+  }
+  if (state_ == AgentState::kStopping) {
+    giveUpUnreaped();
+    maybeFinishStop();
   }
 }
 

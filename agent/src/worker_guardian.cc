@@ -304,7 +304,7 @@ void writeReport(int fd, const Report& r) {
 
 }  // namespace
 
-StatusOr<int> spawnGuardedWorker(const GuardedExec& exec) {
+StatusOr<GuardedPids> spawnGuardedWorker(const GuardedExec& exec, int report_within_ms) {
   static const Lifeline lifeline = openLifeline();
   if (lifeline.err != 0) {
     return internalError(std::string(lifeline.what) + ": " + std::strerror(lifeline.err));
@@ -333,14 +333,37 @@ StatusOr<int> spawnGuardedWorker(const GuardedExec& exec) {
   }
   Report r;
   size_t got = 0;
+  bool late = false;
+  const int64_t report_by = monotonicMs() + report_within_ms;
   while (got < sizeof(r)) {
+    pollfd p{report[0], POLLIN, 0};
+    const int64_t left = report_by - monotonicMs();
+    const int ready = left > 0 ? ::poll(&p, 1, static_cast<int>(left)) : 0;
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready == 0) {
+      late = true;
+      break;
+    }
     const ssize_t n = ::read(report[0], reinterpret_cast<char*>(&r) + got, sizeof(r) - got);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     got += static_cast<size_t>(n);
   }
   ::close(report[0]);
-  if (got == sizeof(r) && r.stage == kStarted) return static_cast<int>(r.worker_pid);
+  if (got == sizeof(r) && r.stage == kStarted) {
+    return GuardedPids{static_cast<int>(r.worker_pid), static_cast<int>(guardian)};
+  }
+  if (late) {
+    // Stopped or stuck before it reported: killed (a worker it started dies with it, by its
+    // parent-death signal) and reaped.
+    ::kill(guardian, SIGKILL);
+    int status = 0;
+    while (::waitpid(guardian, &status, 0) < 0 && errno == EINTR) {
+    }
+    return internalError("the worker's guardian process (pid " + std::to_string(guardian) +
+                         ") did not start it within " + std::to_string(report_within_ms / 1000) +
+                         " s; killed it");
+  }
 
   int status = 0;
   while (::waitpid(guardian, &status, 0) < 0 && errno == EINTR) {

@@ -37,9 +37,17 @@ struct GuardedExec {
   const cpu_set_t* cpu_affinity = nullptr;  // set on the worker before exec; null: inherit
 };
 
+struct GuardedPids {
+  int worker = 0;    // also the worker's process group id
+  int guardian = 0;  // the worker's parent; the agent kills it when it does not answer
+};
+
 // Forks a guardian that starts the worker and returns the worker's pid (also its process group
-// id) once the worker's exec succeeded. A failed exec is reported here ("cannot execute <argv[0]>:
-// <reason>") with the guardian already reaped. The caller keeps ownership of stdout_fd/stderr_fd.
-StatusOr<int> spawnGuardedWorker(const GuardedExec& exec);
+// id) and the guardian's once the worker's exec succeeded. A failed exec is reported here
+// ("cannot execute <argv[0]>: <reason>") with the guardian already reaped. A guardian that does
+// not report within `report_within` (stopped, stuck) is killed and reaped, and that is the error:
+// the agent never waits for it without a bound. The caller keeps ownership of
+// stdout_fd/stderr_fd.
+StatusOr<GuardedPids> spawnGuardedWorker(const GuardedExec& exec, int report_within_ms = 30000);
 
 }  // namespace ddprun::agent

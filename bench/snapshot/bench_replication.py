@@ -86,7 +86,8 @@ class Agent:
                f"--rdzv-id={run_id}", f"--local-addr={addr}", "--max-restarts=3",
                "--rdzv-conf=last_call_timeout=1"]
         if snapshot_dir:
-            cmd.append(f"--snapshot-dir={snapshot_dir}")
+            # Loopback/namespaces only: no token (issue 34 refuses that unless accepted by name).
+            cmd += [f"--snapshot-dir={snapshot_dir}", "--snapshot-allow-unauthenticated"]
         self.err_path = os.path.join(log_dir, f"{run_id}-{addr}.err")
         self.out_path = os.path.join(log_dir, f"{run_id}-{addr}.out")
         self.started = time.monotonic()

@@ -132,7 +132,8 @@ class Node:
                f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={run_id}",
                f"--local-addr={addr(i)}", "--rdzv-conf=last_call_timeout=1"]
         if snapshot_dir:
-            cmd.append(f"--snapshot-dir={snapshot_dir}")
+            # Loopback/namespaces only: no token (issue 34 refuses that unless accepted by name).
+            cmd += [f"--snapshot-dir={snapshot_dir}", "--snapshot-allow-unauthenticated"]
         cmd += ["--no-python", "/bin/sleep", "3600"]
         self.err_path = os.path.join(log_dir, f"{run_id}-{i}.err")
         self.started = time.monotonic()

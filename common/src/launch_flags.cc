@@ -93,7 +93,15 @@ const std::vector<LaunchFlag>& launchFlags() {
        "Hang detection: a worker whose DDPRUN_HEARTBEAT_FILE, once touched, goes SECONDS "
        "without a touch fails (0 disables). Default 300."},
       {"snapshot_dir", 0, true, "DIR",
-       "Directory for worker snapshots, passed to workers as DDPRUN_SNAPSHOT_DIR."},
+       "Directory for worker snapshots, passed to workers as DDPRUN_SNAPSHOT_DIR; on a multi-node "
+       "job replicated between the agents (needs token_file= in --rdzv-conf)."},
+      {"snapshot_allow_unauthenticated", 0, false, nullptr,
+       "Replicate --snapshot-dir between the agents without a token: anyone who can reach an "
+       "agent may then plant or delete files in it (a planted snapshot that a program "
+       "unpickles runs code)."},
+      {"snapshot_limits", 0, true, "K=V,...",
+       "Bounds of --snapshot-dir replication: streams_per_peer (16), streams (64), buffered_mb "
+       "(64), names_per_peer (65536), names (131072), stall_timeout (60 s)."},
       {"metrics_port", 0, true, "PORT",
        "Serve /healthz and Prometheus /metrics of this agent on PORT (0: a free port, printed)."},
   };

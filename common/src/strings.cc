@@ -23,6 +23,11 @@ std::vector<std::string> split(std::string_view s, char sep) {
   }
 }
 
+std::string quotePeerText(std::string_view s, size_t max_bytes) {
+  if (s.size() <= max_bytes) return escapeControl(s);
+  return escapeControl(s.substr(0, max_bytes)) + "... (" + std::to_string(s.size()) + " bytes)";
+}
+
 std::string escapeControl(std::string_view s) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string out;

@@ -312,6 +312,92 @@ StatusOr<agent::RendezvousBackend> rdzvBackend(const Raw& r) {
   return badValue(r, "static, c10d, grpc or etcd-v3");
 }
 
+// --rdzv-id: every agent of the job gives the same, and it names the run's log directory
+// (<log dir>/<id>_XXXXXX), so it must be one file name.
+constexpr size_t kMaxRunIdBytes = 200;
+
+StatusOr<std::string> rdzvId(const Raw& r) {
+  const std::string& id = r.value;
+  auto bad = [&](const std::string& why) {
+    std::string shown = id.size() > 60 ? id.substr(0, 60) + "..." : id;
+    for (char& ch : shown) {
+      if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
+    }
+    return usage("argument " + r.source + ": the job id '" + shown + "' " + why +
+                 " (it names the run's log directory; use letters, digits, '-', '_', '.')");
+  };
+  if (trim(id).empty()) return badValue(r, "a non-empty job id");
+  if (id.size() > kMaxRunIdBytes) {
+    return bad("is " + std::to_string(id.size()) + " bytes long, more than " +
+               std::to_string(kMaxRunIdBytes));
+  }
+  if (id.find('/') != std::string::npos) return bad("contains '/'");
+  if (id == "." || id == "..") return bad("is not a file name");
+  for (char ch : id) {
+    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) return bad("contains a control byte");
+  }
+  return id;
+}
+
+// --snapshot-limits K=V,...: the bounds of snapshot replication (agent::SnapshotLimits).
+StatusOr<agent::SnapshotLimits> snapshotLimits(const Raw& r) {
+  agent::SnapshotLimits out;
+  const std::string keys =
+      "streams_per_peer, streams, buffered_mb, names_per_peer, names, stall_timeout";
+  for (const auto& item : split(r.value, ',')) {
+    if (trim(item).empty()) continue;
+    const auto eq = item.find('=');
+    std::string key = trim(eq == std::string::npos ? item : item.substr(0, eq));
+    for (char& ch : key) {
+      if (ch == '-') ch = '_';
+    }
+    const std::string value = eq == std::string::npos ? "" : trim(item.substr(eq + 1));
+    auto whole = [&](long long lo, long long hi, int& into) -> Status {
+      auto v = parseInt(value);
+      if (!v || *v < lo || *v > hi) {
+        return usage("argument " + r.source + ": " + key + " must be a whole number from " +
+                     std::to_string(lo) + " to " + std::to_string(hi) + ", got '" + value + "'");
+      }
+      into = static_cast<int>(*v);
+      return Status::ok();
+    };
+    if (key == "streams_per_peer") {
+      DDPRUN_RETURN_IF_ERROR(whole(1, 4096, out.streams_per_peer));
+    } else if (key == "streams") {
+      DDPRUN_RETURN_IF_ERROR(whole(1, 65536, out.streams));
+    } else if (key == "buffered_mb") {
+      int mb = 0;
+      DDPRUN_RETURN_IF_ERROR(whole(1, 65536, mb));
+      out.buffered_bytes = static_cast<uint64_t>(mb) << 20;
+    } else if (key == "names_per_peer") {
+      DDPRUN_RETURN_IF_ERROR(whole(1, 10000000, out.names_per_peer));
+    } else if (key == "names") {
+      DDPRUN_RETURN_IF_ERROR(whole(1, 10000000, out.names));
+    } else if (key == "stall_timeout") {
+      auto v = parseDouble(value);
+      if (!v || *v <= 0 || *v > 86400) {
+        return usage("argument " + r.source +
+                     ": stall_timeout must be a number of seconds > 0 and at most 86400, got '" +
+                     value + "'");
+      }
+      out.stall_seconds = *v;
+    } else {
+      return usage("argument " + r.source + ": unknown key '" + key + "' (known: " + keys + ")");
+    }
+  }
+  if (out.streams_per_peer > out.streams) {
+    return usage("argument " + r.source + ": streams_per_peer (" +
+                 std::to_string(out.streams_per_peer) + ") is more than streams (" +
+                 std::to_string(out.streams) + ")");
+  }
+  if (out.names_per_peer > out.names) {
+    return usage("argument " + r.source + ": names_per_peer (" +
+                 std::to_string(out.names_per_peer) + ") is more than names (" +
+                 std::to_string(out.names) + ")");
+  }
+  return out;
+}
+
 StatusOr<std::string> nonEmpty(const Raw& r, const std::string& expected) {
   if (r.value.empty()) return badValue(r, expected);
   return r.value;
@@ -424,7 +510,7 @@ Apply applierOf(const std::string& name) {
        }},
       {"rdzv_id",
        [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
-         DDPRUN_ASSIGN_OR_RETURN(c.rdzv_id, nonEmpty(r, "a non-empty job id"));
+         DDPRUN_ASSIGN_OR_RETURN(c.rdzv_id, rdzvId(r));
          return Status::ok();
        }},
       {"rdzv_conf",
@@ -564,6 +650,16 @@ Apply applierOf(const std::string& name) {
          c.snapshot_dir = r.value;
          return Status::ok();
        }},
+      {"snapshot_allow_unauthenticated",
+       [](const Raw&, const HostFacts&, AgentConfig& c) -> Status {
+         c.snapshot_allow_unauthenticated = true;
+         return Status::ok();
+       }},
+      {"snapshot_limits",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         DDPRUN_ASSIGN_OR_RETURN(c.snapshot_limits, snapshotLimits(r));
+         return Status::ok();
+       }},
       {"metrics_port",
        [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
          DDPRUN_ASSIGN_OR_RETURN(c.metrics_port, intIn(r, 0, 65535, "a port number in 0-65535"));
@@ -610,6 +706,17 @@ Status applyCrossFlagRules(const Values& given, agent::AgentConfig& cfg) {
     cfg.rdzv_backend = agent::RendezvousBackend::kC10d;
     cfg.rdzv_endpoint = "localhost:0";
     cfg.rdzv_id = randomUuid();
+  }
+  // Replicated between agents, the directory takes files from whoever reaches an agent: only
+  // with the job's token, or when the user says, by name, that anyone may.
+  if (!cfg.snapshot_dir.empty() && cfg.max_nodes > 1 && cfg.rdzv_conf.token.empty() &&
+      !cfg.snapshot_allow_unauthenticated) {
+    return usage(
+        "argument --snapshot-dir: on a multi-node job the agents replicate " + cfg.snapshot_dir +
+        " to each other, and without a token anyone who can reach an agent could plant or "
+        "delete files there (a program that loads a planted snapshot.pt with torch.load runs its "
+        "code); set token_file= in --rdzv-conf (the same secret on every node), or pass "
+        "--snapshot-allow-unauthenticated to accept that risk");
   }
   if (cfg.rdzv_backend == agent::RendezvousBackend::kStatic) {
     if (cfg.min_nodes != cfg.max_nodes) {

@@ -122,6 +122,16 @@ StatusOr<RendezvousConf> parseRendezvousConf(const std::map<std::string, std::st
                                "'");
       }
       out.etcd.key_prefix = value;
+    } else if (key == "kv_max_keys" || key == "kv_max_bytes") {
+      auto v = parseInt(value);
+      const long long most = key == "kv_max_keys" ? 10000000LL : (1LL << 40);
+      if (!v || *v < 1 || *v > most) {
+        return invalidArgument(key + " must be a whole number from 1 to " + std::to_string(most) +
+                               " (etcd-v3: the run's key-value store each agent keeps), got '" +
+                               value + "'");
+      }
+      (key == "kv_max_keys" ? out.etcd.max_kv_keys : out.etcd.max_kv_bytes) =
+          static_cast<uint64_t>(*v);
     } else {
       // torchrun hands keys it does not know to the backend; ours has none, so the caller warns.
       out.unknown_keys.push_back(raw_key);

@@ -2,6 +2,9 @@
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/server_credentials.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
@@ -671,6 +674,63 @@ StateCensus RendezvousServer::census() const {
   return impl_->census;
 }
 
+namespace {
+
+// HOST of "HOST:PORT" without the brackets of an IPv6 address.
+std::string options_host(const std::string& listen, size_t colon) {
+  std::string host = listen.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return host;
+}
+
+}  // namespace
+
+Status whyCannotListen(const std::string& listen, const std::string& host, int port) {
+  const std::string where = "cannot listen on " + listen + ": ";
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  const int gai =
+      ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &found);
+  if (gai != 0 || found == nullptr) {
+    return invalidArgument(where + "'" + host + "' does not resolve (" +
+                           (gai == EAI_SYSTEM ? std::strerror(errno) : ::gai_strerror(gai)) + ")");
+  }
+  Status why = invalidArgument(where + "the address could not be used (gRPC gave no reason)");
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    (void)::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    const int err = ::bind(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno;
+    ::close(fd);
+    if (err == EADDRINUSE) {
+      why = invalidArgument(where + "port " + service +
+                            " is in use (another process listens there; pick another port)");
+      break;
+    }
+    if (err == EADDRNOTAVAIL) {
+      why = invalidArgument(where + "'" + host + "' is not an address of this host");
+      break;
+    }
+    if (err == EACCES) {
+      why = invalidArgument(where + "port " + service + " needs privileges (use one above 1023)");
+      break;
+    }
+    if (err != 0) {
+      why = invalidArgument(where + std::strerror(err));
+      break;
+    }
+  }
+  ::freeaddrinfo(found);
+  return why;
+}
+
 StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOptions options) {
   convert::routeGrpcLogs();
   auto colon = options.listen.rfind(':');
@@ -724,8 +784,8 @@ StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOption
     probe_server->Shutdown();
   }
   if (!raw->server || selected == 0) {
-    return unavailable("cannot listen on " + raw->options.listen +
-                       " (address in use, not local, or malformed)");
+    return whyCannotListen(raw->options.listen, options_host(raw->options.listen, colon),
+                           static_cast<int>(*port));
   }
   raw->port = selected;
   raw->address = raw->options.listen.substr(0, colon) + ":" + std::to_string(selected);

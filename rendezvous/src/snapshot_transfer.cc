@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -18,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -26,6 +28,8 @@
 #include "ddprun/common/block_cache.h"
 #include "ddprun/common/crc32.h"
 #include "ddprun/common/log.h"
+#include "ddprun/common/log_throttle.h"
+#include "ddprun/common/strings.h"
 #include "ddprun/snapshot/v1/snapshot.grpc.pb.h"
 
 namespace ddprun::rendezvous {
@@ -51,15 +55,11 @@ std::string versionText(uint64_t v) {
 SnapshotFile fromProto(const spb::FileVersion& f) {
   SnapshotFile out{f.name(), f.version(), f.size(), f.crc32()};
   out.crc32_pending = f.crc32_pending();
-  if (out.crc32_pending) out.crc32 = 0;
   out.deleted = f.deleted();
-  if (out.deleted) out = SnapshotFile{out.name, out.version, 0, 0, false, true};
-  if (!out.deleted && !out.crc32_pending && f.moved_from_version() != 0) {
-    out.moved_from = f.moved_from();
-    out.moved_from_version = f.moved_from_version();
-  }
-  if (out.deleted) out.moved_to = f.moved_to();
-  return out;
+  out.moved_from = f.moved_from();
+  out.moved_from_version = f.moved_from_version();
+  out.moved_to = f.moved_to();
+  return normalizeAnnounced(std::move(out));
 }
 
 // The channels to other agents, kept between calls: a fetch on a fresh connection waited
@@ -147,30 +147,46 @@ size_t putVarint(uint8_t* out, uint64_t v) {
 }
 
 // Buffers the server reads chunks into: blocks of the process's transfer cache (present in
-// memory and reused, see BlockCache), malloc for chunks larger than a block. gRPC sends a chunk
-// from its buffer and lets go of it (the slice's destroy callback, on any thread) once sent,
-// which may be after OnWriteDone: a buffer is given back only then.
+// memory and reused, see BlockCache) for chunks of more than half a block, malloc for others
+// (with many streams sharing the server's chunk budget, or a relay's 1 MiB chunks: a block would
+// hold more memory than the chunk counts). gRPC sends a chunk from its buffer and lets go of it
+// (the slice's destroy callback, on any thread) once sent, which may be long after OnWriteDone
+// (a receiver that does not read): the buffer, and the bytes of the server's budget it took
+// (SnapshotServer::Impl::reserve), are given back only then.
 class ChunkBuffers {
  public:
-  explicit ChunkBuffers(size_t bytes)
-      : bytes_(bytes), cached_(bytes <= BlockCache::transfers().blockBytes()) {}
-
   // A buffer of at least `bytes` bytes (nullptr when memory is short); give it back with put()
-  // or slice().
-  char* take() const {
-    return cached_ ? BlockCache::transfers().take() : static_cast<char*>(std::malloc(bytes_));
+  // or slice(). One at a time: put() and slice() are of the last one taken.
+  char* take(size_t bytes) {
+    const size_t block = BlockCache::transfers().blockBytes();
+    cached_ = bytes <= block && bytes * 2 > block;
+    return cached_ ? BlockCache::transfers().take() : static_cast<char*>(std::malloc(bytes));
   }
   void put(char* b) const { (cached_ ? &giveBlock : &freeBuffer)(b); }
-  // The first `n` bytes of `b` as a slice that gives `b` back when gRPC drops it.
-  grpc::Slice slice(char* b, size_t n) const {
-    return grpc::Slice(b, n, cached_ ? &giveBlock : &freeBuffer);
+  // The first `n` bytes of `b` as a slice that gives `b` back, and `reserved` bytes to `budget`,
+  // when gRPC drops it.
+  grpc::Slice slice(char* b, size_t n, size_t reserved,
+                    std::shared_ptr<std::atomic<uint64_t>> budget) const {
+    auto* held = new Held{b, cached_, reserved, std::move(budget)};
+    return grpc::Slice(b, n, &drop, held);
   }
 
  private:
+  struct Held {
+    char* data;
+    bool cached;
+    size_t reserved;
+    std::shared_ptr<std::atomic<uint64_t>> budget;
+  };
+  static void drop(void* p) {
+    auto* held = static_cast<Held*>(p);
+    (held->cached ? &giveBlock : &freeBuffer)(held->data);
+    *held->budget -= held->reserved;
+    delete held;
+  }
   static void giveBlock(void* b) { BlockCache::transfers().give(static_cast<char*>(b)); }
   static void freeBuffer(void* b) { std::free(b); }
-  size_t bytes_;
-  bool cached_;
+  bool cached_ = false;
 };
 
 // One Chunk message: offset, then the data slice as it is, then the data's CRC-32 (and on a
@@ -485,6 +501,14 @@ StatusOr<std::pair<uint64_t, uint32_t>> crc32OfFile(int fd) {
 // ---------------------------------------------------------------------------------------------
 // Server
 
+// The address of a call's peer without its port ("ipv4:10.0.0.7:41234" -> "ipv4:10.0.0.7"):
+// what the server's per-peer bounds and throttled warnings count by.
+std::string peerAddress(const std::string& peer) {
+  const auto colon = peer.rfind(':');
+  const auto kind = peer.find(':');
+  return colon == std::string::npos || colon == kind ? peer : peer.substr(0, colon);
+}
+
 struct SnapshotServer::Impl {
   SnapshotServerOptions options;
   std::unique_ptr<grpc::Service> service;
@@ -493,6 +517,35 @@ struct SnapshotServer::Impl {
   std::atomic<int> active_streams{0};
   std::mutex fault_mu;
   int faults_left = 0;  // guarded by fault_mu
+  std::mutex log_mu;
+  LogThrottle refused_log{std::chrono::seconds(60)};  // guarded by log_mu
+  std::mutex streams_mu;
+  FetchAdmission admission;  // guarded by streams_mu
+  // Bytes of chunks read and not yet dropped by gRPC (shared with the chunks' slices, which may
+  // outlive a stream).
+  std::shared_ptr<std::atomic<uint64_t>> buffered = std::make_shared<std::atomic<uint64_t>>(0);
+
+  // A Fetch stream from `peer` may start (counted until release()), or RESOURCE_EXHAUSTED.
+  Status admit(const std::string& peer) {
+    std::lock_guard<std::mutex> lock(streams_mu);
+    return admission.admit(peer);
+  }
+  void release(const std::string& peer) {
+    std::lock_guard<std::mutex> lock(streams_mu);
+    admission.release(peer);
+  }
+  // Takes up to `want` bytes of the chunk budget (at least kMinFetchChunk, or `want` when less):
+  // the size of the next chunk. Give them back with unreserve() once gRPC took the chunk.
+  size_t reserve(size_t want) {
+    uint64_t cur = buffered->load();
+    while (true) {
+      const uint64_t left = options.max_buffered_bytes > cur ? options.max_buffered_bytes - cur : 0;
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(
+          want, std::max<uint64_t>(left, std::min<size_t>(want, kMinFetchChunk))));
+      if (buffered->compare_exchange_weak(cur, cur + n)) return n;
+    }
+  }
+  void unreserve(size_t n) { *buffered -= n; }
 
   Status authorize(grpc::CallbackServerContext* ctx, const std::string& run_id) {
     const std::string& token = options.security.token;
@@ -501,8 +554,19 @@ struct SnapshotServer::Impl {
       auto it = md.find("authorization");
       if (it == md.end() ||
           !sameSecret(std::string(it->second.data(), it->second.size()), "Bearer " + token)) {
-        logger("agent")->warn("snapshot replication: refused a call from {}: {} token", ctx->peer(),
-                              it == md.end() ? "missing" : "wrong");
+        const std::string peer = peerAddress(ctx->peer());
+        const char* why = it == md.end() ? "missing" : "wrong";
+        std::optional<uint64_t> n;
+        {
+          std::lock_guard<std::mutex> lock(log_mu);
+          n = refused_log.note(peer + " " + why, std::chrono::steady_clock::now());
+        }
+        if (n) {  // a flood of them is a line a minute per peer
+          logger("agent")->warn(
+              "snapshot replication: refused {} call(s) from {}: {} token (such calls from one "
+              "peer are logged at most once a minute)",
+              *n, quotePeerText(peer, 100), why);
+        }
         return Status(StatusCode::kUnauthenticated, "wrong or missing rendezvous token");
       }
     }
@@ -527,10 +591,6 @@ struct SnapshotServer::Impl {
 
 namespace {
 
-// The smallest chunk a Fetch may ask for (FetchRequest.chunk_bytes): smaller ones cost the server
-// a message and a checksum call each for little.
-constexpr size_t kChunkMin = 64 << 10;
-
 class FailedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   explicit FailedStream(const Status& st) { Finish(convert::toGrpc(st)); }
@@ -538,7 +598,9 @@ class FailedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 };
 
 // Streams one version from its open file, one chunk in flight at a time: the next chunk is read
-// only when gRPC took the last one, so a slow receiver slows the reads (backpressure). gRPC sends
+// only when gRPC took the last one, so a slow receiver slows the reads (backpressure). Each chunk
+// is sized from the server's budget (Impl::reserve): with many streams open, chunks are smaller,
+// so that the bytes held for receivers that do not read stay within max_buffered_bytes. gRPC sends
 // each chunk from the buffer it was read into (see ChunkBuffers). A version still arriving here
 // (ArrivingFile) is served as its bytes come: the stream waits for each chunk's bytes, parked in
 // a WaitSlot that the arrival's progress or the receiver's cancellation takes it out of, whichever
@@ -546,16 +608,18 @@ class FailedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   // Serves bytes [begin, end) of `served`.
+  // Counted in `impl`'s admission as `peer` (admitted already) until done.
   FetchStream(ServedFile served, uint64_t begin, uint64_t end, size_t chunk_bytes,
-              ServeFault::Kind fault, int slow_ms, std::atomic<int>* active)
+              ServeFault::Kind fault, int slow_ms, SnapshotServer::Impl* impl, std::string peer)
       : served_(std::move(served)),
         begin_(begin),
         end_(end),
         chunk_bytes_(chunk_bytes),
-        buffers_(chunk_bytes),
         fault_(fault),
         slow_ms_(slow_ms),
-        active_(active),
+        active_(&impl->active_streams),
+        impl_(impl),
+        peer_(std::move(peer)),
         offset_(begin) {
     ++*active_;
     next();
@@ -568,6 +632,8 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     next();
   }
   void OnDone() override {
+    impl_->unreserve(std::exchange(reserved_, 0));
+    impl_->release(peer_);
     --*active_;
     delete this;
   }
@@ -597,7 +663,9 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (fault_ == ServeFault::Kind::kSlow) {  // test hook only: blocks this gRPC thread
       std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms_));
     }
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, end_ - offset_));
+    const size_t n =
+        impl_->reserve(static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, end_ - offset_)));
+    reserved_ = n;
     if (!served_.arriving) {
       sendChunk(n);
       return;
@@ -623,10 +691,10 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   // Reads, checksums and sends the `n` bytes at offset_.
   void sendChunk(size_t n) {
-    char* data = buffers_.take();
+    char* data = buffers_.take(n);
     if (data == nullptr) {
       Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          "no memory for a " + std::to_string(chunk_bytes_) + "-byte chunk"));
+                          "no memory for a " + std::to_string(n) + "-byte chunk"));
       return;
     }
     size_t got = 0;
@@ -649,13 +717,15 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     const uint64_t at = offset_;
     offset_ += n;
     if (offset_ < end_) {
-      send(encodeChunk(at, buffers_.slice(data, n), crc, std::nullopt));
+      send(encodeChunk(at, buffers_.slice(data, n, std::exchange(reserved_, 0), impl_->buffered),
+                       crc, std::nullopt));
       return;
     }
     // The last chunk carries the whole file's CRC-32: for a version announced while it was
     // still being hashed, once the hash is done (usually long before the stream gets here).
     if (!served_.file.crc32_pending) {
-      send(encodeChunk(at, buffers_.slice(data, n), crc, served_.file.crc32));
+      send(encodeChunk(at, buffers_.slice(data, n, std::exchange(reserved_, 0), impl_->buffered),
+                       crc, served_.file.crc32));
       return;
     }
     if (!served_.pending_crc) {
@@ -671,7 +741,8 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
             "the source could not hash " + served_.file.name + ": " + file_crc.status().message()));
         return;
       }
-      send(encodeChunk(at, buffers_.slice(data, n), crc, *file_crc));
+      send(encodeChunk(at, buffers_.slice(data, n, std::exchange(reserved_, 0), impl_->buffered),
+                       crc, *file_crc));
     });
   }
 
@@ -688,6 +759,9 @@ class FetchStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   ServeFault::Kind fault_;
   int slow_ms_;
   std::atomic<int>* active_;
+  SnapshotServer::Impl* impl_;
+  std::string peer_;
+  size_t reserved_ = 0;  // of the server's chunk budget, for the chunk in flight
   uint64_t offset_;
   grpc::ByteBuffer message_;  // the chunk being written
   std::shared_ptr<WaitSlot> wait_ = std::make_shared<WaitSlot>();
@@ -725,29 +799,27 @@ class ReplicationService final : public ServiceBase {
     }
     Status st = impl_->authorize(ctx, req.run_id());
     if (!st.isOk()) return new FailedStream(st);
+    std::string peer = peerAddress(ctx->peer());
+    st = impl_->admit(peer);
+    if (!st.isOk()) return new FailedStream(st);
+    // From here the stream counts against `peer` until a FetchStream's OnDone (or just below).
+    auto refuse = [&](const Status& why) {
+      impl_->release(peer);
+      return new FailedStream(why);
+    };
     std::optional<ServedFile> served;
     SnapshotFile wanted{req.name(), req.version(), req.size(), req.crc32()};
     wanted.crc32_pending = req.crc32_pending();
     if (impl_->options.lookup) served = impl_->options.lookup(wanted);
     if (!served) {
-      return new FailedStream(notFound("this agent does not hold " + req.name() + " version " +
-                                       versionText(req.version()) + " with that content"));
+      return refuse(notFound("this agent does not hold " + quotePeerText(req.name()) + " version " +
+                             versionText(req.version()) + " with that content"));
     }
-    const uint64_t size = served->file.size;
-    if (req.offset() > size || req.length() > size - req.offset()) {
-      return new FailedStream(Status(StatusCode::kOutOfRange,
-                                     "bytes " + std::to_string(req.offset()) + "+" +
-                                         std::to_string(req.length()) + " are past the end of " +
-                                         req.name() + " (" + std::to_string(size) + " bytes)"));
-    }
-    const uint64_t end = req.length() == 0 ? size : req.offset() + req.length();
-    const size_t most = std::max<size_t>(impl_->options.chunk_bytes, 1);
-    const size_t chunk =
-        req.chunk_bytes() == 0
-            ? most
-            : std::clamp<size_t>(req.chunk_bytes(), std::min(kChunkMin, most), most);
-    return new FetchStream(std::move(*served), req.offset(), end, chunk, impl_->takeFault(),
-                           impl_->options.fault.count, &impl_->active_streams);
+    auto plan = planFetch(req.name(), served->file.size, req.offset(), req.length(),
+                          req.chunk_bytes(), impl_->options.chunk_bytes);
+    if (!plan.isOk()) return refuse(plan.status());
+    return new FetchStream(std::move(*served), plan->begin, plan->end, plan->chunk,
+                           impl_->takeFault(), impl_->options.fault.count, impl_, std::move(peer));
   }
 
  private:
@@ -761,6 +833,7 @@ StatusOr<std::unique_ptr<SnapshotServer>> SnapshotServer::start(SnapshotServerOp
   auto impl = std::make_unique<Impl>();
   impl->options = std::move(options);
   impl->faults_left = impl->options.fault.count;
+  impl->admission = FetchAdmission(impl->options.max_streams_per_peer, impl->options.max_streams);
   impl->service = std::make_unique<ReplicationService>(impl.get());
   const auto& sec = impl->options.security;
   const auto creds = !sec.tls_cert_pem.empty() && !sec.tls_key_pem.empty()
@@ -796,6 +869,8 @@ int SnapshotServer::port() const { return impl_->port; }
 
 int SnapshotServer::activeStreams() const { return impl_->active_streams.load(); }
 
+uint64_t SnapshotServer::bufferedBytes() const { return impl_->buffered->load(); }
+
 // ---------------------------------------------------------------------------------------------
 // Client
 
@@ -821,10 +896,27 @@ Status announceSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
   f->set_moved_from_version(file.moved_from_version);
   f->set_moved_to(file.moved_to);
   spb::AnnounceResponse resp;
-  return convert::fromGrpc(stub->Announce(&ctx, req, &resp));
+  const Status st = convert::fromGrpc(stub->Announce(&ctx, req, &resp));
+  if (st.isOk()) return st;
+  return Status(st.code(),
+                statusCodeName(st.code()) + std::string(": ") + quotePeerText(st.message()));
 }
 
 namespace {
+
+// What a peer answered, as this node tells it: the peer named, its text escaped and cut (it may
+// hold anything: 100 KB, terminal escapes). A holder's RESOURCE_EXHAUSTED (too many streams, no
+// memory) is its own state, not this node's disk: UNAVAILABLE, so the fetch is tried again
+// (from the next holder) rather than given up as a local lack of space. Other codes stay.
+Status fromPeer(const SnapshotPeer& peer, const Status& st) {
+  if (st.isOk()) return st;
+  const std::string text = quotePeerText(st.message());
+  if (st.code() == StatusCode::kResourceExhausted) {
+    return Status(StatusCode::kUnavailable,
+                  peer.endpoint + " is out of resources (RESOURCE_EXHAUSTED): " + text);
+  }
+  return Status(st.code(), peer.endpoint + " answered " + statusCodeName(st.code()) + ": " + text);
+}
 
 // The receiving end of one fetch: the temp file, removed unless the whole version arrived.
 class TempFile {
@@ -1064,12 +1156,81 @@ class FetchAbort {
   }
   bool stopped() const { return failed_.load(); }
 
+  // A chunk arrived (any stream of the fetch).
+  void progress() { last_progress_ = nowNs(); }
+  // Fails the fetch, `why` being its cause, when nothing arrived for `bound` (StallWatch).
+  bool stalledFor(Duration bound, const Status& why) {
+    if (nowNs() - last_progress_.load() < std::chrono::nanoseconds(bound).count()) return false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!stall_) stall_ = why;
+    }
+    fail();
+    return true;
+  }
+  // Why the fetch stalled, if it did.
+  std::optional<Status> stalled() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stall_;
+  }
+
  private:
+  static int64_t nowNs() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
   FetchCancel* cancel_;
   uint64_t subscription_ = 0;
   std::mutex mu_;
   std::atomic<bool> failed_{false};
   std::vector<grpc::ClientContext*> contexts_;  // guarded by mu_
+  std::atomic<int64_t> last_progress_{nowNs()};
+  std::optional<Status> stall_;  // guarded by mu_
+};
+
+// Ends a fetch whose source sent nothing for the peer's stall_timeout: a thread that looks a few
+// times per period, started for the fetch and joined at its end. Without a thread to be had, the
+// fetch's streams get the deadline a stall would have given a whole transfer before
+// (`fallback()`).
+class StallWatch {
+ public:
+  StallWatch(const SnapshotPeer& peer, FetchAbort* abort) {
+    const Duration bound = std::max<Duration>(peer.stall_timeout, std::chrono::milliseconds(10));
+    std::ostringstream secs;
+    secs << std::chrono::duration<double>(bound).count();
+    const Status why(StatusCode::kDeadlineExceeded, "no byte from " + peer.endpoint + " for " +
+                                                        secs.str() +
+                                                        " s (--snapshot-limits stall_timeout)");
+    const Duration step = std::min<Duration>(bound / 4, std::chrono::seconds(1));
+    try {
+      thread_ = std::thread([this, abort, bound, why, step] {
+        std::unique_lock<std::mutex> lock(mu_);
+        while (!done_) {
+          cv_.wait_for(lock, step);
+          if (!done_ && abort->stalledFor(bound, why)) return;
+        }
+      });
+    } catch (const std::system_error&) {
+      fallback_ = true;
+    }
+  }
+  ~StallWatch() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  bool fallback() const { return fallback_; }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;  // guarded by mu_
+  bool fallback_ = false;
+  std::thread thread_;
 };
 
 // One stream of a fetch: bytes [begin, end) of the version, written at the same offsets.
@@ -1082,7 +1243,8 @@ struct RangeFetch {
 };
 
 void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::string& temp_path,
-                size_t lane, RangeFetch* range, FetchAbort* abort, ArrivingFile* arriving) {
+                size_t lane, RangeFetch* range, FetchAbort* abort, ArrivingFile* arriving,
+                bool total_deadline) {
   auto fail = [&](Status st) {
     range->status = std::move(st);
     abort->fail();
@@ -1097,9 +1259,12 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
   auto channel = channelTo(peer, lane);
   grpc::ClientContext ctx;
   addToken(ctx, peer);
-  // A stuck source must not hold the node forever: a minute plus 10 s per 100 MB.
-  const auto allowed = std::chrono::seconds(60 + static_cast<int64_t>(file.size / (10 << 20)));
-  ctx.set_deadline(std::chrono::system_clock::now() + allowed);
+  // A stuck source must not hold the node forever: StallWatch ends a fetch that receives nothing
+  // for the stall timeout, whatever the size. Only without it, a deadline for the whole.
+  if (total_deadline) {
+    const auto allowed = std::chrono::seconds(60 + static_cast<int64_t>(file.size / (10 << 20)));
+    ctx.set_deadline(std::chrono::system_clock::now() + allowed);
+  }
   if (!abort->enter(&ctx)) {
     range->status = Status(StatusCode::kCancelled, "the fetch was cancelled");
     return;
@@ -1126,6 +1291,7 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
   uint32_t crc = 0;
   Status failure;
   while (reader->Read(&message)) {
+    abort->progress();
     if (abort->stopped()) {
       failure = Status(StatusCode::kCancelled, "the fetch was cancelled");
       break;
@@ -1137,10 +1303,18 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
                                                   " is not a Chunk message");
       break;
     }
-    if (chunk.offset != offset || offset + chunk.size > range->end) {
+    if (chunk.offset != offset) {
       failure = Status(StatusCode::kDataLoss, "a chunk at offset " + std::to_string(chunk.offset) +
                                                   " does not continue the file (expected " +
                                                   std::to_string(offset) + ")");
+      break;
+    }
+    if (chunk.size > range->end - offset) {
+      failure = Status(StatusCode::kDataLoss,
+                       "a chunk of " + std::to_string(chunk.size) + " bytes at offset " +
+                           std::to_string(offset) + " goes past the end of the bytes asked for (" +
+                           std::to_string(range->end) + "; the version has " +
+                           std::to_string(file.size) + ")");
       break;
     }
     // Written as it is checked: a chunk that fails its CRC-32 fails the fetch, and a failed
@@ -1167,8 +1341,9 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
     if (arriving != nullptr) arriving->advance(range->begin, std::min(offset, writer.durable()));
   }
   if (!failure.isOk()) ctx.TryCancel();
-  Status st = convert::fromGrpc(reader->Finish());
+  Status st = fromPeer(peer, convert::fromGrpc(reader->Finish()));
   abort->leave(&ctx);
+  if (auto stalled = abort->stalled()) return fail(*stalled);
   if (!failure.isOk()) return fail(failure);
   if (!st.isOk()) return fail(st);
   if (offset != range->end) {
@@ -1185,8 +1360,9 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
 
 namespace {
 
-// Creates the temp file a version is received into, with its space reserved (RESOURCE_EXHAUSTED
-// naming the bytes when there is none), and hands it to `arriving` for serving on.
+// Creates the temp file a version is received into, once the disk has the space for it
+// (RESOURCE_EXHAUSTED naming the bytes when it has not), and hands it to `arriving` for serving
+// on.
 Status prepareTemp(const SnapshotFile& file, TempFile& out, const std::string& temp_path,
                    ArrivingFile* arriving) {
   const std::string dir = dirOf(temp_path);
@@ -1195,18 +1371,10 @@ Status prepareTemp(const SnapshotFile& file, TempFile& out, const std::string& t
     const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
     if (free_bytes < file.size) return noSpace(file, dir, free_bytes);
   }
+  // No space is reserved for the whole version up front (a holder that announces a large
+  // version and stalls would hold it from everyone else on this disk): the writes take it as the
+  // bytes arrive, and one that finds none fails the fetch as RESOURCE_EXHAUSTED.
   DDPRUN_RETURN_IF_ERROR(out.create());
-  if (file.size > 0) {
-    const int err = ::posix_fallocate(out.fd(), 0, static_cast<off_t>(file.size));
-    if (err == ENOSPC || err == EDQUOT) {
-      uint64_t free_bytes = 0;
-      if (::statvfs(dir.c_str(), &vfs) == 0) {
-        free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-      }
-      return noSpace(file, dir, free_bytes);
-    }
-    // Other errors (a file system without fallocate): writing finds out.
-  }
   if (arriving != nullptr) {  // served on as it arrives: through a descriptor of its own
     const int fd = ::open(temp_path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) return internalError("cannot open " + temp_path + ": " + errnoText(errno));
@@ -1238,20 +1406,25 @@ Status fetchInto(const SnapshotPeer& peer, const SnapshotFile& file, const std::
   FetchAbort abort(cancel);
   std::vector<std::thread> helpers;
   size_t inline_from = ranges.size();  // ranges no helper thread could be started for
-  for (size_t i = 1; i < ranges.size(); ++i) {
-    try {
-      helpers.emplace_back(
-          [&, i] { fetchRange(peer, file, temp_path, i + 1, &ranges[i], &abort, arriving); });
-    } catch (const std::system_error&) {
-      inline_from = i;
-      break;
+  {
+    StallWatch watch(peer, &abort);
+    const bool total = watch.fallback();
+    for (size_t i = 1; i < ranges.size(); ++i) {
+      try {
+        helpers.emplace_back([&, i] {
+          fetchRange(peer, file, temp_path, i + 1, &ranges[i], &abort, arriving, total);
+        });
+      } catch (const std::system_error&) {
+        inline_from = i;
+        break;
+      }
     }
+    fetchRange(peer, file, temp_path, 1, &ranges[0], &abort, arriving, total);
+    for (size_t i = inline_from; i < ranges.size(); ++i) {
+      fetchRange(peer, file, temp_path, i + 1, &ranges[i], &abort, arriving, total);
+    }
+    for (auto& t : helpers) t.join();
   }
-  fetchRange(peer, file, temp_path, 1, &ranges[0], &abort, arriving);
-  for (size_t i = inline_from; i < ranges.size(); ++i) {
-    fetchRange(peer, file, temp_path, i + 1, &ranges[i], &abort, arriving);
-  }
-  for (auto& t : helpers) t.join();
   uint32_t crc = 0;
   // The first failure is the cause; the others are mostly the cancellations it caused.
   for (const auto& r : ranges) {

@@ -5,6 +5,7 @@
 // service on the test's io_context; the test thread runs the loop until what it waits for came.
 #include <boost/asio/io_context.hpp>
 #include <catch2/catch.hpp>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
@@ -80,6 +81,7 @@ class Job {
   }
 
   boost::asio::io_context io;
+  const std::string& runId() const { return run_id_; }
 
  private:
   std::string endpoints_;
@@ -367,6 +369,74 @@ TEST_CASE("etcd-v3: master address, key-value store and close", "[etcd]") {
   CHECK_THAT(late.result->status().message(), Catch::Contains("closed"));
 }
 
+// The most memory this process has held (VmHWM), in KiB.
+long peakRssKb() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6));
+  }
+  return 0;
+}
+
+TEST_CASE("etcd-v3: a stored state that claims a huge snapshot is one error, not 1 GiB", "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 1, 1, std::chrono::milliseconds(200));
+  // The 46-byte value of issue 34 (etcdctl put), which took every agent from 19 MB to 1.07 GB.
+  REQUIRE(etcd.etcdctl(
+                  {"put", "/ddprun/rdzv/" + job.runId() + "/state", "v3;-;0:0:z1073741824:garbage"})
+              .exit_code == 0);
+  const long before = peakRssKb();
+  Agent a(job);
+  a.join();
+  REQUIRE(job.runUntil([&] { return a.done(); }));
+  REQUIRE_FALSE(a.result->isOk());
+  CHECK_THAT(a.result->status().message(),
+             Catch::Contains("says its snapshot inflates to 1073741824 bytes, more than the"));
+  CHECK(peakRssKb() - before < 128 * 1024);
+}
+
+TEST_CASE("etcd-v3: an etcd restarted on an empty data directory is noticed and the run re-forms",
+          "[etcd]") {
+  // The watch resumed at a revision the new store never reaches: every change after the restart
+  // went unseen, and the nodes waited out the whole exit barrier.
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 2, 2, std::chrono::milliseconds(200));
+  Agent a(job), b(job);
+  REQUIRE(joinAll(job, {&a, &b}));
+  REQUIRE(a.result->isOk());
+  int set = 0;
+  for (int i = 0; i < 40; ++i) {  // the old store's revision well above the new one's
+    a.service->kvSet("k" + std::to_string(i), "v", {}, [&](Status st) { set += st.isOk(); });
+  }
+  REQUIRE(job.runUntil([&] { return set == 40; }));
+
+  etcd.kill(0);
+  etcd.wipe(0);
+  etcd.start(0);
+  REQUIRE(etcd.waitHealthy());
+  // The store is new: both agents join again and a round forms there, and the key-value store
+  // (the exit barrier's) carries what is written now.
+  REQUIRE(joinAll(job, {&a, &b}, std::chrono::seconds(60)));
+  INFO(a.result->status().toString() << " / " << b.result->status().toString());
+  REQUIRE(a.result->isOk());
+  REQUIRE(b.result->isOk());
+  std::optional<StatusOr<std::vector<std::string>>> values;
+  a.service->kvWait({"after"}, std::chrono::seconds(20), {},
+                    [&](StatusOr<std::vector<std::string>> v) { values = v; });
+  bool written = false;
+  b.service->kvSet("after", "1", {}, [&](Status st) { written = st.isOk(); });
+  REQUIRE(job.runUntil([&] { return values.has_value() && written; }, std::chrono::seconds(30)));
+  REQUIRE(values->isOk());
+  CHECK(values->value() == std::vector<std::string>{"1"});
+  std::optional<StatusOr<std::vector<std::string>>> gone;
+  a.service->kvWait({"k5"}, std::chrono::milliseconds(300), {},
+                    [&](StatusOr<std::vector<std::string>> v) { gone = v; });
+  REQUIRE(job.runUntil([&] { return gone.has_value(); }));
+  CHECK(gone->status().code() == StatusCode::kDeadlineExceeded);  // the old store's keys are gone
+}
+
 TEST_CASE("etcd-v3: an unreachable etcd is named in one error", "[etcd]") {
   const int port = ddprun::testing::freePort();
   Job job("127.0.0.1:" + std::to_string(port), 1, 1, Duration::zero());
@@ -568,4 +638,51 @@ TEST_CASE("etcd-v3: a 3-member cluster loses its leader and the rendezvous goes 
   REQUIRE(c.result->isOk());
   CHECK(c.info->round == 2);
   CHECK(a.info->group_world_size == 3);
+}
+
+TEST_CASE("etcd-v3: the run's key-value store each agent mirrors is bounded", "[etcd]") {
+  // 100 values of 1 MB under the job's kv/ took every agent to 131 MB: all of it was mirrored.
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  Job job(etcd.endpoints(), 1, 1, std::chrono::milliseconds(200));
+  job.options.max_kv_keys = 20;
+  job.options.max_kv_bytes = 1 << 20;
+  Agent a(job);
+  REQUIRE(joinAll(job, {&a}));
+  REQUIRE(a.result->isOk());
+  const std::string prefix = "/ddprun/rdzv/" + job.runId() + "/kv/";
+  const std::string big(100 * 1000, 'b');
+  for (int i = 0; i < 15; ++i) {  // 1.5 MB: the last ones are beyond the bytes
+    REQUIRE(etcd.etcdctl({"put", prefix + "big" + std::to_string(i), big}).exit_code == 0);
+  }
+  REQUIRE(etcd.etcdctl({"put", prefix + "last", "x"}).exit_code == 0);
+  std::optional<StatusOr<std::vector<std::string>>> last;
+  a.service->kvWait({"last"}, std::chrono::seconds(20), {},
+                    [&](StatusOr<std::vector<std::string>> v) { last = v; });
+  REQUIRE(job.runUntil([&] { return last.has_value(); }));
+  REQUIRE(last->isOk());  // small keys still fit
+  auto [keys, bytes] = a.service->mirroredKv();
+  CHECK(bytes <= (1u << 20));
+  CHECK(keys <= 20);
+  CHECK(keys >= 10);
+  // What is beyond is not there for a waiter, and this agent's own kvSet is refused, named.
+  std::optional<StatusOr<std::vector<std::string>>> beyond;
+  a.service->kvWait({"big14"}, std::chrono::milliseconds(500), {},
+                    [&](StatusOr<std::vector<std::string>> v) { beyond = v; });
+  REQUIRE(job.runUntil([&] { return beyond.has_value(); }));
+  CHECK(beyond->status().code() == StatusCode::kDeadlineExceeded);
+  std::optional<Status> refused;
+  a.service->kvSet("huge", std::string(2 << 20, 'h'), {}, [&](Status st) { refused = st; });
+  REQUIRE(job.runUntil([&] { return refused.has_value(); }));
+  CHECK(refused->code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused->message(), Catch::Contains("more than kv_max_bytes=1048576"));
+  // Many small keys: bounded by the number of keys.
+  for (int i = 0; i < 30; ++i) {
+    REQUIRE(etcd.etcdctl({"put", prefix + "s" + std::to_string(i), "1"}).exit_code == 0);
+  }
+  std::optional<StatusOr<std::vector<std::string>>> s0;
+  a.service->kvWait({"s0"}, std::chrono::seconds(20), {},
+                    [&](StatusOr<std::vector<std::string>> v) { s0 = v; });
+  REQUIRE(job.runUntil([&] { return s0.has_value(); }));
+  CHECK(a.service->mirroredKv().first <= 20);
 }

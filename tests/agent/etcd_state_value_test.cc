@@ -223,3 +223,41 @@ TEST_CASE("a damaged deflated snapshot is refused, never a crash or a huge alloc
     CHECK_THAT(snap.status().message(), Catch::Contains("does not inflate"));
   }
 }
+
+TEST_CASE("a value that claims a huge snapshot is refused before anything is allocated", "[etcd]") {
+  // The 46-byte value of issue 34: every agent it was pushed to allocated 1 GiB.
+  auto huge = StateValue::parse(stored("v3;-;0:0:z1073741824:garbage"));
+  REQUIRE_FALSE(huge.isOk());
+  CHECK(huge.status().message() ==
+        "the stored rendezvous state says its snapshot inflates to 1073741824 bytes, more than "
+        "the 16777216 any run writes (a damaged or foreign value)");
+  // At the bound the header is read, and the garbage fails as it inflates, at its first bytes.
+  auto at_bound =
+      StateValue::parse(stored("v3;-;0:0:z" + std::to_string(kMaxStateSnapshotBytes) + ":garbage"));
+  REQUIRE(at_bound.isOk());
+  auto snap = at_bound->snapshot();
+  REQUIRE_FALSE(snap.isOk());
+  CHECK(snap.status().message() ==
+        "the stored rendezvous state is unreadable (its snapshot does not inflate)");
+}
+
+TEST_CASE("a deflated snapshot must inflate to exactly the size it states", "[etcd]") {
+  const std::string snapshot(300000, 's');
+  const std::string value = encodeStateValue({}, {}, snapshot, std::nullopt);
+  auto ok = StateValue::parse(stored(value));
+  REQUIRE(ok.isOk());
+  CHECK(ok->snapshot().value() == snapshot);
+  // The same deflated bytes stating another size: named either way.
+  const std::string deflated = value.substr(value.find(':', value.find('z')) + 1);
+  auto more = inflateBounded(deflated, snapshot.size() - 1);
+  REQUIRE_FALSE(more.isOk());
+  CHECK(more.status().message().find(
+            "does not inflate to the 299999 bytes stated: it gives more") != std::string::npos);
+  auto fewer = inflateBounded(deflated, snapshot.size() + 10);
+  REQUIRE_FALSE(fewer.isOk());
+  CHECK(fewer.status().message().find(
+            "does not inflate to the 300010 bytes stated: it gives 300000") != std::string::npos);
+  auto cut = inflateBounded(deflated.substr(0, deflated.size() / 2), snapshot.size());
+  REQUIRE_FALSE(cut.isOk());
+  CHECK_FALSE(inflateBounded(deflated, kMaxStateSnapshotBytes + 1).isOk());
+}

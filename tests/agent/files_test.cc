@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <fstream>
 
@@ -146,4 +147,80 @@ TEST_CASE("filesOpenForWriting names the files another process holds open to wri
   CHECK(filesOpenForWriting(dev).count(id("w")) == 0);  // closed with its process
   ::close(ready[0]);
   ::close(mine);
+}
+
+TEST_CASE("a peer's path never leads through a symlink out of the snapshot directory", "[files]") {
+  TempDir dir, outside;
+  std::ofstream(outside / "victim") << "keep";
+  REQUIRE(::symlink(outside.path().c_str(), (dir / "ld").c_str()) == 0);
+  REQUIRE(::mkdir((dir / "real").c_str(), 0755) == 0);
+  std::ofstream(dir / "real/file") << "mine";
+
+  // Deletions, renames, links and looks through the symlinked directory are refused, naming it.
+  Status st = removeBeneath(dir.path(), "ld/victim");
+  REQUIRE_FALSE(st.isOk());
+  CHECK(st.message() == dir / "ld" + " is a symbolic link (not followed)");
+  CHECK(ddprun::testing::readFile(outside / "victim") == "keep");
+  CHECK_FALSE(renameBeneath(dir.path(), "ld/victim", "real/taken").isOk());
+  CHECK_FALSE(renameBeneath(dir.path(), "real/file", "ld/planted").isOk());
+  CHECK_FALSE(linkBeneath(dir.path(), "ld/victim", "real/linked").isOk());
+  CHECK_FALSE(linkBeneath(dir.path(), "real/file", "ld/linked").isOk());
+  CHECK_FALSE(statBeneath(dir.path(), "ld/victim").isOk());
+  CHECK_FALSE(openDirBeneath(dir.path(), "ld").isOk());
+  CHECK(ddprun::testing::readFile(outside / "victim") == "keep");
+  CHECK_FALSE(ddprun::testing::fileExists(outside / "planted"));
+  CHECK_FALSE(ddprun::testing::fileExists(outside / "linked"));
+  CHECK_FALSE(ddprun::testing::fileExists(dir / "real/taken"));
+  // Empty directories are removed up to the symlink, never through it.
+  REQUIRE(::mkdir((outside / "sub").c_str(), 0755) == 0);
+  removeEmptyParentsUnder(dir.path(), "ld/sub/x.bin");
+  CHECK(ddprun::testing::isDirectory(outside / "sub"));
+  // Names that are not plain are refused.
+  CHECK_FALSE(removeBeneath(dir.path(), "../x").isOk());
+  CHECK_FALSE(removeBeneath(dir.path(), "real/../../x").isOk());
+  CHECK_FALSE(removeBeneath(dir.path(), "real//file").isOk());
+
+  // The last part itself is acted on, not what it points to: a symlink is removed as a name.
+  REQUIRE(::symlink((outside / "victim").c_str(), (dir / "real/lnk").c_str()) == 0);
+  REQUIRE(removeBeneath(dir.path(), "real/lnk").isOk());
+  CHECK_FALSE(ddprun::testing::fileExists(dir / "real/lnk"));
+  CHECK(ddprun::testing::readFile(outside / "victim") == "keep");
+  // And what is inside works as before.
+  REQUIRE(linkBeneath(dir.path(), "real/file", "real/second").isOk());
+  REQUIRE(renameBeneath(dir.path(), "real/second", "third").isOk());
+  CHECK(ddprun::testing::readFile(dir / "third") == "mine");
+  auto st3 = statBeneath(dir.path(), "third");
+  REQUIRE(st3.isOk());
+  CHECK(S_ISREG(st3->st_mode));
+  REQUIRE(removeBeneath(dir.path(), "third").isOk());
+  REQUIRE(removeBeneath(dir.path(), "third").isOk());  // gone already: fine
+  REQUIRE(removeBeneath(dir.path(), "nodir/x").isOk());
+}
+
+TEST_CASE("the temp files of writers that were killed are removed, a live writer's are kept",
+          "[files]") {
+  TempDir dir;
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  REQUIRE(::waitpid(child, nullptr, 0) == child);  // a pid that is gone
+  const std::string dead = std::to_string(child), live = std::to_string(::getpid());
+  REQUIRE(::mkdir((dir / "step_1").c_str(), 0755) == 0);
+  for (const std::string& name :
+       {"snapshot.pt.tmp." + dead + ".123", "step_1/model.pt.tmp." + dead + ".9",
+        "snapshot.pt.tmp." + live + ".5", std::string("snapshot.pt"), std::string("notes.tmp.x.1"),
+        "a.tmp." + dead}) {
+    std::ofstream(dir / name) << "x";
+  }
+  TempDir outside;
+  std::ofstream(outside / ("o.tmp." + dead + ".1")) << "x";
+  REQUIRE(::symlink(outside.path().c_str(), (dir / "link").c_str()) == 0);
+  auto removed = removeDeadWritersTempFiles(dir.path());
+  std::sort(removed.begin(), removed.end());
+  CHECK(removed == std::vector<std::string>{"snapshot.pt.tmp." + dead + ".123",
+                                            "step_1/model.pt.tmp." + dead + ".9"});
+  CHECK(ddprun::testing::fileExists(dir / ("snapshot.pt.tmp." + live + ".5")));
+  CHECK(ddprun::testing::fileExists(dir / "snapshot.pt"));
+  CHECK(ddprun::testing::fileExists(dir / "notes.tmp.x.1"));
+  CHECK(ddprun::testing::fileExists(outside / ("o.tmp." + dead + ".1")));  // not followed
 }

@@ -770,3 +770,60 @@ TEST_CASE("nodes that wrote one name under one number all end with the greatest 
     }
   }
 }
+
+TEST_CASE("the names a holder may keep waiting here are bounded, per holder and in all",
+          "[snapshot]") {
+  SnapshotReplicaOptions o;
+  o.max_names_per_holder = 3;
+  o.max_pending_names = 5;
+  SnapshotReplica r(o);
+  for (int i = 0; i < 3; ++i) {
+    CHECK(r.onHolder(file(5, 7, "a" + std::to_string(i)), "hostile:1") == HolderNews::kTaken);
+  }
+  // A fourth new name from that holder is refused; what it announced before still counts.
+  CHECK(r.onHolder(file(5, 7, "a3"), "hostile:1") == HolderNews::kTooManyFromHolder);
+  CHECK_FALSE(r.wanted("a3"));
+  CHECK(r.onHolder(file(6, 7, "a0"), "hostile:1") == HolderNews::kTaken);  // a newer version
+  CHECK(r.namesFrom("hostile:1") == 3);
+  // Other holders have their own bound, and all share the total.
+  CHECK(r.onHolder(file(5, 7, "b0"), "other:2") == HolderNews::kTaken);
+  CHECK(r.onHolder(file(5, 7, "b1"), "other:2") == HolderNews::kTaken);
+  CHECK(r.onHolder(file(5, 7, "b2"), "third:3") == HolderNews::kTooManyNames);
+  CHECK(r.onHolder(file(5, 7, "a1"), "third:3") == HolderNews::kTaken);  // a name already here
+  CHECK(r.pendingNames() == 5);
+  // A version not newer than held is ignored, whatever the bounds.
+  r.adoptExisting("held", 1, 1, makeSnapshotVersion(9, 1));
+  CHECK(r.onHolder(file(5, 7, "held"), "third:3") == HolderNews::kIgnored);
+
+  // A name fetched no longer waits: room for another.
+  auto t = r.takeTransfers();
+  const auto b0 =
+      std::find_if(t.begin(), t.end(), [](const auto& x) { return x.file.name == "b0"; });
+  REQUIRE(b0 != t.end());
+  r.onTransferDone(*b0, TransferOutcome::kOk);
+  CHECK(r.pendingNames() == 4);
+  CHECK(r.onHolder(file(5, 7, "b2"), "third:3") == HolderNews::kTaken);
+  for (const auto& x : t) {
+    if (x.file.name != "b0") r.onTransferDone(x, TransferOutcome::kFailed);
+  }
+}
+
+TEST_CASE("the names only a holder that left held are forgotten", "[snapshot]") {
+  SnapshotReplica r;
+  for (int i = 0; i < 100; ++i) r.onHolder(file(5, 7, "n" + std::to_string(i)), "hostile:1");
+  r.onHolder(file(5, 7, "n0"), "live:2");
+  CHECK(r.pendingNames() == 100);
+  CHECK(r.namesFrom("hostile:1") == 100);
+  r.keepSources({"live:2"});  // the next round has no hostile:1
+  CHECK(r.pendingNames() == 1);
+  CHECK(r.namesFrom("hostile:1") == 0);
+  CHECK(r.wanted("n0"));
+  CHECK_FALSE(r.wanted("n1"));
+
+  SnapshotRelays relays;
+  relays.told(file(5, 7, "n0"), "live:2");
+  relays.told(file(5, 7, "n1"), "hostile:1");
+  relays.forgetUnless([&](const std::string& name) { return r.wanted(name).has_value(); });
+  CHECK(relays.size() == 1);
+  CHECK(relays.origin(file(5, 7, "n0")) == std::optional<std::string>("live:2"));
+}

@@ -163,8 +163,10 @@ TEST_CASE("agent sends SIGKILL to workers that outlive the shutdown timeout", "[
   f.clock.advance(std::chrono::seconds(1));
   f.sup->onDeadline();
   CHECK(f.launcher.signalsSent(SIGKILL) == 1);
-  CHECK_FALSE(f.sup->nextDeadline().has_value());
+  // Waited for no longer than the reap bound (then given up: see below).
+  CHECK(f.sup->nextDeadline() == f.clock.now() + std::chrono::seconds(10));
   f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+  CHECK_FALSE(f.sup->nextDeadline().has_value());
   CHECK(f.sup->state() == AgentState::kFailed);
 }
 
@@ -358,9 +360,12 @@ TEST_CASE("a worker whose heartbeat goes stale is stopped and the group restarts
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.launcher.signals.empty());
   f.runFor(std::chrono::seconds(1), std::chrono::seconds(1), [&] { f.heartbeats.touch(hb0); });
-  // The same path as a worker exiting non-zero: SIGTERM to the group, reported to the rendezvous.
+  // The same path as a worker exiting non-zero: SIGTERM to the group, reported to the rendezvous;
+  // and the hung worker SIGKILL at once (it may not be able to act on SIGTERM).
   CHECK(f.sup->state() == AgentState::kStopping);
   CHECK(f.launcher.signalsSent(SIGTERM) == 2);
+  CHECK(f.launcher.signalsSent(SIGKILL) == 1);
+  CHECK(f.launcher.signals.front() == std::make_pair(first[1], SIGKILL));
   CHECK(f.rdzv.failures == 1);
   REQUIRE(f.sup->failures().size() == 1);
   const WorkerFailure hung = f.sup->failures()[0];
@@ -389,9 +394,9 @@ TEST_CASE("a hung worker past the budget fails the agent with the hang in its fa
   f.heartbeats.touch(Fixture::heartbeatFile(0, 0));
   f.runFor(std::chrono::seconds(3), std::chrono::milliseconds(500));
   REQUIRE(f.sup->state() == AgentState::kStopping);
-  // It ignores SIGTERM: SIGKILL after the shutdown timeout, and the report shows that exit.
-  f.runFor(std::chrono::seconds(5), std::chrono::milliseconds(500));
+  // Hung: SIGKILL at once, not after the shutdown timeout; the report shows that exit.
   CHECK(f.launcher.signalsSent(SIGKILL) == 1);
+  CHECK(f.sup->nextDeadline() <= f.clock.now() + std::chrono::seconds(5));
   f.sup->onWorkerExit(pid, ExitStatus{true, SIGKILL});
   CHECK(f.sup->state() == AgentState::kFailed);
   CHECK(f.sup->exitCode() == 1);
@@ -579,4 +584,42 @@ TEST_CASE(
   CHECK(f.sup->failures()[0].local_rank == 2);
   CHECK(f.sup->failures()[1].local_rank == 0);
   CHECK(f.sup->failures()[1].exit.code == 7);
+}
+
+TEST_CASE("a worker that is not reaped after SIGKILL is given up, its guardian ended", "[agent]") {
+  // Its guardian was stopped (SIGSTOP): the worker's exit never reached the agent, which waited
+  // for ever after "sending SIGKILL".
+  Fixture f(2, /*max_restarts=*/0);
+  f.sup->start();
+  const auto pids = f.current();
+  f.sup->onWorkerExit(pids[0], ExitStatus{false, 1});  // one fails: the group is stopped
+  REQUIRE(f.sup->state() == AgentState::kStopping);
+  f.runFor(std::chrono::seconds(5), std::chrono::milliseconds(500));  // the shutdown timeout
+  CHECK(f.launcher.signalsSent(SIGKILL) == 1);
+  CHECK(f.launcher.forced.empty());
+  // 10 s more (reap_timeout) and it is given up: the launcher ends its guardian.
+  REQUIRE(f.sup->nextDeadline().has_value());
+  f.runFor(std::chrono::seconds(11), std::chrono::milliseconds(500));
+  CHECK(f.launcher.forced == std::vector<int>{pids[1]});
+  CHECK(f.sup->state() == AgentState::kFailed);
+  CHECK(f.sup->exitCode() == 1);
+  f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});  // its late exit changes nothing
+  CHECK(f.sup->state() == AgentState::kFailed);
+}
+
+TEST_CASE("a hung worker under a guardian that does not answer is given up after the reap bound",
+          "[agent]") {
+  Fixture f(1, /*max_restarts=*/0, Duration::zero(), std::chrono::seconds(2));
+  f.sup->start();
+  const int pid = f.current()[0];
+  f.heartbeats.touch(Fixture::heartbeatFile(0, 0));
+  f.runFor(std::chrono::seconds(3), std::chrono::milliseconds(500));
+  REQUIRE(f.sup->state() == AgentState::kStopping);
+  CHECK(f.launcher.signalsSent(SIGKILL) == 1);  // at once
+  f.runFor(std::chrono::seconds(11), std::chrono::milliseconds(500));
+  CHECK(f.launcher.forced == std::vector<int>{pid});
+  CHECK(f.sup->state() == AgentState::kFailed);
+  REQUIRE(f.sup->failures().size() == 1);
+  CHECK(f.sup->failures()[0].exit.signaled);
+  CHECK(f.sup->failures()[0].exit.code == SIGKILL);
 }

@@ -23,6 +23,7 @@ class FakeProcessLauncher final : public agent::ProcessLauncher {
     return pid;
   }
   void signalGroup(int pid, int sig) override { signals.push_back({pid, sig}); }
+  void forceEnd(int pid) override { forced.push_back(pid); }
 
   // pids spawned so far, in order
   std::vector<int> pids() const {
@@ -38,6 +39,7 @@ class FakeProcessLauncher final : public agent::ProcessLauncher {
 
   std::vector<std::pair<int, agent::WorkerLaunch>> spawned;
   std::vector<std::pair<int, int>> signals;  // (pid, sig)
+  std::vector<int> forced;                   // forceEnd(pid)
   std::set<int> alive;
   std::set<int> fail_local_ranks;  // spawn fails for these local ranks
 

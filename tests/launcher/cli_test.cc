@@ -771,3 +771,88 @@ TEST_CASE("a usage error quoting a value with control bytes stays one line", "[l
   CHECK(missing.find('\0') == std::string::npos);
   CHECK_THAT(missing, Catch::Contains("scri\\x00pt"));
 }
+
+TEST_CASE("a replicated --snapshot-dir needs a token unless the risk is accepted by name",
+          "[launcher]") {
+  Files f;
+  const std::vector<std::string> multi = {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=h",
+                                          "--snapshot-dir=/snap", f.exe};
+  const std::string refused = errorOf(multi, f.env());
+  CHECK(refused.find("argument --snapshot-dir: on a multi-node job the agents replicate /snap") ==
+        0);
+  CHECK(refused.find("plant or delete files") != std::string::npos);
+  CHECK(refused.find("token_file=") != std::string::npos);
+  CHECK(refused.find("--snapshot-allow-unauthenticated") != std::string::npos);
+  // MIN:MAX that may grow past one node is multi-node too.
+  CHECK(errorOf({"--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=h", "--snapshot-dir=/snap",
+                 f.exe},
+                f.env()) == refused);
+
+  // A token, or the opt-in flag (or its PET_ variable), and it is accepted.
+  const std::string token = f.dir + "/token";
+  std::ofstream(token) << "secret\n";
+  auto with_token = multi;
+  with_token.insert(with_token.begin(), "--rdzv-conf=token_file=" + token);
+  REQUIRE(parse(with_token, f.env()).isOk());
+  auto opted = multi;
+  opted.insert(opted.begin(), "--snapshot-allow-unauthenticated");
+  auto r = parse(opted, f.env());
+  REQUIRE(r.isOk());
+  CHECK(r->config.snapshot_allow_unauthenticated);
+  Env env = f.env();
+  env["PET_SNAPSHOT_ALLOW_UNAUTHENTICATED"] = "1";
+  CHECK(parse(multi, env).isOk());
+  // One node replicates nothing: no token needed.
+  CHECK(parse({"--snapshot-dir=/snap", f.exe}, f.env()).isOk());
+}
+
+TEST_CASE("the snapshot limits flag sets the replication's bounds and names a bad key or value",
+          "[launcher]") {
+  Files f;
+  auto r = parse({"--snapshot-limits=streams_per_peer=4,streams=8,buffered-mb=16,names_per_peer="
+                  "10,names=20,stall_timeout=2.5",
+                  f.exe},
+                 f.env());
+  REQUIRE(r.isOk());
+  const auto& l = r->config.snapshot_limits;
+  CHECK(l.streams_per_peer == 4);
+  CHECK(l.streams == 8);
+  CHECK(l.buffered_bytes == (uint64_t{16} << 20));
+  CHECK(l.names_per_peer == 10);
+  CHECK(l.names == 20);
+  CHECK(l.stall_seconds == 2.5);
+  const auto d = agent::SnapshotLimits{};
+  auto defaults = parse({f.exe}, f.env());
+  CHECK(defaults->config.snapshot_limits.streams_per_peer == d.streams_per_peer);
+  CHECK(d.streams_per_peer == 16);
+  CHECK(d.streams == 64);
+  CHECK(d.names_per_peer == 65536);
+  CHECK(d.names == 131072);
+
+  CHECK(errorOf({"--snapshot-limits=streams=0", f.exe}, f.env()) ==
+        "argument --snapshot-limits: streams must be a whole number from 1 to 65536, got '0'");
+  CHECK(errorOf({"--snapshot-limits=bogus=1", f.exe}, f.env()) ==
+        "argument --snapshot-limits: unknown key 'bogus' (known: streams_per_peer, streams, "
+        "buffered_mb, names_per_peer, names, stall_timeout)");
+  CHECK(errorOf({"--snapshot-limits=stall_timeout=x", f.exe}, f.env())
+            .find("stall_timeout must be a number of seconds > 0") != std::string::npos);
+  CHECK(errorOf({"--snapshot-limits=streams_per_peer=9,streams=8", f.exe}, f.env()) ==
+        "argument --snapshot-limits: streams_per_peer (9) is more than streams (8)");
+}
+
+TEST_CASE("the job id is checked itself and named, not as a --log-dir problem", "[launcher]") {
+  Files f;
+  CHECK(errorOf({"--rdzv-id=a/b", f.exe}, f.env()) ==
+        "argument --rdzv-id: the job id 'a/b' contains '/' (it names the run's log directory; "
+        "use letters, digits, '-', '_', '.')");
+  const std::string err = errorOf({"--rdzv-id=" + std::string(300, 'x'), f.exe}, f.env());
+  CHECK(err.find("argument --rdzv-id: the job id '" + std::string(60, 'x') +
+                 "...' is 300 bytes long, more than 200") == 0);
+  CHECK(errorOf({"--rdzv-id=..", f.exe}, f.env()).find("is not a file name") != std::string::npos);
+  CHECK(errorOf({"--rdzv-id=a\tb", f.exe}, f.env()).find("'a?b' contains a control byte") !=
+        std::string::npos);
+  Env env = f.env();
+  env["PET_RDZV_ID"] = "x/y";
+  CHECK(errorOf({f.exe}, env).find("argument PET_RDZV_ID: the job id 'x/y'") == 0);
+  CHECK(parse({"--rdzv-id=job-7.a_b", f.exe}, f.env()).isOk());
+}

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <csignal>
+#include <fstream>
 #include <random>
 #include <regex>
 #include <set>
@@ -545,7 +546,8 @@ TEST_CASE("a hung worker past the budget ends ddprun with exit 1 and the hang in
   REQUIRE(root != std::string::npos);
   const std::string pid = readFile(state / "pid.1.0");
   CHECK(r->err.find("rank      : 1 (local_rank: 1)", root) != std::string::npos);
-  CHECK(r->err.find("exitcode  : -15 (pid: " + pid + ")", root) != std::string::npos);
+  // Hung: SIGKILL at once (issue 34), not SIGTERM and the shutdown timeout.
+  CHECK(r->err.find("exitcode  : -9 (pid: " + pid + ")", root) != std::string::npos);
   std::smatch m;
   REQUIRE(std::regex_search(
       r->err, m,
@@ -554,6 +556,75 @@ TEST_CASE("a hung worker past the budget ends ddprun with exit 1 and the hang in
   CHECK(std::stod(m[1]) > 2.0);
   // Rank 0, stopped with the group while it slept, is no failure of its own.
   CHECK(r->err.find("<NO_OTHER_FAILURES>") != std::string::npos);
+}
+
+TEST_CASE("a hung worker that ignores SIGTERM is killed at once, not after the shutdown timeout",
+          "[e2e][heartbeat]") {
+  // A stopped or hung process cannot act on SIGTERM: with a 60 s shutdown timeout the agent used
+  // to wait it out before SIGKILL.
+  TempDir state;
+  Process p(withWorker(
+      {"--nproc-per-node=1", "--max-restarts=0", "--heartbeat-timeout=2", "--shutdown-timeout=60"},
+      {"--hang-after-heartbeats", "3", "--only-rank", "0", "--ignore-sigterm", "--sleep", "600",
+       "--state-dir", state.path()}));
+  auto r = p.wait(40s);
+  REQUIRE(r);
+  INFO(r->err);
+  CHECK(r->exit_code == 1);
+  CHECK(r->err.find("local rank 0 (pid " + readFile(state / "pid.0.0") +
+                    ") is hung: sending SIGKILL") != std::string::npos);
+  CHECK(r->err.find("did not stop within the shutdown timeout") == std::string::npos);
+}
+
+TEST_CASE("a worker whose guardian is stopped still ends the agent, the guardian killed", "[e2e]") {
+  // SIGSTOP of a worker's guardian: the worker's exit never reached the agent, which then never
+  // exited (still alive after 700 s).
+  TempDir state;
+  const std::string go = state / "go";
+  Process p(withWorker({"--standalone", "--nproc-per-node=1", "--max-restarts=0"},
+                       {"--wait-for", go, "--exit-code", "3", "--state-dir", state.path()}));
+  REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0"); }));
+  std::vector<int> guardians;
+  REQUIRE(waitUntil([&] {
+    guardians.clear();
+    for (int g : childPids(p.pid())) {
+      if (!childPids(g).empty()) guardians.push_back(g);
+    }
+    return guardians.size() == 1;
+  }));
+  const int guardian = guardians[0];
+  REQUIRE(::kill(guardian, SIGSTOP) == 0);
+  std::ofstream(go) << "";  // the worker exits 3; its stopped guardian hands nothing over
+  auto r = p.wait(40s);
+  if (pidAlive(guardian)) ::kill(guardian, SIGKILL);
+  REQUIRE(r);
+  INFO(r->err);
+  CHECK(r->exit_code == 1);
+  CHECK(r->err.find("worker pid " + readFile(state / "pid.0.0") +
+                    " exited, but its guardian process (pid " + std::to_string(guardian) +
+                    ") did not hand it over within 5 s (stopped?); killing the guardian") !=
+        std::string::npos);
+  CHECK(r->err.find("exited with code 3") != std::string::npos);
+}
+
+TEST_CASE("a snapshot write killed mid-way leaves no temp file once the job ended", "[e2e]") {
+  // The worker SDK writes <name>.tmp.<pid>.<random>, then renames it; killed in between
+  // (SIGXFSZ past a file size limit, SIGKILL), its bytes stayed until the next start.
+  TempDir dir;
+  auto r = run(
+      ddprunArgv({"--standalone", "--snapshot-dir=" + dir.path(), "--no-python", "/bin/sh", "-c",
+                  "echo partial > \"$DDPRUN_SNAPSHOT_DIR/snapshot.pt.tmp.$$.7\"; "
+                  "kill -XFSZ $$"}));
+  INFO(r.err);
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("snapshot dir: removed 1 temp file(s) that killed writers left (e.g. "
+                   "snapshot.pt.tmp.") != std::string::npos);
+  DIR* d = ::opendir(dir.path().c_str());
+  REQUIRE(d != nullptr);
+  int left = 0;
+  while (dirent* e = ::readdir(d)) left += e->d_name[0] != '.' ? 1 : 0;
+  ::closedir(d);
+  CHECK(left == 0);
 }
 
 TEST_CASE("a worker that never touches its heartbeat file is not stopped however long it runs",

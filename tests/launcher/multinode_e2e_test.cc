@@ -658,3 +658,26 @@ TEST_CASE("ddprun-rendezvous refuses bad listen addresses, tokens and TLS files 
   refused({"--listen", "127.0.0.1:0", "--tls-cert", a.cert, "--tls-key", b.key},
           "the TLS certificate and key cannot be used");
 }
+
+TEST_CASE("two jobs that share one --rdzv-id are told so, not left to hang", "[multinode]") {
+  // Their nodes formed one round and started each other's programs, which waited in their
+  // collectives until gloo's 300 s store timeout.
+  RendezvousDaemon rdzv;
+  auto a = agent("127.0.0.2", rdzv.endpoint, "2", "shared-id", {"--rdzv-conf=last_call_timeout=1"},
+                 {"--no-python", "/bin/sleep", "60"});
+  auto b = agent("127.0.0.3", rdzv.endpoint, "2", "shared-id", {"--rdzv-conf=last_call_timeout=1"},
+                 {"--no-python", "/bin/true"});
+  auto ra = a->wait(60s);
+  auto rb = b->wait(60s);
+  REQUIRE(ra);
+  REQUIRE(rb);
+  INFO(ra->err << "\n" << rb->err);
+  CHECK(ra->exit_code == 1);
+  CHECK(rb->exit_code == 1);
+  CHECK(ra->err.find("another job uses --rdzv-id 'shared-id': node ") != std::string::npos);
+  CHECK(ra->err.find("(127.0.0.3) runs '/bin/true', this node runs '/bin/sleep'; give each job an "
+                     "id of its own") != std::string::npos);
+  CHECK(rb->err.find("(127.0.0.2) runs '/bin/sleep', this node runs '/bin/true'") !=
+        std::string::npos);
+  CHECK(ra->err.find("started 1 worker(s)") == std::string::npos);  // nothing of the other ran
+}

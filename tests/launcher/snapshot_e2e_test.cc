@@ -61,6 +61,11 @@ std::unique_ptr<Process> node(const NodeSpec& spec, const std::string& endpoint,
                                    "--rdzv-conf=last_call_timeout=1," + spec.heartbeat +
                                        (spec.conf.empty() ? "" : "," + spec.conf),
                                    "--snapshot-dir=" + spec.snapshot_dir};
+  // Replication without a token is refused unless accepted by name (issue 34): these tests run on
+  // loopback, where only they can reach the agents.
+  if (spec.conf.find("token_file=") == std::string::npos) {
+    argv.push_back("--snapshot-allow-unauthenticated");
+  }
   argv.insert(argv.end(), spec.flags.begin(), spec.flags.end());
   argv.insert(argv.end(), program.begin(), program.end());
   if (!spec.ulimit.empty()) {
@@ -1437,7 +1442,8 @@ TEST_CASE("a bad DDPRUN_SNAPSHOT_STREAMS is a usage error naming the variable", 
     CAPTURE(bad);
     auto r = run({ddprunBin(), "--nnodes=1:2", "--rdzv-backend=c10d",
                   "--rdzv-endpoint=127.0.0.1:" + std::to_string(freePort()), "--rdzv-id=streams",
-                  "--snapshot-dir=" + dir.path(), "--no-python", "/bin/true"},
+                  "--snapshot-dir=" + dir.path(), "--snapshot-allow-unauthenticated", "--no-python",
+                  "/bin/true"},
                  {{"DDPRUN_SNAPSHOT_STREAMS", bad}});
     CHECK(r.exit_code == 2);
     CHECK(r.err.find("DDPRUN_SNAPSHOT_STREAMS: '" + bad + "' is not a whole number from 1 to 16") !=
@@ -1445,8 +1451,8 @@ TEST_CASE("a bad DDPRUN_SNAPSHOT_STREAMS is a usage error naming the variable", 
   }
   auto r = run({ddprunBin(), "--nnodes=1:2", "--rdzv-backend=c10d",
                 "--rdzv-endpoint=127.0.0.1:" + std::to_string(freePort()), "--rdzv-id=streams",
-                "--rdzv-conf=last_call_timeout=0", "--snapshot-dir=" + dir.path(), "--no-python",
-                "/bin/true"},
+                "--rdzv-conf=last_call_timeout=0", "--snapshot-dir=" + dir.path(),
+                "--snapshot-allow-unauthenticated", "--no-python", "/bin/true"},
                {{"DDPRUN_SNAPSHOT_STREAMS", "4"}});
   CHECK(r.exit_code == 0);
 }

@@ -296,3 +296,19 @@ TEST_CASE("a token file with a control or non-ASCII byte, or that is no regular 
   CHECK(validateToken(std::string(kMaxTokenBytes, 'a')).isOk());
   CHECK_FALSE(validateToken(std::string(kMaxTokenBytes + 1, 'a')).isOk());
 }
+
+TEST_CASE("rdzv-conf bounds the etcd key-value store each agent keeps", "[rendezvous][conf]") {
+  auto defaults = parseRendezvousConf({}, 1, 1);
+  REQUIRE(defaults.isOk());
+  CHECK(defaults->etcd.max_kv_keys == 65536);
+  CHECK(defaults->etcd.max_kv_bytes == (16u << 20));
+  auto set = parseRendezvousConf({{"kv_max_keys", "100"}, {"kv-max-bytes", "4096"}}, 1, 1);
+  REQUIRE(set.isOk());
+  CHECK(set->etcd.max_kv_keys == 100);
+  CHECK(set->etcd.max_kv_bytes == 4096);
+  CHECK(set->unknown_keys.empty());
+  CHECK(parseRendezvousConf({{"kv_max_keys", "0"}}, 1, 1).status().message() ==
+        "kv_max_keys must be a whole number from 1 to 10000000 (etcd-v3: the run's key-value "
+        "store each agent keeps), got '0'");
+  CHECK_FALSE(parseRendezvousConf({{"kv_max_bytes", "lots"}}, 1, 1).isOk());
+}

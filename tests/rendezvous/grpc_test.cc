@@ -1,6 +1,9 @@
 // Integration tests of the gRPC rendezvous: real server and clients over 127.0.0.1, port 0.
+#include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -504,6 +507,35 @@ TEST_CASE("the daemon rejects bad flags with exit code 2", "[rendezvous][daemon]
     CHECK(text.find('\n') == text.size() - 1);
     fclose(out);
   }
+}
+
+TEST_CASE("a --listen address that cannot be used is exit 2 and its one real reason",
+          "[rendezvous][daemon]") {
+  // Every case used to be rc 1 and "(address in use, not local, or malformed)".
+  const int busy = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(busy, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  REQUIRE(::listen(busy, 1) == 0);
+  socklen_t len = sizeof(addr);
+  REQUIRE(::getsockname(busy, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  for (const auto& [listen, why] : std::vector<std::pair<std::string, std::string>>{
+           {"127.0.0.1:" + port,
+            "port " + port + " is in use (another process listens there; pick another port)"},
+           {"192.0.2.1:29400", "'192.0.2.1' is not an address of this host"},
+           {"nosuchhost.invalid:29400", "'nosuchhost.invalid' does not resolve"}}) {
+    CAPTURE(listen);
+    FILE* out = nullptr;
+    pid_t pid = spawnDaemon({"--listen", listen}, &out, true);
+    const std::string text = readAll(out);
+    CHECK(waitExit(pid) == 2);
+    CHECK(text.find("cannot listen on " + listen + ": " + why) != std::string::npos);
+    CHECK(text.find('\n') == text.size() - 1);
+    fclose(out);
+  }
+  ::close(busy);
 }
 
 TEST_CASE("the daemon validates --closed-run-ttl and --idle-run-ttl and lists them in --help",

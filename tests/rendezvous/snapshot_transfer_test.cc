@@ -13,6 +13,7 @@
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <random>
@@ -47,7 +48,8 @@ bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0;
 // A server holding one version of "snap.bin" (`size` random bytes) and recording announcements.
 struct Holder {
   Holder(size_t size, std::string token = "", ServeFault fault = {}, std::string cert = "",
-         std::string key = "", size_t chunk_bytes = 64 * 1024) {
+         std::string key = "", size_t chunk_bytes = 64 * 1024,
+         const std::function<void(SnapshotServerOptions&)>& adjust = {}) {
     std::mt19937 rng(42);
     content.resize(size);
     for (auto& c : content) c = static_cast<char>(rng());
@@ -76,6 +78,7 @@ struct Holder {
       std::lock_guard<std::mutex> lock(mu);
       announced.emplace_back(f, source + " from " + origin);
     };
+    if (adjust) adjust(o);
     auto s = SnapshotServer::start(std::move(o));
     REQUIRE(s.isOk());
     server = std::move(s).value();
@@ -626,10 +629,11 @@ TEST_CASE("a version announced with a CRC-32 is checked against the source's too
 namespace {
 
 // A peer that answers every Fetch with the given raw messages (the bytes of each as it is on the
-// wire), then OK: a broken or hostile replication service.
+// wire), then `end` (OK): a broken or hostile replication service.
 class RawFetchServer {
  public:
-  explicit RawFetchServer(std::vector<std::string> messages) : service_(std::move(messages)) {
+  explicit RawFetchServer(std::vector<std::string> messages, grpc::Status end = grpc::Status::OK)
+      : service_(std::move(messages), std::move(end)) {
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterCallbackGenericService(&service_);
@@ -644,7 +648,8 @@ class RawFetchServer {
  private:
   class Reactor final : public grpc::ServerGenericBidiReactor {
    public:
-    explicit Reactor(const std::vector<std::string>& messages) : messages_(messages) {
+    Reactor(const std::vector<std::string>& messages, const grpc::Status& end)
+        : messages_(messages), end_(end) {
       StartRead(&request_);
     }
     void OnReadDone(bool /*ok*/) override { next(); }  // the one request (or none): answer
@@ -660,7 +665,7 @@ class RawFetchServer {
    private:
     void next() {
       if (at_ == messages_.size()) {
-        Finish(grpc::Status::OK);
+        Finish(end_);
         return;
       }
       grpc::Slice slice(messages_[at_++]);
@@ -668,15 +673,18 @@ class RawFetchServer {
       StartWrite(&reply_);
     }
     const std::vector<std::string>& messages_;
+    const grpc::Status& end_;
     size_t at_ = 0;
     grpc::ByteBuffer request_, reply_;
   };
   struct Service final : grpc::CallbackGenericService {
-    explicit Service(std::vector<std::string> m) : messages(std::move(m)) {}
+    Service(std::vector<std::string> m, grpc::Status e)
+        : messages(std::move(m)), end(std::move(e)) {}
     grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext*) override {
-      return new Reactor(messages);
+      return new Reactor(messages, end);
     }
     std::vector<std::string> messages;
+    grpc::Status end;
   };
   Service service_;
   int port_ = 0;
@@ -731,7 +739,15 @@ TEST_CASE(
       {"two data fields", {chunkBytes(0, "01234") + std::string("\x12\x01x", 3)}, file, not_chunk},
       {"a bad chunk CRC-32", {chunkBytes(0, content, 12345)}, file, "fails its CRC-32"},
       {"a gap", {chunkBytes(0, "01234"), chunkBytes(6, "6789")}, file, "does not continue"},
-      {"more than the file", {chunkBytes(0, content + "x")}, file, "does not continue"},
+      {"more than the file",
+       {chunkBytes(0, content + "x")},
+       file,
+       "a chunk of 11 bytes at offset 0 goes past the end of the bytes asked for (10; the version "
+       "has 10)"},
+      {"a chunk longer than the rest",
+       {chunkBytes(0, "01234"), chunkBytes(5, "56789abc")},
+       file,
+       "a chunk of 8 bytes at offset 5 goes past the end"},
       {"too few bytes", {chunkBytes(0, "01234")}, file, "the stream ended after 5 of 10"},
       {"no messages at all", {}, file, "the stream ended after 0 of 10"},
       {"empty messages", {"", ""}, file, "the stream ended after 0 of 10"},
@@ -980,4 +996,236 @@ TEST_CASE("after warmHeapForFetches a fetch's receive buffers take no page fault
   INFO("page faults for 16 MiB (4096 pages): " << with << " tuned, " << without << " untuned");
   CHECK(without >= 2048);  // the probe sees the faults it is there to count
   CHECK(with < 256);
+}
+
+TEST_CASE("Fetch streams are admitted up to a bound per peer and in all", "[snapshot]") {
+  FetchAdmission a(2, 3);
+  CHECK(a.admit("ipv4:10.0.0.1").isOk());
+  CHECK(a.admit("ipv4:10.0.0.1").isOk());
+  Status third = a.admit("ipv4:10.0.0.1");
+  REQUIRE(third.code() == StatusCode::kResourceExhausted);
+  CHECK(third.message() ==
+        "this agent serves at most 2 Fetch streams at once to one peer, and ipv4:10.0.0.1 has 2 "
+        "(--snapshot-limits streams_per_peer)");
+  CHECK(a.admit("ipv4:10.0.0.2").isOk());
+  Status all = a.admit("ipv4:10.0.0.3");
+  REQUIRE(all.code() == StatusCode::kResourceExhausted);
+  CHECK(all.message().find("at most 3 Fetch streams at once (--snapshot-limits streams)") !=
+        std::string::npos);
+  a.release("ipv4:10.0.0.1");
+  CHECK(a.total() == 2);
+  CHECK(a.admit("ipv4:10.0.0.3").isOk());
+  a.release("ipv4:10.0.0.9");  // never admitted: nothing changes
+  CHECK(a.total() == 3);
+}
+
+TEST_CASE("streams that never read are bounded in number and in the bytes held for them",
+          "[snapshot]") {
+  // A hostile peer opens Fetch streams for an 8 MiB version and never reads them: 2,000 of them
+  // took an agent to 4.2 GB. Here at most 4 are served to one peer, with 8 MiB of chunks in all.
+  constexpr uint64_t kBudget = 8 << 20;
+  Holder h(8 << 20, "", {}, "", "", 4 << 20, [](SnapshotServerOptions& o) {
+    o.max_streams_per_peer = 4;
+    o.max_streams = 8;
+    o.max_buffered_bytes = kBudget;
+  });
+  auto stub = ddprun::snapshot::v1::SnapshotReplication::NewStub(
+      grpc::CreateChannel(h.peer().endpoint, grpc::InsecureChannelCredentials()));
+  ddprun::snapshot::v1::FetchRequest req;
+  req.set_run_id("run");
+  req.set_name("snap.bin");
+  req.set_version(7);
+  std::vector<std::unique_ptr<grpc::ClientContext>> held;
+  std::vector<std::unique_ptr<grpc::ClientReader<ddprun::snapshot::v1::Chunk>>> readers;
+  for (int i = 0; i < 4; ++i) {
+    held.push_back(std::make_unique<grpc::ClientContext>());
+    readers.push_back(stub->Fetch(held.back().get(), req));
+    REQUIRE(ddprun::testing::waitUntil([&] { return h.server->activeStreams() == i + 1; }));
+  }
+  // What the unread streams hold stays within the budget (and a smallest chunk each past it).
+  CHECK(h.server->bufferedBytes() <= kBudget + 4 * (64 << 10));
+  for (int i = 0; i < 3; ++i) {
+    grpc::ClientContext ctx;
+    auto refused = stub->Fetch(&ctx, req);
+    ddprun::snapshot::v1::Chunk chunk;
+    CHECK_FALSE(refused->Read(&chunk));
+    const grpc::Status st = refused->Finish();
+    CHECK(st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+    CHECK(st.error_message().find("at most 4 Fetch streams at once to one peer") !=
+          std::string::npos);
+  }
+  CHECK(h.server->activeStreams() == 4);
+  // Once they go, their streams and bytes are given back, and a fetch goes through whole.
+  for (auto& ctx : held) ctx->TryCancel();
+  for (auto& r : readers) (void)r->Finish();
+  REQUIRE(ddprun::testing::waitUntil([&] { return h.server->activeStreams() == 0; }));
+  CHECK(h.server->bufferedBytes() == 0);
+  Dir recv;
+  REQUIRE(fetchSnapshot(h.peer(), h.served.file, recv / "got", nullptr).isOk());
+  const bool same = readAll(recv / "got") == h.content;
+  CHECK(same);
+}
+
+TEST_CASE("with the chunk budget taken, other streams get smaller chunks and whole files",
+          "[snapshot]") {
+  Holder h(3 << 20, "", {}, "", "", 1 << 20, [](SnapshotServerOptions& o) {
+    o.max_buffered_bytes = 1 << 20;  // one chunk's worth in all
+  });
+  // A receive window that stays small: the idle stream's first chunk stays with the server.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  auto stub = ddprun::snapshot::v1::SnapshotReplication::NewStub(
+      grpc::CreateCustomChannel(h.peer().endpoint, grpc::InsecureChannelCredentials(), args));
+  ddprun::snapshot::v1::FetchRequest req;
+  req.set_run_id("run");
+  req.set_name("snap.bin");
+  req.set_version(7);
+  grpc::ClientContext idle_ctx;
+  auto idle = stub->Fetch(&idle_ctx, req);  // takes the whole budget and does not read
+  REQUIRE(ddprun::testing::waitUntil([&] { return h.server->bufferedBytes() >= (1 << 20); }));
+  grpc::ClientContext ctx;
+  auto reader = stub->Fetch(&ctx, req);
+  ddprun::snapshot::v1::Chunk chunk;
+  std::string got;
+  size_t most = 0;
+  while (reader->Read(&chunk)) {
+    most = std::max(most, chunk.data().size());
+    got += chunk.data();
+  }
+  REQUIRE(reader->Finish().ok());
+  CHECK(most == (64 << 10));
+  const bool same = got == h.content;
+  CHECK(same);
+  idle_ctx.TryCancel();
+  (void)idle->Finish();
+}
+
+namespace {
+
+// A hostile holder: announces a version of `size` bytes, sends its first 64 KiB chunk, then
+// nothing (as one stopped halfway), until the fetch goes away.
+struct StallingSource final : ddprun::snapshot::v1::SnapshotReplication::Service {
+  explicit StallingSource(uint64_t size) : size(size) {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(this);
+    server = b.BuildAndStart();
+    REQUIRE(server);
+  }
+  ~StallingSource() override {
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
+  grpc::Status Fetch(grpc::ServerContext* ctx, const ddprun::snapshot::v1::FetchRequest* req,
+                     grpc::ServerWriter<ddprun::snapshot::v1::Chunk>* w) override {
+    const std::string data(64 << 10, 'x');
+    ddprun::snapshot::v1::Chunk c;
+    c.set_offset(req->offset());
+    c.set_data(data);
+    c.set_crc32(static_cast<uint32_t>(
+        ::crc32(0L, reinterpret_cast<const Bytef*>(data.data()), static_cast<uInt>(data.size()))));
+    w->Write(c);
+    sent = true;
+    while (!ctx->IsCancelled()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return grpc::Status(grpc::StatusCode::CANCELLED, "gone");
+  }
+  SnapshotPeer peer(Duration stall) const {
+    SnapshotPeer p{"127.0.0.1:" + std::to_string(port), "run", {}};
+    p.stall_timeout = stall;
+    return p;
+  }
+  uint64_t size;
+  int port = 0;
+  std::atomic<bool> sent{false};
+  std::unique_ptr<grpc::Server> server;
+};
+
+}  // namespace
+
+TEST_CASE("a holder that stalls holds no disk beyond what it sent, and no longer than the bound",
+          "[snapshot]") {
+  // A holder that announced 20 MiB and stalled held 20 MiB of a 24 MiB disk for about a minute
+  // (reserved up front), and the fetch's deadline grew with the size announced.
+  StallingSource source(20 << 20);
+  const SnapshotFile file{"big.bin", 5, source.size, 1234};
+  Dir out;
+  const auto started = std::chrono::steady_clock::now();
+  auto fetch = std::async(std::launch::async, [&] {
+    return fetchSnapshot(source.peer(std::chrono::milliseconds(500)), file, out / ".recv", nullptr,
+                         1);
+  });
+  REQUIRE(ddprun::testing::waitUntil([&] { return source.sent.load(); }));
+  struct stat st {};
+  if (::stat((out / ".recv").c_str(), &st) == 0) {  // the fetch may have ended already
+    CHECK(static_cast<uint64_t>(st.st_blocks) * 512 < (1 << 20));
+  }
+  REQUIRE(fetch.wait_for(std::chrono::seconds(20)) == std::future_status::ready);
+  const Status failed = fetch.get();
+  CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(15));
+  CHECK(failed.code() == StatusCode::kDeadlineExceeded);
+  CHECK(failed.message() == "no byte from 127.0.0.1:" + std::to_string(source.port) +
+                                " for 0.5 s (--snapshot-limits stall_timeout)");
+  CHECK_FALSE(exists(out / ".recv"));
+}
+
+TEST_CASE("a peer's error is named with the peer, escaped and cut, and its busy is no local disk",
+          "[snapshot]") {
+  // A holder out of resources once answered with 100 KB of text, ESC bytes in it: reported as
+  // this node's lack of space ("keeping the previous version"), never retried. (So much text is
+  // more than gRPC takes in a status: the client's own RESOURCE_EXHAUSTED, the same to us.)
+  const SnapshotFile file{"snap.bin", 7, 10, 1};
+  Dir out;
+  for (const size_t size : {size_t{5000}, size_t{100000}}) {
+    CAPTURE(size);
+    RawFetchServer busy({}, grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                         "\x1b[2J" + std::string(size - 4, 'z')));
+    const Status st = fetchSnapshot(busy.peer(), file, out / ".recv", nullptr);
+    INFO(st.toString());
+    CHECK(st.code() == StatusCode::kUnavailable);  // tried again, from the next holder
+    CHECK(st.message().find(busy.peer().endpoint + " is out of resources (RESOURCE_EXHAUSTED): ") ==
+          0);
+    CHECK(st.message().find('\x1b') == std::string::npos);
+    CHECK(st.message().size() < 400);
+    if (size == 5000) {
+      CHECK(st.message().find("\\x1b[2Jzzz") != std::string::npos);
+      CHECK(st.message().find("zzz... (5000 bytes)") != std::string::npos);
+    }
+  }
+
+  RawFetchServer odd({}, grpc::Status(grpc::StatusCode::NOT_FOUND, "gone\x1b[31m\nsecond line"));
+  const Status nf = fetchSnapshot(odd.peer(), file, out / ".recv2", nullptr);
+  CHECK(nf.code() == StatusCode::kNotFound);
+  CHECK(nf.message() == odd.peer().endpoint + " answered NOT_FOUND: gone\\x1b[31m\\nsecond line");
+}
+
+TEST_CASE("a Fetch's range and chunk size are checked, and an announcement's fields normalized",
+          "[snapshot]") {
+  auto whole = planFetch("a", 1000, 0, 0, 0, 4 << 20);
+  REQUIRE(whole.isOk());
+  CHECK(whole->begin == 0);
+  CHECK(whole->end == 1000);
+  CHECK(whole->chunk == (4u << 20));
+  CHECK(planFetch("a", 1000, 10, 20, 1, 4 << 20)->chunk == (64u << 10));
+  CHECK(planFetch("a", 1000, 10, 20, 1, 4 << 20)->end == 30);
+  CHECK(planFetch("a", 1000, 1000, 0, 0, 4 << 20).isOk());  // nothing past the end
+  const Status past = planFetch("x\x1b", 1000, 5, UINT64_MAX, 0, 4 << 20).status();
+  CHECK(past.code() == StatusCode::kOutOfRange);
+  CHECK(past.message() == "bytes 5+18446744073709551615 are past the end of x\\x1b (1000 bytes)");
+
+  SnapshotFile gone{"g", 9, 50, 7};
+  gone.deleted = true;
+  gone.moved_from = "f";
+  gone.moved_from_version = 3;
+  gone.moved_to = "t";
+  const SnapshotFile d = normalizeAnnounced(gone);
+  CHECK(d.size == 0);
+  CHECK(d.crc32 == 0);
+  CHECK(d.moved_from.empty());
+  CHECK(d.moved_to == "t");
+  SnapshotFile pending{"p", 9, 50, 7, true};
+  pending.moved_from = "f";
+  pending.moved_from_version = 3;
+  const SnapshotFile p = normalizeAnnounced(pending);
+  CHECK(p.crc32 == 0);
+  CHECK(p.moved_from.empty());
 }

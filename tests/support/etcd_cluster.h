@@ -76,6 +76,8 @@ class EtcdCluster {
     if (procs_[i]) procs_[i]->waitExit(std::chrono::seconds(10));
     procs_[i].reset();
   }
+  // Removes member i's data directory (stop it first): started again, it is an empty store.
+  void wipe(int i) { std::system(("rm -rf '" + data_ / ("m" + std::to_string(i)) + "'").c_str()); }
   void start(int i) {
     const std::string name = "m" + std::to_string(i);
     const std::string scheme = options_.tls ? "https" : "http";

@@ -45,6 +45,23 @@ struct PerRankStreams {
   }
 };
 
+// The bounds of --snapshot-dir replication against peers that misbehave (--snapshot-limits,
+// docs/reliability.md). Each is per agent.
+struct SnapshotLimits {
+  int streams_per_peer = 16;  // Fetch streams served to one peer address at once
+  int streams = 64;           // Fetch streams served at once in all
+  // Chunks being sent, in all: a stream's next chunk is smaller (down to 64 KiB) when many
+  // streams share this, so at most about this much memory holds chunks a peer has not read yet.
+  uint64_t buffered_bytes = uint64_t{64} << 20;
+  // Names heard of and waiting to be fetched, from one peer and in all (a peer's announcements
+  // and round holdings). One peer's default is what a version table holds (~60,000 names).
+  int names_per_peer = 65536;
+  int names = 131072;
+  // A fetch that receives no byte for this long ends (the holder stalled); its deadline is this
+  // since the last byte, whatever the size.
+  double stall_seconds = 60;
+};
+
 struct AgentConfig {
   // Job shape.
   int min_nodes = 1;
@@ -107,6 +124,10 @@ struct AgentConfig {
   // Extras of ours.
   int metrics_port = -1;     // >= 0: serve /healthz and /metrics on local_addr (0: any free port)
   std::string snapshot_dir;  // DDPRUN_SNAPSHOT_DIR when non-empty
+  // --snapshot-allow-unauthenticated: replicate between agents without a token (anyone who
+  // reaches an agent may then plant or delete files in the directory).
+  bool snapshot_allow_unauthenticated = false;
+  SnapshotLimits snapshot_limits;    // --snapshot-limits
   bool set_omp_num_threads = false;  // OMP_NUM_THREADS=1 for workers (decided by the launcher)
 };
 

@@ -60,6 +60,9 @@ class ProcessLauncher {
   virtual StatusOr<int> spawn(const WorkerLaunch& launch) = 0;
   // Sends `sig` to the worker's whole process group.
   virtual void signalGroup(int pid, int sig) = 0;
+  // The worker was sent SIGKILL and still has not been reaped: whatever holds it (its guardian,
+  // stopped or stuck) is killed too, so its exit can reach the agent; the caller stops waiting.
+  virtual void forceEnd(int pid) = 0;
 };
 
 }  // namespace ddprun::agent

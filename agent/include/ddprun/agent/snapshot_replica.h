@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -113,12 +114,26 @@ struct SnapshotTransfer {
   int attempt = 1;     // 1 for the first try of this version
 };
 
-enum class TransferOutcome { kOk, kCorrupt, kNoSpace, kFailed, kCancelled };
+// kRefused: this node will not apply it (a path through a symlink): given up, as kNoSpace.
+enum class TransferOutcome { kOk, kCorrupt, kNoSpace, kFailed, kCancelled, kRefused };
 
 struct SnapshotReplicaOptions {
   int max_attempts = 4;          // per version, over all its holders
   int self_index = 0;            // this node's group rank: spreads first tries over the holders
   size_t max_tombstones = 1024;  // deletions kept, the newest ones
+  // Names heard of and not held (waiting to be fetched): at most this many per holder, and in all
+  // (--snapshot-limits names_per_peer, names). A peer that announces names without end costs a
+  // bounded amount of memory; past the bound its new names are refused (onHolder).
+  size_t max_names_per_holder = 65536;
+  size_t max_pending_names = 131072;
+};
+
+// What onHolder made of what it was told.
+enum class HolderNews {
+  kTaken,              // wanted, or another holder of what is wanted
+  kIgnored,            // not newer than what is held (or a name that is not replicated)
+  kTooManyFromHolder,  // a new name, and the holder has max_names_per_holder waiting here
+  kTooManyNames,       // a new name, and max_pending_names names wait here
 };
 
 class SnapshotReplica {
@@ -151,8 +166,9 @@ class SnapshotReplica {
   // The CRC-32 of the held `version` of `name` is known now (hashed here, or verified by a fetch).
   // Nothing happens when another version is held by then.
   void onCrcKnown(const std::string& name, uint64_t version, uint32_t crc32);
-  // `source` holds `v`. A version not newer than the one held is ignored.
-  void onHolder(const SnapshotVersion& v, const std::string& source);
+  // `source` holds `v`. A version not newer than the one held is ignored, and a name new here is
+  // refused past the bounds (max_names_per_holder, max_pending_names).
+  HolderNews onHolder(const SnapshotVersion& v, const std::string& source);
   // The transfers to start now: at most one per name, none for a name with one running. One of a
   // tombstone (file.deleted) fetches nothing: the shell deletes its copy.
   std::vector<SnapshotTransfer> takeTransfers();
@@ -183,6 +199,9 @@ class SnapshotReplica {
   uint64_t maxVersionSeen() const { return max_seen_; }
   // The newest deletion forgotten (max_tombstones), 0 when none was.
   uint64_t forgottenDeletions() const { return forgotten_; }
+  // Names heard of and not held, in all and from `holder` (what the bounds count).
+  size_t pendingNames() const { return heard_.size(); }
+  size_t namesFrom(const std::string& holder) const;
 
  private:
   struct Want {
@@ -211,6 +230,7 @@ class SnapshotReplica {
   // Per name, the newest version each holder was heard to hold (onHolder), while newer than the
   // one held here: what a want whose holders are gone falls back to (keepSources).
   std::map<std::string, std::map<std::string, SnapshotVersion>> heard_;
+  std::map<std::string, size_t> heard_by_holder_;  // entries of heard_ per holder
   uint64_t max_seen_ = 0;
   uint64_t forgotten_ = 0;
 };
@@ -247,6 +267,10 @@ class SnapshotRelays {
   std::optional<std::string> pass(const SnapshotVersion& v, bool early);
   // `v` was passed on as it arrived: a failure of its fetch is the subtree's too.
   bool passedEarly(const SnapshotVersion& v) const;
+  // Forgets what was told of every name `keep` says no to (a round's start: names no longer
+  // wanted are not passed on, and a peer's many names do not stay here).
+  void forgetUnless(const std::function<bool(const std::string&)>& keep);
+  size_t size() const { return told_.size(); }
 
  private:
   struct Told {

@@ -65,6 +65,10 @@ struct SupervisorOptions {
   bool multi_node = false;
   // The longest the exit barrier holds this node after its workers succeeded.
   Duration exit_barrier_timeout = std::chrono::seconds(300);
+  // A worker sent SIGKILL that has not been reaped after this long is given up: the launcher
+  // ends what holds it (ProcessLauncher::forceEnd: its guardian, stopped or stuck) and the agent
+  // waits for it no more. No child is waited for without a bound.
+  Duration reap_timeout = std::chrono::seconds(10);
 };
 
 class Supervisor {
@@ -121,6 +125,7 @@ class Supervisor {
     int pid = 0;
     bool running = false;
     Heartbeat heartbeat;
+    std::optional<TimePoint> killed_at;  // when it was sent SIGKILL
   };
 
   void setState(AgentState s);
@@ -135,6 +140,10 @@ class Supervisor {
   void recordFailure(const WorkerFailure& failure);
   void stopForLocalFailure();
   void checkHeartbeats();
+  // SIGKILL to a running worker's group, timed for reap_timeout.
+  void kill(Worker& w);
+  // Workers sent SIGKILL reap_timeout ago and still not reaped: given up (forceEnd).
+  void giveUpUnreaped();
   bool heartbeatsEnabled() const;
   void beginStop(StopReason reason, int sig);
   void maybeFinishStop();

@@ -27,6 +27,10 @@ std::optional<bool> parseBool(std::string_view s);
 // byte as is. For messages that quote user input: an error stays one line and cannot drive the
 // terminal. Idempotent (an escape has no control byte).
 std::string escapeControl(std::string_view s);
+// Text another process sent (a peer's error message): its first `max_bytes` bytes, escaped as
+// escapeControl does, and when it was longer "... (N bytes)" after them. A log line that quotes
+// it stays one line of bounded length whatever the peer sent.
+std::string quotePeerText(std::string_view s, size_t max_bytes = 200);
 
 // This process's environment ("NAME=value" of environ) as a map.
 std::map<std::string, std::string> environmentMap();

@@ -47,6 +47,10 @@ struct RendezvousConf {
     std::string username;
     std::string password;
     std::string key_prefix;
+    // Bounds of the run's key-value store as each agent mirrors it (kv_max_keys=,
+    // kv_max_bytes=): the gRPC server's per-run quotas.
+    uint64_t max_kv_keys = 65536;
+    uint64_t max_kv_bytes = uint64_t{16} << 20;
   } etcd;
   // Keys of none of kRendezvousConfKeys, as given. torchrun hands such keys to its backend
   // (e.g. store_type=tcp for c10d) and runs; so do we, and the launcher names them in one notice.
@@ -74,14 +78,17 @@ inline constexpr const char* kRendezvousConfKeys[] = {"join_timeout",
                                                       "key",
                                                       "username",
                                                       "password_file",
-                                                      "key_prefix"};
+                                                      "key_prefix",
+                                                      "kv_max_keys",
+                                                      "kv_max_bytes"};
 
 // Parses `conf` (the k=v pairs of --rdzv-conf) for a run of min_nodes..max_nodes:
 //   join_timeout, timeout (torchrun's alias; join_timeout wins), read_timeout, heartbeat_interval:
 //     seconds > 0;  last_call_timeout, close_timeout, failure_grace: seconds >= 0 (at most 1e9);
 //   heartbeat_misses: integer 1..1000000;  is_host: auto, true or false (also 1/0, yes/no, on/off);
 //   token_file: a file holding the shared token;  tls_ca: a PEM certificate that clients trust
-//   (TLS on);  tls_cert + tls_key: the PEM certificate and key served when hosting (need tls_ca,
+//   (TLS on);  kv_max_keys, kv_max_bytes: whole numbers >= 1 (etcd-v3, the mirrored key-value
+//   store);  tls_cert + tls_key: the PEM certificate and key served when hosting (need tls_ca,
 //   which this agent's own client uses; for a self-signed certificate, the same file).
 // Unknown keys are accepted and listed in `unknown_keys` (torchrun passes them to its backend).
 // Malformed values are INVALID_ARGUMENT with one line naming the key and the accepted form, e.g.

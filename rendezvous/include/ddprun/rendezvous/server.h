@@ -32,9 +32,15 @@ struct ServerOptions {
   RunRetention retention;  // closed_run_ttl / idle_run_ttl: how long runs outlive their use
 };
 
+// Why `listen` (HOST:PORT; `host` without IPv6 brackets) cannot be listened on, found by trying:
+// HOST does not resolve, PORT is in use, HOST is not an address of this host, PORT needs
+// privileges. INVALID_ARGUMENT naming the one that holds (a usage error of the --listen value).
+Status whyCannotListen(const std::string& listen, const std::string& host, int port);
+
 class RendezvousServer {
  public:
-  // Binds and starts serving. UNAVAILABLE when the address cannot be bound.
+  // Binds and starts serving. INVALID_ARGUMENT when the address cannot be bound, with the one
+  // reason (whyCannotListen).
   static StatusOr<std::unique_ptr<RendezvousServer>> start(ServerOptions options);
   ~RendezvousServer();
   RendezvousServer(const RendezvousServer&) = delete;

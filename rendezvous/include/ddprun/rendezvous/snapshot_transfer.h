@@ -151,11 +151,59 @@ struct ServeFault {
   int count = 0;
 };
 
+// What a server makes of the requests it is sent, without gRPC (rendezvous/src/
+// snapshot_requests.cc; the fuzz target fuzz_snapshot_requests drives them with any input).
+
+// The smallest chunk a Fetch may ask for (FetchRequest.chunk_bytes), and the smallest a server
+// cuts when many streams share its chunk budget.
+inline constexpr size_t kMinFetchChunk = 64 << 10;
+
+// What a Fetch of `name` (a version of `size` bytes) asks for: bytes [begin, end) in chunks of
+// `chunk` bytes (chunk_bytes 0: `server_chunk`; others are kept between 64 KiB and it).
+// OUT_OF_RANGE, naming the bytes and the name (escaped), past the end.
+struct FetchPlan {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  size_t chunk = 0;
+};
+StatusOr<FetchPlan> planFetch(const std::string& name, uint64_t size, uint64_t offset,
+                              uint64_t length, uint32_t chunk_bytes, size_t server_chunk);
+
+// An announced FileVersion as a receiver takes it: a pending CRC-32 is 0; a deletion has no size,
+// CRC-32 or rename-from; a rename hint only on a version with a known CRC-32.
+SnapshotFile normalizeAnnounced(SnapshotFile f);
+
+// How many Fetch streams a server serves at once, to each peer address and in all (the
+// server's bounds against peers that open streams and never read). Pure; not thread-safe (the
+// server guards it).
+class FetchAdmission {
+ public:
+  FetchAdmission(int per_peer = 16, int max = 64) : per_peer_(per_peer), max_(max) {}
+  // One more stream from `peer`, counted until release(peer); RESOURCE_EXHAUSTED naming the
+  // bound (and its --snapshot-limits key) when it is reached.
+  Status admit(const std::string& peer);
+  void release(const std::string& peer);
+  int total() const { return total_; }
+
+ private:
+  int per_peer_;
+  int max_;
+  int total_ = 0;
+  std::map<std::string, int> by_peer_;
+};
+
 struct SnapshotServerOptions {
   std::string listen;  // HOST:PORT; port 0 picks a free one
   std::string run_id;  // requests for another run are refused (FAILED_PRECONDITION)
   TransferSecurity security;
   size_t chunk_bytes = 4 << 20;
+  // Bounds against peers that open Fetch streams and do not read them (docs/reliability.md):
+  // streams at once per peer address and in all (more: RESOURCE_EXHAUSTED), and the bytes of
+  // chunks read for streams whose receiver has not taken them yet, in all (each chunk is sized
+  // to fit, down to 64 KiB: a chunk in flight per stream).
+  int max_streams_per_peer = 16;
+  int max_streams = 64;
+  uint64_t max_buffered_bytes = uint64_t{64} << 20;
   // What this agent holds (or is fetching) of `wanted`'s name and version, if it is that content
   // (its size, and its CRC-32 unless either is pending: what the requester was announced);
   // nullopt: NOT_FOUND. Called on gRPC threads.
@@ -176,6 +224,9 @@ class SnapshotServer {
   int port() const;
   // Fetch streams being served now (any thread).
   int activeStreams() const;
+  // Bytes of chunks read and not yet dropped by gRPC (sent, or the stream gone; any thread): at
+  // most max_buffered_bytes, and 64 KiB more per stream when many share it.
+  uint64_t bufferedBytes() const;
 
   struct Impl;
 
@@ -189,6 +240,9 @@ struct SnapshotPeer {
   std::string endpoint;  // HOST:PORT
   std::string run_id;
   TransferSecurity security;
+  // A fetch from it ends when no chunk arrived for this long (--snapshot-limits stall_timeout),
+  // however large the version: a holder that stalls holds nothing here for longer.
+  Duration stall_timeout = std::chrono::seconds(60);
 };
 
 // Tells `peer` that `file`, written by `origin`, can be fetched from `source`. Blocks up to
@@ -223,12 +277,15 @@ class FetchCancel {
 // file is removed and the status says why: DATA_LOSS for a checksum or size mismatch,
 // RESOURCE_EXHAUSTED when the disk lacks the space (naming the bytes needed), NOT_FOUND when the
 // peer no longer holds that version, `cancel`'s reason once it was cancelled, UNAVAILABLE or
-// DEADLINE_EXCEEDED for the network. A version of 64 MiB or more comes over up to
-// `streams_at_most` streams at once, one range of 32 MiB or more each, each on a helper thread and
-// a connection of its own. The whole content's verified CRC-32 goes to `*crc32_out` when given
-// (for a file.crc32_pending version, the one the source sent). With `arriving`, the bytes that
-// are in the temp file and checked are reported to it as they come, so that this node can serve
-// them on; it is failed unless the fetch succeeds. Blocks the calling thread.
+// DEADLINE_EXCEEDED for the network (DEADLINE_EXCEEDED too when no chunk came for the peer's
+// stall_timeout). The disk's space is checked first, but taken only as the bytes arrive: a holder
+// that announces a large version and stalls holds no more of the disk than it sent. A version of 64
+// MiB or more comes over up to `streams_at_most` streams at once, one range of 32 MiB or more each,
+// each on a helper thread and a connection of its own. The whole content's verified CRC-32 goes to
+// `*crc32_out` when given (for a file.crc32_pending version, the one the source sent). With
+// `arriving`, the bytes that are in the temp file and checked are reported to it as they come, so
+// that this node can serve them on; it is failed unless the fetch succeeds. Blocks the calling
+// thread.
 inline constexpr size_t kDefaultFetchStreams = 2;
 Status fetchSnapshot(const SnapshotPeer& peer, const SnapshotFile& file,
                      const std::string& temp_path, FetchCancel* cancel,

@@ -1,0 +1,78 @@
+#include "job_identity.h"
+
+#include "ddprun/common/log.h"
+#include "ddprun/common/strings.h"
+
+namespace ddprun::agent {
+
+namespace {
+std::pair<std::string, std::string> decode(const std::string& value) {
+  const auto nl = value.find('\n');
+  if (nl == std::string::npos) return {"", value};
+  return {value.substr(0, nl), value.substr(nl + 1)};
+}
+// Programs are compared by their file (or module) name: the nodes of one job may run it from
+// other directories.
+std::string baseName(const std::string& program) {
+  const auto slash = program.rfind('/');
+  return slash == std::string::npos ? program : program.substr(slash + 1);
+}
+}  // namespace
+
+std::string encodeJobIdentity(const std::string& address, const std::string& program) {
+  return address + "\n" + program;
+}
+
+Status checkSameJob(const std::vector<std::string>& identities, int self_rank,
+                    const std::string& run_id) {
+  if (self_rank < 0 || static_cast<size_t>(self_rank) >= identities.size()) return Status::ok();
+  const std::string mine = decode(identities[static_cast<size_t>(self_rank)]).second;
+  for (size_t i = 0; i < identities.size(); ++i) {
+    const auto [address, program] = decode(identities[i]);
+    if (baseName(program) == baseName(mine)) continue;
+    return failedPrecondition("another job uses --rdzv-id '" + quotePeerText(run_id, 100) +
+                              "': node " + std::to_string(i) + " of this round (" +
+                              quotePeerText(address, 100) + ") runs '" + quotePeerText(program) +
+                              "', this node runs '" + quotePeerText(mine) +
+                              "'; give each job an id of its own");
+  }
+  return Status::ok();
+}
+
+void JobIdentityClient::nextRound(RoundCallback done) {
+  inner_.nextRound([this, done = std::move(done)](StatusOr<RoundInfo> round) mutable {
+    if (!round.isOk() || round->local_world_sizes.size() < 2) {
+      done(std::move(round));
+      return;
+    }
+    const RoundInfo r = *round;
+    const std::string prefix = "job/" + std::to_string(r.round) + "/";
+    std::vector<std::string> keys;
+    for (size_t i = 0; i < r.local_world_sizes.size(); ++i) {
+      keys.push_back(prefix + std::to_string(i));
+    }
+    service_.kvSet(prefix + std::to_string(r.group_rank), identity_, {},
+                   [this, r, keys, done = std::move(done)](Status st) mutable {
+                     if (!st.isOk()) {  // the job's own rendezvous trouble shows elsewhere
+                       done(r);
+                       return;
+                     }
+                     service_.kvWait(keys, wait_for_, {},
+                                     [this, r, done = std::move(done)](
+                                         StatusOr<std::vector<std::string>> values) mutable {
+                                       if (!values.isOk()) {
+                                         done(r);
+                                         return;
+                                       }
+                                       Status same = checkSameJob(*values, r.group_rank, run_id_);
+                                       if (!same.isOk()) {
+                                         done(same);
+                                         return;
+                                       }
+                                       done(r);
+                                     });
+                   });
+  });
+}
+
+}  // namespace ddprun::agent

@@ -1,0 +1,59 @@
+// JobIdentityClient: two jobs that share one --rdzv-id (and rendezvous) are one run to the
+// rendezvous: their nodes form rounds together and start each other's programs, which then hang
+// in their collectives until a store timeout (gloo's: 300 s). Every node of a multi-node job
+// publishes what it runs for each round (its address and program) in the run's key-value store
+// and reads every node's; a node of the round that runs another program fails the round with one
+// line naming it and the id, instead of the hang.
+//
+// checkSameJob is the pure part; the client is the shell around the rendezvous (as
+// SnapshotSyncClient). Threading: the agent's loop thread. Lifetime: outlives no call of `inner`'s
+// it made (the agent destroys it with the rendezvous setup).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "ddprun/agent/rendezvous_client.h"
+#include "ddprun/agent/rendezvous_service.h"
+
+namespace ddprun::agent {
+
+// What a node publishes: "<address>\n<program>".
+std::string encodeJobIdentity(const std::string& address, const std::string& program);
+// OK when every node's published identity (by group rank) runs this node's program (compared by
+// its file or module name: one job's nodes may hold it in other directories); FAILED_PRECONDITION
+// naming the first node that runs another, and `run_id`.
+Status checkSameJob(const std::vector<std::string>& identities, int self_rank,
+                    const std::string& run_id);
+
+class JobIdentityClient final : public RendezvousClient {
+ public:
+  JobIdentityClient(RendezvousClient& inner, RendezvousService& service, std::string run_id,
+                    std::string identity, Duration wait_for = std::chrono::seconds(30))
+      : inner_(inner),
+        service_(service),
+        run_id_(std::move(run_id)),
+        identity_(std::move(identity)),
+        wait_for_(wait_for) {}
+  // A round from `inner`, handed on once every node said what it runs (or after wait_for: a
+  // node that is slow to say is no other job), or the mismatch as the round's error.
+  void nextRound(RoundCallback done) override;
+  void reportFailure() override { inner_.reportFailure(); }
+  void leave() override { inner_.leave(); }
+  void exitBarrier(Duration timeout, StatusCallback done) override {
+    inner_.exitBarrier(timeout, std::move(done));
+  }
+  void shutdown(bool succeeded, bool left, std::function<void()> done) override {
+    inner_.shutdown(succeeded, left, std::move(done));
+  }
+  uint64_t currentRound() const override { return inner_.currentRound(); }
+
+ private:
+  RendezvousClient& inner_;
+  RendezvousService& service_;
+  std::string run_id_;
+  std::string identity_;
+  Duration wait_for_;
+};
+
+}  // namespace ddprun::agent
