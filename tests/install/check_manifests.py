@@ -11,6 +11,7 @@ probe is shown to reject it).
 import os
 import subprocess
 import sys
+import tempfile
 
 try:
     import yaml
@@ -105,6 +106,34 @@ if pet["PET_NPROC_PER_NODE"] != pet["PET_N_PROC_PER_NODE"]:
     fail("PET_NPROC_PER_NODE and the operator's PET_N_PROC_PER_NODE differ")
 if pet["PET_RDZV_ENDPOINT"] != f"ddprun-rendezvous:{rdzv_port}":
     fail(f"PET_RDZV_ENDPOINT {pet['PET_RDZV_ENDPOINT']} is not the rendezvous Service")
+# Files from Secrets (the shared token): the probe reads them, so they are stood in for by files
+# of a temporary directory, and the paths rewritten to it. Trainer and rendezvous must mount the
+# same Secret, and the token must be in force on both sides.
+def secret_mounts(pod_spec, container):
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod_spec.get("volumes", []) if "secret" in v}
+    return {m["mountPath"]: secrets[m["name"]] for m in container.get("volumeMounts", [])
+            if m["name"] in secrets}
+
+
+stand_in = tempfile.mkdtemp(prefix="ddprun-manifest-")
+trainer_secrets = secret_mounts(pod, c)
+for mount in trainer_secrets:
+    os.makedirs(stand_in + mount, exist_ok=True)
+    with open(stand_in + mount + "/token", "w") as f:
+        f.write("manifest-check-token\n")
+    for k, v in list(pet.items()):
+        pet[k] = v.replace(mount + "/", stand_in + mount + "/")
+if "token_file=" in pet["PET_RDZV_CONF"]:
+    rdzv_secrets = secret_mounts(dep["spec"]["template"]["spec"], rc)
+    if "--token-file" not in cmd or not any(cmd[cmd.index("--token-file") + 1].startswith(m + "/")
+                                            for m in rdzv_secrets):
+        fail("the agents use a token but the rendezvous takes none from a Secret")
+    if set(rdzv_secrets.values()) != set(trainer_secrets.values()):
+        fail("trainer and rendezvous mount different Secrets for the token")
+elif "--snapshot-dir" in " ".join(c.get("args", [])):
+    fail("a multi-node --snapshot-dir without a token: ddprun refuses it (and anyone could plant a "
+         "snapshot)")
+
 lo, hi = (int(x) for x in pet["PET_NNODES"].split(":"))
 if spec["parallelism"] != hi or spec["completions"] != hi:
     fail("parallelism/completions should be the job's maximum node count")
