@@ -146,7 +146,8 @@ for want in [f"nnodes={lo}:{hi}", f"nproc_per_node={pet['PET_NPROC_PER_NODE']}",
              "rdzv_backend=c10d", f"rdzv_endpoint={pet['PET_RDZV_ENDPOINT']}",
              f"max_restarts={pet['PET_MAX_RESTARTS']}", "local_addr=10.0.0.7",
              "snapshot_dir=/snapshots", f"rdzv_id={pet['PET_RDZV_ID']}"] + [
-                 kv for kv in pet["PET_RDZV_CONF"].split(",")]:
+                 kv for kv in pet["PET_RDZV_CONF"].split(",") if not kv.startswith("token_file=")] + (
+                     ["token=read"] if "token_file=" in pet["PET_RDZV_CONF"] else []):
     if want not in out.split():
         fail(f"ddprun did not take {want} from the manifest: {out}")
 

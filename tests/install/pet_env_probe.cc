@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
             << " local_addr=" << c.local_addr << " snapshot_dir=" << c.snapshot_dir
             << " program=" << c.entrypoint << std::endl;
   std::cout << "rdzv_conf join_timeout=" << secs(c.rdzv_conf.join_timeout)
-            << " last_call_timeout=" << secs(c.rdzv_conf.run.last_call_timeout) << std::endl;
+            << " last_call_timeout=" << secs(c.rdzv_conf.run.last_call_timeout)
+            << " token=" << (c.rdzv_conf.token.empty() ? "none" : "read") << std::endl;
   return 0;
 }
