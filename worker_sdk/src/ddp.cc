@@ -198,49 +198,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     params_.push_back(item.value());
   }
 
-  // The tensor-device rule (worker_sdk/README.md): a collective takes tensors on the
-  // communicator's device. The parameters and buffers are broadcast in place and the gradients
-  // reduced in buckets of the parameters' device, so the model must be there already.
-  const at::Device device = comm.device();
-  auto misplaced = [&](const torch::Tensor& t) {
-    return t.device().type() != device.type() ||
-           (device.has_index() && t.device().index() != device.index());
-  };
-  for (auto& item : module_->named_parameters(/*recurse=*/true)) {
-    if (!misplaced(item.value())) continue;
-    throw ConfigError("DistributedDataParallel: parameter '" + item.key() + "' is on " +
-                      item.value().device().str() + " but the " + backendName(comm.backend()) +
-                      " communicator works on " + device.str() +
-                      ": move the model there (module->to(device)) before wrapping it");
-  }
-  for (auto& item : module_->named_buffers(/*recurse=*/true)) {
-    if (!misplaced(item.value())) continue;
-    throw ConfigError("DistributedDataParallel: buffer '" + item.key() + "' is on " +
-                      item.value().device().str() + " but the " + backendName(comm.backend()) +
-                      " communicator works on " + device.str() +
-                      ": move the model there (module->to(device)) before wrapping it");
-  }
-
-  // Every rank must hold the same model: compare parameter count and total size.
-  {
-    int64_t total = 0;
-    for (auto& p : params_) total += p.numel();
-    auto sig = torch::tensor({static_cast<int64_t>(params_.size()), total},
-                             torch::TensorOptions().dtype(torch::kLong).device(device));
-    const torch::Tensor all = torch::stack(comm.allGather(sig)).to(torch::kCPU);
-    for (int r = 0; r < comm.size(); ++r) {
-      const int64_t count = all[r][0].item<int64_t>();
-      const int64_t elements = all[r][1].item<int64_t>();
-      if (count != static_cast<int64_t>(params_.size()) || elements != total) {
-        throw ConfigError("DistributedDataParallel: rank " + std::to_string(r) + " has " +
-                          std::to_string(count) + " parameters / " + std::to_string(elements) +
-                          " elements but rank " + std::to_string(comm.rank()) + " has " +
-                          std::to_string(params_.size()) + " / " + std::to_string(total) +
-                          ": every rank must build the same model");
-      }
-    }
-  }
-
+  checkPlacement(comm);
+  checkSameModel(comm);
   // Start from rank 0's weights and buffers.
   {
     torch::NoGradGuard no_grad;
@@ -249,7 +208,61 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     for (auto& b : module_->buffers(true)) works.push_back(comm.broadcastAsync(b, 0));
     for (auto& w : works) w->wait();
   }
+  buildBuckets(comm);
+  iteration_ = std::make_unique<Iteration>();
+  {
+    ddprun::MutexLock lock(iteration_->mu);
+    iteration_->ready.assign(params_.size(), false);
+    iteration_->pending.assign(buckets_.size(), 0);
+    iteration_->work.resize(buckets_.size());
+    iteration_->reset(buckets_);
+  }
+  registerHooks();
+}
 
+void DistributedDataParallel::checkPlacement(Communicator& comm) const {
+  // The tensor-device rule (worker_sdk/README.md): a collective takes tensors on the
+  // communicator's device. The parameters and buffers are broadcast in place and the gradients
+  // reduced in buckets of the parameters' device, so the model must be there already.
+  const at::Device device = comm.device();
+  auto check = [&](const std::string& what, const std::string& name, const torch::Tensor& t) {
+    if (t.device().type() == device.type() &&
+        (!device.has_index() || t.device().index() == device.index())) {
+      return;
+    }
+    throw ConfigError("DistributedDataParallel: " + what + " '" + name + "' is on " +
+                      t.device().str() + " but the " + backendName(comm.backend()) +
+                      " communicator works on " + device.str() +
+                      ": move the model there (module->to(device)) before wrapping it");
+  };
+  for (auto& item : module_->named_parameters(/*recurse=*/true)) {
+    check("parameter", item.key(), item.value());
+  }
+  for (auto& item : module_->named_buffers(/*recurse=*/true))
+    check("buffer", item.key(), item.value());
+}
+
+void DistributedDataParallel::checkSameModel(Communicator& comm) const {
+  // Every rank must hold the same model: compare parameter count and total size.
+  int64_t total = 0;
+  for (auto& p : params_) total += p.numel();
+  auto sig = torch::tensor({static_cast<int64_t>(params_.size()), total},
+                           torch::TensorOptions().dtype(torch::kLong).device(comm.device()));
+  const torch::Tensor all = torch::stack(comm.allGather(sig)).to(torch::kCPU);
+  for (int r = 0; r < comm.size(); ++r) {
+    const int64_t count = all[r][0].item<int64_t>();
+    const int64_t elements = all[r][1].item<int64_t>();
+    if (count != static_cast<int64_t>(params_.size()) || elements != total) {
+      throw ConfigError("DistributedDataParallel: rank " + std::to_string(r) + " has " +
+                        std::to_string(count) + " parameters / " + std::to_string(elements) +
+                        " elements but rank " + std::to_string(comm.rank()) + " has " +
+                        std::to_string(params_.size()) + " / " + std::to_string(total) +
+                        ": every rank must build the same model");
+    }
+  }
+}
+
+void DistributedDataParallel::buildBuckets(Communicator& comm) {
   std::vector<TensorSpec> specs;
   for (auto& p : params_) {
     specs.push_back(TensorSpec{static_cast<std::size_t>(p.numel()),
@@ -259,8 +272,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   BucketOptions bopts;
   bopts.first_bucket_bytes =
-      static_cast<std::size_t>(options.first_bucket_mb * BucketOptions::kMiB);
-  bopts.bucket_cap_bytes = static_cast<std::size_t>(options.bucket_cap_mb * BucketOptions::kMiB);
+      static_cast<std::size_t>(options_.first_bucket_mb * BucketOptions::kMiB);
+  bopts.bucket_cap_bytes = static_cast<std::size_t>(options_.bucket_cap_mb * BucketOptions::kMiB);
   bucket_indices_ = computeBucketAssignment(specs, bopts);
 
   bucket_of_.assign(params_.size(), 0);
@@ -288,15 +301,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     views_[i] = torch::from_blob(
         base, params_[i].sizes(), [flat](void*) {}, flat.options());
   }
-  iteration_ = std::make_unique<Iteration>();
-  {
-    ddprun::MutexLock lock(iteration_->mu);
-    iteration_->ready.assign(params_.size(), false);
-    iteration_->pending.assign(buckets_.size(), 0);
-    iteration_->work.resize(buckets_.size());
-    iteration_->reset(buckets_);
-  }
+}
 
+void DistributedDataParallel::registerHooks() {
   // Look every accumulator up before registering any hook, so a failure cannot leave hooks that
   // point at a half-constructed object.
   // The accumulator's pointer type changed across LibTorch versions (shared_ptr, intrusive_ptr).

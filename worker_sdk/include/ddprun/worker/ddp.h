@@ -115,6 +115,12 @@ class DistributedDataParallel {
  private:
   struct Bucket;
   struct Iteration;
+  // Construction, in order.
+  void checkPlacement(Communicator& comm) const;
+  void checkSameModel(Communicator& comm) const;
+  void buildBuckets(Communicator& comm);
+  void registerHooks();
+
   void onGradReady(std::size_t param_index);
   void finalizeBackward();
 
