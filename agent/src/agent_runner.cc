@@ -119,7 +119,7 @@ int runAgent(const AgentConfig& cfg) {
 
   // Before gRPC's threads exist (see the function).
   if (!cfg.snapshot_dir.empty()) {
-    rendezvous::tuneAllocatorForTransfers();
+    snapshot::tuneAllocatorForTransfers();
     log->debug("snapshot dir: up to {} open files", raiseOpenFileLimit());
   }
   // A Python program's torch version, asked while the rendezvous forms.
@@ -299,7 +299,7 @@ int runAgent(const AgentConfig& cfg) {
   if (!cfg.snapshot_dir.empty()) {
     // A snapshot write killed mid-way (SIGXFSZ, SIGKILL) leaves its temp file; its bytes are not
     // kept until the next start.
-    const auto removed = removeDeadWritersTempFiles(cfg.snapshot_dir);
+    const auto removed = snapshot::removeDeadWritersTempFiles(cfg.snapshot_dir);
     if (!removed.empty()) {
       log->info("snapshot dir: removed {} temp file(s) that killed writers left (e.g. {})",
                 removed.size(), removed.front());

@@ -21,9 +21,10 @@
 #include "ddprun/common/log.h"
 #include "ddprun/common/log_throttle.h"
 #include "ddprun/common/strings.h"
-#include "files.h"
 
 namespace ddprun::agent {
+
+using namespace ddprun::snapshot;  // NOLINT: until the replicator moves to snapshot/
 
 namespace {
 
@@ -65,8 +66,8 @@ void runAsBackground() {
   (void)::sched_setscheduler(0, SCHED_IDLE, &idle);
 }
 
-rendezvous::SnapshotFile toWire(const SnapshotVersion& v) {
-  rendezvous::SnapshotFile f{v.name, v.version, v.size, v.crc32};
+snapshot::SnapshotFile toWire(const SnapshotVersion& v) {
+  snapshot::SnapshotFile f{v.name, v.version, v.size, v.crc32};
   f.crc32_pending = v.crc_pending;
   f.deleted = v.deleted;
   f.moved_from = v.moved_from;
@@ -74,7 +75,7 @@ rendezvous::SnapshotFile toWire(const SnapshotVersion& v) {
   f.moved_to = v.moved_to;
   return f;
 }
-SnapshotVersion fromWire(const rendezvous::SnapshotFile& f) {
+SnapshotVersion fromWire(const snapshot::SnapshotFile& f) {
   SnapshotVersion v{f.name, f.version, f.size, f.crc32};
   v.crc_pending = f.crc32_pending;
   v.deleted = f.deleted;
@@ -103,11 +104,6 @@ constexpr auto kVersionedWithin = std::chrono::seconds(10);
 // How long a file deleted here because another node renamed it stays open for the copy under its
 // new name (keptForCopy), in case the deletion arrived first.
 constexpr auto kKeepRenamedFor = std::chrono::seconds(10);
-
-// A version for people: "<round>.<sequence>" (the number itself is (round << 32) | sequence).
-std::string versionText(uint64_t v) {
-  return std::to_string(v >> 32) + "." + std::to_string(v & 0xffffffffu);
-}
 
 // A name of the agent's own under the relative directory `dir` ("" or ending in '/'):
 // kRecvPrefix, `stem`, this process and a random number. Never replicated, and removed at the
@@ -152,8 +148,8 @@ Status checkSnapshotDir(const std::string& dir) {
   return Status::ok();
 }
 
-StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text) {
-  rendezvous::ServeFault fault;
+StatusOr<snapshot::ServeFault> parseSnapshotFault(const std::string& text) {
+  snapshot::ServeFault fault;
   if (text.empty()) return fault;
   auto parts = split(text, ':');
   auto count = parts.size() == 2 ? parseInt(parts[1]) : std::nullopt;
@@ -164,10 +160,10 @@ StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text) {
                            "' is not in-flight:N, at-source:N, slow:MS or slow-hash:MS (a test "
                            "hook)");
   }
-  fault.kind = parts[0] == "in-flight"   ? rendezvous::ServeFault::Kind::kInFlight
-               : parts[0] == "at-source" ? rendezvous::ServeFault::Kind::kAtSource
-               : parts[0] == "slow"      ? rendezvous::ServeFault::Kind::kSlow
-                                         : rendezvous::ServeFault::Kind::kSlowHash;
+  fault.kind = parts[0] == "in-flight"   ? snapshot::ServeFault::Kind::kInFlight
+               : parts[0] == "at-source" ? snapshot::ServeFault::Kind::kAtSource
+               : parts[0] == "slow"      ? snapshot::ServeFault::Kind::kSlow
+                                         : snapshot::ServeFault::Kind::kSlowHash;
   fault.count = static_cast<int>(*count);
   return fault;
 }
@@ -199,7 +195,7 @@ std::string cannotOpen(const std::string& path, int err) {
 }  // namespace
 
 StatusOr<size_t> parseSnapshotStreams(const std::string& text) {
-  if (text.empty()) return rendezvous::kDefaultFetchStreams;
+  if (text.empty()) return snapshot::kDefaultFetchStreams;
   auto n = parseInt(text);
   if (!n || *n < 1 || *n > 16) {
     return invalidArgument("DDPRUN_SNAPSHOT_STREAMS: '" + text +
@@ -252,7 +248,7 @@ Status SnapshotReplicator::init() {
   boost::system::error_code ec;
   auto addr = boost::asio::ip::make_address(host, ec);
   std::string listen_host = ec ? "0.0.0.0" : (addr.is_v6() ? "[" + host + "]" : host);
-  rendezvous::SnapshotServerOptions so;
+  snapshot::SnapshotServerOptions so;
   so.listen = listen_host + ":0";
   so.run_id = options_.run_id;
   so.security = options_.security;
@@ -260,8 +256,7 @@ Status SnapshotReplicator::init() {
   so.max_streams_per_peer = options_.limits.streams_per_peer;
   so.max_streams = options_.limits.streams;
   so.max_buffered_bytes = options_.limits.buffered_bytes;
-  so.lookup =
-      [this](const rendezvous::SnapshotFile& want) -> std::optional<rendezvous::ServedFile> {
+  so.lookup = [this](const snapshot::SnapshotFile& want) -> std::optional<snapshot::ServedFile> {
     const SnapshotVersion wanted = fromWire(want);
     std::lock_guard<std::mutex> lock(served_mu_);
     // Held here, or being fetched here (served as it arrives): under one number that may be
@@ -273,13 +268,13 @@ Status SnapshotReplicator::init() {
     return std::nullopt;
   };
   std::weak_ptr<int> alive = alive_;
-  so.on_announce = [this, alive](const rendezvous::SnapshotFile& f, const std::string& source,
+  so.on_announce = [this, alive](const snapshot::SnapshotFile& f, const std::string& source,
                                  const std::string& origin) {
     boost::asio::post(io_, [this, alive, v = fromWire(f), source, origin] {
       if (alive.lock()) onAnnounce(v, source, origin);
     });
   };
-  auto server = rendezvous::SnapshotServer::start(std::move(so));
+  auto server = snapshot::SnapshotServer::start(std::move(so));
   if (!server.isOk()) return server.status();
   server_ = std::move(server).value();
   const bool v6 = !ec && addr.is_v6();
@@ -307,7 +302,7 @@ SnapshotReplicator::~SnapshotReplicator() {
   }
   // Work still queued (pools_) never runs: a Fetch stream waiting for a hash or a fetch of it (a
   // CRC-32 pending, bytes still arriving) would hold up the server's shutdown for ever. Ended now.
-  std::vector<rendezvous::ServedFile> waited_on;
+  std::vector<snapshot::ServedFile> waited_on;
   {
     std::lock_guard<std::mutex> lock(served_mu_);
     for (const auto& [name, s] : served_) waited_on.push_back(s);
@@ -471,10 +466,10 @@ void SnapshotReplicator::scanExisting() {
     // Regular files only: a symlink is not followed out of the directory, a FIFO does not block.
     const int fd = ::open(path(name).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) continue;
-    auto file = std::make_shared<rendezvous::OpenFile>(fd);
+    auto file = std::make_shared<snapshot::OpenFile>(fd);
     struct stat st {};
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) continue;
-    auto crc = rendezvous::crc32OfFile(fd);
+    auto crc = snapshot::crc32OfFile(fd);
     if (!crc.isOk()) continue;
     const uint64_t version = recordedVersion(table, name, crc->first, crc->second);
     replica_.adoptExisting(name, crc->first, crc->second, version);
@@ -548,7 +543,7 @@ void SnapshotReplicator::restoreHeld(const std::string& name, const std::optiona
   recordVersions();
 }
 
-void SnapshotReplicator::releaseOffLoop(std::shared_ptr<const rendezvous::OpenFile> file) {
+void SnapshotReplicator::releaseOffLoop(std::shared_ptr<const snapshot::OpenFile> file) {
   if (!file) return;
   offLoop([file = std::move(file)]() mutable { file.reset(); }, [] {});
 }
@@ -711,7 +706,7 @@ void SnapshotReplicator::hashNext() {
     }
   }
   struct Looked {
-    std::shared_ptr<rendezvous::OpenFile> file;
+    std::shared_ptr<snapshot::OpenFile> file;
     struct stat st {};
     bool same = false;     // what this node holds already
     bool renamed = false;  // what this node held as `from`
@@ -722,7 +717,7 @@ void SnapshotReplicator::hashNext() {
   };
   auto looked = std::make_shared<Looked>();
   const auto slow_hash = std::chrono::milliseconds(
-      options_.fault.kind == rendezvous::ServeFault::Kind::kSlowHash ? options_.fault.count : 0);
+      options_.fault.kind == snapshot::ServeFault::Kind::kSlowHash ? options_.fault.count : 0);
   offLoop(
       [looked, known, renamed, path = path(name), slow_hash] {
         std::this_thread::sleep_for(slow_hash);  // test hook (DDPRUN_SNAPSHOT_FAULT=slow-hash)
@@ -732,7 +727,7 @@ void SnapshotReplicator::hashNext() {
           if (!looked->gone) looked->unopened = cannotOpen(path, errno);
           return;
         }
-        looked->file = std::make_shared<rendezvous::OpenFile>(fd);
+        looked->file = std::make_shared<snapshot::OpenFile>(fd);
         if (::fstat(fd, &looked->st) != 0 || !S_ISREG(looked->st.st_mode)) {
           looked->file.reset();
           return;
@@ -755,7 +750,7 @@ void SnapshotReplicator::hashNext() {
           return;
         }
         runAsBackground();
-        looked->crc = rendezvous::crc32OfFile(fd);
+        looked->crc = snapshot::crc32OfFile(fd);
       },
       [this, name, looked, from, moved_to, renamed] {
         if (looked->deferred) {
@@ -791,7 +786,7 @@ bool SnapshotReplicator::holdsAlready(const std::string& name, const struct stat
 }
 
 void SnapshotReplicator::announceThenHash(const std::string& name,
-                                          std::shared_ptr<rendezvous::OpenFile> file,
+                                          std::shared_ptr<snapshot::OpenFile> file,
                                           const struct stat& st) {
   if (holdsAlready(name, st)) {  // installed here while it was looked at
     hashing_ = false;
@@ -800,14 +795,14 @@ void SnapshotReplicator::announceThenHash(const std::string& name,
   }
   const SnapshotVersion v =
       replica_.onLocalWritePending(name, static_cast<uint64_t>(st.st_size), round_);
-  auto pending = std::make_shared<rendezvous::PendingCrc>();
+  auto pending = std::make_shared<snapshot::PendingCrc>();
   publishWritten(v, Held{{toWire(v), file, pending}, st.st_dev, st.st_ino, mtimeNs(st)},
                  " while it is hashed");
   auto crc = std::make_shared<StatusOr<uint32_t>>(internalError("not hashed"));
   offLoop(
       // Always sets `pending`: streams waiting for it end either way.
       [file, pending, crc, size = v.size] {
-        auto hashed = rendezvous::crc32OfFile(file->fd());
+        auto hashed = snapshot::crc32OfFile(file->fd());
         if (!hashed.isOk()) {
           *crc = hashed.status();
         } else if (hashed->first != size) {
@@ -838,9 +833,9 @@ void SnapshotReplicator::announceThenHash(const std::string& name,
       });
 }
 
-void SnapshotReplicator::onHashed(const std::string& name,
-                                  std::shared_ptr<rendezvous::OpenFile> file, const struct stat& st,
-                                  bool same, const StatusOr<std::pair<uint64_t, uint32_t>>& crc) {
+void SnapshotReplicator::onHashed(const std::string& name, std::shared_ptr<snapshot::OpenFile> file,
+                                  const struct stat& st, bool same,
+                                  const StatusOr<std::pair<uint64_t, uint32_t>>& crc) {
   if (!file || same) return;
   if (!crc.isOk()) {
     snapLog()->warn("snapshot dir: cannot read {}: {}", name, crc.status().message());
@@ -853,8 +848,7 @@ void SnapshotReplicator::onHashed(const std::string& name,
 }
 
 void SnapshotReplicator::onRenamed(const std::string& name, const std::string& from,
-                                   uint64_t from_version,
-                                   std::shared_ptr<rendezvous::OpenFile> file,
+                                   uint64_t from_version, std::shared_ptr<snapshot::OpenFile> file,
                                    const struct stat& st) {
   hashing_ = false;
   if (!holdsAlready(name, st)) {
@@ -928,8 +922,8 @@ void SnapshotReplicator::announce(const SnapshotVersion& v, const std::string& s
         for (const auto& line : lines) {
           for (size_t i = 0; i < line.size(); ++i) {
             Status st =
-                rendezvous::announceSnapshot(rendezvous::SnapshotPeer{line[i], run_id, security},
-                                             toWire(v), source, origin, kAnnounceTimeout);
+                snapshot::announceSnapshot(snapshot::SnapshotPeer{line[i], run_id, security},
+                                           toWire(v), source, origin, kAnnounceTimeout);
             if (st.isOk()) break;
             failed->emplace_back(line[i], st.message(), i + 1 < line.size());
           }
@@ -996,8 +990,8 @@ void SnapshotReplicator::announceAgain(const std::string& peer, std::vector<Unan
       [peer, shared, told, run_id = options_.run_id, security = options_.security] {
         for (const auto& u : *shared) {
           Status st =
-              rendezvous::announceSnapshot(rendezvous::SnapshotPeer{peer, run_id, security},
-                                           toWire(u.version), u.source, u.origin, kAnnounceTimeout);
+              snapshot::announceSnapshot(snapshot::SnapshotPeer{peer, run_id, security},
+                                         toWire(u.version), u.source, u.origin, kAnnounceTimeout);
           if (!st.isOk()) return;  // still not answering: the rest waits for the next time
           ++*told;
         }
@@ -1084,16 +1078,16 @@ int SnapshotReplicator::rankOf(const std::string& endpoint) const {
   return at == nodes_.end() ? -1 : static_cast<int>(at - nodes_.begin());
 }
 
-std::shared_ptr<rendezvous::ArrivingFile> SnapshotReplicator::serveArriving(
-    const SnapshotVersion& v, std::shared_ptr<rendezvous::PendingCrc>* pending) {
+std::shared_ptr<snapshot::ArrivingFile> SnapshotReplicator::serveArriving(
+    const SnapshotVersion& v, std::shared_ptr<snapshot::PendingCrc>* pending) {
   std::string origin;
   const auto targets = subtree(v, &origin);
   if (targets.empty()) return nullptr;
-  auto arriving = std::make_shared<rendezvous::ArrivingFile>();
-  if (v.crc_pending) *pending = std::make_shared<rendezvous::PendingCrc>();
+  auto arriving = std::make_shared<snapshot::ArrivingFile>();
+  if (v.crc_pending) *pending = std::make_shared<snapshot::PendingCrc>();
   {
     std::lock_guard<std::mutex> lock(served_mu_);
-    arriving_[v.name] = rendezvous::ServedFile{toWire(v), nullptr, *pending, arriving};
+    arriving_[v.name] = snapshot::ServedFile{toWire(v), nullptr, *pending, arriving};
   }
   if (relays_.pass(v, /*early=*/true)) {  // told once: a retry of the fetch serves it quietly
     snapLog()->info("snapshot: passing {} version {} on to {} node(s) as it arrives", v.name,
@@ -1112,7 +1106,7 @@ void SnapshotReplicator::pump() {
       applyDeletion(t);
       continue;
     }
-    if (urgency == Urgency::kPrompt) rendezvous::warmHeapForFetches();  // no workers yet
+    if (urgency == Urgency::kPrompt) snapshot::warmHeapForFetches();  // no workers yet
     // Received next to where it goes (the rename stays in one directory and file system), under
     // a name that stays within NAME_MAX (255) whatever the file's.
     const auto slash = t.file.name.rfind('/');
@@ -1121,7 +1115,7 @@ void SnapshotReplicator::pump() {
     const auto started = std::chrono::steady_clock::now();
     auto status = std::make_shared<Status>();
     auto crc = std::make_shared<uint32_t>(0);
-    rendezvous::SnapshotPeer peer{t.source, options_.run_id, options_.security};
+    snapshot::SnapshotPeer peer{t.source, options_.run_id, options_.security};
     peer.stall_timeout = seconds(options_.limits.stall_seconds);
     // Renamed on the node that wrote it, from a file held here: copied from that (it is passed on
     // once complete, a local copy being quick). Else a node this one relays the version to
@@ -1139,28 +1133,27 @@ void SnapshotReplicator::pump() {
       continue;
     }
     auto copied = std::make_shared<bool>(false);
-    std::shared_ptr<rendezvous::PendingCrc> pending;
+    std::shared_ptr<snapshot::PendingCrc> pending;
     auto arriving = local ? nullptr : serveArriving(t.file, &pending);
-    auto cancel = std::make_shared<rendezvous::FetchCancel>();
+    auto cancel = std::make_shared<snapshot::FetchCancel>();
     fetching_[t.file.name] = {t.source, cancel};
     offLoop(
         [peer, file = toWire(t.file), temp, status, crc, cancel, streams = options_.fetch_streams,
          arriving, pending, root = options_.dir, local, copied] {
           *status = makeParentDirsUnder(root, file.name);
           if (status->isOk() && local) {
-            *status = rendezvous::copySnapshotLocally(*local, file, temp, cancel.get());
+            *status = snapshot::copySnapshotLocally(*local, file, temp, cancel.get());
             *copied = status->isOk();
             *crc = file.crc32;
             if (!status->isOk() && status->code() != StatusCode::kCancelled &&
                 status->code() != StatusCode::kResourceExhausted) {
               snapLog()->warn("snapshot: copying {} from {} here failed: {}; fetching it from {}",
                               file.name, file.moved_from, status->message(), peer.endpoint);
-              *status =
-                  rendezvous::fetchSnapshot(peer, file, temp, cancel.get(), streams, crc.get());
+              *status = snapshot::fetchSnapshot(peer, file, temp, cancel.get(), streams, crc.get());
             }
           } else if (status->isOk()) {
-            *status = rendezvous::fetchSnapshot(peer, file, temp, cancel.get(), streams, crc.get(),
-                                                arriving);
+            *status = snapshot::fetchSnapshot(peer, file, temp, cancel.get(), streams, crc.get(),
+                                              arriving);
           } else if (arriving) {
             arriving->fail(*status);
           }
@@ -1223,10 +1216,10 @@ void SnapshotReplicator::applyDeletion(const SnapshotTransfer& t) {
   if (st.isOk()) relay(t.file, endpoint_);
 }
 
-std::shared_ptr<const rendezvous::OpenFile> SnapshotReplicator::localCopyOf(
+std::shared_ptr<const snapshot::OpenFile> SnapshotReplicator::localCopyOf(
     const SnapshotVersion& v) {
   if (v.moved_from.empty() || v.crc_pending || v.deleted) return nullptr;
-  auto isIt = [&](const rendezvous::ServedFile& s) {
+  auto isIt = [&](const snapshot::ServedFile& s) {
     const auto& f = s.file;
     return s.data && !f.deleted && !f.crc32_pending && f.version == v.moved_from_version &&
            f.size == v.size && f.crc32 == v.crc32;
@@ -1331,7 +1324,7 @@ void SnapshotReplicator::onFetched(const SnapshotTransfer& t, const Status& fetc
       if (fd >= 0) ::close(fd);
       ::unlink(temp.c_str());
     } else {
-      auto file = std::make_shared<rendezvous::OpenFile>(fd);
+      auto file = std::make_shared<snapshot::OpenFile>(fd);
       // Record it first: the rename's IN_MOVED_TO then finds what this node holds already.
       Held held{{toWire(t.file), file, nullptr}, sb.st_dev, sb.st_ino, mtimeNs(sb)};
       auto previous = held_files_.find(t.file.name);

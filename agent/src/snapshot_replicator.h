@@ -42,24 +42,36 @@
 #include <thread>
 #include <vector>
 
+#include "../../snapshot/src/files.h"  // until the replicator moves to snapshot/
 #include "ddprun/agent/config.h"
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/agent/rendezvous_service.h"
-#include "ddprun/agent/snapshot_replica.h"
 #include "ddprun/common/log_throttle.h"
-#include "ddprun/rendezvous/snapshot_transfer.h"
-#include "rename_pairs.h"
+#include "ddprun/snapshot/relays.h"
+#include "ddprun/snapshot/rename_pairs.h"
+#include "ddprun/snapshot/replica.h"
+#include "ddprun/snapshot/transfer.h"
 
 namespace ddprun::agent {
+
+using snapshot::HolderNews;
+using snapshot::kRenamePairWait;
+using snapshot::RenamePairs;
+using snapshot::SnapshotRelays;
+using snapshot::SnapshotReplica;
+using snapshot::SnapshotReplicaOptions;
+using snapshot::SnapshotTransfer;
+using snapshot::SnapshotVersion;
+using snapshot::TransferOutcome;
 
 struct SnapshotReplicatorOptions {
   std::string dir;
   std::string run_id;
   std::string local_addr;  // advertised host; the service listens on it (a name: on 0.0.0.0)
-  rendezvous::TransferSecurity security;
-  rendezvous::ServeFault fault;                             // test hook (DDPRUN_SNAPSHOT_FAULT)
-  size_t fetch_streams = rendezvous::kDefaultFetchStreams;  // DDPRUN_SNAPSHOT_STREAMS
-  Duration holdings_timeout = std::chrono::seconds(15);     // waiting for the others' holdings
+  snapshot::TransferSecurity security;
+  snapshot::ServeFault fault;                             // test hook (DDPRUN_SNAPSHOT_FAULT)
+  size_t fetch_streams = snapshot::kDefaultFetchStreams;  // DDPRUN_SNAPSHOT_STREAMS
+  Duration holdings_timeout = std::chrono::seconds(15);   // waiting for the others' holdings
   SnapshotLimits limits;  // --snapshot-limits: bounds against peers that misbehave
 };
 
@@ -78,7 +90,7 @@ struct SnapshotMetrics {
 Status checkSnapshotDir(const std::string& dir);
 // DDPRUN_SNAPSHOT_FAULT=in-flight:N | at-source:N | slow:MS | slow-hash:MS (test hook);
 // INVALID_ARGUMENT when malformed.
-StatusOr<rendezvous::ServeFault> parseSnapshotFault(const std::string& text);
+StatusOr<snapshot::ServeFault> parseSnapshotFault(const std::string& text);
 
 // DDPRUN_SNAPSHOT_STREAMS=N: at most N streams at once for one large fetch (1-16; empty: the
 // default); INVALID_ARGUMENT naming the variable otherwise.
@@ -120,7 +132,7 @@ class SnapshotReplicator {
 
  private:
   struct Held {
-    rendezvous::ServedFile served;
+    snapshot::ServedFile served;
     dev_t dev = 0;
     ino_t ino = 0;
     int64_t mtime_ns = 0;
@@ -165,20 +177,20 @@ class SnapshotReplicator {
   // few named).
   void warnIfTooLong(const std::string& name);
   void hashNext();
-  void onHashed(const std::string& name, std::shared_ptr<rendezvous::OpenFile> file,
+  void onHashed(const std::string& name, std::shared_ptr<snapshot::OpenFile> file,
                 const struct stat& st, bool same,
                 const StatusOr<std::pair<uint64_t, uint32_t>>& crc);
   // A large completed file: announced now, hashed on a thread while others fetch it.
-  void announceThenHash(const std::string& name, std::shared_ptr<rendezvous::OpenFile> file,
+  void announceThenHash(const std::string& name, std::shared_ptr<snapshot::OpenFile> file,
                         const struct stat& st);
   // `name` is the file held as `from` at `from_version` until this node's workers renamed it
   // (same inode): its new version is announced with the rename as a hint, so that nodes holding
   // `from` copy their own.
   void onRenamed(const std::string& name, const std::string& from, uint64_t from_version,
-                 std::shared_ptr<rendezvous::OpenFile> file, const struct stat& st);
+                 std::shared_ptr<snapshot::OpenFile> file, const struct stat& st);
   // The file this node holds that `v` is a renamed copy of (v.moved_from at that version and
   // content), if any: linked or copied here instead of fetched. Also one in kept_for_copy_.
-  std::shared_ptr<const rendezvous::OpenFile> localCopyOf(const SnapshotVersion& v);
+  std::shared_ptr<const snapshot::OpenFile> localCopyOf(const SnapshotVersion& v);
   // Whether the file `name`, held as `before` and deleted because another node renamed it to
   // `moved_to`, is worth keeping a while for its new name: not when it was linked there already.
   bool worthKeeping(const std::string& moved_to, const Held& before) const;
@@ -247,8 +259,8 @@ class SnapshotReplicator {
   // its subtree so at once (a pipelined relay), instead of once the copy is complete. Returns
   // what the fetch reports its progress to, and in `pending` where the verified CRC-32 goes
   // when `v`'s is not known yet; nullptr when nothing is passed on.
-  std::shared_ptr<rendezvous::ArrivingFile> serveArriving(
-      const SnapshotVersion& v, std::shared_ptr<rendezvous::PendingCrc>* pending);
+  std::shared_ptr<snapshot::ArrivingFile> serveArriving(
+      const SnapshotVersion& v, std::shared_ptr<snapshot::PendingCrc>* pending);
   void pump();
   // A deletion another node made: this node's copy is deleted (no fetch), and the deletion
   // passed on down the tree.
@@ -277,7 +289,7 @@ class SnapshotReplicator {
   // Drops a reference to a file on a thread of its own: closing the last descriptor of a file
   // that was renamed over frees its blocks and page cache in close() (here 100 MiB took ~26 ms,
   // 1 GiB ~220 ms), which on the loop delayed the next version's announcement by as much.
-  void releaseOffLoop(std::shared_ptr<const rendezvous::OpenFile> file);
+  void releaseOffLoop(std::shared_ptr<const snapshot::OpenFile> file);
   // How an offLoop thread runs. kBackground: bulk work (hashing, fetching) that the workers'
   // training comes before (runAsBackground). kPrompt: the few system calls and small RPCs a
   // replication waits on (looking at a completed file, announcing it) at the agent's own
@@ -302,7 +314,7 @@ class SnapshotReplicator {
   boost::asio::io_context& io_;
   SnapshotReplicatorOptions options_;
   SnapshotReplica replica_;
-  std::unique_ptr<rendezvous::SnapshotServer> server_;
+  std::unique_ptr<snapshot::SnapshotServer> server_;
   std::string endpoint_;
   std::unique_ptr<boost::asio::posix::stream_descriptor> inotify_;
   std::vector<char> event_buf_;
@@ -336,9 +348,9 @@ class SnapshotReplicator {
   bool table_failing_ = false;  // the last write of it failed (warned once)
   bool recording_ = false;      // the version table is kept (after the start's scan)
   mutable std::mutex served_mu_;
-  std::map<std::string, rendezvous::ServedFile> served_;  // guarded by served_mu_
+  std::map<std::string, snapshot::ServedFile> served_;  // guarded by served_mu_
   // Versions being fetched here that are served on as they arrive (serveArriving).
-  std::map<std::string, rendezvous::ServedFile> arriving_;  // guarded by served_mu_
+  std::map<std::string, snapshot::ServedFile> arriving_;  // guarded by served_mu_
   std::vector<std::string> nodes_;  // every node's endpoint this round, by group rank
   int self_rank_ = -1;
   // Whether nodes_ is the round's (round_): false from a round's sync until its holdings came.
@@ -384,7 +396,7 @@ class SnapshotReplicator {
   // The fetches under way: name → source, and what ends it (the agent stopping, or its source
   // not a node of the next round: a source that stopped answering would hold the round's sync
   // until the fetch's deadline).
-  std::map<std::string, std::pair<std::string, std::shared_ptr<rendezvous::FetchCancel>>> fetching_;
+  std::map<std::string, std::pair<std::string, std::shared_ptr<snapshot::FetchCancel>>> fetching_;
   std::map<uint64_t, std::thread> threads_;
   struct Work {
     std::function<void()> work;

@@ -11,6 +11,17 @@
 #define DDPRUN_THREAD_ANNOTATION(x)
 #endif
 
+// gRPC's headers bring Abseil's legacy macros of the same names (the same attributes): ours
+// replace them, so that sources including both compile in either order.
+#undef GUARDED_BY
+#undef PT_GUARDED_BY
+#undef REQUIRES
+#undef EXCLUDES
+#undef ACQUIRE
+#undef RELEASE
+#undef CAPABILITY
+#undef SCOPED_CAPABILITY
+#undef NO_THREAD_SAFETY_ANALYSIS
 #define GUARDED_BY(x) DDPRUN_THREAD_ANNOTATION(guarded_by(x))
 #define PT_GUARDED_BY(x) DDPRUN_THREAD_ANNOTATION(pt_guarded_by(x))
 #define REQUIRES(...) DDPRUN_THREAD_ANNOTATION(requires_capability(__VA_ARGS__))

@@ -17,7 +17,7 @@
 
 #include "ddprun/common/clock.h"
 
-namespace ddprun::agent {
+namespace ddprun::snapshot {
 
 // How long a name renamed away waits for its IN_MOVED_TO. The two events are queued within one
 // rename(2), microseconds apart unless the renaming thread is preempted in between; a deletion
@@ -55,4 +55,4 @@ class RenamePairs {
   uint64_t next_order_ = 0;
 };
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::snapshot
