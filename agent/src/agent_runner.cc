@@ -22,7 +22,7 @@
 #include "metrics_server.h"
 #include "posix_process_launcher.h"
 #include "rendezvous_factory.h"
-#include "snapshot_replicator.h"
+#include "snapshot_sync_client.h"
 #include "stat_heartbeat_probe.h"
 #include "torch_probe.h"
 
@@ -59,9 +59,9 @@ StatusOr<std::vector<WorkerLaunch>> prepareAttempt(AttemptPlan plan) {
 }
 
 // The replication service speaks as the rendezvous does: the same token, TLS when configured.
-StatusOr<SnapshotReplicatorOptions> snapshotReplicatorOptions(const AgentConfig& cfg,
-                                                              const std::string& local_addr) {
-  SnapshotReplicatorOptions o;
+StatusOr<snapshot::ReplicatorOptions> snapshotReplicatorOptions(const AgentConfig& cfg,
+                                                                const std::string& local_addr) {
+  snapshot::ReplicatorOptions o;
   o.dir = cfg.snapshot_dir;
   o.run_id = cfg.rdzv_id;
   o.local_addr = local_addr;
@@ -78,11 +78,11 @@ StatusOr<SnapshotReplicatorOptions> snapshotReplicatorOptions(const AgentConfig&
     o.security.tls_key_pem = cfg.rdzv_conf.tls_key_pem;
   }
   const char* fault = std::getenv("DDPRUN_SNAPSHOT_FAULT");
-  auto parsed = parseSnapshotFault(fault != nullptr ? fault : "");
+  auto parsed = snapshot::parseSnapshotFault(fault != nullptr ? fault : "");
   if (!parsed.isOk()) return parsed.status();
   o.fault = *parsed;
   const char* streams = std::getenv("DDPRUN_SNAPSHOT_STREAMS");
-  auto n = parseSnapshotStreams(streams != nullptr ? streams : "");
+  auto n = snapshot::parseSnapshotStreams(streams != nullptr ? streams : "");
   if (!n.isOk()) return n.status();
   o.fetch_streams = *n;
   return o;
@@ -104,7 +104,7 @@ int runAgent(const AgentConfig& cfg) {
     return 2;
   }
   if (!cfg.snapshot_dir.empty()) {
-    Status st = checkSnapshotDir(cfg.snapshot_dir);
+    Status st = snapshot::checkSnapshotDir(cfg.snapshot_dir);
     if (!st.isOk()) {
       log->error("{}", st.message());
       return 2;
@@ -120,7 +120,7 @@ int runAgent(const AgentConfig& cfg) {
   // Before gRPC's threads exist (see the function).
   if (!cfg.snapshot_dir.empty()) {
     snapshot::tuneAllocatorForTransfers();
-    log->debug("snapshot dir: up to {} open files", raiseOpenFileLimit());
+    log->debug("snapshot dir: up to {} open files", snapshot::raiseOpenFileLimit());
   }
   // A Python program's torch version, asked while the rendezvous forms.
   TorchProbe torch_probe(cfg.python_interpreter);
@@ -153,7 +153,7 @@ int runAgent(const AgentConfig& cfg) {
   }
   // --snapshot-dir on a multi-node job: the directory is replicated between the agents, and
   // every round reaches the supervisor only once this node holds the newest snapshot.
-  std::unique_ptr<SnapshotReplicator> replicator;
+  std::unique_ptr<snapshot::Replicator> replicator;
   std::unique_ptr<SnapshotSyncClient> synced_client;
   if (!cfg.snapshot_dir.empty() && rendezvous_or->service) {
     auto opts = snapshotReplicatorOptions(cfg, local_addr);
@@ -161,7 +161,7 @@ int runAgent(const AgentConfig& cfg) {
       log->error("{}", opts.status().message());
       return 2;
     }
-    auto started = SnapshotReplicator::start(io, std::move(opts).value());
+    auto started = snapshot::Replicator::start(io, std::move(opts).value());
     if (!started.isOk()) {
       log->error("{}", started.status().message());
       return started.status().code() == StatusCode::kInvalidArgument ? 2 : 1;

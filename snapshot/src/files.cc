@@ -13,6 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "ddprun/snapshot/replicator.h"
+
 namespace ddprun::snapshot {
 
 Status makeParentDirsUnder(const std::string& root, const std::string& rel) {

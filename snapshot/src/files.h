@@ -71,12 +71,7 @@ StatusOr<struct stat> statBeneath(const std::string& root, const std::string& re
 // contents, never a part (not fsynced). FAILED_PRECONDITION naming the file
 // and the error; the temp file is removed then.
 Status replaceFile(const std::string& path, const std::string& contents);
-// Removes the temp files that writers killed mid-write left under `dir` (at any depth, no
-// symlink followed): "<name>.tmp.<pid>.<number>", as the worker SDK's atomic writes name them,
-// whose process <pid> is gone. The relative paths removed. The agent calls it when a job ends
-// (a snapshot write killed by SIGXFSZ or SIGKILL otherwise leaves its bytes until the next
-// start).
-std::vector<std::string> removeDeadWritersTempFiles(const std::string& dir);
+// removeDeadWritersTempFiles (files.cc) is declared in replicator.h: the agent calls it.
 
 // The regular files on device `dev`, as (device, inode), that a process other than this one
 // holds open for writing (O_WRONLY or O_RDWR), read from /proc/PID/fd and fdinfo. Processes

@@ -1,5 +1,5 @@
 // The request handling of the snapshot replication server that needs no gRPC: a Fetch's byte
-// range and chunk size, an announcement's fields, the bounds on streams. (snapshot_transfer.h)
+// range and chunk size, an announcement's fields, the bounds on streams. (transfer.h)
 #include <algorithm>
 
 #include "ddprun/common/strings.h"

@@ -18,21 +18,23 @@ void PendingCrc::set(StatusOr<uint32_t> crc) {
   {
     MutexLock lock(mu_);
     if (value_) return;
-    value_ = std::move(crc);
+    value_ = crc;
     waiters.swap(waiters_);
   }
-  for (auto& w : waiters) w(*value_);  // value_ never changes once set
+  for (auto& w : waiters) w(crc);  // value_ never changes once set
 }
 
 void PendingCrc::whenKnown(std::function<void(const StatusOr<uint32_t>&)> then) {
+  std::optional<StatusOr<uint32_t>> value;
   {
     MutexLock lock(mu_);
     if (!value_) {
       waiters_.push_back(std::move(then));
       return;
     }
+    value = value_;
   }
-  then(*value_);
+  then(*value);
 }
 
 void ArrivingFile::setData(std::shared_ptr<const OpenFile> data) {
@@ -105,11 +107,11 @@ bool ArrivingFile::availableLocked(uint64_t offset, uint64_t end) const {
 
 std::vector<ArrivingFile::Waiter> ArrivingFile::takeReadyLocked() {
   std::vector<Waiter> ready;
-  auto ready_from = std::stable_partition(
-      waiters_.begin(), waiters_.end(),
-      [this](const Waiter& w) { return !failed_ && !availableLocked(w.offset, w.end); });
-  std::move(ready_from, waiters_.end(), std::back_inserter(ready));
-  waiters_.erase(ready_from, waiters_.end());
+  std::vector<Waiter> waiting;
+  for (auto& w : waiters_) {
+    (failed_ || availableLocked(w.offset, w.end) ? ready : waiting).push_back(std::move(w));
+  }
+  waiters_ = std::move(waiting);
   return ready;
 }
 

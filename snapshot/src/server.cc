@@ -417,8 +417,14 @@ StatusOr<std::unique_ptr<SnapshotServer>> SnapshotServer::start(SnapshotServerOp
   routeGrpcLogs();
   auto impl = std::make_unique<Impl>();
   impl->options = std::move(options);
-  impl->faults_left = impl->options.fault.count;
-  impl->admission = FetchAdmission(impl->options.max_streams_per_peer, impl->options.max_streams);
+  {
+    MutexLock lock(impl->fault_mu);
+    impl->faults_left = impl->options.fault.count;
+  }
+  {
+    MutexLock lock(impl->streams_mu);
+    impl->admission = FetchAdmission(impl->options.max_streams_per_peer, impl->options.max_streams);
+  }
   impl->service = std::make_unique<ReplicationService>(impl.get());
   const auto& sec = impl->options.security;
   const auto creds = serverCredentials(sec);

@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 #include <fstream>
 
+#include "ddprun/snapshot/replicator.h"
 #include "process_helpers.h"
 
 using namespace ddprun;

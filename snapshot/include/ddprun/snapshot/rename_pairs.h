@@ -1,5 +1,5 @@
 // RenamePairs: matches a rename's two inotify events (IN_MOVED_FROM, then IN_MOVED_TO with the
-// same cookie) for the snapshot replicator (snapshot_replicator.h). The kernel queues the two one
+// same cookie) for the snapshot core (core.h). The kernel queues the two one
 // after the other, not at once (inotify(7)): a read can return the IN_MOVED_FROM before its
 // IN_MOVED_TO is queued. So a name renamed away counts as gone (renamed out of the watched tree,
 // a deletion) only once nothing more is queued and `wait` has passed since its IN_MOVED_FROM was
