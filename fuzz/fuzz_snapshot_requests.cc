@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "convert.h"  // snapshot/src: a version as the transport carries it
 #include "ddprun/snapshot/replica.h"
 #include "ddprun/snapshot/transfer.h"
 #include "fuzz_check.h"
@@ -22,7 +23,6 @@ using ddprun::snapshot::FetchAdmission;
 using ddprun::snapshot::HolderNews;
 using ddprun::snapshot::SnapshotFile;
 using ddprun::snapshot::SnapshotReplica;
-using ddprun::snapshot::SnapshotVersion;
 using ddprun::snapshot::TransferOutcome;
 
 namespace {
@@ -33,16 +33,6 @@ constexpr size_t kNamesPerHolder = 8;
 constexpr size_t kNames = 12;
 
 const char* const kPeers[] = {"ipv4:10.0.0.1", "ipv4:10.0.0.2", "ipv6:[::1]", "x"};
-
-SnapshotVersion toVersion(const SnapshotFile& f) {
-  SnapshotVersion v{f.name, f.version, f.size, f.crc32};
-  v.crc_pending = f.crc32_pending;
-  v.deleted = f.deleted;
-  v.moved_from = f.moved_from;
-  v.moved_from_version = f.moved_from_version;
-  v.moved_to = f.moved_to;
-  return v;
-}
 
 }  // namespace
 
@@ -104,7 +94,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         FUZZ_CHECK(!n.deleted || (n.size == 0 && n.crc32 == 0 && n.moved_from.empty()));
         FUZZ_CHECK(!n.crc32_pending || (n.crc32 == 0 && n.moved_from.empty()));
         const std::string& source = sources[in.ConsumeIntegralInRange<size_t>(0, 2)];
-        const HolderNews news = replica.onHolder(toVersion(n), source);
+        const HolderNews news = replica.onHolder(ddprun::snapshot::fromWire(n), source);
         if (news == HolderNews::kTaken) FUZZ_CHECK(ddprun::snapshot::isReplicatedName(n.name));
         break;
       }
