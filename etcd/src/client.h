@@ -21,9 +21,9 @@
 #include "ddprun/common/clock.h"
 #include "ddprun/common/status.h"
 #include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
-#include "etcd_http_probe.h"
+#include "http_probe.h"
 
-namespace ddprun::agent {
+namespace ddprun::etcd {
 
 struct EtcdOptions {
   std::vector<std::string> endpoints;  // HOST:PORT of each member
@@ -95,4 +95,4 @@ class EtcdClient {
   std::set<grpc::ClientContext*> active_;  // guarded by mu_: cancelled by shutdown()
 };
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::etcd

@@ -1,10 +1,10 @@
-#include "etcd_client.h"
+#include "client.h"
 
 #include <grpcpp/grpcpp.h>
 
 #include "ddprun/common/strings.h"
 
-namespace ddprun::agent {
+namespace ddprun::etcd {
 
 namespace ep = etcdserverpb;
 
@@ -309,4 +309,4 @@ EtcdClient::openWatch(grpc::ClientContext* ctx) {
   return m.watch->Watch(ctx);
 }
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::etcd

@@ -1,4 +1,4 @@
-#include "etcd_rendezvous_service.h"
+#include "ddprun/etcd/rendezvous_service.h"
 
 #include <unistd.h>
 
@@ -13,21 +13,21 @@
 #include <set>
 #include <thread>
 
+#include "client.h"
 #include "ddprun/common/log.h"
 #include "ddprun/common/log_throttle.h"
 #include "ddprun/common/strings.h"
 #include "ddprun/rendezvous/state.h"
-#include "etcd_client.h"
-#include "etcd_state_value.h"
+#include "state_value.h"
 
-namespace ddprun::agent {
+namespace ddprun::etcd {
 
 namespace ep = etcdserverpb;
 using rendezvous::RendezvousState;
 
 namespace {
 
-auto log() { return logger("agent"); }
+auto log() { return logger("etcd"); }
 
 // Deadlines in the shared state are wall-clock times, the same on every agent (within NTP).
 TimePoint wallNow() {
@@ -918,7 +918,9 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     });
   }
 
-  Duration retryFor(const CallPolicy& p) const { return p.retry_for.value_or(o_.connect_for); }
+  Duration retryFor(const rendezvous::CallPolicy& p) const {
+    return p.retry_for.value_or(o_.connect_for);
+  }
 
   // ---- the operations --------------------------------------------------------------------
 
@@ -1007,7 +1009,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     });
   }
 
-  void leave(const std::string& node, CallPolicy policy, StatusDone done) {
+  void leave(const std::string& node, rendezvous::CallPolicy policy, StatusDone done) {
     const uint64_t id = track<bool>([done](StatusOr<bool> r) { done(r.status()); });
     std::weak_ptr<Impl> weak = weak_from_this();
     const Duration retry = retryFor(policy);
@@ -1041,7 +1043,7 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
         done, o_.connect_for);
   }
 
-  void close(CallPolicy policy, StatusDone done) {
+  void close(rendezvous::CallPolicy policy, StatusDone done) {
     applyAsync<bool>(
         [run = o_.run_id](RendezvousState& st, TimePoint now) -> StatusOr<bool> {
           Status s = st.close(run, now);
@@ -1109,7 +1111,8 @@ class EtcdRendezvousService::Impl : public std::enable_shared_from_this<Impl> {
     kv_.erase(it);
   }
 
-  void kvSet(const std::string& key, const std::string& value, CallPolicy policy, StatusDone done) {
+  void kvSet(const std::string& key, const std::string& value, rendezvous::CallPolicy policy,
+             StatusDone done) {
     // The bounds every agent mirrors the store within (as the gRPC server's quotas refuse).
     {
       auto it = kv_.find(key);
@@ -1305,18 +1308,19 @@ void EtcdRendezvousService::join(const rendezvous::JoinRequest& req,
                                  Done<rendezvous::RoundInfo> done) {
   impl_->join(req, std::move(done));
 }
-void EtcdRendezvousService::heartbeat(const std::string& node_id, CallPolicy,
+void EtcdRendezvousService::heartbeat(const std::string& node_id, rendezvous::CallPolicy,
                                       Done<rendezvous::RunStatus> done) {
   impl_->heartbeat(node_id, std::move(done));
 }
-void EtcdRendezvousService::leave(const std::string& node_id, CallPolicy policy, StatusDone done) {
+void EtcdRendezvousService::leave(const std::string& node_id, rendezvous::CallPolicy policy,
+                                  StatusDone done) {
   impl_->leave(node_id, policy, std::move(done));
 }
 void EtcdRendezvousService::reportFailure(const std::string& node_id, uint64_t round,
                                           Done<uint64_t> done) {
   impl_->reportFailure(node_id, round, std::move(done));
 }
-void EtcdRendezvousService::close(CallPolicy policy, StatusDone done) {
+void EtcdRendezvousService::close(rendezvous::CallPolicy policy, StatusDone done) {
   impl_->close(policy, std::move(done));
 }
 void EtcdRendezvousService::publishMaster(const std::string& node_id, uint64_t round,
@@ -1329,11 +1333,11 @@ void EtcdRendezvousService::waitMaster(uint64_t round, Duration timeout,
   impl_->waitMaster(round, timeout, std::move(done));
 }
 void EtcdRendezvousService::kvSet(const std::string& key, const std::string& value,
-                                  CallPolicy policy, StatusDone done) {
+                                  rendezvous::CallPolicy policy, StatusDone done) {
   impl_->kvSet(key, value, policy, std::move(done));
 }
 void EtcdRendezvousService::kvWait(const std::vector<std::string>& keys, Duration timeout,
-                                   CallPolicy, Done<std::vector<std::string>> done) {
+                                   rendezvous::CallPolicy, Done<std::vector<std::string>> done) {
   impl_->kvWait(keys, timeout, std::move(done));
 }
 std::pair<uint64_t, uint64_t> EtcdRendezvousService::mirroredKv() const {
@@ -1349,4 +1353,4 @@ Status EtcdRendezvousService::explainUnavailable(const Status& status) const {
 }
 const std::string& EtcdRendezvousService::keyPrefix() const { return impl_->prefix(); }
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::etcd
