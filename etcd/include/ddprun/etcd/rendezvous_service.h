@@ -22,10 +22,12 @@
 // of them wins the transaction, the rest find nothing to do). Everything is pushed by one etcd
 // watch on the prefix: round changes, key writes, deaths.
 //
-// Threading: as RendezvousService: called on the agent's loop, callbacks posted to it. Blocking
-// etcd calls run on three threads of this object (one for requests in order, one for the watch,
-// one for lease keep-alives); they touch only the EtcdClient and the newest state value seen
-// (under its mutex), and post results to the loop.
+// Threading: as rendezvous::Service: called on the agent's loop, callbacks posted to it. Blocking
+// etcd calls run on three threads of this object, each a file of etcd/src: the transaction worker
+// (requests in order), the watcher (the watch on the prefix) and the lease keeper (keep-alives).
+// They touch nothing of the loop's: they share the client, the newest state value seen and the
+// lease (each under its mutex), and post their results to the loop, where the domain logic runs
+// (etcd/src/loop_service.h).
 // Lifetime: the destructor cancels what is in flight, joins the threads and revokes the lease.
 #pragma once
 
@@ -38,6 +40,8 @@
 #include "ddprun/rendezvous/types.h"
 
 namespace ddprun::etcd {
+
+class LoopService;
 
 struct EtcdServiceOptions {
   std::string run_id;
@@ -87,8 +91,7 @@ class EtcdRendezvousService final : public rendezvous::Service {
   const std::string& keyPrefix() const;
 
  private:
-  class Impl;
-  std::shared_ptr<Impl> impl_;
+  std::shared_ptr<LoopService> service_;  // shared: posts to the loop hold a weak_ptr to it
 };
 
 }  // namespace ddprun::etcd
