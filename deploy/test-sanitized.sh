@@ -4,7 +4,8 @@
 # Slurm parsing, the worker SDK's NCCL health and loss scale) built with clang++ and
 # -fsanitize=address,undefined in their own build dir, and the libFuzzer targets of fuzz/
 # (ctest -L fuzz: seeds plus a bounded number of generated inputs).
-# Undefined behaviour, a leak or a memory error fails the test that hit it.
+# Undefined behaviour, a leak or a memory error fails the test that hit it. Everything here is
+# compiled with clang's -Wthread-safety -Werror (mutex annotations, common/thread_annotations.h).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${DDPRUN_SANITIZE_BUILD_DIR:-build-asan}
@@ -16,6 +17,8 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CX
 cmake --build "$BUILD_DIR" -j "$JOBS" --target common_tests rendezvous_state_tests launcher_tests \
   slurm_tests worker_core_test fuzz_hostlist fuzz_rdzv_conf fuzz_cli fuzz_nnodes_endpoint \
   fuzz_rendezvous_state fuzz_snapshot_requests fuzz_etcd_state_value
+# The worker SDK's thread-safety annotations (its sources include LibTorch: checked, not built).
+deploy/check-thread-safety.sh "$BUILD_DIR"
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
 UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} \
   ctest --test-dir "$BUILD_DIR" -L 'pure|fuzz' --output-on-failure -j "${DDPRUN_TEST_JOBS:-2}" \

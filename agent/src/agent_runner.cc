@@ -34,6 +34,26 @@ constexpr Duration kShutdownTimeout = std::chrono::seconds(30);
 // How long the first launch waits for the Python workers' torch version (TorchProbe).
 constexpr std::chrono::milliseconds kTorchProbeBound = std::chrono::seconds(3);
 
+// The one place where an agent that could not start chooses its exit code: 2 for what the user
+// must change (a flag, a file, a port: INVALID_ARGUMENT), 1 for everything else. Once the workers
+// can start, the supervisor's exit code is the agent's (SPEC §4).
+int exitCodeOf(const Status& setup_failure) {
+  return setup_failure.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+// A step whose every failure is the user's to fix.
+Status usageError(const Status& st) {
+  return st.isOk() ? st : Status(StatusCode::kInvalidArgument, st.message());
+}
+
+// What this node is, decided before anything starts: its names, its rendezvous, its log dir.
+struct NodeSetup {
+  std::string hostname;
+  std::string local_addr;
+  RendezvousChoice choice;
+  std::string run_dir;
+};
+
 // <log_dir or a fresh temp dir>/<run_id>_XXXXXX: this run's log directory.
 StatusOr<std::string> makeRunLogDir(const AgentConfig& cfg) {
   std::string base_dir = cfg.log_dir;
@@ -46,6 +66,27 @@ StatusOr<std::string> makeRunLogDir(const AgentConfig& cfg) {
   if (!run_dir.isOk())
     return Status(run_dir.status().code(), "--log-dir: " + run_dir.status().message());
   return run_dir;
+}
+
+StatusOr<NodeSetup> prepareNode(const AgentConfig& cfg) {
+  NodeSetup node;
+  node.hostname = fullyQualifiedHostname();
+  node.local_addr = cfg.local_addr.empty() ? node.hostname : cfg.local_addr;
+  auto choice = chooseRendezvous(cfg, node.local_addr, [&](const std::string& host) {
+    return isThisHost(host, node.local_addr, node.hostname);
+  });
+  if (!choice.isOk()) return usageError(choice.status());
+  node.choice = std::move(choice).value();
+  if (!cfg.snapshot_dir.empty())
+    DDPRUN_RETURN_IF_ERROR(usageError(checkSnapshotDir(cfg.snapshot_dir)));
+  DDPRUN_ASSIGN_OR_RETURN(node.run_dir, makeRunLogDir(cfg));
+  logger("agent")->info("log directory set to: {}", node.run_dir);
+  // Before gRPC's threads exist (see the function).
+  if (!cfg.snapshot_dir.empty()) {
+    rendezvous::tuneAllocatorForTransfers();
+    logger("agent")->debug("snapshot dir: up to {} open files", raiseOpenFileLimit());
+  }
+  return node;
 }
 
 // The planner's launches, once the directories and files they name are ready.
@@ -79,242 +120,276 @@ StatusOr<SnapshotReplicatorOptions> snapshotReplicatorOptions(const AgentConfig&
   }
   const char* fault = std::getenv("DDPRUN_SNAPSHOT_FAULT");
   auto parsed = parseSnapshotFault(fault != nullptr ? fault : "");
-  if (!parsed.isOk()) return parsed.status();
+  if (!parsed.isOk()) return usageError(parsed.status());
   o.fault = *parsed;
   const char* streams = std::getenv("DDPRUN_SNAPSHOT_STREAMS");
   auto n = parseSnapshotStreams(streams != nullptr ? streams : "");
-  if (!n.isOk()) return n.status();
+  if (!n.isOk()) return usageError(n.status());
   o.fetch_streams = *n;
   return o;
 }
 
-}  // namespace
-
-int runAgent(const AgentConfig& cfg) {
-  auto log = logger("agent");
-  ::signal(SIGPIPE, SIG_IGN);
-  const std::string hostname = fullyQualifiedHostname();
-  const std::string local_addr = cfg.local_addr.empty() ? hostname : cfg.local_addr;
-
-  auto choice = chooseRendezvous(cfg, local_addr, [&](const std::string& host) {
-    return isThisHost(host, local_addr, hostname);
-  });
-  if (!choice.isOk()) {
-    log->error("{}", choice.status().message());
-    return 2;
-  }
-  if (!cfg.snapshot_dir.empty()) {
-    Status st = checkSnapshotDir(cfg.snapshot_dir);
-    if (!st.isOk()) {
-      log->error("{}", st.message());
-      return 2;
-    }
-  }
-  auto run_dir = makeRunLogDir(cfg);
-  if (!run_dir.isOk()) {
-    log->error("{}", run_dir.status().message());
-    return 1;
-  }
-  log->info("log directory set to: {}", *run_dir);
-
-  // Before gRPC's threads exist (see the function).
-  if (!cfg.snapshot_dir.empty()) {
-    rendezvous::tuneAllocatorForTransfers();
-    log->debug("snapshot dir: up to {} open files", raiseOpenFileLimit());
-  }
-  // A Python program's torch version, asked while the rendezvous forms.
-  TorchProbe torch_probe(cfg.python_interpreter);
-  boost::asio::io_context io;
-  PosixProcessLauncher launcher(io);
-  Supervisor* supervisor_ptr = nullptr;
-  std::function<void()> after_event;  // set below; pushed events reach it on this thread
-  auto rendezvous_or = makeRendezvous(*choice, cfg.rdzv_conf, io, [&](PeerEvent e) {
-    if (supervisor_ptr == nullptr) return;
-    if (e == PeerEvent::kPeerFailure) {
-      supervisor_ptr->onPeerFailure();
-    } else {
-      supervisor_ptr->onMembershipChange();
-    }
-    if (after_event) after_event();
-  });
-  if (!rendezvous_or.isOk()) {
-    log->error("{}", rendezvous_or.status().message());
-    return rendezvous_or.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
-  }
-  // A multi-node job's rounds are checked to be one job's (two jobs that share an id hang
-  // otherwise), before anything is replicated between their nodes.
-  std::unique_ptr<JobIdentityClient> identity_client;
-  RendezvousClient* joined = rendezvous_or->client.get();
-  if (rendezvous_or->service) {
-    identity_client = std::make_unique<JobIdentityClient>(
-        *rendezvous_or->client, *rendezvous_or->service, cfg.rdzv_id,
-        encodeJobIdentity(local_addr, cfg.entrypoint));
-    joined = identity_client.get();
-  }
-  // --snapshot-dir on a multi-node job: the directory is replicated between the agents, and
-  // every round reaches the supervisor only once this node holds the newest snapshot.
+// The rendezvous client the supervisor talks to, and what wraps it on a multi-node job: the check
+// that every round is one job's (two jobs that share an id hang otherwise), then, with
+// --snapshot-dir, the replication of the directory (a round reaches the supervisor only once this
+// node holds the newest snapshot). Members are destroyed outermost wrapper first.
+struct RendezvousStack {
+  RendezvousSetup setup;
+  std::unique_ptr<JobIdentityClient> identity;
   std::unique_ptr<SnapshotReplicator> replicator;
-  std::unique_ptr<SnapshotSyncClient> synced_client;
-  if (!cfg.snapshot_dir.empty() && rendezvous_or->service) {
-    auto opts = snapshotReplicatorOptions(cfg, local_addr);
-    if (!opts.isOk()) {
-      log->error("{}", opts.status().message());
-      return 2;
-    }
-    auto started = SnapshotReplicator::start(io, std::move(opts).value());
-    if (!started.isOk()) {
-      log->error("{}", started.status().message());
-      return started.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
-    }
-    replicator = std::move(started).value();
-    if (cfg.rdzv_conf.token.empty()) {
-      log->warn(
-          "snapshot replication without a token (--snapshot-allow-unauthenticated): anyone who "
-          "can reach {} may plant or delete files in {}",
-          replicator->endpoint(), cfg.snapshot_dir);
-    }
-    synced_client =
-        std::make_unique<SnapshotSyncClient>(*joined, *rendezvous_or->service, *replicator);
-  }
-  RendezvousClient& rendezvous = synced_client ? *synced_client : *joined;
+  std::unique_ptr<SnapshotSyncClient> synced;
 
-  SteadyClock clock;
-  WorkerPlanner planner(cfg, *run_dir, hostname, environmentMap());
+  RendezvousClient& client() const {
+    if (synced) return *synced;
+    if (identity) return *identity;
+    return *setup.client;
+  }
+};
+
+Status addSnapshotReplication(const AgentConfig& cfg, const NodeSetup& node,
+                              boost::asio::io_context& io, RendezvousStack& stack) {
+  DDPRUN_ASSIGN_OR_RETURN(auto opts, snapshotReplicatorOptions(cfg, node.local_addr));
+  DDPRUN_ASSIGN_OR_RETURN(stack.replicator, SnapshotReplicator::start(io, std::move(opts)));
+  if (cfg.rdzv_conf.token.empty()) {
+    logger("agent")->warn(
+        "snapshot replication without a token (--snapshot-allow-unauthenticated): anyone who can "
+        "reach {} may plant or delete files in {}",
+        stack.replicator->endpoint(), cfg.snapshot_dir);
+  }
+  stack.synced =
+      std::make_unique<SnapshotSyncClient>(stack.client(), *stack.setup.service, *stack.replicator);
+  return Status::ok();
+}
+
+StatusOr<std::unique_ptr<RendezvousStack>> makeRendezvousStack(
+    const AgentConfig& cfg, const NodeSetup& node, boost::asio::io_context& io,
+    MultiNodeRendezvous::EventSink sink) {
+  auto stack = std::make_unique<RendezvousStack>();
+  DDPRUN_ASSIGN_OR_RETURN(stack->setup,
+                          makeRendezvous(node.choice, cfg.rdzv_conf, io, std::move(sink)));
+  if (!stack->setup.service) return stack;  // one node: nothing to check or replicate
+  stack->identity =
+      std::make_unique<JobIdentityClient>(*stack->setup.client, *stack->setup.service, cfg.rdzv_id,
+                                          encodeJobIdentity(node.local_addr, cfg.entrypoint));
+  if (!cfg.snapshot_dir.empty()) {
+    DDPRUN_RETURN_IF_ERROR(addSnapshotReplication(cfg, node, io, *stack));
+  }
+  return stack;
+}
+
+SupervisorOptions supervisorOptions(const AgentConfig& cfg, const RendezvousChoice& choice) {
   SupervisorOptions options;
   options.max_restarts = cfg.max_restarts;
   options.shutdown_timeout = seconds(cfg.shutdown_timeout);
   options.heartbeat_timeout = seconds(cfg.heartbeat_timeout);
   options.exit_barrier_timeout = seconds(cfg.exit_barrier_timeout);
-  options.failure_grace = choice->failure_grace;
-  options.multi_node = choice->kind != RendezvousKind::kLocal;
-  StatHeartbeatProbe heartbeat_probe;
-  Supervisor supervisor(
-      options, launcher, rendezvous, clock,
-      [&planner, &torch_probe, &log](const RoundInfo& r, int restarts) {
-        const auto torch = torch_probe.result(kTorchProbeBound);
-        if (torch) log->debug("the workers' torch is {}.{}", torch->major, torch->minor);
-        planner.setTorchVersion(torch);
-        return prepareAttempt(planner.plan(r, restarts));
+  options.failure_grace = choice.failure_grace;
+  options.multi_node = choice.kind != RendezvousKind::kLocal;
+  return options;
+}
+
+// One node's agent: every object it needs, built in order by build() before the loop runs, and the
+// loop's handlers. Everything runs on the calling thread; the rendezvous' peer events, the
+// workers' exits, signals and timers all arrive through `io_`, so no handler runs before build()
+// has returned.
+class AgentRun {
+ public:
+  static StatusOr<std::unique_ptr<AgentRun>> build(const AgentConfig& cfg, NodeSetup node);
+
+  // Runs the job on this node to its end; the agent's exit code.
+  int run();
+
+ private:
+  AgentRun(const AgentConfig& cfg, NodeSetup node);
+  Status startMetrics();
+  void onPeerEvent(PeerEvent e);
+  void onStateChange(AgentState s);
+  void afterEvent();  // shut down when done, else arm the timer for the next deadline
+  void watchSignals();
+  void beginShutdown();
+  void reportEnd();
+
+  const AgentConfig& cfg_;
+  const NodeSetup node_;
+  std::shared_ptr<spdlog::logger> log_ = logger("agent");
+  TorchProbe torch_probe_;  // a Python program's torch version, asked while the round forms
+  boost::asio::io_context io_;
+  PosixProcessLauncher launcher_{io_};
+  std::unique_ptr<RendezvousStack> rendezvous_;
+  SteadyClock clock_;
+  WorkerPlanner planner_;
+  StatHeartbeatProbe heartbeat_probe_;
+  std::unique_ptr<Supervisor> supervisor_;
+  boost::asio::steady_timer timer_{io_};           // the supervisor's next deadline
+  boost::asio::steady_timer shutdown_guard_{io_};  // bounds the endgame
+  boost::asio::signal_set handled_{io_};
+  bool shutting_down_ = false;
+  AgentMetrics counters_;
+  std::unique_ptr<MetricsServer> metrics_;
+};
+
+AgentRun::AgentRun(const AgentConfig& cfg, NodeSetup node)
+    : cfg_(cfg),
+      node_(std::move(node)),
+      torch_probe_(cfg.python_interpreter),
+      planner_(cfg, node_.run_dir, node_.hostname, environmentMap()) {
+  for (int sig : cfg.signals_to_handle) handled_.add(sig);
+}
+
+StatusOr<std::unique_ptr<AgentRun>> AgentRun::build(const AgentConfig& cfg, NodeSetup node) {
+  std::unique_ptr<AgentRun> run(new AgentRun(cfg, std::move(node)));
+  AgentRun& r = *run;
+  DDPRUN_ASSIGN_OR_RETURN(
+      r.rendezvous_,
+      makeRendezvousStack(cfg, r.node_, r.io_, [&r](PeerEvent e) { r.onPeerEvent(e); }));
+  r.supervisor_ = std::make_unique<Supervisor>(
+      supervisorOptions(cfg, r.node_.choice), r.launcher_, r.rendezvous_->client(), r.clock_,
+      [&r](const RoundInfo& round, int restarts) {
+        const auto torch = r.torch_probe_.result(kTorchProbeBound);
+        if (torch) r.log_->debug("the workers' torch is {}.{}", torch->major, torch->minor);
+        r.planner_.setTorchVersion(torch);
+        return prepareAttempt(r.planner_.plan(round, restarts));
       },
-      &heartbeat_probe);
-  supervisor_ptr = &supervisor;
+      &r.heartbeat_probe_);
+  if (cfg.metrics_port >= 0) DDPRUN_RETURN_IF_ERROR(usageError(r.startMetrics()));
+  r.supervisor_->setStateListener([&r](AgentState s) { r.onStateChange(s); });
+  r.launcher_.watchExits(
+      [&r](int pid, ExitStatus status) { r.supervisor_->onWorkerExit(pid, status); },
+      [&r] { r.afterEvent(); });
+  return run;
+}
 
-  boost::asio::steady_timer timer(io);
-  boost::asio::steady_timer shutdown_guard(io);
-  boost::asio::signal_set handled(io);
-  for (int sig : cfg.signals_to_handle) handled.add(sig);
-  bool shutting_down = false;
+Status AgentRun::startMetrics() {
+  std::string host = node_.local_addr;
+  boost::system::error_code ec;
+  boost::asio::ip::make_address(host, ec);
+  if (ec) host = "0.0.0.0";  // a host name: listen everywhere
+  DDPRUN_ASSIGN_OR_RETURN(
+      metrics_, MetricsServer::start(
+                    io_, host, cfg_.metrics_port,
+                    [this] {
+                      const auto* replicator = rendezvous_->replicator.get();
+                      return renderMetrics(cfg_, *supervisor_, counters_, rendezvous_->client(),
+                                           replicator ? &replicator->metrics() : nullptr);
+                    },
+                    [this] { return !supervisor_->finished() || supervisor_->exitCode() == 0; }));
+  log_->info("metrics on http://{}:{}/metrics", host, metrics_->port());
+  return Status::ok();
+}
 
-  // The supervisor is done: tell the rendezvous (bounded: it may be gone), then stop the loop.
-  auto beginShutdown = [&] {
-    if (shutting_down) return;
-    shutting_down = true;
-    timer.cancel();
-    // The workers are gone: from here a signal simply ends ddprun (default dispositions).
-    boost::system::error_code ignored;
-    handled.clear(ignored);
-    shutdown_guard.expires_after(kShutdownTimeout);
-    shutdown_guard.async_wait([&](const boost::system::error_code& ec) {
-      if (ec) return;
-      log->warn("the rendezvous did not confirm the end of the run; exiting anyway");
-      io.stop();
-    });
-    rendezvous.shutdown(supervisor.state() == AgentState::kSucceeded, supervisor.leftRun(),
-                        [&] { io.stop(); });
-  };
-
-  // After every event: shut down when done, otherwise re-arm the timer for the supervisor's next
-  // deadline (SIGKILL, a delayed failure report, a look at the heartbeat files, the barrier).
-  std::function<void()> afterEvent = [&] {
-    if (supervisor.finished()) {
-      beginShutdown();
-      return;
-    }
-    timer.cancel();
-    if (auto deadline = supervisor.nextDeadline()) {
-      timer.expires_at(*deadline);
-      timer.async_wait([&](const boost::system::error_code& ec) {
-        if (ec) return;
-        supervisor.onDeadline();
-        afterEvent();
-      });
-    }
-  };
-  after_event = afterEvent;
-
-  std::function<void()> watchSignals = [&] {
-    handled.async_wait([&](const boost::system::error_code& ec, int sig) {
-      if (ec) return;
-      log->warn("received {}, forwarding it to the workers", signalName(sig));
-      supervisor.onSignal(sig);
-      afterEvent();
-      watchSignals();
-    });
-  };
-
-  std::unique_ptr<MetricsServer> metrics;
-  AgentMetrics counters;
-  if (cfg.metrics_port >= 0) {
-    std::string host = local_addr;
-    boost::system::error_code ec;
-    boost::asio::ip::make_address(host, ec);
-    if (ec) host = "0.0.0.0";  // a host name: listen everywhere
-    auto server = MetricsServer::start(
-        io, host, cfg.metrics_port,
-        [&] {
-          return renderMetrics(cfg, supervisor, counters, rendezvous,
-                               replicator ? &replicator->metrics() : nullptr);
-        },
-        [&] { return !supervisor.finished() || supervisor.exitCode() == 0; });
-    if (!server.isOk()) {
-      log->error("{}", server.status().message());
-      return 2;
-    }
-    metrics = std::move(server).value();
-    log->info("metrics on http://{}:{}/metrics", host, metrics->port());
+void AgentRun::onPeerEvent(PeerEvent e) {
+  if (e == PeerEvent::kPeerFailure) {
+    supervisor_->onPeerFailure();
+  } else {
+    supervisor_->onMembershipChange();
   }
+  afterEvent();
+}
 
-  supervisor.setStateListener([&](AgentState s) {
-    counters.onState(s, supervisor.restartCount(), clock.wallSeconds());
-    // Changes that come from a posted callback (a round that completed or failed, the barrier's
-    // answer) must shut down or arm the timer (the first look at the heartbeat files) too.
-    boost::asio::post(io, [&] { afterEvent(); });
-    if (s == AgentState::kRunning) {
-      log->info("started {} worker(s) (attempt {}, run id {})", cfg.nproc_per_node,
-                supervisor.restartCount(), cfg.rdzv_id);
-    }
+void AgentRun::onStateChange(AgentState s) {
+  counters_.onState(s, supervisor_->restartCount(), clock_.wallSeconds());
+  // Changes that come from a posted callback (a round that completed or failed, the barrier's
+  // answer) must shut down or arm the timer (the first look at the heartbeat files) too.
+  boost::asio::post(io_, [this] { afterEvent(); });
+  if (s == AgentState::kRunning) {
+    log_->info("started {} worker(s) (attempt {}, run id {})", cfg_.nproc_per_node,
+               supervisor_->restartCount(), cfg_.rdzv_id);
+  }
+}
+
+// After every event: shut down when done, otherwise re-arm the timer for the supervisor's next
+// deadline (SIGKILL, a delayed failure report, a look at the heartbeat files, the barrier).
+void AgentRun::afterEvent() {
+  if (supervisor_->finished()) {
+    beginShutdown();
+    return;
+  }
+  timer_.cancel();
+  if (auto deadline = supervisor_->nextDeadline()) {
+    timer_.expires_at(*deadline);
+    timer_.async_wait([this](const boost::system::error_code& ec) {
+      if (ec) return;
+      supervisor_->onDeadline();
+      afterEvent();
+    });
+  }
+}
+
+void AgentRun::watchSignals() {
+  handled_.async_wait([this](const boost::system::error_code& ec, int sig) {
+    if (ec) return;
+    log_->warn("received {}, forwarding it to the workers", signalName(sig));
+    supervisor_->onSignal(sig);
+    afterEvent();
+    watchSignals();
   });
+}
 
-  launcher.watchExits([&](int pid, ExitStatus status) { supervisor.onWorkerExit(pid, status); },
-                      afterEvent);
+// The supervisor is done: tell the rendezvous (bounded: it may be gone), then stop the loop.
+void AgentRun::beginShutdown() {
+  if (shutting_down_) return;
+  shutting_down_ = true;
+  timer_.cancel();
+  // The workers are gone: from here a signal simply ends ddprun (default dispositions).
+  boost::system::error_code ignored;
+  handled_.clear(ignored);
+  shutdown_guard_.expires_after(kShutdownTimeout);
+  shutdown_guard_.async_wait([this](const boost::system::error_code& ec) {
+    if (ec) return;
+    log_->warn("the rendezvous did not confirm the end of the run; exiting anyway");
+    io_.stop();
+  });
+  rendezvous_->client().shutdown(supervisor_->state() == AgentState::kSucceeded,
+                                 supervisor_->leftRun(), [this] { io_.stop(); });
+}
+
+int AgentRun::run() {
   watchSignals();
-  boost::asio::post(io, [&] {
-    supervisor.start();
+  boost::asio::post(io_, [this] {
+    supervisor_->start();
     afterEvent();
   });
-  io.run();
-
-  launcher.drainAll();
+  io_.run();
+  launcher_.drainAll();
   std::cout.flush();
-  if (!cfg.snapshot_dir.empty()) {
+  reportEnd();
+  return supervisor_->exitCode();
+}
+
+// After the loop: the snapshot dir's leftovers, and why the job failed on this node.
+void AgentRun::reportEnd() {
+  if (!cfg_.snapshot_dir.empty()) {
     // A snapshot write killed mid-way (SIGXFSZ, SIGKILL) leaves its temp file; its bytes are not
     // kept until the next start.
-    const auto removed = removeDeadWritersTempFiles(cfg.snapshot_dir);
+    const auto removed = removeDeadWritersTempFiles(cfg_.snapshot_dir);
     if (!removed.empty()) {
-      log->info("snapshot dir: removed {} temp file(s) that killed writers left (e.g. {})",
-                removed.size(), removed.front());
+      log_->info("snapshot dir: removed {} temp file(s) that killed writers left (e.g. {})",
+                 removed.size(), removed.front());
     }
   }
-  if (supervisor.state() == AgentState::kFailed) {
-    if (!supervisor.failures().empty() && supervisor.exitCode() == 1) {
-      std::cerr << formatFailureReport(cfg.entrypoint, hostname, supervisor.failures())
-                << pythonInterpreterHint(cfg.python_interpreter, cfg.python_interpreter_source,
-                                         supervisor.failures());
-    }
-    // What ended the agent after the failures (a round that could not form) is said too.
-    if (!supervisor.errorMessage().empty()) log->error("{}", supervisor.errorMessage());
+  if (supervisor_->state() != AgentState::kFailed) return;
+  if (!supervisor_->failures().empty() && supervisor_->exitCode() == 1) {
+    std::cerr << formatFailureReport(cfg_.entrypoint, node_.hostname, supervisor_->failures())
+              << pythonInterpreterHint(cfg_.python_interpreter, cfg_.python_interpreter_source,
+                                       supervisor_->failures());
   }
-  return supervisor.exitCode();
+  // What ended the agent after the failures (a round that could not form) is said too.
+  if (!supervisor_->errorMessage().empty()) log_->error("{}", supervisor_->errorMessage());
+}
+
+}  // namespace
+
+int runAgent(const AgentConfig& cfg) {
+  ::signal(SIGPIPE, SIG_IGN);
+  auto run = [&]() -> StatusOr<std::unique_ptr<AgentRun>> {
+    DDPRUN_ASSIGN_OR_RETURN(auto node, prepareNode(cfg));
+    return AgentRun::build(cfg, std::move(node));
+  }();
+  if (!run.isOk()) {
+    logger("agent")->error("{}", run.status().message());
+    return exitCodeOf(run.status());
+  }
+  return (*run)->run();
 }
 
 }  // namespace ddprun::agent

@@ -9,8 +9,6 @@
 
 #include <vector>
 
-#include "ddprun/agent/agent_runner.h"
-
 namespace ddprun::agent {
 
 bool isThisHost(const std::string& host, const std::string& local_addr,

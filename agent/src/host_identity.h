@@ -6,6 +6,9 @@
 
 namespace ddprun::agent {
 
+// The host's fully qualified name (what torchrun advertises as MASTER_ADDR).
+std::string fullyQualifiedHostname();
+
 // True when `host` (a name, an IPv4 address or a bracketed IPv6 address) is this host: localhost,
 // `local_addr`, `hostname`, the kernel's host name, a loopback address, or an address of one of
 // this host's interfaces.

@@ -39,40 +39,66 @@ Status checkSameJob(const std::vector<std::string>& identities, int self_rank,
   return Status::ok();
 }
 
+namespace {
+std::vector<std::string> rankKeys(const std::string& prefix, size_t nodes) {
+  std::vector<std::string> keys;
+  for (size_t i = 0; i < nodes; ++i) keys.push_back(prefix + std::to_string(i));
+  return keys;
+}
+}  // namespace
+
 void JobIdentityClient::nextRound(RoundCallback done) {
   inner_.nextRound([this, done = std::move(done)](StatusOr<RoundInfo> round) mutable {
     if (!round.isOk() || round->local_world_sizes.size() < 2) {
       done(std::move(round));
       return;
     }
-    const RoundInfo r = *round;
-    const std::string prefix = "job/" + std::to_string(r.round) + "/";
-    std::vector<std::string> keys;
-    for (size_t i = 0; i < r.local_world_sizes.size(); ++i) {
-      keys.push_back(prefix + std::to_string(i));
-    }
-    service_.kvSet(prefix + std::to_string(r.group_rank), identity_, {},
-                   [this, r, keys, done = std::move(done)](Status st) mutable {
-                     if (!st.isOk()) {  // the job's own rendezvous trouble shows elsewhere
-                       done(r);
-                       return;
-                     }
-                     service_.kvWait(keys, wait_for_, {},
-                                     [this, r, done = std::move(done)](
-                                         StatusOr<std::vector<std::string>> values) mutable {
-                                       if (!values.isOk()) {
-                                         done(r);
-                                         return;
-                                       }
-                                       Status same = checkSameJob(*values, r.group_rank, run_id_);
-                                       if (!same.isOk()) {
-                                         done(same);
-                                         return;
-                                       }
-                                       done(r);
-                                     });
-                   });
+    publish(*round, std::move(done));
   });
+}
+
+void JobIdentityClient::publish(const RoundInfo& r, RoundCallback done) {
+  const std::string prefix = "job/" + std::to_string(r.round) + "/";
+  service_.kvSet(prefix + std::to_string(r.group_rank), identity_, {},
+                 [this, r, prefix, done = std::move(done)](Status st) mutable {
+                   if (!st.isOk()) {  // the job's own rendezvous trouble shows elsewhere
+                     done(r);
+                     return;
+                   }
+                   compare(r, prefix, std::move(done));
+                 });
+}
+
+void JobIdentityClient::compare(const RoundInfo& r, const std::string& prefix, RoundCallback done) {
+  service_.kvWait(
+      rankKeys(prefix, r.local_world_sizes.size()), wait_for_, {},
+      [this, r, prefix, done = std::move(done)](StatusOr<std::vector<std::string>> values) mutable {
+        if (!values.isOk()) {
+          done(r);
+          return;
+        }
+        Status same = checkSameJob(*values, r.group_rank, run_id_);
+        if (same.isOk()) {
+          done(r);
+          return;
+        }
+        failOnceAllRead(r, prefix, std::move(same), std::move(done));
+      });
+}
+
+// A mismatch is seen by every node of the round (each differs from one of the two that differ),
+// and the first to fail closes the run, which erases the identities. So each says it has read
+// them and waits (bounded) until all have, and only then fails: every node names the other job.
+void JobIdentityClient::failOnceAllRead(const RoundInfo& r, const std::string& prefix,
+                                        Status mismatch, RoundCallback done) {
+  const std::string read = prefix + "read/";
+  service_.kvSet(read + std::to_string(r.group_rank), "1", {},
+                 [this, r, read, mismatch, done = std::move(done)](Status) mutable {
+                   service_.kvWait(
+                       rankKeys(read, r.local_world_sizes.size()), wait_for_, {},
+                       [mismatch, done = std::move(done)](
+                           StatusOr<std::vector<std::string>>) mutable { done(mismatch); });
+                 });
 }
 
 }  // namespace ddprun::agent

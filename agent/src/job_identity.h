@@ -3,7 +3,8 @@
 // in their collectives until a store timeout (gloo's: 300 s). Every node of a multi-node job
 // publishes what it runs for each round (its address and program) in the run's key-value store
 // and reads every node's; a node of the round that runs another program fails the round with one
-// line naming it and the id, instead of the hang.
+// line naming it and the id, instead of the hang. Every node of the round says so: none fails (and
+// closes the run, which erases what the nodes published) before all have read.
 //
 // checkSameJob is the pure part; the client is the shell around the rendezvous (as
 // SnapshotSyncClient). Threading: the agent's loop thread. Lifetime: outlives no call of `inner`'s
@@ -49,6 +50,11 @@ class JobIdentityClient final : public RendezvousClient {
   uint64_t currentRound() const override { return inner_.currentRound(); }
 
  private:
+  void publish(const RoundInfo& r, RoundCallback done);
+  void compare(const RoundInfo& r, const std::string& prefix, RoundCallback done);
+  void failOnceAllRead(const RoundInfo& r, const std::string& prefix, Status mismatch,
+                       RoundCallback done);
+
   RendezvousClient& inner_;
   RendezvousService& service_;
   std::string run_id_;

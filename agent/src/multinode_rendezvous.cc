@@ -38,6 +38,7 @@ void MultiNodeRendezvous::runNext() {
 }
 
 void MultiNodeRendezvous::nextRound(RoundCallback done) {
+  loop_.check();
   enqueue([this, done = std::move(done)](std::function<void()> next) mutable {
     join(std::move(done), std::move(next));
   });
@@ -217,6 +218,7 @@ void MultiNodeRendezvous::resolveStaticRanks(const rendezvous::RoundInfo& joined
 }
 
 void MultiNodeRendezvous::onChange(const rendezvous::RoundChange& change) {
+  loop_.check();
   if (!change.node_id.empty()) {
     if (change.reason == rendezvous::ChangeReason::kNodeDead ||
         change.reason == rendezvous::ChangeReason::kNodeLeft) {
@@ -260,6 +262,7 @@ void MultiNodeRendezvous::scheduleHeartbeat() {
 }
 
 void MultiNodeRendezvous::reportFailure() {
+  loop_.check();
   enqueue([this](std::function<void()> next) {
     service_.reportFailure(
         node_id_, joined_round_, [next = std::move(next)](StatusOr<uint64_t> round) {
@@ -272,6 +275,7 @@ void MultiNodeRendezvous::reportFailure() {
 }
 
 void MultiNodeRendezvous::leave() {
+  loop_.check();
   if (left_) return;
   left_ = true;
   // A join in flight would hold the leave behind it: cancel it (its answer is ignored). The
@@ -333,6 +337,7 @@ void MultiNodeRendezvous::waitForMembers(const std::string& phase, TimePoint dea
 }
 
 void MultiNodeRendezvous::exitBarrier(Duration timeout, StatusCallback done) {
+  loop_.check();
   // Two phases: every node says it arrived and waits (bounded) for the others; later, in
   // shutdown(), every node says it departs and the node that closes the run waits for those, so
   // a node hosting the rendezvous never takes it away from a node still inside the barrier.
@@ -360,6 +365,7 @@ void MultiNodeRendezvous::exitBarrier(Duration timeout, StatusCallback done) {
 }
 
 void MultiNodeRendezvous::shutdown(bool succeeded, bool left, std::function<void()> done) {
+  loop_.check();
   enqueue([this, succeeded, left, done = std::move(done)](std::function<void()> next) mutable {
     auto finish = [this, done = std::move(done), next = std::move(next)]() mutable {
       shut_down_ = true;

@@ -56,6 +56,7 @@ PosixProcessLauncher::~PosixProcessLauncher() {
 }
 
 StatusOr<int> PosixProcessLauncher::spawn(const WorkerLaunch& launch) {
+  loop_.check();
   if (launch.argv.empty()) return invalidArgument("empty command line");
 
   // Everything the child needs is prepared before fork: after it only async-signal-safe calls.
@@ -164,6 +165,7 @@ void PosixProcessLauncher::watchExit(int pid) {
 }
 
 void PosixProcessLauncher::forceEnd(int pid) {
+  loop_.check();
   auto it = children_.find(pid);
   if (it != children_.end()) {
     ::kill(it->second.guardian, SIGKILL);
@@ -187,6 +189,7 @@ void PosixProcessLauncher::waitForExits() {
 }
 
 void PosixProcessLauncher::reap() {
+  loop_.check();
   while (true) {
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, WNOHANG);
@@ -202,6 +205,7 @@ void PosixProcessLauncher::reap() {
 }
 
 void PosixProcessLauncher::signalGroup(int pid, int sig) {
+  loop_.check();
   if (::kill(-pid, sig) != 0 && errno == ESRCH) ::kill(pid, sig);
 }
 

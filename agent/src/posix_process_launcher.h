@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "ddprun/agent/process.h"
+#include "ddprun/common/loop_affinity.h"
 
 namespace ddprun::agent {
 
@@ -82,6 +83,7 @@ class PosixProcessLauncher final : public ProcessLauncher {
   boost::asio::signal_set sigchld_;
   ExitCallback on_exit_;
   std::function<void()> after_exits_;
+  LoopAffinity loop_{"PosixProcessLauncher"};
 };
 
 }  // namespace ddprun::agent

@@ -64,6 +64,7 @@ int Supervisor::worldSize() const {
 }
 
 void Supervisor::start() {
+  loop_.check();
   DDPRUN_CHECK(state_ == AgentState::kInit, "start() called twice");
   joinRound();
 }
@@ -119,14 +120,14 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     return;
   }
   if (heartbeatsEnabled()) {
-    heartbeat_check_ = clock_.now() + heartbeatCheckInterval(options_.heartbeat_timeout);
+    deadlines_.heartbeat_check = clock_.now() + heartbeatCheckInterval(options_.heartbeat_timeout);
   }
 }
 
 void Supervisor::enterExitBarrier() {
-  heartbeat_check_.reset();
+  deadlines_.heartbeat_check.reset();
   setState(AgentState::kExitBarrier);
-  barrier_deadline_ = clock_.now() + options_.exit_barrier_timeout;
+  deadlines_.barrier = clock_.now() + options_.exit_barrier_timeout;
   const unsigned generation = ++generation_;
   rendezvous_.exitBarrier(options_.exit_barrier_timeout, [this, generation](Status status) {
     if (generation != generation_ || state_ != AgentState::kExitBarrier) return;
@@ -182,7 +183,7 @@ void Supervisor::recordFailure(const WorkerFailure& failure) {
 void Supervisor::stopForLocalFailure() {
   beginStop(StopReason::kFailure, SIGTERM);
   if (options_.failure_grace > Duration::zero()) {
-    report_deadline_ = clock_.now() + options_.failure_grace;
+    deadlines_.report = clock_.now() + options_.failure_grace;
   } else {
     reportLocalFailure();
   }
@@ -191,7 +192,7 @@ void Supervisor::stopForLocalFailure() {
 
 void Supervisor::checkHeartbeats() {
   const TimePoint now = clock_.now();
-  heartbeat_check_ = now + heartbeatCheckInterval(options_.heartbeat_timeout);
+  deadlines_.heartbeat_check = now + heartbeatCheckInterval(options_.heartbeat_timeout);
   bool any_hung = false;
   for (auto& w : workers_) {
     if (!w.running || w.launch.heartbeat_file.empty()) continue;
@@ -212,6 +213,7 @@ void Supervisor::checkHeartbeats() {
 }
 
 void Supervisor::onWorkerExit(int pid, ExitStatus status) {
+  loop_.check();
   Worker* worker = nullptr;
   for (auto& w : workers_) {
     if (w.pid == pid && w.running) worker = &w;
@@ -256,19 +258,19 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
 }
 
 void Supervisor::beginStop(StopReason reason, int sig) {
-  heartbeat_check_.reset();
+  deadlines_.heartbeat_check.reset();
   stop_reason_ = reason;
   stop_signal_ = sig;
   setState(AgentState::kStopping);
   for (auto& w : workers_) {
     if (w.running) launcher_.signalGroup(w.pid, sig);
   }
-  kill_deadline_ = clock_.now() + options_.shutdown_timeout;
+  deadlines_.kill = clock_.now() + options_.shutdown_timeout;
   if (reason != StopReason::kFailure) maybeFinishStop();
 }
 
 void Supervisor::reportLocalFailure() {
-  report_deadline_.reset();
+  deadlines_.report.reset();
   rendezvous_.reportFailure();
 }
 
@@ -295,7 +297,8 @@ void Supervisor::giveUpUnreaped() {
 
 std::optional<TimePoint> Supervisor::nextDeadline() const {
   std::optional<TimePoint> next;
-  for (const auto& d : {kill_deadline_, report_deadline_, heartbeat_check_, barrier_deadline_}) {
+  for (const auto& d :
+       {deadlines_.kill, deadlines_.report, deadlines_.heartbeat_check, deadlines_.barrier}) {
     if (d && (!next || *d < *next)) next = d;
   }
   for (const auto& w : workers_) {
@@ -307,8 +310,8 @@ std::optional<TimePoint> Supervisor::nextDeadline() const {
 }
 
 void Supervisor::maybeFinishStop() {
-  if (runningWorkers() > 0 || report_deadline_) return;
-  kill_deadline_.reset();
+  if (runningWorkers() > 0 || deadlines_.report) return;
+  deadlines_.kill.reset();
   switch (stop_reason_) {
     case StopReason::kSignal:
       finish(AgentState::kFailed, 128 + stop_signal_);
@@ -340,6 +343,7 @@ void Supervisor::maybeFinishStop() {
 }
 
 void Supervisor::onSignal(int sig) {
+  loop_.check();
   if (finished()) return;
   if (state_ == AgentState::kExitBarrier) {
     // No worker left to signal; a terminating signal ends the wait (and leaves the run).
@@ -365,19 +369,21 @@ void Supervisor::onSignal(int sig) {
     }
     return;
   }
-  report_deadline_.reset();  // leaving: a failure seen just before is not the others' business
+  deadlines_.report.reset();  // leaving: a failure seen just before is not the others' business
   rendezvous_.leave();
   ++generation_;  // a pending join's answer no longer matters
   beginStop(StopReason::kSignal, sig);
 }
 
 void Supervisor::onMembershipChange() {
-  if (state_ == AgentState::kStopping && stop_reason_ == StopReason::kFailure && report_deadline_) {
+  loop_.check();
+  if (state_ == AgentState::kStopping && stop_reason_ == StopReason::kFailure &&
+      deadlines_.report) {
     // The local failure was the peer going away: not charged, not reported.
     logger("agent")->info(
         "the worker failure followed a membership change; not charging a "
         "restart");
-    report_deadline_.reset();
+    deadlines_.report.reset();
     failures_.clear();
     stop_reason_ = StopReason::kMembership;
     maybeFinishStop();
@@ -389,6 +395,7 @@ void Supervisor::onMembershipChange() {
 }
 
 void Supervisor::onPeerFailure() {
+  loop_.check();
   if (state_ != AgentState::kRunning) return;  // already stopping: charged once
   logger("agent")->warn("workers on another node failed; restarting this node's workers too");
   failures_.clear();
@@ -397,25 +404,27 @@ void Supervisor::onPeerFailure() {
 }
 
 void Supervisor::onDeadline() {
-  if (state_ == AgentState::kExitBarrier && barrier_deadline_ &&
-      clock_.now() >= *barrier_deadline_) {
+  loop_.check();
+  if (state_ == AgentState::kExitBarrier && deadlines_.barrier &&
+      clock_.now() >= *deadlines_.barrier) {
     ++generation_;  // the rendezvous' late answer no longer matters
     onExitBarrier(
         deadlineExceeded("the other nodes did not finish within the exit barrier "
                          "timeout"));
     return;
   }
-  if (state_ == AgentState::kRunning && heartbeat_check_ && clock_.now() >= *heartbeat_check_) {
+  if (state_ == AgentState::kRunning && deadlines_.heartbeat_check &&
+      clock_.now() >= *deadlines_.heartbeat_check) {
     checkHeartbeats();
     if (finished()) return;
   }
-  if (report_deadline_ && clock_.now() >= *report_deadline_) {
+  if (deadlines_.report && clock_.now() >= *deadlines_.report) {
     reportLocalFailure();
     maybeFinishStop();
     if (finished() || state_ != AgentState::kStopping) return;
   }
-  if (kill_deadline_ && clock_.now() >= *kill_deadline_) {
-    kill_deadline_.reset();
+  if (deadlines_.kill && clock_.now() >= *deadlines_.kill) {
+    deadlines_.kill.reset();
     for (auto& w : workers_) {
       if (w.running) {
         logger("agent")->warn(
@@ -434,10 +443,10 @@ void Supervisor::onDeadline() {
 
 void Supervisor::finish(AgentState s, int exit_code) {
   exit_code_ = exit_code;
-  kill_deadline_.reset();
-  report_deadline_.reset();
-  heartbeat_check_.reset();
-  barrier_deadline_.reset();
+  deadlines_.kill.reset();
+  deadlines_.report.reset();
+  deadlines_.heartbeat_check.reset();
+  deadlines_.barrier.reset();
   setState(s);
 }
 

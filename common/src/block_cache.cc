@@ -42,7 +42,7 @@ BlockCache::~BlockCache() {
 
 char* BlockCache::take() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!free_.empty()) {
       char* b = free_.back();
       free_.pop_back();
@@ -60,7 +60,7 @@ char* BlockCache::take() {
 void BlockCache::give(char* block) {
   if (block == nullptr) return;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (free_.size() < keep_) {
       free_.push_back(block);
       return;
@@ -70,7 +70,7 @@ void BlockCache::give(char* block) {
 }
 
 size_t BlockCache::cached() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return free_.size();
 }
 

@@ -13,6 +13,7 @@
 
 #include "convert.h"
 #include "ddprun/common/log.h"
+#include "ddprun/common/thread_annotations.h"
 #include "ddprun/rendezvous/v1/rendezvous.grpc.pb.h"
 
 namespace ddprun::rendezvous {
@@ -92,16 +93,16 @@ struct AsyncClient::Impl : std::enable_shared_from_this<AsyncClient::Impl> {
   }
 
   bool cancelled(uint64_t call_epoch) {
-    std::lock_guard<std::mutex> lock(mu);
+    ddprun::MutexLock lock(mu);
     return closed || epoch != call_epoch;
   }
 
   // Runs `fn` (which calls the user back) unless the client is gone; on the io thread only.
   template <typename F>
   void callBack(const char* what, F&& fn) {
-    std::lock_guard<std::recursive_mutex> guard(callback_mu);
+    ddprun::RecursiveMutexLock guard(callback_mu);
     {
-      std::lock_guard<std::mutex> lock(mu);
+      ddprun::MutexLock lock(mu);
       if (closed) return;
     }
     guarded(what, std::forward<F>(fn));
@@ -117,7 +118,7 @@ struct AsyncClient::Impl : std::enable_shared_from_this<AsyncClient::Impl> {
 
   void cancelAll() {
     {
-      std::lock_guard<std::mutex> lock(mu);
+      ddprun::MutexLock lock(mu);
       ++epoch;
       for (grpc::ClientContext* ctx : contexts) ctx->TryCancel();
     }
@@ -132,11 +133,11 @@ struct AsyncClient::Impl : std::enable_shared_from_this<AsyncClient::Impl> {
 
   // User callbacks run holding callback_mu, so the destructor (which takes it to set `closed`)
   // returns only once none runs; recursive, so a callback may destroy the client.
-  std::recursive_mutex callback_mu;
-  std::mutex mu;
-  bool closed = false;                      // guarded by mu: the AsyncClient was destroyed
-  uint64_t epoch = 0;                       // guarded by mu: bumped by cancelAll()
-  std::set<grpc::ClientContext*> contexts;  // guarded by mu: attempts in flight
+  ddprun::RecursiveMutex callback_mu;
+  ddprun::Mutex mu;
+  bool closed GUARDED_BY(mu) = false;                      // the AsyncClient was destroyed
+  uint64_t epoch GUARDED_BY(mu) = 0;                       // bumped by cancelAll()
+  std::set<grpc::ClientContext*> contexts GUARDED_BY(mu);  // attempts in flight
 
   // io thread only.
   std::set<std::shared_ptr<IoWait>> io_waits;  // calls in a backoff or a TCP probe
@@ -176,7 +177,7 @@ class UnaryCall final : public IoWait, public std::enable_shared_from_this<Unary
     }
     bool cancelled = false;
     {
-      std::lock_guard<std::mutex> lock(impl_->mu);
+      ddprun::MutexLock lock(impl_->mu);
       cancelled = impl_->closed || impl_->epoch != epoch_;
       if (!cancelled) impl_->contexts.insert(ctx_.get());
     }
@@ -188,7 +189,7 @@ class UnaryCall final : public IoWait, public std::enable_shared_from_this<Unary
     start_(impl_->stub.get(), ctx_.get(), &response_, [self](grpc::Status status) mutable {
       Impl* impl = self->impl_.get();
       {
-        std::lock_guard<std::mutex> lock(impl->mu);
+        ddprun::MutexLock lock(impl->mu);
         impl->contexts.erase(self->ctx_.get());
       }
       boost::asio::io_context& io = impl->io;
@@ -312,7 +313,7 @@ void AsyncClient::Impl::call(Start<Resp> start, Finish<Resp> finish, Duration at
                              const CallOptions& o) {
   uint64_t call_epoch;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    ddprun::MutexLock lock(mu);
     call_epoch = epoch;
   }
   auto c = std::make_shared<UnaryCall<Resp>>(
@@ -327,8 +328,8 @@ AsyncClient::AsyncClient(boost::asio::io_context& io, ClientOptions options)
 
 AsyncClient::~AsyncClient() {
   {
-    std::lock_guard<std::recursive_mutex> guard(impl_->callback_mu);  // no callback runs now
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    ddprun::RecursiveMutexLock guard(impl_->callback_mu);  // no callback runs now
+    ddprun::MutexLock lock(impl_->mu);
     impl_->closed = true;
     for (grpc::ClientContext* ctx : impl_->contexts) ctx->TryCancel();
   }
@@ -557,8 +558,8 @@ namespace {
 // Where a watch delivers: posted to the client's io thread; `alive` is cleared (under the
 // recursive mutex the callbacks run under) by ~GrpcWatch, so none runs after it returned.
 struct WatchSink {
-  std::recursive_mutex mu;
-  bool alive = true;  // guarded by mu
+  ddprun::RecursiveMutex mu;
+  bool alive GUARDED_BY(mu) = true;
   AsyncClient::ChangeCallback on_change;
   AsyncClient::BreakCallback on_break;
 };
@@ -576,20 +577,20 @@ class GrpcWatch final : public Watch {
     sink_->on_break = std::move(on_break);
     request_.set_run_id(std::move(run_id));
     request_.set_node_id(std::move(node_id));
-    std::lock_guard<std::mutex> lock(mu_);
+    ddprun::MutexLock lock(mu_);
     subscribe();
   }
 
   ~GrpcWatch() override {
     {
-      std::lock_guard<std::recursive_mutex> guard(sink_->mu);
+      ddprun::RecursiveMutexLock guard(sink_->mu);
       sink_->alive = false;
     }
-    std::unique_lock<std::mutex> lock(mu_);
+    ddprun::MutexLock lock(mu_);
     stop_ = true;
     if (stream_ != nullptr) stream_->ctx.TryCancel();
     if (alarm_) alarm_->Cancel();
-    cv_.wait(lock, [&] { return !active_; });
+    while (active_) cv_.wait(mu_);
   }
 
  private:
@@ -610,8 +611,7 @@ class GrpcWatch final : public Watch {
     bool closed = false;  // touched only by this stream's callbacks, which gRPC serialises
   };
 
-  // Requires mu_.
-  void subscribe() {
+  void subscribe() REQUIRES(mu_) {
     auto* stream = new Stream(this);  // deleted in onStreamDone
     impl_->addToken(stream->ctx);
     stream_ = stream;
@@ -624,7 +624,7 @@ class GrpcWatch final : public Watch {
   template <typename F>
   void post(F fn) {
     boost::asio::post(impl_->io, [sink = sink_, fn = std::move(fn)] {
-      std::lock_guard<std::recursive_mutex> guard(sink->mu);
+      ddprun::RecursiveMutexLock guard(sink->mu);
       if (!sink->alive) return;
       guarded("watch", [&] { fn(*sink); });
     });
@@ -632,7 +632,7 @@ class GrpcWatch final : public Watch {
 
   void deliver(const RoundChange& change) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      ddprun::MutexLock lock(mu_);
       backoff_ = impl_->options.initial_backoff;
     }
     post([change](WatchSink& sink) { sink.on_change(change); });
@@ -644,11 +644,11 @@ class GrpcWatch final : public Watch {
     {
       // Unpublish the stream before freeing it: ~GrpcWatch calls TryCancel on stream_ under
       // mu_, and must never reach a stream that is already deleted.
-      std::lock_guard<std::mutex> lock(mu_);
+      ddprun::MutexLock lock(mu_);
       stream_ = nullptr;
     }
     delete stream;
-    std::lock_guard<std::mutex> lock(mu_);
+    ddprun::MutexLock lock(mu_);
     if (stop_ || closed) return finish();
     if (sink_->on_break) {
       post([st](WatchSink& sink) { sink.on_break(st); });
@@ -661,15 +661,15 @@ class GrpcWatch final : public Watch {
     alarm_->Set(std::chrono::system_clock::now() +
                     std::chrono::duration_cast<std::chrono::system_clock::duration>(backoff_),
                 [this](bool fired) {
-                  std::lock_guard<std::mutex> lock(mu_);
+                  ddprun::MutexLock lock(mu_);
                   if (stop_ || !fired) return finish();
                   subscribe();
                 });
     backoff_ = std::min(backoff_ * 2, impl_->options.max_backoff);
   }
 
-  // Requires mu_: nothing of this watch is in flight any more.
-  void finish() {
+  // Nothing of this watch is in flight any more.
+  void finish() REQUIRES(mu_) {
     active_ = false;
     cv_.notify_all();
   }
@@ -677,13 +677,13 @@ class GrpcWatch final : public Watch {
   std::shared_ptr<AsyncClient::Impl> impl_;
   std::shared_ptr<WatchSink> sink_;
   pb::WatchRequest request_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  Duration backoff_;                    // guarded by mu_
-  bool stop_ = false;                   // guarded by mu_
-  bool active_ = true;                  // guarded by mu_: a stream or an alarm is pending
-  Stream* stream_ = nullptr;            // guarded by mu_
-  std::unique_ptr<grpc::Alarm> alarm_;  // guarded by mu_
+  ddprun::Mutex mu_;
+  std::condition_variable_any cv_;
+  Duration backoff_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
+  bool active_ GUARDED_BY(mu_) = true;  // a stream or an alarm is pending
+  Stream* stream_ GUARDED_BY(mu_) = nullptr;
+  std::unique_ptr<grpc::Alarm> alarm_ GUARDED_BY(mu_);
 };
 
 }  // namespace

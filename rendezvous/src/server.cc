@@ -17,6 +17,7 @@
 #include "convert.h"
 #include "ddprun/common/log.h"
 #include "ddprun/common/strings.h"
+#include "ddprun/common/thread_annotations.h"
 #include "ddprun/rendezvous/v1/rendezvous.grpc.pb.h"
 
 namespace ddprun::rendezvous {
@@ -145,7 +146,7 @@ struct RendezvousServer::Impl {
   void flush() {
     RendezvousState::Outbox out = state.drain();
     {
-      std::lock_guard<std::mutex> lock(census_mu);  // before any answer leaves
+      ddprun::MutexLock lock(census_mu);  // before any answer leaves
       census = state.census();
     }
     for (auto& j : out.joins) {
@@ -345,8 +346,8 @@ struct RendezvousServer::Impl {
   std::unique_ptr<grpc::Server> server;
   int port = 0;
   std::string address;
-  std::mutex shutdown_mu;
-  bool stopped = false;  // guarded by shutdown_mu
+  ddprun::Mutex shutdown_mu;
+  bool stopped GUARDED_BY(shutdown_mu) = false;
 
   bool shutting_down = false;
   std::unordered_map<CallId, PendingJoin> joins;
@@ -359,8 +360,8 @@ struct RendezvousServer::Impl {
   };
   std::unordered_map<std::string, PeerStreams> streams_by_peer;  // admitStream / releaseStream
 
-  mutable std::mutex census_mu;
-  StateCensus census;  // guarded by census_mu; refreshed by every flush()
+  mutable ddprun::Mutex census_mu;
+  StateCensus census GUARDED_BY(census_mu);  // refreshed by every flush()
 };
 
 namespace {
@@ -670,7 +671,7 @@ int RendezvousServer::port() const { return impl_->port; }
 std::string RendezvousServer::address() const { return impl_->address; }
 
 StateCensus RendezvousServer::census() const {
-  std::lock_guard<std::mutex> lock(impl_->census_mu);
+  ddprun::MutexLock lock(impl_->census_mu);
   return impl_->census;
 }
 
@@ -800,7 +801,7 @@ StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOption
 }
 
 void RendezvousServer::shutdown() {
-  std::lock_guard<std::mutex> lock(impl_->shutdown_mu);
+  ddprun::MutexLock lock(impl_->shutdown_mu);
   if (impl_->stopped) return;
   impl_->stopped = true;
   Impl* impl = impl_.get();

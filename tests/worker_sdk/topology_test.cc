@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "allreduce_route.h"
+
 using ddprun::worker::HostKey;
 using ddprun::worker::planTopology;
 using ddprun::worker::TopologyKind;
@@ -181,4 +183,44 @@ TEST_CASE("a rank outside the group is a programming error", "[worker][topology]
   CHECK_THROWS_AS(planTopology({kA, kA}, 2), std::invalid_argument);
   CHECK_THROWS_AS(planTopology({kA, kA}, -1), std::invalid_argument);
   CHECK_THROWS_AS(planTopology({}, 0), std::invalid_argument);
+}
+
+TEST_CASE("each all_reduce call takes the route its group's plan and its dtype allow",
+          "[worker][topology]") {
+  using ddprun::worker::AllReduceCall;
+  using ddprun::worker::AllReduceRoute;
+  using ddprun::worker::chooseAllReduceRoute;
+  AllReduceCall call;
+  call.size = 4;
+  call.numel = 1000;
+  call.shm_reducible = true;
+  // No plan beyond the ring.
+  CHECK(chooseAllReduceRoute(call).route == AllReduceRoute::kRing);
+  call.average = true;
+  CHECK_FALSE(chooseAllReduceRoute(call).scale_in_reduction);  // the ring divides afterwards
+  // One host: shared memory alone, the average folded into its last pass.
+  call.shared_memory = true;
+  CHECK(chooseAllReduceRoute(call).route == AllReduceRoute::kSharedMemory);
+  CHECK(chooseAllReduceRoute(call).scale_in_reduction);
+  // Hierarchical: shared memory and a ring per local index.
+  call.columns = true;
+  CHECK(chooseAllReduceRoute(call).route == AllReduceRoute::kSharedMemoryAndColumns);
+  // Hosts of unequal sizes: the leaders' pipeline, also where this host has no shared memory.
+  call.columns = false;
+  call.leaders_plan = true;
+  call.shared_memory = false;
+  CHECK(chooseAllReduceRoute(call).route == AllReduceRoute::kLeaders);
+  CHECK(chooseAllReduceRoute(call).scale_in_reduction);
+  // A dtype the shared-memory paths do not take goes over the ring, whatever the plan.
+  call.shm_reducible = false;
+  CHECK(chooseAllReduceRoute(call).route == AllReduceRoute::kRing);
+  CHECK_FALSE(chooseAllReduceRoute(call).scale_in_reduction);
+  // Nothing to reduce: no elements, or a group of one.
+  call.shm_reducible = true;
+  call.numel = 0;
+  CHECK(chooseAllReduceRoute(call).route == AllReduceRoute::kNone);
+  call.numel = 10;
+  call.size = 1;
+  CHECK(chooseAllReduceRoute(call).route == AllReduceRoute::kNone);
+  CHECK_FALSE(chooseAllReduceRoute(call).scale_in_reduction);
 }

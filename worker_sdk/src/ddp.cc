@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "ddprun/common/log_text.h"
+#include "ddprun/common/thread_annotations.h"
 #include "ddprun/worker/bucket_assignment.h"
 #include "ddprun/worker/errors.h"
 #include "half_kernels.h"
@@ -126,12 +127,57 @@ CommHook hookFor(Compression compression) {
   return allReduceHook();
 }
 
+// A bucket's layout, fixed at construction.
 struct DistributedDataParallel::Bucket {
   std::vector<std::size_t> params;
   torch::Tensor flat;
-  std::size_t pending = 0;     // gradients still missing this iteration
-  std::shared_ptr<Work> work;  // in-flight all-reduce
 };
+
+// One backward pass's state. Gradient hooks run on autograd threads, so all of it is under `mu`.
+struct DistributedDataParallel::Iteration {
+  ddprun::Mutex mu;
+  bool sync_enabled GUARDED_BY(mu) = true;
+  bool in_backward GUARDED_BY(mu) = false;
+  std::vector<bool> ready GUARDED_BY(mu);                  // per parameter
+  std::vector<std::size_t> pending GUARDED_BY(mu);         // per bucket: gradients still missing
+  std::vector<std::shared_ptr<Work>> work GUARDED_BY(mu);  // per bucket: its reduction in flight
+  std::size_t next_bucket GUARDED_BY(mu) = 0;
+
+  // Ready for the next backward pass, with these bucket sizes.
+  void reset(const std::vector<std::unique_ptr<Bucket>>& buckets) REQUIRES(mu) {
+    std::fill(ready.begin(), ready.end(), false);
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      pending[b] = buckets[b]->params.size();
+      work[b].reset();
+    }
+    next_bucket = 0;
+    in_backward = false;
+  }
+};
+
+namespace {
+// Launches every complete bucket not launched yet, strictly in bucket order, so that every rank
+// issues the same sequence of collectives.
+template <typename Bucket, typename Iteration>
+void launchReadyBuckets(Iteration& it, const std::vector<std::unique_ptr<Bucket>>& buckets,
+                        const CommHook& hook, Communicator& comm) REQUIRES(it.mu) {
+  while (it.next_bucket < buckets.size() && it.pending[it.next_bucket] == 0) {
+    const Bucket& b = *buckets[it.next_bucket];
+    static const ddprun::TextLogger log("worker");
+    DDPRUN_LOG(log, kTrace,
+               std::fixed << std::setprecision(3) << nowMs() << " ms: bucket " << it.next_bucket
+                          << " (" << b.params.size() << " params, " << b.flat.numel()
+                          << " elements) launched");
+    it.work[it.next_bucket] = hook(comm, GradBucket{it.next_bucket, b.flat});
+    if (!it.work[it.next_bucket]) {
+      throw WorkerError(
+          "DistributedDataParallel: the communication hook returned no work for bucket " +
+          std::to_string(it.next_bucket));
+    }
+    ++it.next_bucket;
+  }
+}
+}  // namespace
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
                                                  std::shared_ptr<ProcessGroup> group,
@@ -152,49 +198,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     params_.push_back(item.value());
   }
 
-  // The tensor-device rule (worker_sdk/README.md): a collective takes tensors on the
-  // communicator's device. The parameters and buffers are broadcast in place and the gradients
-  // reduced in buckets of the parameters' device, so the model must be there already.
-  const at::Device device = comm.device();
-  auto misplaced = [&](const torch::Tensor& t) {
-    return t.device().type() != device.type() ||
-           (device.has_index() && t.device().index() != device.index());
-  };
-  for (auto& item : module_->named_parameters(/*recurse=*/true)) {
-    if (!misplaced(item.value())) continue;
-    throw ConfigError("DistributedDataParallel: parameter '" + item.key() + "' is on " +
-                      item.value().device().str() + " but the " + backendName(comm.backend()) +
-                      " communicator works on " + device.str() +
-                      ": move the model there (module->to(device)) before wrapping it");
-  }
-  for (auto& item : module_->named_buffers(/*recurse=*/true)) {
-    if (!misplaced(item.value())) continue;
-    throw ConfigError("DistributedDataParallel: buffer '" + item.key() + "' is on " +
-                      item.value().device().str() + " but the " + backendName(comm.backend()) +
-                      " communicator works on " + device.str() +
-                      ": move the model there (module->to(device)) before wrapping it");
-  }
-
-  // Every rank must hold the same model: compare parameter count and total size.
-  {
-    int64_t total = 0;
-    for (auto& p : params_) total += p.numel();
-    auto sig = torch::tensor({static_cast<int64_t>(params_.size()), total},
-                             torch::TensorOptions().dtype(torch::kLong).device(device));
-    const torch::Tensor all = torch::stack(comm.allGather(sig)).to(torch::kCPU);
-    for (int r = 0; r < comm.size(); ++r) {
-      const int64_t count = all[r][0].item<int64_t>();
-      const int64_t elements = all[r][1].item<int64_t>();
-      if (count != static_cast<int64_t>(params_.size()) || elements != total) {
-        throw ConfigError("DistributedDataParallel: rank " + std::to_string(r) + " has " +
-                          std::to_string(count) + " parameters / " + std::to_string(elements) +
-                          " elements but rank " + std::to_string(comm.rank()) + " has " +
-                          std::to_string(params_.size()) + " / " + std::to_string(total) +
-                          ": every rank must build the same model");
-      }
-    }
-  }
-
+  checkPlacement(comm);
+  checkSameModel(comm);
   // Start from rank 0's weights and buffers.
   {
     torch::NoGradGuard no_grad;
@@ -203,7 +208,61 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     for (auto& b : module_->buffers(true)) works.push_back(comm.broadcastAsync(b, 0));
     for (auto& w : works) w->wait();
   }
+  buildBuckets(comm);
+  iteration_ = std::make_unique<Iteration>();
+  {
+    ddprun::MutexLock lock(iteration_->mu);
+    iteration_->ready.assign(params_.size(), false);
+    iteration_->pending.assign(buckets_.size(), 0);
+    iteration_->work.resize(buckets_.size());
+    iteration_->reset(buckets_);
+  }
+  registerHooks();
+}
 
+void DistributedDataParallel::checkPlacement(Communicator& comm) const {
+  // The tensor-device rule (worker_sdk/README.md): a collective takes tensors on the
+  // communicator's device. The parameters and buffers are broadcast in place and the gradients
+  // reduced in buckets of the parameters' device, so the model must be there already.
+  const at::Device device = comm.device();
+  auto check = [&](const std::string& what, const std::string& name, const torch::Tensor& t) {
+    if (t.device().type() == device.type() &&
+        (!device.has_index() || t.device().index() == device.index())) {
+      return;
+    }
+    throw ConfigError("DistributedDataParallel: " + what + " '" + name + "' is on " +
+                      t.device().str() + " but the " + backendName(comm.backend()) +
+                      " communicator works on " + device.str() +
+                      ": move the model there (module->to(device)) before wrapping it");
+  };
+  for (auto& item : module_->named_parameters(/*recurse=*/true)) {
+    check("parameter", item.key(), item.value());
+  }
+  for (auto& item : module_->named_buffers(/*recurse=*/true))
+    check("buffer", item.key(), item.value());
+}
+
+void DistributedDataParallel::checkSameModel(Communicator& comm) const {
+  // Every rank must hold the same model: compare parameter count and total size.
+  int64_t total = 0;
+  for (auto& p : params_) total += p.numel();
+  auto sig = torch::tensor({static_cast<int64_t>(params_.size()), total},
+                           torch::TensorOptions().dtype(torch::kLong).device(comm.device()));
+  const torch::Tensor all = torch::stack(comm.allGather(sig)).to(torch::kCPU);
+  for (int r = 0; r < comm.size(); ++r) {
+    const int64_t count = all[r][0].item<int64_t>();
+    const int64_t elements = all[r][1].item<int64_t>();
+    if (count != static_cast<int64_t>(params_.size()) || elements != total) {
+      throw ConfigError("DistributedDataParallel: rank " + std::to_string(r) + " has " +
+                        std::to_string(count) + " parameters / " + std::to_string(elements) +
+                        " elements but rank " + std::to_string(comm.rank()) + " has " +
+                        std::to_string(params_.size()) + " / " + std::to_string(total) +
+                        ": every rank must build the same model");
+    }
+  }
+}
+
+void DistributedDataParallel::buildBuckets(Communicator& comm) {
   std::vector<TensorSpec> specs;
   for (auto& p : params_) {
     specs.push_back(TensorSpec{static_cast<std::size_t>(p.numel()),
@@ -213,8 +272,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   BucketOptions bopts;
   bopts.first_bucket_bytes =
-      static_cast<std::size_t>(options.first_bucket_mb * BucketOptions::kMiB);
-  bopts.bucket_cap_bytes = static_cast<std::size_t>(options.bucket_cap_mb * BucketOptions::kMiB);
+      static_cast<std::size_t>(options_.first_bucket_mb * BucketOptions::kMiB);
+  bopts.bucket_cap_bytes = static_cast<std::size_t>(options_.bucket_cap_mb * BucketOptions::kMiB);
   bucket_indices_ = computeBucketAssignment(specs, bopts);
 
   bucket_of_.assign(params_.size(), 0);
@@ -242,8 +301,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     views_[i] = torch::from_blob(
         base, params_[i].sizes(), [flat](void*) {}, flat.options());
   }
-  ready_.assign(params_.size(), false);
+}
 
+void DistributedDataParallel::registerHooks() {
   // Look every accumulator up before registering any hook, so a failure cannot leave hooks that
   // point at a half-constructed object.
   // The accumulator's pointer type changed across LibTorch versions (shared_ptr, intrusive_ptr).
@@ -267,17 +327,20 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
             }));
     remove_hooks_.push_back([acc = accumulators[i], key] { acc->del_post_hook(key); });
   }
-  resetIteration();
 }
 
 DistributedDataParallel::~DistributedDataParallel() {
   // Outstanding work writes into our buckets: let it finish (errors are moot here).
-  for (auto& b : buckets_) {
-    if (b->work) {
-      try {
-        b->work->wait();
-      } catch (const std::exception&) {
-      }
+  std::vector<std::shared_ptr<Work>> outstanding;
+  if (iteration_) {
+    ddprun::MutexLock lock(iteration_->mu);
+    outstanding = iteration_->work;
+  }
+  for (auto& work : outstanding) {
+    if (!work) continue;
+    try {
+      work->wait();
+    } catch (const std::exception&) {
     }
   }
   // Hooks capture `this` and the accumulators may outlive us (a live graph holds them).
@@ -285,14 +348,14 @@ DistributedDataParallel::~DistributedDataParallel() {
 }
 
 DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp) {
-  std::lock_guard<std::mutex> lock(ddp_.mu_);
-  previous_ = ddp_.sync_enabled_;
-  ddp_.sync_enabled_ = false;
+  ddprun::MutexLock lock(ddp_.iteration_->mu);
+  previous_ = ddp_.iteration_->sync_enabled;
+  ddp_.iteration_->sync_enabled = false;
 }
 
 DistributedDataParallel::NoSyncGuard::~NoSyncGuard() {
-  std::lock_guard<std::mutex> lock(ddp_.mu_);
-  ddp_.sync_enabled_ = previous_;
+  ddprun::MutexLock lock(ddp_.iteration_->mu);
+  ddp_.iteration_->sync_enabled = previous_;
 }
 
 void DistributedDataParallel::syncBuffers() {
@@ -302,31 +365,21 @@ void DistributedDataParallel::syncBuffers() {
   for (auto& w : works) w->wait();
 }
 
-void DistributedDataParallel::resetIteration() {
-  std::fill(ready_.begin(), ready_.end(), false);
-  for (auto& b : buckets_) {
-    b->pending = b->params.size();
-    b->work.reset();
-  }
-  next_bucket_ = 0;
-  in_backward_ = false;
-}
-
 void DistributedDataParallel::onGradReady(std::size_t i) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!sync_enabled_) return;
-  if (!in_backward_) {
-    in_backward_ = true;
+  Iteration& it = *iteration_;
+  ddprun::MutexLock lock(it.mu);
+  if (!it.sync_enabled) return;
+  if (!it.in_backward) {
+    it.in_backward = true;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalizeBackward(); });
   }
-  if (ready_[i]) {
+  if (it.ready[i]) {
     throw WorkerError(
         "DistributedDataParallel: parameter '" + names_[i] +
         "' received a gradient twice in one backward pass (reused module with shared weights "
         "is not supported)");
   }
-  ready_[i] = true;
-  Bucket& b = *buckets_[bucket_of_[i]];
+  it.ready[i] = true;
   torch::Tensor& view = views_[i];
   torch::Tensor& grad = params_[i].mutable_grad();
   {
@@ -343,43 +396,26 @@ void DistributedDataParallel::onGradReady(std::size_t i) {
       view.zero_();
     }
   }
-  if (--b.pending == 0 && options_.overlap) launchReadyBuckets();
-}
-
-void DistributedDataParallel::launchReadyBuckets() {
-  // Strictly in bucket order so that every rank issues the same sequence of collectives.
-  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_]->pending == 0) {
-    Bucket& b = *buckets_[next_bucket_];
-    static const ddprun::TextLogger log("worker");
-    DDPRUN_LOG(log, kTrace,
-               std::fixed << std::setprecision(3) << nowMs() << " ms: bucket " << next_bucket_
-                          << " (" << b.params.size() << " params, " << b.flat.numel()
-                          << " elements) launched");
-    b.work = hook_(group_->comm(), GradBucket{next_bucket_, b.flat});
-    if (!b.work) {
-      throw WorkerError(
-          "DistributedDataParallel: the communication hook returned no work for "
-          "bucket " +
-          std::to_string(next_bucket_));
-    }
-    ++next_bucket_;
+  if (--it.pending[bucket_of_[i]] == 0 && options_.overlap) {
+    launchReadyBuckets(it, buckets_, hook_, group_->comm());
   }
 }
 
 void DistributedDataParallel::finalizeBackward() {
+  Iteration& it = *iteration_;
+  std::vector<std::shared_ptr<Work>> works;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    ddprun::MutexLock lock(it.mu);
     std::vector<std::string> missing;
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (ready_[i]) continue;
+      if (it.ready[i]) continue;
       if (!options_.find_unused_parameters) {
         missing.push_back(names_[i]);
         continue;
       }
-      Bucket& b = *buckets_[bucket_of_[i]];
       views_[i].zero_();
-      ready_[i] = true;
-      --b.pending;
+      it.ready[i] = true;
+      --it.pending[bucket_of_[i]];
     }
     if (!missing.empty()) {
       std::ostringstream msg;
@@ -390,20 +426,20 @@ void DistributedDataParallel::finalizeBackward() {
       msg << " received no gradient in this backward pass; make every parameter take part in the "
              "loss, "
              "or construct DistributedDataParallel with find_unused_parameters = true";
-      resetIteration();
+      it.reset(buckets_);
       throw WorkerError(msg.str());
     }
-    launchReadyBuckets();
+    launchReadyBuckets(it, buckets_, hook_, group_->comm());
+    works = it.work;  // every bucket's, launched: no hook runs any more this pass
   }
   torch::NoGradGuard no_grad;
   static const ddprun::TextLogger log("worker");
   DDPRUN_LOG(log, kTrace,
              std::fixed << std::setprecision(3) << nowMs() << " ms: backward done, waiting for "
                         << buckets_.size() << " buckets");
-  for (auto& bp : buckets_) {
-    Bucket& b = *bp;
-    b.work->wait();
-    for (std::size_t i : b.params) {
+  for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
+    works[bi]->wait();
+    for (std::size_t i : buckets_[bi]->params) {
       torch::Tensor& grad = params_[i].mutable_grad();
       if (grad.defined() && grad.data_ptr() == views_[i].data_ptr())
         continue;  // already the bucket
@@ -416,15 +452,15 @@ void DistributedDataParallel::finalizeBackward() {
   }
   DDPRUN_LOG(log, kTrace,
              std::fixed << std::setprecision(3) << nowMs() << " ms: all buckets reduced");
-  std::lock_guard<std::mutex> lock(mu_);
-  resetIteration();
+  ddprun::MutexLock lock(it.mu);
+  it.reset(buckets_);
 }
 
 void DistributedDataParallel::finalize() {
   bool pending;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    pending = in_backward_;
+    ddprun::MutexLock lock(iteration_->mu);
+    pending = iteration_->in_backward;
   }
   if (pending) finalizeBackward();
 }

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "ddprun/common/log_text.h"
+#include "ddprun/common/thread_annotations.h"
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/nccl.h"
 #include "gloo_communicator.h"
@@ -186,7 +187,7 @@ class NcclCommunicator : public Communicator {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     {
-      std::lock_guard<std::mutex> lock(watchdog_mu_);
+      ddprun::MutexLock lock(watchdog_mu_);
       stopping_ = true;
     }
     watchdog_cv_.notify_all();
@@ -314,15 +315,20 @@ class NcclCommunicator : public Communicator {
     const auto interval = std::clamp<std::chrono::milliseconds>(
         health_->opTimeout() / 4, std::chrono::milliseconds(1), std::chrono::milliseconds(100));
     bool reported = false;
-    std::unique_lock<std::mutex> lock(watchdog_mu_);
-    while (!watchdog_cv_.wait_for(lock, interval, [this] { return stopping_; })) {
-      lock.unlock();
+    for (;;) {
+      {
+        ddprun::MutexLock lock(watchdog_mu_);
+        const auto until = std::chrono::steady_clock::now() + interval;
+        while (!stopping_ &&
+               watchdog_cv_.wait_until(watchdog_mu_, until) != std::cv_status::timeout) {
+        }
+        if (stopping_) return;
+      }
       const std::string failure = health_->check();
       if (!failure.empty() && !reported) {
         reported = true;
         DDPRUN_LOG(log, kError, "rank " << rank_ << ": " << failure);
       }
-      lock.lock();
     }
   }
 
@@ -335,10 +341,10 @@ class NcclCommunicator : public Communicator {
   void* barrier_buffer_;
   std::atomic<cudaStream_t> producer_{cudaStreamLegacy};
   std::unique_ptr<OpQueue> queue_;
-  std::mutex watchdog_mu_;
-  std::condition_variable watchdog_cv_;
-  bool stopping_ = false;  // guarded by watchdog_mu_
-  std::thread watchdog_;   // last: it starts running in the constructor
+  ddprun::Mutex watchdog_mu_;
+  std::condition_variable_any watchdog_cv_;
+  bool stopping_ GUARDED_BY(watchdog_mu_) = false;
+  std::thread watchdog_;  // last: it starts running in the constructor
 };
 
 void NcclWork::wait() {

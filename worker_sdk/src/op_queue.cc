@@ -5,19 +5,19 @@
 namespace ddprun::worker {
 
 void OpWork::wait() {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return done_; });
+  ddprun::MutexLock lock(mu_);
+  while (!done_) cv_.wait(mu_);
   if (!error_.empty()) throw CommError(error_);
 }
 
 bool OpWork::isCompleted() {
-  std::lock_guard<std::mutex> lock(mu_);
+  ddprun::MutexLock lock(mu_);
   return done_;
 }
 
 void OpWork::complete(std::string error) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    ddprun::MutexLock lock(mu_);
     done_ = true;
     error_ = std::move(error);
   }
@@ -28,7 +28,7 @@ OpQueue::OpQueue(std::string name) : name_(std::move(name)), thread_([this] { ru
 
 OpQueue::~OpQueue() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    ddprun::MutexLock lock(mu_);
     stopping_ = true;
   }
   cv_.notify_all();
@@ -38,7 +38,7 @@ OpQueue::~OpQueue() {
 std::shared_ptr<Work> OpQueue::submit(std::function<void()> op) {
   auto work = std::make_shared<OpWork>();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    ddprun::MutexLock lock(mu_);
     queue_.emplace_back(std::move(op), work);
   }
   cv_.notify_one();
@@ -49,8 +49,8 @@ void OpQueue::run() {
   for (;;) {
     std::pair<std::function<void()>, std::shared_ptr<OpWork>> item;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      ddprun::MutexLock lock(mu_);
+      while (!stopping_ && queue_.empty()) cv_.wait(mu_);
       if (queue_.empty()) return;
       item = std::move(queue_.front());
       queue_.pop_front();

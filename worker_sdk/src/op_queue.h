@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "ddprun/common/thread_annotations.h"
 #include "ddprun/worker/communicator.h"
 
 namespace ddprun::worker {
@@ -24,10 +25,10 @@ class OpWork : public Work {
   void complete(std::string error);
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;  // guarded by mu_
-  std::string error_;  // guarded by mu_; empty = success
+  ddprun::Mutex mu_;
+  std::condition_variable_any cv_;
+  bool done_ GUARDED_BY(mu_) = false;
+  std::string error_ GUARDED_BY(mu_);  // empty = success
 };
 
 class OpQueue {
@@ -43,10 +44,10 @@ class OpQueue {
   void run();
 
   std::string name_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::pair<std::function<void()>, std::shared_ptr<OpWork>>> queue_;  // guarded by mu_
-  bool stopping_ = false;                                                        // guarded by mu_
+  ddprun::Mutex mu_;
+  std::condition_variable_any cv_;
+  std::deque<std::pair<std::function<void()>, std::shared_ptr<OpWork>>> queue_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
   std::string broken_;  // first failure; only touched on the worker thread
   std::thread thread_;
 };

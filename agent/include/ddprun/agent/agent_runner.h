@@ -10,7 +10,4 @@ namespace ddprun::agent {
 
 int runAgent(const AgentConfig& config);
 
-// The host's fully qualified name (what torchrun advertises as MASTER_ADDR).
-std::string fullyQualifiedHostname();
-
 }  // namespace ddprun::agent

@@ -22,6 +22,7 @@
 
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/agent/rendezvous_service.h"
+#include "ddprun/common/loop_affinity.h"
 #include "ddprun/rendezvous/types.h"
 
 namespace ddprun::agent {
@@ -101,6 +102,7 @@ class MultiNodeRendezvous final : public RendezvousClient {
   bool shut_down_ = false;
   boost::asio::steady_timer heartbeat_timer_;
   bool heartbeating_ = false;
+  LoopAffinity loop_{"MultiNodeRendezvous"};
 };
 
 }  // namespace ddprun::agent

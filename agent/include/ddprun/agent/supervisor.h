@@ -16,6 +16,7 @@
 #include "ddprun/agent/process.h"
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/common/clock.h"
+#include "ddprun/common/loop_affinity.h"
 
 namespace ddprun::agent {
 
@@ -165,16 +166,20 @@ class Supervisor {
   StopReason stop_reason_ = StopReason::kNone;
   int stop_signal_ = 0;
   bool signal_forwarded_ = false;  // a non-terminating signal reached this round's workers
-  std::optional<TimePoint> kill_deadline_;
-  std::optional<TimePoint> report_deadline_;   // a local failure not yet reported (grace)
-  std::optional<TimePoint> heartbeat_check_;   // next look at the heartbeat files (RUNNING only)
-  std::optional<TimePoint> barrier_deadline_;  // EXIT_BARRIER only
+  // What nextDeadline() chooses from.
+  struct Deadlines {
+    std::optional<TimePoint> kill;             // SIGKILL to the workers that did not stop
+    std::optional<TimePoint> report;           // a local failure not yet reported (grace)
+    std::optional<TimePoint> heartbeat_check;  // next look at the heartbeat files (RUNNING only)
+    std::optional<TimePoint> barrier;          // EXIT_BARRIER only
+  } deadlines_;
   int restart_count_ = 0;
   int exit_code_ = 0;
   std::string error_message_;
   // Guards against callbacks of a join or barrier that was superseded (e.g. a signal arrived
   // mid-join, or the barrier timed out before the rendezvous answered).
   unsigned generation_ = 0;
+  LoopAffinity loop_{"Supervisor"};
 };
 
 }  // namespace ddprun::agent

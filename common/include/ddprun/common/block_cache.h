@@ -17,6 +17,8 @@
 #include <mutex>
 #include <vector>
 
+#include "ddprun/common/thread_annotations.h"
+
 namespace ddprun {
 
 class BlockCache {
@@ -44,8 +46,8 @@ class BlockCache {
  private:
   size_t bytes_;
   size_t keep_;
-  mutable std::mutex mu_;
-  std::vector<char*> free_;  // guarded by mu_
+  mutable Mutex mu_;
+  std::vector<char*> free_ GUARDED_BY(mu_);
 };
 
 // Faults in the whole pages inside [p, p + n) for writing, at once (MADV_POPULATE_WRITE), leaving

@@ -1,7 +1,8 @@
 // LoopAffinity: a loop-only object's check that it runs on its loop. The object holds one and
 // calls check() where it touches its state; the first call binds it to the calling thread (the
 // object's loop, in production the agent's one Asio thread), and in debug builds a call from
-// another thread aborts naming the object. Release builds (NDEBUG) compile it to nothing.
+// another thread aborts naming the object. Release builds (NDEBUG) compile it to nothing unless
+// DDPRUN_LOOP_CHECKS is defined (CMake option DDPRUN_LOOP_CHECKS, on where the tests are built).
 // As Envoy's isThreadSafe(): loop-only state needs no mutex, and this says so where it matters.
 #pragma once
 
@@ -17,7 +18,7 @@ class LoopAffinity {
   explicit LoopAffinity(const char* owner) : owner_(owner) {}
 
   void check() const {
-#ifndef NDEBUG
+#if !defined(NDEBUG) || defined(DDPRUN_LOOP_CHECKS)
     const std::thread::id me = std::this_thread::get_id();
     std::thread::id expected{};
     if (bound_.compare_exchange_strong(expected, me) || expected == me) return;

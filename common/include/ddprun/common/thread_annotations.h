@@ -11,15 +11,35 @@
 #define DDPRUN_THREAD_ANNOTATION(x)
 #endif
 
+// Abseil's legacy header (which gRPC's headers bring in) defines some of the same names to the
+// same attributes: whichever comes first is used.
+#ifndef GUARDED_BY
 #define GUARDED_BY(x) DDPRUN_THREAD_ANNOTATION(guarded_by(x))
+#endif
+#ifndef PT_GUARDED_BY
 #define PT_GUARDED_BY(x) DDPRUN_THREAD_ANNOTATION(pt_guarded_by(x))
+#endif
+#ifndef REQUIRES
 #define REQUIRES(...) DDPRUN_THREAD_ANNOTATION(requires_capability(__VA_ARGS__))
+#endif
+#ifndef EXCLUDES
 #define EXCLUDES(...) DDPRUN_THREAD_ANNOTATION(locks_excluded(__VA_ARGS__))
+#endif
+#ifndef ACQUIRE
 #define ACQUIRE(...) DDPRUN_THREAD_ANNOTATION(acquire_capability(__VA_ARGS__))
+#endif
+#ifndef RELEASE
 #define RELEASE(...) DDPRUN_THREAD_ANNOTATION(release_capability(__VA_ARGS__))
+#endif
+#ifndef CAPABILITY
 #define CAPABILITY(x) DDPRUN_THREAD_ANNOTATION(capability(x))
+#endif
+#ifndef SCOPED_CAPABILITY
 #define SCOPED_CAPABILITY DDPRUN_THREAD_ANNOTATION(scoped_lockable)
+#endif
+#ifndef NO_THREAD_SAFETY_ANALYSIS
 #define NO_THREAD_SAFETY_ANALYSIS DDPRUN_THREAD_ANNOTATION(no_thread_safety_analysis)
+#endif
 
 namespace ddprun {
 
@@ -44,6 +64,27 @@ class SCOPED_CAPABILITY MutexLock {
 
  private:
   Mutex& mu_;
+};
+
+// std::recursive_mutex with the capability attribute (a callback that may destroy its owner).
+class CAPABILITY("mutex") RecursiveMutex {
+ public:
+  void lock() ACQUIRE() { mu_.lock(); }
+  void unlock() RELEASE() { mu_.unlock(); }
+
+ private:
+  std::recursive_mutex mu_;
+};
+
+class SCOPED_CAPABILITY RecursiveMutexLock {
+ public:
+  explicit RecursiveMutexLock(RecursiveMutex& mu) ACQUIRE(mu) : mu_(mu) { mu_.lock(); }
+  ~RecursiveMutexLock() RELEASE() { mu_.unlock(); }
+  RecursiveMutexLock(const RecursiveMutexLock&) = delete;
+  RecursiveMutexLock& operator=(const RecursiveMutexLock&) = delete;
+
+ private:
+  RecursiveMutex& mu_;
 };
 
 }  // namespace ddprun

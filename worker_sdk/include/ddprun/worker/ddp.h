@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -115,10 +114,15 @@ class DistributedDataParallel {
 
  private:
   struct Bucket;
+  struct Iteration;
+  // Construction, in order.
+  void checkPlacement(Communicator& comm) const;
+  void checkSameModel(Communicator& comm) const;
+  void buildBuckets(Communicator& comm);
+  void registerHooks();
+
   void onGradReady(std::size_t param_index);
-  void launchReadyBuckets();
   void finalizeBackward();
-  void resetIteration();
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<ProcessGroup> group_;
@@ -134,12 +138,8 @@ class DistributedDataParallel {
   std::vector<std::size_t> bucket_of_;  // param index -> bucket
   std::vector<std::size_t> offset_of_;  // param index -> element offset in its bucket
   std::vector<torch::Tensor> views_;  // param index -> its slice of the bucket, shaped as the param
-
-  std::mutex mu_;  // guards the per-iteration state below (hooks may run on autograd threads)
-  bool sync_enabled_ = true;
-  bool in_backward_ = false;
-  std::vector<bool> ready_;
-  std::size_t next_bucket_ = 0;
+  // What one backward pass changes, under a mutex: gradient hooks run on autograd threads.
+  std::unique_ptr<Iteration> iteration_;
 };
 
 }  // namespace ddprun::worker
