@@ -82,7 +82,7 @@ class LoopService : public std::enable_shared_from_this<LoopService> {
     Done<std::vector<std::string>> done;
   };
 
-  // ---- posting (service.cc)
+  // ---- posting and the calls (loop_service.cc)
   // Runs `fn` on the loop later, unless the service is gone by then.
   void post(std::function<void()> fn);
   // A callback for a thread that hands its argument to `fn` on the loop.
@@ -102,7 +102,7 @@ class LoopService : public std::enable_shared_from_this<LoopService> {
   void armJoinBound(uint64_t id, Duration bound);
   std::string newNodeId();
 
-  // ---- what the watch delivers (service_push.cc)
+  // ---- what the watch delivers (loop_service_watch.cc)
   void onSync(std::vector<KeyEvent> keys, int64_t revision);
   void onEvents(std::vector<KeyEvent> events, int64_t revision);
   void onAliveEvent(const KeyEvent& ev);
