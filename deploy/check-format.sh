@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 if git rev-parse --git-dir >/dev/null 2>&1; then
   mapfile -t files < <(git ls-files '*.cc' '*.h')
 else
-  mapfile -t files < <(find common agent launcher rendezvous proto slurm worker_sdk examples tests bench fuzz \
+  mapfile -t files < <(find common agent launcher rendezvous snapshot proto slurm worker_sdk examples tests bench fuzz \
     -name '*.cc' -o -name '*.h' 2>/dev/null)
 fi
 bad=()

@@ -15,8 +15,9 @@ if command -v ccache >/dev/null 2>&1; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCH
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
   -DDDPRUN_SANITIZE=address,undefined -DDDPRUN_FUZZ=ON "${launcher[@]}" "$@" >/dev/null
 cmake --build "$BUILD_DIR" -j "$JOBS" --target common_tests rendezvous_state_tests launcher_tests \
-  slurm_tests worker_core_test fuzz_hostlist fuzz_rdzv_conf fuzz_cli fuzz_nnodes_endpoint \
-  fuzz_rendezvous_state fuzz_snapshot_requests fuzz_etcd_state_value
+  slurm_tests worker_core_test snapshot_core_tests fuzz_hostlist fuzz_rdzv_conf fuzz_cli \
+  fuzz_nnodes_endpoint fuzz_rendezvous_state fuzz_snapshot_requests fuzz_snapshot_core \
+  fuzz_etcd_state_value
 # The worker SDK's thread-safety annotations (its sources include LibTorch: checked, not built).
 deploy/check-thread-safety.sh "$BUILD_DIR"
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \

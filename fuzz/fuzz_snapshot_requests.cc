@@ -14,16 +14,16 @@
 #include <string>
 #include <vector>
 
-#include "ddprun/agent/snapshot_replica.h"
-#include "ddprun/rendezvous/snapshot_transfer.h"
+#include "convert.h"  // snapshot/src: a version as the transport carries it
+#include "ddprun/snapshot/replica.h"
+#include "ddprun/snapshot/transfer.h"
 #include "fuzz_check.h"
 
-using ddprun::agent::HolderNews;
-using ddprun::agent::SnapshotReplica;
-using ddprun::agent::SnapshotVersion;
-using ddprun::agent::TransferOutcome;
-using ddprun::rendezvous::FetchAdmission;
-using ddprun::rendezvous::SnapshotFile;
+using ddprun::snapshot::FetchAdmission;
+using ddprun::snapshot::HolderNews;
+using ddprun::snapshot::SnapshotFile;
+using ddprun::snapshot::SnapshotReplica;
+using ddprun::snapshot::TransferOutcome;
 
 namespace {
 
@@ -34,28 +34,18 @@ constexpr size_t kNames = 12;
 
 const char* const kPeers[] = {"ipv4:10.0.0.1", "ipv4:10.0.0.2", "ipv6:[::1]", "x"};
 
-SnapshotVersion toVersion(const SnapshotFile& f) {
-  SnapshotVersion v{f.name, f.version, f.size, f.crc32};
-  v.crc_pending = f.crc32_pending;
-  v.deleted = f.deleted;
-  v.moved_from = f.moved_from;
-  v.moved_from_version = f.moved_from_version;
-  v.moved_to = f.moved_to;
-  return v;
-}
-
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
   FetchAdmission admission(kPerPeer, kStreams);
   std::map<std::string, int> admitted;
-  ddprun::agent::SnapshotReplicaOptions options;
+  ddprun::snapshot::SnapshotReplicaOptions options;
   options.max_names_per_holder = kNamesPerHolder;
   options.max_pending_names = kNames;
   options.max_tombstones = 4;
   SnapshotReplica replica(options);
-  std::vector<ddprun::agent::SnapshotTransfer> running;
+  std::vector<ddprun::snapshot::SnapshotTransfer> running;
   std::vector<std::string> sources = {"10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"};
   for (int op = 0; op < 64 && in.remaining_bytes() > 0; ++op) {
     switch (in.ConsumeIntegralInRange<int>(0, 7)) {
@@ -66,7 +56,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         const uint64_t length = in.ConsumeIntegral<uint64_t>();
         const uint32_t chunk = in.ConsumeIntegral<uint32_t>();
         const size_t server = in.ConsumeIntegralInRange<size_t>(0, 8 << 20);
-        auto plan = ddprun::rendezvous::planFetch(name, held, offset, length, chunk, server);
+        auto plan = ddprun::snapshot::planFetch(name, held, offset, length, chunk, server);
         if (!plan.isOk()) {
           FUZZ_CHECK(isOneCleanLine(plan.status().message()));
           break;
@@ -100,18 +90,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         f.moved_from = in.ConsumeRandomLengthString(64);
         f.moved_from_version = in.ConsumeIntegral<uint64_t>();
         f.moved_to = in.ConsumeRandomLengthString(64);
-        const SnapshotFile n = ddprun::rendezvous::normalizeAnnounced(f);
+        const SnapshotFile n = ddprun::snapshot::normalizeAnnounced(f);
         FUZZ_CHECK(!n.deleted || (n.size == 0 && n.crc32 == 0 && n.moved_from.empty()));
         FUZZ_CHECK(!n.crc32_pending || (n.crc32 == 0 && n.moved_from.empty()));
         const std::string& source = sources[in.ConsumeIntegralInRange<size_t>(0, 2)];
-        const HolderNews news = replica.onHolder(toVersion(n), source);
-        if (news == HolderNews::kTaken) FUZZ_CHECK(ddprun::agent::isReplicatedName(n.name));
+        const HolderNews news = replica.onHolder(ddprun::snapshot::fromWire(n), source);
+        if (news == HolderNews::kTaken) FUZZ_CHECK(ddprun::snapshot::isReplicatedName(n.name));
         break;
       }
       case 4: {  // transfers started, and how some ended
         for (auto& t : replica.takeTransfers()) {
-          FUZZ_CHECK(ddprun::agent::isReplicatedName(t.file.name));
-          FUZZ_CHECK(ddprun::agent::isPossibleVersion(t.file.version));
+          FUZZ_CHECK(ddprun::snapshot::isReplicatedName(t.file.name));
+          FUZZ_CHECK(ddprun::snapshot::isPossibleVersion(t.file.version));
           FUZZ_CHECK(t.attempt >= 1);
           running.push_back(std::move(t));
         }
@@ -123,14 +113,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       }
       case 5: {  // a node's round holdings
-        auto holdings = ddprun::agent::decodeHoldings(in.ConsumeRandomLengthString(512));
+        auto holdings = ddprun::snapshot::decodeHoldings(in.ConsumeRandomLengthString(512));
         if (!holdings.isOk()) {
           FUZZ_CHECK(isOneCleanLine(holdings.status().message()));
           break;
         }
         for (const auto& v : holdings->second) {
-          FUZZ_CHECK(ddprun::agent::isReplicatedName(v.name));
-          FUZZ_CHECK(ddprun::agent::isPossibleVersion(v.version));
+          FUZZ_CHECK(ddprun::snapshot::isReplicatedName(v.name));
+          FUZZ_CHECK(ddprun::snapshot::isPossibleVersion(v.version));
           (void)replica.onHolder(v, holdings->first.substr(0, 64));
         }
         break;
@@ -143,7 +133,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       }
       case 7: {  // a version table read at start
-        auto table = ddprun::agent::decodeVersionTable(in.ConsumeRandomLengthString(512));
+        auto table = ddprun::snapshot::decodeVersionTable(in.ConsumeRandomLengthString(512));
         if (!table.isOk()) FUZZ_CHECK(isOneCleanLine(table.status().message()));
         break;
       }

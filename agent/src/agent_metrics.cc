@@ -20,7 +20,8 @@ void AgentMetrics::onState(AgentState s, int restart_count, double now) {
 }
 
 std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const AgentMetrics& m,
-                          const RendezvousClient& rdzv, const SnapshotMetrics* snapshots) {
+                          const RendezvousClient& rdzv,
+                          const snapshot::SnapshotMetrics* snapshots) {
   std::string out;
   auto add = [&](const std::string& name, const std::string& help, const std::string& type,
                  double value, const std::string& labels = "") {
@@ -58,7 +59,7 @@ std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const A
   add("ddprun_agent_last_change_timestamp_seconds", "Unix time of the last state change.", "gauge",
       m.last_change);
   if (snapshots != nullptr) {
-    const SnapshotMetrics& s = *snapshots;
+    const snapshot::SnapshotMetrics& s = *snapshots;
     add("ddprun_snapshot_versions_replicated_total",
         "Snapshot versions fetched from other nodes and renamed into place.", "counter",
         static_cast<double>(s.versions_fetched));

@@ -7,7 +7,7 @@
 #include "ddprun/agent/config.h"
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/agent/supervisor.h"
-#include "snapshot_replicator.h"
+#include "ddprun/snapshot/core.h"
 
 namespace ddprun::agent {
 
@@ -23,6 +23,7 @@ struct AgentMetrics {
 
 // `snapshots`: the replication's counters when --snapshot-dir is replicated (nullptr: none).
 std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const AgentMetrics& m,
-                          const RendezvousClient& rdzv, const SnapshotMetrics* snapshots = nullptr);
+                          const RendezvousClient& rdzv,
+                          const snapshot::SnapshotMetrics* snapshots = nullptr);
 
 }  // namespace ddprun::agent

@@ -22,7 +22,7 @@
 #include "metrics_server.h"
 #include "posix_process_launcher.h"
 #include "rendezvous_factory.h"
-#include "snapshot_replicator.h"
+#include "snapshot_sync_client.h"
 #include "stat_heartbeat_probe.h"
 #include "torch_probe.h"
 
@@ -78,13 +78,13 @@ StatusOr<NodeSetup> prepareNode(const AgentConfig& cfg) {
   if (!choice.isOk()) return usageError(choice.status());
   node.choice = std::move(choice).value();
   if (!cfg.snapshot_dir.empty())
-    DDPRUN_RETURN_IF_ERROR(usageError(checkSnapshotDir(cfg.snapshot_dir)));
+    DDPRUN_RETURN_IF_ERROR(usageError(snapshot::checkSnapshotDir(cfg.snapshot_dir)));
   DDPRUN_ASSIGN_OR_RETURN(node.run_dir, makeRunLogDir(cfg));
   logger("agent")->info("log directory set to: {}", node.run_dir);
   // Before gRPC's threads exist (see the function).
   if (!cfg.snapshot_dir.empty()) {
-    rendezvous::tuneAllocatorForTransfers();
-    logger("agent")->debug("snapshot dir: up to {} open files", raiseOpenFileLimit());
+    snapshot::tuneAllocatorForTransfers();
+    logger("agent")->debug("snapshot dir: up to {} open files", snapshot::raiseOpenFileLimit());
   }
   return node;
 }
@@ -100,9 +100,9 @@ StatusOr<std::vector<WorkerLaunch>> prepareAttempt(AttemptPlan plan) {
 }
 
 // The replication service speaks as the rendezvous does: the same token, TLS when configured.
-StatusOr<SnapshotReplicatorOptions> snapshotReplicatorOptions(const AgentConfig& cfg,
-                                                              const std::string& local_addr) {
-  SnapshotReplicatorOptions o;
+StatusOr<snapshot::ReplicatorOptions> snapshotReplicatorOptions(const AgentConfig& cfg,
+                                                                const std::string& local_addr) {
+  snapshot::ReplicatorOptions o;
   o.dir = cfg.snapshot_dir;
   o.run_id = cfg.rdzv_id;
   o.local_addr = local_addr;
@@ -119,11 +119,11 @@ StatusOr<SnapshotReplicatorOptions> snapshotReplicatorOptions(const AgentConfig&
     o.security.tls_key_pem = cfg.rdzv_conf.tls_key_pem;
   }
   const char* fault = std::getenv("DDPRUN_SNAPSHOT_FAULT");
-  auto parsed = parseSnapshotFault(fault != nullptr ? fault : "");
+  auto parsed = snapshot::parseSnapshotFault(fault != nullptr ? fault : "");
   if (!parsed.isOk()) return usageError(parsed.status());
   o.fault = *parsed;
   const char* streams = std::getenv("DDPRUN_SNAPSHOT_STREAMS");
-  auto n = parseSnapshotStreams(streams != nullptr ? streams : "");
+  auto n = snapshot::parseSnapshotStreams(streams != nullptr ? streams : "");
   if (!n.isOk()) return usageError(n.status());
   o.fetch_streams = *n;
   return o;
@@ -136,7 +136,7 @@ StatusOr<SnapshotReplicatorOptions> snapshotReplicatorOptions(const AgentConfig&
 struct RendezvousStack {
   RendezvousSetup setup;
   std::unique_ptr<JobIdentityClient> identity;
-  std::unique_ptr<SnapshotReplicator> replicator;
+  std::unique_ptr<snapshot::Replicator> replicator;
   std::unique_ptr<SnapshotSyncClient> synced;
 
   RendezvousClient& client() const {
@@ -149,7 +149,7 @@ struct RendezvousStack {
 Status addSnapshotReplication(const AgentConfig& cfg, const NodeSetup& node,
                               boost::asio::io_context& io, RendezvousStack& stack) {
   DDPRUN_ASSIGN_OR_RETURN(auto opts, snapshotReplicatorOptions(cfg, node.local_addr));
-  DDPRUN_ASSIGN_OR_RETURN(stack.replicator, SnapshotReplicator::start(io, std::move(opts)));
+  DDPRUN_ASSIGN_OR_RETURN(stack.replicator, snapshot::Replicator::start(io, std::move(opts)));
   if (cfg.rdzv_conf.token.empty()) {
     logger("agent")->warn(
         "snapshot replication without a token (--snapshot-allow-unauthenticated): anyone who can "
@@ -361,7 +361,7 @@ void AgentRun::reportEnd() {
   if (!cfg_.snapshot_dir.empty()) {
     // A snapshot write killed mid-way (SIGXFSZ, SIGKILL) leaves its temp file; its bytes are not
     // kept until the next start.
-    const auto removed = removeDeadWritersTempFiles(cfg_.snapshot_dir);
+    const auto removed = snapshot::removeDeadWritersTempFiles(cfg_.snapshot_dir);
     if (!removed.empty()) {
       log_->info("snapshot dir: removed {} temp file(s) that killed writers left (e.g. {})",
                  removed.size(), removed.front());

@@ -1,4 +1,4 @@
-// Raw throughput of one snapshot fetch (rendezvous/snapshot_transfer.h) on 127.0.0.1, against a
+// Raw throughput of one snapshot fetch (snapshot/transfer.h) on 127.0.0.1, against a
 // plain read+write copy of the same file on the same disk. Informational.
 // Usage: snapshot_transfer_bench SIZE_MB [REPS [DIR]]   (DIR: where the files go, default /tmp)
 #include <fcntl.h>
@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "ddprun/rendezvous/snapshot_transfer.h"
+#include "ddprun/snapshot/transfer.h"
 
 using namespace ddprun;
-using namespace ddprun::rendezvous;
+using namespace ddprun::snapshot;
 
 namespace {
 double cpuSeconds() {  // user + system time of every thread of this process

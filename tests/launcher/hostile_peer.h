@@ -21,7 +21,7 @@
 
 #include "ddprun/common/crc32.h"
 #include "ddprun/rendezvous/client.h"
-#include "ddprun/rendezvous/snapshot_transfer.h"
+#include "ddprun/snapshot/transfer.h"
 #include "ddprun/snapshot/v1/snapshot.grpc.pb.h"
 #include "process_helpers.h"
 
@@ -160,12 +160,12 @@ class HostileNode {
 
   // Tells the agent serving at `agent` that this node holds `file` (source: this node, unless
   // `source` says otherwise).
-  Status announce(const std::string& agent, const rendezvous::SnapshotFile& file,
+  Status announce(const std::string& agent, const snapshot::SnapshotFile& file,
                   const std::string& source = "") {
-    rendezvous::SnapshotPeer peer{agent, run_id_, {}};
+    snapshot::SnapshotPeer peer{agent, run_id_, {}};
     peer.security.token = token_;
     const std::string from = source.empty() ? endpoint : source;
-    return rendezvous::announceSnapshot(peer, file, from, from, std::chrono::seconds(5));
+    return snapshot::announceSnapshot(peer, file, from, from, std::chrono::seconds(5));
   }
 
   // Leaves the run now (as a node that stops would): the next round is formed without it.

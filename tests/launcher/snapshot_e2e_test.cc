@@ -16,7 +16,7 @@
 #include <set>
 
 #include "ddprun/common/crc32.h"
-#include "ddprun/rendezvous/snapshot_transfer.h"
+#include "ddprun/snapshot/transfer.h"
 #include "multinode_helpers.h"
 #include "process_helpers.h"
 #include "rendezvous_daemon.h"
@@ -963,26 +963,26 @@ TEST_CASE(
   bool renamed = false;
   if (arrived && versioned) {
     const uint64_t held = (std::stoull(m[1].str()) << 32) | std::stoull(m[2].str());
-    const rendezvous::SnapshotPeer reader{serving(1), "snap-rename-order", {}};
+    const snapshot::SnapshotPeer reader{serving(1), "snap-rename-order", {}};
     const std::string writer = serving(0);
-    rendezvous::SnapshotFile gone{"staging.pt", held + 10, 0, 0};
+    snapshot::SnapshotFile gone{"staging.pt", held + 10, 0, 0};
     gone.deleted = true;
     gone.moved_to = "final.pt";
-    rendezvous::SnapshotFile moved{"final.pt", held + 11, content.size(),
-                                   crc32Update(0, content.data(), content.size())};
+    snapshot::SnapshotFile moved{"final.pt", held + 11, content.size(),
+                                 crc32Update(0, content.data(), content.size())};
     moved.moved_from = "staging.pt";
     moved.moved_from_version = held;
-    REQUIRE(rendezvous::announceSnapshot(reader, gone, writer, writer, 5s).isOk());
+    REQUIRE(snapshot::announceSnapshot(reader, gone, writer, writer, 5s).isOk());
     REQUIRE(waitUntil([&] { return !fileExists(b_dir / "staging.pt"); }, 30s));
     aside_before_link = aside();
-    REQUIRE(rendezvous::announceSnapshot(reader, moved, writer, writer, 5s).isOk());
+    REQUIRE(snapshot::announceSnapshot(reader, moved, writer, writer, 5s).isOk());
     renamed = waitUntil([&] { return holds("final.pt"); }, 30s);
     if (other_versioned) {
       const uint64_t other = (std::stoull(other_m[1].str()) << 32) | std::stoull(other_m[2].str());
-      rendezvous::SnapshotFile other_gone{"other.pt", other + 20, 0, 0};
+      snapshot::SnapshotFile other_gone{"other.pt", other + 20, 0, 0};
       other_gone.deleted = true;
       other_gone.moved_to = "never.pt";
-      REQUIRE(rendezvous::announceSnapshot(reader, other_gone, writer, writer, 5s).isOk());
+      REQUIRE(snapshot::announceSnapshot(reader, other_gone, writer, writer, 5s).isOk());
       REQUIRE(waitUntil([&] { return !fileExists(b_dir / "other.pt"); }, 30s));
       // Let go after the kept time (10 s), with nothing left behind.
       aside_gone = waitUntil([&] { return aside() == 0; }, 30s);

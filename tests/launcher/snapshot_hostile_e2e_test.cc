@@ -83,7 +83,7 @@ TEST_CASE("a deletion announced through a symlinked directory deletes nothing ou
   const std::string at = agent.ready();
   REQUIRE(!at.empty());
 
-  rendezvous::SnapshotFile gone{"ld/victim", peer.version(7), 0, 0};
+  snapshot::SnapshotFile gone{"ld/victim", peer.version(7), 0, 0};
   gone.deleted = true;
   REQUIRE(peer.announce(at, gone).isOk());
   INFO(agent.process->err());
@@ -131,8 +131,8 @@ TEST_CASE("announcements are taken only from the nodes of the current round",
   HostileNode outsider(rdzv.endpoint, "hostile-round");  // the job id, but never joined
   const std::string planted(1 << 20, 'p');
   outsider.serve(serveContent(planted));
-  rendezvous::SnapshotFile pt{"snapshot.pt", member.version(3), planted.size(),
-                              crc32Update(0, planted.data(), planted.size())};
+  snapshot::SnapshotFile pt{"snapshot.pt", member.version(3), planted.size(),
+                            crc32Update(0, planted.data(), planted.size())};
   for (int i = 0; i < 5; ++i) REQUIRE(outsider.announce(at, pt).isOk());
   INFO(agent.process->err());
   CHECK(agent.logged("snapshot: ignored 1 announcement(s) from " + outsider.endpoint +
@@ -144,8 +144,8 @@ TEST_CASE("announcements are taken only from the nodes of the current round",
   // The member's own announcement is taken (the same agent, the same path).
   const std::string good(300000, 'g');
   member.serve(serveContent(good));
-  rendezvous::SnapshotFile g{"good.bin", member.version(4), good.size(),
-                             crc32Update(0, good.data(), good.size())};
+  snapshot::SnapshotFile g{"good.bin", member.version(4), good.size(),
+                           crc32Update(0, good.data(), good.size())};
   REQUIRE(member.announce(at, g).isOk());
   CHECK(agent.logged("snapshot: fetched good.bin"));
   CHECK(readFile(dir / "good.bin") == good);
@@ -278,7 +278,7 @@ TEST_CASE("a peer's flood of names is bounded, and its names are forgotten once 
         return grpc::Status(grpc::StatusCode::UNAVAILABLE, "stalled");
       });
   for (int i = 0; i < 1000; ++i) {
-    rendezvous::SnapshotFile f{"flood/" + std::to_string(i), peer.version(1), 10, 1};
+    snapshot::SnapshotFile f{"flood/" + std::to_string(i), peer.version(1), 10, 1};
     REQUIRE(peer.announce(at, f).isOk());
   }
   // 100 taken, 900 refused, in one line (a minute's worth) naming the peer and the bound.
@@ -318,7 +318,7 @@ TEST_CASE("a holder that announces a large version and stalls is dropped after t
     while (!ctx->IsCancelled()) std::this_thread::sleep_for(10ms);
     return grpc::Status(grpc::StatusCode::CANCELLED, "gone");
   });
-  rendezvous::SnapshotFile big{"big.bin", peer.version(2), 20 << 20, 99};
+  snapshot::SnapshotFile big{"big.bin", peer.version(2), 20 << 20, 99};
   const auto announced = std::chrono::steady_clock::now();
   REQUIRE(peer.announce(at, big).isOk());
   REQUIRE(waitUntil([&] { return sent.load() >= 1; }));
@@ -353,7 +353,7 @@ TEST_CASE("a peer's errors are named with the file and the peer, escaped, and a 
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         "\x1b[2J\x1b[31m" + std::string(5000, 'z'));
   });
-  rendezvous::SnapshotFile busy{"busy.bin", peer.version(3), 10, 1};
+  snapshot::SnapshotFile busy{"busy.bin", peer.version(3), 10, 1};
   REQUIRE(peer.announce(at, busy).isOk());
   INFO(agent.process->err());
   const std::string line = "snapshot: fetching busy.bin version " +
@@ -368,10 +368,10 @@ TEST_CASE("a peer's errors are named with the file and the peer, escaped, and a 
   CHECK(agent.process->err().find("keeping the previous version") == std::string::npos);
 
   // 400 calls with a wrong token: refused each, logged once for the peer with a count.
-  rendezvous::SnapshotPeer wrong{at, "hostile-errors", {}};
+  snapshot::SnapshotPeer wrong{at, "hostile-errors", {}};
   wrong.security.token = "not-the-token";
   for (int i = 0; i < 400; ++i) {
-    const Status st = rendezvous::announceSnapshot(wrong, busy, peer.endpoint, peer.endpoint, 5s);
+    const Status st = snapshot::announceSnapshot(wrong, busy, peer.endpoint, peer.endpoint, 5s);
     REQUIRE(st.code() == StatusCode::kUnauthenticated);
   }
   CHECK(agent.logged("snapshot replication: refused 1 call(s) from ipv4:127.0.0.1: wrong token"));

@@ -1,13 +1,13 @@
-// The agents' snapshot replication over gRPC (proto ddprun.snapshot.v1): a server that answers
-// announcements and serves the versions its agent holds as checksummed chunks, and the two
-// blocking client calls (announce, fetch into a temp file). The agent's replicator
-// (agent/src/snapshot_replicator.h) decides what to fetch when; nothing here knows about rounds.
-// It lives beside the rendezvous' gRPC adapters so that the agent includes no gRPC header, and it
-// authenticates with the same token and TLS material.
+// The transport of snapshot replication: the agents' file transfers over gRPC (proto
+// ddprun.snapshot.v1). A server that answers announcements and serves the versions its agent
+// holds as checksummed chunks, and the two blocking client calls (announce, fetch into a temp
+// file). The replicator (replicator.h) decides what to fetch when; nothing here knows about
+// rounds. A plain header: gRPC stays in snapshot/src (server.cc, transfer.cc, wire.h), so the
+// agent includes no gRPC header. It authenticates with the rendezvous' token and TLS material.
 //
 // Threading: the server calls `lookup` and `on_announce` on gRPC threads (they must be
-// thread-safe; the agent's only post to its loop or read a mutex-guarded table). The client calls
-// block the calling thread (the agent runs them on a transfer thread, never on its loop).
+// thread-safe; the replicator's read a mutex-guarded table or post to its loop). The client calls
+// block the calling thread (the replicator runs them on its transfer pool, never on its loop).
 // Lifetime: destroying the server waits for the calls in flight to finish.
 #pragma once
 
@@ -23,8 +23,9 @@
 
 #include "ddprun/common/clock.h"
 #include "ddprun/common/status.h"
+#include "ddprun/common/thread_annotations.h"
 
-namespace ddprun::rendezvous {
+namespace ddprun::snapshot {
 
 // One complete version of one file of a snapshot directory.
 struct SnapshotFile {
@@ -59,9 +60,9 @@ class PendingCrc {
   void whenKnown(std::function<void(const StatusOr<uint32_t>&)> then);
 
  private:
-  std::mutex mu_;
-  std::optional<StatusOr<uint32_t>> value_;                              // guarded by mu_
-  std::vector<std::function<void(const StatusOr<uint32_t>&)>> waiters_;  // guarded by mu_
+  Mutex mu_;
+  std::optional<StatusOr<uint32_t>> value_ GUARDED_BY(mu_);
+  std::vector<std::function<void(const StatusOr<uint32_t>&)>> waiters_ GUARDED_BY(mu_);
 };
 
 // An open, read-only file descriptor, closed when the last holder lets go: a version is served
@@ -112,15 +113,15 @@ class ArrivingFile {
     uint64_t end;
     std::function<void(const Status&)> then;
   };
-  bool availableLocked(uint64_t offset, uint64_t end) const;
+  bool availableLocked(uint64_t offset, uint64_t end) const REQUIRES(mu_);
   // Removes the waiters that can run now from waiters_, in the order they came (all once failed_).
-  std::vector<Waiter> takeReadyLocked();
+  std::vector<Waiter> takeReadyLocked() REQUIRES(mu_);
 
-  mutable std::mutex mu_;
-  std::shared_ptr<const OpenFile> data_;  // guarded by mu_
-  std::map<uint64_t, Range> ranges_;      // by first byte; guarded by mu_
-  std::optional<Status> failed_;          // guarded by mu_
-  std::vector<Waiter> waiters_;           // guarded by mu_
+  mutable Mutex mu_;
+  std::shared_ptr<const OpenFile> data_ GUARDED_BY(mu_);
+  std::map<uint64_t, Range> ranges_ GUARDED_BY(mu_);  // by first byte
+  std::optional<Status> failed_ GUARDED_BY(mu_);
+  std::vector<Waiter> waiters_ GUARDED_BY(mu_);
 };
 
 struct ServedFile {
@@ -151,8 +152,8 @@ struct ServeFault {
   int count = 0;
 };
 
-// What a server makes of the requests it is sent, without gRPC (rendezvous/src/
-// snapshot_requests.cc; the fuzz target fuzz_snapshot_requests drives them with any input).
+// What a server makes of the requests it is sent, without gRPC (snapshot/src/
+// requests.cc; the fuzz target fuzz_snapshot_requests drives them with any input).
 
 // The smallest chunk a Fetch may ask for (FetchRequest.chunk_bytes), and the smallest a server
 // cuts when many streams share its chunk budget.
@@ -265,11 +266,11 @@ class FetchCancel {
   void unsubscribe(uint64_t id);
 
  private:
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::atomic<bool> cancelled_{false};
-  Status why_;                                             // guarded by mu_
-  std::map<uint64_t, std::function<void()>> subscribers_;  // guarded by mu_
-  uint64_t next_id_ = 0;                                   // guarded by mu_
+  Status why_ GUARDED_BY(mu_);
+  std::map<uint64_t, std::function<void()>> subscribers_ GUARDED_BY(mu_);
+  uint64_t next_id_ GUARDED_BY(mu_) = 0;
 };
 
 // Receives `file` from `peer` into `temp_path` (created, never replacing anything), checks every
@@ -328,4 +329,4 @@ void warmHeapForFetches();
 // file of 64 MiB or more is read in two halves at once, on this thread and a helper.
 StatusOr<std::pair<uint64_t, uint32_t>> crc32OfFile(int fd);
 
-}  // namespace ddprun::rendezvous
+}  // namespace ddprun::snapshot

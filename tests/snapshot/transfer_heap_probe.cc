@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "ddprun/common/block_cache.h"
-#include "ddprun/rendezvous/snapshot_transfer.h"
+#include "ddprun/snapshot/transfer.h"
 
 int main(int argc, char** argv) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -32,8 +32,8 @@ int main(int argc, char** argv) {
     ::munmap(scratch, n);
   }
   if (tuned) {
-    ddprun::rendezvous::tuneAllocatorForTransfers();
-    ddprun::rendezvous::warmHeapForFetches();
+    ddprun::snapshot::tuneAllocatorForTransfers();
+    ddprun::snapshot::warmHeapForFetches();
   }
   long faults = -1;
   std::thread([&faults] {

@@ -1,11 +1,11 @@
 // The request handling of the snapshot replication server that needs no gRPC: a Fetch's byte
-// range and chunk size, an announcement's fields, the bounds on streams. (snapshot_transfer.h)
+// range and chunk size, an announcement's fields, the bounds on streams. (transfer.h)
 #include <algorithm>
 
 #include "ddprun/common/strings.h"
-#include "ddprun/rendezvous/snapshot_transfer.h"
+#include "ddprun/snapshot/transfer.h"
 
-namespace ddprun::rendezvous {
+namespace ddprun::snapshot {
 
 StatusOr<FetchPlan> planFetch(const std::string& name, uint64_t size, uint64_t offset,
                               uint64_t length, uint32_t chunk_bytes, size_t server_chunk) {
@@ -67,4 +67,4 @@ void FetchAdmission::release(const std::string& peer) {
   if (--it->second == 0) by_peer_.erase(it);
 }
 
-}  // namespace ddprun::rendezvous
+}  // namespace ddprun::snapshot

@@ -1,9 +1,9 @@
-#include "rename_pairs.h"
+#include "ddprun/snapshot/rename_pairs.h"
 
 #include <algorithm>
 #include <utility>
 
-namespace ddprun::agent {
+namespace ddprun::snapshot {
 
 void RenamePairs::movedFrom(uint32_t cookie, Away away, TimePoint now) {
   waiting_[cookie] = Waiting{std::move(away), now, next_order_++};
@@ -43,4 +43,4 @@ std::vector<RenamePairs::Away> RenamePairs::gone(TimePoint now) {
   return out;
 }
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::snapshot

@@ -1,5 +1,5 @@
 // RenamePairs: matches a rename's two inotify events (IN_MOVED_FROM, then IN_MOVED_TO with the
-// same cookie) for the snapshot replicator (snapshot_replicator.h). The kernel queues the two one
+// same cookie) for the snapshot core (core.h). The kernel queues the two one
 // after the other, not at once (inotify(7)): a read can return the IN_MOVED_FROM before its
 // IN_MOVED_TO is queued. So a name renamed away counts as gone (renamed out of the watched tree,
 // a deletion) only once nothing more is queued and `wait` has passed since its IN_MOVED_FROM was
@@ -17,7 +17,7 @@
 
 #include "ddprun/common/clock.h"
 
-namespace ddprun::agent {
+namespace ddprun::snapshot {
 
 // How long a name renamed away waits for its IN_MOVED_TO. The two events are queued within one
 // rename(2), microseconds apart unless the renaming thread is preempted in between; a deletion
@@ -55,4 +55,4 @@ class RenamePairs {
   uint64_t next_order_ = 0;
 };
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::snapshot

@@ -1,12 +1,12 @@
-// How the snapshot replicator pairs a rename's two inotify events (agent/src/rename_pairs.h): a
+// How the snapshot replicator pairs a rename's two inotify events (snapshot/rename_pairs.h): a
 // name renamed away is gone only once its IN_MOVED_TO has not come for the whole wait.
-#include "rename_pairs.h"
+#include "ddprun/snapshot/rename_pairs.h"
 
 #include <catch2/catch.hpp>
 #include <chrono>
 
 using namespace ddprun;
-using namespace ddprun::agent;
+using namespace ddprun::snapshot;
 using std::chrono::milliseconds;
 
 namespace {

@@ -2,7 +2,7 @@
 // the version table (which complete version of each file this node holds), gives a file this
 // node's workers completed its job-wide version, learns which nodes hold which versions, and
 // decides which transfers to run, from which holder, and what happens when one fails. No I/O, no
-// time, no gRPC: the agent's shell (agent/src/snapshot_replicator.h) watches the directory, runs
+// time, no gRPC: the shell (replicator.h) watches the directory, runs
 // the transfers and renames copies into place, and tells this core what happened.
 //
 // The rules:
@@ -31,81 +31,14 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <optional>
 #include <string>
-#include <string_view>
-#include <tuple>
-#include <utility>
 #include <vector>
 
-#include "ddprun/common/status.h"
+#include "ddprun/snapshot/version.h"
 
-namespace ddprun::agent {
-
-struct SnapshotVersion {
-  std::string name;
-  uint64_t version = 0;
-  uint64_t size = 0;
-  uint32_t crc32 = 0;
-  // Announced by its writer while the hash ran: crc32 is unknown (0), a fetch learns it from the
-  // source.
-  bool crc_pending = false;
-  // This version deletes the file (a tombstone: size and crc32 are 0). Held like any version, so
-  // that older versions of the name are not fetched back; applied by deleting the file.
-  bool deleted = false;
-  // A hint that travels with an announcement, not part of the version (neither compared nor
-  // recorded): its writer renamed `moved_from`, held there at `moved_from_version`, to this name.
-  // A node holding that version may copy its own file instead of fetching (the copy is checked
-  // against crc32 as a fetch is).
-  std::string moved_from{};
-  uint64_t moved_from_version = 0;
-  // On a deletion, the same hint the other way: the file was renamed to `moved_to`.
-  std::string moved_to{};
-  bool operator==(const SnapshotVersion& o) const {
-    return name == o.name && version == o.version && size == o.size && crc32 == o.crc32 &&
-           crc_pending == o.crc_pending && deleted == o.deleted;
-  }
-  // The same version, as far as both know: equal, or one of them without its CRC-32 yet.
-  bool sameContent(const SnapshotVersion& o) const {
-    return name == o.name && version == o.version && size == o.size && deleted == o.deleted &&
-           (crc_pending || o.crc_pending || crc32 == o.crc32);
-  }
-  // Whether this version is to replace `o`, a version of the same name: a higher number; at the
-  // same number (two nodes wrote the name in one round, each numbering above the same last
-  // version), the greater content, so that every node ends with the same bytes: a file over a
-  // tombstone, then the larger size, then the larger CRC-32. Content still being hashed decides
-  // nothing until its CRC-32 is known (the next round's holdings carry it), and neither does that
-  // of version 0 (files no agent recorded: which is newer is unknown, so each node keeps its own).
-  bool supersedes(const SnapshotVersion& o) const {
-    if (version != o.version) return version > o.version;
-    if (version == 0 || crc_pending || o.crc_pending) return false;
-    return std::make_tuple(!deleted, size, crc32) > std::make_tuple(!o.deleted, o.size, o.crc32);
-  }
-};
-
-inline uint64_t makeSnapshotVersion(uint64_t round, uint32_t sequence) {
-  return (round << 32) | sequence;
-}
-
-// A version of a round below 2^31, which every job stays in. The version table records no other,
-// and a peer's other is refused (holdings, announcements): this node numbers its own writes above
-// every version seen, and would otherwise wrap round to numbers older than what it holds.
-inline bool isPossibleVersion(uint64_t version) { return (version >> 32) < (uint64_t{1} << 31); }
-
-// A name the replicator handles: a file's path relative to the snapshot directory ("snapshot.pt",
-// "checkpoint-500/optimizer.pt", "step_100/.metadata"), at most kMaxReplicatedName bytes, whose
-// every '/'-separated part is replicated (isReplicatedPart).
-inline constexpr size_t kMaxReplicatedName = 1024;
-bool isReplicatedName(const std::string& name);
-// One part of such a path: a file or directory name of at most 255 bytes, not "." or "..", without
-// control characters, not a temp file (containing ".tmp", as the SDK's and PyTorch's writers name
-// theirs before the rename, and as torch.distributed.checkpoint writes ".metadata.tmp"), not the
-// agent's own (starting with ".ddprun"). Other hidden names are replicated (".metadata").
-// `top`: the part names something directly in the snapshot directory, where "lost+found" (the
-// directory is a file system's root) is not replicated either.
-bool isReplicatedPart(std::string_view part, bool top);
+namespace ddprun::snapshot {
 
 // One transfer the shell should run now.
 struct SnapshotTransfer {
@@ -235,72 +168,4 @@ class SnapshotReplica {
   uint64_t forgotten_ = 0;
 };
 
-// Who tells whom about a new version: the nodes of the round form a chain that starts at the
-// writer `origin` (indices are group ranks), each node telling the next one once its own fetch
-// of the version starts. Every node serves what it fetches as it arrives (a pipelined relay), so
-// every node's uplink carries one copy, the writer's too, and the last node holds the version
-// about one copy's time plus a few chunks per node after the first: between hosts on 1 Gbit/s
-// links, a binomial tree (the writer sending log2(nodes) copies) took 2x one copy with 4 nodes,
-// the chain 1.1-1.2x. Every node but the writer is told exactly once. Returns group ranks.
-std::vector<int> relayTargets(int origin, int self, int nodes);
-
-// The announcements a node was told and passes on down the chain they came by (relayTargets from
-// their origin), kept by content. Two nodes that wrote a name in one round may announce the same
-// number with other bytes, each down a chain of its own: each is passed on along its own chain,
-// so that the greater content reaches every node (the lesser one's chain ends at the first node
-// that holds the greater). Kept by number alone, a node told of both passed the greater on along
-// the lesser's chain, which ends one node earlier where the greater's does not: that node was
-// never told of it and kept other bytes until the next round's sync.
-// Threading: none (the agent's loop thread). Lifetime: a plain value.
-class SnapshotRelays {
- public:
-  // This node was told of `v` by the chain `origin` (an endpoint) starts. Older versions of the
-  // name are forgotten, and `v` is ignored when a newer one was told. The same content told again
-  // keeps the chain it came by first, and is to be passed on again if it was passed on as it
-  // arrived (passedEarly: a retry of its fetch serves it again).
-  void told(const SnapshotVersion& v, const std::string& origin);
-  // The origin of the chain that told this node of `v`, passed on or not; nullopt when it was
-  // not told (or passed on once its copy was complete).
-  std::optional<std::string> origin(const SnapshotVersion& v) const;
-  // `v` is passed on now: its origin when it is still to be passed on, else nullopt (each content
-  // is passed on once). `early`: passed on as it arrives (its fetch started), and remembered.
-  std::optional<std::string> pass(const SnapshotVersion& v, bool early);
-  // `v` was passed on as it arrived: a failure of its fetch is the subtree's too.
-  bool passedEarly(const SnapshotVersion& v) const;
-  // Forgets what was told of every name `keep` says no to (a round's start: names no longer
-  // wanted are not passed on, and a peer's many names do not stay here).
-  void forgetUnless(const std::function<bool(const std::string&)>& keep);
-  size_t size() const { return told_.size(); }
-
- private:
-  struct Told {
-    SnapshotVersion version;
-    std::string origin;
-    bool early = false;  // passed on as it arrived; else still to be passed on
-  };
-  // Where `v`'s content is in told_[v.name], if it was told.
-  std::optional<size_t> indexOf(const SnapshotVersion& v) const;
-  std::map<std::string, std::vector<Told>> told_;  // by name: the newest number's contents
-};
-
-// The holdings a node publishes for a round (in the rendezvous' key-value store): its
-// replication endpoint and what it holds. decodeHoldings refuses malformed text (INVALID_ARGUMENT).
-std::string encodeHoldings(const std::string& endpoint, const std::vector<SnapshotVersion>& held);
-StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
-    const std::string& text);
-
-// The version table an agent keeps in its directory (.ddprun-versions), so that what it held
-// keeps its version when the agent starts again (a job restarted as a whole, a Slurm requeue):
-// otherwise every node's file would be version 0 and nodes that held different versions would
-// keep them. Only versions with a known CRC-32 are recorded (a version 0 has nothing to keep);
-// deletions are (their tombstones keep a deleted file from being fetched back).
-// decodeVersionTable refuses a table that is not one (INVALID_ARGUMENT naming the line); a
-// version from round 2^31 on is refused too (no job gets there; the numbers above it must stay).
-std::string encodeVersionTable(const std::vector<SnapshotVersion>& held);
-StatusOr<std::map<std::string, SnapshotVersion>> decodeVersionTable(const std::string& text);
-// The version `table` recorded for `name` when the file still has that content (size and CRC-32
-// equal); 0 otherwise (changed since, never recorded, or recorded as deleted).
-uint64_t recordedVersion(const std::map<std::string, SnapshotVersion>& table,
-                         const std::string& name, uint64_t size, uint32_t crc32);
-
-}  // namespace ddprun::agent
+}  // namespace ddprun::snapshot

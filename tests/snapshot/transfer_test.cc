@@ -1,6 +1,6 @@
-// The agents' snapshot replication transfer (rendezvous/snapshot_transfer.h) over real gRPC on
+// The agents' snapshot replication transfer (snapshot/transfer.h) over real gRPC on
 // 127.0.0.1: what a fetch accepts and what it refuses, and that a refused fetch leaves nothing.
-#include "ddprun/rendezvous/snapshot_transfer.h"
+#include "ddprun/snapshot/transfer.h"
 
 #include <fcntl.h>
 #include <grpcpp/generic/async_generic_service.h>
@@ -24,7 +24,7 @@
 #include "server_fixture.h"
 
 using namespace ddprun;
-using namespace ddprun::rendezvous;
+using namespace ddprun::snapshot;
 
 namespace {
 
@@ -982,7 +982,7 @@ TEST_CASE("after warmHeapForFetches a fetch's receive buffers take no page fault
           "[snapshot][transfer]") {
   // A fresh process each (the probe): 16 MiB of 64 KiB slices on a thread of its own, as gRPC's
   // threads allocate for a fetch's receive window.
-  const std::string probe = ddprun::testing::buildDir() + "/tests/rendezvous/transfer_heap_probe";
+  const std::string probe = ddprun::testing::buildDir() + "/tests/snapshot/transfer_heap_probe";
   const auto tuned = ddprun::testing::run({probe});
   REQUIRE(tuned.exit_code == 0);
   if (tuned.out.rfind("skip: ", 0) == 0) {

@@ -1,11 +1,13 @@
-#include "ddprun/agent/snapshot_replica.h"
+#include "ddprun/snapshot/replica.h"
 
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <random>
 
+#include "ddprun/snapshot/relays.h"
+
 using namespace ddprun;
-using namespace ddprun::agent;
+using namespace ddprun::snapshot;
 
 namespace {
 

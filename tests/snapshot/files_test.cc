@@ -1,5 +1,5 @@
-// The agent's small file helpers (agent/src/files.h): what the snapshot version table is read
-// and written with.
+// The snapshot shell's file helpers (snapshot/src/files.h): what the version table is read and
+// written with, and paths a peer names acted on beneath the directory.
 #include "files.h"
 
 #include <fcntl.h>
@@ -11,10 +11,11 @@
 #include <catch2/catch.hpp>
 #include <fstream>
 
+#include "ddprun/snapshot/replicator.h"
 #include "process_helpers.h"
 
 using namespace ddprun;
-using namespace ddprun::agent;
+using namespace ddprun::snapshot;
 using ddprun::testing::TempDir;
 
 TEST_CASE("readSmallFile reads a regular file and names what it refuses", "[files]") {
