@@ -121,6 +121,9 @@ class LoopService : public std::enable_shared_from_this<LoopService> {
   void answerFromState();
   void answerMasterWaits();
   void answerKvWaits();
+  // Answers and removes each wait of `waits` that `answer` has a value for; drops the cancelled.
+  template <typename Wait, typename Answer>
+  void answerWaits(std::map<uint64_t, Wait>& waits, Answer answer);
   std::optional<StatusOr<rendezvous::MasterAddress>> masterAnswer(uint64_t round);
   void scheduleTick();
   void tick(TimePoint target);

@@ -211,40 +211,31 @@ void LoopService::answerFromState() {
   for (auto& [done, answer] : answered) done(std::move(answer));
 }
 
-void LoopService::answerMasterWaits() {
-  for (auto it = master_waits_.begin(); it != master_waits_.end();) {
+template <typename Wait, typename Answer>
+void LoopService::answerWaits(std::map<uint64_t, Wait>& waits, Answer answer) {
+  for (auto it = waits.begin(); it != waits.end();) {
     if (!calls_.has(it->first)) {
-      it = master_waits_.erase(it);
+      it = waits.erase(it);
       continue;
     }
-    std::optional<StatusOr<MasterAddress>> answer = masterAnswer(it->second.round);
-    if (!answer) {
+    auto value = answer(it->second);
+    if (!value) {
       ++it;
       continue;
     }
     auto done = std::move(it->second.done);
     calls_.finish(it->first);
-    it = master_waits_.erase(it);
-    done(std::move(*answer));
+    it = waits.erase(it);
+    done(std::move(*value));
   }
 }
 
+void LoopService::answerMasterWaits() {
+  answerWaits(master_waits_, [this](const MasterWait& w) { return masterAnswer(w.round); });
+}
+
 void LoopService::answerKvWaits() {
-  for (auto it = kv_waits_.begin(); it != kv_waits_.end();) {
-    if (!calls_.has(it->first)) {
-      it = kv_waits_.erase(it);
-      continue;
-    }
-    auto values = kv_.values(it->second.keys);
-    if (!values) {
-      ++it;
-      continue;
-    }
-    auto done = std::move(it->second.done);
-    calls_.finish(it->first);
-    it = kv_waits_.erase(it);
-    done(std::move(*values));
-  }
+  answerWaits(kv_waits_, [this](const KvWait& w) { return kv_.values(w.keys); });
 }
 
 std::optional<StatusOr<MasterAddress>> LoopService::masterAnswer(uint64_t round) {
