@@ -1,5 +1,5 @@
 // libFuzzer target: the value the etcd-v3 backend stores under <prefix>/state
-// (agent/src/etcd_state_value.h), as every agent parses it from each pushed change: the header,
+// (etcd/src/state_value.h), as every agent parses it from each pushed change: the header,
 // the join answers, and the snapshot, deflated or not, imported into a RendezvousState. Whatever
 // the value, the parser accepts or refuses it with one clean line, never allocates more than a
 // stated snapshot within the bound, and an accepted snapshot either imports or is refused.
@@ -9,12 +9,12 @@
 #include <string>
 
 #include "ddprun/rendezvous/state.h"
-#include "etcd_state_value.h"
 #include "fuzz_check.h"
+#include "state_value.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto stored = std::make_shared<const std::string>(reinterpret_cast<const char*>(data), size);
-  auto value = ddprun::agent::StateValue::parse(stored);
+  auto value = ddprun::etcd::StateValue::parse(stored);
   if (!value.isOk()) {
     FUZZ_CHECK(isOneCleanLine(value.status().message()));
     return 0;
@@ -33,7 +33,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(isOneCleanLine(snapshot.status().message()));
     return 0;
   }
-  FUZZ_CHECK(snapshot->size() <= ddprun::agent::kMaxStateSnapshotBytes);
+  FUZZ_CHECK(snapshot->size() <= ddprun::etcd::kMaxStateSnapshotBytes);
   ddprun::rendezvous::RendezvousState state;
   (void)state.importRun("run", *snapshot);
   return 0;

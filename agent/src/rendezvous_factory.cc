@@ -1,7 +1,7 @@
 #include "rendezvous_factory.h"
 
 #include "ddprun/common/log.h"
-#include "etcd_rendezvous_service.h"
+#include "ddprun/etcd/rendezvous_service.h"
 #include "grpc_rendezvous_service.h"
 #include "local_rendezvous.h"
 
@@ -23,7 +23,7 @@ StatusOr<RendezvousSetup> makeRendezvous(const RendezvousChoice& choice,
         "at {}",
         std::chrono::duration<double>(conf.join_timeout).count(),
         choice.multinode.run_config.min_nodes, choice.endpoint);
-    EtcdServiceOptions o;
+    etcd::EtcdServiceOptions o;
     o.run_id = choice.multinode.run_id;
     o.endpoints = choice.endpoint;
     o.key_prefix = conf.etcd.key_prefix;
@@ -40,7 +40,7 @@ StatusOr<RendezvousSetup> makeRendezvous(const RendezvousChoice& choice,
     o.run_config = choice.multinode.run_config;
     o.rpc_timeout = std::min<Duration>(conf.read_timeout, std::chrono::seconds(5));
     o.connect_for = conf.join_timeout;
-    out.service = std::make_unique<EtcdRendezvousService>(io, std::move(o));
+    out.service = std::make_unique<etcd::EtcdRendezvousService>(io, std::move(o));
     out.client =
         std::make_unique<MultiNodeRendezvous>(io, choice.multinode, *out.service, std::move(sink));
     return out;

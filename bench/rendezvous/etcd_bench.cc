@@ -28,15 +28,15 @@
 #include <vector>
 
 #include "bench_stats.h"
+#include "client.h"
 #include "ddprun/common/log.h"
 #include "ddprun/common/strings.h"
+#include "ddprun/etcd/rendezvous_service.h"
 #include "ddprun/rendezvous/state.h"
-#include "etcd_client.h"
-#include "etcd_rendezvous_service.h"
-#include "etcd_state_value.h"
+#include "state_value.h"
 
 using namespace ddprun;
-using namespace ddprun::agent;
+using namespace ddprun::etcd;
 using ddprun::bench_stats::BenchClock;
 using ddprun::bench_stats::ms;
 using ddprun::bench_stats::percentile;

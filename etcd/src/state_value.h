@@ -36,7 +36,7 @@
 #include "ddprun/rendezvous/state.h"
 #include "ddprun/rendezvous/types.h"
 
-namespace ddprun::agent {
+namespace ddprun::etcd {
 
 // The largest snapshot a stored state may inflate to: etcd takes values of a few MiB at most
 // (--max-request-bytes, 1.5 MiB by default), and a 4096-node run's snapshot is ~0.6 MB before it
@@ -76,4 +76,4 @@ class StateValue {
   uint64_t inflated_size_ = 0;  // 0: the snapshot is stored as it is
 };
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::etcd

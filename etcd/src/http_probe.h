@@ -9,7 +9,7 @@
 #include <optional>
 #include <string>
 
-namespace ddprun::agent {
+namespace ddprun::etcd {
 
 // What a member that answered the v3 gRPC handshake with HTTP/1.x said to `GET /version`, the
 // request etcd has answered since 2.0 ({"etcdserver":"2.3.8","etcdcluster":"2.3.0"}): the server
@@ -21,4 +21,4 @@ std::optional<std::string> etcdVersionFromHttpReply(const std::string& reply);
 // in all: the response as read (possibly partial), or "" when nothing answered.
 std::string httpGetVersion(const std::string& endpoint, std::chrono::milliseconds timeout);
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::etcd

@@ -1,9 +1,10 @@
-// EtcdRendezvousService: RendezvousService over etcd v3 (--rdzv-backend=etcd-v3), for one run.
+// EtcdRendezvousService: the rendezvous service (rendezvous::Service, ddprun/rendezvous/service.h)
+// over etcd v3 (--rdzv-backend=etcd-v3), for one run: the adapter beside the gRPC one.
 //
 // The run's rendezvous state lives in etcd, under the key prefix (default /ddprun/rdzv/<run_id>):
 //   <prefix>/state       the run as RendezvousState::exportRun writes it, preceded by the round
 //                        changes and join answers of the transaction that wrote it (what
-//                        watchers are pushed; etcd_state_value.h)
+//                        watchers are pushed; etcd/src/state_value.h)
 //   <prefix>/kv/<key>    the run's key-value store (static node ranks, the exit barrier)
 //   <prefix>/alive/<id>  one key per node, attached to its agent's lease
 // Every request is applied by the agent that makes it, with the same pure RendezvousState code as
@@ -21,10 +22,12 @@
 // of them wins the transaction, the rest find nothing to do). Everything is pushed by one etcd
 // watch on the prefix: round changes, key writes, deaths.
 //
-// Threading: as RendezvousService: called on the agent's loop, callbacks posted to it. Blocking
-// etcd calls run on three threads of this object (one for requests in order, one for the watch,
-// one for lease keep-alives); they touch only the EtcdClient and the newest state value seen
-// (under its mutex), and post results to the loop.
+// Threading: as rendezvous::Service: called on the agent's loop, callbacks posted to it. Blocking
+// etcd calls run on three threads of this object, each a file of etcd/src: the transaction worker
+// (requests in order), the watcher (the watch on the prefix) and the lease keeper (keep-alives).
+// They touch nothing of the loop's: they share the client, the newest state value seen and the
+// lease (each under its mutex), and post their results to the loop, where the domain logic runs
+// (etcd/src/loop_service.h).
 // Lifetime: the destructor cancels what is in flight, joins the threads and revokes the lease.
 #pragma once
 
@@ -33,10 +36,12 @@
 #include <string>
 #include <vector>
 
-#include "ddprun/agent/rendezvous_service.h"
+#include "ddprun/rendezvous/service.h"
 #include "ddprun/rendezvous/types.h"
 
-namespace ddprun::agent {
+namespace ddprun::etcd {
+
+class LoopService;
 
 struct EtcdServiceOptions {
   std::string run_id;
@@ -57,23 +62,23 @@ struct EtcdServiceOptions {
   uint64_t max_kv_bytes = uint64_t{16} << 20;
 };
 
-class EtcdRendezvousService final : public RendezvousService {
+class EtcdRendezvousService final : public rendezvous::Service {
  public:
   EtcdRendezvousService(boost::asio::io_context& io, EtcdServiceOptions options);
   ~EtcdRendezvousService() override;
 
   void join(const rendezvous::JoinRequest& req, Done<rendezvous::RoundInfo> done) override;
-  void heartbeat(const std::string& node_id, CallPolicy policy,
+  void heartbeat(const std::string& node_id, rendezvous::CallPolicy policy,
                  Done<rendezvous::RunStatus> done) override;
-  void leave(const std::string& node_id, CallPolicy policy, StatusDone done) override;
+  void leave(const std::string& node_id, rendezvous::CallPolicy policy, StatusDone done) override;
   void reportFailure(const std::string& node_id, uint64_t round, Done<uint64_t> done) override;
-  void close(CallPolicy policy, StatusDone done) override;
+  void close(rendezvous::CallPolicy policy, StatusDone done) override;
   void publishMaster(const std::string& node_id, uint64_t round,
                      const rendezvous::MasterAddress& master, StatusDone done) override;
   void waitMaster(uint64_t round, Duration timeout, Done<rendezvous::MasterAddress> done) override;
-  void kvSet(const std::string& key, const std::string& value, CallPolicy policy,
+  void kvSet(const std::string& key, const std::string& value, rendezvous::CallPolicy policy,
              StatusDone done) override;
-  void kvWait(const std::vector<std::string>& keys, Duration timeout, CallPolicy policy,
+  void kvWait(const std::vector<std::string>& keys, Duration timeout, rendezvous::CallPolicy policy,
               Done<std::vector<std::string>> done) override;
   // Keys and bytes (keys and values) of the run's key-value store mirrored here (loop thread).
   std::pair<uint64_t, uint64_t> mirroredKv() const;
@@ -86,8 +91,7 @@ class EtcdRendezvousService final : public RendezvousService {
   const std::string& keyPrefix() const;
 
  private:
-  class Impl;
-  std::shared_ptr<Impl> impl_;
+  std::shared_ptr<LoopService> service_;  // shared: posts to the loop hold a weak_ptr to it
 };
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::etcd

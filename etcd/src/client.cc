@@ -1,10 +1,10 @@
-#include "etcd_client.h"
+#include "client.h"
 
 #include <grpcpp/grpcpp.h>
 
 #include "ddprun/common/strings.h"
 
-namespace ddprun::agent {
+namespace ddprun::etcd {
 
 namespace ep = etcdserverpb;
 
@@ -70,18 +70,18 @@ EtcdClient::~EtcdClient() { shutdown(); }
 std::string EtcdClient::membersText() const { return join(options_.endpoints, ", "); }
 
 void EtcdClient::track(grpc::ClientContext* ctx) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   active_.insert(ctx);
   if (shut_down_) ctx->TryCancel();
 }
 
 void EtcdClient::untrack(grpc::ClientContext* ctx) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   active_.erase(ctx);
 }
 
 void EtcdClient::shutdown() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   shut_down_ = true;
   for (grpc::ClientContext* ctx : active_) ctx->TryCancel();
 }
@@ -89,7 +89,7 @@ void EtcdClient::shutdown() {
 void EtcdClient::rotate() { current_ = (current_.load() + 1) % members_.size(); }
 
 void EtcdClient::prepare(grpc::ClientContext& ctx) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (!token_.empty()) ctx.AddMetadata("token", token_);
 }
 
@@ -136,7 +136,7 @@ Status EtcdClient::authenticate(Member& m) {
     }
     return fromGrpc("authentication", m, st);
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   token_ = resp.token();
   return Status::ok();
 }
@@ -152,7 +152,7 @@ Status EtcdClient::onSomeMember(const char* what, Call call) {
     Member& m = *members_[idx];
     bool need_token = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       need_token = !options_.username.empty() && token_.empty();
     }
     if (need_token) {
@@ -309,4 +309,4 @@ EtcdClient::openWatch(grpc::ClientContext* ctx) {
   return m.watch->Watch(ctx);
 }
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::etcd

@@ -1,4 +1,4 @@
-#include "etcd_http_probe.h"
+#include "http_probe.h"
 
 #include <netdb.h>
 #include <poll.h>
@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <memory>
 
-namespace ddprun::agent {
+namespace ddprun::etcd {
 
 std::optional<std::string> etcdVersionFromHttpReply(const std::string& reply) {
   if (reply.rfind("HTTP/1.", 0) != 0) return std::nullopt;
@@ -107,4 +107,4 @@ std::string httpGetVersion(const std::string& endpoint, std::chrono::millisecond
   return reply;
 }
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::etcd

@@ -1,4 +1,4 @@
-#include "etcd_state_value.h"
+#include "state_value.h"
 
 #include <zlib.h>
 
@@ -6,7 +6,7 @@
 #include <charconv>
 #include <map>
 
-namespace ddprun::agent {
+namespace ddprun::etcd {
 
 namespace {
 
@@ -373,4 +373,4 @@ std::optional<StatusOr<RoundInfo>> StateValue::joinAnswer(uint64_t call) const {
   return StatusOr<RoundInfo>(std::move(info));
 }
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::etcd

@@ -1,10 +1,10 @@
 // The etcd-v3 backend's stored value: header, join answers and snapshot, read without etcd.
-#include "etcd_state_value.h"
+#include "state_value.h"
 
 #include <catch2/catch.hpp>
 
 using namespace ddprun;
-using namespace ddprun::agent;
+using namespace ddprun::etcd;
 using rendezvous::RendezvousState;
 
 namespace {

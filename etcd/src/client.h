@@ -6,24 +6,24 @@
 // expired. Errors name the members tried and what each said.
 //
 // Threading: every method may be called from any thread at once (the etcd-v3 rendezvous service
-// calls it from its worker, watch and keep-alive threads). Calls block for at most their
-// deadline; shutdown() cancels every call in flight and makes later calls fail at once.
+// calls it from its transaction worker, watcher and lease keeper threads). Calls block for at most
+// their deadline; shutdown() cancels every call in flight and makes later calls fail at once.
 // Lifetime: outlives the threads that call it.
 #pragma once
 
 #include <atomic>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "ddprun/common/clock.h"
 #include "ddprun/common/status.h"
+#include "ddprun/common/thread_annotations.h"
 #include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
-#include "etcd_http_probe.h"
+#include "http_probe.h"
 
-namespace ddprun::agent {
+namespace ddprun::etcd {
 
 struct EtcdOptions {
   std::vector<std::string> endpoints;  // HOST:PORT of each member
@@ -68,7 +68,7 @@ class EtcdClient {
   void release(grpc::ClientContext* ctx) { untrack(ctx); }
 
   // Cancels every call in flight; later calls fail with CANCELLED.
-  void shutdown();
+  void shutdown() EXCLUDES(mu_);
   bool isShutDown() const { return shut_down_.load(); }
 
   const EtcdOptions& options() const { return options_; }
@@ -80,19 +80,19 @@ class EtcdClient {
   // Runs `call(member, ctx)` on each member in turn until one answers. `what` names the call.
   template <typename Call>
   Status onSomeMember(const char* what, Call call);
-  Status authenticate(Member& m);
-  void prepare(grpc::ClientContext& ctx);
+  Status authenticate(Member& m) EXCLUDES(mu_);
+  void prepare(grpc::ClientContext& ctx) EXCLUDES(mu_);
   Status fromGrpc(const char* what, const Member& m, const grpc::Status& st) const;
-  void track(grpc::ClientContext* ctx);
-  void untrack(grpc::ClientContext* ctx);
+  void track(grpc::ClientContext* ctx) EXCLUDES(mu_);
+  void untrack(grpc::ClientContext* ctx) EXCLUDES(mu_);
 
   EtcdOptions options_;
   std::vector<std::unique_ptr<Member>> members_;
   std::atomic<size_t> current_{0};
   std::atomic<bool> shut_down_{false};
-  std::mutex mu_;
-  std::string token_;                      // guarded by mu_
-  std::set<grpc::ClientContext*> active_;  // guarded by mu_: cancelled by shutdown()
+  Mutex mu_;
+  std::string token_ GUARDED_BY(mu_);
+  std::set<grpc::ClientContext*> active_ GUARDED_BY(mu_);  // cancelled by shutdown()
 };
 
-}  // namespace ddprun::agent
+}  // namespace ddprun::etcd

@@ -3,6 +3,8 @@
 // call, scale-up, spares, a dead node, leave, close, stable ranks, one round per failure), plus
 // the errors users meet (an unreachable member, failover between members). Each agent is one
 // service on the test's io_context; the test thread runs the loop until what it waits for came.
+#include "ddprun/etcd/rendezvous_service.h"
+
 #include <boost/asio/io_context.hpp>
 #include <catch2/catch.hpp>
 #include <fstream>
@@ -12,12 +14,11 @@
 #include <sstream>
 
 #include "etcd_cluster.h"
-#include "etcd_http_probe.h"
-#include "etcd_rendezvous_service.h"
 #include "fake_etcd2.h"
+#include "http_probe.h"
 
 using namespace ddprun;
-using namespace ddprun::agent;
+using namespace ddprun::etcd;
 using ddprun::testing::EtcdCluster;
 
 namespace {
