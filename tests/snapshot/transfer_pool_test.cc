@@ -116,23 +116,15 @@ TEST_CASE("a lane's thread is reused for the work that follows", "[transfer_pool
   Mutex mu;
   std::set<std::thread::id> threads;  // guarded by mu (a local: not annotated)
   int done = 0;
+  auto record = [&] {
+    MutexLock lock(mu);
+    threads.insert(std::this_thread::get_id());
+  };
   std::function<void()> next = [&] {
     if (++done == 10) return;
-    runPrompt(
-        pool,
-        [&] {
-          MutexLock lock(mu);
-          threads.insert(std::this_thread::get_id());
-        },
-        next);
+    runPrompt(pool, record, next);
   };
-  runPrompt(
-      pool,
-      [&] {
-        MutexLock lock(mu);
-        threads.insert(std::this_thread::get_id());
-      },
-      next);
+  runPrompt(pool, record, next);
   while (done < 10) io.run_one();
   MutexLock lock(mu);
   CHECK(threads.size() == 1);
