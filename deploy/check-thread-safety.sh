@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
-# clang's thread-safety analysis (-Wthread-safety -Werror) over the worker SDK's sources that
-# share state with threads, as they compile in a clang build's compile_commands.json, without
-# generating code (-fsyntax-only: these include LibTorch, which the sanitizer leg does not build).
-# The control plane's annotated sources are checked by that leg's own compilation.
+# clang's thread-safety analysis (-Wthread-safety -Werror) over every source that shares state
+# with threads, as it compiles in a clang build's compile_commands.json, without generating code
+# (-fsyntax-only): the worker SDK's (they include LibTorch, which the sanitizer leg does not
+# build) and the control plane's threaded components, the rendezvous' gRPC adapters, the snapshot
+# component and the etcd adapter, which that leg does not build either (their generated protobuf
+# headers must exist: the leg builds ddprun_proto and ddprun_etcd_proto first). Every source of
+# those folders is checked, so a file added there is checked too.
 #   deploy/check-thread-safety.sh BUILD_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:?usage: deploy/check-thread-safety.sh BUILD_DIR (a clang build)}
 files=(worker_sdk/src/ddp.cc worker_sdk/src/op_queue.cc worker_sdk/src/nccl_communicator.cc
   worker_sdk/src/nccl_health.cc)
+for dir in rendezvous/src snapshot/src etcd/src agent/src; do
+  while IFS= read -r f; do files+=("$f"); done < <(find "$dir" -name '*.cc' | sort)
+done
 python3 - "$build/compile_commands.json" "$PWD" "${files[@]}" <<'PY'
-import json, shlex, subprocess, sys
+import concurrent.futures, json, os, shlex, subprocess, sys
 commands, root, files = sys.argv[1], sys.argv[2], sys.argv[3:]
 entries = {e["file"]: e for e in json.load(open(commands))}
-failed = 0
-for f in files:
+
+
+def check(f):
     e = entries.get(f"{root}/{f}")
     if e is None:
-        print(f"check-thread-safety: {f}: not in {commands} (not part of this build)")
-        continue
+        return f, None, f"not in {commands} (not part of this build)"
     args = shlex.split(e["command"]) if "command" in e else e["arguments"]
     out, skip = [], False
     for a in args:
@@ -30,9 +36,19 @@ for f in files:
             out.append(a)
     out += ["-fsyntax-only", "-Wthread-safety", "-Werror"]
     r = subprocess.run(out, cwd=e["directory"], capture_output=True, text=True)
-    if r.returncode != 0:
-        failed += 1
-        print(r.stderr[-4000:])
-    print(f"check-thread-safety: {f}: {'ok' if r.returncode == 0 else 'FAILED'}")
-sys.exit(1 if failed else 0)
+    return f, r.returncode == 0, r.stderr[-4000:]
+
+
+failed = checked = 0
+with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+    for f, ok, text in pool.map(check, files):
+        if ok is None:
+            print(f"check-thread-safety: {f}: {text}")
+            continue
+        checked += 1
+        if not ok:
+            failed += 1
+            print(f"{text}\ncheck-thread-safety: {f}: FAILED")
+print(f"check-thread-safety: {checked - failed}/{checked} sources pass -Wthread-safety -Werror")
+sys.exit(1 if failed or checked == 0 else 0)
 PY
