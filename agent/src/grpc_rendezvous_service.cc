@@ -22,49 +22,59 @@ GrpcRendezvousService::~GrpcRendezvousService() {
 
 void GrpcRendezvousService::join(const rendezvous::JoinRequest& req,
                                  Done<rendezvous::RoundInfo> done) {
+  loop_.check();
   client_.join(req, std::move(done));
 }
 
 void GrpcRendezvousService::heartbeat(const std::string& node_id, CallPolicy policy,
                                       Done<rendezvous::RunStatus> done) {
+  loop_.check();
   client_.heartbeat(options_.run_id, node_id, std::move(done), toCallOptions(policy));
 }
 
 void GrpcRendezvousService::leave(const std::string& node_id, CallPolicy policy, StatusDone done) {
+  loop_.check();
   client_.leave(options_.run_id, node_id, std::move(done), toCallOptions(policy));
 }
 
 void GrpcRendezvousService::reportFailure(const std::string& node_id, uint64_t round,
                                           Done<uint64_t> done) {
+  loop_.check();
   client_.reportFailure(options_.run_id, node_id, round, std::move(done));
 }
 
 void GrpcRendezvousService::close(CallPolicy policy, StatusDone done) {
+  loop_.check();
   client_.close(options_.run_id, std::move(done), toCallOptions(policy));
 }
 
 void GrpcRendezvousService::publishMaster(const std::string& node_id, uint64_t round,
                                           const rendezvous::MasterAddress& master,
                                           StatusDone done) {
+  loop_.check();
   client_.publishMaster(options_.run_id, node_id, round, master, std::move(done));
 }
 
 void GrpcRendezvousService::waitMaster(uint64_t round, Duration timeout,
                                        Done<rendezvous::MasterAddress> done) {
+  loop_.check();
   client_.waitMaster(options_.run_id, round, timeout, std::move(done));
 }
 
 void GrpcRendezvousService::kvSet(const std::string& key, const std::string& value,
                                   CallPolicy policy, StatusDone done) {
+  loop_.check();
   client_.kvSet(options_.run_id, key, value, std::move(done), toCallOptions(policy));
 }
 
 void GrpcRendezvousService::kvWait(const std::vector<std::string>& keys, Duration timeout,
                                    CallPolicy policy, Done<std::vector<std::string>> done) {
+  loop_.check();
   client_.kvWait(options_.run_id, keys, timeout, std::move(done), toCallOptions(policy));
 }
 
 void GrpcRendezvousService::watch(const std::string& node_id, ChangeSink on_change) {
+  loop_.check();
   watch_.reset();
   watch_ = client_.watch(options_.run_id, node_id, std::move(on_change));
 }

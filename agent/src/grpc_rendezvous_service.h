@@ -10,6 +10,7 @@
 #include <string>
 
 #include "ddprun/agent/rendezvous_service.h"
+#include "ddprun/common/loop_affinity.h"
 #include "ddprun/rendezvous/async_client.h"
 
 namespace ddprun::agent {
@@ -56,6 +57,7 @@ class GrpcRendezvousService final : public RendezvousService {
   GrpcServiceOptions options_;
   rendezvous::AsyncClient client_;
   std::unique_ptr<rendezvous::Watch> watch_;
+  LoopAffinity loop_{"GrpcRendezvousService"};
 };
 
 }  // namespace ddprun::agent

@@ -14,6 +14,7 @@ constexpr auto kVersionedWithin = std::chrono::seconds(10);
 }  // namespace
 
 void SnapshotSyncClient::nextRound(RoundCallback done) {
+  loop_.check();
   inner_.nextRound([this, done = std::move(done)](StatusOr<RoundInfo> round) mutable {
     if (!round.isOk()) {
       done(std::move(round));
@@ -27,6 +28,7 @@ void SnapshotSyncClient::nextRound(RoundCallback done) {
 }
 
 void SnapshotSyncClient::exitBarrier(Duration timeout, StatusCallback done) {
+  loop_.check();
   const auto start = std::chrono::steady_clock::now();
   replicator_.whenQuiet(Quiet::kReplicated, Duration::zero(), timeout / 2,
                         [this, start, timeout, done = std::move(done)]() mutable {
@@ -37,6 +39,7 @@ void SnapshotSyncClient::exitBarrier(Duration timeout, StatusCallback done) {
 }
 
 void SnapshotSyncClient::shutdown(bool succeeded, bool left, std::function<void()> done) {
+  loop_.check();
   if (!succeeded) {
     // A failed or stopped job (SIGTERM, a Slurm requeue) still records what its workers wrote
     // last, often the checkpoint written on that very signal: unrecorded, it would count as
