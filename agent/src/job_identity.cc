@@ -1,5 +1,7 @@
 #include "job_identity.h"
 
+#include <algorithm>
+
 #include "ddprun/common/log.h"
 #include "ddprun/common/strings.h"
 
@@ -48,6 +50,7 @@ std::vector<std::string> rankKeys(const std::string& prefix, size_t nodes) {
 }  // namespace
 
 void JobIdentityClient::nextRound(RoundCallback done) {
+  loop_.check();
   inner_.nextRound([this, done = std::move(done)](StatusOr<RoundInfo> round) mutable {
     if (!round.isOk() || round->local_world_sizes.size() < 2) {
       done(std::move(round));
@@ -65,25 +68,36 @@ void JobIdentityClient::publish(const RoundInfo& r, RoundCallback done) {
                      done(r);
                      return;
                    }
-                   compare(r, prefix, std::move(done));
+                   compare(r, prefix, std::move(done), wait_for_);
                  });
 }
 
-void JobIdentityClient::compare(const RoundInfo& r, const std::string& prefix, RoundCallback done) {
-  service_.kvWait(
-      rankKeys(prefix, r.local_world_sizes.size()), wait_for_, {},
-      [this, r, prefix, done = std::move(done)](StatusOr<std::vector<std::string>> values) mutable {
-        if (!values.isOk()) {
-          done(r);
-          return;
-        }
-        Status same = checkSameJob(*values, r.group_rank, run_id_);
-        if (same.isOk()) {
-          done(r);
-          return;
-        }
-        failOnceAllRead(r, prefix, std::move(same), std::move(done));
-      });
+// The wait goes in slices: a node that left before it said what it runs never will, and the round
+// it left is superseded (formingRound): handed on then, the supervisor joins the newer round.
+void JobIdentityClient::compare(const RoundInfo& r, const std::string& prefix, RoundCallback done,
+                                Duration left) {
+  const Duration slice = std::min(left, kWaitSlice);
+  service_.kvWait(rankKeys(prefix, r.local_world_sizes.size()), slice, {},
+                  [this, r, prefix, left, slice,
+                   done = std::move(done)](StatusOr<std::vector<std::string>> values) mutable {
+                    if (!values.isOk()) {
+                      const bool superseded =
+                          r.round >= 0 && inner_.formingRound() > static_cast<uint64_t>(r.round);
+                      if (values.status().code() == StatusCode::kDeadlineExceeded && left > slice &&
+                          !superseded) {
+                        compare(r, prefix, std::move(done), left - slice);
+                        return;
+                      }
+                      done(r);
+                      return;
+                    }
+                    Status same = checkSameJob(*values, r.group_rank, run_id_);
+                    if (same.isOk()) {
+                      done(r);
+                      return;
+                    }
+                    failOnceAllRead(r, prefix, std::move(same), std::move(done));
+                  });
 }
 
 // A mismatch is seen by every node of the round (each differs from one of the two that differ),

@@ -16,6 +16,7 @@
 
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/agent/rendezvous_service.h"
+#include "ddprun/common/loop_affinity.h"
 
 namespace ddprun::agent {
 
@@ -48,10 +49,13 @@ class JobIdentityClient final : public RendezvousClient {
     inner_.shutdown(succeeded, left, std::move(done));
   }
   uint64_t currentRound() const override { return inner_.currentRound(); }
+  uint64_t formingRound() const override { return inner_.formingRound(); }
 
  private:
+  static constexpr Duration kWaitSlice = std::chrono::milliseconds(500);
+
   void publish(const RoundInfo& r, RoundCallback done);
-  void compare(const RoundInfo& r, const std::string& prefix, RoundCallback done);
+  void compare(const RoundInfo& r, const std::string& prefix, RoundCallback done, Duration left);
   void failOnceAllRead(const RoundInfo& r, const std::string& prefix, Status mismatch,
                        RoundCallback done);
 
@@ -60,6 +64,7 @@ class JobIdentityClient final : public RendezvousClient {
   std::string run_id_;
   std::string identity_;
   Duration wait_for_;
+  LoopAffinity loop_{"JobIdentityClient"};
 };
 
 }  // namespace ddprun::agent

@@ -227,8 +227,19 @@ void MultiNodeRendezvous::onChange(const rendezvous::RoundChange& change) {
       gone_.erase(change.node_id);
     }
   }
+  if (change.kind == rendezvous::ChangeKind::kSnapshot) {
+    // What the run is when the watch begins (or resumes): a round that began forming before, when
+    // no kRoundPending could reach this node (a node left just as this one's round completed).
+    const uint64_t pending = change.status.pending_round;
+    if (pending <= current_round_ || pending <= forming_round_) return;
+    forming_round_ = pending;
+    agentLog()->info("round {} is forming (found when the watch began)", pending);
+    sink_(PeerEvent::kMembershipChange);
+    return;
+  }
   if (change.kind != rendezvous::ChangeKind::kRoundPending) return;
   if (change.round <= current_round_) return;  // about a round this node already holds
+  forming_round_ = std::max(forming_round_, change.round);
   agentLog()->info("round {} is forming ({} by {})", change.round,
                    rendezvous::changeReasonName(change.reason), change.node_id);
   if (change.reason == rendezvous::ChangeReason::kFailureReported) {

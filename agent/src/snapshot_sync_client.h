@@ -10,6 +10,7 @@
 
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/agent/rendezvous_service.h"
+#include "ddprun/common/loop_affinity.h"
 #include "ddprun/snapshot/replicator.h"
 
 namespace ddprun::agent {
@@ -28,6 +29,7 @@ class SnapshotSyncClient final : public RendezvousClient {
   void exitBarrier(Duration timeout, StatusCallback done) override;
   void shutdown(bool succeeded, bool left, std::function<void()> done) override;
   uint64_t currentRound() const override { return inner_.currentRound(); }
+  uint64_t formingRound() const override { return inner_.formingRound(); }
 
  private:
   // The run's key-value store, as the replicator's round sync uses it.
@@ -50,6 +52,7 @@ class SnapshotSyncClient final : public RendezvousClient {
   RendezvousClient& inner_;
   Board board_;
   snapshot::Replicator& replicator_;
+  LoopAffinity loop_{"SnapshotSyncClient"};
 };
 
 }  // namespace ddprun::agent

@@ -84,6 +84,16 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     finish(AgentState::kFailed, 1);
     return;
   }
+  // A membership change that came while the round was on its way (the job-identity check and the
+  // snapshot sync take round trips) reached no workers: the round is already superseded.
+  if (const uint64_t forming = rendezvous_.formingRound();
+      round->round >= 0 && forming > static_cast<uint64_t>(round->round)) {
+    logger("agent")->info(
+        "round {} was superseded before its workers started (round {} is forming); joining it",
+        round->round, forming);
+    joinRound();
+    return;
+  }
   auto launches = planner_(*round, restart_count_);
   if (!launches.isOk()) {
     error_message_ = "cannot prepare workers: " + launches.status().message();

@@ -421,3 +421,34 @@ TEST_CASE("rank 0 re-joining a round whose master is published keeps that master
   CHECK(g.result->value().group_rank == 0);
   CHECK(g.result->value().master_port == 4321);
 }
+
+TEST_CASE("a round that began forming before the watch did is a membership change",
+          "[agent][multinode]") {
+  // A node left just as this one's round completed: its kRoundPending went out before this
+  // node's watch began, and only the watch's first snapshot tells of round 2.
+  Fixture f;
+  f.formRound(1);
+  REQUIRE(f.service.watches == 1);
+  rendezvous::RoundChange snapshot;
+  snapshot.kind = rendezvous::ChangeKind::kSnapshot;
+  snapshot.status.completed_round = 1;
+  snapshot.status.pending_round = 2;
+  snapshot.round = 2;
+  f.service.push(snapshot);
+  f.poll();
+  CHECK(f.events == std::vector<PeerEvent>{PeerEvent::kMembershipChange});
+  CHECK(f.rdzv->formingRound() == 2);
+  // A later snapshot of that same round (the watch resumed): nothing more.
+  f.service.push(snapshot);
+  f.poll();
+  CHECK(f.events.size() == 1);
+  // A snapshot with nothing forming beyond this node's round is no change.
+  Fixture g;
+  g.formRound(1);
+  snapshot.status.pending_round = 0;
+  snapshot.round = 1;
+  g.service.push(snapshot);
+  g.poll();
+  CHECK(g.events.empty());
+  CHECK(g.rdzv->formingRound() == 0);
+}

@@ -217,6 +217,30 @@ TEST_CASE("a membership change restarts the workers without charging a restart",
   CHECK(f.rdzv.joins == 2);
 }
 
+TEST_CASE("a round superseded while it was on its way starts no workers, the newer one does",
+          "[agent]") {
+  // The membership change (a node left during the job-identity check) came while the supervisor
+  // waited for the round, so no worker could be stopped for it.
+  Fixture f(2, /*max_restarts=*/0);
+  f.rdzv.hold = true;
+  f.sup->start();
+  f.sup->onMembershipChange();  // in RENDEZVOUS: nothing to stop
+  f.rdzv.forming = 1;           // round 1 is forming, and round 0 arrives
+  auto first = std::move(f.rdzv.pending);
+  agent::RoundInfo r0 = f.rdzv.round;
+  r0.round = 0;
+  first(r0);
+  CHECK(f.launcher.pids().empty());
+  CHECK(f.sup->state() == AgentState::kRendezvous);
+  REQUIRE(f.rdzv.joins == 2);
+  agent::RoundInfo r1 = f.rdzv.round;
+  r1.round = 1;
+  f.rdzv.pending(r1);
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.launcher.pids().size() == 2);
+  CHECK(f.sup->restartCount() == 0);
+}
+
 TEST_CASE("a worker that cannot be started fails the attempt", "[agent]") {
   Fixture f(2, /*max_restarts=*/0);
   f.launcher.fail_local_ranks = {1};

@@ -34,6 +34,7 @@ class FakeRendezvous final : public agent::RendezvousClient {
     done();
   }
   uint64_t currentRound() const override { return joins == 0 ? 0 : joins - 1; }
+  uint64_t formingRound() const override { return forming; }
 
   agent::RoundInfo round;
   bool hold = false;
@@ -41,6 +42,7 @@ class FakeRendezvous final : public agent::RendezvousClient {
   bool hold_barrier = false;
   StatusCallback pending_barrier;
   Duration barrier_timeout{};
+  uint64_t forming = 0;  // what formingRound() answers
   int joins = 0, failures = 0, leaves = 0, closes = 0, barriers = 0;
 };
 

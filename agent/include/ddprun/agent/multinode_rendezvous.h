@@ -62,6 +62,7 @@ class MultiNodeRendezvous final : public RendezvousClient {
   void exitBarrier(Duration timeout, StatusCallback done) override;
   void shutdown(bool succeeded, bool left, std::function<void()> done) override;
   uint64_t currentRound() const override { return current_round_; }
+  uint64_t formingRound() const override { return forming_round_; }
 
   // The service's node id for this node ("" before the first join).
   const std::string& nodeId() const { return node_id_; }
@@ -97,6 +98,7 @@ class MultiNodeRendezvous final : public RendezvousClient {
   int membership_epoch_ = 0;
   uint64_t joined_round_ = 0;
   uint64_t current_round_ = 0;
+  uint64_t forming_round_ = 0;  // the newest round heard forming
   bool watching_ = false;
   bool left_ = false;
   bool shut_down_ = false;

@@ -40,6 +40,10 @@ class RendezvousClient {
   virtual void shutdown(bool succeeded, bool left, std::function<void()> done) = 0;
   // The round this node's workers run in (for metrics); 0 before the first.
   virtual uint64_t currentRound() const = 0;
+  // The newest round this node heard is forming (0: none heard of). A round handed to nextRound's
+  // callback below it was superseded while it was on its way (a node left, joined or failed
+  // meanwhile): the supervisor joins the newer one instead of starting workers in it.
+  virtual uint64_t formingRound() const { return 0; }
 };
 
 }  // namespace ddprun::agent
