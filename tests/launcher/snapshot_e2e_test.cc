@@ -378,7 +378,14 @@ TEST_CASE("when the writer dies mid-transfer the others resume from the previous
                         R"(\d+\): 127\.0\.0\.2:\d+ is not a node of round \d+)"));
   }
   CHECK(relays == count - 2);
-  CHECK(below_relay == relays);
+  // Below a relay, the fetch fails with the relay's own. After a SIGKILL on a loaded host the
+  // next round's sync may end the fetch below first (as it may the relay's, below), and then that
+  // node names no relay failure: what it holds and resumes from is checked above either way.
+  if (sig == SIGSTOP) {
+    CHECK(below_relay == relays);
+  } else {
+    CHECK(below_relay <= relays);
+  }
   // The fetch from a stopped writer is ended by the next round's sync. From a killed one it fails
   // on its own when the connection resets, or, where the sync comes first (a loaded host: the
   // fetch thread runs at background priority), is ended by it the same way; so may the retry
