@@ -81,10 +81,8 @@ void JobIdentityClient::compare(const RoundInfo& r, const std::string& prefix, R
                   [this, r, prefix, left, slice,
                    done = std::move(done)](StatusOr<std::vector<std::string>> values) mutable {
                     if (!values.isOk()) {
-                      const bool superseded =
-                          r.round >= 0 && inner_.formingRound() > static_cast<uint64_t>(r.round);
                       if (values.status().code() == StatusCode::kDeadlineExceeded && left > slice &&
-                          !superseded) {
+                          !isSuperseded(inner_, r)) {
                         compare(r, prefix, std::move(done), left - slice);
                         return;
                       }

@@ -86,11 +86,10 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
   }
   // A membership change that came while the round was on its way (the job-identity check and the
   // snapshot sync take round trips) reached no workers: the round is already superseded.
-  if (const uint64_t forming = rendezvous_.formingRound();
-      round->round >= 0 && forming > static_cast<uint64_t>(round->round)) {
+  if (isSuperseded(rendezvous_, *round)) {
     logger("agent")->info(
         "round {} was superseded before its workers started (round {} is forming); joining it",
-        round->round, forming);
+        round->round, rendezvous_.formingRound());
     joinRound();
     return;
   }

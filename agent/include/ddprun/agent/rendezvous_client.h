@@ -46,4 +46,9 @@ class RendezvousClient {
   virtual uint64_t formingRound() const { return 0; }
 };
 
+// True when `round`, from `client`'s nextRound, was superseded on its way (formingRound).
+inline bool isSuperseded(const RendezvousClient& client, const RoundInfo& round) {
+  return round.round >= 0 && client.formingRound() > static_cast<uint64_t>(round.round);
+}
+
 }  // namespace ddprun::agent
