@@ -17,7 +17,7 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CX
 cmake --build "$BUILD_DIR" -j "$JOBS" --target common_tests rendezvous_state_tests launcher_tests \
   slurm_tests worker_core_test snapshot_core_tests fuzz_hostlist fuzz_rdzv_conf fuzz_cli \
   fuzz_nnodes_endpoint fuzz_rendezvous_state fuzz_snapshot_requests fuzz_snapshot_core \
-  fuzz_etcd_state_value ddprun_proto ddprun_etcd_proto
+  fuzz_etcd_state_value fuzz_control_protocol ddprun_proto ddprun_etcd_proto
 # The thread-safety annotations of what this leg does not build (the worker SDK: LibTorch; the
 # gRPC adapters, snapshot/ and etcd/): checked, not built; the generated protos above they need.
 deploy/check-thread-safety.sh "$BUILD_DIR"
