@@ -2,6 +2,7 @@
 //   ddprun --standalone --nproc_per_node=2 train 50 10
 // Usage errors exit 2, failures exit 1, a checkpoint signal (SIGTERM/SIGUSR1) saves and exits 0.
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <csignal>
@@ -173,6 +174,10 @@ int main(int argc, char** argv) {
     w::ProcessGroupOptions pg_opts;
     pg_opts.backend = w::parseBackend(args.backend);
     auto group = w::ProcessGroup::initFromEnv(env, pg_opts);
+    if (group->inPlace()) {
+      std::cout << "[RANK " << group->rank() << "] pid " << ::getpid() << " joined generation "
+                << group->generation() << " (in-place recovery on)" << std::endl;
+    }
 
     torch::manual_seed(static_cast<uint64_t>(args.seed));
     auto task = ddprun::examples::makeTask(args.model, args.dataset_size,

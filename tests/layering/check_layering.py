@@ -33,6 +33,7 @@ THREAD_FILES = {
     "worker_sdk/src/op_queue.cc",     # a communicator's op thread
     "worker_sdk/src/op_queue.h",
     "worker_sdk/src/nccl_communicator.cc",  # the NCCL watchdog
+    "worker_sdk/src/control_client.cc",     # the agent's control channel reader
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
 STARTS_THREAD = re.compile(r"\bstd::(?:j?thread)\b(?!::)\s*(?:\w+\s*)?[({]|\bpthread_create\s*\(|"

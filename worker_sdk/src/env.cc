@@ -54,6 +54,7 @@ WorkerEnv WorkerEnv::parse(const Lookup& lookup) {
   }
   env.snapshot_dir = lookup("DDPRUN_SNAPSHOT_DIR").value_or("");
   env.heartbeat_file = lookup("DDPRUN_HEARTBEAT_FILE").value_or("");
+  env.control_socket = lookup("DDPRUN_CONTROL_SOCKET").value_or("");
   env.stop_file = lookup("DDPRUN_STOP_FILE").value_or("");
   return env;
 }

@@ -14,6 +14,7 @@
 #include "allreduce_route.h"
 #include "ddprun/common/log_text.h"
 #include "ddprun/worker/errors.h"
+#include "gloo_abort.h"
 #include "gloo_communicator_impl.h"
 #include "gloo_dtypes.h"
 #include "gloo_ring.h"
@@ -183,6 +184,14 @@ at::Tensor GlooCommunicator::allocateBuffer(int64_t numel, const at::TensorOptio
   if (!memory) return Communicator::allocateBuffer(numel, options);
   return at::from_blob(
       memory.get(), {numel}, [memory](void*) {}, options.requires_grad(false));
+}
+
+void GlooCommunicator::abort(const std::string& reason) {
+  queue_.abort(reason);
+  if (shm_) shm_->abort();
+  if (leaders_) leaders_->abort(reason);
+  shutdownGlooPairs(*ctx_);
+  if (column_) shutdownGlooPairs(*column_);
 }
 
 std::shared_ptr<Work> GlooCommunicator::barrierAsync() {

@@ -38,6 +38,8 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<Work> allGatherAsync(at::Tensor input, at::Tensor output) override;
   std::shared_ptr<Work> barrierAsync() override;
   at::Tensor allocateBuffer(int64_t numel, const at::TensorOptions& options) override;
+  void abort(const std::string& reason) override;
+  bool awaitIdle(std::chrono::milliseconds timeout) override { return queue_.waitIdle(timeout); }
 
  private:
   // The all-reduce itself, on the op thread.

@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "gloo_abort.h"
 #include "gloo_dtypes.h"
 #include "gloo_ring.h"
 #include "half_kernels.h"
@@ -56,6 +57,11 @@ LeadersAllReduce::LeadersAllReduce(ShmAllReduce* shm, std::shared_ptr<gloo::Cont
       ring_(leaders_ ? std::make_unique<OpQueue>("gloo leaders ring") : nullptr) {}
 
 LeadersAllReduce::~LeadersAllReduce() { ring_.reset(); }
+
+void LeadersAllReduce::abort(const std::string& reason) {
+  if (ring_) ring_->abort(reason);
+  if (leaders_) shutdownGlooPairs(*leaders_);
+}
 
 void LeadersAllReduce::run(at::Tensor& work, double scale) {
   const size_t n = static_cast<size_t>(work.numel());

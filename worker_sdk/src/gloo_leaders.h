@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "op_queue.h"
 #include "shm_allreduce.h"
@@ -33,6 +34,9 @@ class LeadersAllReduce {
 
   // In place; `scale` (1/size for an average, else 1) on the last pass.
   void run(at::Tensor& work, double scale);
+  // From any thread: the leaders' ring fails what runs and what is queued (the shared-memory
+  // group is its owner's to abort). Idempotent.
+  void abort(const std::string& reason);
 
  private:
   ShmAllReduce* shm_;

@@ -266,6 +266,17 @@ class NcclCommunicator : public Communicator {
     });
   }
 
+  void abort(const std::string& reason) override {
+    queue_->abort(reason);
+    health_->fail("aborted: " + reason);  // ncclCommAbort, once
+  }
+
+  bool awaitIdle(std::chrono::milliseconds timeout) override {
+    if (!queue_->waitIdle(timeout)) return false;
+    DeviceGuard guard(device_);
+    return cudaStreamSynchronize(stream_) == cudaSuccess || health_->aborted();
+  }
+
   void setProducerStream(cudaStream_t stream) {
     producer_.store(stream == nullptr ? cudaStreamLegacy : stream);
   }
@@ -355,6 +366,8 @@ void NcclWork::wait() {
     if (enqueued_->isCompleted()) {
       enqueued_->wait();  // rethrows a failure of the enqueue step
       const cudaError_t e = cudaEventQuery(done_.get());
+      // A kernel ended by ncclCommAbort fires its event too: after an abort the op failed.
+      if (e == cudaSuccess && health_->aborted()) throw CommError(health_->failure());
       if (e == cudaSuccess) return;
       if (e != cudaErrorNotReady) {
         const std::string reason = std::string("cuda event query failed: ") + cudaGetErrorString(e);

@@ -37,12 +37,42 @@ OpQueue::~OpQueue() {
 
 std::shared_ptr<Work> OpQueue::submit(std::function<void()> op) {
   auto work = std::make_shared<OpWork>();
+  std::string aborted;
   {
     ddprun::MutexLock lock(mu_);
-    queue_.emplace_back(std::move(op), work);
+    if (aborted_.empty()) queue_.emplace_back(std::move(op), work);
+    aborted = aborted_;
   }
-  cv_.notify_one();
+  if (!aborted.empty()) {
+    work->complete(aborted);
+    return work;
+  }
+  cv_.notify_all();
   return work;
+}
+
+void OpQueue::abort(const std::string& reason) {
+  std::deque<std::pair<std::function<void()>, std::shared_ptr<OpWork>>> dropped;
+  std::string message;
+  {
+    ddprun::MutexLock lock(mu_);
+    if (aborted_.empty())
+      aborted_ = name_ + ": aborted (" + (reason.empty() ? "no reason" : reason) + ")";
+    message = aborted_;
+    dropped.swap(queue_);
+  }
+  // Completed outside the lock: a waiter may submit again from its wake-up.
+  for (auto& item : dropped) item.second->complete(message);
+  cv_.notify_all();
+}
+
+bool OpQueue::waitIdle(std::chrono::milliseconds timeout) {
+  ddprun::MutexLock lock(mu_);
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (running_ || !queue_.empty()) {
+    if (cv_.wait_until(mu_, until) == std::cv_status::timeout) return !running_ && queue_.empty();
+  }
+  return true;
 }
 
 void OpQueue::run() {
@@ -50,10 +80,13 @@ void OpQueue::run() {
     std::pair<std::function<void()>, std::shared_ptr<OpWork>> item;
     {
       ddprun::MutexLock lock(mu_);
+      running_ = false;
+      cv_.notify_all();  // waitIdle()
       while (!stopping_ && queue_.empty()) cv_.wait(mu_);
       if (queue_.empty()) return;
       item = std::move(queue_.front());
       queue_.pop_front();
+      running_ = true;
     }
     if (!broken_.empty()) {
       item.second->complete(broken_);

@@ -1,9 +1,12 @@
 // OpQueue: runs submitted operations one at a time, in submission order, on its own thread, and
 // hands out Work handles for them. An exception thrown by an operation never crosses the thread:
 // it is captured and rethrown as CommError from Work::wait(). After the first failure every later
-// operation fails at once with the same message (the transport is presumed broken).
+// operation fails at once with the same message (the transport is presumed broken). abort() fails
+// what is queued and whatever is submitted later at once (the running operation is the
+// transport's to interrupt); waitIdle() tells when nothing runs any more.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -39,6 +42,10 @@ class OpQueue {
   OpQueue& operator=(const OpQueue&) = delete;
 
   std::shared_ptr<Work> submit(std::function<void()> op);
+  // Thread-safe, idempotent, does not wait: queued and later operations fail with `reason`.
+  void abort(const std::string& reason);
+  // True once no operation runs or is queued; waits at most `timeout`.
+  bool waitIdle(std::chrono::milliseconds timeout);
 
  private:
   void run();
@@ -48,7 +55,9 @@ class OpQueue {
   std::condition_variable_any cv_;
   std::deque<std::pair<std::function<void()>, std::shared_ptr<OpWork>>> queue_ GUARDED_BY(mu_);
   bool stopping_ GUARDED_BY(mu_) = false;
-  std::string broken_;  // first failure; only touched on the worker thread
+  bool running_ GUARDED_BY(mu_) = false;  // an operation is on the thread now
+  std::string aborted_ GUARDED_BY(mu_);   // abort()'s reason; empty = not aborted
+  std::string broken_;                    // first failure; only touched on the worker thread
   std::thread thread_;
 };
 

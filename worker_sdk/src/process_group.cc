@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "control_client.h"
 #include "ddprun/common/log_text.h"
 #include "ddprun/worker/errors.h"
 #include "gloo_communicator.h"
@@ -91,21 +92,45 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
   if (options.backend == Backend::kNccl && !ncclAvailable()) {
     makeCommunicator(env.rank, env.world_size, nullptr, options, "");  // throws the clear error
   }
+  // Under --restart-mode=in-place the agent names the generation to form first.
+  std::unique_ptr<ControlClient> control;
+  auto target = std::make_shared<std::weak_ptr<ProcessGroup>>();
+  if (!env.control_socket.empty()) {
+    control = ControlClient::connect(
+        env.control_socket,
+        std::min<std::chrono::milliseconds>(options.connect_timeout, std::chrono::seconds(30)),
+        [target](int gen, const std::string& reason) {
+          auto group = target->lock();
+          if (group && gen >= group->generation()) group->abort("aborted by the agent: " + reason);
+        });
+  }
+  const bool hosts = env.rank == 0 && !env.use_agent_store;
   std::shared_ptr<KeyValueStore> store =
-      env.rank == 0 && !env.use_agent_store
-          ? KeyValueStore::tcpServer(env.master_addr, env.master_port, options.connect_timeout)
-          : KeyValueStore::tcpClient(env.master_addr, env.master_port, options.connect_timeout);
+      hosts ? KeyValueStore::tcpServer(env.master_addr, env.master_port, options.connect_timeout)
+            : KeyValueStore::tcpClient(env.master_addr, env.master_port, options.connect_timeout);
   ProcessGroupOptions opts = options;
   if (opts.local_address.empty())
     opts.local_address = localAddressToward(env.master_addr, env.master_port);
   if (opts.cuda_device < 0) opts.cuda_device = env.local_rank;
-  // A restarted group reuses MASTER_PORT with a fresh store, but keep keys per attempt anyway.
-  opts.prefix += "/attempt" + std::to_string(env.restart_count);
+  // A restarted group reuses MASTER_PORT with a fresh store, but keep keys per attempt anyway
+  // (per generation under the agent's control: survivors of a recovery keep their store).
+  const int generation = control ? control->generation() : 0;
+  const std::string base_prefix = opts.prefix;
+  opts.prefix +=
+      control ? "/g" + std::to_string(generation) : "/attempt" + std::to_string(env.restart_count);
   static const ddprun::TextLogger log("worker");
   DDPRUN_LOG(log, kDebug,
              "rank " << env.rank << "/" << env.world_size << ": store " << env.master_addr << ":"
                      << env.master_port << ", gloo on " << opts.local_address);
-  return create(env.rank, env.world_size, std::move(store), opts);
+  auto group = create(env.rank, env.world_size, std::move(store), opts);
+  group->options_ = opts;
+  group->options_.prefix = base_prefix;
+  group->hosts_store_ = hosts;
+  group->store_port_ = env.master_port;
+  group->generation_ = generation;
+  *target = group;
+  group->control_ = std::move(control);
+  return group;
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::create(int rank, int size,
@@ -118,8 +143,67 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(int rank, int size,
   if (!store) throw ConfigError("process group: store is null");
   const std::string address = options.local_address.empty() ? "127.0.0.1" : options.local_address;
   auto comm = makeCommunicator(rank, size, store, options, address);
-  return std::shared_ptr<ProcessGroup>(
+  auto group = std::shared_ptr<ProcessGroup>(
       new ProcessGroup(rank, size, std::move(store), std::move(comm)));
+  group->options_ = options;
+  return group;
+}
+
+ProcessGroup::~ProcessGroup() {
+  control_.reset();  // no abort reaches a communicator being destroyed
+}
+
+void ProcessGroup::abort(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(comm_mu_);
+  if (comm_) comm_->abort(reason);
+}
+
+void ProcessGroup::reform(const GroupSpec& spec) {
+  if (spec.size < 1 || spec.rank < 0 || spec.rank >= spec.size) {
+    throw ConfigError("process group: rank " + std::to_string(spec.rank) + " is outside [0, " +
+                      std::to_string(spec.size - 1) + "]");
+  }
+  std::unique_ptr<Communicator> old;
+  {
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    old = std::move(comm_);
+  }
+  if (old) {
+    old->abort("re-forming the group as generation " + std::to_string(spec.generation));
+    if (!old->awaitIdle(std::chrono::seconds(2))) {
+      throw CommError(
+          "process group: the old communicator's collective did not end within 2 s "
+          "of its abort");
+    }
+    old.reset();
+  }
+  // The store: rank 0 keeps the one it hosts at that port (the keys of each generation have their
+  // own prefix); a new rank 0 hosts it; every other rank connects again (rank 0 may be new).
+  const bool hosts = spec.rank == 0;
+  if (!(hosts && hosts_store_ && store_port_ == spec.master_port)) {
+    store_.reset();
+    store_ = hosts ? KeyValueStore::tcpServer(spec.master_addr, spec.master_port,
+                                              options_.connect_timeout)
+                   : KeyValueStore::tcpClient(spec.master_addr, spec.master_port,
+                                              options_.connect_timeout);
+    hosts_store_ = hosts;
+    store_port_ = spec.master_port;
+  }
+  ProcessGroupOptions opts = options_;
+  opts.prefix += "/" + spec.key;
+  const std::string address = opts.local_address.empty() ? "127.0.0.1" : opts.local_address;
+  auto comm = makeCommunicator(spec.rank, spec.size, store_, opts, address);
+  {
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    comm_ = std::move(comm);
+    rank_ = spec.rank;
+    size_ = spec.size;
+    generation_ = spec.generation;
+    // An abort of this very generation that came while it formed.
+    if (control_ && control_->abortedGeneration() >= spec.generation) {
+      comm_->abort("the agent asked before the group formed");
+    }
+  }
 }
 
 }  // namespace ddprun::worker

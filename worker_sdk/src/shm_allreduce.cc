@@ -510,7 +510,20 @@ void ShmAllReduce::checkPeers(const char* phase) const {
   }
 }
 
+void ShmAllReduce::abort() {
+  aborted_.store(true);
+  // Every sleeper on this segment wakes; those not aborted go back to sleep.
+  futexWakeAll(&header_->arrived);
+}
+
 void ShmAllReduce::barrier(const char* phase) {
+  auto throwIfAborted = [&] {
+    if (aborted_.load()) {
+      throw CommError("shared-memory all_reduce: rank " + std::to_string(rank_) + " was aborted (" +
+                      phase + ")");
+    }
+  };
+  throwIfAborted();
   ++barriers_;
   const uint32_t target = barriers_ * static_cast<uint32_t>(size_);
   uint32_t now = header_->arrived.fetch_add(1) + 1;
@@ -530,6 +543,7 @@ void ShmAllReduce::barrier(const char* phase) {
     if (!reached(now, target)) futexWait(&header_->arrived, now, kPeerCheck);
     header_->sleepers.fetch_sub(1);
     if (reached(header_->arrived.load(), target)) return;
+    throwIfAborted();
     const auto t = std::chrono::steady_clock::now();
     if (t - start > options_.op_timeout) {
       throw CommError(

@@ -27,6 +27,7 @@
 // allReduce() and allocate() alike.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -101,6 +102,10 @@ class ShmAllReduce {
   int size() const { return size_; }
   size_t slotBytes() const { return slot_bytes_; }
 
+  // From any thread: the barrier this rank waits in (now or later) throws CommError at once.
+  // Idempotent; touches no data. The group is unusable afterwards.
+  void abort();
+
  private:
   struct Buffer {
     uint64_t id;
@@ -139,7 +144,8 @@ class ShmAllReduce {
   std::vector<Buffer> buffers_;
   uint64_t allocations_ = 0;
   uint32_t barriers_ = 0;  // barriers this rank completed; identical on every rank
-  uint64_t chunks_ = 0;    // staged chunks done; picks the slot set
+  std::atomic<bool> aborted_{false};
+  uint64_t chunks_ = 0;  // staged chunks done; picks the slot set
 };
 
 }  // namespace ddprun::worker

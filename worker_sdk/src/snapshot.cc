@@ -194,6 +194,11 @@ int cudaDevices() { return torch::cuda::is_available() ? torch::cuda::device_cou
 
 void saveSnapshot(const std::string& path, const torch::nn::Module& model,
                   const torch::optim::Optimizer& optimizer, const TrainingProgress& progress) {
+  writeFileAtomically(path, encodeSnapshot(model, optimizer, progress));
+}
+
+std::string encodeSnapshot(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+                           const TrainingProgress& progress) {
   torch::serialize::OutputArchive root;
   torch::serialize::OutputArchive model_ar;
   model.save(model_ar);
@@ -226,7 +231,7 @@ void saveSnapshot(const std::string& path, const torch::nn::Module& model,
   root.save_to(out);
   std::string bytes = std::move(out).str();
   appendTrailer(bytes);
-  writeFileAtomically(path, bytes);
+  return bytes;
 }
 
 std::string readSnapshotFile(const std::string& path) {

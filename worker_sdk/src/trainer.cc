@@ -10,8 +10,10 @@
 #include <iostream>
 #include <optional>
 #include <sstream>
+#include <thread>
 #include <tuple>
 
+#include "control_client.h"
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/sampler.h"
 #include "ddprun/worker/signals.h"
@@ -44,34 +46,38 @@ Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn:
                       std::to_string(inputs_.size(0)) + " vs " + std::to_string(targets_.size(0)) +
                       ")");
   }
-  if (!options_.snapshot_path.empty()) {
-    if (group_->rank() == 0 && removeStaleTempFiles(options_.snapshot_path) > 0) {
-      log() << "[RANK 0] removed temp files of an interrupted snapshot write next to "
-            << options_.snapshot_path << std::endl;
-    }
-    resumed_ = resumeFromNewestSnapshot();
-    if (resumed_ && progress_.step_in_epoch > 0 &&
-        progress_.accumulate_steps != options_.accumulate_steps) {
-      // Mid-epoch, a step is a run of micro-batches: another count would take other samples.
-      throw ConfigError("Trainer: the snapshot at " + options_.snapshot_path +
-                        " was taken in epoch " + std::to_string(progress_.epoch) + " after " +
-                        std::to_string(progress_.step_in_epoch) + " steps of " +
-                        std::to_string(progress_.accumulate_steps) +
-                        " micro-batches; resume it with accumulate_steps " +
-                        std::to_string(progress_.accumulate_steps) + ", not " +
-                        std::to_string(options_.accumulate_steps));
-    }
-    if (resumed_ && scaler_ && progress_.loss_scale > 0) {
-      scaler_->restore(
-          LossScaler::State{progress_.loss_scale, progress_.loss_scale_growth_tracker});
-    }
-    if (resumed_)
-      log() << "[RANK " << group_->rank() << "] Resuming training from snapshot at Epoch "
-            << progress_.epoch
-            << (progress_.step_in_epoch > 0 ? ", step " + std::to_string(progress_.step_in_epoch)
-                                            : "")
-            << std::endl;
+  if (group_->inPlace()) {
+    group_->control()->send(ddprun::makeControl(ddprun::ControlType::kCaps, {{"add", "inplace"}}));
+    first_step_pending_ = true;
   }
+  if (!options_.snapshot_path.empty() && group_->rank() == 0 &&
+      removeStaleTempFiles(options_.snapshot_path) > 0) {
+    log() << "[RANK 0] removed temp files of an interrupted snapshot write next to "
+          << options_.snapshot_path << std::endl;
+  }
+  // Every rank takes the same branch: the options and the channel are the same everywhere.
+  if (!options_.snapshot_path.empty() || group_->inPlace()) syncState();
+  if (resumed_ && progress_.step_in_epoch > 0 &&
+      progress_.accumulate_steps != options_.accumulate_steps) {
+    // Mid-epoch, a step is a run of micro-batches: another count would take other samples.
+    throw ConfigError("Trainer: the snapshot at " + options_.snapshot_path +
+                      " was taken in epoch " + std::to_string(progress_.epoch) + " after " +
+                      std::to_string(progress_.step_in_epoch) + " steps of " +
+                      std::to_string(progress_.accumulate_steps) +
+                      " micro-batches; resume it with accumulate_steps " +
+                      std::to_string(progress_.accumulate_steps) + ", not " +
+                      std::to_string(options_.accumulate_steps));
+  }
+  if (resumed_ && scaler_ && progress_.loss_scale > 0) {
+    scaler_->restore(LossScaler::State{progress_.loss_scale, progress_.loss_scale_growth_tracker});
+  }
+  if (resumed_)
+    log() << "[RANK " << group_->rank() << "] Resuming training from snapshot at Epoch "
+          << progress_.epoch
+          << (progress_.step_in_epoch > 0 ? ", step " + std::to_string(progress_.step_in_epoch)
+                                          : "")
+          << std::endl;
+  live_ = true;
   progress_.accumulate_steps = options_.accumulate_steps;
   ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, options_.ddp);
   installCheckpointSignalHandlers();
@@ -116,22 +122,19 @@ torch::Tensor Trainer::step(const torch::Tensor& index, int64_t first, int64_t l
 
 Trainer::~Trainer() = default;
 
-bool Trainer::resumeFromNewestSnapshot() {
+int Trainer::syncState() {
   // Ranks may see different files (local disks, a node that replaced a lost one): they agree on
-  // the newest snapshot any of them holds, and the lowest rank holding it sends it to every rank
-  // that does not, so all resume from the same point.
-  Communicator& comm = group_->comm();
-  const std::string& path = options_.snapshot_path;
-  const int rank = group_->rank();
-  // A damaged file here is no reason to fail while another rank holds a good snapshot (it is
-  // sent here like a missing one); every rank fails only when none does. State: 0 none, 1 held,
-  // 2 damaged.
+  // the newest snapshot any of them holds. A damaged file here is no reason to fail while another
+  // rank holds a good one (it is sent here like a missing one); every rank fails only when none
+  // does. Snapshot state: 0 none, 1 held, 2 damaged. Live state (survivors of an in-place
+  // recovery) comes first: it is newer than any snapshot.
   // The file is read once: the progress agreed on, the bytes sent and the bytes loaded are one
   // version of it, even if the agent renames a newer copy into place meanwhile.
+  const std::string& path = options_.snapshot_path;
   std::optional<TrainingProgress> mine;
   std::string bytes;
   std::string damaged;
-  if (files::exists(path)) {
+  if (!live_ && !path.empty() && files::exists(path)) {
     try {
       bytes = readSnapshotFile(path);
       mine = snapshotProgress(bytes, path);
@@ -140,20 +143,83 @@ bool Trainer::resumeFromNewestSnapshot() {
     }
   }
   const int64_t state = mine ? 1 : damaged.empty() ? 0 : 2;
+  auto table = group_->comm().allGather(torch::tensor(
+      {int64_t{live_ ? 1 : 0}, live_ ? progress_.global_step : 0, state,
+       mine ? mine->global_step : 0, mine ? mine->epoch : 0, mine ? mine->step_in_epoch : 0},
+      onDevice(torch::kLong)));
+  int live_source = -1;
+  int64_t live_step = -1;
+  for (size_t r = 0; r < table.size(); ++r) {
+    if (table[r][0].item<int64_t>() != 1 || table[r][1].item<int64_t>() <= live_step) continue;
+    live_step = table[r][1].item<int64_t>();
+    live_source = static_cast<int>(r);
+  }
+  if (live_source >= 0) return syncLiveState(table, live_source, live_step);
+  resumed_ = syncSnapshot(table, std::move(bytes), damaged);
+  return -1;
+}
+
+void Trainer::broadcastBytes(std::string& bytes, int source) {
+  Communicator& comm = group_->comm();
+  const bool sending = group_->rank() == source;
+  auto length = torch::zeros({1}, onDevice(torch::kLong));
+  if (sending) length[0] = static_cast<int64_t>(bytes.size());
+  comm.broadcast(length, source);
+  const int64_t n = length[0].item<int64_t>();
+  auto host = torch::empty({n}, torch::kUInt8);
+  if (sending) std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
+  auto buffer = host.to(comm.device());  // the same tensor on the CPU
+  comm.broadcast(buffer, source);
+  if (buffer.data_ptr() != host.data_ptr()) host.copy_(buffer);
+  if (!sending) bytes.assign(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
+}
+
+int Trainer::syncLiveState(const std::vector<torch::Tensor>& table, int source, int64_t step) {
+  // A rank that completed step k took part in an all-reduce that summed every rank's gradient,
+  // so its state is the fault-free one at k; ranks differ by at most the step in flight.
+  auto holds = [&](size_t r) {
+    return table[r][0].item<int64_t>() == 1 && table[r][1].item<int64_t>() == step;
+  };
+  bool anyone_lacks = false;
+  for (size_t r = 0; r < table.size(); ++r) anyone_lacks = anyone_lacks || !holds(r);
+  if (!anyone_lacks) return -1;
+  const int rank = group_->rank();
+  std::string bytes;
+  if (rank == source) bytes = encodeSnapshot(*model_, *optimizer_, progress_);
+  broadcastBytes(bytes, source);
+  if (!holds(static_cast<size_t>(rank))) {
+    const double own_loss = progress_.epoch_loss_sum;
+    loadSnapshotBytes(bytes, "rank " + std::to_string(source) + "'s live state", *model_,
+                      *optimizer_, progress_);
+    if (live_) progress_.epoch_loss_sum = own_loss;  // this rank's own share of the epoch's loss
+    if (scaler_ && progress_.loss_scale > 0) {
+      scaler_->restore(
+          LossScaler::State{progress_.loss_scale, progress_.loss_scale_growth_tracker});
+    }
+    log() << "[RANK " << rank << "] took rank " << source << "'s live state after step " << step
+          << " (" << bytes.size() << " bytes): epoch " << progress_.epoch << ", step "
+          << progress_.step_in_epoch << std::endl;
+  }
+  return source;
+}
+
+bool Trainer::syncSnapshot(const std::vector<torch::Tensor>& all, std::string bytes,
+                           const std::string& damaged) {
+  const std::string& path = options_.snapshot_path;
+  const int rank = group_->rank();
   auto key = [](int64_t global_step, int64_t epoch, int64_t step) {
     return std::make_tuple(global_step, epoch, step);
   };
-  auto all = comm.allGather(torch::tensor(
-      {state, mine ? mine->global_step : 0, mine ? mine->epoch : 0, mine ? mine->step_in_epoch : 0},
-      onDevice(torch::kLong)));
+  std::optional<std::tuple<int64_t, int64_t, int64_t>> mine;
   int source = -1;
   int damaged_rank = -1;
   std::tuple<int64_t, int64_t, int64_t> newest{};
   std::vector<std::tuple<int64_t, int64_t, int64_t>> held(all.size());
   for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r][0].item<int64_t>() == 2 && damaged_rank < 0) damaged_rank = static_cast<int>(r);
-    if (all[r][0].item<int64_t>() != 1) continue;
-    held[r] = key(all[r][1].item<int64_t>(), all[r][2].item<int64_t>(), all[r][3].item<int64_t>());
+    if (all[r][2].item<int64_t>() == 2 && damaged_rank < 0) damaged_rank = static_cast<int>(r);
+    if (all[r][2].item<int64_t>() != 1) continue;
+    held[r] = key(all[r][3].item<int64_t>(), all[r][4].item<int64_t>(), all[r][5].item<int64_t>());
+    if (static_cast<int>(r) == rank) mine = held[r];
     if (source < 0 || held[r] > newest) {
       newest = held[r];
       source = static_cast<int>(r);
@@ -171,22 +237,13 @@ bool Trainer::resumeFromNewestSnapshot() {
   }
   bool anyone_lacks = false;
   for (size_t r = 0; r < all.size(); ++r) {
-    anyone_lacks = anyone_lacks || all[r][0].item<int64_t>() != 1 || held[r] != newest;
+    anyone_lacks = anyone_lacks || all[r][2].item<int64_t>() != 1 || held[r] != newest;
   }
   if (anyone_lacks) {
-    auto length = torch::zeros({1}, onDevice(torch::kLong));
-    if (rank == source) length[0] = static_cast<int64_t>(bytes.size());
-    comm.broadcast(length, source);
-    const int64_t n = length[0].item<int64_t>();
-    auto host = torch::empty({n}, torch::kUInt8);
-    if (rank == source) std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
-    auto buffer = host.to(group_->comm().device());  // the same tensor on the CPU
-    comm.broadcast(buffer, source);
-    if (buffer.data_ptr() != host.data_ptr()) host.copy_(buffer);
-    if (!mine || key(mine->global_step, mine->epoch, mine->step_in_epoch) != newest) {
-      bytes.assign(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
-      log() << "[RANK " << rank << "] received the newest snapshot (" << n << " bytes) from rank "
-            << source;
+    broadcastBytes(bytes, source);
+    if (!mine || *mine != newest) {
+      log() << "[RANK " << rank << "] received the newest snapshot (" << bytes.size()
+            << " bytes) from rank " << source;
       if (replicatedByAgent(path)) {
         // ddprun's agent keeps this directory in step with the other nodes: written here, the
         // copy would be a new version of older content, replicated to every node (and able to
@@ -225,6 +282,106 @@ void Trainer::save(int64_t finished_epoch, const std::string& why) {
 }
 
 Trainer::Outcome Trainer::train() {
+  for (;;) {
+    try {
+      return trainFromProgress();
+    } catch (const std::exception& e) {
+      if (!recoverable(e)) throw;
+      recoverInPlace(e.what());
+    }
+  }
+}
+
+bool Trainer::recoverable(const std::exception& failure) {
+  if (!group_->inPlace()) return false;
+  ControlClient& control = *group_->control();
+  if (dynamic_cast<const CommError*>(&failure) != nullptr) return true;
+  // A collective's failure may reach here wrapped (autograd rethrows a hook's exception as its
+  // own): the agent's abort tells it from a failure of the program's own.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (control.abortedGeneration() < group_->generation()) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+void Trainer::recoverInPlace(const std::string& what) {
+  using Ms = std::chrono::duration<double, std::milli>;
+  ControlClient& control = *group_->control();
+  const auto t0 = std::chrono::steady_clock::now();
+  const int old_generation = group_->generation();
+  const int rank = group_->rank();
+  log() << "[RANK " << rank << "] generation " << old_generation
+        << " failed; recovering in place: " << what.substr(0, 300) << std::endl;
+  auto send = [&](ddprun::ControlType type, std::map<std::string, std::string> fields) {
+    control.send(ddprun::makeControl(type, std::move(fields)));
+  };
+  try {
+    // Nothing may still write into the gradients or the buckets once they are dropped.
+    group_->abort("recovering in place");
+    if (!group_->comm().awaitIdle(std::chrono::seconds(2))) {
+      send(ddprun::ControlType::kGoodbye, {{"reason", "giveup"}});
+      std::cerr << "[RANK " << rank
+                << "] in-place recovery: a collective did not end within 2 s of its abort; "
+                   "exiting so the agent restarts the processes"
+                << std::endl;
+      std::_Exit(1);  // exit() would wait for the thread still blocked
+    }
+    ddp_.reset();
+    for (auto& p : model_->parameters()) p.mutable_grad() = torch::Tensor();
+    RecoveryReport report;
+    report.aborted_ms = Ms(std::chrono::steady_clock::now() - t0).count();
+    send(ddprun::ControlType::kAborted, {{"gen", std::to_string(old_generation)}});
+    auto group = control.waitGroup(old_generation, control.recoveryTimeout(),
+                                   [] { return !checkpointRequested(); });
+    if (!group) throw CommError("stopped by a signal while waiting for the new group");
+    GroupSpec spec;
+    spec.generation = static_cast<int>(group->num("gen"));
+    spec.rank = static_cast<int>(group->num("rank"));
+    spec.size = static_cast<int>(group->num("world"));
+    spec.master_addr = group->str("addr");
+    spec.master_port = static_cast<int>(group->num("port"));
+    spec.key = group->str("prefix");
+    group_->reform(spec);
+    report.generation = spec.generation;
+    report.world = spec.size;
+    report.formed_ms = Ms(std::chrono::steady_clock::now() - t0).count();
+    send(ddprun::ControlType::kFormed, {{"gen", std::to_string(spec.generation)},
+                                        {"rank", std::to_string(spec.rank)},
+                                        {"world", std::to_string(spec.size)}});
+    const int64_t before = progress_.global_step;
+    report.source = syncState();
+    report.step = progress_.global_step;
+    report.synced_ms = Ms(std::chrono::steady_clock::now() - t0).count();
+    send(ddprun::ControlType::kSynced,
+         {{"gen", std::to_string(spec.generation)},
+          {"step", std::to_string(progress_.global_step)},
+          {"source", std::to_string(std::max(report.source, 0))},
+          {"discarded", std::to_string(std::max<int64_t>(before - progress_.global_step, 0))}});
+    ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, options_.ddp);
+    first_step_pending_ = true;
+    log() << "[RANK " << group_->rank() << "] in-place recovery: generation " << spec.generation
+          << " formed (world " << spec.size << "), going on after step " << report.step
+          << std::fixed << std::setprecision(1) << "; aborted " << report.aborted_ms
+          << " ms, formed " << report.formed_ms << " ms, synced " << report.synced_ms << " ms"
+          << std::endl;
+    recoveries_.push_back(report);
+  } catch (const std::exception& e) {
+    send(ddprun::ControlType::kGoodbye, {{"reason", "giveup"}});
+    throw CommError(std::string("in-place recovery failed: ") + e.what());
+  }
+}
+
+void Trainer::reportFirstStep() {
+  if (!first_step_pending_) return;
+  first_step_pending_ = false;
+  group_->control()->send(ddprun::makeControl(
+      ddprun::ControlType::kStep, {{"gen", std::to_string(std::max(group_->generation(), 1))},
+                                   {"n", std::to_string(progress_.global_step)}}));
+}
+
+Trainer::Outcome Trainer::trainFromProgress() {
   Communicator& comm = group_->comm();
   const int rank = group_->rank();
   DistributedSampler sampler(SamplerOptions{inputs_.size(0), group_->size(), rank, options_.shuffle,
@@ -275,6 +432,7 @@ Trainer::Outcome Trainer::train() {
       ++progress_.global_step;
       if (!options_.heartbeat_file.empty()) touchFile(options_.heartbeat_file);
       if (options_.on_step) options_.on_step(progress_);
+      reportFirstStep();
       if (agreedStop()) return finishStop();
     }
     auto mean = torch::tensor(

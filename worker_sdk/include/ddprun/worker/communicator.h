@@ -10,6 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,6 +61,18 @@ class Communicator {
   // Gloo communicator's shared-memory path places it where peers read it in place (no staging
   // copy per all-reduce); otherwise, and by default, it is at::zeros.
   virtual at::Tensor allocateBuffer(int64_t numel, const at::TensorOptions& options);
+
+  // In-place recovery: interrupts this communicator for good. The collective running fails with
+  // CommError soon after (Gloo: its sockets are shut down; shared memory: its barrier wakes;
+  // NCCL: ncclCommAbort), queued and later ones fail at once. Thread-safe, idempotent, does not
+  // wait and touches no tensor. The default has nothing to interrupt.
+  virtual void abort(const std::string& reason) { (void)reason; }
+  // True once no collective runs or is queued (after abort(): they have all failed), waiting at
+  // most `timeout`. Only then may the tensors handed to this communicator be dropped.
+  virtual bool awaitIdle(std::chrono::milliseconds timeout) {
+    (void)timeout;
+    return true;
+  }
 
   void allReduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
   void broadcast(const at::Tensor& tensor, int root = 0);

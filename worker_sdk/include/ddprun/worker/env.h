@@ -22,6 +22,8 @@ struct WorkerEnv {
   std::string snapshot_dir;    // DDPRUN_SNAPSHOT_DIR, may be empty
   std::string heartbeat_file;  // DDPRUN_HEARTBEAT_FILE, may be empty
   std::string stop_file;       // DDPRUN_STOP_FILE, may be empty
+  // DDPRUN_CONTROL_SOCKET: the agent's control channel (--restart-mode=in-place); empty = none.
+  std::string control_socket;
 
   using Lookup = std::function<std::optional<std::string>(const std::string&)>;
 

@@ -32,6 +32,10 @@ struct TrainingProgress {
 void saveSnapshot(const std::string& path, const torch::nn::Module& model,
                   const torch::optim::Optimizer& optimizer, const TrainingProgress& progress);
 
+// The bytes saveSnapshot writes (what a live rank sends a newcomer in in-place recovery).
+std::string encodeSnapshot(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+                           const TrainingProgress& progress);
+
 // Returns false when no snapshot exists at `path`; throws WorkerError when it exists but cannot be
 // read (naming the path). Restores the CPU RNG state too.
 bool loadSnapshot(const std::string& path, torch::nn::Module& model,

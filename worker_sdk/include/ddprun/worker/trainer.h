@@ -7,6 +7,10 @@
 // gradient accumulation (accumulate_steps micro-batches per optimizer step, all but the last
 // under DDP's no_sync) and mixed precision (autocast bf16, or fp16 with a loss scaler); steps,
 // snapshots and stops count optimizer steps.
+// In-place recovery (ddprun --restart-mode=in-place, ProcessGroup::inPlace()): when a peer fails,
+// train() aborts the step in flight, re-forms the group the agent names, takes the state of the
+// lowest rank that completed the most steps (a replacement rank receives it over the group, not
+// from disk) and goes on from that step; the process, its memory and its data stay.
 // Single-threaded: construct and call train() from the rank's main thread.
 #pragma once
 
@@ -17,6 +21,7 @@
 #include <memory>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "ddprun/worker/ddp.h"
 #include "ddprun/worker/mixed_precision.h"
@@ -53,6 +58,17 @@ struct TrainerOptions {
   std::function<void(const TrainingProgress&)> on_step;
 };
 
+// One in-place recovery, as Trainer::recoveries() lists it.
+struct RecoveryReport {
+  int generation = 0;  // the group formed
+  int world = 0;
+  std::int64_t step = 0;  // completed optimizer steps everyone went on from
+  int source = -1;        // the rank whose state was taken (-1: every rank already held it)
+  double aborted_ms = 0;  // from the failure seen here until the old group was gone
+  double formed_ms = 0;   // ... until the new group formed
+  double synced_ms = 0;   // ... until the state was in step
+};
+
 class Trainer {
  public:
   using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
@@ -70,6 +86,7 @@ class Trainer {
   Outcome train();
   const TrainingProgress& progress() const { return progress_; }
   bool resumed() const { return resumed_; }
+  const std::vector<RecoveryReport>& recoveries() const { return recoveries_; }
   DistributedDataParallel& ddp() { return *ddp_; }
 
  private:
@@ -93,12 +110,31 @@ class Trainer {
   TrainingProgress progress_;
   bool resumed_ = false;
 
-  bool resumeFromNewestSnapshot();
+  // Run after every formation of the group (the start, and each in-place generation), the same
+  // collectives on every rank: with ranks that hold live state (survivors of a failure), the
+  // lowest at the highest step sends it to every rank behind it or new; else the newest snapshot
+  // any rank holds (the lowest holder sends it to those that lack it). Returns the source rank
+  // (-1 when every rank already held the state or none had any).
+  int syncState();
+  int syncLiveState(const std::vector<torch::Tensor>& table, int source, std::int64_t step);
+  bool syncSnapshot(const std::vector<torch::Tensor>& table, std::string bytes,
+                    const std::string& damaged);
+  // `bytes` of rank `source`, on every rank.
+  void broadcastBytes(std::string& bytes, int source);
+  Outcome trainFromProgress();
+  // After a failure in train(): whether to recover in place (a control channel, and a collective
+  // that failed or an abort from the agent).
+  bool recoverable(const std::exception& failure);
+  void recoverInPlace(const std::string& what);
+  void reportFirstStep();
+  bool live_ = false;                // the model holds a state some step completed (not fresh)
+  bool first_step_pending_ = false;  // the agent waits for the generation's first step
   // One optimizer step over micro-batches [first, last) of `index` (this epoch's samples); returns
   // the step's loss (a tensor: no host sync per micro-batch).
   torch::Tensor step(const torch::Tensor& index, std::int64_t first, std::int64_t last);
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<LossScaler> scaler_;  // fp16 only
+  std::vector<RecoveryReport> recoveries_;
 };
 
 }  // namespace ddprun::worker
