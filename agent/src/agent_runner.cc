@@ -14,7 +14,9 @@
 #include "ddprun/agent/failure_report.h"
 #include "ddprun/agent/supervisor.h"
 #include "ddprun/agent/worker_planner.h"
+#include "ddprun/common/control_protocol.h"
 #include "ddprun/common/log.h"
+#include "ddprun/common/log_throttle.h"
 #include "ddprun/common/strings.h"
 #include "files.h"
 #include "host_identity.h"
@@ -25,6 +27,7 @@
 #include "snapshot_sync_client.h"
 #include "stat_heartbeat_probe.h"
 #include "torch_probe.h"
+#include "unix_control_server.h"
 
 namespace ddprun::agent {
 namespace {
@@ -185,8 +188,24 @@ SupervisorOptions supervisorOptions(const AgentConfig& cfg, const RendezvousChoi
   options.exit_barrier_timeout = seconds(cfg.exit_barrier_timeout);
   options.failure_grace = choice.failure_grace;
   options.multi_node = choice.kind != RendezvousKind::kLocal;
+  options.restart_in_place = cfg.restart_in_place;
+  options.inplace_timeout = cfg.rdzv_conf.inplace_timeout;
   return options;
 }
+
+// The supervisor's control channel over the agent's Unix socket server.
+class SocketControlChannel : public ControlChannel {
+ public:
+  explicit SocketControlChannel(UnixControlServer& server) : server_(server) {}
+  bool send(int pid, const ControlMessage& message) override {
+    std::string line = formatControlLine(message);
+    line.pop_back();  // the server ends each line itself
+    return server_.send(pid, line);
+  }
+
+ private:
+  UnixControlServer& server_;
+};
 
 // One node's agent: every object it needs, built in order by build() before the loop runs, and the
 // loop's handlers. Everything runs on the calling thread; the rendezvous' peer events, the
@@ -202,6 +221,9 @@ class AgentRun {
  private:
   AgentRun(const AgentConfig& cfg, NodeSetup node);
   Status startMetrics();
+  // --restart-mode=in-place: the workers' control channel.
+  Status openControlChannel();
+  void onControlLine(int pid, const std::string& line);
   void onPeerEvent(PeerEvent e);
   void onStateChange(AgentState s);
   void afterEvent();  // shut down when done, else arm the timer for the next deadline
@@ -219,7 +241,11 @@ class AgentRun {
   SteadyClock clock_;
   WorkerPlanner planner_;
   StatHeartbeatProbe heartbeat_probe_;
+  std::unique_ptr<UnixControlServer> control_server_;
+  std::unique_ptr<SocketControlChannel> control_channel_;
   std::unique_ptr<Supervisor> supervisor_;
+  AgentState last_state_ = AgentState::kInit;
+  LogThrottle bad_control_lines_{std::chrono::seconds(10)};
   boost::asio::steady_timer timer_{io_};           // the supervisor's next deadline
   boost::asio::steady_timer shutdown_guard_{io_};  // bounds the endgame
   boost::asio::signal_set handled_{io_};
@@ -242,6 +268,7 @@ StatusOr<std::unique_ptr<AgentRun>> AgentRun::build(const AgentConfig& cfg, Node
   DDPRUN_ASSIGN_OR_RETURN(
       r.rendezvous_,
       makeRendezvousStack(cfg, r.node_, r.io_, [&r](PeerEvent e) { r.onPeerEvent(e); }));
+  if (cfg.restart_in_place) DDPRUN_RETURN_IF_ERROR(r.openControlChannel());
   r.supervisor_ = std::make_unique<Supervisor>(
       supervisorOptions(cfg, r.node_.choice), r.launcher_, r.rendezvous_->client(), r.clock_,
       [&r](const RoundInfo& round, int restarts) {
@@ -250,7 +277,7 @@ StatusOr<std::unique_ptr<AgentRun>> AgentRun::build(const AgentConfig& cfg, Node
         r.planner_.setTorchVersion(torch);
         return prepareAttempt(r.planner_.plan(round, restarts));
       },
-      &r.heartbeat_probe_);
+      &r.heartbeat_probe_, r.control_channel_.get());
   if (cfg.metrics_port >= 0) DDPRUN_RETURN_IF_ERROR(usageError(r.startMetrics()));
   r.supervisor_->setStateListener([&r](AgentState s) { r.onStateChange(s); });
   r.launcher_.watchExits(
@@ -277,6 +304,42 @@ Status AgentRun::startMetrics() {
   return Status::ok();
 }
 
+Status AgentRun::openControlChannel() {
+  UnixControlServer::Callbacks callbacks;
+  callbacks.on_line = [this](int pid, const std::string& line) { onControlLine(pid, line); };
+  callbacks.on_closed = [this](int pid, const std::string& why) {
+    log_->debug("control channel of pid {} closed: {}", pid, why);
+    supervisor_->onControlClosed(pid);
+    afterEvent();
+  };
+  // Only this attempt's workers themselves (a worker's child is not one).
+  callbacks.is_worker = [this](int pid) { return supervisor_->isRunningWorker(pid); };
+  auto server = UnixControlServer::open(io_, UnixControlServerOptions{}, std::move(callbacks));
+  if (!server.isOk()) {
+    return server.status().withContext("--restart-mode=in-place: cannot open the control channel");
+  }
+  control_server_ = std::move(*server);
+  control_channel_ = std::make_unique<SocketControlChannel>(*control_server_);
+  planner_.setControlSocket(control_server_->path());
+  log_->debug("control channel for in-place recovery on {}", control_server_->path());
+  return Status::ok();
+}
+
+void AgentRun::onControlLine(int pid, const std::string& line) {
+  auto message = parseControlLine(line);
+  if (!message.isOk()) {
+    if (auto n = bad_control_lines_.note("bad line", clock_.now())) {
+      log_->warn("control channel: pid {} sent a bad line ({}); closing it ({} such line(s))", pid,
+                 message.status().message(), *n);
+    }
+    control_server_->close(pid);
+    supervisor_->onControlClosed(pid);
+  } else {
+    supervisor_->onControlMessage(pid, *message);
+  }
+  afterEvent();
+}
+
 void AgentRun::onPeerEvent(PeerEvent e) {
   if (e == PeerEvent::kPeerFailure) {
     supervisor_->onPeerFailure();
@@ -291,10 +354,11 @@ void AgentRun::onStateChange(AgentState s) {
   // Changes that come from a posted callback (a round that completed or failed, the barrier's
   // answer) must shut down or arm the timer (the first look at the heartbeat files) too.
   boost::asio::post(io_, [this] { afterEvent(); });
-  if (s == AgentState::kRunning) {
+  if (s == AgentState::kRunning && last_state_ != AgentState::kRecovering) {
     log_->info("started {} worker(s) (attempt {}, run id {})", cfg_.nproc_per_node,
                supervisor_->restartCount(), cfg_.rdzv_id);
   }
+  last_state_ = s;
 }
 
 // After every event: shut down when done, otherwise re-arm the timer for the supervisor's next

@@ -1,5 +1,6 @@
 #include "ddprun/agent/supervisor.h"
 
+#include <algorithm>
 #include <csignal>
 
 #include "ddprun/common/log.h"
@@ -14,6 +15,8 @@ const char* agentStateName(AgentState s) {
       return "RENDEZVOUS";
     case AgentState::kRunning:
       return "RUNNING";
+    case AgentState::kRecovering:
+      return "RECOVERING";
     case AgentState::kStopping:
       return "STOPPING";
     case AgentState::kRestarting:
@@ -32,17 +35,23 @@ namespace {
 bool isTerminating(int sig) {
   return sig == SIGTERM || sig == SIGINT || sig == SIGHUP || sig == SIGQUIT;
 }
+
+std::string describeExit(ExitStatus status) {
+  return (status.signaled ? "was killed by signal " : "exited with code ") +
+         std::to_string(status.code);
+}
 }  // namespace
 
 Supervisor::Supervisor(SupervisorOptions options, ProcessLauncher& launcher,
                        RendezvousClient& rendezvous, Clock& clock, Planner planner,
-                       HeartbeatProbe* heartbeats)
+                       HeartbeatProbe* heartbeats, ControlChannel* control)
     : options_(options),
       launcher_(launcher),
       rendezvous_(rendezvous),
       clock_(clock),
       planner_(std::move(planner)),
-      heartbeats_(heartbeats) {}
+      heartbeats_(heartbeats),
+      control_(control) {}
 
 void Supervisor::setState(AgentState s) {
   if (s == state_) return;
@@ -100,6 +109,8 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     return;
   }
   round_ = *round;
+  ++group_generation_;
+  episode_.reset();
   signal_forwarded_ = false;
   workers_.clear();
   failures_.clear();
@@ -230,11 +241,26 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
   if (worker == nullptr) return;  // not ours (or a previous attempt's straggler)
   worker->running = false;
 
+  if (state_ == AgentState::kRecovering) {
+    if (!status.success()) {
+      recordFailure(WorkerFailure{worker->launch.local_rank, worker->launch.global_rank, pid,
+                                  status, clock_.wallSeconds(), worker->launch.error_file,
+                                  /*hang=*/""});
+    }
+    fallBack("local rank " + std::to_string(worker->launch.local_rank) + " (pid " +
+             std::to_string(pid) + ") " + describeExit(status) + " during the recovery");
+    return;
+  }
   if (state_ == AgentState::kRunning) {
     if (!status.success()) {
       recordFailure(WorkerFailure{worker->launch.local_rank, worker->launch.global_rank, pid,
                                   status, clock_.wallSeconds(), worker->launch.error_file,
                                   /*hang=*/""});
+      if (recoverInPlace(*worker, "local rank " + std::to_string(worker->launch.local_rank) +
+                                      " (pid " + std::to_string(pid) + ") " +
+                                      describeExit(status))) {
+        return;
+      }
       stopForLocalFailure();
       return;
     }
@@ -268,6 +294,7 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
 
 void Supervisor::beginStop(StopReason reason, int sig) {
   deadlines_.heartbeat_check.reset();
+  episode_.reset();
   stop_reason_ = reason;
   stop_signal_ = sig;
   setState(AgentState::kStopping);
@@ -306,8 +333,10 @@ void Supervisor::giveUpUnreaped() {
 
 std::optional<TimePoint> Supervisor::nextDeadline() const {
   std::optional<TimePoint> next;
-  for (const auto& d :
-       {deadlines_.kill, deadlines_.report, deadlines_.heartbeat_check, deadlines_.barrier}) {
+  const std::optional<TimePoint> episode =
+      episode_ ? std::optional<TimePoint>(episode_->deadline) : std::nullopt;
+  for (const auto& d : {deadlines_.kill, deadlines_.report, deadlines_.heartbeat_check,
+                        deadlines_.barrier, episode}) {
     if (d && (!next || *d < *next)) next = d;
   }
   for (const auto& w : workers_) {
@@ -326,6 +355,7 @@ void Supervisor::maybeFinishStop() {
       finish(AgentState::kFailed, 128 + stop_signal_);
       return;
     case StopReason::kMembership:
+    case StopReason::kInPlaceFallback:  // charged when the recovery began
       setState(AgentState::kRestarting);
       joinRound();
       return;
@@ -398,14 +428,16 @@ void Supervisor::onMembershipChange() {
     maybeFinishStop();
     return;
   }
-  if (state_ != AgentState::kRunning) return;
+  if (state_ != AgentState::kRunning && state_ != AgentState::kRecovering) return;
+  episode_.reset();
   beginStop(StopReason::kMembership, SIGTERM);
   maybeFinishStop();
 }
 
 void Supervisor::onPeerFailure() {
   loop_.check();
-  if (state_ != AgentState::kRunning) return;  // already stopping: charged once
+  if (state_ != AgentState::kRunning && state_ != AgentState::kRecovering) return;  // charged once
+  episode_.reset();
   logger("agent")->warn("workers on another node failed; restarting this node's workers too");
   failures_.clear();
   beginStop(StopReason::kFailure, SIGTERM);
@@ -420,6 +452,14 @@ void Supervisor::onDeadline() {
     onExitBarrier(
         deadlineExceeded("the other nodes did not finish within the exit barrier "
                          "timeout"));
+    return;
+  }
+  if (state_ == AgentState::kRecovering && episode_ && clock_.now() >= episode_->deadline) {
+    fallBack("the recovery did not finish within inplace_timeout (" +
+             std::to_string(
+                 std::chrono::duration_cast<std::chrono::milliseconds>(options_.inplace_timeout)
+                     .count()) +
+             " ms)");
     return;
   }
   if (state_ == AgentState::kRunning && deadlines_.heartbeat_check &&
@@ -457,6 +497,216 @@ void Supervisor::finish(AgentState s, int exit_code) {
   deadlines_.heartbeat_check.reset();
   deadlines_.barrier.reset();
   setState(s);
+}
+
+}  // namespace ddprun::agent
+
+namespace ddprun::agent {
+
+// ---- In-place recovery (docs/in-place-recovery.md §2) ----
+
+Supervisor::Worker* Supervisor::findWorker(int pid) {
+  for (auto& w : workers_) {
+    if (w.pid == pid && w.running) return &w;
+  }
+  return nullptr;
+}
+
+bool Supervisor::isRunningWorker(int pid) const {
+  for (const auto& w : workers_) {
+    if (w.pid == pid && w.running) return true;
+  }
+  return false;
+}
+
+double Supervisor::msSinceDetection() const {
+  return episode_
+             ? std::chrono::duration<double, std::milli>(clock_.now() - episode_->detected).count()
+             : 0.0;
+}
+
+bool Supervisor::inPlaceEligible(const Worker& failed) {
+  if (!options_.restart_in_place || control_ == nullptr) return false;
+  auto whyNot = [this](const std::string& why) {
+    if (!said_why_not_in_place_) {
+      said_why_not_in_place_ = true;
+      logger("agent")->warn(
+          "--restart-mode=in-place: {}; this job recovers by restarting processes", why);
+    }
+    return false;
+  };
+  if (options_.multi_node) {
+    return whyNot("in-place recovery across nodes is not available yet (single-node jobs only)");
+  }
+  if (restart_count_ >= options_.max_restarts) return false;  // the usual path fails the job
+  for (const auto& w : workers_) {
+    if (&w == &failed || (w.running && w.capable)) continue;
+    if (!w.running) return false;  // it ended already (finished or failing too)
+    return whyNot("local rank " + std::to_string(w.launch.local_rank) + " (pid " +
+                  std::to_string(w.pid) +
+                  ") did not announce in-place support on DDPRUN_CONTROL_SOCKET (not a worker "
+                  "SDK Trainer)");
+  }
+  return true;
+}
+
+bool Supervisor::recoverInPlace(Worker& failed, const std::string& cause) {
+  if (!inPlaceEligible(failed)) return false;
+  auto launches = planner_(round_, restart_count_ + 1);
+  const int local_rank = failed.launch.local_rank;
+  if (!launches.isOk() || static_cast<size_t>(local_rank) >= launches->size()) {
+    logger("agent")->warn("in-place recovery: cannot prepare a replacement for local rank {}: {}",
+                          local_rank,
+                          launches.isOk() ? "no such rank" : launches.status().message());
+    return false;
+  }
+  ++restart_count_;  // the failure is charged once, however it is recovered
+  const int old_generation = group_generation_;
+  Episode episode;
+  episode.generation = ++group_generation_;
+  episode.detected = clock_.now();
+  episode.deadline = episode.detected + options_.inplace_timeout;
+  episode.cause = cause;
+  episode_ = std::move(episode);
+  deadlines_.heartbeat_check.reset();  // paused while the group re-forms
+  setState(AgentState::kRecovering);
+  logger("agent")->warn(
+      "{}; recovering in place as generation {} ({} of {} restarts used): replacing it alone, the "
+      "others keep their processes",
+      cause, episode_->generation, restart_count_, options_.max_restarts);
+  for (auto& w : workers_) {
+    if (&w == &failed || !w.running) continue;
+    control_->send(w.pid, makeControl(ControlType::kAbort, {{"gen", std::to_string(old_generation)},
+                                                            {"reason", "failure"}}));
+    sendGroup(w);
+  }
+  episode_->told_ms = msSinceDetection();
+  Worker replacement;
+  replacement.launch = std::move((*launches)[static_cast<size_t>(local_rank)]);
+  auto pid = launcher_.spawn(replacement.launch);
+  if (!pid.isOk()) {
+    fallBack("cannot start a replacement for local rank " + std::to_string(local_rank) + ": " +
+             pid.status().message());
+    return true;
+  }
+  replacement.pid = *pid;
+  replacement.running = true;
+  replacement.capable = true;  // it joins through the channel, as a newcomer
+  episode_->replacement_pid = *pid;
+  failed = std::move(replacement);
+  return true;
+}
+
+void Supervisor::sendGroup(const Worker& w) {
+  control_->send(
+      w.pid, makeControl(ControlType::kGroup, {{"gen", std::to_string(group_generation_)},
+                                               {"rank", std::to_string(w.launch.global_rank)},
+                                               {"world", std::to_string(worldSize())},
+                                               {"local_rank", std::to_string(w.launch.local_rank)},
+                                               {"local_world", std::to_string(workers_.size())},
+                                               {"addr", round_.master_addr},
+                                               {"port", std::to_string(round_.master_port)},
+                                               {"prefix", "g" + std::to_string(group_generation_)},
+                                               {"restart_count", std::to_string(restart_count_)}}));
+}
+
+void Supervisor::onControlMessage(int pid, const ControlMessage& message) {
+  loop_.check();
+  Worker* w = findWorker(pid);
+  if (w == nullptr) return;
+  switch (message.type) {
+    case ControlType::kHello:
+      w->connected = true;
+      control_->send(
+          pid,
+          makeControl(ControlType::kWelcome,
+                      {{"v", std::to_string(std::min<std::int64_t>(message.num("v"),
+                                                                   kControlProtocolVersion))},
+                       {"gen", std::to_string(group_generation_)},
+                       {"timeout_ms", std::to_string(std::max<std::int64_t>(
+                                          1, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                 options_.inplace_timeout)
+                                                 .count()))}}));
+      if (episode_ && pid == episode_->replacement_pid) episode_->hello_ms = msSinceDetection();
+      return;
+    case ControlType::kCaps:
+      w->capable = w->connected;
+      return;
+    case ControlType::kGoodbye:
+      if (message.str("reason") == "giveup" && state_ == AgentState::kRecovering) {
+        fallBack("local rank " + std::to_string(w->launch.local_rank) + " gave up recovering");
+      }
+      return;
+    default:
+      if (state_ == AgentState::kRecovering) onPhase(*w, message);
+      return;
+  }
+}
+
+void Supervisor::onPhase(Worker& w, const ControlMessage& message) {
+  Episode& e = *episode_;
+  const auto gen = message.fields.count("gen") ? message.num("gen") : -1;
+  const double at = msSinceDetection();
+  switch (message.type) {
+    case ControlType::kAborted:
+      if (gen < e.generation) e.aborted_ms = std::max(e.aborted_ms, at);
+      return;
+    case ControlType::kFormed:
+      if (gen == e.generation) e.formed_ms = std::max(e.formed_ms, at);
+      return;
+    case ControlType::kSynced:
+      if (gen != e.generation) return;
+      e.synced_ms = std::max(e.synced_ms, at);
+      e.step = message.num("step");
+      e.source = static_cast<int>(message.num("source"));
+      return;
+    case ControlType::kStep:
+      if (gen != e.generation) return;
+      if (std::find(e.stepped.begin(), e.stepped.end(), w.pid) == e.stepped.end()) {
+        e.stepped.push_back(w.pid);
+      }
+      if (e.stepped.size() >= static_cast<size_t>(runningWorkers())) finishEpisode();
+      return;
+    default:
+      return;
+  }
+}
+
+void Supervisor::finishEpisode() {
+  const Episode e = *episode_;
+  const double first_step = msSinceDetection();
+  episode_.reset();
+  failures_.clear();  // recovered: a later report names a later failure
+  ++recovered_in_place_;
+  for (auto& w : workers_) w.heartbeat = Heartbeat{};  // the pause is no hang
+  setState(AgentState::kRunning);
+  if (heartbeatsEnabled()) {
+    deadlines_.heartbeat_check = clock_.now() + heartbeatCheckInterval(options_.heartbeat_timeout);
+  }
+  logger("agent")->info(
+      "in-place recovery, generation {} ({}): told {:.1f} ms, replacement said hello {:.0f} ms, "
+      "aborted {:.0f} ms, formed {:.0f} ms, synced {:.0f} ms, first step {:.0f} ms; resumed after "
+      "step {} from rank {}, world {}",
+      e.generation, e.cause, e.told_ms, e.hello_ms, e.aborted_ms, e.formed_ms, e.synced_ms,
+      first_step, e.step, e.source, worldSize());
+}
+
+void Supervisor::fallBack(const std::string& why) {
+  logger("agent")->warn(
+      "in-place recovery failed ({}); restarting every worker (the failure is charged once)", why);
+  episode_.reset();
+  beginStop(StopReason::kInPlaceFallback, SIGTERM);
+  maybeFinishStop();
+}
+
+void Supervisor::onControlClosed(int pid) {
+  loop_.check();
+  Worker* w = findWorker(pid);
+  if (w == nullptr) return;
+  // A worker that cannot hear the agent cannot recover with the others. (One that died closes
+  // its channel first: its exit decides; one that lives on is bounded by the episode's deadline.)
+  w->connected = false;
+  w->capable = false;
 }
 
 }  // namespace ddprun::agent

@@ -95,6 +95,12 @@ std::map<std::string, std::string> buildWorkerEnv(
   } else {
     set("DDPRUN_HEARTBEAT_FILE", in.heartbeat_file);
   }
+  // An inherited channel is some other agent's (ddprun under ddprun): never the workers'.
+  if (in.control_socket.empty()) {
+    env.erase("DDPRUN_CONTROL_SOCKET");
+  } else {
+    set("DDPRUN_CONTROL_SOCKET", in.control_socket);
+  }
   return env;
 }
 

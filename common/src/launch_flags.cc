@@ -25,12 +25,18 @@ const std::vector<LaunchFlag>& launchFlags() {
       {"rdzv_conf", 0, true, "K=V,...",
        "Additional rendezvous configuration (<key1>=<value1>,<key2>=<value2>,...): "
        "join_timeout, timeout, last_call_timeout, close_timeout, read_timeout, heartbeat_interval, "
-       "heartbeat_misses, failure_grace, is_host, token_file, tls_ca, tls_cert, tls_key."},
+       "heartbeat_misses, failure_grace, inplace_timeout, is_host, token_file, tls_ca, tls_cert, "
+       "tls_key."},
       {"standalone", 0, false, nullptr,
        "Start a local standalone rendezvous backend on a free port, with a fresh run id. Single "
        "node only."},
       {"max_restarts", 0, true, "N",
        "Maximum number of worker group restarts before failing. Default 0."},
+      {"restart_mode", 0, true, "MODE",
+       "How workers recover from a failure: process (stop every worker, start them again from "
+       "the latest snapshot) or in-place (programs on the worker SDK's Trainer: only the failed "
+       "worker is replaced; the others keep their processes and state and go on from the last "
+       "completed step). Default process."},
       {"monitor_interval", 0, true, "SECONDS",
        "Accepted for compatibility; ddprun notices worker exits at once. Default 0.1."},
       {"start_method", 0, true, "METHOD",

@@ -524,6 +524,13 @@ Apply applierOf(const std::string& name) {
          DDPRUN_ASSIGN_OR_RETURN(c.max_restarts, intIn(r, 0, 1000000, "an integer >= 0"));
          return Status::ok();
        }},
+      {"restart_mode",
+       [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
+         if (r.value != "process" && r.value != "in-place")
+           return badValue(r, "process or in-place");
+         c.restart_in_place = r.value == "in-place";
+         return Status::ok();
+       }},
       {"monitor_interval",
        [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
          DDPRUN_ASSIGN_OR_RETURN(c.monitor_interval, secondsAtLeast(r, 0, true));

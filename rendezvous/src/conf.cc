@@ -99,6 +99,8 @@ Status applyKey(const std::string& key, const std::string& raw_key, const std::s
     DDPRUN_ASSIGN_OR_RETURN(out.run.heartbeat_interval, parseSeconds(key, value, false));
   } else if (key == "read_timeout") {
     DDPRUN_ASSIGN_OR_RETURN(out.read_timeout, parseSeconds(key, value, false));
+  } else if (key == "inplace_timeout") {
+    DDPRUN_ASSIGN_OR_RETURN(out.inplace_timeout, parseSeconds(key, value, false));
   } else if (key == "failure_grace") {
     DDPRUN_ASSIGN_OR_RETURN(out.failure_grace, parseSeconds(key, value, true));
     given.failure_grace = true;

@@ -71,6 +71,8 @@ struct AgentConfig {
 
   // Supervision.
   int max_restarts = 0;
+  // --restart-mode=in-place: replace only a failed worker; the others recover in place.
+  bool restart_in_place = false;
   double monitor_interval = 0.1;  // accepted for compatibility; supervision is event-driven
   double shutdown_timeout = 30.0;
   double exit_barrier_timeout = 300.0;

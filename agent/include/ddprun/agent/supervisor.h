@@ -16,16 +16,20 @@
 #include "ddprun/agent/process.h"
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/common/clock.h"
+#include "ddprun/common/control_protocol.h"
 #include "ddprun/common/loop_affinity.h"
 
 namespace ddprun::agent {
 
+// kRecovering (--restart-mode=in-place): a failed worker was replaced alone and the others re-form
+// in place; back to kRunning once every worker completed a step in the new generation.
 // kExitBarrier: every local worker succeeded; waiting (bounded) for the other nodes to finish
 // before SUCCEEDED, so this node does not tear down what they still need.
 enum class AgentState {
   kInit,
   kRendezvous,
   kRunning,
+  kRecovering,
   kStopping,
   kRestarting,
   kExitBarrier,
@@ -70,6 +74,20 @@ struct SupervisorOptions {
   // ends what holds it (ProcessLauncher::forceEnd: its guardian, stopped or stuck) and the agent
   // waits for it no more. No child is waited for without a bound.
   Duration reap_timeout = std::chrono::seconds(10);
+  // --restart-mode=in-place (single-node jobs for now): a failed worker is replaced alone while
+  // the others, which said they can (`caps add=inplace` on the control channel), re-form in place
+  // and go on from the last completed step. Whatever fails on the way falls back to restarting
+  // every worker, and the failure is charged once either way.
+  bool restart_in_place = false;
+  Duration inplace_timeout = std::chrono::seconds(60);  // the bound on one recovery
+};
+
+// The agent's end of the workers' control channel (docs/in-place-recovery.md §1).
+class ControlChannel {
+ public:
+  virtual ~ControlChannel() = default;
+  // False when `pid` has no open connection.
+  virtual bool send(int pid, const ControlMessage& message) = 0;
 };
 
 class Supervisor {
@@ -78,9 +96,11 @@ class Supervisor {
   using Planner =
       std::function<StatusOr<std::vector<WorkerLaunch>>(const RoundInfo& round, int restart_count)>;
 
-  // `heartbeats` may be null (no hang detection); it must outlive the supervisor.
+  // `heartbeats` may be null (no hang detection), and `control` (no in-place recovery); both must
+  // outlive the supervisor.
   Supervisor(SupervisorOptions options, ProcessLauncher& launcher, RendezvousClient& rendezvous,
-             Clock& clock, Planner planner, HeartbeatProbe* heartbeats = nullptr);
+             Clock& clock, Planner planner, HeartbeatProbe* heartbeats = nullptr,
+             ControlChannel* control = nullptr);
 
   // INIT -> RENDEZVOUS.
   void start();
@@ -96,6 +116,13 @@ class Supervisor {
   // The time is at or past nextDeadline(): SIGKILL after the shutdown timeout, a failure report
   // after its grace, a look at the workers' heartbeat files, or the end of the exit barrier.
   void onDeadline();
+  // A line from worker `pid` on the control channel, parsed; and the end of its connection.
+  void onControlMessage(int pid, const ControlMessage& message);
+  void onControlClosed(int pid);
+  // Whether `pid` is one of this attempt's running workers (who may use the control channel).
+  bool isRunningWorker(int pid) const;
+  // In-place recoveries that completed.
+  int recoveredInPlace() const { return recovered_in_place_; }
 
   std::optional<TimePoint> nextDeadline() const;
   AgentState state() const { return state_; }
@@ -120,13 +147,28 @@ class Supervisor {
   }
 
  private:
-  enum class StopReason { kNone, kFailure, kSignal, kMembership };
+  enum class StopReason { kNone, kFailure, kSignal, kMembership, kInPlaceFallback };
   struct Worker {
     WorkerLaunch launch;
     int pid = 0;
     bool running = false;
     Heartbeat heartbeat;
     std::optional<TimePoint> killed_at;  // when it was sent SIGKILL
+    bool connected = false;              // said hello on the control channel
+    bool capable = false;                // said `caps add=inplace`
+  };
+  // One in-place recovery: from the failure until every worker completed a step.
+  struct Episode {
+    int generation = 0;  // the group being formed
+    TimePoint detected;
+    TimePoint deadline;
+    std::string cause;  // "local rank 1 (pid 812) killed by signal 9"
+    int replacement_pid = 0;
+    std::vector<int> stepped;  // pids that completed a step in `generation`
+    // When the last worker reported each phase (ms after `detected`).
+    double told_ms = 0, hello_ms = 0, aborted_ms = 0, formed_ms = 0, synced_ms = 0;
+    std::int64_t step = -1;
+    int source = -1;
   };
 
   void setState(AgentState s);
@@ -150,6 +192,16 @@ class Supervisor {
   void maybeFinishStop();
   void reportLocalFailure();
   void finish(AgentState s, int exit_code);
+  // In-place recovery (restart_in_place): replaces `failed` alone and has the others re-form;
+  // false when it does not apply (the caller takes the usual path).
+  bool recoverInPlace(Worker& failed, const std::string& cause);
+  bool inPlaceEligible(const Worker& failed);
+  void sendGroup(const Worker& w);
+  void onPhase(Worker& w, const ControlMessage& message);
+  void finishEpisode();
+  void fallBack(const std::string& why);
+  double msSinceDetection() const;
+  Worker* findWorker(int pid);
 
   SupervisorOptions options_;
   ProcessLauncher& launcher_;
@@ -157,6 +209,7 @@ class Supervisor {
   Clock& clock_;
   Planner planner_;
   HeartbeatProbe* heartbeats_;
+  ControlChannel* control_;
   std::function<void(AgentState)> listener_;
 
   AgentState state_ = AgentState::kInit;
@@ -179,6 +232,12 @@ class Supervisor {
   // Guards against callbacks of a join or barrier that was superseded (e.g. a signal arrived
   // mid-join, or the barrier timed out before the rendezvous answered).
   unsigned generation_ = 0;
+  // The workers' group generation (control channel `gen`): one per round, one per in-place
+  // recovery; never reused, so each has its own store keys.
+  int group_generation_ = 0;
+  std::optional<Episode> episode_;
+  int recovered_in_place_ = 0;
+  bool said_why_not_in_place_ = false;  // the "recovers by restarting processes" line, once
   LoopAffinity loop_{"Supervisor"};
 };
 

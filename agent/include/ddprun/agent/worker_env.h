@@ -43,6 +43,8 @@ struct WorkerEnvInputs {
   // is then no success); empty: not set.
   std::string stop_file;
   std::string snapshot_dir;  // may be empty
+  // DDPRUN_CONTROL_SOCKET: the agent's control channel (--restart-mode=in-place); empty: not set.
+  std::string control_socket;
   bool set_omp_num_threads = false;
   // --virtual-local-rank: LOCAL_RANK=0, and CUDA_VISIBLE_DEVICES names only this worker's device
   // (the local rank-th entry of the agent's CUDA_VISIBLE_DEVICES, or the local rank itself).

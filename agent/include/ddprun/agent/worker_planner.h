@@ -41,6 +41,8 @@ class WorkerPlanner {
 
   // The workers' PyTorch, once known (WorkerEnvInputs::torch_version).
   void setTorchVersion(std::optional<TorchVersion> version) { torch_version_ = version; }
+  // The agent's control channel (--restart-mode=in-place), once it listens.
+  void setControlSocket(std::string path) { control_socket_ = std::move(path); }
 
  private:
   const AgentConfig& cfg_;
@@ -48,6 +50,7 @@ class WorkerPlanner {
   std::string hostname_;
   std::map<std::string, std::string> parent_env_;
   std::optional<TorchVersion> torch_version_;
+  std::string control_socket_;
 };
 
 }  // namespace ddprun::agent

@@ -30,6 +30,8 @@ struct RendezvousConf {
   // How long a local worker crash is held before it is reported, so that a crash caused by a
   // peer's death counts as the membership change it is. Default: two heartbeat intervals.
   Duration failure_grace = 2 * kDefaultHeartbeatInterval;
+  // --restart-mode=in-place: the bound on each phase of one recovery (inplace_timeout=, > 0).
+  Duration inplace_timeout = std::chrono::seconds(60);
   IsHost is_host = IsHost::kAuto;
   std::string token;         // from token_file=
   std::string tls_cert_pem;  // tls_cert= (served when this agent hosts the rendezvous)
@@ -80,16 +82,18 @@ inline constexpr const char* kRendezvousConfKeys[] = {"join_timeout",
                                                       "password_file",
                                                       "key_prefix",
                                                       "kv_max_keys",
-                                                      "kv_max_bytes"};
+                                                      "kv_max_bytes",
+                                                      "inplace_timeout"};
 
 // Parses `conf` (the k=v pairs of --rdzv-conf) for a run of min_nodes..max_nodes:
 //   join_timeout, timeout (torchrun's alias; join_timeout wins), read_timeout, heartbeat_interval:
 //     seconds > 0;  last_call_timeout, close_timeout, failure_grace: seconds >= 0 (at most 1e9);
-//   heartbeat_misses: integer 1..1000000;  is_host: auto, true or false (also 1/0, yes/no, on/off);
-//   token_file: a file holding the shared token;  tls_ca: a PEM certificate that clients trust
-//   (TLS on);  kv_max_keys, kv_max_bytes: whole numbers >= 1 (etcd-v3, the mirrored key-value
-//   store);  tls_cert + tls_key: the PEM certificate and key served when hosting (need tls_ca,
-//   which this agent's own client uses; for a self-signed certificate, the same file).
+//   inplace_timeout: seconds > 0;  heartbeat_misses: integer 1..1000000;  is_host: auto, true or
+//   false (also 1/0, yes/no, on/off); token_file: a file holding the shared token;  tls_ca: a PEM
+//   certificate that clients trust (TLS on);  kv_max_keys, kv_max_bytes: whole numbers >= 1
+//   (etcd-v3, the mirrored key-value store);  tls_cert + tls_key: the PEM certificate and key
+//   served when hosting (need tls_ca, which this agent's own client uses; for a self-signed
+//   certificate, the same file).
 // Unknown keys are accepted and listed in `unknown_keys` (torchrun passes them to its backend).
 // Malformed values are INVALID_ARGUMENT with one line naming the key and the accepted form, e.g.
 // "join_timeout must be a number of seconds > 0, got '-3'". The message does not say where the

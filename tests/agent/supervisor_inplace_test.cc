@@ -1,0 +1,244 @@
+// The supervisor's in-place recovery (--restart-mode=in-place; docs/in-place-recovery.md §2):
+// a failed worker is replaced alone while the others re-form; whatever goes wrong falls back to
+// restarting every worker, and a failure is charged once either way.
+#include <catch2/catch.hpp>
+#include <csignal>
+
+#include "ddprun/agent/supervisor.h"
+#include "fake_clock.h"
+#include "fake_control_channel.h"
+#include "fake_heartbeat_probe.h"
+#include "fake_process_launcher.h"
+#include "fake_rendezvous.h"
+
+using namespace ddprun;
+using namespace ddprun::agent;
+using ddprun::testing::FakeClock;
+using ddprun::testing::FakeControlChannel;
+using ddprun::testing::FakeHeartbeatProbe;
+using ddprun::testing::FakeProcessLauncher;
+using ddprun::testing::FakeRendezvous;
+
+namespace {
+
+struct Fixture {
+  explicit Fixture(int nproc = 3, int max_restarts = 1, bool multi_node = false) {
+    rdzv.round.local_world_sizes = {nproc};
+    rdzv.round.master_addr = "127.0.0.1";
+    rdzv.round.master_port = 29500;
+    SupervisorOptions opts;
+    opts.max_restarts = max_restarts;
+    opts.shutdown_timeout = std::chrono::seconds(5);
+    opts.multi_node = multi_node;
+    opts.restart_in_place = true;
+    opts.inplace_timeout = std::chrono::seconds(10);
+    sup = std::make_unique<Supervisor>(
+        opts, launcher, rdzv, clock,
+        [this](const RoundInfo& r, int restarts) {
+          planned.push_back(restarts);
+          std::vector<WorkerLaunch> out;
+          for (int i = 0; i < r.local_world_sizes[0]; ++i) {
+            WorkerLaunch w;
+            w.local_rank = i;
+            w.global_rank = i;
+            w.argv = {"/bin/train"};
+            out.push_back(w);
+          }
+          return StatusOr<std::vector<WorkerLaunch>>(out);
+        },
+        &heartbeats, &channel);
+  }
+  std::vector<int> first() const {
+    auto all = launcher.pids();
+    return std::vector<int>(all.begin(), all.begin() + rdzv.round.local_world_sizes[0]);
+  }
+  void say(int pid, ControlType type, std::map<std::string, std::string> fields) {
+    sup->onControlMessage(pid, makeControl(type, std::move(fields)));
+  }
+  // Every worker says hello and that it can recover in place.
+  void allCapable() {
+    for (int pid : first()) {
+      say(pid, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pid)}, {"caps", ""}});
+      say(pid, ControlType::kCaps, {{"add", "inplace"}});
+    }
+  }
+  void fireDeadlines() {
+    while (sup->nextDeadline() && *sup->nextDeadline() <= clock.now()) {
+      const auto before = sup->nextDeadline();
+      sup->onDeadline();
+      if (sup->nextDeadline() == before) break;
+    }
+  }
+
+  FakeClock clock;
+  FakeHeartbeatProbe heartbeats;
+  FakeProcessLauncher launcher;
+  FakeRendezvous rdzv;
+  FakeControlChannel channel;
+  std::vector<int> planned;
+  std::unique_ptr<Supervisor> sup;
+};
+
+}  // namespace
+
+TEST_CASE("in-place: hello is answered with the generation to form and the recovery bound",
+          "[agent][inplace]") {
+  Fixture f;
+  f.sup->start();
+  const int pid = f.first()[0];
+  f.say(pid, ControlType::kHello, {{"v", "7"}, {"pid", std::to_string(pid)}, {"caps", ""}});
+  auto welcome = f.channel.to(pid, ControlType::kWelcome);
+  REQUIRE(welcome.size() == 1);
+  CHECK(welcome[0].num("v") == 1);  // the lower of the two versions
+  CHECK(welcome[0].num("gen") == 1);
+  CHECK(welcome[0].num("timeout_ms") == 10000);
+  // Not one of this attempt's workers: ignored.
+  f.say(99999, ControlType::kHello, {{"v", "1"}, {"pid", "99999"}, {"caps", ""}});
+  CHECK(f.channel.to(99999, ControlType::kWelcome).empty());
+  CHECK(f.sup->isRunningWorker(pid));
+  CHECK_FALSE(f.sup->isRunningWorker(99999));
+}
+
+TEST_CASE("in-place: a failed worker is replaced alone, the others are told to abort and re-form",
+          "[agent][inplace]") {
+  Fixture f;
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  f.sup->onWorkerExit(pids[2], ExitStatus{true, SIGKILL});
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.sup->restartCount() == 1);  // charged once, at the start
+  CHECK(f.launcher.signals.empty());  // no survivor is stopped
+  CHECK(f.rdzv.joins == 1);           // no new round on a single node
+  REQUIRE(f.launcher.spawned.size() == 4);
+  CHECK(f.launcher.spawned.back().second.local_rank == 2);
+  CHECK(f.planned.back() == 1);  // the replacement's TORCHELASTIC_RESTART_COUNT
+  for (int survivor : {pids[0], pids[1]}) {
+    auto abort = f.channel.to(survivor, ControlType::kAbort);
+    REQUIRE(abort.size() == 1);
+    CHECK(abort[0].num("gen") == 1);
+    CHECK(abort[0].str("reason") == "failure");
+    auto group = f.channel.to(survivor, ControlType::kGroup);
+    REQUIRE(group.size() == 1);
+    CHECK(group[0].num("gen") == 2);
+    CHECK(group[0].num("world") == 3);
+    CHECK(group[0].num("rank") == (survivor == pids[0] ? 0 : 1));
+    CHECK(group[0].str("prefix") == "g2");
+    CHECK(group[0].num("port") == 29500);
+  }
+  // The replacement's hello names the new generation.
+  const int newcomer = f.launcher.spawned.back().first;
+  f.say(newcomer, ControlType::kHello,
+        {{"v", "1"}, {"pid", std::to_string(newcomer)}, {"caps", ""}});
+  REQUIRE(f.channel.to(newcomer, ControlType::kWelcome).size() == 1);
+  CHECK(f.channel.to(newcomer, ControlType::kWelcome)[0].num("gen") == 2);
+  // Back to RUNNING once every worker completed a step in generation 2 (an old one's is not it).
+  f.say(pids[0], ControlType::kStep, {{"gen", "1"}, {"n", "12"}});
+  f.say(pids[0], ControlType::kStep, {{"gen", "2"}, {"n", "13"}});
+  f.say(pids[1], ControlType::kStep, {{"gen", "2"}, {"n", "13"}});
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  f.say(newcomer, ControlType::kStep, {{"gen", "2"}, {"n", "13"}});
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->recoveredInPlace() == 1);
+  CHECK_FALSE(f.sup->nextDeadline().has_value());  // no recovery deadline left
+  // The job then ends as usual.
+  for (int pid : {pids[0], pids[1], newcomer}) f.sup->onWorkerExit(pid, ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+}
+
+TEST_CASE("in-place: a worker that did not announce support means a process restart",
+          "[agent][inplace]") {
+  Fixture f;
+  f.sup->start();
+  const auto pids = f.first();
+  f.say(pids[0], ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pids[0])}, {"caps", ""}});
+  f.say(pids[0], ControlType::kCaps, {{"add", "inplace"}});  // pids[1] never says it can
+  f.sup->onWorkerExit(pids[2], ExitStatus{false, 1});
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.rdzv.failures == 1);
+  CHECK(f.channel.sent.size() == 1);  // the welcome only: no abort, no group
+}
+
+TEST_CASE("in-place: with the restart budget spent the job fails as in process mode",
+          "[agent][inplace]") {
+  Fixture f(3, /*max_restarts=*/0);
+  f.sup->start();
+  f.allCapable();
+  f.sup->onWorkerExit(f.first()[1], ExitStatus{false, 1});
+  CHECK(f.sup->state() == AgentState::kStopping);
+  for (int pid : {f.first()[0], f.first()[2]}) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
+  CHECK(f.sup->state() == AgentState::kFailed);
+  CHECK(f.sup->exitCode() == 1);
+}
+
+TEST_CASE("in-place: multi-node jobs recover by restarting processes", "[agent][inplace]") {
+  Fixture f(2, 1, /*multi_node=*/true);
+  f.sup->start();
+  f.allCapable();
+  f.sup->onWorkerExit(f.first()[1], ExitStatus{false, 1});
+  CHECK(f.sup->state() == AgentState::kStopping);
+}
+
+TEST_CASE(
+    "in-place: a recovery that misses its deadline falls back to restarting every worker, "
+    "charged once",
+    "[agent][inplace]") {
+  Fixture f;
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  f.sup->onWorkerExit(pids[0], ExitStatus{true, SIGKILL});
+  REQUIRE(f.sup->state() == AgentState::kRecovering);
+  REQUIRE(f.sup->nextDeadline().has_value());
+  f.clock.advance(std::chrono::seconds(11));
+  f.fireDeadlines();
+  CHECK(f.sup->state() == AgentState::kStopping);
+  const int newcomer = f.launcher.spawned.back().first;
+  for (int pid : {pids[1], pids[2], newcomer}) {
+    CHECK(f.launcher.signalsSent(SIGTERM) >= 1);
+    f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
+  }
+  CHECK(f.sup->state() == AgentState::kRunning);  // a new round, every worker fresh
+  CHECK(f.sup->restartCount() == 1);              // no second charge
+  CHECK(f.rdzv.joins == 2);
+  CHECK(f.planned.back() == 1);
+}
+
+TEST_CASE("in-place: a second failure or a give-up during the recovery falls back, charged once",
+          "[agent][inplace]") {
+  for (const bool give_up : {false, true}) {
+    Fixture f(3, /*max_restarts=*/3);
+    f.sup->start();
+    f.allCapable();
+    const auto pids = f.first();
+    f.sup->onWorkerExit(pids[2], ExitStatus{true, SIGKILL});
+    REQUIRE(f.sup->state() == AgentState::kRecovering);
+    if (give_up) {
+      f.say(pids[1], ControlType::kGoodbye, {{"reason", "giveup"}});
+    } else {
+      f.sup->onWorkerExit(pids[1], ExitStatus{false, 1});
+    }
+    CHECK(f.sup->state() == AgentState::kStopping);
+    CHECK(f.sup->restartCount() == 1);
+    for (int pid : f.launcher.pids()) {
+      if (f.sup->isRunningWorker(pid)) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
+    }
+    CHECK(f.sup->state() == AgentState::kRunning);
+    CHECK(f.sup->restartCount() == 1);
+  }
+}
+
+TEST_CASE("in-place: SIGTERM during a recovery stops the agent as usual", "[agent][inplace]") {
+  Fixture f;
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  f.sup->onWorkerExit(pids[2], ExitStatus{true, SIGKILL});
+  f.sup->onSignal(SIGTERM);
+  CHECK(f.sup->state() == AgentState::kStopping);
+  for (int pid : f.launcher.pids()) {
+    if (f.sup->isRunningWorker(pid)) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
+  }
+  CHECK(f.sup->state() == AgentState::kFailed);
+  CHECK(f.sup->exitCode() == 128 + SIGTERM);
+}

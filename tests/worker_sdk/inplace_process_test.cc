@@ -1,0 +1,103 @@
+// In-place recovery end to end (issue 37; docs/in-place-recovery.md): ddprun with
+// --restart-mode=in-place runs `train` on three local workers; one is killed with SIGKILL
+// mid-epoch. Only it is replaced: the survivors keep their processes, re-form the group, hand the
+// newcomer the live state and go on from the last completed step. The parameters at the end are
+// bit-identical to those of a run without the fault.
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <map>
+#include <regex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace t = ddprun::worker::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string ddprunBin() {
+  return t::envOr("DDPRUN_TEST_DDPRUN", t::buildDir() + "/launcher/ddprun");
+}
+
+// train on 3 local workers: 3 epochs of 8 steps (768 samples, 256 per rank, batch 32).
+std::vector<std::string> trainArgv(const std::vector<std::string>& launcher_flags,
+                                   const std::vector<std::string>& train_flags) {
+  std::vector<std::string> argv{ddprunBin(), "--standalone", "--nproc-per-node=3"};
+  argv.insert(argv.end(), launcher_flags.begin(), launcher_flags.end());
+  argv.insert(argv.end(), {t::buildDir() + "/examples/train", "3", "1", "--dataset-size", "768"});
+  argv.insert(argv.end(), train_flags.begin(), train_flags.end());
+  return argv;
+}
+
+// "[RANK r] pid P joined generation G" lines: rank -> the pids that joined as it.
+std::map<int, std::vector<int>> joinedPids(const std::string& out) {
+  std::map<int, std::vector<int>> pids;
+  static const std::regex line(R"(\[RANK (\d+)\] pid (\d+) joined generation)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), line); it != std::sregex_iterator();
+       ++it) {
+    pids[std::stoi((*it)[1])].push_back(std::stoi((*it)[2]));
+  }
+  return pids;
+}
+
+int count(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "in-place recovery: a worker killed mid-epoch is replaced alone, the survivors keep "
+    "their processes and the result equals a run without the fault",
+    "[worker][train][inplace]") {
+  if (!std::filesystem::exists(ddprunBin())) {
+    WARN("ddprun is not built here: in-place recovery needs ddprun's agent; skipped");
+    return;
+  }
+  t::TempDir dir;
+  t::Process clean(trainArgv({"--max-restarts=1"}, {"--snapshot-path", dir.str() + "/a/snap.pt",
+                                                    "--dump-params", dir.str() + "/a.bin"}),
+                   {{"OMP_NUM_THREADS", "1"}}, {dir.str() + "/clean.log", true});
+  auto c = clean.waitExit(240s);
+  INFO("run without a fault:\n" << clean.output());
+  REQUIRE(c.has_value());
+  REQUIRE(*c == 0);
+
+  // Step 12 is in the middle of epoch 1 (steps 9-16), four steps after the snapshot of epoch 0.
+  t::Process faulty(trainArgv({"--max-restarts=1", "--restart-mode=in-place"},
+                              {"--snapshot-path", dir.str() + "/b/snap.pt", "--dump-params",
+                               dir.str() + "/b.bin", "--fail-at-step", "12"}),
+                    {{"OMP_NUM_THREADS", "1"}}, {dir.str() + "/faulty.log", true});
+  c = faulty.waitExit(240s);
+  const std::string out = faulty.output();
+  INFO("run with a fault, recovered in place:\n" << out);
+  REQUIRE(c.has_value());
+  CHECK(*c == 0);
+  CHECK_THAT(out, Catch::Contains("fault injection: killing myself at step 12"));
+  CHECK_THAT(out, Catch::Contains("recovering in place as generation"));
+  CHECK_THAT(out, Catch::Contains("in-place recovery, generation"));
+  // The survivors went on after step 12, the last step every rank completed: none lost, none
+  // trained twice; the newcomer took that state from a survivor, not from the snapshot.
+  CHECK(count(out, "going on after step 12") == 2);
+  CHECK_THAT(out, Catch::Contains("[RANK 2] took rank 0's live state after step 12"));
+  CHECK_THAT(out, !Catch::Contains("Resuming training from snapshot"));
+  CHECK_THAT(out, !Catch::Contains("restarting every worker"));
+  // Ranks 0 and 1 joined once (the same processes throughout); rank 2 twice (the replacement).
+  const auto pids = joinedPids(out);
+  REQUIRE(pids.count(0) == 1);
+  REQUIRE(pids.count(1) == 1);
+  REQUIRE(pids.count(2) == 1);
+  CHECK(pids.at(0).size() == 1);
+  CHECK(pids.at(1).size() == 1);
+  REQUIRE(pids.at(2).size() == 2);
+  CHECK(pids.at(2)[0] != pids.at(2)[1]);
+  const std::string a = t::readFile(dir.str() + "/a.bin");
+  const std::string b = t::readFile(dir.str() + "/b.bin");
+  REQUIRE(a.size() == 21 * 4);  // Linear(20, 1)
+  CHECK(a == b);
+}
