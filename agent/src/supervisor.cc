@@ -36,6 +36,9 @@ bool isTerminating(int sig) {
   return sig == SIGTERM || sig == SIGINT || sig == SIGHUP || sig == SIGQUIT;
 }
 
+// How long workers get to end after SIGTERM when an in-place recovery falls back.
+constexpr Duration kFallbackGrace = std::chrono::seconds(2);
+
 std::string describeExit(ExitStatus status) {
   return (status.signaled ? "was killed by signal " : "exited with code ") +
          std::to_string(status.code);
@@ -696,6 +699,11 @@ void Supervisor::fallBack(const std::string& why) {
       "in-place recovery failed ({}); restarting every worker (the failure is charged once)", why);
   episode_.reset();
   beginStop(StopReason::kInPlaceFallback, SIGTERM);
+  // A worker mid-recovery has nothing to save, and may be blocked forming a group with the dead
+  // (bounded only by its connect timeout): SIGKILL comes soon after the SIGTERM.
+  if (deadlines_.kill) {
+    deadlines_.kill = std::min(*deadlines_.kill, clock_.now() + kFallbackGrace);
+  }
   maybeFinishStop();
 }
 

@@ -179,6 +179,32 @@ TEST_CASE("a failed worker restarts the whole group with TORCHELASTIC_RESTART_CO
   CHECK(parseEnvFile(readFile(envs / "env.0"))["TORCHELASTIC_MAX_RESTARTS"] == "2");
 }
 
+TEST_CASE(
+    "--restart-mode=in-place with a program that does not speak the control channel says so "
+    "once and restarts the processes",
+    "[e2e][inplace]") {
+  TempDir state, envs;
+  auto r = run(withWorker(
+      {"--standalone", "--nproc-per-node=2", "--max-restarts=2", "--restart-mode=in-place"},
+      // Rank 1 fails at once in attempts 0 and 1 while rank 0 runs (a second).
+      {"--exit-code", "3", "--only-rank", "1", "--fail-until-restart", "2", "--fail-fast",
+       "--sleep", "1", "--state-dir", state.path(), "--env-out", envs.path()}));
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  const std::string line =
+      "did not announce in-place support on DDPRUN_CONTROL_SOCKET (not a worker SDK Trainer); "
+      "this job recovers by restarting processes";
+  const auto first = r.err.find(line);
+  CHECK(first != std::string::npos);
+  CHECK(r.err.find(line, first + 1) == std::string::npos);  // once, over two failures
+  for (const char* f : {"pid.0.0", "pid.1.0", "pid.0.1", "pid.1.1", "pid.0.2", "pid.1.2"}) {
+    CHECK(fileExists(state / f));
+  }
+  const auto env = parseEnvFile(readFile(envs / "env.0"));
+  CHECK(env.count("DDPRUN_CONTROL_SOCKET") == 1);
+  CHECK(env.at("TORCHELASTIC_RESTART_COUNT") == "2");
+}
+
 TEST_CASE("workers failing past the budget end with exit 1 and torchrun's failure report",
           "[e2e]") {
   TempDir logs;

@@ -101,3 +101,44 @@ TEST_CASE(
   REQUIRE(a.size() == 21 * 4);  // Linear(20, 1)
   CHECK(a == b);
 }
+
+TEST_CASE(
+    "in-place recovery: a failure during the abort or the state sync falls back to "
+    "restarting every worker, charged once, with nothing left running",
+    "[worker][train][inplace]") {
+  if (!std::filesystem::exists(ddprunBin())) {
+    WARN("ddprun is not built here: in-place recovery needs ddprun's agent; skipped");
+    return;
+  }
+  t::TempDir dir;
+  t::Process clean(trainArgv({"--max-restarts=1"}, {"--snapshot-path", dir.str() + "/a/snap.pt",
+                                                    "--dump-params", dir.str() + "/a.bin"}),
+                   {{"OMP_NUM_THREADS", "1"}}, {dir.str() + "/clean.log", true});
+  auto c = clean.waitExit(240s);
+  INFO("run without a fault:\n" << clean.output());
+  REQUIRE(c.has_value());
+  REQUIRE(*c == 0);
+  const std::string a = t::readFile(dir.str() + "/a.bin");
+
+  for (const std::string fault : {"abort:1", "sync:0"}) {
+    const std::string tag = fault.substr(0, fault.find(':'));
+    t::Process faulty(
+        trainArgv({"--max-restarts=1", "--restart-mode=in-place"},
+                  {"--snapshot-path", dir.str() + "/" + tag + "/snap.pt", "--dump-params",
+                   dir.str() + "/" + tag + ".bin", "--fail-at-step", "12"}),
+        {{"OMP_NUM_THREADS", "1"}, {"DDPRUN_INPLACE_FAULT", fault}},
+        {dir.str() + "/" + tag + ".log", true});
+    c = faulty.waitExit(240s);
+    const std::string out = faulty.output();
+    INFO("DDPRUN_INPLACE_FAULT=" << fault << ":\n" << out);
+    REQUIRE(c.has_value());
+    CHECK(*c == 0);  // --max-restarts=1 covers the failure and its fallback: charged once
+    CHECK_THAT(out, Catch::Contains("DDPRUN_INPLACE_FAULT: exiting during the " + tag));
+    CHECK_THAT(out, Catch::Contains("in-place recovery failed"));
+    CHECK_THAT(out, Catch::Contains("restarting every worker (the failure is charged once)"));
+    CHECK_THAT(out, Catch::Contains("Resuming training from snapshot at Epoch 1"));
+    CHECK(t::readFile(dir.str() + "/" + tag + ".bin") == a);
+    // Nothing of the run outlives it (the bracket keeps pgrep's own shell from matching).
+    CHECK(t::run("pgrep -f '" + dir.str() + "/" + tag + "/snap[.]pt' 2>&1").output.empty());
+  }
+}

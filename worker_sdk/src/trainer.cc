@@ -292,6 +292,23 @@ Trainer::Outcome Trainer::train() {
   }
 }
 
+namespace {
+
+// The test hook DDPRUN_INPLACE_FAULT=abort:<rank>|sync:<rank>: that rank exits 1 in that phase of
+// an in-place recovery (a failure during the recovery, which falls back to a process restart).
+void injectRecoveryFault(const char* phase, int rank) {
+  const char* spec = std::getenv("DDPRUN_INPLACE_FAULT");
+  if (spec == nullptr || std::string(spec) != std::string(phase) + ":" + std::to_string(rank)) {
+    return;
+  }
+  std::fprintf(stderr, "[RANK %d] DDPRUN_INPLACE_FAULT: exiting during the %s phase\n", rank,
+               phase);
+  std::fflush(nullptr);
+  std::_Exit(1);
+}
+
+}  // namespace
+
 bool Trainer::recoverable(const std::exception& failure) {
   if (!group_->inPlace()) return false;
   ControlClient& control = *group_->control();
@@ -320,6 +337,7 @@ void Trainer::recoverInPlace(const std::string& what) {
   try {
     // Nothing may still write into the gradients or the buckets once they are dropped.
     group_->abort("recovering in place");
+    injectRecoveryFault("abort", rank);
     if (!group_->comm().awaitIdle(std::chrono::seconds(2))) {
       send(ddprun::ControlType::kGoodbye, {{"reason", "giveup"}});
       std::cerr << "[RANK " << rank
@@ -351,6 +369,7 @@ void Trainer::recoverInPlace(const std::string& what) {
                                         {"rank", std::to_string(spec.rank)},
                                         {"world", std::to_string(spec.size)}});
     const int64_t before = progress_.global_step;
+    injectRecoveryFault("sync", spec.rank);
     report.source = syncState();
     report.step = progress_.global_step;
     report.synced_ms = Ms(std::chrono::steady_clock::now() - t0).count();

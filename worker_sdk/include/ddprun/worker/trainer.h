@@ -10,7 +10,8 @@
 // In-place recovery (ddprun --restart-mode=in-place, ProcessGroup::inPlace()): when a peer fails,
 // train() aborts the step in flight, re-forms the group the agent names, takes the state of the
 // lowest rank that completed the most steps (a replacement rank receives it over the group, not
-// from disk) and goes on from that step; the process, its memory and its data stay.
+// from disk) and goes on from that step; the process, its memory and its data stay. Test hook:
+// DDPRUN_INPLACE_FAULT=abort:<rank>|sync:<rank> makes that rank exit 1 in that phase.
 // Single-threaded: construct and call train() from the rank's main thread.
 #pragma once
 
