@@ -9,15 +9,66 @@ void AgentMetrics::onState(AgentState s, int restart_count, double now) {
     if (last == AgentState::kStopping) {
       if (restart_count > last_restart_count) {
         ++failures;
+      } else if (recovering) {
+        ++inplace_fallbacks;  // the failure was counted when the recovery began
       } else {
         ++membership_changes;
       }
     }
   }
-  if (s == AgentState::kRunning) last_restart_count = restart_count;
+  if (s == AgentState::kRecovering) {
+    ++failures;
+    recovering = true;
+    last_restart_count = restart_count;
+  }
+  if (s == AgentState::kRunning) {
+    if (recovering && last == AgentState::kRecovering) ++inplace_recovered;
+    recovering = false;
+    last_restart_count = restart_count;
+  }
   last = s;
   last_change = now;
 }
+
+void AgentMetrics::onInPlaceRecovery(const InPlaceRecovery& recovery) {
+  for (const auto& [phase, ms] : recovery.phases_ms) {
+    Histogram& h = inplace_phases[phase];
+    const double seconds = ms / 1000.0;
+    for (size_t i = 0; i < std::size(kPhaseBuckets); ++i) {
+      if (seconds <= kPhaseBuckets[i]) ++h.counts[i];
+    }
+    ++h.total;
+    h.sum += seconds;
+  }
+}
+
+namespace {
+
+std::string renderPhaseHistograms(const AgentMetrics& m) {
+  std::string out =
+      "# HELP ddprun_agent_inplace_phase_seconds Phases of in-place recoveries, from the failure "
+      "seen here.\n# TYPE ddprun_agent_inplace_phase_seconds histogram\n";
+  char line[256];
+  for (const auto& [phase, h] : m.inplace_phases) {
+    for (size_t i = 0; i < std::size(AgentMetrics::kPhaseBuckets); ++i) {
+      std::snprintf(line, sizeof(line),
+                    "ddprun_agent_inplace_phase_seconds_bucket{phase=\"%s\",le=\"%g\"} %llu\n",
+                    phase.c_str(), AgentMetrics::kPhaseBuckets[i],
+                    static_cast<unsigned long long>(h.counts[i]));
+      out += line;
+    }
+    std::snprintf(line, sizeof(line),
+                  "ddprun_agent_inplace_phase_seconds_bucket{phase=\"%s\",le=\"+Inf\"} %llu\n"
+                  "ddprun_agent_inplace_phase_seconds_sum{phase=\"%s\"} %.17g\n"
+                  "ddprun_agent_inplace_phase_seconds_count{phase=\"%s\"} %llu\n",
+                  phase.c_str(), static_cast<unsigned long long>(h.total), phase.c_str(), h.sum,
+                  phase.c_str(), static_cast<unsigned long long>(h.total));
+    out += line;
+  }
+  return out;
+}
+
+}  // namespace
 
 std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const AgentMetrics& m,
                           const RendezvousClient& rdzv,
@@ -39,8 +90,8 @@ std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const A
       sup.runningWorkers());
   std::string states;
   for (auto s : {AgentState::kInit, AgentState::kRendezvous, AgentState::kRunning,
-                 AgentState::kStopping, AgentState::kRestarting, AgentState::kExitBarrier,
-                 AgentState::kSucceeded, AgentState::kFailed}) {
+                 AgentState::kRecovering, AgentState::kStopping, AgentState::kRestarting,
+                 AgentState::kExitBarrier, AgentState::kSucceeded, AgentState::kFailed}) {
     char line[128];
     std::snprintf(line, sizeof(line), "ddprun_agent_state{state=\"%s\"} %d\n", agentStateName(s),
                   sup.state() == s ? 1 : 0);
@@ -56,6 +107,14 @@ std::string renderMetrics(const AgentConfig& cfg, const Supervisor& sup, const A
       m.failures);
   add("ddprun_agent_membership_changes_total", "Restarts caused by nodes joining or leaving.",
       "counter", m.membership_changes);
+  out +=
+      "# HELP ddprun_agent_inplace_recoveries_total In-place recoveries (--restart-mode=in-place) "
+      "by outcome.\n# TYPE ddprun_agent_inplace_recoveries_total counter\n"
+      "ddprun_agent_inplace_recoveries_total{outcome=\"in_place\"} " +
+      std::to_string(m.inplace_recovered) +
+      "\nddprun_agent_inplace_recoveries_total{outcome=\"fallback\"} " +
+      std::to_string(m.inplace_fallbacks) + "\n";
+  out += renderPhaseHistograms(m);
   add("ddprun_agent_last_change_timestamp_seconds", "Unix time of the last state change.", "gauge",
       m.last_change);
   if (snapshots != nullptr) {

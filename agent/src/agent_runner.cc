@@ -280,6 +280,8 @@ StatusOr<std::unique_ptr<AgentRun>> AgentRun::build(const AgentConfig& cfg, Node
       &r.heartbeat_probe_, r.control_channel_.get());
   if (cfg.metrics_port >= 0) DDPRUN_RETURN_IF_ERROR(usageError(r.startMetrics()));
   r.supervisor_->setStateListener([&r](AgentState s) { r.onStateChange(s); });
+  r.supervisor_->setRecoveryListener(
+      [&r](const InPlaceRecovery& recovery) { r.counters_.onInPlaceRecovery(recovery); });
   r.launcher_.watchExits(
       [&r](int pid, ExitStatus status) { r.supervisor_->onWorkerExit(pid, status); },
       [&r] { r.afterEvent(); });

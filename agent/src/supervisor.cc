@@ -686,6 +686,16 @@ void Supervisor::finishEpisode() {
   if (heartbeatsEnabled()) {
     deadlines_.heartbeat_check = clock_.now() + heartbeatCheckInterval(options_.heartbeat_timeout);
   }
+  if (recovery_listener_) {
+    recovery_listener_(InPlaceRecovery{e.generation,
+                                       {{"told", e.told_ms},
+                                        {"replacement_start", e.hello_ms},
+                                        {"aborted", e.aborted_ms},
+                                        {"formed", e.formed_ms},
+                                        {"synced", e.synced_ms},
+                                        {"first_step", first_step}},
+                                       e.step});
+  }
   logger("agent")->info(
       "in-place recovery, generation {} ({}): told {:.1f} ms, replacement said hello {:.0f} ms, "
       "aborted {:.0f} ms, formed {:.0f} ms, synced {:.0f} ms, first step {:.0f} ms; resumed after "

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <csignal>
 
+#include "agent_metrics.h"
 #include "ddprun/agent/supervisor.h"
 #include "fake_clock.h"
 #include "fake_control_channel.h"
@@ -241,4 +242,32 @@ TEST_CASE("in-place: SIGTERM during a recovery stops the agent as usual", "[agen
   }
   CHECK(f.sup->state() == AgentState::kFailed);
   CHECK(f.sup->exitCode() == 128 + SIGTERM);
+}
+
+TEST_CASE("in-place: metrics count a recovery's failure once and each outcome",
+          "[agent][inplace]") {
+  AgentMetrics m;
+  m.onState(AgentState::kRunning, 0, 1);
+  m.onState(AgentState::kRecovering, 1, 2);
+  m.onState(AgentState::kRunning, 1, 3);
+  CHECK(m.failures == 1);
+  CHECK(m.inplace_recovered == 1);
+  CHECK(m.inplace_fallbacks == 0);
+  // A second failure whose recovery falls back: one failure, one fallback, no membership change.
+  m.onState(AgentState::kRecovering, 2, 4);
+  m.onState(AgentState::kStopping, 2, 5);
+  m.onState(AgentState::kRestarting, 2, 6);
+  m.onState(AgentState::kRendezvous, 2, 6);
+  m.onState(AgentState::kRunning, 2, 7);
+  CHECK(m.failures == 2);
+  CHECK(m.inplace_recovered == 1);
+  CHECK(m.inplace_fallbacks == 1);
+  CHECK(m.membership_changes == 0);
+  m.onInPlaceRecovery(InPlaceRecovery{2, {{"formed", 3.0}, {"first_step", 420.0}}, 12});
+  REQUIRE(m.inplace_phases.count("formed") == 1);
+  CHECK(m.inplace_phases["formed"].total == 1);
+  CHECK(m.inplace_phases["formed"].counts.front() == 0);  // 3 ms > 1 ms
+  CHECK(m.inplace_phases["formed"].counts[1] == 1);       // <= 5 ms
+  CHECK(m.inplace_phases["first_step"].counts[5] == 0);   // 420 ms > 250 ms
+  CHECK(m.inplace_phases["first_step"].counts[6] == 1);   // <= 500 ms
 }

@@ -10,6 +10,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ddprun/agent/heartbeat.h"
@@ -82,6 +83,14 @@ struct SupervisorOptions {
   Duration inplace_timeout = std::chrono::seconds(60);  // the bound on one recovery
 };
 
+// One completed in-place recovery, for logs and metrics: each phase's end, in ms after the failure
+// was seen ("told", "replacement_start", "aborted", "formed", "synced", "first_step").
+struct InPlaceRecovery {
+  int generation = 0;
+  std::vector<std::pair<std::string, double>> phases_ms;
+  std::int64_t step = -1;  // the completed steps the group went on from
+};
+
 // The agent's end of the workers' control channel (docs/in-place-recovery.md §1).
 class ControlChannel {
  public:
@@ -144,6 +153,10 @@ class Supervisor {
   // Called on every state change (logging, metrics).
   void setStateListener(std::function<void(AgentState)> listener) {
     listener_ = std::move(listener);
+  }
+  // Called when an in-place recovery completed (metrics).
+  void setRecoveryListener(std::function<void(const InPlaceRecovery&)> listener) {
+    recovery_listener_ = std::move(listener);
   }
 
  private:
@@ -211,6 +224,7 @@ class Supervisor {
   HeartbeatProbe* heartbeats_;
   ControlChannel* control_;
   std::function<void(AgentState)> listener_;
+  std::function<void(const InPlaceRecovery&)> recovery_listener_;
 
   AgentState state_ = AgentState::kInit;
   RoundInfo round_;
