@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,13 +28,15 @@ constexpr const char* kUsage =
     "             [--backend gloo|nccl] [--lr F] [--dataset-size N] [--bucket-cap-mb F] "
     "[--no-overlap]\n"
     "             [--compression none|fp16|bf16] [--accumulate N] [--amp none|bf16|fp16]\n"
-    "             [--seed N] [--dump-params FILE] [--timing] [--fail-at-step N]\n"
+    "             [--seed N] [--dump-params FILE] [--timing] [--fail-at-step N] [--step-log "
+    "FILE]\n"
     "  --accumulate N:   N micro-batches of --batch-size per optimizer step, reduced once "
     "(no_sync)\n"
     "  --amp bf16|fp16:  mixed precision: autocast forward and loss; fp16 also scales the loss\n"
     "  --fail-at-step N: fault injection for tests: the last rank kills itself (SIGKILL) after "
     "global\n"
-    "                    step N on the first attempt (TORCHELASTIC_RESTART_COUNT=0)";
+    "                    step N on the first attempt (TORCHELASTIC_RESTART_COUNT=0)\n"
+    "  --step-log FILE:  rank 0 appends '<global step> <unix time>' after every optimizer step";
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -57,6 +60,7 @@ struct Args {
   std::string dump_params;
   bool timing = false;
   int64_t fail_at_step = -1;
+  std::string step_log;
 };
 
 int64_t intArg(const std::string& flag, const std::string& v, int64_t min) {
@@ -134,6 +138,8 @@ Args parseArgs(int argc, char** argv) {
       a.timing = true;
     else if (arg == "--fail-at-step")
       a.fail_at_step = intArg(arg, value(), 1);
+    else if (arg == "--step-log")
+      a.step_log = value();
     else if (arg == "-h" || arg == "--help") {
       std::cout << kUsage << std::endl;
       std::exit(0);
@@ -211,11 +217,25 @@ int main(int argc, char** argv) {
     std::vector<std::chrono::steady_clock::time_point> stamps;
     const bool inject =
         args.fail_at_step > 0 && env.restart_count == 0 && env.rank == env.world_size - 1;
+    auto unixNow = [] {
+      return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
+    };
+    std::unique_ptr<std::FILE, int (*)(std::FILE*)> step_log(nullptr, &std::fclose);
+    if (!args.step_log.empty() && env.rank == 0) {
+      step_log.reset(std::fopen(args.step_log.c_str(), "a"));
+      if (!step_log) throw w::WorkerError("cannot open --step-log " + args.step_log);
+    }
     o.on_step = [&, inject, n = args.fail_at_step](const w::TrainingProgress& p) {
       if (args.timing) stamps.push_back(std::chrono::steady_clock::now());
+      if (step_log && group->rank() == 0) {
+        std::fprintf(step_log.get(), "%lld %.6f\n", static_cast<long long>(p.global_step),
+                     unixNow());
+        std::fflush(step_log.get());
+      }
       if (inject && p.global_step == n) {
-        std::fprintf(stderr, "train: fault injection: killing myself at step %lld\n",
-                     static_cast<long long>(n));
+        std::fprintf(stderr, "train: fault injection: killing myself at step %lld at %.6f\n",
+                     static_cast<long long>(n), unixNow());
         std::raise(SIGKILL);
       }
     };

@@ -200,8 +200,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
 
   checkPlacement(comm);
   checkSameModel(comm);
-  // Start from rank 0's weights and buffers.
-  {
+  // Start from rank 0's weights and buffers (unless the caller made them equal already).
+  if (options_.broadcast_parameters) {
     torch::NoGradGuard no_grad;
     std::vector<std::shared_ptr<Work>> works;
     for (auto& p : module_->parameters(true)) works.push_back(comm.broadcastAsync(p.data(), 0));

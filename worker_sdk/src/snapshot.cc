@@ -197,12 +197,16 @@ void saveSnapshot(const std::string& path, const torch::nn::Module& model,
   writeFileAtomically(path, encodeSnapshot(model, optimizer, progress));
 }
 
-std::string encodeSnapshot(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
-                           const TrainingProgress& progress) {
+namespace {
+
+std::string encodeArchive(const torch::nn::Module* model, const torch::optim::Optimizer& optimizer,
+                          const TrainingProgress& progress) {
   torch::serialize::OutputArchive root;
-  torch::serialize::OutputArchive model_ar;
-  model.save(model_ar);
-  root.write("model", model_ar);
+  if (model != nullptr) {
+    torch::serialize::OutputArchive model_ar;
+    model->save(model_ar);
+    root.write("model", model_ar);
+  }
   torch::serialize::OutputArchive opt_ar;
   optimizer.save(opt_ar);
   root.write("optimizer", opt_ar);
@@ -232,6 +236,18 @@ std::string encodeSnapshot(const torch::nn::Module& model, const torch::optim::O
   std::string bytes = std::move(out).str();
   appendTrailer(bytes);
   return bytes;
+}
+
+}  // namespace
+
+std::string encodeSnapshot(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+                           const TrainingProgress& progress) {
+  return encodeArchive(&model, optimizer, progress);
+}
+
+std::string encodeTrainingState(const torch::optim::Optimizer& optimizer,
+                                const TrainingProgress& progress) {
+  return encodeArchive(nullptr, optimizer, progress);
 }
 
 std::string readSnapshotFile(const std::string& path) {
@@ -304,20 +320,24 @@ bool loadSnapshot(const std::string& path, torch::nn::Module& model,
   return true;
 }
 
-void loadSnapshotBytes(const std::string& bytes, const std::string& path, torch::nn::Module& model,
-                       torch::optim::Optimizer& optimizer, TrainingProgress& progress) {
+namespace {
+
+void loadArchive(const std::string& bytes, const std::string& path, torch::nn::Module* model,
+                 torch::optim::Optimizer& optimizer, TrainingProgress& progress) {
   const std::string_view archive = checkedArchive(bytes, path);
-  const auto shapes = shapesOf(model);
   try {
     torch::serialize::InputArchive root;
     root.load_from(archive.data(), archive.size());
-    torch::serialize::InputArchive model_ar;
-    root.read("model", model_ar);
-    model.load(model_ar);
-    if (shapesOf(model) != shapes) {
-      throw WorkerError("cannot load snapshot '" + path +
-                        "': the file is unreadable as a snapshot of this model (its parameters "
-                        "have other shapes; delete it to start afresh)");
+    if (model != nullptr) {
+      const auto shapes = shapesOf(*model);
+      torch::serialize::InputArchive model_ar;
+      root.read("model", model_ar);
+      model->load(model_ar);
+      if (shapesOf(*model) != shapes) {
+        throw WorkerError("cannot load snapshot '" + path +
+                          "': the file is unreadable as a snapshot of this model (its parameters "
+                          "have other shapes; delete it to start afresh)");
+      }
     }
     torch::serialize::InputArchive opt_ar;
     root.read("optimizer", opt_ar);
@@ -346,6 +366,18 @@ void loadSnapshotBytes(const std::string& bytes, const std::string& path, torch:
     // A damaged archive can fail deep inside the reader with a message that names nothing.
     unreadable(path, e.what());
   }
+}
+
+}  // namespace
+
+void loadSnapshotBytes(const std::string& bytes, const std::string& path, torch::nn::Module& model,
+                       torch::optim::Optimizer& optimizer, TrainingProgress& progress) {
+  loadArchive(bytes, path, &model, optimizer, progress);
+}
+
+void loadTrainingState(const std::string& bytes, const std::string& what,
+                       torch::optim::Optimizer& optimizer, TrainingProgress& progress) {
+  loadArchive(bytes, what, nullptr, optimizer, progress);
 }
 
 }  // namespace ddprun::worker

@@ -79,7 +79,7 @@ Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn:
           << std::endl;
   live_ = true;
   progress_.accumulate_steps = options_.accumulate_steps;
-  ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, options_.ddp);
+  ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, ddpOptions());
   installCheckpointSignalHandlers();
 }
 
@@ -123,18 +123,35 @@ torch::Tensor Trainer::step(const torch::Tensor& index, int64_t first, int64_t l
 Trainer::~Trainer() = default;
 
 int Trainer::syncState() {
+  // Live state (survivors of an in-place recovery) comes first: it is newer than any snapshot.
+  // Only ranks with a control channel can hold it (the same on every rank), and then nobody reads
+  // a file it does not need.
+  live_sync_ = false;
+  if (group_->inPlace()) {
+    auto live = group_->comm().allGather(torch::tensor(
+        {int64_t{live_ ? 1 : 0}, live_ ? progress_.global_step : 0}, onDevice(torch::kLong)));
+    int source = -1;
+    int64_t step = -1;
+    for (size_t r = 0; r < live.size(); ++r) {
+      if (live[r][0].item<int64_t>() != 1 || live[r][1].item<int64_t>() <= step) continue;
+      step = live[r][1].item<int64_t>();
+      source = static_cast<int>(r);
+    }
+    live_sync_ = source >= 0;  // the same on every rank: one table
+    if (live_sync_) return syncLiveState(live, source, step);
+  }
+  if (options_.snapshot_path.empty()) return -1;
   // Ranks may see different files (local disks, a node that replaced a lost one): they agree on
   // the newest snapshot any of them holds. A damaged file here is no reason to fail while another
   // rank holds a good one (it is sent here like a missing one); every rank fails only when none
-  // does. Snapshot state: 0 none, 1 held, 2 damaged. Live state (survivors of an in-place
-  // recovery) comes first: it is newer than any snapshot.
+  // does. Snapshot state: 0 none, 1 held, 2 damaged.
   // The file is read once: the progress agreed on, the bytes sent and the bytes loaded are one
   // version of it, even if the agent renames a newer copy into place meanwhile.
   const std::string& path = options_.snapshot_path;
   std::optional<TrainingProgress> mine;
   std::string bytes;
   std::string damaged;
-  if (!live_ && !path.empty() && files::exists(path)) {
+  if (files::exists(path)) {
     try {
       bytes = readSnapshotFile(path);
       mine = snapshotProgress(bytes, path);
@@ -144,17 +161,8 @@ int Trainer::syncState() {
   }
   const int64_t state = mine ? 1 : damaged.empty() ? 0 : 2;
   auto table = group_->comm().allGather(torch::tensor(
-      {int64_t{live_ ? 1 : 0}, live_ ? progress_.global_step : 0, state,
-       mine ? mine->global_step : 0, mine ? mine->epoch : 0, mine ? mine->step_in_epoch : 0},
+      {state, mine ? mine->global_step : 0, mine ? mine->epoch : 0, mine ? mine->step_in_epoch : 0},
       onDevice(torch::kLong)));
-  int live_source = -1;
-  int64_t live_step = -1;
-  for (size_t r = 0; r < table.size(); ++r) {
-    if (table[r][0].item<int64_t>() != 1 || table[r][1].item<int64_t>() <= live_step) continue;
-    live_step = table[r][1].item<int64_t>();
-    live_source = static_cast<int>(r);
-  }
-  if (live_source >= 0) return syncLiveState(table, live_source, live_step);
   resumed_ = syncSnapshot(table, std::move(bytes), damaged);
   return -1;
 }
@@ -184,21 +192,30 @@ int Trainer::syncLiveState(const std::vector<torch::Tensor>& table, int source, 
   for (size_t r = 0; r < table.size(); ++r) anyone_lacks = anyone_lacks || !holds(r);
   if (!anyone_lacks) return -1;
   const int rank = group_->rank();
+  // The optimizer and the progress as a small archive; the parameters and buffers as tensors, in
+  // module order, in place (no archive to build and parse).
   std::string bytes;
-  if (rank == source) bytes = encodeSnapshot(*model_, *optimizer_, progress_);
+  if (rank == source) bytes = encodeTrainingState(*optimizer_, progress_);
   broadcastBytes(bytes, source);
+  {
+    torch::NoGradGuard no_grad;
+    Communicator& comm = group_->comm();
+    std::vector<std::shared_ptr<Work>> works;
+    for (auto& p : model_->parameters(true)) works.push_back(comm.broadcastAsync(p.data(), source));
+    for (auto& b : model_->buffers(true)) works.push_back(comm.broadcastAsync(b, source));
+    for (auto& w : works) w->wait();
+  }
   if (!holds(static_cast<size_t>(rank))) {
     const double own_loss = progress_.epoch_loss_sum;
-    loadSnapshotBytes(bytes, "rank " + std::to_string(source) + "'s live state", *model_,
-                      *optimizer_, progress_);
+    loadTrainingState(bytes, "rank " + std::to_string(source) + "'s live state", *optimizer_,
+                      progress_);
     if (live_) progress_.epoch_loss_sum = own_loss;  // this rank's own share of the epoch's loss
     if (scaler_ && progress_.loss_scale > 0) {
       scaler_->restore(
           LossScaler::State{progress_.loss_scale, progress_.loss_scale_growth_tracker});
     }
     log() << "[RANK " << rank << "] took rank " << source << "'s live state after step " << step
-          << " (" << bytes.size() << " bytes): epoch " << progress_.epoch << ", step "
-          << progress_.step_in_epoch << std::endl;
+          << ": epoch " << progress_.epoch << ", step " << progress_.step_in_epoch << std::endl;
   }
   return source;
 }
@@ -216,9 +233,9 @@ bool Trainer::syncSnapshot(const std::vector<torch::Tensor>& all, std::string by
   std::tuple<int64_t, int64_t, int64_t> newest{};
   std::vector<std::tuple<int64_t, int64_t, int64_t>> held(all.size());
   for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r][2].item<int64_t>() == 2 && damaged_rank < 0) damaged_rank = static_cast<int>(r);
-    if (all[r][2].item<int64_t>() != 1) continue;
-    held[r] = key(all[r][3].item<int64_t>(), all[r][4].item<int64_t>(), all[r][5].item<int64_t>());
+    if (all[r][0].item<int64_t>() == 2 && damaged_rank < 0) damaged_rank = static_cast<int>(r);
+    if (all[r][0].item<int64_t>() != 1) continue;
+    held[r] = key(all[r][1].item<int64_t>(), all[r][2].item<int64_t>(), all[r][3].item<int64_t>());
     if (static_cast<int>(r) == rank) mine = held[r];
     if (source < 0 || held[r] > newest) {
       newest = held[r];
@@ -237,7 +254,7 @@ bool Trainer::syncSnapshot(const std::vector<torch::Tensor>& all, std::string by
   }
   bool anyone_lacks = false;
   for (size_t r = 0; r < all.size(); ++r) {
-    anyone_lacks = anyone_lacks || all[r][2].item<int64_t>() != 1 || held[r] != newest;
+    anyone_lacks = anyone_lacks || all[r][0].item<int64_t>() != 1 || held[r] != newest;
   }
   if (anyone_lacks) {
     broadcastBytes(bytes, source);
@@ -378,7 +395,7 @@ void Trainer::recoverInPlace(const std::string& what) {
           {"step", std::to_string(progress_.global_step)},
           {"source", std::to_string(std::max(report.source, 0))},
           {"discarded", std::to_string(std::max<int64_t>(before - progress_.global_step, 0))}});
-    ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, options_.ddp);
+    ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, ddpOptions());
     first_step_pending_ = true;
     log() << "[RANK " << group_->rank() << "] in-place recovery: generation " << spec.generation
           << " formed (world " << spec.size << "), going on after step " << report.step
@@ -390,6 +407,12 @@ void Trainer::recoverInPlace(const std::string& what) {
     send(ddprun::ControlType::kGoodbye, {{"reason", "giveup"}});
     throw CommError(std::string("in-place recovery failed: ") + e.what());
   }
+}
+
+DdpOptions Trainer::ddpOptions() const {
+  DdpOptions o = options_.ddp;
+  if (live_sync_) o.broadcast_parameters = false;  // the state sync sent them
+  return o;
 }
 
 void Trainer::reportFirstStep() {

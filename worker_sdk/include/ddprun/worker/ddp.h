@@ -73,6 +73,10 @@ struct DdpOptions {
   Compression compression = Compression::kNone;
   // When set, reduces every bucket instead of the hook `compression` names.
   CommHook comm_hook;
+  // false: every rank holds the same parameters and buffers already (the Trainer's state sync in
+  // an in-place recovery sent them), so the constructor does not broadcast rank 0's. The same
+  // value on every rank.
+  bool broadcast_parameters = true;
 };
 
 class DistributedDataParallel {

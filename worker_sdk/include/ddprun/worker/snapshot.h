@@ -32,9 +32,15 @@ struct TrainingProgress {
 void saveSnapshot(const std::string& path, const torch::nn::Module& model,
                   const torch::optim::Optimizer& optimizer, const TrainingProgress& progress);
 
-// The bytes saveSnapshot writes (what a live rank sends a newcomer in in-place recovery).
+// The bytes saveSnapshot writes.
 std::string encodeSnapshot(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
                            const TrainingProgress& progress);
+// The same without the model (in-place recovery sends the parameters as tensors): optimizer,
+// progress, loss scale and RNG states; loaded by loadTrainingState (errors name `what`).
+std::string encodeTrainingState(const torch::optim::Optimizer& optimizer,
+                                const TrainingProgress& progress);
+void loadTrainingState(const std::string& bytes, const std::string& what,
+                       torch::optim::Optimizer& optimizer, TrainingProgress& progress);
 
 // Returns false when no snapshot exists at `path`; throws WorkerError when it exists but cannot be
 // read (naming the path). Restores the CPU RNG state too.

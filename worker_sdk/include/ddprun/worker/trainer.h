@@ -128,7 +128,9 @@ class Trainer {
   bool recoverable(const std::exception& failure);
   void recoverInPlace(const std::string& what);
   void reportFirstStep();
-  bool live_ = false;                // the model holds a state some step completed (not fresh)
+  DdpOptions ddpOptions() const;
+  bool live_ = false;       // the model holds a state some step completed (not fresh)
+  bool live_sync_ = false;  // the last syncState took live state (DDP need not broadcast it)
   bool first_step_pending_ = false;  // the agent waits for the generation's first step
   // One optimizer step over micro-batches [first, last) of `index` (this epoch's samples); returns
   // the step's loss (a tensor: no host sync per micro-batch).
