@@ -6,7 +6,7 @@
   lost time    = (t of the first completion of step K+1 after the kill) - (t of the kill)
                  - (the median step time before the kill): what the failure cost beyond the step
                  that was in flight;
-  steps twice  = steps <= K completed after the kill (trained again).
+  steps twice  = step numbers rank 0 completed more than once (trained again after the kill).
 Informational: nothing here passes or fails. Writes a Markdown table to stdout.
 
 Usage: /usr/bin/python3 bench/recovery/bench_inplace.py --build build [--reps 3]
@@ -50,7 +50,8 @@ def run_once(mode, kill_at, build, python, nproc, epochs):
     step_time = statistics.median(b - a for a, b in zip(before[-20:], before[-19:]))
     after = [(s, t) for s, t in steps if t > t_kill]
     t_next = min(t for s, t in after if s == kill_at + 1)
-    twice = sum(1 for s, _ in after if s <= kill_at)
+    seen = [s for s, _ in steps]
+    twice = len(seen) - len(set(seen))
     phases = re.search(r"in-place recovery, generation .*", p.stdout + p.stderr)
     return t_next - t_kill - step_time, twice, step_time, phases.group(0) if phases else ""
 

@@ -20,15 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 
-class Mlp(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(1024, 4096)
-        self.fc2 = torch.nn.Linear(4096, 2048)
-        self.fc3 = torch.nn.Linear(2048, 10)
-
-    def forward(self, x):
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "worker_sdk"))
+from ddp_torch import Mlp  # noqa: E402  (train's mlp, as the worker SDK benchmark has it)
 
 
 def main():
