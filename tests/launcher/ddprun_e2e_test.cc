@@ -180,8 +180,8 @@ TEST_CASE("a failed worker restarts the whole group with TORCHELASTIC_RESTART_CO
 }
 
 TEST_CASE(
-    "--restart-mode=in-place with a program that does not speak the control channel says so "
-    "once and restarts the processes",
+    "in-place mode with a program that does not speak the control channel says so once and "
+    "restarts the processes",
     "[e2e][inplace]") {
   TempDir state, envs;
   auto r = run(withWorker(
