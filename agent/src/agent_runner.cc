@@ -198,9 +198,7 @@ class SocketControlChannel : public ControlChannel {
  public:
   explicit SocketControlChannel(UnixControlServer& server) : server_(server) {}
   bool send(int pid, const ControlMessage& message) override {
-    std::string line = formatControlLine(message);
-    line.pop_back();  // the server ends each line itself
-    return server_.send(pid, line);
+    return server_.send(pid, formatControlLine(message));
   }
 
  private:
@@ -244,7 +242,6 @@ class AgentRun {
   std::unique_ptr<UnixControlServer> control_server_;
   std::unique_ptr<SocketControlChannel> control_channel_;
   std::unique_ptr<Supervisor> supervisor_;
-  AgentState last_state_ = AgentState::kInit;
   LogThrottle bad_control_lines_{std::chrono::seconds(10)};
   boost::asio::steady_timer timer_{io_};           // the supervisor's next deadline
   boost::asio::steady_timer shutdown_guard_{io_};  // bounds the endgame
@@ -352,15 +349,15 @@ void AgentRun::onPeerEvent(PeerEvent e) {
 }
 
 void AgentRun::onStateChange(AgentState s) {
+  const AgentState previous = counters_.last;
   counters_.onState(s, supervisor_->restartCount(), clock_.wallSeconds());
   // Changes that come from a posted callback (a round that completed or failed, the barrier's
   // answer) must shut down or arm the timer (the first look at the heartbeat files) too.
   boost::asio::post(io_, [this] { afterEvent(); });
-  if (s == AgentState::kRunning && last_state_ != AgentState::kRecovering) {
+  if (s == AgentState::kRunning && previous != AgentState::kRecovering) {
     log_->info("started {} worker(s) (attempt {}, run id {})", cfg_.nproc_per_node,
                supervisor_->restartCount(), cfg_.rdzv_id);
   }
-  last_state_ = s;
 }
 
 // After every event: shut down when done, otherwise re-arm the timer for the supervisor's next

@@ -237,34 +237,24 @@ void Supervisor::checkHeartbeats() {
 
 void Supervisor::onWorkerExit(int pid, ExitStatus status) {
   loop_.check();
-  Worker* worker = nullptr;
-  for (auto& w : workers_) {
-    if (w.pid == pid && w.running) worker = &w;
-  }
+  Worker* worker = findWorker(pid);
   if (worker == nullptr) return;  // not ours (or a previous attempt's straggler)
   worker->running = false;
 
-  if (state_ == AgentState::kRecovering) {
+  if (state_ == AgentState::kRecovering || state_ == AgentState::kRunning) {
+    const std::string what = "local rank " + std::to_string(worker->launch.local_rank) + " (pid " +
+                             std::to_string(pid) + ") " + describeExit(status);
     if (!status.success()) {
       recordFailure(WorkerFailure{worker->launch.local_rank, worker->launch.global_rank, pid,
                                   status, clock_.wallSeconds(), worker->launch.error_file,
                                   /*hang=*/""});
     }
-    fallBack("local rank " + std::to_string(worker->launch.local_rank) + " (pid " +
-             std::to_string(pid) + ") " + describeExit(status) + " during the recovery");
-    return;
-  }
-  if (state_ == AgentState::kRunning) {
+    if (state_ == AgentState::kRecovering) {
+      fallBack(what + " during the recovery");
+      return;
+    }
     if (!status.success()) {
-      recordFailure(WorkerFailure{worker->launch.local_rank, worker->launch.global_rank, pid,
-                                  status, clock_.wallSeconds(), worker->launch.error_file,
-                                  /*hang=*/""});
-      if (recoverInPlace(*worker, "local rank " + std::to_string(worker->launch.local_rank) +
-                                      " (pid " + std::to_string(pid) + ") " +
-                                      describeExit(status))) {
-        return;
-      }
-      stopForLocalFailure();
+      if (!recoverInPlace(*worker, what)) stopForLocalFailure();
       return;
     }
     if (stoppedForPeer(*worker)) {
@@ -432,7 +422,6 @@ void Supervisor::onMembershipChange() {
     return;
   }
   if (state_ != AgentState::kRunning && state_ != AgentState::kRecovering) return;
-  episode_.reset();
   beginStop(StopReason::kMembership, SIGTERM);
   maybeFinishStop();
 }
@@ -440,7 +429,6 @@ void Supervisor::onMembershipChange() {
 void Supervisor::onPeerFailure() {
   loop_.check();
   if (state_ != AgentState::kRunning && state_ != AgentState::kRecovering) return;  // charged once
-  episode_.reset();
   logger("agent")->warn("workers on another node failed; restarting this node's workers too");
   failures_.clear();
   beginStop(StopReason::kFailure, SIGTERM);
@@ -459,10 +447,7 @@ void Supervisor::onDeadline() {
   }
   if (state_ == AgentState::kRecovering && episode_ && clock_.now() >= episode_->deadline) {
     fallBack("the recovery did not finish within inplace_timeout (" +
-             std::to_string(
-                 std::chrono::duration_cast<std::chrono::milliseconds>(options_.inplace_timeout)
-                     .count()) +
-             " ms)");
+             std::to_string(inplaceTimeoutMs()) + " ms)");
     return;
   }
   if (state_ == AgentState::kRunning && deadlines_.heartbeat_check &&
@@ -502,10 +487,6 @@ void Supervisor::finish(AgentState s, int exit_code) {
   setState(s);
 }
 
-}  // namespace ddprun::agent
-
-namespace ddprun::agent {
-
 // ---- In-place recovery (docs/in-place-recovery.md §2) ----
 
 Supervisor::Worker* Supervisor::findWorker(int pid) {
@@ -516,10 +497,13 @@ Supervisor::Worker* Supervisor::findWorker(int pid) {
 }
 
 bool Supervisor::isRunningWorker(int pid) const {
-  for (const auto& w : workers_) {
-    if (w.pid == pid && w.running) return true;
-  }
-  return false;
+  return std::any_of(workers_.begin(), workers_.end(),
+                     [pid](const Worker& w) { return w.pid == pid && w.running; });
+}
+
+std::int64_t Supervisor::inplaceTimeoutMs() const {
+  return std::max<std::int64_t>(
+      1, std::chrono::duration_cast<std::chrono::milliseconds>(options_.inplace_timeout).count());
 }
 
 double Supervisor::msSinceDetection() const {
@@ -620,16 +604,11 @@ void Supervisor::onControlMessage(int pid, const ControlMessage& message) {
   switch (message.type) {
     case ControlType::kHello:
       w->connected = true;
-      control_->send(
-          pid,
-          makeControl(ControlType::kWelcome,
-                      {{"v", std::to_string(std::min<std::int64_t>(message.num("v"),
-                                                                   kControlProtocolVersion))},
-                       {"gen", std::to_string(group_generation_)},
-                       {"timeout_ms", std::to_string(std::max<std::int64_t>(
-                                          1, std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                 options_.inplace_timeout)
-                                                 .count()))}}));
+      control_->send(pid, makeControl(ControlType::kWelcome,
+                                      {{"v", std::to_string(std::min<std::int64_t>(
+                                                 message.num("v"), kControlProtocolVersion))},
+                                       {"gen", std::to_string(group_generation_)},
+                                       {"timeout_ms", std::to_string(inplaceTimeoutMs())}}));
       if (episode_ && pid == episode_->replacement_pid) episode_->hello_ms = msSinceDetection();
       return;
     case ControlType::kCaps:
@@ -648,7 +627,7 @@ void Supervisor::onControlMessage(int pid, const ControlMessage& message) {
 
 void Supervisor::onPhase(Worker& w, const ControlMessage& message) {
   Episode& e = *episode_;
-  const auto gen = message.fields.count("gen") ? message.num("gen") : -1;
+  const auto gen = message.num("gen");  // every phase message has one
   const double at = msSinceDetection();
   switch (message.type) {
     case ControlType::kAborted:
@@ -707,7 +686,6 @@ void Supervisor::finishEpisode() {
 void Supervisor::fallBack(const std::string& why) {
   logger("agent")->warn(
       "in-place recovery failed ({}); restarting every worker (the failure is charged once)", why);
-  episode_.reset();
   beginStop(StopReason::kInPlaceFallback, SIGTERM);
   // A worker mid-recovery has nothing to save, and may be blocked forming a group with the dead
   // (bounded only by its connect timeout): SIGKILL comes soon after the SIGTERM.

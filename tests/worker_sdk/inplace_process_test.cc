@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <regex>
 #include <set>
 #include <string>
@@ -57,6 +58,26 @@ std::string faultFreeParameters(const t::TempDir& dir) {
   return a;
 }
 
+// In-place recovery needs ddprun's agent: false (with a warning) where it is not built.
+bool haveDdprun() {
+  if (std::filesystem::exists(ddprunBin())) return true;
+  WARN("ddprun is not built here: in-place recovery needs ddprun's agent; skipped");
+  return false;
+}
+
+// The job under --restart-mode=in-place with the last rank killed after step 12 (in the middle of
+// epoch 1, steps 9-16, four steps after the snapshot of epoch 0); snapshot, parameters and log
+// under dir/<tag>.
+std::unique_ptr<t::Process> inPlaceRun(const t::TempDir& dir, const std::string& tag,
+                                       std::map<std::string, std::string> env) {
+  env["OMP_NUM_THREADS"] = "1";
+  return std::make_unique<t::Process>(
+      trainArgv({"--max-restarts=1", "--restart-mode=in-place"},
+                {"--snapshot-path", dir.str() + "/" + tag + "/snap.pt", "--dump-params",
+                 dir.str() + "/" + tag + ".bin", "--fail-at-step", "12"}),
+      env, t::ProcessOptions{dir.str() + "/" + tag + ".log", true});
+}
+
 int count(const std::string& text, const std::string& what) {
   int n = 0;
   for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
@@ -69,20 +90,13 @@ TEST_CASE(
     "in-place recovery: a worker killed mid-epoch is replaced alone, the survivors keep "
     "their processes and the result equals a run without the fault",
     "[worker][train][inplace]") {
-  if (!std::filesystem::exists(ddprunBin())) {
-    WARN("ddprun is not built here: in-place recovery needs ddprun's agent; skipped");
-    return;
-  }
+  if (!haveDdprun()) return;
   t::TempDir dir;
   const std::string a = faultFreeParameters(dir);
 
-  // Step 12 is in the middle of epoch 1 (steps 9-16), four steps after the snapshot of epoch 0.
-  t::Process faulty(trainArgv({"--max-restarts=1", "--restart-mode=in-place"},
-                              {"--snapshot-path", dir.str() + "/b/snap.pt", "--dump-params",
-                               dir.str() + "/b.bin", "--fail-at-step", "12"}),
-                    {{"OMP_NUM_THREADS", "1"}}, {dir.str() + "/faulty.log", true});
-  auto c = faulty.waitExit(240s);
-  const std::string out = faulty.output();
+  auto faulty = inPlaceRun(dir, "b", {});
+  auto c = faulty->waitExit(240s);
+  const std::string out = faulty->output();
   INFO("run with a fault, recovered in place:\n" << out);
   REQUIRE(c.has_value());
   CHECK(*c == 0);
@@ -111,23 +125,15 @@ TEST_CASE(
     "in-place recovery: a failure during the abort or the state sync falls back to "
     "restarting every worker, charged once, with nothing left running",
     "[worker][train][inplace]") {
-  if (!std::filesystem::exists(ddprunBin())) {
-    WARN("ddprun is not built here: in-place recovery needs ddprun's agent; skipped");
-    return;
-  }
+  if (!haveDdprun()) return;
   t::TempDir dir;
   const std::string a = faultFreeParameters(dir);
 
   for (const std::string fault : {"abort:1", "sync:0"}) {
     const std::string tag = fault.substr(0, fault.find(':'));
-    t::Process faulty(
-        trainArgv({"--max-restarts=1", "--restart-mode=in-place"},
-                  {"--snapshot-path", dir.str() + "/" + tag + "/snap.pt", "--dump-params",
-                   dir.str() + "/" + tag + ".bin", "--fail-at-step", "12"}),
-        {{"OMP_NUM_THREADS", "1"}, {"DDPRUN_INPLACE_FAULT", fault}},
-        {dir.str() + "/" + tag + ".log", true});
-    auto c = faulty.waitExit(240s);
-    const std::string out = faulty.output();
+    auto faulty = inPlaceRun(dir, tag, {{"DDPRUN_INPLACE_FAULT", fault}});
+    auto c = faulty->waitExit(240s);
+    const std::string out = faulty->output();
     INFO("DDPRUN_INPLACE_FAULT=" << fault << ":\n" << out);
     REQUIRE(c.has_value());
     CHECK(*c == 0);  // --max-restarts=1 covers the failure and its fallback: charged once

@@ -206,6 +206,15 @@ std::optional<ddprun::ControlMessage> ControlClient::waitGroup(
   }
 }
 
+bool ControlClient::waitAbort(int gen, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  ddprun::MutexLock lock(mu_);
+  while (aborted_generation_ < gen) {
+    if (cv_.wait_until(mu_, deadline) == std::cv_status::timeout) return aborted_generation_ >= gen;
+  }
+  return true;
+}
+
 int ControlClient::abortedGeneration() const {
   ddprun::MutexLock lock(mu_);
   return aborted_generation_;

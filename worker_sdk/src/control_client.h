@@ -48,6 +48,8 @@ class ControlClient {
       EXCLUDES(mu_);
   // The highest generation an `abort` named; -1 when none came.
   int abortedGeneration() const EXCLUDES(mu_);
+  // Waits at most `timeout` for an `abort` of generation `gen` or later; whether one came.
+  bool waitAbort(int gen, std::chrono::milliseconds timeout) EXCLUDES(mu_);
 
  private:
   ControlClient(int fd, int generation, std::chrono::milliseconds timeout, std::string path,

@@ -77,6 +77,20 @@ std::unique_ptr<Communicator> makeCommunicator(int rank, int size,
   return makeGlooCommunicator(rank, size, std::move(store), g);
 }
 
+// Rank 0 hosts the store (unless the agent does); the others connect, within `timeout`.
+std::shared_ptr<KeyValueStore> openStore(bool host, const std::string& addr, int port,
+                                         std::chrono::milliseconds timeout) {
+  return host ? KeyValueStore::tcpServer(addr, port, timeout)
+              : KeyValueStore::tcpClient(addr, port, timeout);
+}
+
+void checkRank(int rank, int size) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw ConfigError("process group: rank " + std::to_string(rank) + " is outside [0, " +
+                      std::to_string(size - 1) + "]");
+  }
+}
+
 }  // namespace
 
 ProcessGroup::ProcessGroup(int rank, int size, std::shared_ptr<KeyValueStore> store,
@@ -106,8 +120,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
   }
   const bool hosts = env.rank == 0 && !env.use_agent_store;
   std::shared_ptr<KeyValueStore> store =
-      hosts ? KeyValueStore::tcpServer(env.master_addr, env.master_port, options.connect_timeout)
-            : KeyValueStore::tcpClient(env.master_addr, env.master_port, options.connect_timeout);
+      openStore(hosts, env.master_addr, env.master_port, options.connect_timeout);
   ProcessGroupOptions opts = options;
   if (opts.local_address.empty())
     opts.local_address = localAddressToward(env.master_addr, env.master_port);
@@ -115,18 +128,16 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
   // A restarted group reuses MASTER_PORT with a fresh store, but keep keys per attempt anyway
   // (per generation under the agent's control: survivors of a recovery keep their store).
   const int generation = control ? control->generation() : 0;
-  const std::string base_prefix = opts.prefix;
-  opts.prefix +=
+  ProcessGroupOptions first = opts;
+  first.prefix +=
       control ? "/g" + std::to_string(generation) : "/attempt" + std::to_string(env.restart_count);
   static const ddprun::TextLogger log("worker");
   DDPRUN_LOG(log, kDebug,
              "rank " << env.rank << "/" << env.world_size << ": store " << env.master_addr << ":"
                      << env.master_port << ", gloo on " << opts.local_address);
-  auto group = create(env.rank, env.world_size, std::move(store), opts);
-  group->options_ = opts;
-  group->options_.prefix = base_prefix;
+  auto group = create(env.rank, env.world_size, std::move(store), first);
+  group->options_ = opts;  // reform() adds each generation's key to the prefix
   group->hosts_store_ = hosts;
-  group->store_port_ = env.master_port;
   group->generation_ = generation;
   *target = group;
   group->control_ = std::move(control);
@@ -136,10 +147,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
 std::shared_ptr<ProcessGroup> ProcessGroup::create(int rank, int size,
                                                    std::shared_ptr<KeyValueStore> store,
                                                    const ProcessGroupOptions& options) {
-  if (size < 1 || rank < 0 || rank >= size) {
-    throw ConfigError("process group: rank " + std::to_string(rank) + " is outside [0, " +
-                      std::to_string(size - 1) + "]");
-  }
+  checkRank(rank, size);
   if (!store) throw ConfigError("process group: store is null");
   const std::string address = options.local_address.empty() ? "127.0.0.1" : options.local_address;
   auto comm = makeCommunicator(rank, size, store, options, address);
@@ -159,10 +167,7 @@ void ProcessGroup::abort(const std::string& reason) {
 }
 
 void ProcessGroup::reform(const GroupSpec& spec) {
-  if (spec.size < 1 || spec.rank < 0 || spec.rank >= spec.size) {
-    throw ConfigError("process group: rank " + std::to_string(spec.rank) + " is outside [0, " +
-                      std::to_string(spec.size - 1) + "]");
-  }
+  checkRank(spec.rank, spec.size);
   std::unique_ptr<Communicator> old;
   {
     std::lock_guard<std::mutex> lock(comm_mu_);
@@ -180,14 +185,10 @@ void ProcessGroup::reform(const GroupSpec& spec) {
   // The store: rank 0 keeps the one it hosts at that port (the keys of each generation have their
   // own prefix); a new rank 0 hosts it; every other rank connects again (rank 0 may be new).
   const bool hosts = spec.rank == 0;
-  if (!(hosts && hosts_store_ && store_port_ == spec.master_port)) {
-    store_.reset();
-    store_ = hosts ? KeyValueStore::tcpServer(spec.master_addr, spec.master_port,
-                                              options_.connect_timeout)
-                   : KeyValueStore::tcpClient(spec.master_addr, spec.master_port,
-                                              options_.connect_timeout);
+  if (!(hosts && hosts_store_ && store_->port() == spec.master_port)) {
+    store_.reset();  // a client's connection, or a server's port, goes first
+    store_ = openStore(hosts, spec.master_addr, spec.master_port, options_.connect_timeout);
     hosts_store_ = hosts;
-    store_port_ = spec.master_port;
   }
   ProcessGroupOptions opts = options_;
   opts.prefix += "/" + spec.key;

@@ -10,7 +10,6 @@
 #include <iostream>
 #include <optional>
 #include <sstream>
-#include <thread>
 #include <tuple>
 
 #include "control_client.h"
@@ -328,16 +327,10 @@ void injectRecoveryFault(const char* phase, int rank) {
 
 bool Trainer::recoverable(const std::exception& failure) {
   if (!group_->inPlace()) return false;
-  ControlClient& control = *group_->control();
   if (dynamic_cast<const CommError*>(&failure) != nullptr) return true;
   // A collective's failure may reach here wrapped (autograd rethrows a hook's exception as its
   // own): the agent's abort tells it from a failure of the program's own.
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  while (control.abortedGeneration() < group_->generation()) {
-    if (std::chrono::steady_clock::now() >= until) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return true;
+  return group_->control()->waitAbort(group_->generation(), std::chrono::seconds(1));
 }
 
 void Trainer::recoverInPlace(const std::string& what) {

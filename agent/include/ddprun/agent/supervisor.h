@@ -214,6 +214,7 @@ class Supervisor {
   void finishEpisode();
   void fallBack(const std::string& why);
   double msSinceDetection() const;
+  std::int64_t inplaceTimeoutMs() const;
   Worker* findWorker(int pid);
 
   SupervisorOptions options_;

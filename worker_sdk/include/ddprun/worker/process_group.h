@@ -98,8 +98,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   std::mutex comm_mu_;  // comm_'s replacement (reform) against abort() from another thread
   // What reform() needs to form the next generation the way this one was formed.
   ProcessGroupOptions options_;
-  bool hosts_store_ = false;
-  int store_port_ = 0;
+  bool hosts_store_ = false;  // store_ is the server this rank hosts
   std::atomic<int> generation_{0};
   std::unique_ptr<ControlClient> control_;  // last: its thread stops first
 };
