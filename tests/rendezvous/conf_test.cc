@@ -111,6 +111,21 @@ TEST_CASE("every rdzv-conf key sets its setting, with '_' or '-' in its name", "
   CHECK(c->tls_key_pem == kKey);
 }
 
+TEST_CASE("inplace_timeout bounds an in-place recovery: 60 s unless given, seconds > 0", "[conf]") {
+  auto d = parseRendezvousConf({}, 1, 1);
+  REQUIRE(d.isOk());
+  CHECK(d->inplace_timeout == 60s);
+  auto c = parseRendezvousConf({{"inplace-timeout", "2.5"}}, 1, 1);
+  REQUIRE(c.isOk());
+  CHECK(c->inplace_timeout == 2500ms);
+  for (const char* bad : {"0", "-1", "soon"}) {
+    auto r = parseRendezvousConf({{"inplace_timeout", bad}}, 1, 1);
+    REQUIRE_FALSE(r.isOk());
+    CHECK_THAT(r.status().message(),
+               Catch::Contains("inplace_timeout must be a number of seconds"));
+  }
+}
+
 TEST_CASE("is_host takes auto, true, false and the usual boolean spellings", "[conf]") {
   const std::vector<std::pair<std::string, IsHost>> cases = {
       {"auto", IsHost::kAuto}, {"AUTO", IsHost::kAuto}, {"true", IsHost::kTrue},
