@@ -6,7 +6,7 @@
 # nccl against torch.distributed's all-reduce, and a rank killed mid-all-reduce. Prints a table;
 # writes it and every log to --out.
 #
-#   deploy/gpu-check.sh [--prepared DIR] [--out DIR] [--python PY] [--jobs N] [--quick]
+#   deploy/gpu-check.sh [--prepared DIR] [--out DIR] [--python PY] [--jobs N] [--quick] [--only PART]...
 #
 #   --prepared DIR  what deploy/gpu-prepare.sh made on a Debian machine: Debian's libraries for a
 #                   machine without them (DIR/sysroot), and a ddprun to launch jobs with
@@ -14,9 +14,10 @@
 #                   ddprun from PATH, else torchrun.
 #   --python PY     the interpreter whose torch to build against (default: python3)
 #   --quick         fewer configurations (one model and batch size)
+#   --only PART     run only these parts: tests, train, env, multi (repeatable; default all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-prepared="" out=gpu-check-out py=python3 jobs=$(nproc) quick=0
+prepared="" out=gpu-check-out py=python3 jobs=$(nproc) quick=0 only=()
 while [ $# -gt 0 ]; do
   case $1 in
   --prepared) prepared=$(cd "${2:?--prepared needs a directory}" && pwd); shift 2 ;;
@@ -24,6 +25,7 @@ while [ $# -gt 0 ]; do
   --python) py=${2:?--python needs an interpreter}; shift 2 ;;
   --jobs) jobs=${2:?--jobs needs a number}; shift 2 ;;
   --quick) quick=1; shift ;;
+  --only) only+=(--only "${2:?--only needs tests, train, env or multi}"); shift 2 ;;
   *) echo "gpu-check: unknown argument '$1' (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -65,4 +67,4 @@ fi
 quick_args=()
 [ "$quick" = 1 ] && quick_args=(--quick)
 exec "$py" bench/worker_sdk/gpu_check.py --build build-gpu --out "$out" --jobs "$jobs" \
-  "${launcher[@]}" "${quick_args[@]}"
+  "${launcher[@]}" "${quick_args[@]}" "${only[@]}"

@@ -181,6 +181,19 @@ class Check:
                         self.log("ddprun-train.log"), env=self.env)
         self.row("worker contract", f"ddprun --standalone --nproc_per_node={self.world} train --backend nccl",
                  "finished (exit 0)" if code == 0 else f"FAILED (exit {code})")
+        # In-place recovery on NCCL: the last rank SIGKILLs itself at step 20; only it is replaced.
+        # With 2+ GPUs the survivors abort NCCL, re-form and hand the newcomer the live state; with
+        # one GPU the replacement forms generation 2 alone and resumes from the snapshot.
+        code, out = run([self.a.ddprun, "--standalone", f"--nproc_per_node={self.world}", "--max-restarts=1",
+                         "--restart-mode=in-place", "--no-python", self.train, "3", "1", "--backend", "nccl",
+                         "--model", "mlp", "--fail-at-step", "20", "--snapshot-path",
+                         os.path.join(tempfile.mkdtemp(prefix="gpu-check-"), "s.pt")],
+                        self.log("inplace.log"), env=self.env)
+        survivors = len(re.findall(r"going on after step", out))
+        ok = code == 0 and "joined generation 2" in out and survivors == self.world - 1
+        self.row("worker contract", f"--restart-mode=in-place, a rank SIGKILLed at step 20 ({self.world} GPU(s))",
+                 (f"recovered in place ({survivors} survivor(s) kept their process)" if ok
+                  else f"FAILED (exit {code}, {survivors} survivor(s) re-formed)"))
 
     # 4 -----------------------------------------------------------------------------------------
     def multi_gpu(self):

@@ -7,6 +7,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/nccl.h"
 #include "ddprun/worker/process_group.h"
+#include "test_util.h"
 #include "thread_ranks.h"
 #include "torch_catch.h"
 
@@ -248,5 +251,115 @@ TEST_CASE("nccl all_reduce, broadcast, all_gather and barrier on device memory (
     CHECK(s.gathered == gathered);
     CHECK(s.producer_stream_ok);
     CHECK_THAT(s.cpu_tensor_error, Catch::Contains("the nccl backend handles CUDA tensors only"));
+  }
+}
+
+// In-place recovery on NCCL (docs/in-place-recovery.md §3.1): the control channel's abort ends a
+// collective that cannot finish, from another thread; the op fails, the communicator goes idle
+// (ncclCommAbort), later ops fail with the reason, and the group forms again as the next
+// generation on the same devices and computes right. The collective is held back by a host function
+// on the producer stream, so it is in flight whatever the number of GPUs; with two GPUs it also
+// waits on a peer that never joins it.
+TEST_CASE("nccl abort ends a collective in flight and the group re-forms on the same devices (GPU only)",
+          "[worker][nccl][gpu][inplace]") {
+  REQUIRE_GPU_OR_SKIP();
+  const int world = std::min(2, visibleDevices());
+  if (world < 2) WARN("one CUDA device visible: running world size 1 (NCCL needs a GPU per rank)");
+  const int port = t::freePort();
+  struct Seen {
+    std::string outcome, later;
+    bool idle = false, woke = false, reformed_ok = false;
+  };
+  std::vector<Seen> seen(static_cast<size_t>(world));
+  std::atomic<int> released{0};
+  auto store = KeyValueStore::inMemory(std::chrono::seconds(30));
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        Seen& s = seen[static_cast<size_t>(r)];
+        auto o = ncclOptions(r);
+        o.op_timeout = std::chrono::minutes(10);  // only the abort can end the wait
+        auto pg = ProcessGroup::create(r, world, store, o);
+        const int64_t n = 1 << 22;
+        auto x = deviceTensor(r, n);
+        upload(x, std::vector<float>(static_cast<size_t>(n), 1.0f));
+        pg->comm().allReduce(x, ReduceOp::kSum);  // the group works before the fault
+
+        // The producer stream holds the next collective back until the host function returns.
+        cudaStream_t user = nullptr;
+        if (cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking) != cudaSuccess)
+          throw std::runtime_error("cudaStreamCreate failed");
+        auto hold = [](void* flag) {
+          auto* f = static_cast<std::atomic<int>*>(flag);
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+          while (f->load() == 0 && std::chrono::steady_clock::now() < until)
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        };
+        if (cudaLaunchHostFunc(user, hold, &released) != cudaSuccess)
+          throw std::runtime_error("cudaLaunchHostFunc failed");
+        setNcclProducerStream(pg->comm(), user);
+        // With two GPUs rank 1 never enters this one: rank 0 also waits on an absent peer.
+        std::shared_ptr<Work> work;
+        if (r == 0) work = pg->comm().allReduceAsync(x, ReduceOp::kSum);
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        const auto t0 = std::chrono::steady_clock::now();
+        pg->abort("test");  // not the op thread, as the control channel's is not
+        released = 1;        // the stream may run again: the aborted kernel must not count
+        if (work) {
+          try {
+            work->wait();
+            s.outcome = "completed";
+          } catch (const CommError&) {
+            s.outcome = "failed";
+          }
+        } else {
+          s.outcome = "failed";
+        }
+        s.woke = std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30);
+        s.idle = pg->comm().awaitIdle(std::chrono::seconds(10));
+        try {
+          pg->comm().allReduce(x, ReduceOp::kSum);
+          s.later = "ran";
+        } catch (const CommError& e) {
+          s.later = e.what();
+        }
+        setNcclProducerStream(pg->comm(), nullptr);
+        cudaStreamSynchronize(user);
+        cudaStreamDestroy(user);
+
+        // The next generation, on the same device, under its own store prefix.
+        GroupSpec spec;
+        spec.generation = 1;
+        spec.rank = r;
+        spec.size = world;
+        spec.master_addr = "127.0.0.1";
+        spec.master_port = port;
+        spec.key = "g1";
+        pg->reform(spec);
+        upload(x, std::vector<float>(static_cast<size_t>(n), float(r + 1)));
+        pg->comm().allReduce(x, ReduceOp::kSum);
+        const auto back = download<float>(x);
+        const float sum = static_cast<float>(world * (world + 1) / 2);
+        s.reformed_ok = pg->generation() == 1 && back.front() == sum && back.back() == sum;
+        pg->comm().barrier();
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  for (int r = 0; r < world; ++r) {
+    const Seen& s = seen[static_cast<size_t>(r)];
+    INFO("rank " << r << ": later op: " << s.later);
+    CHECK(s.outcome == "failed");
+    CHECK(s.woke);
+    CHECK(s.idle);
+    CHECK_THAT(s.later, Catch::Contains("aborted"));
+    CHECK(s.reformed_ok);
   }
 }
