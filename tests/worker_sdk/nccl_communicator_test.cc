@@ -260,8 +260,9 @@ TEST_CASE("nccl all_reduce, broadcast, all_gather and barrier on device memory (
 // generation on the same devices and computes right. The collective is held back by a host function
 // on the producer stream, so it is in flight whatever the number of GPUs; with two GPUs it also
 // waits on a peer that never joins it.
-TEST_CASE("nccl abort ends a collective in flight and the group re-forms on the same devices (GPU only)",
-          "[worker][nccl][gpu][inplace]") {
+TEST_CASE(
+    "nccl abort ends a collective in flight and the group re-forms on the same devices (GPU only)",
+    "[worker][nccl][gpu][inplace]") {
   REQUIRE_GPU_OR_SKIP();
   const int world = std::min(2, visibleDevices());
   if (world < 2) WARN("one CUDA device visible: running world size 1 (NCCL needs a GPU per rank)");
@@ -306,7 +307,7 @@ TEST_CASE("nccl abort ends a collective in flight and the group re-forms on the 
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
         const auto t0 = std::chrono::steady_clock::now();
         pg->abort("test");  // not the op thread, as the control channel's is not
-        released = 1;        // the stream may run again: the aborted kernel must not count
+        released = 1;       // the stream may run again: the aborted kernel must not count
         if (work) {
           try {
             work->wait();
