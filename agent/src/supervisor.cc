@@ -38,6 +38,8 @@ bool isTerminating(int sig) {
 
 // How long workers get to end after SIGTERM when an in-place recovery falls back.
 constexpr Duration kFallbackGrace = std::chrono::seconds(2);
+// Rounds an in-place recovery forms again because nodes kept changing, before it falls back.
+constexpr int kMaxRegenerations = 3;
 
 std::string describeExit(ExitStatus status) {
   return (status.signaled ? "was killed by signal " : "exited with code ") +
@@ -112,7 +114,7 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     return;
   }
   round_ = *round;
-  ++group_generation_;
+  group_generation_ = generationOf(round_);
   episode_.reset();
   signal_forwarded_ = false;
   workers_.clear();
@@ -421,14 +423,33 @@ void Supervisor::onMembershipChange() {
     maybeFinishStop();
     return;
   }
-  if (state_ != AgentState::kRunning && state_ != AgentState::kRecovering) return;
+  if (state_ == AgentState::kRecovering && episode_) {
+    // A pending join answers with the newer round (superseded rounds are joined again); a group
+    // already sent may be waiting for a node that is gone: abort it and form the next round.
+    if (episode_->awaiting_round) return;
+    if (++episode_->regenerations > kMaxRegenerations) {
+      fallBack("the job's nodes kept changing during the recovery", /*report=*/true);
+      return;
+    }
+    tellAbort(group_generation_);
+    joinRecoveryRound();
+    return;
+  }
+  if (state_ != AgentState::kRunning) return;
+  if (recoverInPlaceWithPeers("the job's nodes changed", /*charged=*/false)) return;
   beginStop(StopReason::kMembership, SIGTERM);
   maybeFinishStop();
 }
 
 void Supervisor::onPeerFailure() {
   loop_.check();
-  if (state_ != AgentState::kRunning && state_ != AgentState::kRecovering) return;  // charged once
+  if (state_ == AgentState::kRecovering) {
+    // A failure the episode cannot absorb (its own is reported by the node it happened on).
+    fallBack("workers on another node failed during the recovery", /*report=*/false);
+    return;
+  }
+  if (state_ != AgentState::kRunning) return;  // charged once
+  if (recoverInPlaceWithPeers("workers on another node failed", /*charged=*/true)) return;
   logger("agent")->warn("workers on another node failed; restarting this node's workers too");
   failures_.clear();
   beginStop(StopReason::kFailure, SIGTERM);
@@ -512,7 +533,7 @@ double Supervisor::msSinceDetection() const {
              : 0.0;
 }
 
-bool Supervisor::inPlaceEligible(const Worker& failed) {
+bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
   if (!options_.restart_in_place || control_ == nullptr) return false;
   auto whyNot = [this](const std::string& why) {
     if (!said_why_not_in_place_) {
@@ -522,12 +543,10 @@ bool Supervisor::inPlaceEligible(const Worker& failed) {
     }
     return false;
   };
-  if (options_.multi_node) {
-    return whyNot("in-place recovery across nodes is not available yet (single-node jobs only)");
-  }
-  if (restart_count_ >= options_.max_restarts) return false;  // the usual path fails the job
+  // With the budget spent the usual path fails the job.
+  if (charged && restart_count_ >= options_.max_restarts) return false;
   for (const auto& w : workers_) {
-    if (&w == &failed || (w.running && w.capable)) continue;
+    if (&w == failed || (w.running && w.capable)) continue;
     if (!w.running) return false;  // it ended already (finished or failing too)
     return whyNot("local rank " + std::to_string(w.launch.local_rank) + " (pid " +
                   std::to_string(w.pid) +
@@ -538,7 +557,19 @@ bool Supervisor::inPlaceEligible(const Worker& failed) {
 }
 
 bool Supervisor::recoverInPlace(Worker& failed, const std::string& cause) {
-  if (!inPlaceEligible(failed)) return false;
+  if (!inPlaceEligible(&failed, /*charged=*/true)) return false;
+  if (options_.multi_node) {
+    // The agents form the next round without stopping their workers; the replacement starts in
+    // it (onRecoveryRound), with that round's ranks and master.
+    ++restart_count_;
+    const int old_generation = group_generation_;
+    startEpisode(cause, /*generation=*/0);
+    tellAbort(old_generation);
+    episode_->told_ms = msSinceDetection();
+    rendezvous_.reportFailure();
+    joinRecoveryRound();
+    return true;
+  }
   auto launches = planner_(round_, restart_count_ + 1);
   const int local_rank = failed.launch.local_rank;
   if (!launches.isOk() || static_cast<size_t>(local_rank) >= launches->size()) {
@@ -549,23 +580,10 @@ bool Supervisor::recoverInPlace(Worker& failed, const std::string& cause) {
   }
   ++restart_count_;  // the failure is charged once, however it is recovered
   const int old_generation = group_generation_;
-  Episode episode;
-  episode.generation = ++group_generation_;
-  episode.detected = clock_.now();
-  episode.deadline = episode.detected + options_.inplace_timeout;
-  episode.cause = cause;
-  episode_ = std::move(episode);
-  deadlines_.heartbeat_check.reset();  // paused while the group re-forms
-  setState(AgentState::kRecovering);
-  logger("agent")->warn(
-      "{}; recovering in place as generation {} ({} of {} restarts used): replacing it alone, the "
-      "others keep their processes",
-      cause, episode_->generation, restart_count_, options_.max_restarts);
+  startEpisode(cause, ++group_generation_);
+  tellAbort(old_generation);
   for (auto& w : workers_) {
-    if (&w == &failed || !w.running) continue;
-    control_->send(w.pid, makeControl(ControlType::kAbort, {{"gen", std::to_string(old_generation)},
-                                                            {"reason", "failure"}}));
-    sendGroup(w);
+    if (w.running) sendGroup(w);
   }
   episode_->told_ms = msSinceDetection();
   Worker replacement;
@@ -582,6 +600,126 @@ bool Supervisor::recoverInPlace(Worker& failed, const std::string& cause) {
   episode_->replacement_pid = *pid;
   failed = std::move(replacement);
   return true;
+}
+
+bool Supervisor::recoverInPlaceWithPeers(const std::string& cause, bool charged) {
+  if (!options_.multi_node || !inPlaceEligible(nullptr, charged)) return false;
+  if (charged) ++restart_count_;
+  const int old_generation = group_generation_;
+  startEpisode(cause, /*generation=*/0);
+  tellAbort(old_generation);
+  episode_->told_ms = msSinceDetection();
+  joinRecoveryRound();
+  return true;
+}
+
+void Supervisor::startEpisode(const std::string& cause, int generation) {
+  Episode episode;
+  episode.generation = generation;
+  episode.old_generation = group_generation_;
+  episode.detected = clock_.now();
+  // Multi-node: also the bound on forming the round (a `--nnodes 2:2` job waits for a new node).
+  episode.deadline = episode.detected + options_.inplace_timeout;
+  episode.cause = cause;
+  episode_ = std::move(episode);
+  deadlines_.heartbeat_check.reset();  // paused while the group re-forms
+  setState(AgentState::kRecovering);
+  const std::string budget = " (" + std::to_string(restart_count_) + " of " +
+                             std::to_string(options_.max_restarts) + " restarts used)";
+  if (generation > 0) {
+    logger("agent")->warn(
+        "{}; recovering in place as generation {}{}: replacing it alone, the others keep their "
+        "processes",
+        cause, generation, budget);
+  } else {
+    logger("agent")->warn(
+        "{}; recovering in place{}: this node's workers keep their processes while the nodes form "
+        "the next round",
+        cause, budget);
+  }
+}
+
+void Supervisor::tellAbort(int gen) {
+  for (auto& w : workers_) {
+    if (!w.running) continue;
+    control_->send(w.pid, makeControl(ControlType::kAbort,
+                                      {{"gen", std::to_string(gen)}, {"reason", "failure"}}));
+  }
+}
+
+int Supervisor::generationOf(const RoundInfo& round) const {
+  return options_.multi_node ? round.round + 1 : group_generation_ + 1;
+}
+
+void Supervisor::joinRecoveryRound() {
+  episode_->awaiting_round = true;
+  const unsigned token = ++generation_;
+  rendezvous_.nextRound([this, token](StatusOr<RoundInfo> round) {
+    if (token != generation_ || state_ != AgentState::kRecovering || !episode_) return;
+    onRecoveryRound(std::move(round));
+  });
+}
+
+void Supervisor::onRecoveryRound(StatusOr<RoundInfo> round) {
+  if (!round.isOk()) {
+    fallBack("the next round did not form: " + round.status().toString(), /*report=*/false);
+    return;
+  }
+  if (isSuperseded(rendezvous_, *round)) {
+    logger("agent")->info("round {} was superseded before it re-formed (round {} is forming)",
+                          round->round, rendezvous_.formingRound());
+    joinRecoveryRound();
+    return;
+  }
+  const auto rank = static_cast<size_t>(round->group_rank);
+  if (rank >= round->local_world_sizes.size() ||
+      round->local_world_sizes[rank] != static_cast<int>(workers_.size())) {
+    fallBack("round " + std::to_string(round->round) + " gives this node a different number of "
+             "workers", /*report=*/true);
+    return;
+  }
+  std::vector<WorkerLaunch> launches;
+  if (runningWorkers() < static_cast<int>(workers_.size())) {
+    auto planned = planner_(*round, restart_count_);
+    if (!planned.isOk() || planned->size() != workers_.size()) {
+      fallBack("cannot prepare a replacement: " +
+                   (planned.isOk() ? std::string("wrong number of launches")
+                                   : planned.status().message()),
+               /*report=*/true);
+      return;
+    }
+    launches = std::move(*planned);
+  }
+  round_ = *round;
+  group_generation_ = generationOf(round_);
+  Episode& e = *episode_;
+  e.generation = group_generation_;
+  e.awaiting_round = false;
+  e.deadline = clock_.now() + options_.inplace_timeout;
+  const int base = baseRank(round_.local_world_sizes, round_.group_rank);
+  for (auto& w : workers_) {
+    if (w.running) {
+      w.launch.global_rank = base + w.launch.local_rank;
+      sendGroup(w);
+      continue;
+    }
+    Worker replacement;
+    replacement.launch = std::move(launches[static_cast<size_t>(w.launch.local_rank)]);
+    auto pid = launcher_.spawn(replacement.launch);
+    if (!pid.isOk()) {
+      fallBack("cannot start a replacement for local rank " +
+                   std::to_string(replacement.launch.local_rank) + ": " + pid.status().message(),
+               /*report=*/true);
+      return;
+    }
+    replacement.pid = *pid;
+    replacement.running = true;
+    replacement.capable = true;  // it joins through the channel, as a newcomer
+    e.replacement_pid = *pid;
+    w = std::move(replacement);
+  }
+  logger("agent")->info("in-place recovery: round {} formed; generation {}, world {}", round_.round,
+                        e.generation, worldSize());
 }
 
 void Supervisor::sendGroup(const Worker& w) {
@@ -631,7 +769,7 @@ void Supervisor::onPhase(Worker& w, const ControlMessage& message) {
   const double at = msSinceDetection();
   switch (message.type) {
     case ControlType::kAborted:
-      if (gen < e.generation) e.aborted_ms = std::max(e.aborted_ms, at);
+      if (gen <= e.old_generation) e.aborted_ms = std::max(e.aborted_ms, at);
       return;
     case ControlType::kFormed:
       if (gen == e.generation) e.formed_ms = std::max(e.formed_ms, at);
@@ -665,28 +803,37 @@ void Supervisor::finishEpisode() {
   if (heartbeatsEnabled()) {
     deadlines_.heartbeat_check = clock_.now() + heartbeatCheckInterval(options_.heartbeat_timeout);
   }
+  // (A node whose workers all survived, after a peer's failure or a change of nodes, started no
+  // replacement: that phase is not its own.)
+  const bool replaced = e.replacement_pid != 0;
   if (recovery_listener_) {
-    recovery_listener_(InPlaceRecovery{e.generation,
-                                       {{"told", e.told_ms},
-                                        {"replacement_start", e.hello_ms},
-                                        {"aborted", e.aborted_ms},
-                                        {"formed", e.formed_ms},
-                                        {"synced", e.synced_ms},
-                                        {"first_step", first_step}},
-                                       e.step});
+    InPlaceRecovery r{e.generation, {{"told", e.told_ms}}, e.step};
+    if (replaced) r.phases_ms.emplace_back("replacement_start", e.hello_ms);
+    for (const auto& phase : std::initializer_list<std::pair<const char*, double>>{
+             {"aborted", e.aborted_ms},
+             {"formed", e.formed_ms},
+             {"synced", e.synced_ms},
+             {"first_step", first_step}}) {
+      r.phases_ms.emplace_back(phase.first, phase.second);
+    }
+    recovery_listener_(r);
   }
+  const std::string hello =
+      replaced ? fmt::format(", replacement said hello {:.0f} ms", e.hello_ms) : "";
   logger("agent")->info(
-      "in-place recovery, generation {} ({}): told {:.1f} ms, replacement said hello {:.0f} ms, "
-      "aborted {:.0f} ms, formed {:.0f} ms, synced {:.0f} ms, first step {:.0f} ms; resumed after "
-      "step {} from rank {}, world {}",
-      e.generation, e.cause, e.told_ms, e.hello_ms, e.aborted_ms, e.formed_ms, e.synced_ms,
-      first_step, e.step, e.source, worldSize());
+      "in-place recovery, generation {} ({}): told {:.1f} ms{}, aborted {:.0f} ms, formed {:.0f} "
+      "ms, synced {:.0f} ms, first step {:.0f} ms; resumed after step {} from rank {}, world {}",
+      e.generation, e.cause, e.told_ms, hello, e.aborted_ms, e.formed_ms, e.synced_ms, first_step,
+      e.step, e.source, worldSize());
 }
 
-void Supervisor::fallBack(const std::string& why) {
+void Supervisor::fallBack(const std::string& why, bool report) {
   logger("agent")->warn(
       "in-place recovery failed ({}); restarting every worker (the failure is charged once)", why);
+  ++generation_;  // a pending join's answer no longer matters
   beginStop(StopReason::kInPlaceFallback, SIGTERM);
+  // The other nodes restart theirs too (a failure the rendezvous already knows is not reported).
+  if (options_.multi_node && report) rendezvous_.reportFailure();
   // A worker mid-recovery has nothing to save, and may be blocked forming a group with the dead
   // (bounded only by its connect timeout): SIGKILL comes soon after the SIGTERM.
   if (deadlines_.kill) {

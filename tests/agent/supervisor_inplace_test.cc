@@ -172,12 +172,159 @@ TEST_CASE("in-place: with the restart budget spent the job fails as in process m
   CHECK(f.sup->exitCode() == 1);
 }
 
-TEST_CASE("in-place: multi-node jobs recover by restarting processes", "[agent][inplace]") {
-  Fixture f(2, 1, /*multi_node=*/true);
-  f.sup->start();
-  f.allCapable();
-  f.sup->onWorkerExit(f.first()[1], ExitStatus{false, 1});
+namespace {
+
+// The second of two nodes of two workers each (ranks 2 and 3), every worker capable.
+struct TwoNodes : Fixture {
+  TwoNodes() : Fixture(2, 2, /*multi_node=*/true) {
+    rdzv.round.local_world_sizes = {2, 2};
+    rdzv.round.group_rank = 1;
+    sup->start();
+    allCapable();
+  }
+  // Answers the join held by the rendezvous with round `n` (master port 29500 + n).
+  void formRound(int n) {
+    REQUIRE(rdzv.pending);
+    RoundInfo r = rdzv.round;
+    r.round = n;
+    r.master_port = 29500 + n;
+    auto done = std::move(rdzv.pending);
+    rdzv.pending = nullptr;
+    done(r);
+  }
+};
+
+}  // namespace
+
+TEST_CASE(
+    "in-place across nodes: a local failure is reported, the next round forms without stopping "
+    "the survivors, and the replacement starts in it",
+    "[agent][inplace]") {
+  TwoNodes f;
+  const auto pids = f.first();
+  // The group generation is the round + 1, the same on every node.
+  CHECK(f.channel.to(pids[0], ControlType::kWelcome).at(0).num("gen") == 1);
+  f.rdzv.hold = true;
+  f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.sup->restartCount() == 1);
+  CHECK(f.rdzv.failures == 1);  // the other nodes learn at once (no failure grace)
+  CHECK(f.rdzv.joins == 2);     // the next round, the survivors still running
+  CHECK(f.launcher.signals.empty());
+  CHECK(f.launcher.spawned.size() == 2);  // the replacement waits for the round's ranks
+  REQUIRE(f.channel.to(pids[0], ControlType::kAbort).size() == 1);
+  CHECK(f.channel.to(pids[0], ControlType::kAbort)[0].num("gen") == 1);
+  CHECK(f.channel.to(pids[0], ControlType::kGroup).empty());
+  f.say(pids[0], ControlType::kAborted, {{"gen", "1"}});
+
+  f.formRound(3);
+  auto group = f.channel.to(pids[0], ControlType::kGroup);
+  REQUIRE(group.size() == 1);
+  CHECK(group[0].num("gen") == 4);
+  CHECK(group[0].num("rank") == 2);  // this node's first rank: 2 after the other node's 2
+  CHECK(group[0].num("world") == 4);
+  CHECK(group[0].num("port") == 29503);
+  CHECK(group[0].str("prefix") == "g4");
+  REQUIRE(f.launcher.spawned.size() == 3);
+  CHECK(f.launcher.spawned.back().second.local_rank == 1);
+  CHECK(f.planned.back() == 1);
+  const int newcomer = f.launcher.spawned.back().first;
+  f.say(newcomer, ControlType::kHello,
+        {{"v", "1"}, {"pid", std::to_string(newcomer)}, {"caps", ""}});
+  CHECK(f.channel.to(newcomer, ControlType::kWelcome).at(0).num("gen") == 4);
+  f.say(pids[0], ControlType::kStep, {{"gen", "4"}, {"n", "13"}});
+  f.say(newcomer, ControlType::kStep, {{"gen", "4"}, {"n", "13"}});
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->recoveredInPlace() == 1);
+  CHECK(f.launcher.signals.empty());
+}
+
+TEST_CASE(
+    "in-place across nodes: a peer's failure is charged once and a change of nodes is free; "
+    "no worker is stopped",
+    "[agent][inplace]") {
+  TwoNodes f;
+  const auto pids = f.first();
+  f.rdzv.hold = true;
+  f.sup->onPeerFailure();
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.sup->restartCount() == 1);
+  CHECK(f.rdzv.failures == 0);  // the peer reported it
+  for (int pid : pids) CHECK(f.channel.to(pid, ControlType::kAbort).size() == 1);
+  f.sup->onMembershipChange();  // while the round forms: its join answers with the newest
+  CHECK(f.rdzv.joins == 2);
+  f.formRound(1);
+  for (int pid : pids) {
+    REQUIRE(f.channel.to(pid, ControlType::kGroup).size() == 1);
+    CHECK(f.channel.to(pid, ControlType::kGroup)[0].num("gen") == 2);
+    f.say(pid, ControlType::kStep, {{"gen", "2"}, {"n", "7"}});
+  }
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.launcher.spawned.size() == 2);  // nobody replaced
+
+  // The other node leaves for good: this one goes on alone, free of charge.
+  f.rdzv.round.local_world_sizes = {2};
+  f.rdzv.round.group_rank = 0;
+  f.sup->onMembershipChange();
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.sup->restartCount() == 1);
+  f.formRound(2);
+  for (int pid : pids) {
+    auto group = f.channel.to(pid, ControlType::kGroup);
+    REQUIRE(group.size() == 2);
+    CHECK(group[1].num("gen") == 3);
+    CHECK(group[1].num("world") == 2);
+    CHECK(group[1].num("rank") == (pid == pids[0] ? 0 : 1));
+  }
+  // A group sent to nodes that changed again: abort it, form the next round.
+  f.sup->onMembershipChange();
+  CHECK(f.rdzv.joins == 4);
+  CHECK(f.channel.to(pids[0], ControlType::kAbort).back().num("gen") == 3);
+  f.formRound(3);
+  for (int pid : pids) f.say(pid, ControlType::kStep, {{"gen", "4"}, {"n", "9"}});
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->recoveredInPlace() == 2);
+  CHECK(f.launcher.signals.empty());
+}
+
+TEST_CASE(
+    "in-place across nodes: a fallback tells the other nodes, unless a peer's failure caused it",
+    "[agent][inplace]") {
+  for (const bool peer : {false, true}) {
+    INFO((peer ? "a peer failed during the recovery" : "a survivor exited during the recovery"));
+    TwoNodes f;
+    const auto pids = f.first();
+    f.rdzv.hold = true;
+    f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+    REQUIRE(f.rdzv.failures == 1);
+    f.formRound(1);
+    if (peer) {
+      f.sup->onPeerFailure();
+    } else {
+      f.sup->onWorkerExit(pids[0], ExitStatus{false, 1});
+    }
+    CHECK(f.sup->state() == AgentState::kStopping);
+    CHECK(f.rdzv.failures == (peer ? 1 : 2));
+    CHECK(f.sup->restartCount() == 1);  // charged once
+  }
+}
+
+TEST_CASE("in-place across nodes: a round that does not form falls back", "[agent][inplace]") {
+  TwoNodes f;
+  f.rdzv.hold = true;
+  f.sup->onPeerFailure();
+  REQUIRE(f.rdzv.pending);
+  auto done = std::move(f.rdzv.pending);
+  f.rdzv.pending = nullptr;
+  done(Status(StatusCode::kDeadlineExceeded, "join timeout expired"));
   CHECK(f.sup->state() == AgentState::kStopping);
+  // Bounded meanwhile by inplace_timeout, like the group's forming.
+  TwoNodes g;
+  g.rdzv.hold = true;
+  g.sup->onMembershipChange();
+  g.clock.advance(std::chrono::seconds(11));
+  g.fireDeadlines();
+  CHECK(g.sup->state() == AgentState::kStopping);
 }
 
 TEST_CASE(

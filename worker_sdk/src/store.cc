@@ -1,5 +1,14 @@
 #include "ddprun/worker/store.h"
 
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <thread>
+
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -12,6 +21,47 @@ struct KeyValueStore::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   int port = 0;
 };
+
+namespace {
+
+// True once a TCP connection to host:port succeeds within `wait` (a non-blocking connect).
+bool accepts(const addrinfo& a, std::chrono::milliseconds wait) {
+  const int fd = ::socket(a.ai_family, a.ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a.ai_protocol);
+  if (fd < 0) return false;
+  bool ok = ::connect(fd, a.ai_addr, a.ai_addrlen) == 0;
+  if (!ok && errno == EINPROGRESS) {
+    pollfd p{fd, POLLOUT, 0};
+    if (::poll(&p, 1, static_cast<int>(wait.count())) == 1) {
+      int err = 0;
+      socklen_t len = sizeof(err);
+      ok = ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0;
+    }
+  }
+  ::close(fd);
+  return ok;
+}
+
+// c10d's client waits about a second after each refused connection, and a new rank 0 (the group
+// re-formed in place) opens its store moments after the others learn its port: wait here, trying
+// every 10 ms, until the port accepts or `timeout` passes (then c10d gives the error).
+void awaitListening(const std::string& host, int port, std::chrono::milliseconds timeout) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  bool up = false;
+  while (!up && std::chrono::steady_clock::now() < deadline) {
+    for (const addrinfo* a = found; a != nullptr && !up; a = a->ai_next) {
+      up = accepts(*a, std::chrono::milliseconds(500));
+    }
+    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ::freeaddrinfo(found);
+}
+
+}  // namespace
 
 KeyValueStore::KeyValueStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 KeyValueStore::~KeyValueStore() = default;
@@ -47,6 +97,7 @@ std::shared_ptr<KeyValueStore> KeyValueStore::tcpClient(const std::string& host,
   opts.waitWorkers = false;
   opts.timeout = timeout;
   auto impl = std::make_unique<Impl>();
+  awaitListening(host, port, timeout);
   try {
     impl->store = c10::make_intrusive<c10d::TCPStore>(host, opts);
     impl->port = port;

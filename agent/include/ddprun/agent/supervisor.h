@@ -172,7 +172,10 @@ class Supervisor {
   };
   // One in-place recovery: from the failure until every worker completed a step.
   struct Episode {
-    int generation = 0;  // the group being formed
+    int generation = 0;      // the group being formed (multi-node: known once the round is)
+    int old_generation = 0;  // the group that failed
+    bool awaiting_round = false;  // multi-node: the agents are forming the next round
+    int regenerations = 0;        // rounds formed again because the nodes changed meanwhile
     TimePoint detected;
     TimePoint deadline;
     std::string cause;  // "local rank 1 (pid 812) killed by signal 9"
@@ -208,11 +211,26 @@ class Supervisor {
   // In-place recovery (restart_in_place): replaces `failed` alone and has the others re-form;
   // false when it does not apply (the caller takes the usual path).
   bool recoverInPlace(Worker& failed, const std::string& cause);
-  bool inPlaceEligible(const Worker& failed);
+  // `failed`: the local worker that failed, or null for a peer's failure or a membership change;
+  // `charged`: the episode takes a restart from the budget.
+  bool inPlaceEligible(const Worker* failed, bool charged);
+  // Multi-node: a peer's failure or a change of the job's nodes while RUNNING; false when it
+  // does not apply.
+  bool recoverInPlaceWithPeers(const std::string& cause, bool charged);
+  void startEpisode(const std::string& cause, int generation);
+  // `abort` of generation `gen` to every running worker.
+  void tellAbort(int gen);
+  // Multi-node: joins the next round without stopping the workers; onRecoveryRound gets it.
+  void joinRecoveryRound();
+  void onRecoveryRound(StatusOr<RoundInfo> round);
+  // The group generation of a new round: the round itself across nodes (every agent agrees on
+  // it), one more than the last on a single node.
+  int generationOf(const RoundInfo& round) const;
   void sendGroup(const Worker& w);
   void onPhase(Worker& w, const ControlMessage& message);
   void finishEpisode();
-  void fallBack(const std::string& why);
+  // Every worker restarts (no new charge); multi-node with `report`: the other nodes are told.
+  void fallBack(const std::string& why, bool report = true);
   double msSinceDetection() const;
   std::int64_t inplaceTimeoutMs() const;
   Worker* findWorker(int pid);

@@ -1,0 +1,201 @@
+// In-place recovery across nodes (issue 37; docs/in-place-recovery.md §2.1), end to end: two
+// agents on 127.0.0.2 and 127.0.0.3 (a third, 127.0.0.4, joins as a replacement node) run `train`
+// with --restart-mode=in-place over a standalone ddprun-rendezvous; real processes, real gloo.
+// - A worker killed with SIGKILL mid-epoch: only it is replaced, the survivors on both nodes keep
+//   their processes and go on from the last completed step; the parameters equal the fault-free
+//   run's bit for bit.
+// - A whole node killed: the survivors wait, a replacement node joins (--nnodes=2:2) and its new
+//   workers take the live state; or nobody comes (--nnodes=1:2) and the world shrinks.
+#include <catch2/catch.hpp>
+#include <csignal>
+#include <map>
+#include <memory>
+#include <optional>
+#include <regex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "etcd_cluster.h"
+#include "process_helpers.h"
+#include "rendezvous_daemon.h"
+
+using namespace ddprun::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string trainBin() { return buildDir() + "/examples/train"; }
+
+// The rendezvous flags: a standalone ddprun-rendezvous ("127.0.0.1:port"), or etcd-v3's members
+// ("etcd-v3 http://...").
+std::vector<std::string> rendezvousFlags(const std::string& where) {
+  const std::string etcd = "etcd-v3 ";
+  if (where.rfind(etcd, 0) == 0) {
+    return {"--rdzv-backend=etcd-v3", "--rdzv-endpoint=" + where.substr(etcd.size())};
+  }
+  return {"--rdzv-backend=c10d", "--rdzv-endpoint=" + where};
+}
+
+// One node of a 2-worker-per-node train job under `mode`.
+std::unique_ptr<Process> node(const std::string& addr, const std::string& endpoint,
+                              const std::string& nnodes, const std::string& run_id,
+                              const std::string& mode, const std::vector<std::string>& train_args,
+                              const std::map<std::string, std::string>& env = {}) {
+  std::vector<std::string> argv = {ddprunBin(), "--nnodes=" + nnodes, "--nproc-per-node=2"};
+  for (auto& flag : rendezvousFlags(endpoint)) argv.push_back(flag);
+  argv.insert(
+      argv.end(),
+      {"--rdzv-id=" + run_id, "--local-addr=" + addr, "--max-restarts=1", "--restart-mode=" + mode,
+       "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3", "--no-python",
+       trainBin()});
+  argv.insert(argv.end(), train_args.begin(), train_args.end());
+  auto e = env;
+  e["OMP_NUM_THREADS"] = "1";
+  return std::make_unique<Process>(argv, e);
+}
+
+// "[RANK r] pid P joined generation G" lines: the pids that joined.
+std::vector<int> joinedPids(const std::string& out) {
+  std::vector<int> pids;
+  static const std::regex line(R"(\[RANK \d+\] pid (\d+) joined generation)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), line); it != std::sregex_iterator();
+       ++it) {
+    pids.push_back(std::stoi((*it)[1]));
+  }
+  return pids;
+}
+
+// Both nodes' results, asserted to have ended.
+std::pair<Finished, Finished> finish(Process& a, Process& b, std::chrono::seconds bound = 240s) {
+  auto ra = a.wait(bound), rb = b.wait(bound);
+  INFO("first node:\n" << a.out() << a.err() << "\nsecond node:\n" << b.out() << b.err());
+  REQUIRE(ra);
+  REQUIRE(rb);
+  return {*ra, *rb};
+}
+
+}  // namespace
+
+TEST_CASE(
+    "in-place across nodes: a worker killed mid-epoch is replaced alone, the survivors on both "
+    "nodes keep their processes, and the result equals a run without the fault",
+    "[multinode][inplace]") {
+  RendezvousDaemon rdzv;
+  TempDir dir;
+  // 3 epochs of 6 steps (768 samples, 192 per rank, batch 32); the last rank dies after step 8.
+  auto args = [&](const std::string& tag, bool fault) {
+    std::vector<std::string> a = {"3",
+                                  "1",
+                                  "--dataset-size",
+                                  "768",
+                                  "--snapshot-path",
+                                  dir / (tag + "-" + "snap.pt"),
+                                  "--dump-params",
+                                  dir / (tag + ".bin")};
+    if (fault) a.insert(a.end(), {"--fail-at-step", "8"});
+    return a;
+  };
+  std::string clean;
+  {
+    auto a = node("127.0.0.2", rdzv.endpoint, "2", "clean", "process", args("a", false));
+    auto b = node("127.0.0.3", rdzv.endpoint, "2", "clean", "process", args("b", false));
+    auto [ra, rb] = finish(*a, *b);
+    REQUIRE(ra.exit_code == 0);
+    REQUIRE(rb.exit_code == 0);
+    // Rank 0 dumps the parameters: one of the two nodes.
+    clean = fileExists(dir / "a.bin") ? readFile(dir / "a.bin") : readFile(dir / "b.bin");
+    REQUIRE(clean.size() == 21 * 4);  // Linear(20, 1)
+  }
+  // The same over etcd-v3, where etcd is installed.
+  std::unique_ptr<EtcdCluster> etcd;
+  std::vector<std::string> backends = {rdzv.endpoint};
+  if (etcdAvailable()) {
+    etcd = std::make_unique<EtcdCluster>();
+    backends.push_back("etcd-v3 " + etcd->endpoints());
+  } else {
+    WARN("etcd-v3 case skipped: " + etcdBinary() + " is absent (deploy/install-deps.sh)");
+  }
+  for (const auto& backend : backends) {
+    const std::string tag = backend == rdzv.endpoint ? "c10d" : "etcd";
+    INFO("rendezvous: " << tag);
+    auto a = node("127.0.0.2", backend, "2", "faulty-" + tag, "in-place", args(tag + "a", true));
+    auto b = node("127.0.0.3", backend, "2", "faulty-" + tag, "in-place", args(tag + "b", true));
+    auto [ra, rb] = finish(*a, *b);
+    const std::string all = ra.out + ra.err + rb.out + rb.err;
+    INFO(all);
+    CHECK(ra.exit_code == 0);
+    CHECK(rb.exit_code == 0);
+    CHECK(countOf(all, "fault injection: killing myself at step 8") == 1);
+    // Both agents recovered in place: the failing node, and the other after the peer's report.
+    CHECK(countOf(all, "recovering in place (1 of 1 restarts used)") == 2);
+    CHECK(countOf(all, "in-place recovery, generation") == 2);
+    CHECK(all.find("restarting every worker") == std::string::npos);
+    CHECK(all.find("Resuming training from snapshot") == std::string::npos);
+    // Three survivors went on after step 8, the last step every rank completed; the newcomer took
+    // the live state of one of them.
+    CHECK(countOf(all, "going on after step 8") == 3);
+    CHECK(
+        std::regex_search(all, std::regex(R"(\[RANK 3\] took rank \d's live state after step 8)")));
+    // Four workers joined once, and the replacement: five pids, all distinct.
+    const auto pids = joinedPids(all);
+    CHECK(pids.size() == 5);
+    CHECK(std::set<int>(pids.begin(), pids.end()).size() == 5);
+    const std::string faulty = fileExists(dir / (tag + "a.bin")) ? readFile(dir / (tag + "a.bin"))
+                                                                 : readFile(dir / (tag + "b.bin"));
+    CHECK(faulty == clean);
+  }
+}
+
+TEST_CASE(
+    "in-place across nodes: a node killed mid-training is replaced by a new node whose workers "
+    "take the survivors' live state, or the world shrinks when none comes",
+    "[multinode][inplace]") {
+  const bool replace = GENERATE(true, false);
+  INFO((replace ? "--nnodes=2:2, a new node joins" : "--nnodes=1:2, the world shrinks"));
+  RendezvousDaemon rdzv;
+  TempDir dir;
+  const std::string nnodes = replace ? "2:2" : "1:2";
+  const std::string run = replace ? "nodekill" : "nodeleave";
+  // mlp: about 0.2 s a step here, so the kill lands mid-training (12 epochs of 6 steps).
+  const std::vector<std::string> train_args = {
+      "12", "1", "--model", "mlp", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+  auto a = node("127.0.0.2", rdzv.endpoint, nnodes, run, "in-place", train_args);
+  auto b = node("127.0.0.3", rdzv.endpoint, nnodes, run, "in-place", train_args);
+  REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 2 |") != std::string::npos; },
+                    180s));
+  const auto a_workers = workerPids(a->pid());
+  const auto b_workers = workerPids(b->pid());
+  REQUIRE(a_workers.size() == 2);
+  REQUIRE(b_workers.size() == 2);
+  b->signal(SIGKILL);
+  REQUIRE(b->wait(10s));
+  CHECK(waitUntil([&] { return !pidAlive(b_workers[0]) && !pidAlive(b_workers[1]); }, 10s));
+  std::unique_ptr<Process> c;
+  if (replace) c = node("127.0.0.4", rdzv.endpoint, nnodes, run, "in-place", train_args);
+  auto ra = a->wait(300s);
+  std::optional<Finished> rc;
+  if (c) rc = c->wait(120s);
+  INFO("surviving node:\n" << a->out() << a->err());
+  if (c) INFO("new node:\n" << c->out() << c->err());
+  REQUIRE(ra);
+  CHECK(ra->exit_code == 0);
+  const std::string all = ra->out + ra->err + (rc ? rc->out + rc->err : "");
+  // The survivors kept their processes: they joined once, and still ran at the end.
+  const auto joined = joinedPids(ra->out);
+  CHECK(std::set<int>(joined.begin(), joined.end()) ==
+        std::set<int>(a_workers.begin(), a_workers.end()));
+  CHECK(ra->err.find("the job's nodes changed; recovering in place") != std::string::npos);
+  CHECK(countOf(ra->out, "going on after step") == 2);
+  CHECK(ra->err.find("restarting every worker") == std::string::npos);
+  CHECK(all.find("Resuming training from snapshot") == std::string::npos);
+  CHECK(all.find("Epoch 11 |") != std::string::npos);
+  if (replace) {
+    REQUIRE(rc);
+    CHECK(rc->exit_code == 0);
+    CHECK(std::regex_search(rc->out, std::regex(R"(took rank \d's live state after step \d+)")));
+    CHECK(countOf(ra->out, "formed (world 4)") == 2);
+  } else {
+    CHECK(countOf(ra->out, "formed (world 2)") == 2);
+  }
+}
