@@ -674,17 +674,19 @@ void Supervisor::onRecoveryRound(StatusOr<RoundInfo> round) {
   const auto rank = static_cast<size_t>(round->group_rank);
   if (rank >= round->local_world_sizes.size() ||
       round->local_world_sizes[rank] != static_cast<int>(workers_.size())) {
-    fallBack("round " + std::to_string(round->round) + " gives this node a different number of "
-             "workers", /*report=*/true);
+    fallBack("round " + std::to_string(round->round) +
+                 " gives this node a different number of "
+                 "workers",
+             /*report=*/true);
     return;
   }
   std::vector<WorkerLaunch> launches;
   if (runningWorkers() < static_cast<int>(workers_.size())) {
     auto planned = planner_(*round, restart_count_);
     if (!planned.isOk() || planned->size() != workers_.size()) {
-      fallBack("cannot prepare a replacement: " +
-                   (planned.isOk() ? std::string("wrong number of launches")
-                                   : planned.status().message()),
+      fallBack("cannot prepare a replacement: " + (planned.isOk()
+                                                       ? std::string("wrong number of launches")
+                                                       : planned.status().message()),
                /*report=*/true);
       return;
     }
@@ -809,11 +811,11 @@ void Supervisor::finishEpisode() {
   if (recovery_listener_) {
     InPlaceRecovery r{e.generation, {{"told", e.told_ms}}, e.step};
     if (replaced) r.phases_ms.emplace_back("replacement_start", e.hello_ms);
-    for (const auto& phase : std::initializer_list<std::pair<const char*, double>>{
-             {"aborted", e.aborted_ms},
-             {"formed", e.formed_ms},
-             {"synced", e.synced_ms},
-             {"first_step", first_step}}) {
+    for (const auto& phase :
+         std::initializer_list<std::pair<const char*, double>>{{"aborted", e.aborted_ms},
+                                                               {"formed", e.formed_ms},
+                                                               {"synced", e.synced_ms},
+                                                               {"first_step", first_step}}) {
       r.phases_ms.emplace_back(phase.first, phase.second);
     }
     recovery_listener_(r);

@@ -240,7 +240,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "in-place across nodes: a peer's failure is charged once and a change of nodes is free; "
+    "in-place across nodes: a peer's failure is charged once and a change of nodes is free, "
     "no worker is stopped",
     "[agent][inplace]") {
   TwoNodes f;

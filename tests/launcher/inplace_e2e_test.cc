@@ -96,6 +96,11 @@ TEST_CASE(
     if (fault) a.insert(a.end(), {"--fail-at-step", "8"});
     return a;
   };
+  // Rank 0 dumps the parameters: on one of the two nodes.
+  auto dumped = [&](const std::string& tag) {
+    return fileExists(dir / (tag + "a.bin")) ? readFile(dir / (tag + "a.bin"))
+                                             : readFile(dir / (tag + "b.bin"));
+  };
   std::string clean;
   {
     auto a = node("127.0.0.2", rdzv.endpoint, "2", "clean", "process", args("a", false));
@@ -103,8 +108,7 @@ TEST_CASE(
     auto [ra, rb] = finish(*a, *b);
     REQUIRE(ra.exit_code == 0);
     REQUIRE(rb.exit_code == 0);
-    // Rank 0 dumps the parameters: one of the two nodes.
-    clean = fileExists(dir / "a.bin") ? readFile(dir / "a.bin") : readFile(dir / "b.bin");
+    clean = dumped("");
     REQUIRE(clean.size() == 21 * 4);  // Linear(20, 1)
   }
   // The same over etcd-v3, where etcd is installed.
@@ -141,9 +145,29 @@ TEST_CASE(
     const auto pids = joinedPids(all);
     CHECK(pids.size() == 5);
     CHECK(std::set<int>(pids.begin(), pids.end()).size() == 5);
-    const std::string faulty = fileExists(dir / (tag + "a.bin")) ? readFile(dir / (tag + "a.bin"))
-                                                                 : readFile(dir / (tag + "b.bin"));
-    CHECK(faulty == clean);
+    CHECK(dumped(tag) == clean);
+  }
+
+  // A failure during the recovery itself (rank 0 exits while it sends the state, rank 1 in its
+  // abort): every node falls back to restarting its workers, charged once (--max-restarts=1
+  // suffices), and the job still ends with the fault-free parameters.
+  for (const std::string fault : {"sync:0", "abort:1"}) {
+    const std::string tag = fault.substr(0, fault.find(':'));
+    INFO("DDPRUN_INPLACE_FAULT=" << fault);
+    auto a = node("127.0.0.2", rdzv.endpoint, "2", "fault-" + tag, "in-place",
+                  args(tag + "a", true), {{"DDPRUN_INPLACE_FAULT", fault}});
+    auto b = node("127.0.0.3", rdzv.endpoint, "2", "fault-" + tag, "in-place",
+                  args(tag + "b", true), {{"DDPRUN_INPLACE_FAULT", fault}});
+    auto [ra, rb] = finish(*a, *b);
+    const std::string all = ra.out + ra.err + rb.out + rb.err;
+    INFO(all);
+    CHECK(ra.exit_code == 0);
+    CHECK(rb.exit_code == 0);
+    CHECK(countOf(all, "DDPRUN_INPLACE_FAULT: exiting during the " + tag) == 1);
+    CHECK(ra.err.find("in-place recovery failed") != std::string::npos);
+    CHECK(rb.err.find("in-place recovery failed") != std::string::npos);
+    CHECK(countOf(all, "Resuming training from snapshot") == 4);  // every worker fresh
+    CHECK(dumped(tag) == clean);
   }
 }
 

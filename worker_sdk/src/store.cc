@@ -8,7 +8,6 @@
 
 #include <cerrno>
 #include <thread>
-
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 

@@ -172,8 +172,8 @@ class Supervisor {
   };
   // One in-place recovery: from the failure until every worker completed a step.
   struct Episode {
-    int generation = 0;      // the group being formed (multi-node: known once the round is)
-    int old_generation = 0;  // the group that failed
+    int generation = 0;           // the group being formed (multi-node: known once the round is)
+    int old_generation = 0;       // the group that failed
     bool awaiting_round = false;  // multi-node: the agents are forming the next round
     int regenerations = 0;        // rounds formed again because the nodes changed meanwhile
     TimePoint detected;
