@@ -1,7 +1,8 @@
 """In-place recovery against process restarts (ddprun) and torchrun, side by side in one run
-(issue 37's benchmark). One node, 4 workers, train's mlp job over gloo: 6400 samples, batch 32,
-50 steps per epoch and a snapshot after every epoch; the last rank is killed with SIGKILL 10 and
-40 steps after the snapshot (steps 60 and 90).
+(issue 37's benchmark). 4 workers (one node, or --nodes 2: two agents on 127.0.0.2 and 127.0.0.3
+with 2 workers each, as two torchruns with one c10d rendezvous), train's mlp job over gloo: 6400
+samples, batch 32, 50 steps per epoch and a snapshot after every epoch; the last rank is killed
+with SIGKILL 10 and 40 steps after the snapshot (steps 60 and 90).
 
   lost time    = (t of the first completion of step K+1 after the kill) - (t of the kill)
                  - (the median step time before the kill): what the failure cost beyond the step
@@ -9,41 +10,66 @@
   steps twice  = step numbers rank 0 completed more than once (trained again after the kill).
 Informational: nothing here passes or fails. Writes a Markdown table to stdout.
 
-Usage: /usr/bin/python3 bench/recovery/bench_inplace.py --build build [--reps 3]
+Usage: /usr/bin/python3 bench/recovery/bench_inplace.py --build build [--reps 3] [--nodes 2]
 """
 import argparse
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_once(mode, kill_at, build, python, nproc, epochs):
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launchers(mode, build, python, nproc, nodes):
+    """One argv per node, each ending where the program's arguments begin."""
+    per = nproc // nodes
+    port = free_port()
+    out = []
+    for i in range(nodes):
+        if mode == "torchrun":
+            # -r/-t 9:1: torch 1.13's torchrun needs a redirect map to start (as bench/launcher's).
+            argv = [python, "-m", "torch.distributed.run", "-r", "9:1", "-t", "9:1",
+                    f"--nproc_per_node={per}", "--max_restarts=1", "--monitor_interval=0.1"]
+            argv += (["--standalone"] if nodes == 1 else
+                     [f"--nnodes={nodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                      f"--rdzv_id=bench{port}", f"--rdzv_conf=is_host={int(i == 0)}"])
+            out.append(argv + [os.path.join(HERE, "torch_train.py")])
+            continue
+        argv = [os.path.join(build, "launcher/ddprun"), f"--nproc-per-node={per}", "--max-restarts=1",
+                f"--restart-mode={mode}"]
+        argv += (["--standalone"] if nodes == 1 else
+                 [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                  f"--rdzv-id=bench{port}", f"--local-addr=127.0.0.{2 + i}"])
+        out.append(argv + [os.path.join(build, "examples/train")])
+    return out
+
+
+def run_once(mode, kill_at, build, python, nproc, epochs, nodes):
     d = tempfile.mkdtemp(prefix="bench-inplace-")
     log, snap = os.path.join(d, "steps.log"), os.path.join(d, "snap.pt")
     common = ["--dataset-size", "6400", "--batch-size", "32", "--fail-at-step", str(kill_at),
               "--step-log", log]
-    if mode == "torchrun":
-        # -r/-t 9:1: torch 1.13's torchrun needs a redirect map to start (as bench/launcher's).
-        argv = [python, "-m", "torch.distributed.run", "-r", "9:1", "-t", "9:1", "--standalone",
-                f"--nproc_per_node={nproc}",
-                "--max_restarts=1", "--monitor_interval=0.1", os.path.join(HERE, "torch_train.py"),
-                str(epochs), "--snapshot", snap] + common
-    else:
-        argv = [os.path.join(build, "launcher/ddprun"), "--standalone",
-                f"--nproc-per-node={nproc}", "--max-restarts=1", f"--restart-mode={mode}",
-                os.path.join(build, "examples/train"), str(epochs), "1", "--model", "mlp",
-                "--snapshot-path", snap] + common
+    program = ([str(epochs), "--snapshot", snap] if mode == "torchrun" else
+               [str(epochs), "1", "--model", "mlp", "--snapshot-path", snap]) + common
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
-    if p.returncode != 0:
-        raise RuntimeError(f"{mode} exited {p.returncode}:\n{p.stderr[-3000:]}")
-    m = re.search(r"killing myself at step (\d+) at ([0-9.]+)", p.stderr + p.stdout)
+    procs = [subprocess.Popen(argv + program, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for argv in launchers(mode, build, python, nproc, nodes)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    text = "".join(o + e for o, e in outs)
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(f"{mode} exited {p.returncode}:\n{err[-3000:]}")
+    m = re.search(r"killing myself at step (\d+) at ([0-9.]+)", text)
     t_kill = float(m.group(2))
     steps = [(int(s), float(t)) for s, t in (line.split() for line in open(log))]
     before = [t for s, t in steps if t <= t_kill]
@@ -52,7 +78,9 @@ def run_once(mode, kill_at, build, python, nproc, epochs):
     t_next = min(t for s, t in after if s == kill_at + 1)
     seen = [s for s, _ in steps]
     twice = len(seen) - len(set(seen))
-    phases = re.search(r"in-place recovery, generation .*", p.stdout + p.stderr)
+    # The agent of the node that lost the worker (the one whose line names a replacement).
+    phases = (re.search(r"in-place recovery, generation .*replacement said hello.*", text) or
+              re.search(r"in-place recovery, generation .*", text))
     return t_next - t_kill - step_time, twice, step_time, phases.group(0) if phases else ""
 
 
@@ -61,6 +89,7 @@ def main():
     ap.add_argument("--build", default="build")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--nodes", type=int, default=1, choices=[1, 2])
     ap.add_argument("--python", default="/usr/bin/python3")
     a = ap.parse_args()
     build = os.path.abspath(a.build)
@@ -70,10 +99,11 @@ def main():
         for mode in modes:
             runs = []
             for _ in range(a.reps):
-                runs.append(run_once(mode, kill_at, build, a.python, a.nproc, epochs=2))
+                runs.append(run_once(mode, kill_at, build, a.python, a.nproc, 2, a.nodes))
                 print(f"{mode} kill at {kill_at}: lost {runs[-1][0]:.3f} s, twice {runs[-1][1]}, "
                       f"step {runs[-1][2] * 1e3:.0f} ms {runs[-1][3]}", file=sys.stderr)
             rows[(mode, kill_at)] = runs
+    print(f"{a.nodes} node(s) x {a.nproc // a.nodes} workers\n")
     print(f"| kill -9 at step (after the snapshot at 50) | mode | lost time (median of {a.reps}) "
           "| steps trained twice | step time | lost / in-place |")
     print("|---|---|---|---|---|---|")
