@@ -90,10 +90,12 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--nodes", type=int, default=1, choices=[1, 2])
+    ap.add_argument("--modes", default="in-place,process,torchrun",
+                    help="comma-separated: in-place, process, torchrun (the first is the base)")
     ap.add_argument("--python", default="/usr/bin/python3")
     a = ap.parse_args()
     build = os.path.abspath(a.build)
-    modes = ["in-place", "process", "torchrun"]
+    modes = a.modes.split(",")
     rows = {}
     for kill_at in (60, 90):
         for mode in modes:
@@ -108,7 +110,7 @@ def main():
           "| steps trained twice | step time | lost / in-place |")
     print("|---|---|---|---|---|---|")
     for kill_at in (60, 90):
-        base = statistics.median(r[0] for r in rows[("in-place", kill_at)])
+        base = statistics.median(r[0] for r in rows[(modes[0], kill_at)])
         for mode in modes:
             runs = rows[(mode, kill_at)]
             lost = statistics.median(r[0] for r in runs)
@@ -116,7 +118,7 @@ def main():
                   f"{statistics.median(r[1] for r in runs):.0f} | "
                   f"{statistics.median(r[2] for r in runs) * 1e3:.0f} ms | {lost / base:.1f}× |")
     for kill_at in (60, 90):
-        for r in rows[("in-place", kill_at)]:
+        for r in rows.get(("in-place", kill_at), []):
             print(f"\nin-place, kill at {kill_at}: {r[3]}")
 
 

@@ -197,11 +197,25 @@ int Trainer::syncLiveState(const std::vector<torch::Tensor>& table, int source, 
   if (rank == source) bytes = encodeTrainingState(*optimizer_, progress_);
   broadcastBytes(bytes, source);
   {
+    // Each tensor goes as an all-reduce to which every rank but the source adds -0.0 (0 for
+    // integers): x + -0.0 is x bit for bit for every x, -0.0 and NaN included, so this is a
+    // broadcast that takes the all-reduce's routes (shared memory on one host, rings across
+    // hosts) instead of the source sending everything to each rank in turn.
     torch::NoGradGuard no_grad;
     Communicator& comm = group_->comm();
     std::vector<std::shared_ptr<Work>> works;
-    for (auto& p : model_->parameters(true)) works.push_back(comm.broadcastAsync(p.data(), source));
-    for (auto& b : model_->buffers(true)) works.push_back(comm.broadcastAsync(b, source));
+    auto send = [&](torch::Tensor t) {
+      const bool summable = t.is_floating_point() || (torch::isIntegralType(t.scalar_type(),
+                                                                            /*includeBool=*/false));
+      if (!summable) {
+        works.push_back(comm.broadcastAsync(t, source));
+        return;
+      }
+      if (rank != source) t.fill_(t.is_floating_point() ? -0.0 : 0.0);
+      works.push_back(comm.allReduceAsync(t, ReduceOp::kSum));
+    };
+    for (auto& p : model_->parameters(true)) send(p.data());
+    for (auto& b : model_->buffers(true)) send(b);
     for (auto& w : works) w->wait();
   }
   if (!holds(static_cast<size_t>(rank))) {
