@@ -116,6 +116,7 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
   round_ = *round;
   group_generation_ = generationOf(round_);
   episode_.reset();
+  hang_seen_.reset();
   signal_forwarded_ = false;
   workers_.clear();
   failures_.clear();
@@ -218,23 +219,65 @@ void Supervisor::stopForLocalFailure() {
 void Supervisor::checkHeartbeats() {
   const TimePoint now = clock_.now();
   deadlines_.heartbeat_check = now + heartbeatCheckInterval(options_.heartbeat_timeout);
-  bool any_hung = false;
+  std::vector<Worker*> hung;
   for (auto& w : workers_) {
     if (!w.running || w.launch.heartbeat_file.empty()) continue;
     w.heartbeat.observe(heartbeats_->modificationTime(w.launch.heartbeat_file), now);
-    if (!w.heartbeat.hung(now, options_.heartbeat_timeout)) continue;
+    if (w.heartbeat.hung(now, options_.heartbeat_timeout)) hung.push_back(&w);
+  }
+  if (hung.empty()) {
+    hang_seen_.reset();
+    return;
+  }
+  if (recoverHungInPlace(hung, now)) return;
+  for (Worker* w : hung) {
     // Its exit status is filled in once it ended. A hung process may not act on SIGTERM at all
     // (one stopped with SIGSTOP cannot): it gets SIGKILL now, as torchrun's timer kills a hung
     // worker, instead of after the whole shutdown timeout. The others get SIGTERM as usual.
-    recordFailure(WorkerFailure{
-        w.launch.local_rank, w.launch.global_rank, w.pid, ExitStatus{}, clock_.wallSeconds(),
-        w.launch.error_file, hangMessage(w.heartbeat.silentFor(now), options_.heartbeat_timeout)});
-    logger("agent")->warn("local rank {} (pid {}) is hung: sending SIGKILL", w.launch.local_rank,
-                          w.pid);
-    kill(w);
-    any_hung = true;
+    recordHang(*w, now);
+    logger("agent")->warn("local rank {} (pid {}) is hung: sending SIGKILL", w->launch.local_rank,
+                          w->pid);
+    kill(*w);
   }
-  if (any_hung) stopForLocalFailure();
+  stopForLocalFailure();
+}
+
+void Supervisor::recordHang(const Worker& w, TimePoint now) {
+  recordFailure(WorkerFailure{w.launch.local_rank, w.launch.global_rank, w.pid, ExitStatus{},
+                              clock_.wallSeconds(), w.launch.error_file,
+                              hangMessage(w.heartbeat.silentFor(now), options_.heartbeat_timeout)});
+}
+
+bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint now) {
+  if (!options_.restart_in_place || control_ == nullptr) return false;
+  // A worker stopped by a signal stalls every rank's collective, so the others' heartbeats go
+  // stale with its own: it alone is the failure (one, or the usual path decides).
+  Worker* culprit = nullptr;
+  for (Worker* w : hung) {
+    if (!heartbeats_->stopped(w->pid)) continue;
+    if (culprit != nullptr) return false;
+    culprit = w;
+  }
+  if (culprit == nullptr) {
+    // Across nodes the hung rank may be another node's: its agent's report starts an in-place
+    // recovery here too. Give it failure_grace and one more look before stopping everything.
+    if (!options_.multi_node || !inPlaceEligible(nullptr, /*charged=*/true)) return false;
+    if (!hang_seen_) hang_seen_ = now;
+    return now < *hang_seen_ + options_.failure_grace +
+                     heartbeatCheckInterval(options_.heartbeat_timeout);
+  }
+  if (!inPlaceEligible(culprit, /*charged=*/true)) return false;
+  hang_seen_.reset();
+  recordHang(*culprit, now);
+  logger("agent")->warn("local rank {} (pid {}) is hung and stopped by a signal: sending SIGKILL",
+                        culprit->launch.local_rank, culprit->pid);
+  kill(*culprit);
+  culprit->running = false;  // its exit, whenever it is reaped, ends nothing more
+  const std::string cause = "local rank " + std::to_string(culprit->launch.local_rank) + " (pid " +
+                            std::to_string(culprit->pid) +
+                            "), stopped by a signal: " + failures_.back().hang;
+  if (!recoverInPlace(*culprit, cause)) stopForLocalFailure();
+  return true;
 }
 
 void Supervisor::onWorkerExit(int pid, ExitStatus status) {
@@ -289,6 +332,7 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
 
 void Supervisor::beginStop(StopReason reason, int sig) {
   deadlines_.heartbeat_check.reset();
+  deadlines_.membership.reset();
   episode_.reset();
   stop_reason_ = reason;
   stop_signal_ = sig;
@@ -331,7 +375,7 @@ std::optional<TimePoint> Supervisor::nextDeadline() const {
   const std::optional<TimePoint> episode =
       episode_ ? std::optional<TimePoint>(episode_->deadline) : std::nullopt;
   for (const auto& d : {deadlines_.kill, deadlines_.report, deadlines_.heartbeat_check,
-                        deadlines_.barrier, episode}) {
+                        deadlines_.barrier, deadlines_.membership, episode}) {
     if (d && (!next || *d < *next)) next = d;
   }
   for (const auto& w : workers_) {
@@ -436,6 +480,19 @@ void Supervisor::onMembershipChange() {
     return;
   }
   if (state_ != AgentState::kRunning) return;
+  if (options_.multi_node && options_.failure_grace > Duration::zero() &&
+      inPlaceEligible(nullptr, /*charged=*/false)) {
+    // A stop may be under way: this node's own SIGTERM (the whole job stopped), or the workers'
+    // agreed checkpoint stop after another node's spot notice. That path keeps its snapshot;
+    // the recovery starts once failure_grace passed without one (onDeadline).
+    if (!deadlines_.membership) deadlines_.membership = clock_.now() + options_.failure_grace;
+    return;
+  }
+  onNodesChanged();
+}
+
+void Supervisor::onNodesChanged() {
+  deadlines_.membership.reset();
   if (recoverInPlaceWithPeers("the job's nodes changed", /*charged=*/false)) return;
   beginStop(StopReason::kMembership, SIGTERM);
   maybeFinishStop();
@@ -464,6 +521,11 @@ void Supervisor::onDeadline() {
     onExitBarrier(
         deadlineExceeded("the other nodes did not finish within the exit barrier "
                          "timeout"));
+    return;
+  }
+  if (state_ == AgentState::kRunning && deadlines_.membership &&
+      clock_.now() >= *deadlines_.membership) {
+    onNodesChanged();
     return;
   }
   if (state_ == AgentState::kRecovering && episode_ && clock_.now() >= episode_->deadline) {
@@ -505,6 +567,7 @@ void Supervisor::finish(AgentState s, int exit_code) {
   deadlines_.report.reset();
   deadlines_.heartbeat_check.reset();
   deadlines_.barrier.reset();
+  deadlines_.membership.reset();
   setState(s);
 }
 
@@ -614,6 +677,8 @@ bool Supervisor::recoverInPlaceWithPeers(const std::string& cause, bool charged)
 }
 
 void Supervisor::startEpisode(const std::string& cause, int generation) {
+  hang_seen_.reset();
+  deadlines_.membership.reset();  // (a peer's failure during the grace: this episode covers it)
   Episode episode;
   episode.generation = generation;
   episode.old_generation = group_generation_;

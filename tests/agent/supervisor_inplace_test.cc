@@ -23,7 +23,8 @@ using ddprun::testing::FakeRendezvous;
 namespace {
 
 struct Fixture {
-  explicit Fixture(int nproc = 3, int max_restarts = 1, bool multi_node = false) {
+  explicit Fixture(int nproc = 3, int max_restarts = 1, bool multi_node = false,
+                   Duration heartbeat_timeout = Duration::zero()) {
     rdzv.round.local_world_sizes = {nproc};
     rdzv.round.master_addr = "127.0.0.1";
     rdzv.round.master_port = 29500;
@@ -33,9 +34,11 @@ struct Fixture {
     opts.multi_node = multi_node;
     opts.restart_in_place = true;
     opts.inplace_timeout = std::chrono::seconds(10);
+    opts.heartbeat_timeout = heartbeat_timeout;
+    opts.failure_grace = multi_node ? Duration(std::chrono::seconds(1)) : Duration::zero();
     sup = std::make_unique<Supervisor>(
         opts, launcher, rdzv, clock,
-        [this](const RoundInfo& r, int restarts) {
+        [this, heartbeat_timeout](const RoundInfo& r, int restarts) {
           planned.push_back(restarts);
           std::vector<WorkerLaunch> out;
           for (int i = 0; i < r.local_world_sizes[0]; ++i) {
@@ -43,6 +46,9 @@ struct Fixture {
             w.local_rank = i;
             w.global_rank = i;
             w.argv = {"/bin/train"};
+            if (heartbeat_timeout > Duration::zero()) {
+              w.heartbeat_file = "/hb/" + std::to_string(restarts) + "/" + std::to_string(i);
+            }
             out.push_back(w);
           }
           return StatusOr<std::vector<WorkerLaunch>>(out);
@@ -262,10 +268,14 @@ TEST_CASE(
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.launcher.spawned.size() == 2);  // nobody replaced
 
-  // The other node leaves for good: this one goes on alone, free of charge.
+  // The other node leaves for good: this one goes on alone, free of charge, once failure_grace
+  // passed without a stop of its own.
   f.rdzv.round.local_world_sizes = {2};
   f.rdzv.round.group_rank = 0;
   f.sup->onMembershipChange();
+  CHECK(f.sup->state() == AgentState::kRunning);
+  f.clock.advance(std::chrono::seconds(1));
+  f.fireDeadlines();
   CHECK(f.sup->state() == AgentState::kRecovering);
   CHECK(f.sup->restartCount() == 1);
   f.formRound(2);
@@ -322,6 +332,9 @@ TEST_CASE("in-place across nodes: a round that does not form falls back", "[agen
   TwoNodes g;
   g.rdzv.hold = true;
   g.sup->onMembershipChange();
+  g.clock.advance(std::chrono::seconds(1));
+  g.fireDeadlines();
+  REQUIRE(g.sup->state() == AgentState::kRecovering);
   g.clock.advance(std::chrono::seconds(11));
   g.fireDeadlines();
   CHECK(g.sup->state() == AgentState::kStopping);
@@ -417,4 +430,110 @@ TEST_CASE("in-place: metrics count a recovery's failure once and each outcome",
   CHECK(m.inplace_phases["formed"].counts[1] == 1);       // <= 5 ms
   CHECK(m.inplace_phases["first_step"].counts[5] == 0);   // 420 ms > 250 ms
   CHECK(m.inplace_phases["first_step"].counts[6] == 1);   // <= 500 ms
+}
+
+namespace {
+
+// Three workers with heartbeat files (timeout 10 s), every one has stepped once; then nobody
+// steps again for `silence`, checked as the agent's loop would.
+void goSilent(Fixture& f, Duration silence) {
+  for (int i = 0; i < 3; ++i) f.heartbeats.touch("/hb/0/" + std::to_string(i));
+  f.clock.advance(std::chrono::seconds(1));
+  f.fireDeadlines();  // the agent sees the touches
+  f.clock.advance(silence);
+  f.fireDeadlines();
+}
+
+}  // namespace
+
+TEST_CASE(
+    "in-place: a hung worker stopped by a signal is killed and replaced alone; the others, stalled "
+    "behind it, are not",
+    "[agent][inplace]") {
+  Fixture f(3, 1, false, std::chrono::seconds(10));
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  f.heartbeats.stopped_pids = {pids[1]};
+  goSilent(f, std::chrono::seconds(11));
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  REQUIRE(f.launcher.signals.size() == 1);
+  CHECK(f.launcher.signals[0] == std::make_pair(pids[1], SIGKILL));
+  CHECK(f.sup->restartCount() == 1);
+  REQUIRE(f.launcher.spawned.size() == 4);
+  CHECK(f.launcher.spawned.back().second.local_rank == 1);
+  for (int survivor : {pids[0], pids[2]}) {
+    CHECK(f.channel.to(survivor, ControlType::kAbort).size() == 1);
+    CHECK(f.channel.to(survivor, ControlType::kGroup).size() == 1);
+  }
+  // The killed one's exit, when it is reaped, ends nothing.
+  f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  const int newcomer = f.launcher.spawned.back().first;
+  for (int pid : {pids[0], pids[2], newcomer}) f.say(pid, ControlType::kStep, {{"gen", "2"}});
+  CHECK(f.sup->state() == AgentState::kRunning);
+}
+
+TEST_CASE(
+    "in-place: hung workers none of which is stopped restart every worker, as in process mode",
+    "[agent][inplace]") {
+  Fixture f(3, 1, false, std::chrono::seconds(10));
+  f.sup->start();
+  f.allCapable();
+  goSilent(f, std::chrono::seconds(11));
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.launcher.signalsSent(SIGKILL) == 3);
+}
+
+TEST_CASE(
+    "in-place across nodes: stalled workers wait a grace for the peer's report, which recovers "
+    "them in place",
+    "[agent][inplace]") {
+  Fixture f(3, 1, /*multi_node=*/true, std::chrono::seconds(10));
+  f.sup->start();
+  f.allCapable();
+  goSilent(f, std::chrono::seconds(11));
+  CHECK(f.sup->state() == AgentState::kRunning);  // within the grace: nothing done
+  CHECK(f.launcher.signals.empty());
+  f.sup->onPeerFailure();
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.launcher.signals.empty());
+  // Without the report, the grace ends in the usual path.
+  Fixture g(3, 1, /*multi_node=*/true, std::chrono::seconds(10));
+  g.sup->start();
+  g.allCapable();
+  goSilent(g, std::chrono::seconds(11));
+  g.clock.advance(std::chrono::seconds(3));
+  g.fireDeadlines();
+  CHECK(g.sup->state() == AgentState::kStopping);
+  CHECK(g.launcher.signalsSent(SIGKILL) == 3);
+}
+
+TEST_CASE(
+    "in-place across nodes: a change of nodes waits failure_grace, so a stop under way keeps its "
+    "checkpoint",
+    "[agent][inplace]") {
+  SECTION("this node is stopped too (SIGTERM to the whole job)") {
+    TwoNodes f;
+    f.sup->onMembershipChange();
+    f.sup->onSignal(SIGTERM);
+    CHECK(f.sup->state() == AgentState::kStopping);
+    CHECK(f.launcher.signalsSent(SIGTERM) == 2);
+    for (int pid : f.first()) CHECK(f.channel.to(pid, ControlType::kAbort).empty());
+    f.clock.advance(std::chrono::seconds(2));
+    f.fireDeadlines();
+    CHECK(f.sup->state() == AgentState::kStopping);  // no recovery started late
+  }
+  SECTION("a peer's failure during the grace starts the (charged) recovery at once") {
+    TwoNodes f;
+    f.rdzv.hold = true;
+    f.sup->onMembershipChange();
+    f.sup->onPeerFailure();
+    CHECK(f.sup->state() == AgentState::kRecovering);
+    CHECK(f.sup->restartCount() == 1);
+    CHECK(f.rdzv.joins == 2);
+    f.clock.advance(std::chrono::seconds(2));
+    f.fireDeadlines();
+    CHECK(f.rdzv.joins == 2);  // the grace's end starts nothing more
+  }
 }

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 
 #include "ddprun/agent/heartbeat.h"
@@ -19,8 +20,10 @@ class FakeHeartbeatProbe final : public agent::HeartbeatProbe {
     return it->second;
   }
   void touch(const std::string& path) { mtimes[path] = ++stamp_; }
+  bool stopped(int pid) override { return stopped_pids.count(pid) > 0; }
 
   std::map<std::string, int64_t> mtimes;
+  std::set<int> stopped_pids;
   int looks = 0;
 
  private:

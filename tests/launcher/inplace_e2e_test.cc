@@ -223,3 +223,51 @@ TEST_CASE(
     CHECK(countOf(ra->out, "formed (world 2)") == 2);
   }
 }
+
+TEST_CASE(
+    "in-place: a worker stopped with SIGSTOP is found by its heartbeat and replaced alone, the "
+    "others keep their processes, and the result equals a run without the fault",
+    "[inplace]") {
+  TempDir dir;
+  // 3 workers, 3 epochs of 1000 quick steps (96000 samples, batch 32).
+  auto run = [&](const std::string& tag, const std::string& mode) {
+    return std::make_unique<Process>(
+        std::vector<std::string>{ddprunBin(), "--standalone", "--nproc-per-node=3",
+                                 "--max-restarts=1", "--heartbeat-timeout=2",
+                                 "--restart-mode=" + mode, "--no-python", trainBin(), "3", "1",
+                                 "--dataset-size", "96000", "--snapshot-path", dir / (tag + ".pt"),
+                                 "--dump-params", dir / (tag + ".bin")},
+        std::map<std::string, std::string>{{"OMP_NUM_THREADS", "1"}});
+  };
+  auto clean = run("clean", "process");
+  auto rc = clean->wait(240s);
+  REQUIRE(rc);
+  REQUIRE(rc->exit_code == 0);
+
+  auto job = run("stopped", "in-place");
+  std::smatch m;
+  std::string out;
+  REQUIRE(waitUntil(
+      [&] {
+        out = job->out();
+        return out.find("Epoch 0 |") != std::string::npos &&
+               std::regex_search(out, m, std::regex(R"(\[RANK 2\] pid (\d+) joined generation)"));
+      },
+      120s));
+  const int stopped = std::stoi(m[1]);
+  REQUIRE(::kill(stopped, SIGSTOP) == 0);
+  auto r = job->wait(240s);
+  REQUIRE(r);
+  const std::string all = r->out + r->err;
+  INFO(all);
+  CHECK(r->exit_code == 0);
+  CHECK(all.find("is hung and stopped by a signal: sending SIGKILL") != std::string::npos);
+  CHECK(all.find("worker hung: no heartbeat for") != std::string::npos);
+  CHECK(countOf(all, "going on after step") == 2);
+  CHECK(all.find("restarting every worker") == std::string::npos);
+  // Ranks 0 and 1 joined once; rank 2 twice (the stopped one, then its replacement).
+  const auto pids = joinedPids(all);
+  CHECK(pids.size() == 4);
+  CHECK(countOf(all, "[RANK 2] pid") == 2);
+  CHECK(readFile(dir / "stopped.bin") == readFile(dir / "clean.bin"));
+}

@@ -27,6 +27,12 @@ class HeartbeatProbe {
   // The file's modification time (nanoseconds since the epoch), or nullopt when it does not
   // exist or cannot be read (a worker that has not touched it yet).
   virtual std::optional<int64_t> modificationTime(const std::string& path) = 0;
+  // True when process `pid` is stopped by a signal (SIGSTOP, SIGTSTP, a debugger). In-place
+  // recovery tells such a worker from the others, whose heartbeats stall with it.
+  virtual bool stopped(int pid) {
+    (void)pid;
+    return false;
+  }
 };
 
 // How often the supervisor looks at the files for a given timeout: a quarter of it, at most 1 s

@@ -196,9 +196,16 @@ class Supervisor {
   // While the group stops after a failure: this worker failed too, not merely stopped.
   bool failedOnItsOwn(const Worker& worker, ExitStatus status) const;
   void onExitBarrier(const Status& status);
+  // A change of the job's nodes while RUNNING: in-place recovery, else stop and re-form.
+  void onNodesChanged();
   void recordFailure(const WorkerFailure& failure);
   void stopForLocalFailure();
   void checkHeartbeats();
+  void recordHang(const Worker& w, TimePoint now);
+  // In-place mode: the hung worker stopped by a signal is killed and replaced alone (true); a
+  // multi-node hang with none stopped here waits a grace for the peer's report (true, nothing
+  // done). False: the usual path.
+  bool recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint now);
   // SIGKILL to a running worker's group, timed for reap_timeout.
   void kill(Worker& w);
   // Workers sent SIGKILL reap_timeout ago and still not reaped: given up (forceEnd).
@@ -258,6 +265,8 @@ class Supervisor {
     std::optional<TimePoint> report;           // a local failure not yet reported (grace)
     std::optional<TimePoint> heartbeat_check;  // next look at the heartbeat files (RUNNING only)
     std::optional<TimePoint> barrier;          // EXIT_BARRIER only
+    // In-place, multi-node: a change of nodes waits failure_grace before the recovery (RUNNING).
+    std::optional<TimePoint> membership;
   } deadlines_;
   int restart_count_ = 0;
   int exit_code_ = 0;
@@ -269,6 +278,8 @@ class Supervisor {
   // recovery; never reused, so each has its own store keys.
   int group_generation_ = 0;
   std::optional<Episode> episode_;
+  // When heartbeats were first seen stale with no stopped worker here (in-place, multi-node).
+  std::optional<TimePoint> hang_seen_;
   int recovered_in_place_ = 0;
   bool said_why_not_in_place_ = false;  // the "recovers by restarting processes" line, once
   LoopAffinity loop_{"Supervisor"};
