@@ -447,7 +447,7 @@ void goSilent(Fixture& f, Duration silence) {
 }  // namespace
 
 TEST_CASE(
-    "in-place: a hung worker stopped by a signal is killed and replaced alone; the others, stalled "
+    "in-place: a hung worker stopped by a signal is killed and replaced alone, the others, stalled "
     "behind it, are not",
     "[agent][inplace]") {
   Fixture f(3, 1, false, std::chrono::seconds(10));
