@@ -271,3 +271,40 @@ TEST_CASE(
   CHECK(countOf(all, "[RANK 2] pid") == 2);
   CHECK(readFile(dir / "stopped.bin") == readFile(dir / "clean.bin"));
 }
+
+TEST_CASE(
+    "in-place across nodes: SIGTERM to every node still ends the job with a checkpoint, and one "
+    "node leaving (a spot notice) leaves the other training to the end",
+    "[multinode][inplace]") {
+  const bool everyone = GENERATE(true, false);
+  INFO((everyone ? "SIGTERM to both agents" : "SIGTERM to one agent (--nnodes=1:2)"));
+  RendezvousDaemon rdzv;
+  TempDir dir;
+  const std::string run = everyone ? "stopall" : "spot";
+  const std::vector<std::string> train_args = {
+      "12", "1", "--model", "mlp", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+  auto a = node("127.0.0.2", rdzv.endpoint, "1:2", run, "in-place", train_args);
+  auto b = node("127.0.0.3", rdzv.endpoint, "1:2", run, "in-place", train_args);
+  REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
+                    180s));
+  b->signal(SIGTERM);
+  if (everyone) a->signal(SIGTERM);
+  auto rb = b->wait(60s);
+  auto ra = a->wait(300s);
+  INFO("first node:\n" << a->out() << a->err() << "\nsecond node:\n" << b->out() << b->err());
+  REQUIRE(ra);
+  REQUIRE(rb);
+  CHECK(rb->exit_code == 128 + SIGTERM);
+  const std::string all = ra->out + ra->err + rb->out + rb->err;
+  if (everyone) {
+    // The workers agreed to stop and rank 0 saved a snapshot; nobody started a recovery.
+    CHECK(ra->exit_code == 128 + SIGTERM);
+    CHECK(all.find("Training snapshot saved at " + (dir / "snap.pt") + " (checkpoint signal)") !=
+          std::string::npos);
+    CHECK(all.find("recovering in place") == std::string::npos);
+  } else {
+    // The other node trains to the end: in place, or from the checkpoint the stop agreed on.
+    CHECK(ra->exit_code == 0);
+    CHECK(ra->out.find("Epoch 11 |") != std::string::npos);
+  }
+}
