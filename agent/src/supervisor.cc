@@ -152,6 +152,8 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
 
 void Supervisor::enterExitBarrier() {
   deadlines_.heartbeat_check.reset();
+  deadlines_.membership.reset();
+  hang_seen_.reset();
   setState(AgentState::kExitBarrier);
   deadlines_.barrier = clock_.now() + options_.exit_barrier_timeout;
   const unsigned generation = ++generation_;
@@ -299,6 +301,14 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
       return;
     }
     if (!status.success()) {
+      if (deadlines_.membership) {
+        // A crash on the connection to a node that just went away: that change, free of charge.
+        logger("agent")->info("{} after a change of the job's nodes; re-forming, not charged",
+                              what);
+        failures_.clear();
+        onNodesChanged();
+        return;
+      }
       if (!recoverInPlace(*worker, what)) stopForLocalFailure();
       return;
     }
@@ -476,6 +486,11 @@ void Supervisor::onMembershipChange() {
       return;
     }
     tellAbort(group_generation_);
+    // The group sent is void: its phase messages (a step it completed meanwhile) end nothing.
+    episode_->generation = 0;
+    episode_->old_generation = group_generation_;
+    episode_->stepped.clear();
+    episode_->formed_ms = episode_->synced_ms = 0;
     joinRecoveryRound();
     return;
   }
@@ -832,6 +847,7 @@ void Supervisor::onControlMessage(int pid, const ControlMessage& message) {
 
 void Supervisor::onPhase(Worker& w, const ControlMessage& message) {
   Episode& e = *episode_;
+  if (e.awaiting_round && message.type != ControlType::kAborted) return;  // no group out yet
   const auto gen = message.num("gen");  // every phase message has one
   const double at = msSinceDetection();
   switch (message.type) {

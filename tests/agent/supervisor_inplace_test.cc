@@ -290,6 +290,9 @@ TEST_CASE(
   f.sup->onMembershipChange();
   CHECK(f.rdzv.joins == 4);
   CHECK(f.channel.to(pids[0], ControlType::kAbort).back().num("gen") == 3);
+  // A step the void group completed meanwhile ends nothing.
+  for (int pid : pids) f.say(pid, ControlType::kStep, {{"gen", "3"}, {"n", "8"}});
+  CHECK(f.sup->state() == AgentState::kRecovering);
   f.formRound(3);
   for (int pid : pids) f.say(pid, ControlType::kStep, {{"gen", "4"}, {"n", "9"}});
   CHECK(f.sup->state() == AgentState::kRunning);
@@ -536,4 +539,31 @@ TEST_CASE(
     f.fireDeadlines();
     CHECK(f.rdzv.joins == 2);  // the grace's end starts nothing more
   }
+}
+
+TEST_CASE(
+    "in-place across nodes: a worker crash during the grace after a change of nodes is that "
+    "change, free of charge",
+    "[agent][inplace]") {
+  TwoNodes f;
+  f.sup->onMembershipChange();
+  f.sup->onWorkerExit(f.first()[0], ExitStatus{false, 1});
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.sup->restartCount() == 0);
+  CHECK(f.rdzv.failures == 0);
+  f.sup->onWorkerExit(f.first()[1], ExitStatus{true, SIGTERM});
+  CHECK(f.sup->state() == AgentState::kRunning);  // re-formed, every worker fresh
+  CHECK(f.sup->restartCount() == 0);
+}
+
+TEST_CASE("in-place across nodes: the exit barrier has no grace left to wait for",
+          "[agent][inplace]") {
+  TwoNodes f;
+  f.rdzv.hold_barrier = true;
+  f.sup->onMembershipChange();
+  for (int pid : f.first()) f.sup->onWorkerExit(pid, ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kExitBarrier);
+  // Only the barrier's own deadline remains (no past deadline the loop would spin on).
+  REQUIRE(f.sup->nextDeadline().has_value());
+  CHECK(*f.sup->nextDeadline() > f.clock.now());
 }

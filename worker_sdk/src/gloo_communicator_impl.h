@@ -40,6 +40,8 @@ class GlooCommunicator : public Communicator {
   at::Tensor allocateBuffer(int64_t numel, const at::TensorOptions& options) override;
   void abort(const std::string& reason) override;
   bool awaitIdle(std::chrono::milliseconds timeout) override { return queue_.waitIdle(timeout); }
+  // The leaders' route pads with +0.0 (gloo_leaders.cc).
+  bool sumOfZerosIsExact() const override { return leaders_ == nullptr; }
 
  private:
   // The all-reduce itself, on the op thread.

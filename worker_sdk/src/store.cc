@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -53,7 +54,10 @@ void awaitListening(const std::string& host, int port, std::chrono::milliseconds
   bool up = false;
   while (!up && std::chrono::steady_clock::now() < deadline) {
     for (const addrinfo* a = found; a != nullptr && !up; a = a->ai_next) {
-      up = accepts(*a, std::chrono::milliseconds(500));
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      up = accepts(*a,
+                   std::clamp(left, std::chrono::milliseconds(1), std::chrono::milliseconds(500)));
     }
     if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }

@@ -9,8 +9,10 @@
 #include <iomanip>
 #include <iostream>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <tuple>
+#include <utility>
 
 #include "control_client.h"
 #include "ddprun/worker/errors.h"
@@ -198,15 +200,22 @@ int Trainer::syncLiveState(const std::vector<torch::Tensor>& table, int source, 
   broadcastBytes(bytes, source);
   {
     // Each tensor goes as an all-reduce to which every rank but the source adds -0.0 (0 for
-    // integers): x + -0.0 is x bit for bit for every x, -0.0 and NaN included, so this is a
-    // broadcast that takes the all-reduce's routes (shared memory on one host, rings across
-    // hosts) instead of the source sending everything to each rank in turn.
+    // integers): x + -0.0 is x bit for bit, -0.0 included, so this is a broadcast that takes the
+    // all-reduce's routes (shared memory on one host, rings across hosts) instead of the source
+    // sending everything to each rank in turn. Other dtypes, and a route that pads with +0.0,
+    // broadcast. A tensor that appears twice (tied weights, a shared buffer) goes once: a second
+    // all-reduce of it would add the first one's result.
     torch::NoGradGuard no_grad;
     Communicator& comm = group_->comm();
+    const bool exact = comm.sumOfZerosIsExact();
     std::vector<std::shared_ptr<Work>> works;
+    std::set<std::pair<const void*, int64_t>> seen;  // (storage, offset)
     auto send = [&](torch::Tensor t) {
-      const bool summable = t.is_floating_point() || (torch::isIntegralType(t.scalar_type(),
-                                                                            /*includeBool=*/false));
+      if (!seen.emplace(t.storage().unsafeGetStorageImpl(), t.storage_offset()).second) return;
+      const auto type = t.scalar_type();
+      const bool summable =
+          exact && (type == torch::kFloat || type == torch::kDouble || type == torch::kHalf ||
+                    type == torch::kBFloat16 || type == torch::kInt || type == torch::kLong);
       if (!summable) {
         works.push_back(comm.broadcastAsync(t, source));
         return;

@@ -73,6 +73,11 @@ class Communicator {
     (void)timeout;
     return true;
   }
+  // True when an all-reduce sum of float32/64, float16, bfloat16, int32 or int64 to which every
+  // rank but one adds -0.0 (0 for integers) hands every rank that rank's values bit for bit (NaN
+  // payloads aside): x + -0.0 == x. False on a route that adds +0.0 of its own (-0.0 would become
+  // +0.0), where only broadcast copies exactly.
+  virtual bool sumOfZerosIsExact() const { return true; }
 
   void allReduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
   void broadcast(const at::Tensor& tensor, int root = 0);
