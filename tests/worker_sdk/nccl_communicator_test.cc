@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -76,6 +77,25 @@ std::vector<T> download(const at::Tensor& src) {
       cudaSuccess)
     throw std::runtime_error("cudaMemcpy to host failed");
   return out;
+}
+
+// Runs body(r) on one thread per rank and rethrows the first rank's failure.
+void onRanks(int world, const std::function<void(int)>& body) {
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
 }
 
 // Skips the calling test unless at least one CUDA device is visible.
@@ -168,73 +188,61 @@ TEST_CASE("nccl all_reduce, broadcast, all_gather and barrier on device memory (
   };
   std::vector<Seen> seen(static_cast<size_t>(world));
   auto store = KeyValueStore::inMemory(std::chrono::seconds(30));
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        Seen& s = seen[static_cast<size_t>(r)];
-        auto pg = ProcessGroup::create(r, world, store, ncclOptions(r));
-        Communicator& comm = pg->comm();
+  onRanks(world, [&](int r) {
+    Seen& s = seen[static_cast<size_t>(r)];
+    auto pg = ProcessGroup::create(r, world, store, ncclOptions(r));
+    Communicator& comm = pg->comm();
 
-        auto x = deviceTensor(r, n);
-        upload(x, std::vector<float>(static_cast<size_t>(n), float(r + 1)));
-        comm.allReduce(x, ReduceOp::kSum);
-        s.sum = download<float>(x);
+    auto x = deviceTensor(r, n);
+    upload(x, std::vector<float>(static_cast<size_t>(n), float(r + 1)));
+    comm.allReduce(x, ReduceOp::kSum);
+    s.sum = download<float>(x);
 
-        upload(x, std::vector<float>(static_cast<size_t>(n), float(r + 1)));
-        comm.allReduce(x, ReduceOp::kAvg);
-        s.avg = download<float>(x);
+    upload(x, std::vector<float>(static_cast<size_t>(n), float(r + 1)));
+    comm.allReduce(x, ReduceOp::kAvg);
+    s.avg = download<float>(x);
 
-        auto i = deviceTensor(r, 3, at::kLong);
-        upload(i, std::vector<int64_t>{r, 10 * r, int64_t{1} << 40});
-        comm.allReduce(i);
-        s.isum = download<int64_t>(i);
+    auto i = deviceTensor(r, 3, at::kLong);
+    upload(i, std::vector<int64_t>{r, 10 * r, int64_t{1} << 40});
+    comm.allReduce(i);
+    s.isum = download<int64_t>(i);
 
-        // Root is the last rank, so a two-rank run broadcasts from rank 1.
-        auto b = deviceTensor(r, 16);
-        upload(b, std::vector<float>(16, float(r * 10 + 7)));
-        comm.broadcast(b, world - 1);
-        s.bcast = download<float>(b);
+    // Root is the last rank, so a two-rank run broadcasts from rank 1.
+    auto b = deviceTensor(r, 16);
+    upload(b, std::vector<float>(16, float(r * 10 + 7)));
+    comm.broadcast(b, world - 1);
+    s.bcast = download<float>(b);
 
-        auto in = deviceTensor(r, 4);
-        upload(in, std::vector<float>(4, float(r + 100)));
-        auto out = deviceTensor(r, 4 * world);
-        comm.allGatherAsync(in, out)->wait();
-        s.gathered = download<float>(out);
+    auto in = deviceTensor(r, 4);
+    upload(in, std::vector<float>(4, float(r + 100)));
+    auto out = deviceTensor(r, 4 * world);
+    comm.allGatherAsync(in, out)->wait();
+    s.gathered = download<float>(out);
 
-        comm.barrier();
+    comm.barrier();
 
-        // Data produced on the caller's own stream: the collective must wait for it.
-        cudaStream_t user = nullptr;
-        if (cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking) != cudaSuccess)
-          throw std::runtime_error("cudaStreamCreate failed");
-        setNcclProducerStream(comm, user);
-        std::vector<float> twos(static_cast<size_t>(n), 2.0f);
-        if (cudaMemcpyAsync(x.data_ptr(), twos.data(), twos.size() * sizeof(float),
-                            cudaMemcpyHostToDevice, user) != cudaSuccess)
-          throw std::runtime_error("cudaMemcpyAsync failed");
-        comm.allReduce(x, ReduceOp::kSum);
-        setNcclProducerStream(comm, nullptr);
-        cudaStreamDestroy(user);
-        const auto back = download<float>(x);
-        s.producer_stream_ok = back.front() == 2.0f * world && back.back() == 2.0f * world;
+    // Data produced on the caller's own stream: the collective must wait for it.
+    cudaStream_t user = nullptr;
+    if (cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking) != cudaSuccess)
+      throw std::runtime_error("cudaStreamCreate failed");
+    setNcclProducerStream(comm, user);
+    std::vector<float> twos(static_cast<size_t>(n), 2.0f);
+    if (cudaMemcpyAsync(x.data_ptr(), twos.data(), twos.size() * sizeof(float),
+                        cudaMemcpyHostToDevice, user) != cudaSuccess)
+      throw std::runtime_error("cudaMemcpyAsync failed");
+    comm.allReduce(x, ReduceOp::kSum);
+    setNcclProducerStream(comm, nullptr);
+    cudaStreamDestroy(user);
+    const auto back = download<float>(x);
+    s.producer_stream_ok = back.front() == 2.0f * world && back.back() == 2.0f * world;
 
-        try {
-          comm.allReduce(at::ones({4}));
-        } catch (const WorkerError& e) {
-          s.cpu_tensor_error = e.what();
-        }
-        comm.barrier();
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+    try {
+      comm.allReduce(at::ones({4}));
+    } catch (const WorkerError& e) {
+      s.cpu_tensor_error = e.what();
+    }
+    comm.barrier();
+  });
   const float sum = static_cast<float>(world * (world + 1) / 2);
   for (int r = 0; r < world; ++r) {
     const Seen& s = seen[static_cast<size_t>(r)];
@@ -274,86 +282,74 @@ TEST_CASE(
   std::vector<Seen> seen(static_cast<size_t>(world));
   std::atomic<int> released{0};
   auto store = KeyValueStore::inMemory(std::chrono::seconds(30));
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
+  onRanks(world, [&](int r) {
+    Seen& s = seen[static_cast<size_t>(r)];
+    auto o = ncclOptions(r);
+    o.op_timeout = std::chrono::minutes(10);  // only the abort can end the wait
+    auto pg = ProcessGroup::create(r, world, store, o);
+    const int64_t n = 1 << 22;
+    auto x = deviceTensor(r, n);
+    upload(x, std::vector<float>(static_cast<size_t>(n), 1.0f));
+    pg->comm().allReduce(x, ReduceOp::kSum);  // the group works before the fault
+
+    // The producer stream holds the next collective back until the host function returns.
+    cudaStream_t user = nullptr;
+    if (cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking) != cudaSuccess)
+      throw std::runtime_error("cudaStreamCreate failed");
+    auto hold = [](void* flag) {
+      auto* f = static_cast<std::atomic<int>*>(flag);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (f->load() == 0 && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    };
+    if (cudaLaunchHostFunc(user, hold, &released) != cudaSuccess)
+      throw std::runtime_error("cudaLaunchHostFunc failed");
+    setNcclProducerStream(pg->comm(), user);
+    // With two GPUs rank 1 never enters this one: rank 0 also waits on an absent peer.
+    std::shared_ptr<Work> work;
+    if (r == 0) work = pg->comm().allReduceAsync(x, ReduceOp::kSum);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const auto t0 = std::chrono::steady_clock::now();
+    pg->abort("test");  // not the op thread, as the control channel's is not
+    released = 1;       // the stream may run again: the aborted kernel must not count
+    if (work) {
       try {
-        Seen& s = seen[static_cast<size_t>(r)];
-        auto o = ncclOptions(r);
-        o.op_timeout = std::chrono::minutes(10);  // only the abort can end the wait
-        auto pg = ProcessGroup::create(r, world, store, o);
-        const int64_t n = 1 << 22;
-        auto x = deviceTensor(r, n);
-        upload(x, std::vector<float>(static_cast<size_t>(n), 1.0f));
-        pg->comm().allReduce(x, ReduceOp::kSum);  // the group works before the fault
-
-        // The producer stream holds the next collective back until the host function returns.
-        cudaStream_t user = nullptr;
-        if (cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking) != cudaSuccess)
-          throw std::runtime_error("cudaStreamCreate failed");
-        auto hold = [](void* flag) {
-          auto* f = static_cast<std::atomic<int>*>(flag);
-          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-          while (f->load() == 0 && std::chrono::steady_clock::now() < until)
-            std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        };
-        if (cudaLaunchHostFunc(user, hold, &released) != cudaSuccess)
-          throw std::runtime_error("cudaLaunchHostFunc failed");
-        setNcclProducerStream(pg->comm(), user);
-        // With two GPUs rank 1 never enters this one: rank 0 also waits on an absent peer.
-        std::shared_ptr<Work> work;
-        if (r == 0) work = pg->comm().allReduceAsync(x, ReduceOp::kSum);
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        const auto t0 = std::chrono::steady_clock::now();
-        pg->abort("test");  // not the op thread, as the control channel's is not
-        released = 1;       // the stream may run again: the aborted kernel must not count
-        if (work) {
-          try {
-            work->wait();
-            s.outcome = "completed";
-          } catch (const CommError&) {
-            s.outcome = "failed";
-          }
-        } else {
-          s.outcome = "failed";
-        }
-        s.woke = std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30);
-        s.idle = pg->comm().awaitIdle(std::chrono::seconds(10));
-        try {
-          pg->comm().allReduce(x, ReduceOp::kSum);
-          s.later = "ran";
-        } catch (const CommError& e) {
-          s.later = e.what();
-        }
-        setNcclProducerStream(pg->comm(), nullptr);
-        cudaStreamSynchronize(user);
-        cudaStreamDestroy(user);
-
-        // The next generation, on the same device, under its own store prefix.
-        GroupSpec spec;
-        spec.generation = 1;
-        spec.rank = r;
-        spec.size = world;
-        spec.master_addr = "127.0.0.1";
-        spec.master_port = port;
-        spec.key = "g1";
-        pg->reform(spec);
-        upload(x, std::vector<float>(static_cast<size_t>(n), float(r + 1)));
-        pg->comm().allReduce(x, ReduceOp::kSum);
-        const auto back = download<float>(x);
-        const float sum = static_cast<float>(world * (world + 1) / 2);
-        s.reformed_ok = pg->generation() == 1 && back.front() == sum && back.back() == sum;
-        pg->comm().barrier();
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
+        work->wait();
+        s.outcome = "completed";
+      } catch (const CommError&) {
+        s.outcome = "failed";
       }
-    });
-  }
-  for (auto& th : threads) th.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+    } else {
+      s.outcome = "failed";
+    }
+    s.woke = std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30);
+    s.idle = pg->comm().awaitIdle(std::chrono::seconds(10));
+    try {
+      pg->comm().allReduce(x, ReduceOp::kSum);
+      s.later = "ran";
+    } catch (const CommError& e) {
+      s.later = e.what();
+    }
+    setNcclProducerStream(pg->comm(), nullptr);
+    cudaStreamSynchronize(user);
+    cudaStreamDestroy(user);
+
+    // The next generation, on the same device, under its own store prefix.
+    GroupSpec spec;
+    spec.generation = 1;
+    spec.rank = r;
+    spec.size = world;
+    spec.master_addr = "127.0.0.1";
+    spec.master_port = port;
+    spec.key = "g1";
+    pg->reform(spec);
+    upload(x, std::vector<float>(static_cast<size_t>(n), float(r + 1)));
+    pg->comm().allReduce(x, ReduceOp::kSum);
+    const auto back = download<float>(x);
+    const float sum = static_cast<float>(world * (world + 1) / 2);
+    s.reformed_ok = pg->generation() == 1 && back.front() == sum && back.back() == sum;
+    pg->comm().barrier();
+  });
   for (int r = 0; r < world; ++r) {
     const Seen& s = seen[static_cast<size_t>(r)];
     INFO("rank " << r << ": later op: " << s.later);
