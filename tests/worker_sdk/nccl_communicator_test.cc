@@ -278,6 +278,7 @@ TEST_CASE(
   struct Seen {
     std::string outcome, later;
     bool idle = false, woke = false, reformed_ok = false;
+    double abort_ms = 0, ended_ms = 0;
   };
   std::vector<Seen> seen(static_cast<size_t>(world));
   std::atomic<int> released{0};
@@ -298,7 +299,7 @@ TEST_CASE(
       throw std::runtime_error("cudaStreamCreate failed");
     auto hold = [](void* flag) {
       auto* f = static_cast<std::atomic<int>*>(flag);
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(8);
       while (f->load() == 0 && std::chrono::steady_clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
     };
@@ -311,7 +312,9 @@ TEST_CASE(
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     const auto t0 = std::chrono::steady_clock::now();
     pg->abort("test");  // not the op thread, as the control channel's is not
-    released = 1;       // the stream may run again: the aborted kernel must not count
+    s.abort_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    released = 1;  // the stream may run again: the aborted kernel must not count
     if (work) {
       try {
         work->wait();
@@ -323,6 +326,8 @@ TEST_CASE(
       s.outcome = "failed";
     }
     s.woke = std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30);
+    s.ended_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     s.idle = pg->comm().awaitIdle(std::chrono::seconds(10));
     try {
       pg->comm().allReduce(x, ReduceOp::kSum);
@@ -353,6 +358,9 @@ TEST_CASE(
   for (int r = 0; r < world; ++r) {
     const Seen& s = seen[static_cast<size_t>(r)];
     INFO("rank " << r << ": later op: " << s.later);
+    // How long the abort call and the op's end took (the op is held until the abort returned).
+    WARN("rank " << r << ": abort() returned after " << s.abort_ms << " ms, the op ended "
+                 << s.ended_ms << " ms after the abort began");
     CHECK(s.outcome == "failed");
     CHECK(s.woke);
     CHECK(s.idle);
