@@ -637,15 +637,9 @@ bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
 bool Supervisor::recoverInPlace(Worker& failed, const std::string& cause) {
   if (!inPlaceEligible(&failed, /*charged=*/true)) return false;
   if (options_.multi_node) {
-    // The agents form the next round without stopping their workers; the replacement starts in
-    // it (onRecoveryRound), with that round's ranks and master.
+    // The replacement starts in the next round (onRecoveryRound), with its ranks and master.
     ++restart_count_;
-    const int old_generation = group_generation_;
-    startEpisode(cause, /*generation=*/0);
-    tellAbort(old_generation);
-    episode_->told_ms = msSinceDetection();
-    rendezvous_.reportFailure();
-    joinRecoveryRound();
+    recoverAcrossNodes(cause, /*report=*/true);
     return true;
   }
   auto launches = planner_(round_, restart_count_ + 1);
@@ -657,38 +651,47 @@ bool Supervisor::recoverInPlace(Worker& failed, const std::string& cause) {
     return false;
   }
   ++restart_count_;  // the failure is charged once, however it is recovered
-  const int old_generation = group_generation_;
-  startEpisode(cause, ++group_generation_);
-  tellAbort(old_generation);
+  startEpisode(cause, group_generation_ + 1);
+  group_generation_ = episode_->generation;
+  tellAbort(episode_->old_generation);
   for (auto& w : workers_) {
     if (w.running) sendGroup(w);
   }
   episode_->told_ms = msSinceDetection();
-  Worker replacement;
-  replacement.launch = std::move((*launches)[static_cast<size_t>(local_rank)]);
-  auto pid = launcher_.spawn(replacement.launch);
+  spawnReplacement(failed, std::move((*launches)[static_cast<size_t>(local_rank)]));
+  return true;
+}
+
+bool Supervisor::spawnReplacement(Worker& slot, WorkerLaunch launch) {
+  auto pid = launcher_.spawn(launch);
   if (!pid.isOk()) {
-    fallBack("cannot start a replacement for local rank " + std::to_string(local_rank) + ": " +
-             pid.status().message());
-    return true;
+    fallBack("cannot start a replacement for local rank " + std::to_string(launch.local_rank) +
+             ": " + pid.status().message());
+    return false;
   }
+  Worker replacement;
+  replacement.launch = std::move(launch);
   replacement.pid = *pid;
   replacement.running = true;
   replacement.capable = true;  // it joins through the channel, as a newcomer
   episode_->replacement_pid = *pid;
-  failed = std::move(replacement);
+  slot = std::move(replacement);
   return true;
 }
 
 bool Supervisor::recoverInPlaceWithPeers(const std::string& cause, bool charged) {
   if (!options_.multi_node || !inPlaceEligible(nullptr, charged)) return false;
   if (charged) ++restart_count_;
-  const int old_generation = group_generation_;
-  startEpisode(cause, /*generation=*/0);
-  tellAbort(old_generation);
-  episode_->told_ms = msSinceDetection();
-  joinRecoveryRound();
+  recoverAcrossNodes(cause, /*report=*/false);
   return true;
+}
+
+void Supervisor::recoverAcrossNodes(const std::string& cause, bool report) {
+  startEpisode(cause, /*generation=*/0);
+  tellAbort(episode_->old_generation);
+  episode_->told_ms = msSinceDetection();
+  if (report) rendezvous_.reportFailure();
+  joinRecoveryRound();
 }
 
 void Supervisor::startEpisode(const std::string& cause, int generation) {
@@ -785,20 +788,9 @@ void Supervisor::onRecoveryRound(StatusOr<RoundInfo> round) {
       sendGroup(w);
       continue;
     }
-    Worker replacement;
-    replacement.launch = std::move(launches[static_cast<size_t>(w.launch.local_rank)]);
-    auto pid = launcher_.spawn(replacement.launch);
-    if (!pid.isOk()) {
-      fallBack("cannot start a replacement for local rank " +
-                   std::to_string(replacement.launch.local_rank) + ": " + pid.status().message(),
-               /*report=*/true);
+    if (!spawnReplacement(w, std::move(launches[static_cast<size_t>(w.launch.local_rank)]))) {
       return;
     }
-    replacement.pid = *pid;
-    replacement.running = true;
-    replacement.capable = true;  // it joins through the channel, as a newcomer
-    e.replacement_pid = *pid;
-    w = std::move(replacement);
   }
   logger("agent")->info("in-place recovery: round {} formed; generation {}, world {}", round_.round,
                         e.generation, worldSize());

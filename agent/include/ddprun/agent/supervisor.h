@@ -225,6 +225,11 @@ class Supervisor {
   // does not apply.
   bool recoverInPlaceWithPeers(const std::string& cause, bool charged);
   void startEpisode(const std::string& cause, int generation);
+  // Multi-node: the episode's start, the survivors' abort, the report (a local failure) and the
+  // join of the next round.
+  void recoverAcrossNodes(const std::string& cause, bool report);
+  // Starts `launch` in `slot` (a failed worker's) as a newcomer; false after falling back.
+  bool spawnReplacement(Worker& slot, WorkerLaunch launch);
   // `abort` of generation `gen` to every running worker.
   void tellAbort(int gen);
   // Multi-node: joins the next round without stopping the workers; onRecoveryRound gets it.
