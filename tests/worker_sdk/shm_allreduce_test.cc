@@ -393,3 +393,114 @@ TEST_CASE("ranks that disagree on an all-reduce all get an error naming both sid
     CHECK(e.find("shared buffer") != std::string::npos);
   }
 }
+
+TEST_CASE(
+    "shared-memory broadcast copies the root's bytes to every rank, any size, any root, "
+    "between all-reduces",
+    "[worker][shm]") {
+  for (int world : {2, 3, 4}) {
+    checkOnShmRanks(world, "bcast", [world](int rank, ShmAllReduce& shm) {
+      std::vector<std::string> found;
+      // Slots of 4096 bytes: a chunk is world * 4096 bytes. Sizes around it, empty and odd.
+      const size_t chunk = shm.slotBytes() * static_cast<size_t>(world);
+      for (size_t bytes :
+           {size_t{0}, size_t{1}, size_t{7}, chunk - 1, chunk, chunk + 1, 3 * chunk + 13}) {
+        for (int root = 0; root < world; ++root) {
+          std::vector<unsigned char> v(bytes);
+          for (size_t i = 0; i < bytes; ++i) {
+            v[i] = static_cast<unsigned char>(rank == root ? (i * 31 + root) & 0xff : 0xee);
+          }
+          shm.broadcast(v.data(), bytes, root);
+          for (size_t i = 0; i < bytes; ++i) {
+            if (v[i] != static_cast<unsigned char>((i * 31 + root) & 0xff)) {
+              found.push_back(std::to_string(bytes) + " bytes from root " + std::to_string(root) +
+                              ": byte " + std::to_string(i) + " is " + std::to_string(v[i]));
+              break;
+            }
+          }
+          // A staged all-reduce right after uses the slots the broadcast just used.
+          const std::string sum = checkSum<float>(shm, world, 3000, ShmDType::kFloat32);
+          if (!sum.empty()) found.push_back("all-reduce after a broadcast: " + sum);
+        }
+      }
+      return found;
+    });
+  }
+}
+
+TEST_CASE("a rank that already holds the root's bytes takes part in a broadcast but copies nothing",
+          "[worker][shm]") {
+  checkOnShmRanks(3, "bcast-held", [](int rank, ShmAllReduce& shm) {
+    std::vector<std::string> found;
+    const size_t bytes = 5 * shm.slotBytes() * 3 + 5;  // several chunks
+    std::vector<unsigned char> v(bytes, static_cast<unsigned char>(rank == 0 ? 7 : 9));
+    shm.broadcast(v.data(), bytes, 0, /*receive=*/rank != 1);
+    const unsigned char want = rank == 1 ? 9 : 7;  // rank 1 kept its own
+    if (std::count(v.begin(), v.end(), want) != static_cast<std::ptrdiff_t>(bytes)) {
+      found.push_back("holds other bytes than " + std::to_string(want));
+    }
+    const std::string sum = checkSum<double>(shm, 3, 5000, ShmDType::kFloat64);
+    if (!sum.empty()) found.push_back("all-reduce after it: " + sum);
+    return found;
+  });
+}
+
+TEST_CASE("ranks that disagree on a broadcast's root or size all get an error naming both sides",
+          "[worker][shm]") {
+  for (bool other_root : {true, false}) {
+    std::vector<std::string> errors(2);
+    runShmRanks(
+        2, [](int) { return smallSlots("bcast-mismatch"); },
+        [&](int rank, ShmAllReduce* shm) {
+          REQUIRE(shm != nullptr);
+          std::vector<char> data(100, 'x');
+          const int root = other_root && rank == 1 ? 1 : 0;
+          const size_t n = !other_root && rank == 1 ? 50 : 100;
+          try {
+            shm->broadcast(data.data(), n, root);
+          } catch (const CommError& e) {
+            errors[static_cast<size_t>(rank)] = e.what();
+          }
+        });
+    for (auto& e : errors) {
+      INFO(e);
+      CHECK(e.find("ranks disagree") != std::string::npos);
+      CHECK(e.find(other_root ? "bytes from rank 1" : "broadcasts 50 bytes") != std::string::npos);
+    }
+  }
+  // A root outside the group is refused before anything is shared.
+  runShmRanks(
+      2, [](int) { return smallSlots("bcast-root"); },
+      [&](int, ShmAllReduce* shm) {
+        REQUIRE(shm != nullptr);
+        char c = 0;
+        CHECK_THROWS_WITH(shm->broadcast(&c, 1, 2),
+                          Catch::Matchers::Contains("root 2 is outside [0, 1]"));
+      });
+}
+
+TEST_CASE("an aborted rank's broadcast fails at once instead of waiting for a dead peer",
+          "[worker][shm]") {
+  std::vector<std::string> errors(2);
+  runShmRanks(
+      2, [](int) { return smallSlots("bcast-abort"); },
+      [&](int rank, ShmAllReduce* shm) {
+        REQUIRE(shm != nullptr);
+        if (rank == 1) return;  // never joins: rank 0 waits in the broadcast until aborted
+        std::thread aborter([shm] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          shm->abort();
+        });
+        std::vector<char> data(10000, 'x');
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          shm->broadcast(data.data(), data.size(), 0);
+        } catch (const CommError& e) {
+          errors[0] = e.what();
+        }
+        aborter.join();
+        CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));
+      });
+  INFO(errors[0]);
+  CHECK(errors[0].find("was aborted (broadcast: copying in)") != std::string::npos);
+}

@@ -242,6 +242,7 @@ struct alignas(kLineBytes) OpDescriptor {
   uint32_t in_place;  // 1 = a range of an allocate()d buffer
   uint64_t buffer_id;
   uint64_t offset;
+  int32_t root;  // -1 = an all-reduce; else a broadcast of `count` bytes from this rank
 };
 
 size_t pidsOffset() { return roundUp(sizeof(ShmAllReduce::Header), kLineBytes); }
@@ -268,12 +269,24 @@ OpDescriptor* descriptorsOf(char* base, int size) {
 // rather than a SIGBUS later), lets `init` lay it out, and publishes it under `key`; the others
 // map it. Returns "" when every rank mapped it, else the first refusal ("rank r: why"). Either
 // way the name is unlinked before returning. Collective.
+// With `stride` (a buffer: a page, then one region of `stride` bytes per rank), each rank reserves
+// its own region and rank 0 also the first page: the ranks zero their parts in parallel.
 std::string shareSegment(int rank, int size, KeyValueStore& store, const std::string& key,
                          size_t bytes, bool enabled, const std::string& identity,
                          std::chrono::milliseconds timeout, ShmAllReduce::Segment& seg,
-                         const std::function<void(char*)>& init) {
+                         const std::function<void(char*)>& init, size_t stride = 0) {
   std::string why;  // empty = this rank mapped the segment
   uint64_t magic = 0;
+  // The part of the segment this rank reserves: [begin, begin + length).
+  const size_t begin =
+      stride == 0 || rank == 0 ? 0 : kPageBytes + static_cast<size_t>(rank) * stride;
+  const size_t length = stride == 0 ? bytes : rank == 0 ? kPageBytes + stride : stride;
+  auto reserve = [&](int fd) {
+    const int rc = posix_fallocate(fd, static_cast<off_t>(begin), static_cast<off_t>(length));
+    return rc == 0
+               ? std::string()
+               : "reserving " + std::to_string(length) + " bytes in /dev/shm: " + std::strerror(rc);
+  };
   auto mapFd = [&](int fd) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
@@ -297,10 +310,13 @@ std::string shareSegment(int rank, int size, KeyValueStore& store, const std::st
         why = errnoText("shm_open " + seg.name);
       } else {
         seg.unlink_on_close = true;
-        const int rc = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-        if (rc != 0) {
+        if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+          why = errnoText("ftruncate " + seg.name);
+        } else {
+          why = reserve(fd);
+        }
+        if (!why.empty()) {
           close(fd);
-          why = "reserving " + std::to_string(bytes) + " bytes in /dev/shm: " + std::strerror(rc);
         } else {
           why = mapFd(fd);
         }
@@ -340,6 +356,8 @@ std::string shareSegment(int rank, int size, KeyValueStore& store, const std::st
       } else if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
         close(fd);
         why = "segment " + name + " has an unexpected size";
+      } else if (stride != 0 && !(why = reserve(fd)).empty()) {
+        close(fd);
       } else {
         why = mapFd(fd);
       }
@@ -435,7 +453,7 @@ std::shared_ptr<void> ShmAllReduce::allocate(size_t bytes) {
       rank_, size_, *store_, options_.prefix + "/shm/buffer" + std::to_string(id) + "/",
       kPageBytes + static_cast<size_t>(size_) * stride, true,
       options_.host_identity.empty() ? localHostIdentity() : options_.host_identity,
-      options_.setup_timeout, *seg, [](char*) {});
+      options_.setup_timeout, *seg, [](char*) {}, stride);
   if (!refusal.empty()) {
     DDPRUN_LOG(log, kDebug,
                "rank " << rank_ << ": shared buffer " << id << " of " << bytes << " bytes refused ("
@@ -473,12 +491,27 @@ void ShmAllReduce::publishDescriptor(size_t count, ShmDType dtype, const Buffer*
   d.in_place = buffer != nullptr ? 1 : 0;
   d.buffer_id = buffer != nullptr ? buffer->id : 0;
   d.offset = offset;
+  d.root = -1;
+}
+
+void ShmAllReduce::publishBroadcast(size_t bytes, int root) {
+  OpDescriptor& d = descriptorsOf(control_->base, size_)[rank_];
+  d.count = bytes;
+  d.dtype = 0;
+  d.in_place = 0;
+  d.buffer_id = 0;
+  d.offset = 0;
+  d.root = root;
 }
 
 void ShmAllReduce::verifyDescriptors() const {
   const OpDescriptor* all = descriptorsOf(control_->base, size_);
   auto describe = [&](int r) {
     const OpDescriptor& d = all[r];
+    if (d.root >= 0) {
+      return "rank " + std::to_string(r) + " broadcasts " + std::to_string(d.count) +
+             " bytes from rank " + std::to_string(d.root);
+    }
     std::string s = "rank " + std::to_string(r) + " reduces " + std::to_string(d.count) + " " +
                     shmDTypeName(static_cast<ShmDType>(d.dtype)) + " elements";
     if (d.in_place) {
@@ -491,9 +524,9 @@ void ShmAllReduce::verifyDescriptors() const {
     const OpDescriptor& a = all[r];
     const OpDescriptor& b = all[rank_];
     if (a.count != b.count || a.dtype != b.dtype || a.in_place != b.in_place ||
-        a.buffer_id != b.buffer_id || a.offset != b.offset) {
-      throw CommError("shared-memory all_reduce: ranks disagree on the collective: " +
-                      describe(rank_) + " but " + describe(r) +
+        a.buffer_id != b.buffer_id || a.offset != b.offset || a.root != b.root) {
+      throw CommError("shared memory: ranks disagree on the collective: " + describe(rank_) +
+                      " but " + describe(r) +
                       " (every rank must issue the same collectives in the same order)");
     }
   }
@@ -638,6 +671,32 @@ void ShmAllReduce::allReduceStaged(char* data, size_t count, ShmDType dtype, dou
     }
     done += n;
   }
+}
+
+void ShmAllReduce::broadcast(void* data, size_t bytes, int root, bool receive) {
+  if (root < 0 || root >= size_) {
+    throw CommError("shared-memory broadcast: root " + std::to_string(root) + " is outside [0, " +
+                    std::to_string(size_ - 1) + "]");
+  }
+  publishBroadcast(bytes, root);
+  char* p = static_cast<char*>(data);
+  // A chunk fills one set of slots (every rank's slot of the set, contiguous): the root copies it
+  // in, the others copy it out. The sets alternate as in the staged all-reduce, so the root writes
+  // a set again only after every rank has passed the barrier that follows reading it.
+  const size_t chunk = slot_bytes_ * static_cast<size_t>(size_);
+  size_t done = 0;
+  do {
+    const size_t n = std::min(chunk, bytes - done);
+    const int set = static_cast<int>(chunks_++ & 1u);
+    char* area = slot(set, 0);
+    if (rank_ == root) std::memcpy(area, p + done, n);
+    barrier("broadcast: copying in");
+    if (done == 0) verifyDescriptors();
+    if (rank_ != root && receive) std::memcpy(p + done, area, n);
+    done += n;
+  } while (done < bytes);
+  // Every rank has read the slots and checked the descriptors before any rank starts its next op.
+  barrier("broadcast: copying out");
 }
 
 void ShmAllReduce::allReduceInPlace(const Buffer& buffer, char* data, size_t count, ShmDType dtype,

@@ -1,8 +1,9 @@
-// ShmAllReduce: all-reduce (sum, optionally scaled) between the ranks that share one host, over
-// POSIX shared memory instead of TCP loopback. The Gloo communicator builds one group per host when
-// every host holds the same number of ranks (see topology.h): with one host it does the whole
-// all-reduce; with several, a PieceHook sums each rank's reduced piece across the hosts (one Gloo
-// ring per local index) before the host's peers copy it. Otherwise Gloo's TCP ring does the work.
+// ShmAllReduce: all-reduce (sum, optionally scaled) and broadcast between the ranks that share one
+// host, over POSIX shared memory instead of TCP loopback. The Gloo communicator builds one group
+// per host when every host holds the same number of ranks (see topology.h): with one host it does
+// the whole all-reduce; with several, a PieceHook sums each rank's reduced piece across the hosts
+// (one Gloo ring per local index) before the host's peers copy it. Otherwise Gloo's TCP ring does
+// the work.
 //
 // Each rank reduces one piece of the tensor (whole cache lines; the last ranks' pieces may be
 // short or empty): the sum of its own and its peers' copies of that piece, in rank order.
@@ -16,6 +17,9 @@
 // - In place (tensors inside a buffer from allocate(), e.g. DDP's gradient buckets): peers read
 //   each other's buffers directly, so nothing is staged: barrier; reduce own piece in place;
 //   barrier; copy the other pieces from their owners; barrier.
+// Broadcast (the in-place recovery's state sync) is staged: per chunk of one set of slots (every
+// rank's slot of it), the root copies in; barrier; the others copy out; a last barrier at the end.
+// A buffer's segment is reserved in parallel: each rank its own region, rank 0 also the header.
 // Every op first publishes a descriptor (element count, dtype, path), checked after its first
 // barrier; ranks that disagree all get a CommError naming both sides instead of a silent mismatch.
 // Barriers are an arrival counter in the control segment: spin briefly, then sleep on a (shared)
@@ -92,6 +96,12 @@ class ShmAllReduce {
   void allReduce(void* data, size_t count, ShmDType dtype, double scale = 1.0,
                  const PieceHook& hook = nullptr);
 
+  // `bytes` at `data` on `root` copied to `data` on every other rank, through the slots (no
+  // allocate()d buffer needed). Collective, same order on all ranks as the all-reduces; ranks that
+  // disagree on the size or the root all get a CommError. A rank that already holds root's bytes
+  // passes `receive` false: it takes part but copies nothing.
+  void broadcast(void* data, size_t bytes, int root, bool receive = true);
+
   // Collective (same sizes in the same order on every rank): `bytes` of zeroed memory that peers
   // can read in place, so all-reduces of ranges inside it skip the staging copy. Returns nullptr
   // on every rank when /dev/shm cannot hold size() such buffers. The memory stays valid while the
@@ -121,6 +131,7 @@ class ShmAllReduce {
   char* slot(int set, int rank) const;
   const Buffer* findBuffer(const char* data, size_t bytes);
   void publishDescriptor(size_t count, ShmDType dtype, const Buffer* buffer, size_t offset);
+  void publishBroadcast(size_t bytes, int root);
   void verifyDescriptors() const;
   void barrier(const char* phase);
   void checkPeers(const char* phase) const;
