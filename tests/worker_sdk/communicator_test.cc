@@ -118,19 +118,42 @@ TEST_CASE("async all_reduces complete in order and non-contiguous tensors are re
 
 TEST_CASE("broadcast, all_gather and barrier work across thread ranks", "[worker][comm]") {
   const int world = 3;
-  std::vector<torch::Tensor> bcast(world), gathered(world);
-  t::runRanks(world, [&](ProcessGroup& pg) {
-    auto b = torch::full({5, 3}, float(pg.rank() * 10));
-    pg.comm().broadcast(b, 1);
-    auto parts = pg.comm().allGather(torch::full({2}, pg.rank(), torch::kLong));
-    pg.comm().barrier();
-    bcast[static_cast<size_t>(pg.rank())] = b;
-    gathered[static_cast<size_t>(pg.rank())] = torch::cat(parts);
-  });
+  // Thread ranks share the host: broadcast takes shared memory unless it is off (then Gloo's).
+  const bool shared_memory = GENERATE(true, false);
+  ProcessGroupOptions options = t::fastOptions();
+  options.shared_memory = shared_memory;
+  INFO("shared_memory = " << shared_memory);
+  std::vector<torch::Tensor> bcast(world), gathered(world), big(world), held(world);
+  std::vector<bool> pipelined(world);
+  t::runRanks(
+      world,
+      [&](ProcessGroup& pg) {
+        const auto r = static_cast<size_t>(pg.rank());
+        auto b = torch::full({5, 3}, float(pg.rank() * 10));
+        pg.comm().broadcast(b, 1);
+        // Larger than the shared-memory slots (several chunks), from another root.
+        auto l = torch::arange(3'000'000, torch::kDouble) * (pg.rank() == 2 ? 1 : -1);
+        pg.comm().broadcast(l, 2);
+        // Rank 0 says it holds root 2's values already: it keeps its own where it may.
+        auto h = torch::full({1000}, float(pg.rank()));
+        pg.comm().broadcastIfLackingAsync(h, 2, pg.rank() != 0)->wait();
+        auto parts = pg.comm().allGather(torch::full({2}, pg.rank(), torch::kLong));
+        pg.comm().barrier();
+        bcast[r] = b;
+        big[r] = l;
+        held[r] = h;
+        pipelined[r] = pg.comm().broadcastIsPipelined();
+        gathered[r] = torch::cat(parts);
+      },
+      options);
   for (int r = 0; r < world; ++r) {
-    CHECK(torch::equal(bcast[static_cast<size_t>(r)], torch::full({5, 3}, 10.0f)));
-    CHECK(torch::equal(gathered[static_cast<size_t>(r)],
-                       torch::tensor({0, 0, 1, 1, 2, 2}, torch::kLong)));
+    const auto i = static_cast<size_t>(r);
+    CHECK(pipelined[i] == shared_memory);
+    CHECK(torch::equal(bcast[i], torch::full({5, 3}, 10.0f)));
+    CHECK(torch::equal(big[i], torch::arange(3'000'000, torch::kDouble)));
+    const float want = r == 0 && shared_memory ? 0.0f : 2.0f;
+    CHECK(torch::equal(held[i], torch::full({1000}, want)));
+    CHECK(torch::equal(gathered[i], torch::tensor({0, 0, 1, 1, 2, 2}, torch::kLong)));
   }
 }
 

@@ -113,17 +113,20 @@ void GlooCommunicator::allReduceNow(const at::Tensor& tensor, ReduceOp op, uint3
                  << " ms");
 }
 
-std::shared_ptr<Work> GlooCommunicator::broadcastAsync(at::Tensor tensor, int root) {
+std::shared_ptr<Work> GlooCommunicator::broadcastIfLackingAsync(at::Tensor tensor, int root,
+                                                                bool lacking) {
   checkCpu(tensor, "broadcast");
   if (root < 0 || root >= size_) {
     throw WorkerError("broadcast: root " + std::to_string(root) + " is outside [0, " +
                       std::to_string(size_ - 1) + "]");
   }
   const uint32_t tag = nextTag();
-  return queue_.submit([this, tensor, root, tag] {
+  return queue_.submit([this, tensor, root, tag, lacking] {
     at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
     const size_t bytes = static_cast<size_t>(work.numel()) * work.element_size();
-    if (bytes > 0 && size_ > 1) {
+    if (bytes > 0 && broadcastIsPipelined()) {
+      shm_->broadcast(work.data_ptr(), bytes, root, lacking);
+    } else if (bytes > 0 && size_ > 1) {
       gloo::BroadcastOptions opts(ctx_);
       // Output only: the root sends from it, the others receive into it.
       opts.setOutput(static_cast<uint8_t*>(work.data_ptr()), bytes);

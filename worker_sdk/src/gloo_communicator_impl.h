@@ -34,7 +34,10 @@ class GlooCommunicator : public Communicator {
   at::Device device() const override { return at::kCPU; }
 
   std::shared_ptr<Work> allReduceAsync(at::Tensor tensor, ReduceOp op) override;
-  std::shared_ptr<Work> broadcastAsync(at::Tensor tensor, int root) override;
+  std::shared_ptr<Work> broadcastAsync(at::Tensor tensor, int root) override {
+    return broadcastIfLackingAsync(std::move(tensor), root, true);
+  }
+  std::shared_ptr<Work> broadcastIfLackingAsync(at::Tensor tensor, int root, bool lacking) override;
   std::shared_ptr<Work> allGatherAsync(at::Tensor input, at::Tensor output) override;
   std::shared_ptr<Work> barrierAsync() override;
   at::Tensor allocateBuffer(int64_t numel, const at::TensorOptions& options) override;
@@ -42,6 +45,8 @@ class GlooCommunicator : public Communicator {
   bool awaitIdle(std::chrono::milliseconds timeout) override { return queue_.waitIdle(timeout); }
   // The leaders' route pads with +0.0 (gloo_leaders.cc).
   bool sumOfZerosIsExact() const override { return leaders_ == nullptr; }
+  // Over shared memory when one host holds every rank; otherwise Gloo's broadcast.
+  bool broadcastIsPipelined() const override { return shm_ != nullptr && shm_->size() == size_; }
 
  private:
   // The all-reduce itself, on the op thread.

@@ -271,6 +271,9 @@ class NcclCommunicator : public Communicator {
     health_->fail("aborted: " + reason);  // ncclCommAbort, once
   }
 
+  // ncclBroadcast pipelines the root's bytes along the ring: each link carries them once.
+  bool broadcastIsPipelined() const override { return true; }
+
   bool awaitIdle(std::chrono::milliseconds timeout) override {
     if (!queue_->waitIdle(timeout)) return false;
     DeviceGuard guard(device_);

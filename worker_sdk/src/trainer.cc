@@ -199,25 +199,29 @@ int Trainer::syncLiveState(const std::vector<torch::Tensor>& table, int source, 
   if (rank == source) bytes = encodeTrainingState(*optimizer_, progress_);
   broadcastBytes(bytes, source);
   {
-    // Each tensor goes as an all-reduce to which every rank but the source adds -0.0 (0 for
-    // integers): x + -0.0 is x bit for bit, -0.0 included, so this is a broadcast that takes the
-    // all-reduce's routes (shared memory on one host, rings across hosts) instead of the source
-    // sending everything to each rank in turn. Other dtypes, and a route that pads with +0.0,
-    // broadcast. A tensor that appears twice (tied weights, a shared buffer) goes once: a second
-    // all-reduce of it would add the first one's result.
+    // Where broadcast is pipelined (one host's shared memory, NCCL) each tensor is broadcast.
+    // Elsewhere (Gloo across hosts, where the source would send everything to each rank in turn)
+    // it goes as an all-reduce to which every rank but the source adds -0.0 (0 for integers):
+    // x + -0.0 is x bit for bit, -0.0 included, so this is a broadcast that takes the all-reduce's
+    // rings. Other dtypes, and a route that pads with +0.0, broadcast. A tensor that appears twice
+    // (tied weights, a shared buffer) goes once: a second all-reduce of it would add the first
+    // one's result.
     torch::NoGradGuard no_grad;
     Communicator& comm = group_->comm();
-    const bool exact = comm.sumOfZerosIsExact();
+    const bool as_all_reduce = comm.sumOfZerosIsExact() && !comm.broadcastIsPipelined();
     std::vector<std::shared_ptr<Work>> works;
     std::set<std::pair<const void*, int64_t>> seen;  // (storage, offset)
+    // A rank at the source's step holds its state already (the fault-free state at that step,
+    // its own buffers included): where the communicator can, it is left as it is.
+    const bool lacking = !holds(static_cast<size_t>(rank));
     auto send = [&](torch::Tensor t) {
       if (!seen.emplace(t.storage().unsafeGetStorageImpl(), t.storage_offset()).second) return;
       const auto type = t.scalar_type();
-      const bool summable =
-          exact && (type == torch::kFloat || type == torch::kDouble || type == torch::kHalf ||
-                    type == torch::kBFloat16 || type == torch::kInt || type == torch::kLong);
+      const bool summable = as_all_reduce && (type == torch::kFloat || type == torch::kDouble ||
+                                              type == torch::kHalf || type == torch::kBFloat16 ||
+                                              type == torch::kInt || type == torch::kLong);
       if (!summable) {
-        works.push_back(comm.broadcastAsync(t, source));
+        works.push_back(comm.broadcastIfLackingAsync(t, source, lacking));
         return;
       }
       if (rank != source) t.fill_(t.is_floating_point() ? -0.0 : 0.0);
@@ -225,21 +229,36 @@ int Trainer::syncLiveState(const std::vector<torch::Tensor>& table, int source, 
     };
     for (auto& p : model_->parameters(true)) send(p.data());
     for (auto& b : model_->buffers(true)) send(b);
+    // While the tensors travel, a rank that lacks the state decodes the rest of it (the optimizer
+    // keys its state by the parameters but reads none of their values). Whatever happens, no
+    // tensor is left to a running collective.
+    try {
+      if (lacking) adoptTrainingState(bytes, source, step);
+    } catch (...) {
+      for (auto& w : works) {
+        try {
+          w->wait();
+        } catch (const std::exception&) {  // the decoding's error is the one to report
+        }
+      }
+      throw;
+    }
     for (auto& w : works) w->wait();
   }
-  if (!holds(static_cast<size_t>(rank))) {
-    const double own_loss = progress_.epoch_loss_sum;
-    loadTrainingState(bytes, "rank " + std::to_string(source) + "'s live state", *optimizer_,
-                      progress_);
-    if (live_) progress_.epoch_loss_sum = own_loss;  // this rank's own share of the epoch's loss
-    if (scaler_ && progress_.loss_scale > 0) {
-      scaler_->restore(
-          LossScaler::State{progress_.loss_scale, progress_.loss_scale_growth_tracker});
-    }
-    log() << "[RANK " << rank << "] took rank " << source << "'s live state after step " << step
-          << ": epoch " << progress_.epoch << ", step " << progress_.step_in_epoch << std::endl;
-  }
   return source;
+}
+
+void Trainer::adoptTrainingState(const std::string& bytes, int source, int64_t step) {
+  const double own_loss = progress_.epoch_loss_sum;
+  loadTrainingState(bytes, "rank " + std::to_string(source) + "'s live state", *optimizer_,
+                    progress_);
+  if (live_) progress_.epoch_loss_sum = own_loss;  // this rank's own share of the epoch's loss
+  if (scaler_ && progress_.loss_scale > 0) {
+    scaler_->restore(LossScaler::State{progress_.loss_scale, progress_.loss_scale_growth_tracker});
+  }
+  log() << "[RANK " << group_->rank() << "] took rank " << source << "'s live state after step "
+        << step << ": epoch " << progress_.epoch << ", step " << progress_.step_in_epoch
+        << std::endl;
 }
 
 bool Trainer::syncSnapshot(const std::vector<torch::Tensor>& all, std::string bytes,

@@ -52,6 +52,13 @@ class Communicator {
   virtual std::shared_ptr<Work> allReduceAsync(at::Tensor tensor, ReduceOp op) = 0;
   // In place: every rank ends with root's values.
   virtual std::shared_ptr<Work> broadcastAsync(at::Tensor tensor, int root) = 0;
+  // As broadcastAsync, for a rank that may already hold root's values bit for bit (`lacking`
+  // false): a communicator that can skip writing them there (Gloo's shared memory) does. Every
+  // rank still takes part; the default broadcasts.
+  virtual std::shared_ptr<Work> broadcastIfLackingAsync(at::Tensor tensor, int root, bool lacking) {
+    (void)lacking;
+    return broadcastAsync(std::move(tensor), root);
+  }
   // `output` holds size() * input.numel() elements, rank r's input at offset r * numel.
   virtual std::shared_ptr<Work> allGatherAsync(at::Tensor input, at::Tensor output) = 0;
   virtual std::shared_ptr<Work> barrierAsync() = 0;
@@ -78,6 +85,10 @@ class Communicator {
   // payloads aside): x + -0.0 == x. False on a route that adds +0.0 of its own (-0.0 would become
   // +0.0), where only broadcast copies exactly.
   virtual bool sumOfZerosIsExact() const { return true; }
+  // True when broadcast moves the root's bytes over each link once (NCCL's ring, one host's
+  // shared memory), as fast as an all-reduce or faster; false when the root sends them to each
+  // rank in turn (Gloo over TCP), where an all-reduce of zeros onto the root's values is faster.
+  virtual bool broadcastIsPipelined() const { return false; }
 
   void allReduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
   void broadcast(const at::Tensor& tensor, int root = 0);

@@ -118,6 +118,8 @@ class Trainer {
   // (-1 when every rank already held the state or none had any).
   int syncState();
   int syncLiveState(const std::vector<torch::Tensor>& table, int source, std::int64_t step);
+  // A rank that lacked the live state: the optimizer, progress and loss scale from `source`'s.
+  void adoptTrainingState(const std::string& bytes, int source, std::int64_t step);
   bool syncSnapshot(const std::vector<torch::Tensor>& table, std::string bytes,
                     const std::string& damaged);
   // `bytes` of rank `source`, on every rank.
