@@ -701,6 +701,8 @@ void Supervisor::startEpisode(const std::string& cause, int generation) {
   episode.generation = generation;
   episode.old_generation = group_generation_;
   episode.detected = clock_.now();
+  episode.detected_unix =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   // Multi-node: also the bound on forming the round (a `--nnodes 2:2` job waits for a new node).
   episode.deadline = episode.detected + options_.inplace_timeout;
   episode.cause = cause;
@@ -825,6 +827,11 @@ void Supervisor::onControlMessage(int pid, const ControlMessage& message) {
       return;
     case ControlType::kCaps:
       w->capable = w->connected;
+      // The SDK's Trainer announces itself once the program has built its model and data: the
+      // replacement's own start-up ends here (what follows is the recovery's).
+      if (episode_ && pid == episode_->replacement_pid && episode_->ready_ms == 0) {
+        episode_->ready_ms = msSinceDetection();
+      }
       return;
     case ControlType::kGoodbye:
       if (message.str("reason") == "giveup" && state_ == AgentState::kRecovering) {
@@ -884,6 +891,7 @@ void Supervisor::finishEpisode() {
   if (recovery_listener_) {
     InPlaceRecovery r{e.generation, {{"told", e.told_ms}}, e.step};
     if (replaced) r.phases_ms.emplace_back("replacement_start", e.hello_ms);
+    if (replaced && e.ready_ms > 0) r.phases_ms.emplace_back("replacement_ready", e.ready_ms);
     for (const auto& phase :
          std::initializer_list<std::pair<const char*, double>>{{"aborted", e.aborted_ms},
                                                                {"formed", e.formed_ms},
@@ -893,13 +901,17 @@ void Supervisor::finishEpisode() {
     }
     recovery_listener_(r);
   }
-  const std::string hello =
-      replaced ? fmt::format(", replacement said hello {:.0f} ms", e.hello_ms) : "";
+  const std::string hello = !replaced ? ""
+                            : e.ready_ms > 0
+                                ? fmt::format(", replacement said hello {:.0f} ms, ready {:.0f} ms",
+                                              e.hello_ms, e.ready_ms)
+                                : fmt::format(", replacement said hello {:.0f} ms", e.hello_ms);
   logger("agent")->info(
-      "in-place recovery, generation {} ({}): told {:.1f} ms{}, aborted {:.0f} ms, formed {:.0f} "
-      "ms, synced {:.0f} ms, first step {:.0f} ms; resumed after step {} from rank {}, world {}",
-      e.generation, e.cause, e.told_ms, hello, e.aborted_ms, e.formed_ms, e.synced_ms, first_step,
-      e.step, e.source, worldSize());
+      "in-place recovery, generation {} ({}, seen at unix time {:.3f}): told {:.1f} ms{}, aborted "
+      "{:.0f} ms, formed {:.0f} ms, synced {:.0f} ms, first step {:.0f} ms; resumed after step {} "
+      "from rank {}, world {}",
+      e.generation, e.cause, e.detected_unix, e.told_ms, hello, e.aborted_ms, e.formed_ms,
+      e.synced_ms, first_step, e.step, e.source, worldSize());
 }
 
 void Supervisor::fallBack(const std::string& why, bool report) {

@@ -3,6 +3,7 @@
 // restarting every worker, and a failure is charged once either way.
 #include <catch2/catch.hpp>
 #include <csignal>
+#include <map>
 
 #include "agent_metrics.h"
 #include "ddprun/agent/supervisor.h"
@@ -109,6 +110,8 @@ TEST_CASE("in-place: hello is answered with the generation to form and the recov
 TEST_CASE("in-place: a failed worker is replaced alone, the others are told to abort and re-form",
           "[agent][inplace]") {
   Fixture f;
+  std::vector<InPlaceRecovery> recoveries;
+  f.sup->setRecoveryListener([&](const InPlaceRecovery& r) { recoveries.push_back(r); });
   f.sup->start();
   f.allCapable();
   const auto pids = f.first();
@@ -139,6 +142,11 @@ TEST_CASE("in-place: a failed worker is replaced alone, the others are told to a
         {{"v", "1"}, {"pid", std::to_string(newcomer)}, {"caps", ""}});
   REQUIRE(f.channel.to(newcomer, ControlType::kWelcome).size() == 1);
   CHECK(f.channel.to(newcomer, ControlType::kWelcome)[0].num("gen") == 2);
+  // Its program built its model 80 ms later: the Trainer's caps end the replacement's start-up.
+  f.clock.advance(std::chrono::milliseconds(80));
+  f.say(newcomer, ControlType::kCaps, {{"add", "inplace"}});
+  f.clock.advance(std::chrono::milliseconds(20));
+  f.say(newcomer, ControlType::kCaps, {{"add", "inplace"}});  // (only the first one counts)
   // Back to RUNNING once every worker completed a step in generation 2 (an old one's is not it).
   f.say(pids[0], ControlType::kStep, {{"gen", "1"}, {"n", "12"}});
   f.say(pids[0], ControlType::kStep, {{"gen", "2"}, {"n", "13"}});
@@ -148,6 +156,12 @@ TEST_CASE("in-place: a failed worker is replaced alone, the others are told to a
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.sup->recoveredInPlace() == 1);
   CHECK_FALSE(f.sup->nextDeadline().has_value());  // no recovery deadline left
+  REQUIRE(recoveries.size() == 1);
+  std::map<std::string, double> phases(recoveries[0].phases_ms.begin(),
+                                       recoveries[0].phases_ms.end());
+  CHECK(phases.count("replacement_start") == 1);
+  CHECK(phases["replacement_ready"] == Approx(80.0));
+  CHECK(phases["first_step"] == Approx(100.0));
   // The job then ends as usual.
   for (int pid : {pids[0], pids[1], newcomer}) f.sup->onWorkerExit(pid, ExitStatus{false, 0});
   CHECK(f.sup->state() == AgentState::kSucceeded);

@@ -84,7 +84,8 @@ struct SupervisorOptions {
 };
 
 // One completed in-place recovery, for logs and metrics: each phase's end, in ms after the failure
-// was seen ("told", "replacement_start", "aborted", "formed", "synced", "first_step").
+// was seen ("told", "replacement_start", "replacement_ready", "aborted", "formed", "synced",
+// "first_step").
 struct InPlaceRecovery {
   int generation = 0;
   std::vector<std::pair<std::string, double>> phases_ms;
@@ -177,12 +178,13 @@ class Supervisor {
     bool awaiting_round = false;  // multi-node: the agents are forming the next round
     int regenerations = 0;        // rounds formed again because the nodes changed meanwhile
     TimePoint detected;
+    double detected_unix = 0;  // wall-clock seconds, to line the phases up with others' logs
     TimePoint deadline;
     std::string cause;  // "local rank 1 (pid 812) killed by signal 9"
     int replacement_pid = 0;
     std::vector<int> stepped;  // pids that completed a step in `generation`
     // When the last worker reported each phase (ms after `detected`).
-    double told_ms = 0, hello_ms = 0, aborted_ms = 0, formed_ms = 0, synced_ms = 0;
+    double told_ms = 0, hello_ms = 0, ready_ms = 0, aborted_ms = 0, formed_ms = 0, synced_ms = 0;
     std::int64_t step = -1;
     int source = -1;
   };
