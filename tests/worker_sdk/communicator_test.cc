@@ -199,6 +199,33 @@ TEST_CASE("the TCP store is hosted by rank 0 and reached by the others", "[worke
                     Catch::Contains("never"));
 }
 
+TEST_CASE("a client reaches a store whose host comes up only after it began waiting",
+          "[worker][comm]") {
+  int port;
+  {
+    auto s = KeyValueStore::tcpServer("127.0.0.1", 0, std::chrono::seconds(5));
+    port = s->port();
+  }
+  // Late enough that the client has left its 10 ms probes for the backed-off ones.
+  std::shared_ptr<KeyValueStore> server;
+  std::thread host([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    server = KeyValueStore::tcpServer("127.0.0.1", port, std::chrono::seconds(10));
+    server->set("k", {'u', 'p'});
+  });
+  std::vector<char> got;
+  try {
+    auto client = KeyValueStore::tcpClient("127.0.0.1", port, std::chrono::seconds(20));
+    client->wait({"k"}, std::chrono::seconds(20));
+    got = client->get("k");
+  } catch (...) {
+    host.join();
+    throw;
+  }
+  host.join();
+  CHECK(got == std::vector<char>{'u', 'p'});
+}
+
 TEST_CASE("connecting to a store nobody hosts fails within the timeout naming the address",
           "[worker][comm]") {
   // Take a free port and release it: nothing listens there afterwards.

@@ -43,14 +43,18 @@ bool accepts(const addrinfo& a, std::chrono::milliseconds wait) {
 
 // c10d's client waits about a second after each refused connection, and a new rank 0 (the group
 // re-formed in place) opens its store moments after the others learn its port: wait here, trying
-// every 10 ms, until the port accepts or `timeout` passes (then c10d gives the error).
+// every 10 ms for the first second, then backing off (doubling, up to 250 ms, so many ranks
+// waiting on a rank 0 that is slow to come do not flood it), until the port accepts or `timeout`
+// passes (then c10d gives the error).
 void awaitListening(const std::string& host, int port, std::chrono::milliseconds timeout) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
   if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return;
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + timeout;
+  auto pause = std::chrono::milliseconds(10);
   bool up = false;
   while (!up && std::chrono::steady_clock::now() < deadline) {
     for (const addrinfo* a = found; a != nullptr && !up; a = a->ai_next) {
@@ -59,7 +63,11 @@ void awaitListening(const std::string& host, int port, std::chrono::milliseconds
       up = accepts(*a,
                    std::clamp(left, std::chrono::milliseconds(1), std::chrono::milliseconds(500)));
     }
-    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (up) break;
+    std::this_thread::sleep_for(pause);
+    if (std::chrono::steady_clock::now() - start > std::chrono::seconds(1)) {
+      pause = std::min(pause * 2, std::chrono::milliseconds(250));
+    }
   }
   ::freeaddrinfo(found);
 }
