@@ -901,11 +901,8 @@ void Supervisor::finishEpisode() {
     }
     recovery_listener_(r);
   }
-  const std::string hello = !replaced ? ""
-                            : e.ready_ms > 0
-                                ? fmt::format(", replacement said hello {:.0f} ms, ready {:.0f} ms",
-                                              e.hello_ms, e.ready_ms)
-                                : fmt::format(", replacement said hello {:.0f} ms", e.hello_ms);
+  std::string hello = replaced ? fmt::format(", replacement said hello {:.0f} ms", e.hello_ms) : "";
+  if (replaced && e.ready_ms > 0) hello += fmt::format(", ready {:.0f} ms", e.ready_ms);
   logger("agent")->info(
       "in-place recovery, generation {} ({}, seen at unix time {:.3f}): told {:.1f} ms{}, aborted "
       "{:.0f} ms, formed {:.0f} ms, synced {:.0f} ms, first step {:.0f} ms; resumed after step {} "

@@ -484,23 +484,13 @@ char* ShmAllReduce::slot(int set, int rank) const {
 }
 
 void ShmAllReduce::publishDescriptor(size_t count, ShmDType dtype, const Buffer* buffer,
-                                     size_t offset) {
+                                     size_t offset, int root) {
   OpDescriptor& d = descriptorsOf(control_->base, size_)[rank_];
   d.count = count;
   d.dtype = static_cast<uint32_t>(dtype);
   d.in_place = buffer != nullptr ? 1 : 0;
   d.buffer_id = buffer != nullptr ? buffer->id : 0;
   d.offset = offset;
-  d.root = -1;
-}
-
-void ShmAllReduce::publishBroadcast(size_t bytes, int root) {
-  OpDescriptor& d = descriptorsOf(control_->base, size_)[rank_];
-  d.count = bytes;
-  d.dtype = 0;
-  d.in_place = 0;
-  d.buffer_id = 0;
-  d.offset = 0;
   d.root = root;
 }
 
@@ -678,7 +668,7 @@ void ShmAllReduce::broadcast(void* data, size_t bytes, int root, bool receive) {
     throw CommError("shared-memory broadcast: root " + std::to_string(root) + " is outside [0, " +
                     std::to_string(size_ - 1) + "]");
   }
-  publishBroadcast(bytes, root);
+  publishDescriptor(bytes, ShmDType::kFloat32, nullptr, 0, root);  // (the dtype is unused)
   char* p = static_cast<char*>(data);
   // A chunk fills one set of slots (every rank's slot of the set, contiguous): the root copies it
   // in, the others copy it out. The sets alternate as in the staged all-reduce, so the root writes

@@ -130,8 +130,9 @@ class ShmAllReduce {
                std::shared_ptr<KeyValueStore> store, const ShmOptions& options);
   char* slot(int set, int rank) const;
   const Buffer* findBuffer(const char* data, size_t bytes);
-  void publishDescriptor(size_t count, ShmDType dtype, const Buffer* buffer, size_t offset);
-  void publishBroadcast(size_t bytes, int root);
+  // `root` >= 0: a broadcast of `count` bytes from that rank (no dtype, no buffer).
+  void publishDescriptor(size_t count, ShmDType dtype, const Buffer* buffer, size_t offset,
+                         int root = -1);
   void verifyDescriptors() const;
   void barrier(const char* phase);
   void checkPeers(const char* phase) const;
