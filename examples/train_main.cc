@@ -36,6 +36,8 @@ constexpr const char* kUsage =
     "  --fail-at-step N: fault injection for tests: the last rank kills itself (SIGKILL) after "
     "global\n"
     "                    step N on the first attempt (TORCHELASTIC_RESTART_COUNT=0)\n"
+    "  --fail-signal TERM: ... sends itself SIGTERM instead (it is asked to stop; under\n"
+    "                    --restart-mode=in-place it leaves and the others go on)\n"
     "  --step-log FILE:  rank 0 appends '<global step> <unix time>' after every optimizer step";
 
 struct UsageError : std::runtime_error {
@@ -60,6 +62,7 @@ struct Args {
   std::string dump_params;
   bool timing = false;
   int64_t fail_at_step = -1;
+  int fail_signal = SIGKILL;
   std::string step_log;
 };
 
@@ -138,7 +141,12 @@ Args parseArgs(int argc, char** argv) {
       a.timing = true;
     else if (arg == "--fail-at-step")
       a.fail_at_step = intArg(arg, value(), 1);
-    else if (arg == "--step-log")
+    else if (arg == "--fail-signal") {
+      const std::string v = value();
+      if (v != "KILL" && v != "TERM")
+        throw UsageError("--fail-signal must be KILL or TERM, got '" + v + "'");
+      a.fail_signal = v == "KILL" ? SIGKILL : SIGTERM;
+    } else if (arg == "--step-log")
       a.step_log = value();
     else if (arg == "-h" || arg == "--help") {
       std::cout << kUsage << std::endl;
@@ -234,9 +242,10 @@ int main(int argc, char** argv) {
         std::fflush(step_log.get());
       }
       if (inject && p.global_step == n) {
-        std::fprintf(stderr, "train: fault injection: killing myself at step %lld at %.6f\n",
+        std::fprintf(stderr, "train: fault injection: %s at step %lld at %.6f\n",
+                     args.fail_signal == SIGKILL ? "killing myself" : "sending myself SIGTERM",
                      static_cast<long long>(n), unixNow());
-        std::raise(SIGKILL);
+        std::raise(args.fail_signal);
       }
     };
     w::Trainer trainer(group, task.module, task.forward, task.loss, opt, task.inputs, task.targets,
@@ -252,6 +261,9 @@ int main(int argc, char** argv) {
                   static_cast<long long>(kWarmup));
       std::fflush(stdout);
     }
+    // It left the job (SIGTERM to part of the world under in-place recovery): the others go on
+    // without it, and its group is closed.
+    if (outcome == w::Trainer::Outcome::kLeft) return 0;
     if (!args.dump_params.empty() && group->rank() == 0) dumpParams(args.dump_params, *task.module);
     if (outcome == w::Trainer::Outcome::kStoppedBySignal) {
       std::cout << "[RANK " << group->rank() << "] stopped by checkpoint signal" << std::endl;

@@ -192,6 +192,16 @@ bool Supervisor::stoppedForPeer(const Worker& worker) const {
          heartbeats_->modificationTime(worker.launch.stop_file).has_value();
 }
 
+bool Supervisor::allAbortedOnTheirOwn() const {
+  bool any = false;
+  for (const auto& w : workers_) {
+    if (!w.running) continue;
+    if (w.aborted_gen != group_generation_) return false;
+    any = true;
+  }
+  return any;
+}
+
 bool Supervisor::heartbeatsEnabled() const {
   return heartbeats_ != nullptr && options_.heartbeat_timeout > Duration::zero();
 }
@@ -310,6 +320,13 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
         return;
       }
       if (!recoverInPlace(*worker, what)) stopForLocalFailure();
+      return;
+    }
+    if (worker->left) {
+      // It was sent SIGTERM by someone else than this agent (which would be stopping now), and
+      // left while the other ranks re-form: replace it like a failed worker.
+      if (recoverInPlace(*worker, what + " after it left the job on a signal sent to it")) return;
+      beginStop(StopReason::kMembership, SIGTERM);
       return;
     }
     if (stoppedForPeer(*worker)) {
@@ -498,10 +515,12 @@ void Supervisor::onMembershipChange() {
   if (options_.multi_node && options_.failure_grace > Duration::zero() &&
       inPlaceEligible(nullptr, /*charged=*/false)) {
     // A stop may be under way: this node's own SIGTERM (the whole job stopped), or the workers'
-    // agreed checkpoint stop after another node's spot notice. That path keeps its snapshot;
-    // the recovery starts once failure_grace passed without one (onDeadline).
-    if (!deadlines_.membership) deadlines_.membership = clock_.now() + options_.failure_grace;
-    return;
+    // agreed checkpoint stop. That path keeps its snapshot; the recovery starts once
+    // failure_grace passed without one (onDeadline), or once every worker aborted on its own.
+    if (!allAbortedOnTheirOwn()) {
+      if (!deadlines_.membership) deadlines_.membership = clock_.now() + options_.failure_grace;
+      return;
+    }
   }
   onNodesChanged();
 }
@@ -834,12 +853,18 @@ void Supervisor::onControlMessage(int pid, const ControlMessage& message) {
       }
       return;
     case ControlType::kGoodbye:
+      w->left = message.str("reason") == "stop";
       if (message.str("reason") == "giveup" && state_ == AgentState::kRecovering) {
         fallBack("local rank " + std::to_string(w->launch.local_rank) + " gave up recovering");
       }
       return;
     default:
-      if (state_ == AgentState::kRecovering) onPhase(*w, message);
+      if (state_ == AgentState::kRecovering) {
+        onPhase(*w, message);
+      } else if (state_ == AgentState::kRunning && message.type == ControlType::kAborted) {
+        w->aborted_gen = static_cast<int>(message.num("gen"));
+        if (deadlines_.membership && allAbortedOnTheirOwn()) onNodesChanged();
+      }
       return;
   }
 }

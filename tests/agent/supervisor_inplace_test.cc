@@ -192,6 +192,61 @@ TEST_CASE("in-place: with the restart budget spent the job fails as in process m
   CHECK(f.sup->exitCode() == 1);
 }
 
+TEST_CASE(
+    "in-place: a worker that left on a signal sent to it alone is replaced like a failed one, "
+    "while one that merely finished first is waited for",
+    "[agent][inplace]") {
+  Fixture f(3, /*max_restarts=*/2);
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  // Rank 2 was sent SIGTERM (not by the agent): it said goodbye and exited 0 after the agreed
+  // step; ranks 0 and 1 re-form in place without it and the agent starts its replacement.
+  f.say(pids[2], ControlType::kGoodbye, {{"reason", "stop"}});
+  f.sup->onWorkerExit(pids[2], ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.sup->restartCount() == 1);  // charged, as torchrun charges a worker ended by a signal
+  CHECK(f.launcher.signals.empty());
+  REQUIRE(f.launcher.spawned.size() == 4);
+  CHECK(f.launcher.spawned.back().second.local_rank == 2);
+  for (int survivor : {pids[0], pids[1]}) {
+    CHECK(f.channel.to(survivor, ControlType::kAbort).size() == 1);
+    REQUIRE(f.channel.to(survivor, ControlType::kGroup).size() == 1);
+    CHECK(f.channel.to(survivor, ControlType::kGroup)[0].num("world") == 3);
+  }
+  const int newcomer = f.launcher.spawned.back().first;
+  for (int pid : {pids[0], pids[1], newcomer}) {
+    f.say(pid, ControlType::kStep, {{"gen", "2"}, {"n", "13"}});
+  }
+  CHECK(f.sup->state() == AgentState::kRunning);
+  // Without a goodbye an exit 0 is a worker done before the others: nothing to recover.
+  f.sup->onWorkerExit(pids[0], ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.launcher.spawned.size() == 4);
+  // Any other goodbye does not count as leaving.
+  f.say(pids[1], ControlType::kGoodbye, {{"reason", "done"}});
+  f.sup->onWorkerExit(pids[1], ExitStatus{false, 0});
+  f.sup->onWorkerExit(newcomer, ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+}
+
+TEST_CASE(
+    "in-place: a worker that left on a signal when it cannot be replaced in place re-forms every "
+    "worker, not charged",
+    "[agent][inplace]") {
+  Fixture f(2, /*max_restarts=*/0);
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  f.say(pids[1], ControlType::kGoodbye, {{"reason", "stop"}});
+  f.sup->onWorkerExit(pids[1], ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kStopping);
+  f.sup->onWorkerExit(pids[0], ExitStatus{true, SIGTERM});
+  CHECK(f.sup->state() == AgentState::kRunning);  // every worker started again
+  CHECK(f.sup->restartCount() == 0);
+  CHECK(f.launcher.spawned.size() == 4);
+}
+
 namespace {
 
 // The second of two nodes of two workers each (ranks 2 and 3), every worker capable.
@@ -552,6 +607,45 @@ TEST_CASE(
     f.clock.advance(std::chrono::seconds(2));
     f.fireDeadlines();
     CHECK(f.rdzv.joins == 2);  // the grace's end starts nothing more
+  }
+}
+
+TEST_CASE(
+    "in-place across nodes: a change of nodes recovers without the grace once every worker "
+    "aborted on its own (a node died, or its ranks left on SIGTERM)",
+    "[agent][inplace]") {
+  // The generation the workers run: the one their welcome named.
+  auto current = [](TwoNodes& f) {
+    return f.channel.to(f.first()[0], ControlType::kWelcome).at(0).num("gen");
+  };
+  auto abortedOnItsOwn = [&](TwoNodes& f, int pid) {
+    f.say(pid, ControlType::kAborted, {{"gen", std::to_string(current(f))}});
+  };
+  SECTION("the workers aborted before the change arrived") {
+    TwoNodes f;
+    for (int pid : f.first()) abortedOnItsOwn(f, pid);
+    CHECK(f.sup->state() == AgentState::kRunning);  // nothing happens without a change of nodes
+    f.sup->onMembershipChange();
+    CHECK(f.sup->state() == AgentState::kRecovering);
+    CHECK(f.sup->restartCount() == 0);
+  }
+  SECTION("the last worker aborted during the grace") {
+    TwoNodes f;
+    abortedOnItsOwn(f, f.first()[0]);
+    f.sup->onMembershipChange();
+    CHECK(f.sup->state() == AgentState::kRunning);  // one still runs the old group: the grace
+    abortedOnItsOwn(f, f.first()[1]);
+    CHECK(f.sup->state() == AgentState::kRecovering);
+  }
+  SECTION("an abort of an older generation does not count") {
+    TwoNodes f;
+    f.say(f.first()[0], ControlType::kAborted, {{"gen", std::to_string(current(f) - 1)}});
+    abortedOnItsOwn(f, f.first()[1]);
+    f.sup->onMembershipChange();
+    CHECK(f.sup->state() == AgentState::kRunning);
+    f.clock.advance(std::chrono::seconds(2));
+    f.fireDeadlines();
+    CHECK(f.sup->state() == AgentState::kRecovering);  // after the grace, as before
   }
 }
 

@@ -274,7 +274,7 @@ TEST_CASE(
 
 TEST_CASE(
     "in-place across nodes: SIGTERM to every node still ends the job with a checkpoint, and one "
-    "node leaving (a spot notice) leaves the other training to the end",
+    "node leaving (a spot notice) leaves the other's workers training in place, no step lost",
     "[multinode][inplace]") {
   const bool everyone = GENERATE(true, false);
   INFO((everyone ? "SIGTERM to both agents" : "SIGTERM to one agent (--nnodes=1:2)"));
@@ -287,6 +287,8 @@ TEST_CASE(
   auto b = node("127.0.0.3", rdzv.endpoint, "1:2", run, "in-place", train_args);
   REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
                     180s));
+  const auto a_workers = workerPids(a->pid());
+  REQUIRE(a_workers.size() == 2);
   b->signal(SIGTERM);
   if (everyone) a->signal(SIGTERM);
   auto rb = b->wait(60s);
@@ -297,14 +299,31 @@ TEST_CASE(
   CHECK(rb->exit_code == 128 + SIGTERM);
   const std::string all = ra->out + ra->err + rb->out + rb->err;
   if (everyone) {
-    // The workers agreed to stop and rank 0 saved a snapshot; nobody started a recovery.
+    // The workers agreed to stop and rank 0 saved a snapshot; no agent started a recovery. (Had
+    // the signals reached the nodes a step apart, the first node's ranks would leave and rank 0
+    // save that step; the others then stop too while they re-form.)
     CHECK(ra->exit_code == 128 + SIGTERM);
-    CHECK(all.find("Training snapshot saved at " + (dir / "snap.pt") + " (checkpoint signal)") !=
+    CHECK(all.find("Training snapshot saved at " + (dir / "snap.pt") + " (checkpoint signal") !=
           std::string::npos);
-    CHECK(all.find("recovering in place") == std::string::npos);
+    CHECK(all.find("; recovering in place (") == std::string::npos);
   } else {
-    // The other node trains to the end: in place, or from the checkpoint the stop agreed on.
+    // The leaving node's ranks left after the agreed step, rank 0 saved it, and the other node's
+    // workers went on from it in place, in a world of 2: the same processes, no snapshot read.
     CHECK(ra->exit_code == 0);
     CHECK(ra->out.find("Epoch 5 |") != std::string::npos);
+    std::smatch left;
+    REQUIRE(std::regex_search(
+        all, left, std::regex(R"(left the job on SIGTERM after step (\d+); the other)")));
+    CHECK(countOf(all, "left the job on SIGTERM after step") == 2);
+    CHECK(countOf(ra->out, "going on after step " + left[1].str()) == 2);
+    CHECK(countOf(ra->out, "formed (world 2)") == 2);
+    CHECK(all.find("Training snapshot saved at " + (dir / "snap.pt") + " (checkpoint signal)") !=
+          std::string::npos);
+    CHECK(ra->err.find("the job's nodes changed; recovering in place") != std::string::npos);
+    CHECK(ra->err.find("restarting every worker") == std::string::npos);
+    CHECK(ra->out.find("Resuming training from snapshot") == std::string::npos);
+    const auto joined = joinedPids(ra->out);
+    CHECK(std::set<int>(joined.begin(), joined.end()) ==
+          std::set<int>(a_workers.begin(), a_workers.end()));
   }
 }

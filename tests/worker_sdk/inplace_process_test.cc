@@ -69,12 +69,13 @@ bool haveDdprun() {
 // epoch 1, steps 9-16, four steps after the snapshot of epoch 0); snapshot, parameters and log
 // under dir/<tag>.
 std::unique_ptr<t::Process> inPlaceRun(const t::TempDir& dir, const std::string& tag,
-                                       std::map<std::string, std::string> env) {
+                                       std::map<std::string, std::string> env,
+                                       const std::string& signal = "KILL") {
   env["OMP_NUM_THREADS"] = "1";
   return std::make_unique<t::Process>(
       trainArgv({"--max-restarts=1", "--restart-mode=in-place"},
                 {"--snapshot-path", dir.str() + "/" + tag + "/snap.pt", "--dump-params",
-                 dir.str() + "/" + tag + ".bin", "--fail-at-step", "12"}),
+                 dir.str() + "/" + tag + ".bin", "--fail-at-step", "12", "--fail-signal", signal}),
       env, t::ProcessOptions{dir.str() + "/" + tag + ".log", true});
 }
 
@@ -145,4 +146,41 @@ TEST_CASE(
     // Nothing of the run outlives it (the bracket keeps pgrep's own shell from matching).
     CHECK(t::run("pgrep -f '" + dir.str() + "/" + tag + "/snap[.]pt' 2>&1").output.empty());
   }
+}
+
+TEST_CASE(
+    "in-place recovery: a worker sent SIGTERM alone leaves after the agreed step, rank 0 saves "
+    "it, a replacement takes the survivors' live state and the result equals a run without it",
+    "[worker][train][inplace]") {
+  if (!haveDdprun()) return;
+  t::TempDir dir;
+  const std::string a = faultFreeParameters(dir);
+
+  auto job = inPlaceRun(dir, "term", {}, "TERM");
+  auto c = job->waitExit(240s);
+  const std::string out = job->output();
+  INFO("run with rank 2 sent SIGTERM after step 12:\n" << out);
+  REQUIRE(c.has_value());
+  CHECK(*c == 0);
+  CHECK_THAT(out, Catch::Contains("fault injection: sending myself SIGTERM at step 12"));
+  // The request is agreed on one step late: everyone stops at the boundary after step 13, where
+  // rank 2 leaves, rank 0 saves that step, and ranks 0 and 1 re-form without it.
+  CHECK_THAT(out, Catch::Contains("[RANK 2] left the job on SIGTERM after step 13"));
+  CHECK_THAT(out, Catch::Contains("Training snapshot saved at " + dir.str() +
+                                  "/term/snap.pt (checkpoint signal)"));
+  CHECK_THAT(out, Catch::Contains("1 of 3 ranks were sent SIGTERM and left the job after step 13"));
+  CHECK_THAT(out, Catch::Contains("after it left the job on a signal sent to it; recovering in "
+                                  "place as generation 2 (1 of 1 restarts used)"));
+  CHECK(count(out, "going on after step 13") == 2);
+  CHECK_THAT(out, Catch::Contains("[RANK 2] took rank 0's live state after step 13"));
+  CHECK_THAT(out, !Catch::Contains("Resuming training from snapshot"));
+  CHECK_THAT(out, !Catch::Contains("restarting every worker"));
+  const auto pids = joinedPids(out);
+  REQUIRE(pids.count(0) == 1);
+  REQUIRE(pids.count(1) == 1);
+  REQUIRE(pids.count(2) == 1);
+  CHECK(pids.at(0).size() == 1);
+  CHECK(pids.at(1).size() == 1);
+  CHECK(pids.at(2).size() == 2);
+  CHECK(t::readFile(dir.str() + "/term.bin") == a);
 }

@@ -6,10 +6,15 @@
 namespace ddprun::worker {
 
 namespace {
+// 0: none; SIGTERM once it arrived, else SIGUSR1 or -1 (requestCheckpoint()).
 std::atomic<int> g_requested{0};
 static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free flag");
 
-extern "C" void onCheckpointSignal(int) { g_requested.store(1); }
+extern "C" void onCheckpointSignal(int sig) {
+  int seen = g_requested.load();
+  while (seen != SIGTERM && !g_requested.compare_exchange_weak(seen, sig)) {
+  }
+}
 }  // namespace
 
 void installCheckpointSignalHandlers() {
@@ -22,7 +27,11 @@ void installCheckpointSignalHandlers() {
 }
 
 bool checkpointRequested() { return g_requested.load() != 0; }
-void requestCheckpoint() { g_requested.store(1); }
+bool terminationRequested() { return g_requested.load() == SIGTERM; }
+void requestCheckpoint() {
+  int seen = 0;
+  g_requested.compare_exchange_strong(seen, -1);
+}
 void clearCheckpointRequest() { g_requested.store(0); }
 
 }  // namespace ddprun::worker

@@ -19,6 +19,7 @@
 #include "ddprun/worker/sampler.h"
 #include "ddprun/worker/signals.h"
 #include "posix_files.h"
+#include "stop_agreement.h"
 
 namespace ddprun::worker {
 
@@ -334,6 +335,7 @@ std::ostream& Trainer::log() { return options_.log != nullptr ? *options_.log : 
 void Trainer::save(int64_t finished_epoch, const std::string& why) {
   if (group_->rank() == 0) {
     saveSnapshot(options_.snapshot_path, *model_, *optimizer_, progress_);
+    saved_step_ = progress_.global_step;
     log() << "Epoch " << finished_epoch << " | Training snapshot saved at "
           << options_.snapshot_path << why << std::endl;
   }
@@ -345,7 +347,7 @@ Trainer::Outcome Trainer::train() {
       return trainFromProgress();
     } catch (const std::exception& e) {
       if (!recoverable(e)) throw;
-      recoverInPlace(e.what());
+      if (!recoverInPlace(e.what())) return Outcome::kLeft;
     }
   }
 }
@@ -375,7 +377,7 @@ bool Trainer::recoverable(const std::exception& failure) {
   return group_->control()->waitAbort(group_->generation(), std::chrono::seconds(1));
 }
 
-void Trainer::recoverInPlace(const std::string& what) {
+bool Trainer::recoverInPlace(const std::string& what) {
   using Ms = std::chrono::duration<double, std::milli>;
   ControlClient& control = *group_->control();
   const auto t0 = std::chrono::steady_clock::now();
@@ -405,7 +407,18 @@ void Trainer::recoverInPlace(const std::string& what) {
     send(ddprun::ControlType::kAborted, {{"gen", std::to_string(old_generation)}});
     auto group = control.waitGroup(old_generation, control.recoveryTimeout(),
                                    [] { return !checkpointRequested(); });
-    if (!group) throw CommError("stopped by a signal while waiting for the new group");
+    if (!group && checkpointRequested()) {
+      // The job is being stopped while it re-forms: this rank holds the last step it completed
+      // (every rank passed through it), which rank 0 of the old group keeps.
+      saveOnce(" (checkpoint signal during an in-place recovery)");
+      leave("on a signal during the in-place recovery, after step " +
+            std::to_string(progress_.global_step));
+      return false;
+    }
+    if (!group) {
+      throw CommError("the agent named no new group within " +
+                      std::to_string(control.recoveryTimeout().count()) + " ms");
+    }
     GroupSpec spec;
     spec.generation = static_cast<int>(group->num("gen"));
     spec.rank = static_cast<int>(group->num("rank"));
@@ -438,6 +451,7 @@ void Trainer::recoverInPlace(const std::string& what) {
           << " ms, formed " << report.formed_ms << " ms, synced " << report.synced_ms << " ms"
           << std::endl;
     recoveries_.push_back(report);
+    return true;
   } catch (const std::exception& e) {
     send(ddprun::ControlType::kGoodbye, {{"reason", "giveup"}});
     throw CommError(std::string("in-place recovery failed: ") + e.what());
@@ -468,33 +482,28 @@ Trainer::Outcome Trainer::trainFromProgress() {
   const int64_t steps_per_epoch =
       (micro_per_epoch + options_.accumulate_steps - 1) / options_.accumulate_steps;
 
-  // Stop requests are agreed on one step late: the flag all-reduce launched after step k is read
-  // after step k+1, so its latency hides behind a step and every rank stops at the same boundary.
-  torch::Tensor stop_flag = torch::zeros({1}, onDevice(torch::kInt));
+  // Stop requests are agreed on one step late: the counts all-reduced after step k are read after
+  // step k+1, so their latency hides behind a step and every rank decides at the same boundary.
+  // Two counts: ranks asked to stop, and those of them sent SIGTERM (stop_agreement.h).
+  torch::Tensor stop_counts = torch::zeros({2}, onDevice(torch::kInt));
   std::shared_ptr<Work> stop_work;
+  bool asked = false;  // whether this rank counted itself in the counts in flight
+  // What the counts in flight say (none in flight: go on).
   auto agreedStop = [&]() {
-    bool stop = false;
-    if (stop_work) {
-      stop_work->wait();
-      stop = stop_flag.item<int>() > 0;
-    }
-    stop_flag.fill_(checkpointRequested() ? 1 : 0);
-    stop_work = comm.allReduceAsync(stop_flag, ReduceOp::kSum);
-    return stop;
+    if (!stop_work) return std::make_pair(StopAgreement::kGoOn, 0);
+    stop_work->wait();
+    stop_work.reset();
+    const torch::Tensor counts = stop_counts.to(torch::kCPU);
+    const int requests = counts[0].item<int>();
+    return std::make_pair(
+        agreeOnStop(requests, counts[1].item<int>(), group_->size(), asked, group_->inPlace()),
+        requests);
   };
-  auto finishStop = [&]() {
-    if (stop_work) stop_work->wait();
-    if (!options_.stop_file.empty()) {
-      // The exit 0 that follows is a stop, not the end of training: an agent that did not ask
-      // for it (a peer rank's node did) re-forms the job instead of finishing.
-      writeSmallFile(options_.stop_file, checkpointRequested()
-                                             ? "checkpoint requested by a signal to this rank\n"
-                                             : "checkpoint requested by a peer rank\n");
-    }
-    if (!options_.snapshot_path.empty()) save(progress_.epoch, " (checkpoint signal)");
-    comm.barrier();  // nobody exits before the snapshot is on disk
-    removeTempFilesAtEnd();
-    return Outcome::kStoppedBySignal;
+  auto launchStopCounts = [&]() {
+    const bool terminating = terminationRequested();
+    asked = terminating || checkpointRequested();
+    stop_counts.copy_(torch::tensor({asked ? 1 : 0, terminating ? 1 : 0}, torch::kInt));
+    stop_work = comm.allReduceAsync(stop_counts, ReduceOp::kSum);
   };
 
   for (; progress_.epoch < options_.total_epochs; ++progress_.epoch) {
@@ -510,7 +519,9 @@ Trainer::Outcome Trainer::trainFromProgress() {
       if (!options_.heartbeat_file.empty()) touchFile(options_.heartbeat_file);
       if (options_.on_step) options_.on_step(progress_);
       reportFirstStep();
-      if (agreedStop()) return finishStop();
+      const auto [agreed, requests] = agreedStop();
+      if (agreed != StopAgreement::kGoOn) return stopAsAgreed(agreed, requests);
+      launchStopCounts();
     }
     auto mean = torch::tensor(
         {progress_.epoch_loss_sum / static_cast<double>(std::max<int64_t>(steps_per_epoch, 1))},
@@ -533,18 +544,56 @@ Trainer::Outcome Trainer::trainFromProgress() {
       save(finished, "");
       --progress_.epoch;
     }
-    if (stop_work) {
-      stop_work->wait();
-      stop_work.reset();
-      if (stop_flag.item<int>() > 0) {
-        ++progress_.epoch;
-        return finishStop();
-      }
+    const auto [agreed, requests] = agreedStop();
+    if (agreed != StopAgreement::kGoOn) {
+      ++progress_.epoch;
+      return stopAsAgreed(agreed, requests);
     }
   }
   if (stop_work) stop_work->wait();
   removeTempFilesAtEnd();
   return Outcome::kCompleted;
+}
+
+Trainer::Outcome Trainer::stopAsAgreed(StopAgreement agreed, int requests) {
+  if (agreed == StopAgreement::kAllStop) {
+    if (!options_.stop_file.empty()) {
+      // The exit 0 that follows is a stop, not the end of training: an agent that did not ask
+      // for it (a peer rank's node did) re-forms the job instead of finishing.
+      writeSmallFile(options_.stop_file, checkpointRequested()
+                                             ? "checkpoint requested by a signal to this rank\n"
+                                             : "checkpoint requested by a peer rank\n");
+    }
+    if (!options_.snapshot_path.empty()) save(progress_.epoch, " (checkpoint signal)");
+    group_->comm().barrier();  // nobody exits before the snapshot is on disk
+    removeTempFilesAtEnd();
+    return Outcome::kStoppedBySignal;
+  }
+  // Part of the world was sent SIGTERM: it leaves, the others re-form in place without it. Rank 0,
+  // leaving or not, first saves the step every rank completed: a stop of the whole job whose
+  // signals reached the ranks a step apart still ends with its snapshot.
+  saveOnce(" (checkpoint signal)");
+  const std::string after = "after step " + std::to_string(progress_.global_step);
+  if (agreed == StopAgreement::kOthersLeave) {
+    throw CommError(std::to_string(requests) + " of " + std::to_string(group_->size()) +
+                    " ranks were sent SIGTERM and left the job " + after);
+  }
+  leave("on SIGTERM " + after + "; the other ranks go on in place");
+  return Outcome::kLeft;
+}
+
+void Trainer::saveOnce(const std::string& why) {
+  if (!options_.snapshot_path.empty() && saved_step_ != progress_.global_step) {
+    save(progress_.epoch, why);
+  }
+}
+
+void Trainer::leave(const std::string& when) {
+  if (!options_.stop_file.empty())
+    writeSmallFile(options_.stop_file, "left the job " + when + "\n");
+  group_->control()->send(ddprun::makeControl(ddprun::ControlType::kGoodbye, {{"reason", "stop"}}));
+  log() << "[RANK " << group_->rank() << "] left the job " << when << std::endl;
+  group_->abort("this rank left the job");  // (the job goes on: its temp files are not ours)
 }
 
 void Trainer::removeTempFilesAtEnd() {

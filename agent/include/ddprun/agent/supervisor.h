@@ -170,6 +170,8 @@ class Supervisor {
     std::optional<TimePoint> killed_at;  // when it was sent SIGKILL
     bool connected = false;              // said hello on the control channel
     bool capable = false;                // said `caps add=inplace`
+    bool left = false;    // said `goodbye reason=stop`: it leaves on a signal to it, the rest go on
+    int aborted_gen = 0;  // the generation it said `aborted` for on its own (a peer gone), RUNNING
   };
   // One in-place recovery: from the failure until every worker completed a step.
   struct Episode {
@@ -195,6 +197,9 @@ class Supervisor {
   void enterExitBarrier();
   // The worker exited 0 only because a peer's checkpoint stop was agreed across ranks.
   bool stoppedForPeer(const Worker& worker) const;
+  // Every running worker said `aborted` for the current generation on its own: its collectives
+  // failed (a node died, or ranks left on SIGTERM), so no agreed stop is under way among them.
+  bool allAbortedOnTheirOwn() const;
   // While the group stops after a failure: this worker failed too, not merely stopped.
   bool failedOnItsOwn(const Worker& worker, ExitStatus status) const;
   void onExitBarrier(const Status& status);
@@ -272,7 +277,8 @@ class Supervisor {
     std::optional<TimePoint> report;           // a local failure not yet reported (grace)
     std::optional<TimePoint> heartbeat_check;  // next look at the heartbeat files (RUNNING only)
     std::optional<TimePoint> barrier;          // EXIT_BARRIER only
-    // In-place, multi-node: a change of nodes waits failure_grace before the recovery (RUNNING).
+    // In-place, multi-node: a change of nodes waits failure_grace before the recovery (RUNNING),
+    // unless every local worker aborted the current generation already (allAbortedOnTheirOwn).
     std::optional<TimePoint> membership;
   } deadlines_;
   int restart_count_ = 0;

@@ -8,6 +8,9 @@ namespace ddprun::worker {
 void installCheckpointSignalHandlers();
 // True once a checkpoint signal arrived (or requestCheckpoint() was called).
 bool checkpointRequested();
+// True once SIGTERM asked: this process is going away, and under in-place recovery it may leave
+// while the other ranks go on (SIGUSR1 and requestCheckpoint() ask every rank to stop).
+bool terminationRequested();
 void requestCheckpoint();
 void clearCheckpointRequest();
 

@@ -10,7 +10,9 @@
 // In-place recovery (ddprun --restart-mode=in-place, ProcessGroup::inPlace()): when a peer fails,
 // train() aborts the step in flight, re-forms the group the agent names, takes the state of the
 // lowest rank that completed the most steps (a replacement rank receives it over the group, not
-// from disk) and goes on from that step; the process, its memory and its data stay. Test hook:
+// from disk) and goes on from that step; the process, its memory and its data stay. SIGTERM to part
+// of the world (a spot notice to one node) makes those ranks leave after the agreed step (kLeft;
+// rank 0 saves it) while the others re-form in place without them. Test hook:
 // DDPRUN_INPLACE_FAULT=abort:<rank>|sync:<rank> makes that rank exit 1 in that phase.
 // Single-threaded: construct and call train() from the rank's main thread.
 #pragma once
@@ -30,6 +32,8 @@
 #include "ddprun/worker/snapshot.h"
 
 namespace ddprun::worker {
+
+enum class StopAgreement;  // stop_agreement.h (internal)
 
 struct TrainerOptions {
   std::int64_t total_epochs = 1;
@@ -75,7 +79,11 @@ class Trainer {
   using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
   using Loss =
       std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
-  enum class Outcome { kCompleted, kStoppedBySignal };
+  // kLeft: under in-place recovery this rank stopped while the others go on (SIGTERM to part of
+  // the world: it left and they re-form without it), or while the group was re-forming (a signal
+  // during a recovery). Rank 0, if alive, saved the last step it completed; this rank's group is
+  // aborted: do no further collectives on it, and exit 0.
+  enum class Outcome { kCompleted, kStoppedBySignal, kLeft };
 
   // `inputs` and `targets` share dimension 0 (the dataset). Constructs the DDP wrapper (a
   // collective) after loading the snapshot, so all ranks start from identical state.
@@ -125,14 +133,23 @@ class Trainer {
   // `bytes` of rank `source`, on every rank.
   void broadcastBytes(std::string& bytes, int source);
   Outcome trainFromProgress();
+  // The agreed stop (stop_agreement.h) at a step boundary: every rank saves and stops, this rank
+  // leaves (kLeft), or (others leave) a CommError starts this rank's in-place recovery.
+  Outcome stopAsAgreed(StopAgreement agreed, int requests);
+  // Rank 0 saves the progress unless it saved this step already.
+  void saveOnce(const std::string& why);
+  // Stop file, `goodbye reason=stop`, the line, the group aborted.
+  void leave(const std::string& when);
   // After a failure in train(): whether to recover in place (a control channel, and a collective
   // that failed or an abort from the agent).
   bool recoverable(const std::exception& failure);
-  void recoverInPlace(const std::string& what);
+  // False when a checkpoint signal stopped it while waiting for the new group (kLeft).
+  bool recoverInPlace(const std::string& what);
   void reportFirstStep();
   DdpOptions ddpOptions() const;
-  bool live_ = false;       // the model holds a state some step completed (not fresh)
-  bool live_sync_ = false;  // the last syncState took live state (DDP need not broadcast it)
+  std::int64_t saved_step_ = -1;  // the global step of the last snapshot this rank wrote
+  bool live_ = false;             // the model holds a state some step completed (not fresh)
+  bool live_sync_ = false;        // the last syncState took live state (DDP need not broadcast it)
   bool first_step_pending_ = false;  // the agent waits for the generation's first step
   // One optimizer step over micro-batches [first, last) of `index` (this epoch's samples); returns
   // the step's loss (a tensor: no host sync per micro-batch).
