@@ -307,7 +307,8 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
                                   /*hang=*/""});
     }
     if (state_ == AgentState::kRecovering) {
-      fallBack(what + " during the recovery");
+      fallBack(what + " during the recovery", /*report=*/true,
+               status.success() ? FallbackCause::kRecovery : FallbackCause::kFailure);
       return;
     }
     if (!status.success()) {
@@ -433,7 +434,7 @@ void Supervisor::maybeFinishStop() {
         setState(AgentState::kRestarting);
         joinRound();
       } else {
-        if (failures_.empty()) {
+        if (failures_.empty() && error_message_.empty()) {
           error_message_ =
               "workers on another node failed and the restart budget (--max-restarts=" +
               std::to_string(options_.max_restarts) + ") is spent";
@@ -536,7 +537,8 @@ void Supervisor::onPeerFailure() {
   loop_.check();
   if (state_ == AgentState::kRecovering) {
     // A failure the episode cannot absorb (its own is reported by the node it happened on).
-    fallBack("workers on another node failed during the recovery", /*report=*/false);
+    fallBack("workers on another node failed during the recovery", /*report=*/false,
+             FallbackCause::kFailure);
     return;
   }
   if (state_ != AgentState::kRunning) return;  // charged once
@@ -563,8 +565,11 @@ void Supervisor::onDeadline() {
     return;
   }
   if (state_ == AgentState::kRecovering && episode_ && clock_.now() >= episode_->deadline) {
+    // (A round that did not form in time is the rendezvous's; a group that did not is a failure.)
     fallBack("the recovery did not finish within inplace_timeout (" +
-             std::to_string(inplaceTimeoutMs()) + " ms)");
+                 std::to_string(inplaceTimeoutMs()) + " ms)",
+             /*report=*/true,
+             episode_->awaiting_round ? FallbackCause::kRecovery : FallbackCause::kFailure);
     return;
   }
   if (state_ == AgentState::kRunning && deadlines_.heartbeat_check &&
@@ -658,7 +663,7 @@ bool Supervisor::recoverInPlace(Worker& failed, const std::string& cause) {
   if (options_.multi_node) {
     // The replacement starts in the next round (onRecoveryRound), with its ranks and master.
     ++restart_count_;
-    recoverAcrossNodes(cause, /*report=*/true);
+    recoverAcrossNodes(cause, /*report=*/true, /*charged=*/true);
     return true;
   }
   auto launches = planner_(round_, restart_count_ + 1);
@@ -670,7 +675,7 @@ bool Supervisor::recoverInPlace(Worker& failed, const std::string& cause) {
     return false;
   }
   ++restart_count_;  // the failure is charged once, however it is recovered
-  startEpisode(cause, group_generation_ + 1);
+  startEpisode(cause, group_generation_ + 1, /*charged=*/true);
   group_generation_ = episode_->generation;
   tellAbort(episode_->old_generation);
   for (auto& w : workers_) {
@@ -701,19 +706,19 @@ bool Supervisor::spawnReplacement(Worker& slot, WorkerLaunch launch) {
 bool Supervisor::recoverInPlaceWithPeers(const std::string& cause, bool charged) {
   if (!options_.multi_node || !inPlaceEligible(nullptr, charged)) return false;
   if (charged) ++restart_count_;
-  recoverAcrossNodes(cause, /*report=*/false);
+  recoverAcrossNodes(cause, /*report=*/false, charged);
   return true;
 }
 
-void Supervisor::recoverAcrossNodes(const std::string& cause, bool report) {
-  startEpisode(cause, /*generation=*/0);
+void Supervisor::recoverAcrossNodes(const std::string& cause, bool report, bool charged) {
+  startEpisode(cause, /*generation=*/0, charged);
   tellAbort(episode_->old_generation);
   episode_->told_ms = msSinceDetection();
   if (report) rendezvous_.reportFailure();
   joinRecoveryRound();
 }
 
-void Supervisor::startEpisode(const std::string& cause, int generation) {
+void Supervisor::startEpisode(const std::string& cause, int generation, bool charged) {
   hang_seen_.reset();
   deadlines_.membership.reset();  // (a peer's failure during the grace: this episode covers it)
   Episode episode;
@@ -725,6 +730,7 @@ void Supervisor::startEpisode(const std::string& cause, int generation) {
   // Multi-node: also the bound on forming the round (a `--nnodes 2:2` job waits for a new node).
   episode.deadline = episode.detected + options_.inplace_timeout;
   episode.cause = cause;
+  episode.charged = charged;
   episode_ = std::move(episode);
   deadlines_.heartbeat_check.reset();  // paused while the group re-forms
   setState(AgentState::kRecovering);
@@ -855,7 +861,8 @@ void Supervisor::onControlMessage(int pid, const ControlMessage& message) {
     case ControlType::kGoodbye:
       w->left = message.str("reason") == "stop";
       if (message.str("reason") == "giveup" && state_ == AgentState::kRecovering) {
-        fallBack("local rank " + std::to_string(w->launch.local_rank) + " gave up recovering");
+        fallBack("local rank " + std::to_string(w->launch.local_rank) + " gave up recovering",
+                 /*report=*/true, FallbackCause::kFailure);
       }
       return;
     default:
@@ -936,11 +943,21 @@ void Supervisor::finishEpisode() {
       e.synced_ms, first_step, e.step, e.source, worldSize());
 }
 
-void Supervisor::fallBack(const std::string& why, bool report) {
-  logger("agent")->warn(
-      "in-place recovery failed ({}); restarting every worker (the failure is charged once)", why);
+void Supervisor::fallBack(const std::string& why, bool report, FallbackCause cause) {
+  // A failure during a free episode (a change of nodes) is the first to be charged: the stop
+  // counts it when it ends (or fails the job with the budget spent).
+  const bool charge = cause == FallbackCause::kFailure && episode_ && !episode_->charged;
+  logger("agent")->warn("in-place recovery failed ({}); restarting every worker ({})", why,
+                        charge ? "the failure is charged, the recovery was for a change of nodes"
+                               : "the failure is charged once");
   ++generation_;  // a pending join's answer no longer matters
-  beginStop(StopReason::kInPlaceFallback, SIGTERM);
+  if (charge && failures_.empty() && restart_count_ >= options_.max_restarts) {
+    error_message_ =
+        "in-place recovery failed (" + why +
+        ") and the restart budget (--max-restarts=" + std::to_string(options_.max_restarts) +
+        ") is spent";
+  }
+  beginStop(charge ? StopReason::kFailure : StopReason::kInPlaceFallback, SIGTERM);
   // The other nodes restart theirs too (a failure the rendezvous already knows is not reported).
   if (options_.multi_node && report) rendezvous_.reportFailure();
   // A worker mid-recovery has nothing to save, and may be blocked forming a group with the dead

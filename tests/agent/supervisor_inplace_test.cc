@@ -664,6 +664,58 @@ TEST_CASE(
   CHECK(f.sup->restartCount() == 0);
 }
 
+TEST_CASE(
+    "in-place across nodes: a failure that ends a free recovery (a change of nodes) in a fallback "
+    "is charged once, and fails the job with the budget spent",
+    "[agent][inplace]") {
+  SECTION("a worker exits non-zero during the recovery") {
+    TwoNodes f;
+    f.rdzv.hold = true;
+    f.sup->onMembershipChange();
+    f.clock.advance(std::chrono::seconds(2));
+    f.fireDeadlines();
+    REQUIRE(f.sup->state() == AgentState::kRecovering);
+    CHECK(f.sup->restartCount() == 0);  // a change of nodes is free
+    f.sup->onWorkerExit(f.first()[0], ExitStatus{false, 1});
+    CHECK(f.sup->state() == AgentState::kStopping);
+    f.sup->onWorkerExit(f.first()[1], ExitStatus{true, SIGTERM});
+    CHECK(f.sup->state() == AgentState::kRendezvous);  // every worker restarts in a new round
+    CHECK(f.sup->restartCount() == 1);                 // its failure is charged, once
+  }
+  SECTION("a worker gives up, with no restart left") {
+    Fixture f(2, /*max_restarts=*/0, /*multi_node=*/true);
+    f.rdzv.round.local_world_sizes = {2, 2};
+    f.rdzv.round.group_rank = 1;
+    f.sup->start();
+    f.allCapable();
+    f.rdzv.hold = true;
+    f.sup->onMembershipChange();
+    f.clock.advance(std::chrono::seconds(2));
+    f.fireDeadlines();
+    REQUIRE(f.sup->state() == AgentState::kRecovering);
+    f.say(f.first()[1], ControlType::kGoodbye, {{"reason", "giveup"}});
+    CHECK(f.sup->state() == AgentState::kStopping);
+    for (int pid : f.first()) f.sup->onWorkerExit(pid, ExitStatus{false, 1});
+    CHECK(f.sup->state() == AgentState::kFailed);
+    CHECK(f.sup->exitCode() == 1);
+    CHECK_THAT(f.sup->errorMessage(),
+               Catch::Contains("gave up recovering") && Catch::Contains("--max-restarts=0"));
+  }
+  SECTION("the round does not form in time: the rendezvous's, still free") {
+    TwoNodes f;
+    f.rdzv.hold = true;
+    f.sup->onMembershipChange();
+    f.clock.advance(std::chrono::seconds(2));
+    f.fireDeadlines();
+    REQUIRE(f.sup->state() == AgentState::kRecovering);
+    f.clock.advance(std::chrono::seconds(11));
+    f.fireDeadlines();
+    CHECK(f.sup->state() == AgentState::kStopping);
+    for (int pid : f.first()) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
+    CHECK(f.sup->restartCount() == 0);
+  }
+}
+
 TEST_CASE("in-place across nodes: the exit barrier has no grace left to wait for",
           "[agent][inplace]") {
   TwoNodes f;

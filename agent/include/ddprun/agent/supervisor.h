@@ -179,6 +179,7 @@ class Supervisor {
     int old_generation = 0;       // the group that failed
     bool awaiting_round = false;  // multi-node: the agents are forming the next round
     int regenerations = 0;        // rounds formed again because the nodes changed meanwhile
+    bool charged = false;         // a failure began it (one restart counted)
     TimePoint detected;
     double detected_unix = 0;  // wall-clock seconds, to line the phases up with others' logs
     TimePoint deadline;
@@ -231,10 +232,11 @@ class Supervisor {
   // Multi-node: a peer's failure or a change of the job's nodes while RUNNING; false when it
   // does not apply.
   bool recoverInPlaceWithPeers(const std::string& cause, bool charged);
-  void startEpisode(const std::string& cause, int generation);
+  // `charged`: a failure's episode (its restart was counted); a change of nodes' is free.
+  void startEpisode(const std::string& cause, int generation, bool charged);
   // Multi-node: the episode's start, the survivors' abort, the report (a local failure) and the
   // join of the next round.
-  void recoverAcrossNodes(const std::string& cause, bool report);
+  void recoverAcrossNodes(const std::string& cause, bool report, bool charged);
   // Starts `launch` in `slot` (a failed worker's) as a newcomer; false after falling back.
   bool spawnReplacement(Worker& slot, WorkerLaunch launch);
   // `abort` of generation `gen` to every running worker.
@@ -248,8 +250,12 @@ class Supervisor {
   void sendGroup(const Worker& w);
   void onPhase(Worker& w, const ControlMessage& message);
   void finishEpisode();
-  // Every worker restarts (no new charge); multi-node with `report`: the other nodes are told.
-  void fallBack(const std::string& why, bool report = true);
+  // Every worker restarts; multi-node with `report`: the other nodes are told. No new charge,
+  // except for a `failure` (a worker's, or a peer's) that ends a free episode (a change of nodes):
+  // that failure is charged once, or fails the job with the budget spent, as in process mode.
+  enum class FallbackCause { kRecovery, kFailure };
+  void fallBack(const std::string& why, bool report = true,
+                FallbackCause cause = FallbackCause::kRecovery);
   double msSinceDetection() const;
   std::int64_t inplaceTimeoutMs() const;
   Worker* findWorker(int pid);
