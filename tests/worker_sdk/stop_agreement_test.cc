@@ -13,8 +13,7 @@ TEST_CASE("agreed stop: nobody asked, everyone goes on", "[worker][pure]") {
   CHECK(agreeOnStop(0, 0, 4, false, false) == StopAgreement::kGoOn);
 }
 
-TEST_CASE("agreed stop: without in-place recovery any request stops every rank",
-          "[worker][pure]") {
+TEST_CASE("agreed stop: without in-place recovery any request stops every rank", "[worker][pure]") {
   for (bool asked : {false, true}) {
     CHECK(agreeOnStop(1, 1, 4, asked, false) == StopAgreement::kAllStop);
     CHECK(agreeOnStop(1, 0, 4, asked, false) == StopAgreement::kAllStop);
@@ -30,8 +29,8 @@ TEST_CASE("agreed stop: in place, ranks sent SIGTERM leave and the others re-for
 
 TEST_CASE("agreed stop: in place, SIGTERM to every rank or any other request stops everyone",
           "[worker][pure]") {
-  CHECK(agreeOnStop(4, 4, 4, true, true) == StopAgreement::kAllStop);  // the whole job
-  CHECK(agreeOnStop(1, 1, 1, true, true) == StopAgreement::kAllStop);  // a world of one
+  CHECK(agreeOnStop(4, 4, 4, true, true) == StopAgreement::kAllStop);   // the whole job
+  CHECK(agreeOnStop(1, 1, 1, true, true) == StopAgreement::kAllStop);   // a world of one
   CHECK(agreeOnStop(2, 1, 4, false, true) == StopAgreement::kAllStop);  // a SIGUSR1 among them
   CHECK(agreeOnStop(1, 0, 4, true, true) == StopAgreement::kAllStop);   // requestCheckpoint()
   CHECK(agreeOnStop(5, 5, 4, true, true) == StopAgreement::kAllStop);   // (more than the world)
