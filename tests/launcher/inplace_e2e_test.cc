@@ -276,15 +276,28 @@ TEST_CASE(
     "in-place across nodes: SIGTERM to every node still ends the job with a checkpoint, and one "
     "node leaving (a spot notice) leaves the other's workers training in place, no step lost",
     "[multinode][inplace]") {
-  const bool everyone = GENERATE(true, false);
+  // 0: SIGTERM to both agents; 1: to one agent; 2: to one agent, over etcd-v3.
+  const int which = GENERATE(0, 1, 2);
+  const bool everyone = which == 0;
   INFO((everyone ? "SIGTERM to both agents" : "SIGTERM to one agent (--nnodes=1:2)"));
   RendezvousDaemon rdzv;
+  std::unique_ptr<EtcdCluster> etcd;
+  std::string backend = rdzv.endpoint;
+  if (which == 2) {
+    if (!etcdAvailable()) {
+      WARN("etcd-v3 case skipped: " + etcdBinary() + " is absent (deploy/install-deps.sh)");
+      return;
+    }
+    etcd = std::make_unique<EtcdCluster>();
+    backend = "etcd-v3 " + etcd->endpoints();
+  }
+  INFO("rendezvous: " << backend);
   TempDir dir;
-  const std::string run = everyone ? "stopall" : "spot";
+  const std::string run = everyone ? "stopall" : "spot" + std::to_string(which);
   const std::vector<std::string> train_args = {
       "6", "1", "--model", "mlp", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
-  auto a = node("127.0.0.2", rdzv.endpoint, "1:2", run, "in-place", train_args);
-  auto b = node("127.0.0.3", rdzv.endpoint, "1:2", run, "in-place", train_args);
+  auto a = node("127.0.0.2", backend, "1:2", run, "in-place", train_args);
+  auto b = node("127.0.0.3", backend, "1:2", run, "in-place", train_args);
   REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
                     180s));
   const auto a_workers = workerPids(a->pid());
