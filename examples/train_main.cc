@@ -230,7 +230,7 @@ int main(int argc, char** argv) {
           .count();
     };
     std::unique_ptr<std::FILE, int (*)(std::FILE*)> step_log(nullptr, &std::fclose);
-    if (!args.step_log.empty() && env.rank == 0) {
+    if (!args.step_log.empty()) {  // every rank: rank 0 may move in an in-place recovery
       step_log.reset(std::fopen(args.step_log.c_str(), "a"));
       if (!step_log) throw w::WorkerError("cannot open --step-log " + args.step_log);
     }

@@ -13,7 +13,13 @@ For in-place runs it also splits the lost time: the kernel's teardown of the kil
 agent's "ready"), and the rest, which is the recovery's own (issue 37's goal: at most 100 ms).
 Informational: nothing here passes or fails. Writes a Markdown table to stdout.
 
+--fault leave (with --nodes 2, every launcher at --nnodes=1:2): instead of the kill, the second
+node's launcher gets SIGTERM (a spot notice) once rank 0 logged step 60 or 90, and the first node
+trains on alone. Its lost time is the longest pause between two steps rank 0 completed after the
+signal, less the median step time before it.
+
 Usage: /usr/bin/python3 bench/recovery/bench_inplace.py --build build [--reps 3] [--nodes 2]
+         [--fault kill|leave]
 """
 import argparse
 import os
@@ -23,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -33,7 +40,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launchers(mode, build, python, nproc, nodes):
+def launchers(mode, build, python, nproc, nodes, nnodes):
     """One argv per node, each ending where the program's arguments begin."""
     per = nproc // nodes
     port = free_port()
@@ -44,41 +51,66 @@ def launchers(mode, build, python, nproc, nodes):
             argv = [python, "-m", "torch.distributed.run", "-r", "9:1", "-t", "9:1",
                     f"--nproc_per_node={per}", "--max_restarts=1", "--monitor_interval=0.1"]
             argv += (["--standalone"] if nodes == 1 else
-                     [f"--nnodes={nodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                     [f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                       f"--rdzv_id=bench{port}", f"--rdzv_conf=is_host={int(i == 0)}"])
             out.append(argv + [os.path.join(HERE, "torch_train.py")])
             continue
         argv = [os.path.join(build, "launcher/ddprun"), f"--nproc-per-node={per}", "--max-restarts=1",
                 f"--restart-mode={mode}"]
         argv += (["--standalone"] if nodes == 1 else
-                 [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                  f"--rdzv-id=bench{port}", f"--local-addr=127.0.0.{2 + i}"])
+                 [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                  f"--rdzv-id=bench{port}", f"--local-addr=127.0.0.{2 + i}",
+                  f"--rdzv-conf=is_host={int(i == 0)}"])
         out.append(argv + [os.path.join(build, "examples/train")])
     return out
 
 
-def run_once(mode, kill_at, build, python, nproc, epochs, nodes):
+def logged_steps(log):
+    try:
+        with open(log) as f:
+            return [(int(s), float(t)) for s, t in (line.split() for line in f if line.endswith("\n"))]
+    except FileNotFoundError:
+        return []
+
+
+def run_once(mode, kill_at, build, python, nproc, epochs, nodes, fault="kill"):
     d = tempfile.mkdtemp(prefix="bench-inplace-")
     log, snap = os.path.join(d, "steps.log"), os.path.join(d, "snap.pt")
-    common = ["--dataset-size", "6400", "--batch-size", "32", "--fail-at-step", str(kill_at),
-              "--step-log", log]
+    common = ["--dataset-size", "6400", "--batch-size", "32", "--step-log", log]
+    if fault == "kill":
+        common += ["--fail-at-step", str(kill_at)]
     program = ([str(epochs), "--snapshot", snap] if mode == "torchrun" else
                [str(epochs), "1", "--model", "mlp", "--snapshot-path", snap]) + common
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    nnodes = f"1:{nodes}" if fault == "leave" else str(nodes)
     procs = [subprocess.Popen(argv + program, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for argv in launchers(mode, build, python, nproc, nodes)]
+                              text=True) for argv in launchers(mode, build, python, nproc, nodes, nnodes)]
+    t_kill = None
+    if fault == "leave":
+        # The spot notice: SIGTERM to the second node's launcher once rank 0 logged step kill_at.
+        while not any(s >= kill_at for s, _ in logged_steps(log)):
+            if procs[0].poll() is not None:
+                break
+            time.sleep(0.002)
+        t_kill = time.time()
+        procs[1].send_signal(15)
     outs = [p.communicate(timeout=900) for p in procs]
     text = "".join(o + e for o, e in outs)
-    for p, (_, err) in zip(procs, outs):
-        if p.returncode != 0:
+    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
+        if p.returncode != 0 and not (fault == "leave" and i == 1):
             raise RuntimeError(f"{mode} exited {p.returncode}:\n{err[-3000:]}")
-    m = re.search(r"killing myself at step (\d+) at ([0-9.]+)", text)
-    t_kill = float(m.group(2))
-    steps = [(int(s), float(t)) for s, t in (line.split() for line in open(log))]
+    if t_kill is None:
+        m = re.search(r"killing myself at step (\d+) at ([0-9.]+)", text)
+        t_kill = float(m.group(2))
+    steps = logged_steps(log)
     before = [t for s, t in steps if t <= t_kill]
     step_time = statistics.median(b - a for a, b in zip(before[-20:], before[-19:]))
     after = [(s, t) for s, t in steps if t > t_kill]
-    t_next = min(t for s, t in after if s == kill_at + 1)
+    if fault == "leave":
+        times = [t_kill] + [t for _, t in after]
+        t_next = t_kill + max(b - a for a, b in zip(times, times[1:]))
+    else:
+        t_next = min(t for s, t in after if s == kill_at + 1)
     seen = [s for s, _ in steps]
     twice = len(seen) - len(set(seen))
     # The agent of the node that lost the worker (the one whose line names a replacement).
@@ -104,7 +136,11 @@ def main():
     ap.add_argument("--modes", default="in-place,process,torchrun",
                     help="comma-separated: in-place, process, torchrun (the first is the base)")
     ap.add_argument("--python", default="/usr/bin/python3")
+    ap.add_argument("--fault", default="kill", choices=["kill", "leave"],
+                    help="kill: the last rank SIGKILLs itself; leave: SIGTERM to node 2's launcher")
     a = ap.parse_args()
+    if a.fault == "leave" and a.nodes != 2:
+        ap.error("--fault leave needs --nodes 2")
     build = os.path.abspath(a.build)
     modes = a.modes.split(",")
     rows = {}
@@ -112,12 +148,13 @@ def main():
         for mode in modes:
             runs = []
             for _ in range(a.reps):
-                runs.append(run_once(mode, kill_at, build, a.python, a.nproc, 2, a.nodes))
+                runs.append(run_once(mode, kill_at, build, a.python, a.nproc, 2, a.nodes, a.fault))
                 print(f"{mode} kill at {kill_at}: lost {runs[-1][0]:.3f} s, twice {runs[-1][1]}, "
                       f"step {runs[-1][2] * 1e3:.0f} ms {runs[-1][3]}", file=sys.stderr)
             rows[(mode, kill_at)] = runs
     print(f"{a.nodes} node(s) x {a.nproc // a.nodes} workers\n")
-    print(f"| kill -9 at step (after the snapshot at 50) | mode | lost time (median of {a.reps}) "
+    what = "kill -9" if a.fault == "kill" else "SIGTERM to node 2"
+    print(f"| {what} at step (after the snapshot at 50) | mode | lost time (median of {a.reps}) "
           "| steps trained twice | step time | lost / in-place |")
     print("|---|---|---|---|---|---|")
     for kill_at in (60, 90):

@@ -410,7 +410,7 @@ bool Trainer::recoverInPlace(const std::string& what) {
     if (!group && checkpointRequested()) {
       // The job is being stopped while it re-forms: this rank holds the last step it completed
       // (every rank passed through it), which rank 0 of the old group keeps.
-      saveOnce(" (checkpoint signal during an in-place recovery)");
+      if (live_) saveOnce(" (checkpoint signal during an in-place recovery)");
       leave("on a signal during the in-place recovery, after step " +
             std::to_string(progress_.global_step));
       return false;
@@ -569,15 +569,17 @@ Trainer::Outcome Trainer::stopAsAgreed(StopAgreement agreed, int requests) {
     removeTempFilesAtEnd();
     return Outcome::kStoppedBySignal;
   }
-  // Part of the world was sent SIGTERM: it leaves, the others re-form in place without it. Rank 0,
-  // leaving or not, first saves the step every rank completed: a stop of the whole job whose
-  // signals reached the ranks a step apart still ends with its snapshot.
-  saveOnce(" (checkpoint signal)");
+  // Part of the world was sent SIGTERM: it leaves, the others re-form in place without it. A
+  // leaving rank 0 saves the step every rank completed; a staying one saves it only if a signal
+  // stops it too while it re-forms (a stop of the whole job whose signals reached the ranks a step
+  // apart): either way such a stop ends with that step's snapshot, and a leave costs the others
+  // no save.
   const std::string after = "after step " + std::to_string(progress_.global_step);
   if (agreed == StopAgreement::kOthersLeave) {
     throw CommError(std::to_string(requests) + " of " + std::to_string(group_->size()) +
                     " ranks were sent SIGTERM and left the job " + after);
   }
+  saveOnce(" (checkpoint signal)");
   leave("on SIGTERM " + after + "; the other ranks go on in place");
   return Outcome::kLeft;
 }

@@ -12,7 +12,7 @@
 // lowest rank that completed the most steps (a replacement rank receives it over the group, not
 // from disk) and goes on from that step; the process, its memory and its data stay. SIGTERM to part
 // of the world (a spot notice to one node) makes those ranks leave after the agreed step (kLeft;
-// rank 0 saves it) while the others re-form in place without them. Test hook:
+// a leaving rank 0 saves it) while the others re-form in place without them. Test hook:
 // DDPRUN_INPLACE_FAULT=abort:<rank>|sync:<rank> makes that rank exit 1 in that phase.
 // Single-threaded: construct and call train() from the rank's main thread.
 #pragma once
