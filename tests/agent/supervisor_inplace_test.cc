@@ -192,18 +192,30 @@ TEST_CASE("in-place: with the restart budget spent the job fails as in process m
   CHECK(f.sup->exitCode() == 1);
 }
 
+namespace {
+
+// A started job of `nproc` capable workers whose worker `index` was sent SIGTERM by someone else
+// than its agent: it left after the agreed step (`goodbye reason=stop`, exit 0).
+std::unique_ptr<Fixture> oneLeft(int nproc, int max_restarts, int index) {
+  auto f = std::make_unique<Fixture>(nproc, max_restarts);
+  f->sup->start();
+  f->allCapable();
+  const int pid = f->first()[static_cast<size_t>(index)];
+  f->say(pid, ControlType::kGoodbye, {{"reason", "stop"}});
+  f->sup->onWorkerExit(pid, ExitStatus{false, 0});
+  return f;
+}
+
+}  // namespace
+
 TEST_CASE(
     "in-place: a worker that left on a signal sent to it alone is replaced like a failed one, "
     "while one that merely finished first is waited for",
     "[agent][inplace]") {
-  Fixture f(3, /*max_restarts=*/2);
-  f.sup->start();
-  f.allCapable();
+  // Rank 2 left; ranks 0 and 1 re-form in place without it and the agent starts its replacement.
+  auto owned = oneLeft(3, /*max_restarts=*/2, 2);
+  Fixture& f = *owned;
   const auto pids = f.first();
-  // Rank 2 was sent SIGTERM (not by the agent): it said goodbye and exited 0 after the agreed
-  // step; ranks 0 and 1 re-form in place without it and the agent starts its replacement.
-  f.say(pids[2], ControlType::kGoodbye, {{"reason", "stop"}});
-  f.sup->onWorkerExit(pids[2], ExitStatus{false, 0});
   CHECK(f.sup->state() == AgentState::kRecovering);
   CHECK(f.sup->restartCount() == 1);  // charged, as torchrun charges a worker ended by a signal
   CHECK(f.launcher.signals.empty());
@@ -234,12 +246,9 @@ TEST_CASE(
     "in-place: a worker that left on a signal when it cannot be replaced in place re-forms every "
     "worker, not charged",
     "[agent][inplace]") {
-  Fixture f(2, /*max_restarts=*/0);
-  f.sup->start();
-  f.allCapable();
+  auto owned = oneLeft(2, /*max_restarts=*/0, 1);
+  Fixture& f = *owned;
   const auto pids = f.first();
-  f.say(pids[1], ControlType::kGoodbye, {{"reason", "stop"}});
-  f.sup->onWorkerExit(pids[1], ExitStatus{false, 0});
   CHECK(f.sup->state() == AgentState::kStopping);
   f.sup->onWorkerExit(pids[0], ExitStatus{true, SIGTERM});
   CHECK(f.sup->state() == AgentState::kRunning);  // every worker started again

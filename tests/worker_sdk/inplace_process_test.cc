@@ -85,6 +85,25 @@ int count(const std::string& text, const std::string& what) {
   return n;
 }
 
+// Ranks 0 and 1 went on in place after `step` (none lost, none trained twice), keeping their
+// processes; rank 2's replacement took rank 0's live state, not the snapshot, and nobody restarted.
+void checkRank2ReplacedAlone(const std::string& out, int step) {
+  const std::string after = "after step " + std::to_string(step);
+  CHECK(count(out, "going on " + after) == 2);
+  CHECK_THAT(out, Catch::Contains("[RANK 2] took rank 0's live state " + after));
+  CHECK_THAT(out, !Catch::Contains("Resuming training from snapshot"));
+  CHECK_THAT(out, !Catch::Contains("restarting every worker"));
+  // Ranks 0 and 1 joined once (the same processes throughout); rank 2 twice (the replacement).
+  const auto pids = joinedPids(out);
+  REQUIRE(pids.count(0) == 1);
+  REQUIRE(pids.count(1) == 1);
+  REQUIRE(pids.count(2) == 1);
+  CHECK(pids.at(0).size() == 1);
+  CHECK(pids.at(1).size() == 1);
+  REQUIRE(pids.at(2).size() == 2);
+  CHECK(pids.at(2)[0] != pids.at(2)[1]);
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -104,21 +123,8 @@ TEST_CASE(
   CHECK_THAT(out, Catch::Contains("fault injection: killing myself at step 12"));
   CHECK_THAT(out, Catch::Contains("recovering in place as generation"));
   CHECK_THAT(out, Catch::Contains("in-place recovery, generation"));
-  // The survivors went on after step 12, the last step every rank completed: none lost, none
-  // trained twice; the newcomer took that state from a survivor, not from the snapshot.
-  CHECK(count(out, "going on after step 12") == 2);
-  CHECK_THAT(out, Catch::Contains("[RANK 2] took rank 0's live state after step 12"));
-  CHECK_THAT(out, !Catch::Contains("Resuming training from snapshot"));
-  CHECK_THAT(out, !Catch::Contains("restarting every worker"));
-  // Ranks 0 and 1 joined once (the same processes throughout); rank 2 twice (the replacement).
-  const auto pids = joinedPids(out);
-  REQUIRE(pids.count(0) == 1);
-  REQUIRE(pids.count(1) == 1);
-  REQUIRE(pids.count(2) == 1);
-  CHECK(pids.at(0).size() == 1);
-  CHECK(pids.at(1).size() == 1);
-  REQUIRE(pids.at(2).size() == 2);
-  CHECK(pids.at(2)[0] != pids.at(2)[1]);
+  // Step 12 is the last step every rank completed.
+  checkRank2ReplacedAlone(out, 12);
   CHECK(t::readFile(dir.str() + "/b.bin") == a);
 }
 
@@ -170,16 +176,6 @@ TEST_CASE(
   CHECK_THAT(out, Catch::Contains("1 of 3 ranks were sent SIGTERM and left the job after step 13"));
   CHECK_THAT(out, Catch::Contains("after it left the job on a signal sent to it; recovering in "
                                   "place as generation 2 (1 of 1 restarts used)"));
-  CHECK(count(out, "going on after step 13") == 2);
-  CHECK_THAT(out, Catch::Contains("[RANK 2] took rank 0's live state after step 13"));
-  CHECK_THAT(out, !Catch::Contains("Resuming training from snapshot"));
-  CHECK_THAT(out, !Catch::Contains("restarting every worker"));
-  const auto pids = joinedPids(out);
-  REQUIRE(pids.count(0) == 1);
-  REQUIRE(pids.count(1) == 1);
-  REQUIRE(pids.count(2) == 1);
-  CHECK(pids.at(0).size() == 1);
-  CHECK(pids.at(1).size() == 1);
-  CHECK(pids.at(2).size() == 2);
+  checkRank2ReplacedAlone(out, 13);
   CHECK(t::readFile(dir.str() + "/term.bin") == a);
 }
