@@ -858,13 +858,15 @@ void Supervisor::onControlMessage(int pid, const ControlMessage& message) {
         episode_->ready_ms = msSinceDetection();
       }
       return;
-    case ControlType::kGoodbye:
-      w->left = message.str("reason") == "stop";
-      if (message.str("reason") == "giveup" && state_ == AgentState::kRecovering) {
+    case ControlType::kGoodbye: {
+      const std::string reason = message.str("reason");
+      w->left = reason == "stop";
+      if (reason == "giveup" && state_ == AgentState::kRecovering) {
         fallBack("local rank " + std::to_string(w->launch.local_rank) + " gave up recovering",
                  /*report=*/true, FallbackCause::kFailure);
       }
       return;
+    }
     default:
       if (state_ == AgentState::kRecovering) {
         onPhase(*w, message);

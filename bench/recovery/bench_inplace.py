@@ -149,7 +149,7 @@ def main():
             runs = []
             for _ in range(a.reps):
                 runs.append(run_once(mode, kill_at, build, a.python, a.nproc, 2, a.nodes, a.fault))
-                print(f"{mode} kill at {kill_at}: lost {runs[-1][0]:.3f} s, twice {runs[-1][1]}, "
+                print(f"{mode} {a.fault} at {kill_at}: lost {runs[-1][0]:.3f} s, twice {runs[-1][1]}, "
                       f"step {runs[-1][2] * 1e3:.0f} ms {runs[-1][3]}", file=sys.stderr)
             rows[(mode, kill_at)] = runs
     print(f"{a.nodes} node(s) x {a.nproc // a.nodes} workers\n")
