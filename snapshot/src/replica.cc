@@ -162,6 +162,14 @@ HolderNews SnapshotReplica::onHolder(const SnapshotVersion& v, const std::string
   }
   if (std::find(w.sources.begin(), w.sources.end(), source) == w.sources.end()) {
     w.sources.push_back(source);
+    if (w.given_up && w.failed_out) {
+      // Given up after its holders failed it (a relay whose own fetch failed answers so until it
+      // tries again): a holder not tried yet gets one attempt.
+      w.given_up = false;
+      w.failed_out = false;
+      w.attempts = options_.max_attempts - 1;
+      w.next_source = w.sources.size() - 1;
+    }
   }
   return HolderNews::kTaken;
 }
@@ -223,6 +231,7 @@ void SnapshotReplica::onTransferDone(const SnapshotTransfer& t, TransferOutcome 
     case TransferOutcome::kFailed:
       if (w.attempts >= options_.max_attempts) {
         w.given_up = true;
+        w.failed_out = true;
       } else if (w.sources[w.next_source % w.sources.size()] == t.source) {
         w.next_source = (w.next_source + 1) % w.sources.size();
       }  // else its source was dropped: next_source names one not tried yet
@@ -276,6 +285,7 @@ void SnapshotReplica::retryGivenUp() {
   for (auto& [name, w] : wants_) {
     if (!w.given_up) continue;
     w.given_up = false;
+    w.failed_out = false;
     w.attempts = 0;
   }
 }

@@ -1157,6 +1157,14 @@ struct FourNodes {
     }
     return m[1];
   }
+  // Every node's log, for a failure's report.
+  std::string logs() const {
+    std::string all;
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      all += "--- node " + std::to_string(i) + ":\n" + nodes[i]->err();
+    }
+    return all;
+  }
   void stop() {
     std::ofstream(stop_dir / "now") << "";
     for (auto& n : nodes) {
@@ -1239,7 +1247,9 @@ TEST_CASE(
     return i == 0 ? std::map<std::string, std::string>{}
                   : std::map<std::string, std::string>{{"DDPRUN_SNAPSHOT_FAULT", "in-flight:1"}};
   });
-  REQUIRE(waitUntil([&] { return job.everywhere(); }, 120s));
+  const bool everywhere = waitUntil([&] { return job.everywhere(); }, 120s);
+  INFO(job.logs());
+  REQUIRE(everywhere);
   int relayed = 0;
   for (int i = 1; i < 4; ++i) {
     REQUIRE(waitUntil([&] { return !job.fetchedFrom(i).empty(); }, 30s));

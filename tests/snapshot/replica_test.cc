@@ -185,6 +185,40 @@ TEST_CASE("a corrupt transfer is retried from the next holder, then given up", "
   CHECK(r.takeTransfers().size() == 1);
 }
 
+TEST_CASE("a version given up after failures gets one attempt from each holder announced later",
+          "[snapshot]") {
+  // A relay whose own fetch failed answers every fetch from it with that failure, until its retry
+  // starts: the node below it may spend every attempt there before the relay names its source.
+  SnapshotReplica r(SnapshotReplicaOptions{3, 0});
+  r.onHolder(file(4), "relay:1");
+  for (int i = 0; i < 3; ++i) {
+    auto t = r.takeTransfers();
+    REQUIRE(t.size() == 1);
+    CHECK(t[0].source == "relay:1");
+    r.onTransferDone(t[0], TransferOutcome::kFailed);
+  }
+  CHECK(r.takeTransfers().empty());
+  r.onHolder(file(4), "relay:1");  // a holder already tried: still given up
+  CHECK(r.takeTransfers().empty());
+  CHECK_FALSE(r.busy());
+  r.onHolder(file(4), "writer:1");  // the relay's source
+  CHECK(r.busy());
+  CHECK(r.wanted("snapshot.pt") == 4u);
+  auto t = r.takeTransfers();
+  REQUIRE(t.size() == 1);
+  CHECK(t[0].source == "writer:1");
+  CHECK(t[0].attempt == 3);
+  r.onTransferDone(t[0], TransferOutcome::kCorrupt);  // one attempt only
+  CHECK(r.takeTransfers().empty());
+  r.onHolder(file(4), "third:1");
+  t = r.takeTransfers();
+  REQUIRE(t.size() == 1);
+  CHECK(t[0].source == "third:1");
+  r.onTransferDone(t[0], TransferOutcome::kOk);
+  CHECK(r.held("snapshot.pt") == file(4));
+  CHECK_FALSE(r.busy());
+}
+
 TEST_CASE("no space for a version is not retried, and a newer version is still fetched",
           "[snapshot]") {
   SnapshotReplica r;

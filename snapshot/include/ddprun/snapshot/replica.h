@@ -25,7 +25,10 @@
 //   version stays in place until then, and a transfer that fails changes nothing.
 // - A failed transfer is retried from the next holder, up to `max_attempts`; no space for it
 //   (RESOURCE_EXHAUSTED) is not retried. A version given up is tried again only after
-//   retryGivenUp() (the shell calls it at each round's start) or when a newer one appears.
+//   retryGivenUp() (the shell calls it at each round's start) or when a newer one appears;
+//   one given up after its holders failed it gets one more attempt from each holder of it
+//   announced later (a relay whose own fetch failed names the node it fetched from, and its
+//   subtree may have spent its attempts on the relay's failure before that news came).
 //
 // Threading: none (the agent's loop thread). Lifetime: a plain value.
 #pragma once
@@ -144,6 +147,7 @@ class SnapshotReplica {
     int attempts = 0;
     bool running = false;
     bool given_up = false;
+    bool failed_out = false;  // given up after max_attempts failures (not for want of space)
   };
   bool newerThanHeld(const SnapshotVersion& v) const;
   // Newer than held, and not a deletion that was forgotten (max_tombstones) of a name not held.
