@@ -1193,7 +1193,9 @@ TEST_CASE("with four nodes a version travels a chain and /metrics counts what ar
   std::ofstream(*dirs[3] / "old.bin") << "from before";
   job.start("snap-tree", [](int) { return std::map<std::string, std::string>{}; },
             {"--metrics-port=0"});
-  REQUIRE(waitUntil([&] { return job.everywhere(); }, 120s));
+  const bool everywhere = waitUntil([&] { return job.everywhere(); }, 120s);
+  INFO(job.logs());
+  REQUIRE(everywhere);
   // Every receiver logged its fetch. The four nodes form a chain from the writer: one fetched
   // from the writer, two from a relay that passed the version on as it arrived, before its own
   // copy was complete.
