@@ -28,8 +28,8 @@ constexpr const char* kUsage =
     "             [--backend gloo|nccl] [--lr F] [--dataset-size N] [--bucket-cap-mb F] "
     "[--no-overlap]\n"
     "             [--compression none|fp16|bf16] [--accumulate N] [--amp none|bf16|fp16]\n"
-    "             [--seed N] [--dump-params FILE] [--timing] [--fail-at-step N] [--step-log "
-    "FILE]\n"
+    "             [--seed N] [--dump-params FILE] [--timing] [--fail-at-step N] [--fail-ranks K]\n"
+    "             [--fail-signal KILL|TERM] [--step-log FILE]\n"
     "  --accumulate N:   N micro-batches of --batch-size per optimizer step, reduced once "
     "(no_sync)\n"
     "  --amp bf16|fp16:  mixed precision: autocast forward and loss; fp16 also scales the loss\n"
@@ -38,6 +38,7 @@ constexpr const char* kUsage =
     "                    step N on the first attempt (TORCHELASTIC_RESTART_COUNT=0)\n"
     "  --fail-signal TERM: ... sends itself SIGTERM instead (it is asked to stop; under\n"
     "                    --restart-mode=in-place it leaves and the others go on)\n"
+    "  --fail-ranks K:   ... the last K ranks do it, at the same step (default 1)\n"
     "  --step-log FILE:  rank 0 appends '<global step> <unix time>' after every optimizer step";
 
 struct UsageError : std::runtime_error {
@@ -63,6 +64,7 @@ struct Args {
   bool timing = false;
   int64_t fail_at_step = -1;
   int fail_signal = SIGKILL;
+  int64_t fail_ranks = 1;
   std::string step_log;
 };
 
@@ -141,6 +143,8 @@ Args parseArgs(int argc, char** argv) {
       a.timing = true;
     else if (arg == "--fail-at-step")
       a.fail_at_step = intArg(arg, value(), 1);
+    else if (arg == "--fail-ranks")
+      a.fail_ranks = intArg(arg, value(), 1);
     else if (arg == "--fail-signal") {
       const std::string v = value();
       if (v != "KILL" && v != "TERM")
@@ -223,8 +227,8 @@ int main(int argc, char** argv) {
     // Step timing (--timing): steady-state mean, skipping the first kWarmup steps of this run.
     constexpr int64_t kWarmup = 5;
     std::vector<std::chrono::steady_clock::time_point> stamps;
-    const bool inject =
-        args.fail_at_step > 0 && env.restart_count == 0 && env.rank == env.world_size - 1;
+    const bool inject = args.fail_at_step > 0 && env.restart_count == 0 &&
+                        env.rank >= env.world_size - args.fail_ranks;
     auto unixNow = [] {
       return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
           .count();

@@ -307,6 +307,7 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
                                   /*hang=*/""});
     }
     if (state_ == AgentState::kRecovering) {
+      if (status.success() && worker->left && replaceLeaver(*worker, what)) return;
       fallBack(what + " during the recovery", /*report=*/true,
                status.success() ? FallbackCause::kRecovery : FallbackCause::kFailure);
       return;
@@ -648,8 +649,16 @@ bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
   // With the budget spent the usual path fails the job.
   if (charged && restart_count_ >= options_.max_restarts) return false;
   for (const auto& w : workers_) {
-    if (&w == failed || (w.running && w.capable)) continue;
+    // One that left on a signal too (its channel may be closed already) is replaced once reaped.
+    if (&w == failed || (w.running && (w.capable || w.left))) continue;
     if (!w.running) return false;  // it ended already (finished or failing too)
+    if (w.hung_up) {  // this time only: its replacement may well recover in place later
+      logger("agent")->warn(
+          "no in-place recovery this time: local rank {} (pid {}) closed its "
+          "DDPRUN_CONTROL_SOCKET connection; restarting every worker",
+          w.launch.local_rank, w.pid);
+      return false;
+    }
     return whyNot("local rank " + std::to_string(w.launch.local_rank) + " (pid " +
                   std::to_string(w.pid) +
                   ") did not announce in-place support on DDPRUN_CONTROL_SOCKET (not a worker "
@@ -683,6 +692,30 @@ bool Supervisor::recoverInPlace(Worker& failed, const std::string& cause) {
   }
   episode_->told_ms = msSinceDetection();
   spawnReplacement(failed, std::move((*launches)[static_cast<size_t>(local_rank)]));
+  return true;
+}
+
+bool Supervisor::replaceLeaver(Worker& leaver, const std::string& what) {
+  Episode& e = *episode_;
+  if (!e.charged) {  // a change of nodes' episode: the signal is the first failure in it
+    if (restart_count_ >= options_.max_restarts) return false;
+    ++restart_count_;
+    e.charged = true;
+  }
+  logger("agent")->info(
+      "in-place recovery: {} after it left the job on a signal sent to it; it is replaced in "
+      "this recovery too",
+      what);
+  if (e.awaiting_round) return true;  // started with the others once the round forms
+  auto launches = planner_(round_, restart_count_);
+  const auto local_rank = static_cast<size_t>(leaver.launch.local_rank);
+  if (!launches.isOk() || local_rank >= launches->size()) {
+    fallBack("cannot prepare a replacement for local rank " + std::to_string(local_rank) + ": " +
+                 (launches.isOk() ? std::string("no such rank") : launches.status().message()),
+             /*report=*/true);
+    return true;
+  }
+  spawnReplacement(leaver, std::move((*launches)[local_rank]));
   return true;
 }
 
@@ -978,6 +1011,7 @@ void Supervisor::onControlClosed(int pid) {
   // its channel first: its exit decides; one that lives on is bounded by the episode's deadline.)
   w->connected = false;
   w->capable = false;
+  w->hung_up = true;
 }
 
 }  // namespace ddprun::agent

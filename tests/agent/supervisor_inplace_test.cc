@@ -243,6 +243,23 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "in-place: a failure while another worker's control channel is closed restarts every worker, "
+    "and says why",
+    "[agent][inplace]") {
+  Fixture f(3, /*max_restarts=*/2);
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  f.sup->onControlClosed(pids[2]);  // no goodbye: it cannot hear a group
+  f.sup->onWorkerExit(pids[0], ExitStatus{true, SIGKILL});
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.channel.to(pids[1], ControlType::kAbort).empty());
+  for (int pid : {pids[1], pids[2]}) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
+  CHECK(f.sup->state() == AgentState::kRunning);  // every worker started again
+  CHECK(f.sup->restartCount() == 1);
+}
+
+TEST_CASE(
     "in-place: a worker that left on a signal when it cannot be replaced in place re-forms every "
     "worker, not charged",
     "[agent][inplace]") {
@@ -254,6 +271,35 @@ TEST_CASE(
   CHECK(f.sup->state() == AgentState::kRunning);  // every worker started again
   CHECK(f.sup->restartCount() == 0);
   CHECK(f.launcher.spawned.size() == 4);
+}
+
+TEST_CASE(
+    "in-place: workers sent SIGTERM together leave at one step and are replaced in one recovery, "
+    "charged once",
+    "[agent][inplace]") {
+  // Ranks 1 and 2 of 4 left at the same agreed step; the agent reaps one (when the other's
+  // channel closed already), then the other while the survivors already re-form.
+  Fixture f(4, /*max_restarts=*/1);
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  for (int pid : {pids[1], pids[2]}) f.say(pid, ControlType::kGoodbye, {{"reason", "stop"}});
+  f.sup->onControlClosed(pids[2]);
+  f.sup->onWorkerExit(pids[1], ExitStatus{false, 0});
+  REQUIRE(f.sup->state() == AgentState::kRecovering);
+  f.sup->onWorkerExit(pids[2], ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.sup->restartCount() == 1);
+  CHECK(f.launcher.signals.empty());
+  REQUIRE(f.launcher.spawned.size() == 6);
+  CHECK(f.launcher.spawned[4].second.local_rank == 1);
+  CHECK(f.launcher.spawned[5].second.local_rank == 2);
+  CHECK(f.planned == std::vector<int>{0, 1, 1});
+  const std::vector<int> group{pids[0], pids[3], f.launcher.spawned[4].first,
+                               f.launcher.spawned[5].first};
+  for (int pid : group) f.say(pid, ControlType::kStep, {{"gen", "2"}, {"n", "13"}});
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 1);
 }
 
 namespace {
@@ -655,6 +701,52 @@ TEST_CASE(
     f.clock.advance(std::chrono::seconds(2));
     f.fireDeadlines();
     CHECK(f.sup->state() == AgentState::kRecovering);  // after the grace, as before
+  }
+}
+
+TEST_CASE(
+    "in-place across nodes: workers that left together start in the recovery's round, and one "
+    "that leaves in a change of nodes' recovery charges it",
+    "[agent][inplace]") {
+  auto leave = [](TwoNodes& f, int pid) {
+    f.say(pid, ControlType::kGoodbye, {{"reason", "stop"}});
+    f.sup->onWorkerExit(pid, ExitStatus{false, 0});
+  };
+  SECTION("both workers of this node left at one step") {
+    TwoNodes f;
+    f.rdzv.hold = true;
+    const auto pids = f.first();
+    leave(f, pids[0]);
+    CHECK(f.sup->state() == AgentState::kRecovering);
+    leave(f, pids[1]);  // while the round forms
+    CHECK(f.sup->state() == AgentState::kRecovering);
+    CHECK(f.sup->restartCount() == 1);
+    CHECK(f.launcher.spawned.size() == 2);
+    f.formRound(2);
+    REQUIRE(f.launcher.spawned.size() == 4);
+    CHECK(f.launcher.spawned[2].second.local_rank == 0);
+    CHECK(f.launcher.spawned[3].second.local_rank == 1);
+    CHECK(f.sup->state() == AgentState::kRecovering);
+  }
+  SECTION("a worker leaves after the round of a change of nodes formed") {
+    TwoNodes f;
+    f.rdzv.hold = true;
+    const auto pids = f.first();
+    for (int pid : pids) {
+      f.say(pid, ControlType::kAborted,
+            {{"gen", std::to_string(f.channel.to(pid, ControlType::kWelcome).at(0).num("gen"))}});
+    }
+    f.sup->onMembershipChange();
+    REQUIRE(f.sup->state() == AgentState::kRecovering);
+    CHECK(f.sup->restartCount() == 0);
+    f.formRound(2);
+    CHECK(f.channel.to(pids[1], ControlType::kGroup).size() == 1);
+    leave(f, pids[1]);
+    CHECK(f.sup->state() == AgentState::kRecovering);
+    CHECK(f.sup->restartCount() == 1);  // the signal is a failure, as torchrun counts it
+    REQUIRE(f.launcher.spawned.size() == 3);
+    CHECK(f.launcher.spawned[2].second.local_rank == 1);
+    CHECK(f.planned.back() == 1);
   }
 }
 

@@ -70,12 +70,13 @@ bool haveDdprun() {
 // under dir/<tag>.
 std::unique_ptr<t::Process> inPlaceRun(const t::TempDir& dir, const std::string& tag,
                                        std::map<std::string, std::string> env,
-                                       const std::string& signal = "KILL") {
+                                       const std::string& signal = "KILL", int fail_ranks = 1) {
   env["OMP_NUM_THREADS"] = "1";
   return std::make_unique<t::Process>(
       trainArgv({"--max-restarts=1", "--restart-mode=in-place"},
                 {"--snapshot-path", dir.str() + "/" + tag + "/snap.pt", "--dump-params",
-                 dir.str() + "/" + tag + ".bin", "--fail-at-step", "12", "--fail-signal", signal}),
+                 dir.str() + "/" + tag + ".bin", "--fail-at-step", "12", "--fail-signal", signal,
+                 "--fail-ranks", std::to_string(fail_ranks)}),
       env, t::ProcessOptions{dir.str() + "/" + tag + ".log", true});
 }
 
@@ -155,8 +156,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "in-place recovery: a worker sent SIGTERM alone leaves after the agreed step, a replacement "
-    "takes the survivors' live state and the result equals a run without it",
+    "in-place recovery: workers sent SIGTERM alone leave after the agreed step, replacements "
+    "take the survivors' live state and the result equals a run without it",
     "[worker][train][inplace]") {
   if (!haveDdprun()) return;
   t::TempDir dir;
@@ -178,4 +179,32 @@ TEST_CASE(
                                   "place as generation 2 (1 of 1 restarts used)"));
   checkRank2ReplacedAlone(out, 13);
   CHECK(t::readFile(dir.str() + "/term.bin") == a);
+
+  // Ranks 1 and 2 sent SIGTERM at the same step leave together; the agent reaps one, starts its
+  // replacement, and replaces the other in the same recovery (charged once).
+  auto two = inPlaceRun(dir, "term2", {}, "TERM", /*fail_ranks=*/2);
+  c = two->waitExit(240s);
+  const std::string out2 = two->output();
+  INFO("run with ranks 1 and 2 sent SIGTERM after step 12:\n" << out2);
+  REQUIRE(c.has_value());
+  CHECK(*c == 0);
+  for (int rank : {1, 2}) {
+    const std::string r = "[RANK " + std::to_string(rank) + "] ";
+    CHECK_THAT(out2, Catch::Contains(r + "left the job on SIGTERM after step 13"));
+    CHECK_THAT(out2, Catch::Contains(r + "took rank 0's live state after step 13"));
+  }
+  CHECK_THAT(out2,
+             Catch::Contains("2 of 3 ranks were sent SIGTERM and left the job after step 13"));
+  CHECK_THAT(out2, Catch::Contains("(1 of 1 restarts used)"));
+  CHECK_THAT(out2, Catch::Contains("it is replaced in this recovery too"));
+  CHECK_THAT(out2, !Catch::Contains("Resuming training from snapshot"));
+  CHECK_THAT(out2, !Catch::Contains("restarting every worker"));
+  const auto pids = joinedPids(out2);
+  REQUIRE(pids.count(0) == 1);
+  CHECK(pids.at(0).size() == 1);  // rank 0 kept its process
+  for (int rank : {1, 2}) {
+    REQUIRE(pids.count(rank) == 1);
+    CHECK(pids.at(rank).size() == 2);
+  }
+  CHECK(t::readFile(dir.str() + "/term2.bin") == a);
 }

@@ -83,6 +83,9 @@ TEST_CASE("train rejects bad arguments with a clear message and exit code 2", "[
   r = t::run(trainBin() + " 3 1 --fail-signal HUP 2>&1");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("--fail-signal must be KILL or TERM, got 'HUP'"));
+  r = t::run(trainBin() + " 3 1 --fail-ranks 0 2>&1");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--fail-ranks"));
   r = t::run("env -u RANK -u WORLD_SIZE " + trainBin() + " 3 1 2>&1");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("WORLD_SIZE is not set"));

@@ -170,6 +170,7 @@ class Supervisor {
     std::optional<TimePoint> killed_at;  // when it was sent SIGKILL
     bool connected = false;              // said hello on the control channel
     bool capable = false;                // said `caps add=inplace`
+    bool hung_up = false;                // its control channel closed (it is exiting, or lost it)
     bool left = false;    // said `goodbye reason=stop`: it leaves on a signal to it, the rest go on
     int aborted_gen = 0;  // the generation it said `aborted` for on its own (a peer gone), RUNNING
   };
@@ -237,6 +238,10 @@ class Supervisor {
   // Multi-node: the episode's start, the survivors' abort, the report (a local failure) and the
   // join of the next round.
   void recoverAcrossNodes(const std::string& cause, bool report, bool charged);
+  // During an episode: a worker that left on a signal sent to it (several ranks sent SIGTERM at
+  // once leave at one agreed step) is replaced in this episode too, which it charges when it was
+  // free. False when the budget is spent (the caller falls back).
+  bool replaceLeaver(Worker& leaver, const std::string& what);
   // Starts `launch` in `slot` (a failed worker's) as a newcomer; false after falling back.
   bool spawnReplacement(Worker& slot, WorkerLaunch launch);
   // `abort` of generation `gen` to every running worker.
