@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <csignal>
+#include <utility>
 
 #include "ddprun/common/log.h"
 
@@ -477,9 +478,25 @@ void Supervisor::onSignal(int sig) {
     return;
   }
   deadlines_.report.reset();  // leaving: a failure seen just before is not the others' business
-  rendezvous_.leave();
+  if (leavesAfterWorkers()) {
+    // Its ranks leave after the step they agree on, and the other nodes' ranks recover in place
+    // from it. Told now, the other agents would recover once failure_grace passed, maybe before
+    // that step ended: the rendezvous hears of the leave once the workers are gone (finish).
+    leave_after_workers_ = true;
+  } else {
+    rendezvous_.leave();
+  }
   ++generation_;  // a pending join's answer no longer matters
   beginStop(StopReason::kSignal, sig);
+}
+
+bool Supervisor::leavesAfterWorkers() const {
+  if (!options_.multi_node || !options_.restart_in_place || control_ == nullptr ||
+      state_ != AgentState::kRunning) {
+    return false;
+  }
+  return std::all_of(workers_.begin(), workers_.end(),
+                     [](const Worker& w) { return !w.running || w.capable; });
 }
 
 void Supervisor::onMembershipChange() {
@@ -602,6 +619,7 @@ void Supervisor::onDeadline() {
 }
 
 void Supervisor::finish(AgentState s, int exit_code) {
+  if (std::exchange(leave_after_workers_, false)) rendezvous_.leave();
   exit_code_ = exit_code;
   deadlines_.kill.reset();
   deadlines_.report.reset();

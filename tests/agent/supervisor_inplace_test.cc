@@ -751,6 +751,38 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "in-place across nodes: SIGTERM leaves the rendezvous once the workers are gone, so the other "
+    "nodes recover after the step the leavers agreed on",
+    "[agent][inplace]") {
+  SECTION("every worker a Trainer") {
+    TwoNodes f;
+    const auto pids = f.first();
+    f.sup->onSignal(SIGTERM);
+    CHECK(f.sup->state() == AgentState::kStopping);
+    CHECK(f.launcher.signalsSent(SIGTERM) == 2);
+    CHECK(f.rdzv.leaves == 0);  // still a member while its ranks finish the step
+    for (int pid : pids) f.say(pid, ControlType::kGoodbye, {{"reason", "stop"}});
+    f.sup->onWorkerExit(pids[0], ExitStatus{false, 0});
+    CHECK(f.rdzv.leaves == 0);
+    f.sup->onWorkerExit(pids[1], ExitStatus{false, 0});
+    CHECK(f.sup->state() == AgentState::kFailed);
+    CHECK(f.sup->exitCode() == 128 + SIGTERM);
+    CHECK(f.rdzv.leaves == 1);
+    CHECK(f.sup->leftRun());
+  }
+  SECTION("a worker that is no Trainer: the leave is told at once, as in process mode") {
+    TwoNodes f;
+    const auto pids = f.first();
+    f.sup->onControlClosed(pids[1]);
+    f.sup->onSignal(SIGTERM);
+    CHECK(f.rdzv.leaves == 1);
+    for (int pid : pids) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
+    CHECK(f.sup->state() == AgentState::kFailed);
+    CHECK(f.rdzv.leaves == 1);
+  }
+}
+
+TEST_CASE(
     "in-place across nodes: a worker crash during the grace after a change of nodes is that "
     "change, free of charge",
     "[agent][inplace]") {

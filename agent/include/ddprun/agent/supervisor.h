@@ -223,6 +223,8 @@ class Supervisor {
   void beginStop(StopReason reason, int sig);
   void maybeFinishStop();
   void reportLocalFailure();
+  // On SIGTERM: multi-node, in place, RUNNING, every running worker capable.
+  bool leavesAfterWorkers() const;
   void finish(AgentState s, int exit_code);
   // In-place recovery (restart_in_place): replaces `failed` alone and has the others re-form;
   // false when it does not apply (the caller takes the usual path).
@@ -305,6 +307,9 @@ class Supervisor {
   // When heartbeats were first seen stale with no stopped worker here (in-place, multi-node).
   std::optional<TimePoint> hang_seen_;
   int recovered_in_place_ = 0;
+  // SIGTERM to an in-place node whose workers are all Trainers: the rendezvous is left once they
+  // are gone (finish), not at the signal (leavesAfterWorkers).
+  bool leave_after_workers_ = false;
   bool said_why_not_in_place_ = false;  // the "recovers by restarting processes" line, once
   LoopAffinity loop_{"Supervisor"};
 };
