@@ -481,7 +481,8 @@ void Supervisor::onSignal(int sig) {
   if (leavesAfterWorkers()) {
     // Its ranks leave after the step they agree on, and the other nodes' ranks recover in place
     // from it. Told now, the other agents would recover once failure_grace passed, maybe before
-    // that step ended: the rendezvous hears of the leave once the workers are gone (finish).
+    // that step ended: the rendezvous hears of the leave once every worker left its group
+    // (`goodbye reason=stop`) or ended (finish).
     leave_after_workers_ = true;
   } else {
     rendezvous_.leave();
@@ -912,6 +913,14 @@ void Supervisor::onControlMessage(int pid, const ControlMessage& message) {
     case ControlType::kGoodbye: {
       const std::string reason = message.str("reason");
       w->left = reason == "stop";
+      if (leave_after_workers_ &&
+          std::all_of(workers_.begin(), workers_.end(),
+                      [](const Worker& x) { return !x.running || x.left; })) {
+        // Every rank here left its group (their processes may take a while to end): told now,
+        // the others re-form without waiting for that.
+        leave_after_workers_ = false;
+        rendezvous_.leave();
+      }
       if (reason == "giveup" && state_ == AgentState::kRecovering) {
         fallBack("local rank " + std::to_string(w->launch.local_rank) + " gave up recovering",
                  /*report=*/true, FallbackCause::kFailure);

@@ -761,14 +761,26 @@ TEST_CASE(
     CHECK(f.sup->state() == AgentState::kStopping);
     CHECK(f.launcher.signalsSent(SIGTERM) == 2);
     CHECK(f.rdzv.leaves == 0);  // still a member while its ranks finish the step
-    for (int pid : pids) f.say(pid, ControlType::kGoodbye, {{"reason", "stop"}});
-    f.sup->onWorkerExit(pids[0], ExitStatus{false, 0});
+    f.say(pids[0], ControlType::kGoodbye, {{"reason", "stop"}});
     CHECK(f.rdzv.leaves == 0);
+    f.say(pids[1], ControlType::kGoodbye, {{"reason", "stop"}});
+    CHECK(f.rdzv.leaves == 1);  // every rank left its group: their exits are not waited for
+    f.sup->onWorkerExit(pids[0], ExitStatus{false, 0});
     f.sup->onWorkerExit(pids[1], ExitStatus{false, 0});
     CHECK(f.sup->state() == AgentState::kFailed);
     CHECK(f.sup->exitCode() == 128 + SIGTERM);
     CHECK(f.rdzv.leaves == 1);
     CHECK(f.sup->leftRun());
+  }
+  SECTION("workers that stop with the others (SIGTERM to every node) end first") {
+    TwoNodes f;
+    const auto pids = f.first();
+    f.sup->onSignal(SIGTERM);
+    f.sup->onWorkerExit(pids[0], ExitStatus{false, 0});
+    CHECK(f.rdzv.leaves == 0);
+    f.sup->onWorkerExit(pids[1], ExitStatus{false, 0});
+    CHECK(f.rdzv.leaves == 1);
+    CHECK(f.sup->state() == AgentState::kFailed);
   }
   SECTION("a worker that is no Trainer: the leave is told at once, as in process mode") {
     TwoNodes f;

@@ -410,9 +410,9 @@ bool Trainer::recoverInPlace(const std::string& what) {
     if (!group && checkpointRequested()) {
       // The job is being stopped while it re-forms: this rank holds the last step it completed
       // (every rank passed through it), which rank 0 of the old group keeps.
-      if (live_) saveOnce(" (checkpoint signal during an in-place recovery)");
       leave("on a signal during the in-place recovery, after step " +
-            std::to_string(progress_.global_step));
+                std::to_string(progress_.global_step),
+            live_ ? " (checkpoint signal during an in-place recovery)" : "");
       return false;
     }
     if (!group) {
@@ -579,8 +579,7 @@ Trainer::Outcome Trainer::stopAsAgreed(StopAgreement agreed, int requests) {
     throw CommError(std::to_string(requests) + " of " + std::to_string(group_->size()) +
                     " ranks were sent SIGTERM and left the job " + after);
   }
-  saveOnce(" (checkpoint signal)");
-  leave("on SIGTERM " + after + "; the other ranks go on in place");
+  leave("on SIGTERM " + after + "; the other ranks go on in place", " (checkpoint signal)");
   return Outcome::kLeft;
 }
 
@@ -590,10 +589,12 @@ void Trainer::saveOnce(const std::string& why) {
   }
 }
 
-void Trainer::leave(const std::string& when) {
+void Trainer::leave(const std::string& when, const std::string& save_why) {
   if (!options_.stop_file.empty())
     writeSmallFile(options_.stop_file, "left the job " + when + "\n");
   group_->control()->send(ddprun::makeControl(ddprun::ControlType::kGoodbye, {{"reason", "stop"}}));
+  // After the goodbye: the agent may let the other nodes re-form while rank 0 saves.
+  if (!save_why.empty()) saveOnce(save_why);
   log() << "[RANK " << group_->rank() << "] left the job " << when << std::endl;
   group_->abort("this rank left the job");  // (the job goes on: its temp files are not ours)
 }

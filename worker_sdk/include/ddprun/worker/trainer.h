@@ -138,8 +138,9 @@ class Trainer {
   Outcome stopAsAgreed(StopAgreement agreed, int requests);
   // Rank 0 saves the progress unless it saved this step already.
   void saveOnce(const std::string& why);
-  // Stop file, `goodbye reason=stop`, the line, the group aborted.
-  void leave(const std::string& when);
+  // Stop file, `goodbye reason=stop`, saveOnce(save_why) unless it is empty, the line, the group
+  // aborted.
+  void leave(const std::string& when, const std::string& save_why = "");
   // After a failure in train(): whether to recover in place (a control channel, and a collective
   // that failed or an abort from the agent).
   bool recoverable(const std::exception& failure);
