@@ -694,12 +694,9 @@ bool Supervisor::recoverInPlace(Worker& failed, const std::string& cause) {
     recoverAcrossNodes(cause, /*report=*/true, /*charged=*/true);
     return true;
   }
-  auto launches = planner_(round_, restart_count_ + 1);
-  const int local_rank = failed.launch.local_rank;
-  if (!launches.isOk() || static_cast<size_t>(local_rank) >= launches->size()) {
-    logger("agent")->warn("in-place recovery: cannot prepare a replacement for local rank {}: {}",
-                          local_rank,
-                          launches.isOk() ? "no such rank" : launches.status().message());
+  auto launch = replacementLaunch(failed.launch.local_rank, restart_count_ + 1);
+  if (!launch.isOk()) {
+    logger("agent")->warn("in-place recovery: {}", launch.status().message());
     return false;
   }
   ++restart_count_;  // the failure is charged once, however it is recovered
@@ -710,8 +707,18 @@ bool Supervisor::recoverInPlace(Worker& failed, const std::string& cause) {
     if (w.running) sendGroup(w);
   }
   episode_->told_ms = msSinceDetection();
-  spawnReplacement(failed, std::move((*launches)[static_cast<size_t>(local_rank)]));
+  spawnReplacement(failed, std::move(*launch));
   return true;
+}
+
+StatusOr<WorkerLaunch> Supervisor::replacementLaunch(int local_rank, int restarts) {
+  auto launches = planner_(round_, restarts);
+  if (!launches.isOk() || static_cast<size_t>(local_rank) >= launches->size()) {
+    return Status(StatusCode::kInternal,
+                  "cannot prepare a replacement for local rank " + std::to_string(local_rank) +
+                      ": " + (launches.isOk() ? "no such rank" : launches.status().message()));
+  }
+  return std::move((*launches)[static_cast<size_t>(local_rank)]);
 }
 
 bool Supervisor::replaceLeaver(Worker& leaver, const std::string& what) {
@@ -726,15 +733,12 @@ bool Supervisor::replaceLeaver(Worker& leaver, const std::string& what) {
       "this recovery too",
       what);
   if (e.awaiting_round) return true;  // started with the others once the round forms
-  auto launches = planner_(round_, restart_count_);
-  const auto local_rank = static_cast<size_t>(leaver.launch.local_rank);
-  if (!launches.isOk() || local_rank >= launches->size()) {
-    fallBack("cannot prepare a replacement for local rank " + std::to_string(local_rank) + ": " +
-                 (launches.isOk() ? std::string("no such rank") : launches.status().message()),
-             /*report=*/true);
+  auto launch = replacementLaunch(leaver.launch.local_rank, restart_count_);
+  if (!launch.isOk()) {
+    fallBack(launch.status().message(), /*report=*/true);
     return true;
   }
-  spawnReplacement(leaver, std::move((*launches)[local_rank]));
+  spawnReplacement(leaver, std::move(*launch));
   return true;
 }
 

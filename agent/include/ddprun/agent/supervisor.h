@@ -244,6 +244,8 @@ class Supervisor {
   // once leave at one agreed step) is replaced in this episode too, which it charges when it was
   // free. False when the budget is spent (the caller falls back).
   bool replaceLeaver(Worker& leaver, const std::string& what);
+  // The launch of `local_rank` in the current round at `restarts`, or why there is none.
+  StatusOr<WorkerLaunch> replacementLaunch(int local_rank, int restarts);
   // Starts `launch` in `slot` (a failed worker's) as a newcomer; false after falling back.
   bool spawnReplacement(Worker& slot, WorkerLaunch launch);
   // `abort` of generation `gen` to every running worker.
@@ -307,8 +309,8 @@ class Supervisor {
   // When heartbeats were first seen stale with no stopped worker here (in-place, multi-node).
   std::optional<TimePoint> hang_seen_;
   int recovered_in_place_ = 0;
-  // SIGTERM to an in-place node whose workers are all Trainers: the rendezvous is left once they
-  // are gone (finish), not at the signal (leavesAfterWorkers).
+  // SIGTERM to an in-place node whose workers are all Trainers: the rendezvous is left once every
+  // worker said `goodbye reason=stop` or ended (finish), not at the signal (leavesAfterWorkers).
   bool leave_after_workers_ = false;
   bool said_why_not_in_place_ = false;  // the "recovers by restarting processes" line, once
   LoopAffinity loop_{"Supervisor"};
