@@ -61,6 +61,22 @@ if [ "${DDPRUN_TORCH2:-1}" != 0 ]; then
     echo "install-deps: installing $(grep -m1 '^torch==' deploy/requirements-torch2.txt) from PyPI" \
       "into $venv (about 5 GB with its CUDA libraries)" >&2
     rm -f "$venv/ddprun-requirements.txt"
+    # The environment takes about 5.4 GB, and pip unpacks each wheel in TMPDIR first. Check the
+    # room before pip starts, so a full disk is one line naming the folder, not pip's Errno 28
+    # halfway through (an interrupted install is redone on the next run anyway).
+    mkdir -p "$venv"
+    tmp=${TMPDIR:-/tmp}
+    need_mb=${DDPRUN_TORCH2_NEED_MB:-6500}
+    for dir in "$venv" "$tmp"; do
+      free_mb=$(df -Pm "$dir" | awk 'NR == 2 { print $4 }')
+      if [ -n "$free_mb" ] && [ "$free_mb" -lt "$need_mb" ]; then
+        echo "install-deps: not enough disk space for the current PyTorch: $dir has ${free_mb} MB" \
+          "free, the install needs about ${need_mb} MB there (the environment and pip's unpacked" \
+          "wheels). Free some space (or point TMPDIR or DDPRUN_TORCH2_VENV elsewhere), or set" \
+          "DDPRUN_TORCH2=0 to leave the current PyTorch out." >&2
+        exit 1
+      fi
+    done
     /usr/bin/python3 -m venv "$venv"
     "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir \
       -r deploy/requirements-torch2.txt

@@ -74,7 +74,12 @@ def logged_steps(log):
 
 
 def run_once(mode, kill_at, build, python, nproc, epochs, nodes, fault="kill"):
-    d = tempfile.mkdtemp(prefix="bench-inplace-")
+    # Each run's step log and snapshots (about 50 MB) go with it, whatever happens.
+    with tempfile.TemporaryDirectory(prefix="bench-inplace-") as d:
+        return run_in(d, mode, kill_at, build, python, nproc, epochs, nodes, fault)
+
+
+def run_in(d, mode, kill_at, build, python, nproc, epochs, nodes, fault):
     log, snap = os.path.join(d, "steps.log"), os.path.join(d, "snap.pt")
     common = ["--dataset-size", "6400", "--batch-size", "32", "--step-log", log]
     if fault == "kill":
