@@ -12,6 +12,7 @@
 #include "fake_heartbeat_probe.h"
 #include "fake_process_launcher.h"
 #include "fake_rendezvous.h"
+#include "log_capture.h"
 
 using namespace ddprun;
 using namespace ddprun::agent;
@@ -20,6 +21,7 @@ using ddprun::testing::FakeControlChannel;
 using ddprun::testing::FakeHeartbeatProbe;
 using ddprun::testing::FakeProcessLauncher;
 using ddprun::testing::FakeRendezvous;
+using ddprun::testing::LogCapture;
 
 namespace {
 
@@ -174,10 +176,13 @@ TEST_CASE("in-place: a worker that did not announce support means a process rest
   const auto pids = f.first();
   f.say(pids[0], ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pids[0])}, {"caps", ""}});
   f.say(pids[0], ControlType::kCaps, {{"add", "inplace"}});  // pids[1] never says it can
+  LogCapture log("agent");
   f.sup->onWorkerExit(pids[2], ExitStatus{false, 1});
   CHECK(f.sup->state() == AgentState::kStopping);
   CHECK(f.rdzv.failures == 1);
   CHECK(f.channel.sent.size() == 1);  // the welcome only: no abort, no group
+  CHECK(log.count("--restart-mode=in-place: local rank 1 (pid " + std::to_string(pids[1]) +
+                  ") did not announce in-place support on DDPRUN_CONTROL_SOCKET") == 1);
 }
 
 TEST_CASE("in-place: with the restart budget spent the job fails as in process mode",
@@ -251,9 +256,13 @@ TEST_CASE(
   f.allCapable();
   const auto pids = f.first();
   f.sup->onControlClosed(pids[2]);  // no goodbye: it cannot hear a group
+  LogCapture log("agent");
   f.sup->onWorkerExit(pids[0], ExitStatus{true, SIGKILL});
   CHECK(f.sup->state() == AgentState::kStopping);
   CHECK(f.channel.to(pids[1], ControlType::kAbort).empty());
+  CHECK(log.count("no in-place recovery this time: local rank 2 (pid " + std::to_string(pids[2]) +
+                  ") closed its DDPRUN_CONTROL_SOCKET connection; restarting every worker") == 1);
+  CHECK(log.count("did not announce") == 0);  // it did announce: that is not the reason
   for (int pid : {pids[1], pids[2]}) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
   CHECK(f.sup->state() == AgentState::kRunning);  // every worker started again
   CHECK(f.sup->restartCount() == 1);
