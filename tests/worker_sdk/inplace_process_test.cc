@@ -207,4 +207,29 @@ TEST_CASE(
     CHECK(pids.at(rank).size() == 2);
   }
   CHECK(t::readFile(dir.str() + "/term2.bin") == a);
+
+  // Rank 2 killed after step 12; rank 1 is sent SIGTERM as it starts waiting for the new group
+  // (the group is there already: the agent sends it with the abort). It leaves at once with the
+  // last step it completed, and is replaced in the same recovery, charged once.
+  auto wait = inPlaceRun(dir, "wait", {{"DDPRUN_INPLACE_FAULT", "wait:1"}});
+  c = wait->waitExit(240s);
+  const std::string out3 = wait->output();
+  INFO("run with rank 2 killed after step 12 and rank 1 sent SIGTERM mid-recovery:\n" << out3);
+  REQUIRE(c.has_value());
+  CHECK(*c == 0);
+  CHECK_THAT(out3, Catch::Contains("[RANK 1] DDPRUN_INPLACE_FAULT: sending myself SIGTERM"));
+  CHECK_THAT(out3, Catch::Contains("[RANK 1] left the job on a signal during the in-place "
+                                   "recovery, after step 12"));
+  CHECK_THAT(out3, Catch::Contains("it is replaced in this recovery too"));
+  CHECK_THAT(out3, Catch::Contains("(1 of 1 restarts used)"));
+  for (int rank : {1, 2}) {
+    CHECK_THAT(out3, Catch::Contains("[RANK " + std::to_string(rank) +
+                                     "] took rank 0's live state after step 12"));
+  }
+  CHECK_THAT(out3, !Catch::Contains("Resuming training from snapshot"));
+  CHECK_THAT(out3, !Catch::Contains("restarting every worker"));
+  const auto pids3 = joinedPids(out3);
+  REQUIRE(pids3.count(0) == 1);
+  CHECK(pids3.at(0).size() == 1);
+  CHECK(t::readFile(dir.str() + "/wait.bin") == a);
 }

@@ -189,6 +189,9 @@ std::optional<ddprun::ControlMessage> ControlClient::waitGroup(
   const auto deadline = Clock::now() + timeout;
   ddprun::MutexLock lock(mu_);
   for (;;) {
+    // A stop asked for first: this rank leaves with the last step it completed rather than join a
+    // group only to leave it at the next step (its agent replaces it in this recovery).
+    if (keep_waiting && !keep_waiting()) return std::nullopt;
     if (group_ && group_->num("gen") > after) return group_;
     if (!closed_.empty()) {
       throw CommError(
@@ -196,7 +199,6 @@ std::optional<ddprun::ControlMessage> ControlClient::waitGroup(
           "came (" +
           closed_ + ")");
     }
-    if (keep_waiting && !keep_waiting()) return std::nullopt;
     const auto now = Clock::now();
     if (now >= deadline) {
       throw CommError("in-place recovery: no new group from the agent within " +

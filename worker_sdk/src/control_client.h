@@ -41,7 +41,8 @@ class ControlClient {
   // Best effort: a failed write means the agent is gone, which the reader reports.
   void send(const ddprun::ControlMessage& message) EXCLUDES(send_mu_);
   // The newest `group` of a generation above `after`. Waits at most `timeout`, in slices in which
-  // `keep_waiting` is asked (a stop request ends the wait): nullopt when it said no. Throws
+  // `keep_waiting` is asked first (a stop request ends the wait, a group there or not): nullopt
+  // when it said no. Throws
   // CommError when the agent hung up or sent nothing in time.
   std::optional<ddprun::ControlMessage> waitGroup(int after, std::chrono::milliseconds timeout,
                                                   const std::function<bool()>& keep_waiting)

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -354,11 +355,19 @@ Trainer::Outcome Trainer::train() {
 
 namespace {
 
-// The test hook DDPRUN_INPLACE_FAULT=abort:<rank>|sync:<rank>: that rank exits 1 in that phase of
-// an in-place recovery (a failure during the recovery, which falls back to a process restart).
+// The test hook DDPRUN_INPLACE_FAULT=<phase>:<rank>. In the abort or sync phase of an in-place
+// recovery that rank exits 1 (a failure during the recovery, which falls back to a process
+// restart); in the wait phase, as it starts waiting for the new group, it sends itself SIGTERM (a
+// stop that reaches it mid-recovery: it leaves, and its agent replaces it in the same recovery).
 void injectRecoveryFault(const char* phase, int rank) {
   const char* spec = std::getenv("DDPRUN_INPLACE_FAULT");
   if (spec == nullptr || std::string(spec) != std::string(phase) + ":" + std::to_string(rank)) {
+    return;
+  }
+  if (std::strcmp(phase, "wait") == 0) {
+    std::fprintf(stderr, "[RANK %d] DDPRUN_INPLACE_FAULT: sending myself SIGTERM in the %s phase\n",
+                 rank, phase);
+    std::raise(SIGTERM);
     return;
   }
   std::fprintf(stderr, "[RANK %d] DDPRUN_INPLACE_FAULT: exiting during the %s phase\n", rank,
@@ -405,6 +414,7 @@ bool Trainer::recoverInPlace(const std::string& what) {
     RecoveryReport report;
     report.aborted_ms = Ms(std::chrono::steady_clock::now() - t0).count();
     send(ddprun::ControlType::kAborted, {{"gen", std::to_string(old_generation)}});
+    injectRecoveryFault("wait", rank);
     auto group = control.waitGroup(old_generation, control.recoveryTimeout(),
                                    [] { return !checkpointRequested(); });
     if (!group && checkpointRequested()) {
