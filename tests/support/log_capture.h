@@ -16,8 +16,7 @@ namespace ddprun::testing {
 class LogCapture {
  public:
   explicit LogCapture(const std::string& component)
-      : logger_(logger(component)),
-        sink_(std::make_shared<spdlog::sinks::ostream_sink_mt>(text_)) {
+      : logger_(logger(component)), sink_(std::make_shared<spdlog::sinks::ostream_sink_mt>(text_)) {
     sink_->set_pattern("%l: %v");
     logger_->sinks().push_back(sink_);
   }
