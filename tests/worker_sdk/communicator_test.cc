@@ -199,6 +199,54 @@ TEST_CASE("the TCP store is hosted by rank 0 and reached by the others", "[worke
                     Catch::Contains("never"));
 }
 
+TEST_CASE(
+    "a store wait with a cancel set returns when the keys come, gives up naming the cancel's "
+    "reason, and leaves the connection usable",
+    "[worker][comm]") {
+  auto server = KeyValueStore::tcpServer("127.0.0.1", 0, std::chrono::seconds(10));
+  auto client = KeyValueStore::tcpClient("127.0.0.1", server->port(), std::chrono::seconds(10));
+  std::atomic<bool> cancelled{false};
+  std::atomic<int> asked{0};
+  client->setCancel([&]() -> std::string {
+    ++asked;
+    return cancelled ? "generation 7 was aborted" : "";
+  });
+  // The key comes while the client asks.
+  std::thread setter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    server->set("late", {'x'});
+  });
+  client->wait({"late"}, std::chrono::seconds(30));
+  setter.join();
+  CHECK(client->get("late") == std::vector<char>{'x'});
+  CHECK(asked > 0);
+  // Cancelled while it waits for a key that never comes: the reason, not the 60 s timeout.
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    cancelled = true;
+  });
+  CHECK_THROWS_WITH(client->wait({"never"}, std::chrono::seconds(60)),
+                    Catch::Contains("never") && Catch::Contains("generation 7 was aborted") &&
+                        !Catch::Contains("timed out"));
+  canceller.join();
+  // The connection is still in step, and without the cancel a wait blocks until its timeout.
+  client->setCancel({});
+  client->set("after", {'y'});
+  CHECK(server->get("after") == std::vector<char>{'y'});
+  CHECK_THROWS_WITH(client->wait({"never"}, std::chrono::milliseconds(200)),
+                    Catch::Contains("timed out"));
+  // Connecting to a store nobody hosts gives up on the cancel too, naming the address.
+  int port;
+  {
+    auto s = KeyValueStore::tcpServer("127.0.0.1", 0, std::chrono::seconds(5));
+    port = s->port();
+  }
+  CHECK_THROWS_WITH(
+      KeyValueStore::tcpClient("127.0.0.1", port, std::chrono::seconds(60),
+                               [] { return std::string("node lost"); }),
+      Catch::Contains("127.0.0.1:" + std::to_string(port)) && Catch::Contains("node lost"));
+}
+
 TEST_CASE("a client reaches a store whose host comes up only after it began waiting",
           "[worker][comm]") {
   int port;

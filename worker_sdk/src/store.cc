@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <mutex>
 #include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -20,6 +21,8 @@ namespace ddprun::worker {
 struct KeyValueStore::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   int port = 0;
+  std::mutex cancel_mu;
+  Cancel cancel;  // guarded by cancel_mu
 };
 
 namespace {
@@ -45,8 +48,9 @@ bool accepts(const addrinfo& a, std::chrono::milliseconds wait) {
 // re-formed in place) opens its store moments after the others learn its port: wait here, trying
 // every 10 ms for the first second, then backing off (doubling, up to 250 ms, so many ranks
 // waiting on a rank 0 that is slow to come do not flood it), until the port accepts or `timeout`
-// passes (then c10d gives the error).
-void awaitListening(const std::string& host, int port, std::chrono::milliseconds timeout) {
+// passes (then c10d gives the error), or until `cancel` gives a reason (then it throws).
+void awaitListening(const std::string& host, int port, std::chrono::milliseconds timeout,
+                    const KeyValueStore::Cancel& cancel) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -57,6 +61,13 @@ void awaitListening(const std::string& host, int port, std::chrono::milliseconds
   auto pause = std::chrono::milliseconds(10);
   bool up = false;
   while (!up && std::chrono::steady_clock::now() < deadline) {
+    if (cancel) {
+      if (std::string why = cancel(); !why.empty()) {
+        ::freeaddrinfo(found);
+        throw CommError("gave up connecting to the rendezvous store at " + host + ":" +
+                        std::to_string(port) + ": " + why);
+      }
+    }
     for (const addrinfo* a = found; a != nullptr && !up; a = a->ai_next) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
           deadline - std::chrono::steady_clock::now());
@@ -99,7 +110,8 @@ std::shared_ptr<KeyValueStore> KeyValueStore::tcpServer(const std::string& host,
 }
 
 std::shared_ptr<KeyValueStore> KeyValueStore::tcpClient(const std::string& host, int port,
-                                                        std::chrono::milliseconds timeout) {
+                                                        std::chrono::milliseconds timeout,
+                                                        const Cancel& cancel) {
   if (port <= 0 || port > 65535)
     throw ConfigError("store port " + std::to_string(port) + " is outside [1, 65535]");
   c10d::TCPStoreOptions opts;
@@ -108,7 +120,7 @@ std::shared_ptr<KeyValueStore> KeyValueStore::tcpClient(const std::string& host,
   opts.waitWorkers = false;
   opts.timeout = timeout;
   auto impl = std::make_unique<Impl>();
-  awaitListening(host, port, timeout);
+  awaitListening(host, port, timeout, cancel);
   try {
     impl->store = c10::make_intrusive<c10d::TCPStore>(host, opts);
     impl->port = port;
@@ -153,13 +165,50 @@ std::int64_t KeyValueStore::add(const std::string& key, std::int64_t delta) {
   }
 }
 
+void KeyValueStore::setCancel(Cancel cancel) {
+  std::lock_guard<std::mutex> lock(impl_->cancel_mu);
+  impl_->cancel = std::move(cancel);
+}
+
 void KeyValueStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
-  try {
-    impl_->store->wait(keys, timeout);
-  } catch (const std::exception& e) {
-    throw CommError("timed out after " + std::to_string(timeout.count()) +
-                    " ms waiting for store keys [" + ddprun::join(keys, ", ") +
-                    "] (a peer rank did not arrive): " + ddprun::trim(e.what()).substr(0, 300));
+  Cancel cancel;
+  {
+    std::lock_guard<std::mutex> lock(impl_->cancel_mu);
+    cancel = impl_->cancel;
+  }
+  auto timedOut = [&](const std::string& why) {
+    return CommError("timed out after " + std::to_string(timeout.count()) +
+                     " ms waiting for store keys [" + ddprun::join(keys, ", ") +
+                     "] (a peer rank did not arrive): " + ddprun::trim(why).substr(0, 300));
+  };
+  if (!cancel) {
+    try {
+      impl_->store->wait(keys, timeout);
+    } catch (const std::exception& e) {
+      throw timedOut(e.what());
+    }
+    return;
+  }
+  // c10d's blocking wait cannot be interrupted (and one given up on its own timeout leaves the
+  // connection out of step on LibTorch 1.13): ask whether the keys are there, 1 ms apart at
+  // first, then up to 5 ms apart (a loopback round trip is about 0.1 ms).
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::milliseconds(1);
+  for (;;) {
+    bool there = false;
+    try {
+      there = impl_->store->check(keys);
+    } catch (const std::exception& e) {
+      throw CommError("store check of keys [" + ddprun::join(keys, ", ") +
+                      "] failed: " + ddprun::trim(e.what()).substr(0, 300));
+    }
+    if (there) return;
+    if (std::string why = cancel(); !why.empty()) {
+      throw CommError("gave up waiting for store keys [" + ddprun::join(keys, ", ") + "]: " + why);
+    }
+    if (std::chrono::steady_clock::now() >= deadline) throw timedOut("no such keys yet");
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(5));
   }
 }
 

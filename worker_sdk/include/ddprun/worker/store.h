@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,14 +16,20 @@ namespace ddprun::worker {
 class KeyValueStore {
  public:
   struct Impl;
+  // Asked while a wait goes on: the reason to give it up (it then throws CommError naming it), or
+  // "" to go on waiting. An in-place recovery's formation gives up this way when the agent aborts
+  // the generation it forms (a node was lost meanwhile).
+  using Cancel = std::function<std::string()>;
 
   // Hosts a TCPStore on host:port (port 0 picks a free one, see port()). Throws CommError when
   // the port cannot be bound.
   static std::shared_ptr<KeyValueStore> tcpServer(const std::string& host, int port,
                                                   std::chrono::milliseconds timeout);
-  // Connects to a TCPStore, retrying until `timeout`. Throws CommError naming host:port.
+  // Connects to a TCPStore, retrying until `timeout` or until `cancel` gives a reason. Throws
+  // CommError naming host:port.
   static std::shared_ptr<KeyValueStore> tcpClient(const std::string& host, int port,
-                                                  std::chrono::milliseconds timeout);
+                                                  std::chrono::milliseconds timeout,
+                                                  const Cancel& cancel = {});
   // A process-local store; share the pointer between thread-ranks.
   static std::shared_ptr<KeyValueStore> inMemory(std::chrono::milliseconds timeout);
 
@@ -32,8 +39,12 @@ class KeyValueStore {
   // Blocks until the key exists (bounded by the store timeout).
   std::vector<char> get(const std::string& key);
   std::int64_t add(const std::string& key, std::int64_t delta);
-  // Throws CommError listing the keys when they do not all appear within `timeout`.
+  // Throws CommError listing the keys when they do not all appear within `timeout`. With a
+  // cancel set (setCancel), it asks the store every few milliseconds instead of blocking, and
+  // throws CommError naming the reason once the cancel gives one.
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
+  // Sets (or, with an empty function, clears) the cancel every wait asks until it is cleared.
+  void setCancel(Cancel cancel);
   int port() const;  // 0 for in-memory stores
 
   Impl& impl() { return *impl_; }
