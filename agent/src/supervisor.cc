@@ -297,6 +297,7 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
   loop_.check();
   Worker* worker = findWorker(pid);
   if (worker == nullptr) return;  // not ours (or a previous attempt's straggler)
+  if (worker->discarded) return;  // killed on purpose; its slot starts again with the next round
   worker->running = false;
 
   if (state_ == AgentState::kRecovering || state_ == AgentState::kRunning) {
@@ -523,6 +524,18 @@ void Supervisor::onMembershipChange() {
       return;
     }
     tellAbort(group_generation_);
+    // A replacement started for that round forms it from its environment, which no longer
+    // holds: it starts again, from the next round's.
+    for (auto& w : workers_) {
+      if (!w.running || !w.newcomer) continue;
+      logger("agent")->info(
+          "in-place recovery: local rank {} (pid {}) was started for round {}, which the nodes' "
+          "change voided; a new one starts with the next round",
+          w.launch.local_rank, w.pid, round_.round);
+      kill(w);
+      w.running = false;
+      w.discarded = true;
+    }
     // The group sent is void: its phase messages (a step it completed meanwhile) end nothing.
     episode_->generation = 0;
     episode_->old_generation = group_generation_;
@@ -754,6 +767,7 @@ bool Supervisor::spawnReplacement(Worker& slot, WorkerLaunch launch) {
   replacement.pid = *pid;
   replacement.running = true;
   replacement.capable = true;  // it joins through the channel, as a newcomer
+  replacement.newcomer = true;
   episode_->replacement_pid = *pid;
   slot = std::move(replacement);
   return true;
@@ -978,6 +992,7 @@ void Supervisor::finishEpisode() {
   episode_.reset();
   failures_.clear();  // recovered: a later report names a later failure
   ++recovered_in_place_;
+  for (auto& w : workers_) w.newcomer = false;         // it trained: it holds what the others hold
   for (auto& w : workers_) w.heartbeat = Heartbeat{};  // the pause is no hang
   setState(AgentState::kRunning);
   if (heartbeatsEnabled()) {

@@ -379,6 +379,57 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "in-place across nodes: a replacement started for a round that a change of nodes voided is "
+    "killed and started again with the next round, the survivor re-forms, charged once",
+    "[agent][inplace]") {
+  TwoNodes f;
+  const auto pids = f.first();
+  f.rdzv.hold = true;
+  f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+  f.formRound(3);
+  REQUIRE(f.launcher.spawned.size() == 3);
+  const int newcomer = f.launcher.spawned.back().first;
+  f.say(newcomer, ControlType::kHello,
+        {{"v", "1"}, {"pid", std::to_string(newcomer)}, {"caps", ""}});
+  // The other node is lost while the group of generation 4 forms.
+  LogCapture log("agent");
+  f.sup->onMembershipChange();
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.launcher.signals == std::vector<std::pair<int, int>>{{newcomer, SIGKILL}});
+  REQUIRE(f.channel.to(pids[0], ControlType::kAbort).size() == 2);
+  CHECK(f.channel.to(pids[0], ControlType::kAbort)[1].num("gen") == 4);
+  CHECK(f.rdzv.joins == 3);
+  CHECK(log.count("local rank 1 (pid " + std::to_string(newcomer) +
+                  ") was started for round 3, which the nodes' change voided") == 1);
+  SECTION("its exit, before the next round, is expected") {
+    f.sup->onWorkerExit(newcomer, ExitStatus{true, SIGKILL});
+    CHECK(f.sup->state() == AgentState::kRecovering);
+  }
+  f.rdzv.round.local_world_sizes = {2};
+  f.rdzv.round.group_rank = 0;
+  f.formRound(4);
+  auto group = f.channel.to(pids[0], ControlType::kGroup);
+  REQUIRE(group.size() == 2);
+  CHECK(group[1].num("gen") == 5);
+  CHECK(group[1].num("world") == 2);
+  CHECK(group[1].num("rank") == 0);
+  REQUIRE(f.launcher.spawned.size() == 4);  // a new replacement, with round 4's environment
+  const int second = f.launcher.spawned.back().first;
+  CHECK(f.launcher.spawned.back().second.local_rank == 1);
+  CHECK(f.planned.back() == 1);
+  SECTION("its exit, after the new one started, is no one's") {
+    f.sup->onWorkerExit(newcomer, ExitStatus{true, SIGKILL});
+    CHECK(f.sup->state() == AgentState::kRecovering);
+  }
+  f.say(second, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(second)}, {"caps", ""}});
+  f.say(pids[0], ControlType::kStep, {{"gen", "5"}, {"n", "9"}});
+  f.say(second, ControlType::kStep, {{"gen", "5"}, {"n", "9"}});
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 1);
+  CHECK(f.launcher.signals.size() == 1);  // the survivor was never stopped
+}
+
+TEST_CASE(
     "in-place across nodes: a peer's failure is charged once and a change of nodes is free, "
     "no worker is stopped",
     "[agent][inplace]") {

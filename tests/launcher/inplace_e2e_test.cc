@@ -342,3 +342,60 @@ TEST_CASE(
           std::set<int>(a_workers.begin(), a_workers.end()));
   }
 }
+
+TEST_CASE(
+    "in-place across nodes: a node lost while the others form the new group is given up, and the "
+    "survivors form the next one in place instead of waiting out inplace_timeout",
+    "[multinode][inplace]") {
+  // The last rank (3) dies after step 8. In the recovery one rank kills its node's agent as it
+  // starts forming the new group (DDPRUN_INPLACE_FAULT=form:<rank>). The other node sees it
+  // gone, aborts the generation its workers are forming, and the world shrinks to it
+  // (--nnodes=1:2), its survivors keeping their processes and going on after step 8.
+  // - form:2: the node of ranks 2 and 3 is lost; ranks 0 and 1 go on.
+  // - form:0: the node of ranks 0 and 1, which hosts the new group's store, is lost while the
+  //   other node's replacement of rank 3 starts for the voided round: rank 2 goes on, and a new
+  //   replacement, started with the next round, takes its live state.
+  const int killer = GENERATE(2, 0);
+  const bool lost_replacement_node = killer == 2;
+  INFO("DDPRUN_INPLACE_FAULT=form:" << killer);
+  RendezvousDaemon rdzv;
+  TempDir dir;
+  const std::vector<std::string> train_args = {
+      "3", "1", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt", "--fail-at-step", "8"};
+  const std::map<std::string, std::string> env = {
+      {"DDPRUN_INPLACE_FAULT", "form:" + std::to_string(killer)}};
+  const std::string run = "formlost" + std::to_string(killer);
+  auto a = node("127.0.0.2", rdzv.endpoint, "1:2", run, "in-place", train_args, env);
+  auto b = node("127.0.0.3", rdzv.endpoint, "1:2", run, "in-place", train_args, env);
+  auto [ra, rb] = finish(*a, *b);
+  const std::string all = ra.out + ra.err + rb.out + rb.err;
+  INFO(all);
+  const bool a_lost = ra.exit_code == 128 + SIGKILL;
+  const Finished& lost = a_lost ? ra : rb;
+  const Finished& kept = a_lost ? rb : ra;
+  CHECK(lost.exit_code == 128 + SIGKILL);
+  CHECK(kept.exit_code == 0);
+  CHECK(countOf(all, "fault injection: killing myself at step 8") == 1);
+  CHECK(countOf(all, "DDPRUN_INPLACE_FAULT: killing this node's agent in the form phase") == 1);
+  const std::string kept_all = kept.out + kept.err;
+  // The survivors gave the aborted generation up and formed the next one, world 2. (Here every
+  // survivor was forming it when the node was lost; one that reached its wait only after the next
+  // group came would skip it.)
+  CHECK(countOf(kept_all, "was aborted by the agent before its state sync") >= 1);
+  CHECK(countOf(kept.out, "formed (world 2), going on after step 8") ==
+        (lost_replacement_node ? 2 : 1));
+  CHECK(kept_all.find("restarting every worker") == std::string::npos);
+  CHECK(kept_all.find("Resuming training from snapshot") == std::string::npos);
+  CHECK(kept_all.find("in-place recovery failed") == std::string::npos);
+  CHECK(countOf(kept.err, "which the nodes' change voided; a new one starts with the next round") ==
+        (lost_replacement_node ? 0 : 1));
+  // The survivors kept their processes: each joined once; on the other node, rank 3 and its
+  // second replacement joined too (the first never formed a group).
+  const auto pids = joinedPids(kept.out);
+  CHECK(pids.size() == (lost_replacement_node ? 2u : 3u));
+  CHECK(std::set<int>(pids.begin(), pids.end()).size() == pids.size());
+  if (!lost_replacement_node) {
+    CHECK(std::regex_search(kept.out,
+                            std::regex(R"(\[RANK 1\] took rank 0's live state after step 8)")));
+  }
+}

@@ -79,9 +79,10 @@ std::unique_ptr<Communicator> makeCommunicator(int rank, int size,
 
 // Rank 0 hosts the store (unless the agent does); the others connect, within `timeout`.
 std::shared_ptr<KeyValueStore> openStore(bool host, const std::string& addr, int port,
-                                         std::chrono::milliseconds timeout) {
+                                         std::chrono::milliseconds timeout,
+                                         const KeyValueStore::Cancel& cancel = {}) {
   return host ? KeyValueStore::tcpServer(addr, port, timeout)
-              : KeyValueStore::tcpClient(addr, port, timeout);
+              : KeyValueStore::tcpClient(addr, port, timeout, cancel);
 }
 
 void checkRank(int rank, int size) {
@@ -182,18 +183,36 @@ void ProcessGroup::reform(const GroupSpec& spec) {
     }
     old.reset();
   }
+  // Forming waits for the other ranks in the store. The agent aborts the generation when a node
+  // is lost meanwhile: the waits then give up at once (CommError) instead of at the timeout.
+  KeyValueStore::Cancel cancel;
+  if (control_) {
+    cancel = [control = control_.get(), gen = spec.generation]() -> std::string {
+      return control->abortedGeneration() >= gen
+                 ? "the agent aborted generation " + std::to_string(gen) + " while it formed"
+                 : "";
+    };
+  }
   // The store: rank 0 keeps the one it hosts at that port (the keys of each generation have their
   // own prefix); a new rank 0 hosts it; every other rank connects again (rank 0 may be new).
   const bool hosts = spec.rank == 0;
-  if (!(hosts && hosts_store_ && store_->port() == spec.master_port)) {
+  if (!(hosts && hosts_store_ && store_ && store_->port() == spec.master_port)) {
     store_.reset();  // a client's connection, or a server's port, goes first
-    store_ = openStore(hosts, spec.master_addr, spec.master_port, options_.connect_timeout);
+    store_ = openStore(hosts, spec.master_addr, spec.master_port, options_.connect_timeout, cancel);
     hosts_store_ = hosts;
   }
   ProcessGroupOptions opts = options_;
   opts.prefix += "/" + spec.key;
   const std::string address = opts.local_address.empty() ? "127.0.0.1" : opts.local_address;
-  auto comm = makeCommunicator(spec.rank, spec.size, store_, opts, address);
+  std::unique_ptr<Communicator> comm;
+  store_->setCancel(cancel);
+  try {
+    comm = makeCommunicator(spec.rank, spec.size, store_, opts, address);
+  } catch (...) {
+    store_->setCancel({});
+    throw;
+  }
+  store_->setCancel({});
   {
     std::lock_guard<std::mutex> lock(comm_mu_);
     comm_ = std::move(comm);

@@ -1,14 +1,17 @@
 #include "ddprun/worker/trainer.h"
 
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <iterator>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -355,14 +358,39 @@ Trainer::Outcome Trainer::train() {
 
 namespace {
 
+// The parent of process `pid` (from /proc/<pid>/stat), or -1.
+pid_t parentOf(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = stat.rfind(')');  // the command name may hold spaces and parentheses
+  if (close == std::string::npos) return -1;
+  std::istringstream rest(stat.substr(close + 1));
+  std::string state;
+  long ppid = -1;
+  rest >> state >> ppid;
+  return rest ? static_cast<pid_t>(ppid) : -1;
+}
+
 // The test hook DDPRUN_INPLACE_FAULT=<phase>:<rank>. In the abort or sync phase of an in-place
 // recovery that rank exits 1 (a failure during the recovery, which falls back to a process
 // restart); in the wait phase, as it starts waiting for the new group, it sends itself SIGTERM (a
-// stop that reaches it mid-recovery: it leaves, and its agent replaces it in the same recovery).
+// stop that reaches it mid-recovery: it leaves, and its agent replaces it in the same recovery);
+// in the form phase, as it starts forming the new group, it kills its node (its agent, then
+// itself): a node lost while the others form.
 void injectRecoveryFault(const char* phase, int rank) {
   const char* spec = std::getenv("DDPRUN_INPLACE_FAULT");
   if (spec == nullptr || std::string(spec) != std::string(phase) + ":" + std::to_string(rank)) {
     return;
+  }
+  if (std::strcmp(phase, "form") == 0) {
+    // The node dies: its agent (this worker's guardian's parent) and, through the guardian,
+    // every worker on it.
+    std::fprintf(stderr,
+                 "[RANK %d] DDPRUN_INPLACE_FAULT: killing this node's agent in the %s phase\n",
+                 rank, phase);
+    std::fflush(nullptr);
+    if (const pid_t agent = parentOf(::getppid()); agent > 1) ::kill(agent, SIGKILL);
+    std::_Exit(1);
   }
   if (std::strcmp(phase, "wait") == 0) {
     std::fprintf(stderr, "[RANK %d] DDPRUN_INPLACE_FAULT: sending myself SIGTERM in the %s phase\n",
@@ -415,28 +443,46 @@ bool Trainer::recoverInPlace(const std::string& what) {
     report.aborted_ms = Ms(std::chrono::steady_clock::now() - t0).count();
     send(ddprun::ControlType::kAborted, {{"gen", std::to_string(old_generation)}});
     injectRecoveryFault("wait", rank);
-    auto group = control.waitGroup(old_generation, control.recoveryTimeout(),
-                                   [] { return !checkpointRequested(); });
-    if (!group && checkpointRequested()) {
-      // The job is being stopped while it re-forms: this rank holds the last step it completed
-      // (every rank passed through it), which rank 0 of the old group keeps.
-      leave("on a signal during the in-place recovery, after step " +
-                std::to_string(progress_.global_step),
-            live_ ? " (checkpoint signal during an in-place recovery)" : "");
-      return false;
-    }
-    if (!group) {
-      throw CommError("the agent named no new group within " +
-                      std::to_string(control.recoveryTimeout().count()) + " ms");
-    }
     GroupSpec spec;
-    spec.generation = static_cast<int>(group->num("gen"));
-    spec.rank = static_cast<int>(group->num("rank"));
-    spec.size = static_cast<int>(group->num("world"));
-    spec.master_addr = group->str("addr");
-    spec.master_port = static_cast<int>(group->num("port"));
-    spec.key = group->str("prefix");
-    group_->reform(spec);
+    // A generation the agent aborts while it forms (a node lost meanwhile) is given up for the
+    // next one; this rank's state is untouched until the sync.
+    for (int after = old_generation;; after = spec.generation) {
+      auto group = control.waitGroup(after, control.recoveryTimeout(),
+                                     [] { return !checkpointRequested(); });
+      if (!group && checkpointRequested()) {
+        // The job is being stopped while it re-forms: this rank holds the last step it completed
+        // (every rank passed through it), which rank 0 of the old group keeps.
+        leave("on a signal during the in-place recovery, after step " +
+                  std::to_string(progress_.global_step),
+              live_ ? " (checkpoint signal during an in-place recovery)" : "");
+        return false;
+      }
+      if (!group) {
+        throw CommError("the agent named no new group within " +
+                        std::to_string(control.recoveryTimeout().count()) + " ms");
+      }
+      spec.generation = static_cast<int>(group->num("gen"));
+      spec.rank = static_cast<int>(group->num("rank"));
+      spec.size = static_cast<int>(group->num("world"));
+      spec.master_addr = group->str("addr");
+      spec.master_port = static_cast<int>(group->num("port"));
+      spec.key = group->str("prefix");
+      injectRecoveryFault("form", rank);
+      std::string failed;
+      try {
+        group_->reform(spec);
+      } catch (const CommError& e) {
+        // A peer lost while the group forms may fail it first (a store that went away): the
+        // agent's abort follows once it sees the node gone. Without one it is a real failure.
+        if (!control.waitAbort(spec.generation, control.recoveryTimeout())) throw;
+        failed = e.what();
+      }
+      if (failed.empty() && control.abortedGeneration() < spec.generation) break;
+      log() << "[RANK " << rank << "] generation " << spec.generation
+            << " was aborted by the agent before its state sync"
+            << (failed.empty() ? "" : " (" + failed.substr(0, 200) + ")")
+            << "; waiting for the next group" << std::endl;
+    }
     report.generation = spec.generation;
     report.world = spec.size;
     report.formed_ms = Ms(std::chrono::steady_clock::now() - t0).count();

@@ -173,6 +173,8 @@ class Supervisor {
     bool hung_up = false;                // its control channel closed (it is exiting, or lost it)
     bool left = false;    // said `goodbye reason=stop`: it leaves on a signal to it, the rest go on
     int aborted_gen = 0;  // the generation it said `aborted` for on its own (a peer gone), RUNNING
+    bool newcomer = false;   // started by this recovery: it holds nothing of its own yet
+    bool discarded = false;  // a newcomer killed when its round was voided: its exit is expected
   };
   // One in-place recovery: from the failure until every worker completed a step.
   struct Episode {

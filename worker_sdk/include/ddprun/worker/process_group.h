@@ -85,7 +85,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // The training thread, once nothing uses the old communicator: drops it (it is aborted and
   // awaited first), opens the store of `spec` (rank 0 keeps the store it hosts at that port, or
   // hosts it; the others connect, within connect_timeout) and forms the new communicator under
-  // prefix/<spec.key>. Throws CommError/ConfigError like initFromEnv.
+  // prefix/<spec.key>. Throws CommError/ConfigError like initFromEnv; CommError as soon as the
+  // agent aborts spec.generation while the ranks wait for each other in the store.
   void reform(const GroupSpec& spec);
 
  private:
