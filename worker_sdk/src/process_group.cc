@@ -204,15 +204,13 @@ void ProcessGroup::reform(const GroupSpec& spec) {
   ProcessGroupOptions opts = options_;
   opts.prefix += "/" + spec.key;
   const std::string address = opts.local_address.empty() ? "127.0.0.1" : opts.local_address;
-  std::unique_ptr<Communicator> comm;
+  // The cancel holds while this generation forms, and no longer (however forming ends).
+  struct CancelWhileForming {
+    KeyValueStore& store;
+    ~CancelWhileForming() { store.setCancel({}); }
+  } forming{*store_};
   store_->setCancel(cancel);
-  try {
-    comm = makeCommunicator(spec.rank, spec.size, store_, opts, address);
-  } catch (...) {
-    store_->setCancel({});
-    throw;
-  }
-  store_->setCancel({});
+  auto comm = makeCommunicator(spec.rank, spec.size, store_, opts, address);
   {
     std::lock_guard<std::mutex> lock(comm_mu_);
     comm_ = std::move(comm);

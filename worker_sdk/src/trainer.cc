@@ -8,10 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
-#include <iterator>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -19,6 +17,7 @@
 #include <utility>
 
 #include "control_client.h"
+#include "ddprun/common/proc_stat.h"
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/sampler.h"
 #include "ddprun/worker/signals.h"
@@ -358,19 +357,6 @@ Trainer::Outcome Trainer::train() {
 
 namespace {
 
-// The parent of process `pid` (from /proc/<pid>/stat), or -1.
-pid_t parentOf(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto close = stat.rfind(')');  // the command name may hold spaces and parentheses
-  if (close == std::string::npos) return -1;
-  std::istringstream rest(stat.substr(close + 1));
-  std::string state;
-  long ppid = -1;
-  rest >> state >> ppid;
-  return rest ? static_cast<pid_t>(ppid) : -1;
-}
-
 // The test hook DDPRUN_INPLACE_FAULT=<phase>:<rank>. In the abort or sync phase of an in-place
 // recovery that rank exits 1 (a failure during the recovery, which falls back to a process
 // restart); in the wait phase, as it starts waiting for the new group, it sends itself SIGTERM (a
@@ -389,7 +375,10 @@ void injectRecoveryFault(const char* phase, int rank) {
                  "[RANK %d] DDPRUN_INPLACE_FAULT: killing this node's agent in the %s phase\n",
                  rank, phase);
     std::fflush(nullptr);
-    if (const pid_t agent = parentOf(::getppid()); agent > 1) ::kill(agent, SIGKILL);
+    if (const auto guardian = readProcStat(static_cast<int>(::getppid()));
+        guardian && guardian->ppid > 1) {
+      ::kill(guardian->ppid, SIGKILL);
+    }
     std::_Exit(1);
   }
   if (std::strcmp(phase, "wait") == 0) {

@@ -1,0 +1,31 @@
+#include "ddprun/common/proc_stat.h"
+
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+
+using ddprun::parseProcStat;
+using ddprun::readProcStat;
+
+TEST_CASE("/proc/<pid>/stat gives the state and the parent, whatever the command name holds",
+          "[common][proc]") {
+  auto s = parseProcStat("812 (train) S 811 812 700 0 -1 4194560 ...");
+  REQUIRE(s);
+  CHECK(s->state == 'S');
+  CHECK(s->ppid == 811);
+  s = parseProcStat("9 (a) b) (c) T 1 9 9");
+  REQUIRE(s);
+  CHECK(s->state == 'T');
+  CHECK(s->ppid == 1);
+  CHECK_FALSE(parseProcStat(""));
+  CHECK_FALSE(parseProcStat("12 (no closing parenthesis S 1"));
+  CHECK_FALSE(parseProcStat("12 (x)"));
+  CHECK_FALSE(parseProcStat("12 (x) S"));
+  CHECK_FALSE(parseProcStat("12 (x) SS 1"));
+  // This process: running, its parent the one getppid() names.
+  auto self = readProcStat(static_cast<int>(::getpid()));
+  REQUIRE(self);
+  CHECK(self->state == 'R');
+  CHECK(self->ppid == static_cast<int>(::getppid()));
+  CHECK_FALSE(readProcStat(-5));
+}
