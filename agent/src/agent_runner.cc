@@ -341,7 +341,9 @@ void AgentRun::onControlLine(int pid, const std::string& line) {
 
 void AgentRun::onPeerEvent(PeerEvent e) {
   if (e == PeerEvent::kPeerFailure) {
-    supervisor_->onPeerFailure();
+    supervisor_->onPeerFailure(FailureKind::kWorkers);
+  } else if (e == PeerEvent::kPeerRecoveryFailed) {
+    supervisor_->onPeerFailure(FailureKind::kRecovery);
   } else {
     supervisor_->onMembershipChange();
   }

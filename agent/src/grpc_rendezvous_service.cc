@@ -38,9 +38,9 @@ void GrpcRendezvousService::leave(const std::string& node_id, CallPolicy policy,
 }
 
 void GrpcRendezvousService::reportFailure(const std::string& node_id, uint64_t round,
-                                          Done<uint64_t> done) {
+                                          FailureKind kind, Done<uint64_t> done) {
   loop_.check();
-  client_.reportFailure(options_.run_id, node_id, round, std::move(done));
+  client_.reportFailure(options_.run_id, node_id, round, kind, std::move(done));
 }
 
 void GrpcRendezvousService::close(CallPolicy policy, StatusDone done) {

@@ -36,7 +36,8 @@ class GrpcRendezvousService final : public RendezvousService {
   void heartbeat(const std::string& node_id, CallPolicy policy,
                  Done<rendezvous::RunStatus> done) override;
   void leave(const std::string& node_id, CallPolicy policy, StatusDone done) override;
-  void reportFailure(const std::string& node_id, uint64_t round, Done<uint64_t> done) override;
+  void reportFailure(const std::string& node_id, uint64_t round, FailureKind kind,
+                     Done<uint64_t> done) override;
   void close(CallPolicy policy, StatusDone done) override;
   void publishMaster(const std::string& node_id, uint64_t round,
                      const rendezvous::MasterAddress& master, StatusDone done) override;

@@ -40,7 +40,7 @@ class JobIdentityClient final : public RendezvousClient {
   // A round from `inner`, handed on once every node said what it runs (or after wait_for: a
   // node that is slow to say is no other job), or the mismatch as the round's error.
   void nextRound(RoundCallback done) override;
-  void reportFailure() override { inner_.reportFailure(); }
+  void reportFailure(FailureKind kind) override { inner_.reportFailure(kind); }
   void leave() override { inner_.leave(); }
   void exitBarrier(Duration timeout, StatusCallback done) override {
     inner_.exitBarrier(timeout, std::move(done));

@@ -17,7 +17,7 @@ class LocalRendezvous final : public RendezvousClient {
       : io_(io), base_(std::move(base)), pick_free_port_(pick_free_port) {}
 
   void nextRound(RoundCallback done) override;
-  void reportFailure() override {}  // no other node to tell
+  void reportFailure(FailureKind) override {}  // no other node to tell
   void leave() override {}
   // One node: nobody to wait for.
   void exitBarrier(Duration, StatusCallback done) override;

@@ -246,6 +246,10 @@ void MultiNodeRendezvous::onChange(const rendezvous::RoundChange& change) {
     if (change.node_id != node_id_) sink_(PeerEvent::kPeerFailure);
     return;
   }
+  if (change.reason == rendezvous::ChangeReason::kRecoveryFailed) {
+    if (change.node_id != node_id_) sink_(PeerEvent::kPeerRecoveryFailed);
+    return;
+  }
   sink_(PeerEvent::kMembershipChange);
 }
 
@@ -272,11 +276,11 @@ void MultiNodeRendezvous::scheduleHeartbeat() {
   });
 }
 
-void MultiNodeRendezvous::reportFailure() {
+void MultiNodeRendezvous::reportFailure(FailureKind kind) {
   loop_.check();
-  enqueue([this](std::function<void()> next) {
+  enqueue([this, kind](std::function<void()> next) {
     service_.reportFailure(
-        node_id_, joined_round_, [next = std::move(next)](StatusOr<uint64_t> round) {
+        node_id_, joined_round_, kind, [next = std::move(next)](StatusOr<uint64_t> round) {
           if (!round.isOk()) {
             agentLog()->warn("could not report the failure: {}", round.status().toString());
           }

@@ -21,7 +21,7 @@ class SnapshotSyncClient final : public RendezvousClient {
                      snapshot::Replicator& replicator)
       : inner_(inner), board_(service), replicator_(replicator) {}
   void nextRound(RoundCallback done) override;
-  void reportFailure() override { inner_.reportFailure(); }
+  void reportFailure(FailureKind kind) override { inner_.reportFailure(kind); }
   void leave() override { inner_.leave(); }
   // A node arrives at the exit barrier once what it writes is announced and what it was told
   // of is fetched; after a success it departs once the others stopped fetching from it (both

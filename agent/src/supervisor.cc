@@ -377,7 +377,7 @@ void Supervisor::beginStop(StopReason reason, int sig) {
 
 void Supervisor::reportLocalFailure() {
   deadlines_.report.reset();
-  rendezvous_.reportFailure();
+  rendezvous_.reportFailure(FailureKind::kWorkers);
 }
 
 void Supervisor::kill(Worker& w) {
@@ -565,15 +565,33 @@ void Supervisor::onNodesChanged() {
   maybeFinishStop();
 }
 
-void Supervisor::onPeerFailure() {
+void Supervisor::onPeerFailure(FailureKind kind) {
   loop_.check();
+  const bool recovery = kind == FailureKind::kRecovery;
   if (state_ == AgentState::kRecovering) {
     // A failure the episode cannot absorb (its own is reported by the node it happened on).
-    fallBack("workers on another node failed during the recovery", /*report=*/false,
-             FallbackCause::kFailure);
+    fallBack(recovery ? "the in-place recovery failed on another node"
+                      : "workers on another node failed during the recovery",
+             /*report=*/false, recovery ? FallbackCause::kRecovery : FallbackCause::kFailure);
     return;
   }
   if (state_ != AgentState::kRunning) return;  // charged once
+  if (recovery) {
+    // The failure that node recovered from was charged here too when the recovery began (this
+    // node finished it first): its restarted workers are taken in, free of charge.
+    if (recoverInPlaceWithPeers("another node's in-place recovery failed and it restarts its "
+                                "workers",
+                                /*charged=*/false)) {
+      return;
+    }
+    logger("agent")->warn(
+        "another node's in-place recovery failed; restarting this node's workers too (the "
+        "failure was charged when the recovery began)");
+    failures_.clear();
+    beginStop(StopReason::kInPlaceFallback, SIGTERM);
+    maybeFinishStop();
+    return;
+  }
   if (recoverInPlaceWithPeers("workers on another node failed", /*charged=*/true)) return;
   logger("agent")->warn("workers on another node failed; restarting this node's workers too");
   failures_.clear();
@@ -784,7 +802,7 @@ void Supervisor::recoverAcrossNodes(const std::string& cause, bool report, bool 
   startEpisode(cause, /*generation=*/0, charged);
   tellAbort(episode_->old_generation);
   episode_->told_ms = msSinceDetection();
-  if (report) rendezvous_.reportFailure();
+  if (report) rendezvous_.reportFailure(FailureKind::kWorkers);
   joinRecoveryRound();
 }
 
@@ -1040,7 +1058,11 @@ void Supervisor::fallBack(const std::string& why, bool report, FallbackCause cau
   }
   beginStop(charge ? StopReason::kFailure : StopReason::kInPlaceFallback, SIGTERM);
   // The other nodes restart theirs too (a failure the rendezvous already knows is not reported).
-  if (options_.multi_node && report) rendezvous_.reportFailure();
+  // A failure charged when the recovery began is not charged again by a node that is back in
+  // RUNNING by now (its workers completed a step in the new group before this one gave up).
+  if (options_.multi_node && report) {
+    rendezvous_.reportFailure(charge ? FailureKind::kWorkers : FailureKind::kRecovery);
+  }
   // A worker mid-recovery has nothing to save, and may be blocked forming a group with the dead
   // (bounded only by its connect timeout): SIGKILL comes soon after the SIGTERM.
   if (deadlines_.kill) {

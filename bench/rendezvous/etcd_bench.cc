@@ -161,7 +161,8 @@ std::optional<Result> trial(const std::string& endpoints, int n, int trial_no) {
   drain(io, std::chrono::milliseconds(300));
   // Change delivery: agent 0 reports a failure of round 1.
   report_at = BenchClock::now();
-  agents[0]->reportFailure(joined[0]->value().node_id, 1, [](StatusOr<uint64_t>) {});
+  agents[0]->reportFailure(joined[0]->value().node_id, 1, rendezvous::FailureKind::kWorkers,
+                           [](StatusOr<uint64_t>) {});
   auto all_told = [&] {
     for (auto& g : got_change) {
       if (!g) return false;

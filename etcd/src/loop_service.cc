@@ -187,11 +187,12 @@ void LoopService::leave(const std::string& node, CallPolicy policy, StatusDone d
       }));
 }
 
-void LoopService::reportFailure(const std::string& node, uint64_t round, Done<uint64_t> done) {
+void LoopService::reportFailure(const std::string& node, uint64_t round,
+                                rendezvous::FailureKind kind, Done<uint64_t> done) {
   loop_.check();
   applyAsync<uint64_t>(
-      [node, round, run = o_.run_id](State& st, TimePoint now) {
-        return st.reportFailure(run, node, round, now);
+      [node, round, kind, run = o_.run_id](State& st, TimePoint now) {
+        return st.reportFailure(run, node, round, now, kind);
       },
       done, o_.connect_for);
 }

@@ -50,7 +50,8 @@ class LoopService : public std::enable_shared_from_this<LoopService> {
   void join(rendezvous::JoinRequest req, Done<rendezvous::RoundInfo> done);
   void heartbeat(const std::string& node, Done<rendezvous::RunStatus> done);
   void leave(const std::string& node, rendezvous::CallPolicy policy, StatusDone done);
-  void reportFailure(const std::string& node, uint64_t round, Done<uint64_t> done);
+  void reportFailure(const std::string& node, uint64_t round, rendezvous::FailureKind kind,
+                     Done<uint64_t> done);
   void close(rendezvous::CallPolicy policy, StatusDone done);
   void publishMaster(const std::string& node, uint64_t round, rendezvous::MasterAddress master,
                      StatusDone done);

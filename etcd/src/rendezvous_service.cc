@@ -28,8 +28,8 @@ void EtcdRendezvousService::leave(const std::string& node_id, rendezvous::CallPo
   service_->leave(node_id, policy, std::move(done));
 }
 void EtcdRendezvousService::reportFailure(const std::string& node_id, uint64_t round,
-                                          Done<uint64_t> done) {
-  service_->reportFailure(node_id, round, std::move(done));
+                                          rendezvous::FailureKind kind, Done<uint64_t> done) {
+  service_->reportFailure(node_id, round, kind, std::move(done));
 }
 void EtcdRendezvousService::close(rendezvous::CallPolicy policy, StatusDone done) {
   service_->close(policy, std::move(done));

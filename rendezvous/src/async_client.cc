@@ -404,11 +404,12 @@ void AsyncClient::leave(const std::string& run, const std::string& node, StatusD
 }
 
 void AsyncClient::reportFailure(const std::string& run, const std::string& node, uint64_t round,
-                                Done<uint64_t> done, CallOptions o) {
+                                FailureKind kind, Done<uint64_t> done, CallOptions o) {
   pb::ReportFailureRequest request;
   request.set_run_id(run);
   request.set_node_id(node);
   request.set_round(round);
+  request.set_recovery_failed(kind == FailureKind::kRecovery);
   impl_->call<pb::ReportFailureResponse>(
       [request](Stub* s, grpc::ClientContext* c, pb::ReportFailureResponse* r, AttemptDone d) {
         s->async()->ReportFailure(c, &request, r, std::move(d));

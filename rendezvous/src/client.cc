@@ -60,9 +60,10 @@ Status Client::leave(const std::string& run_id, const std::string& node_id) {
 }
 
 StatusOr<uint64_t> Client::reportFailure(const std::string& run_id, const std::string& node_id,
-                                         uint64_t round) {
-  return impl_->await<StatusOr<uint64_t>>(
-      [&](auto done) { impl_->async->reportFailure(run_id, node_id, round, std::move(done)); });
+                                         uint64_t round, FailureKind kind) {
+  return impl_->await<StatusOr<uint64_t>>([&](auto done) {
+    impl_->async->reportFailure(run_id, node_id, round, kind, std::move(done));
+  });
 }
 
 Status Client::close(const std::string& run_id) {

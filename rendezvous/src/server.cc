@@ -441,7 +441,9 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
                                           const pb::ReportFailureRequest* req,
                                           pb::ReportFailureResponse* resp) override {
     return unary(ctx, "ReportFailure", [req, resp](Impl* impl) -> Status {
-      auto st = impl->state.reportFailure(req->run_id(), req->node_id(), req->round(), impl->now());
+      auto st = impl->state.reportFailure(
+          req->run_id(), req->node_id(), req->round(), impl->now(),
+          req->recovery_failed() ? FailureKind::kRecovery : FailureKind::kWorkers);
       if (!st.isOk()) return st.status();
       resp->set_next_round(st.value());
       return Status::ok();

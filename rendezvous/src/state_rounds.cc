@@ -336,7 +336,7 @@ Status RendezvousState::leave(const std::string& run_id, const std::string& node
 
 StatusOr<uint64_t> RendezvousState::reportFailure(const std::string& run_id,
                                                   const std::string& node_id, uint64_t round,
-                                                  TimePoint now) {
+                                                  TimePoint now, FailureKind kind) {
   DDPRUN_RETURN_IF_ERROR(validateIds(run_id, node_id));
   Run* run = findRun(run_id);
   if ((run == nullptr && findTombstone(run_id) != nullptr) || (run != nullptr && run->closed)) {
@@ -356,7 +356,10 @@ StatusOr<uint64_t> RendezvousState::reportFailure(const std::string& run_id,
       return failedPrecondition("node " + node_id + " is not a participant of round " +
                                 std::to_string(round) + " of run " + run_id);
     }
-    openRound(*run, ChangeReason::kFailureReported, node_id, now);
+    openRound(*run,
+              kind == FailureKind::kRecovery ? ChangeReason::kRecoveryFailed
+                                             : ChangeReason::kFailureReported,
+              node_id, now);
   }
   return run->forming ? run->round : run->completed_round;
 }

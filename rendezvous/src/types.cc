@@ -28,6 +28,8 @@ const char* changeReasonName(ChangeReason reason) {
       return "NODE_DEAD";
     case ChangeReason::kFailureReported:
       return "FAILURE_REPORTED";
+    case ChangeReason::kRecoveryFailed:
+      return "RECOVERY_FAILED";
   }
   return "UNKNOWN";
 }

@@ -205,6 +205,12 @@ TEST_CASE("pushed round changes become membership changes and peer failures",
   f.poll();
   CHECK(f.events == std::vector<PeerEvent>{PeerEvent::kPeerFailure, PeerEvent::kMembershipChange,
                                            PeerEvent::kMembershipChange});
+  // A failed in-place recovery elsewhere (not charged again); this node's own is not an event.
+  f.events.clear();
+  f.service.push(pending(6, rendezvous::ChangeReason::kRecoveryFailed, "a"));
+  f.service.push(pending(6, rendezvous::ChangeReason::kRecoveryFailed, "b"));
+  f.poll();
+  CHECK(f.events == std::vector<PeerEvent>{PeerEvent::kPeerRecoveryFailed});
 }
 
 TEST_CASE("static node ranks order the nodes by --node-rank", "[agent][multinode]") {
@@ -255,7 +261,7 @@ TEST_CASE("calls run one at a time in the order made, and leave cancels a join i
   Fixture f;
   f.formRound(1);
   f.nextRound();
-  f.rdzv->reportFailure();  // queued behind the join
+  f.rdzv->reportFailure(FailureKind::kWorkers);  // queued behind the join
   f.poll();
   CHECK(f.service.failure_reports.empty());
   f.rdzv->leave();

@@ -436,7 +436,7 @@ TEST_CASE(
   TwoNodes f;
   const auto pids = f.first();
   f.rdzv.hold = true;
-  f.sup->onPeerFailure();
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);
   CHECK(f.sup->state() == AgentState::kRecovering);
   CHECK(f.sup->restartCount() == 1);
   CHECK(f.rdzv.failures == 0);  // the peer reported it
@@ -496,20 +496,99 @@ TEST_CASE(
     REQUIRE(f.rdzv.failures == 1);
     f.formRound(1);
     if (peer) {
-      f.sup->onPeerFailure();
+      f.sup->onPeerFailure(agent::FailureKind::kWorkers);
     } else {
       f.sup->onWorkerExit(pids[0], ExitStatus{false, 1});
     }
     CHECK(f.sup->state() == AgentState::kStopping);
     CHECK(f.rdzv.failures == (peer ? 1 : 2));
     CHECK(f.sup->restartCount() == 1);  // charged once
+    // The first report is a new failure; the fallback's says it was charged already.
+    CHECK(f.rdzv.failure_kinds.front() == agent::FailureKind::kWorkers);
+    if (!peer) CHECK(f.rdzv.failure_kinds.back() == agent::FailureKind::kRecovery);
+  }
+}
+
+TEST_CASE(
+    "in-place across nodes: a peer whose recovery failed after this node's finished is not "
+    "charged again, whether its workers are taken in place or restarted",
+    "[agent][inplace]") {
+  for (const bool in_place : {true, false}) {
+    INFO((in_place ? "this node's workers take the peer's restarted ones in"
+                   : "a worker here cannot recover in place: restart"));
+    TwoNodes f;
+    const auto pids = f.first();
+    f.rdzv.hold = true;
+    f.sup->onPeerFailure(agent::FailureKind::kWorkers);  // charged: 1 of 2
+    f.formRound(1);
+    for (int pid : pids) f.say(pid, ControlType::kStep, {{"gen", "2"}, {"n", "7"}});
+    REQUIRE(f.sup->state() == AgentState::kRunning);
+    REQUIRE(f.sup->restartCount() == 1);
+    if (!in_place) f.sup->onControlClosed(pids[1]);
+    LogCapture log("agent");
+    // The peer gave up that recovery and restarts its workers: the failure was charged here.
+    f.sup->onPeerFailure(agent::FailureKind::kRecovery);
+    CHECK(f.sup->restartCount() == 1);
+    CHECK(f.rdzv.failures == 0);  // the peer reported it; nothing new to tell
+    if (in_place) {
+      CHECK(f.sup->state() == AgentState::kRecovering);
+      CHECK(log.count("another node's in-place recovery failed and it restarts its workers") == 1);
+      f.formRound(2);
+      for (int pid : pids) f.say(pid, ControlType::kStep, {{"gen", "3"}, {"n", "7"}});
+      CHECK(f.sup->state() == AgentState::kRunning);
+      CHECK(f.launcher.signals.empty());
+    } else {
+      CHECK(f.sup->state() == AgentState::kStopping);
+      CHECK(log.count("the failure was charged when the recovery began") == 1);
+      for (int pid : pids) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
+      CHECK(f.sup->state() == AgentState::kRendezvous);
+      f.formRound(2);
+      CHECK(f.sup->state() == AgentState::kRunning);
+      CHECK(f.planned.back() == 1);  // TORCHELASTIC_RESTART_COUNT stays 1
+      REQUIRE(f.launcher.spawned.size() == 4);
+      for (size_t i = 2; i < 4; ++i) {
+        const int pid = f.launcher.spawned[i].first;
+        f.say(pid, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pid)}, {"caps", ""}});
+        f.say(pid, ControlType::kCaps, {{"add", "inplace"}});
+      }
+    }
+    CHECK(f.sup->restartCount() == 1);
+    // A new failure afterwards is charged as usual.
+    f.sup->onPeerFailure(agent::FailureKind::kWorkers);
+    CHECK(f.sup->restartCount() == 2);
+  }
+}
+
+TEST_CASE(
+    "in-place across nodes: a peer's failed recovery ends this node's too, charged only if this "
+    "one's was for a change of nodes and the peer's report is a new failure",
+    "[agent][inplace]") {
+  for (const auto kind : {agent::FailureKind::kRecovery, agent::FailureKind::kWorkers}) {
+    const bool recovery = kind == agent::FailureKind::kRecovery;
+    INFO((recovery ? "RECOVERY_FAILED" : "FAILURE_REPORTED"));
+    TwoNodes f;
+    const auto pids = f.first();
+    f.rdzv.hold = true;
+    f.rdzv.round.local_world_sizes = {2};
+    f.rdzv.round.group_rank = 0;
+    f.sup->onMembershipChange();  // a free episode, once failure_grace passed
+    f.clock.advance(std::chrono::seconds(1));
+    f.fireDeadlines();
+    REQUIRE(f.sup->state() == AgentState::kRecovering);
+    REQUIRE(f.sup->restartCount() == 0);
+    f.sup->onPeerFailure(kind);
+    CHECK(f.sup->state() == AgentState::kStopping);
+    CHECK(f.rdzv.failures == 0);
+    for (int pid : pids) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
+    CHECK(f.sup->state() == AgentState::kRendezvous);
+    CHECK(f.sup->restartCount() == (recovery ? 0 : 1));
   }
 }
 
 TEST_CASE("in-place across nodes: a round that does not form falls back", "[agent][inplace]") {
   TwoNodes f;
   f.rdzv.hold = true;
-  f.sup->onPeerFailure();
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);
   REQUIRE(f.rdzv.pending);
   auto done = std::move(f.rdzv.pending);
   f.rdzv.pending = nullptr;
@@ -682,7 +761,7 @@ TEST_CASE(
   goSilent(f, std::chrono::seconds(11));
   CHECK(f.sup->state() == AgentState::kRunning);  // within the grace: nothing done
   CHECK(f.launcher.signals.empty());
-  f.sup->onPeerFailure();
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);
   CHECK(f.sup->state() == AgentState::kRecovering);
   CHECK(f.launcher.signals.empty());
   // Without the report, the grace ends in the usual path.
@@ -715,7 +794,7 @@ TEST_CASE(
     TwoNodes f;
     f.rdzv.hold = true;
     f.sup->onMembershipChange();
-    f.sup->onPeerFailure();
+    f.sup->onPeerFailure(agent::FailureKind::kWorkers);
     CHECK(f.sup->state() == AgentState::kRecovering);
     CHECK(f.sup->restartCount() == 1);
     CHECK(f.rdzv.joins == 2);

@@ -272,15 +272,16 @@ TEST_CASE("exits of unknown pids are ignored", "[agent]") {
 TEST_CASE("a failure on another node restarts this node's workers, charged once", "[agent]") {
   Fixture f(2, /*max_restarts=*/1);
   f.sup->start();
-  f.sup->onPeerFailure();
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);
   CHECK(f.sup->state() == AgentState::kStopping);
   CHECK(f.rdzv.failures == 0);  // not ours to report
-  f.sup->onPeerFailure();       // the same failure seen twice is still one restart
+  f.sup->onPeerFailure(
+      agent::FailureKind::kWorkers);  // the same failure seen twice is still one restart
   f.exitAll(143);
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.sup->restartCount() == 1);
   // Budget spent: the next failure elsewhere ends this node too, with a reason to show.
-  f.sup->onPeerFailure();
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);
   f.exitAll(143);
   CHECK(f.sup->state() == AgentState::kFailed);
   CHECK(f.sup->exitCode() == 1);
@@ -292,7 +293,7 @@ TEST_CASE("a peer failure while this node is already stopping is ignored", "[age
   Fixture f(2, /*max_restarts=*/2);
   f.sup->start();
   f.sup->onWorkerExit(f.current()[0], ExitStatus{false, 1});
-  f.sup->onPeerFailure();
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);
   f.sup->onWorkerExit(f.current()[1], ExitStatus{true, SIGTERM});
   CHECK(f.sup->restartCount() == 1);
   CHECK(f.sup->state() == AgentState::kRunning);
@@ -535,7 +536,7 @@ TEST_CASE("membership changes and peer failures do not disturb the exit barrier"
   f.sup->start();
   f.exitAll(0);
   f.sup->onMembershipChange();
-  f.sup->onPeerFailure();
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);
   CHECK(f.sup->state() == AgentState::kExitBarrier);
   CHECK(f.rdzv.joins == 1);
   CHECK(f.sup->restartCount() == 0);

@@ -263,8 +263,10 @@ TEST_CASE("etcd-v3: failure reports of one round cost one round", "[etcd]") {
   REQUIRE(joinAll(job, {&a, &b}));
   REQUIRE(a.result->isOk());
   std::optional<StatusOr<uint64_t>> ra, rb;
-  a.service->reportFailure(a.info->node_id, 1, [&](StatusOr<uint64_t> r) { ra = r; });
-  b.service->reportFailure(b.info->node_id, 1, [&](StatusOr<uint64_t> r) { rb = r; });
+  a.service->reportFailure(a.info->node_id, 1, rendezvous::FailureKind::kWorkers,
+                           [&](StatusOr<uint64_t> r) { ra = r; });
+  b.service->reportFailure(b.info->node_id, 1, rendezvous::FailureKind::kWorkers,
+                           [&](StatusOr<uint64_t> r) { rb = r; });
   REQUIRE(job.runUntil([&] { return ra && rb; }));
   REQUIRE(ra->isOk());
   REQUIRE(rb->isOk());

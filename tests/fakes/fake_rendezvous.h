@@ -2,6 +2,8 @@
 // `hold_barrier` is set, for the test to answer later) and counts calls.
 #pragma once
 
+#include <vector>
+
 #include "ddprun/agent/rendezvous_client.h"
 
 namespace ddprun::testing {
@@ -18,7 +20,10 @@ class FakeRendezvous final : public agent::RendezvousClient {
     r.round = joins - 1;
     done(r);
   }
-  void reportFailure() override { ++failures; }
+  void reportFailure(agent::FailureKind kind) override {
+    ++failures;
+    failure_kinds.push_back(kind);
+  }
   void leave() override { ++leaves; }
   void exitBarrier(Duration timeout, StatusCallback done) override {
     ++barriers;
@@ -44,6 +49,7 @@ class FakeRendezvous final : public agent::RendezvousClient {
   Duration barrier_timeout{};
   uint64_t forming = 0;  // what formingRound() answers
   int joins = 0, failures = 0, leaves = 0, closes = 0, barriers = 0;
+  std::vector<agent::FailureKind> failure_kinds;  // one per reportFailure, in order
 };
 
 }  // namespace ddprun::testing

@@ -35,9 +35,13 @@ class FakeRendezvousService final : public agent::RendezvousService {
     record("leave");
     leaves.emplace_back(node_id, std::move(done));
   }
-  void reportFailure(const std::string& node_id, uint64_t round, Done<uint64_t> done) override {
+  void reportFailure(const std::string& node_id, uint64_t round, rendezvous::FailureKind kind,
+                     Done<uint64_t> done) override {
     record("reportFailure");
-    failure_reports.emplace_back(node_id + "@" + std::to_string(round), std::move(done));
+    failure_reports.emplace_back(
+        node_id + "@" + std::to_string(round) +
+            (kind == rendezvous::FailureKind::kRecovery ? "/recovery" : ""),
+        std::move(done));
   }
   void close(agent::CallPolicy, StatusDone done) override {
     record("close");

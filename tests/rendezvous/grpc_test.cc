@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <condition_variable>
@@ -227,6 +228,24 @@ TEST_CASE("membership changes are pushed to every watcher and close ends the run
   CHECK(next.value() == 3);
   REQUIRE(
       log_b.waitUntil([](auto& cs) { return ChangeLog::has(cs, ChangeKind::kRoundPending, 3); }));
+  // ... and a failed in-place recovery's report arrives as RECOVERY_FAILED (not charged again).
+  std::vector<std::thread> joins;
+  std::vector<Status> joined(3, Status(StatusCode::kUnknown, ""));
+  for (int i = 0; i < 3; ++i) {
+    joins.emplace_back(
+        [&, i] { joined[i] = client.join(pushJoin(std::string(1, 'a' + i))).status(); });
+  }
+  for (auto& t : joins) t.join();
+  for (const auto& st : joined) REQUIRE(st.isOk());
+  auto after = client.reportFailure("push", "c", 3, FailureKind::kRecovery);
+  REQUIRE(after.isOk());
+  CHECK(after.value() == 4);
+  REQUIRE(log_b.waitUntil([](auto& cs) {
+    return std::any_of(cs.begin(), cs.end(), [](const RoundChange& c) {
+      return c.kind == ChangeKind::kRoundPending && c.round == 4 &&
+             c.reason == ChangeReason::kRecoveryFailed && c.node_id == "c";
+    });
+  }));
 
   REQUIRE(client.close("push").isOk());
   REQUIRE(log_a.waitUntil(

@@ -376,6 +376,26 @@ TEST_CASE("a failure report opens one new round that every node joins", "[rendez
         StatusCode::kFailedPrecondition);
 }
 
+TEST_CASE("a failed in-place recovery's report opens a RECOVERY_FAILED round, absorbed like others",
+          "[rendezvous][state]") {
+  Harness h(2, 2);
+  h.join("a");
+  h.join("b");
+  h.clearAnswers();
+  auto next = h.state.reportFailure("job", "b", 1, h.clock.now(), FailureKind::kRecovery);
+  REQUIRE(next.isOk());
+  CHECK(next.value() == 2);
+  // A new failure reported meanwhile is the same round (its charge is each node's own).
+  auto again = h.state.reportFailure("job", "a", 1, h.clock.now(), FailureKind::kWorkers);
+  REQUIRE(again.isOk());
+  CHECK(again.value() == 2);
+  h.collect();
+  REQUIRE(h.changes.size() == 1);
+  CHECK(h.changes[0].reason == ChangeReason::kRecoveryFailed);
+  CHECK(h.changes[0].node_id == "b");
+  CHECK(std::string(changeReasonName(h.changes[0].reason)) == "RECOVERY_FAILED");
+}
+
 TEST_CASE("a graceful leave starts a new round at once", "[rendezvous][state]") {
   Harness h(1, 3);
   h.join("a");

@@ -45,8 +45,9 @@ struct MultiNodeOptions {
   Duration departure_timeout = std::chrono::seconds(10);
 };
 
-// Pushed changes the supervisor must act on.
-enum class PeerEvent { kMembershipChange, kPeerFailure };
+// Pushed changes the supervisor must act on. kPeerRecoveryFailed: another node's in-place
+// recovery failed and it restarts its workers (FailureKind::kRecovery: not charged again).
+enum class PeerEvent { kMembershipChange, kPeerFailure, kPeerRecoveryFailed };
 
 class MultiNodeRendezvous final : public RendezvousClient {
  public:
@@ -57,7 +58,7 @@ class MultiNodeRendezvous final : public RendezvousClient {
   ~MultiNodeRendezvous() override;
 
   void nextRound(RoundCallback done) override;
-  void reportFailure() override;
+  void reportFailure(FailureKind kind) override;
   void leave() override;
   void exitBarrier(Duration timeout, StatusCallback done) override;
   void shutdown(bool succeeded, bool left, std::function<void()> done) override;

@@ -13,8 +13,11 @@
 #include "ddprun/agent/worker_env.h"
 #include "ddprun/common/clock.h"
 #include "ddprun/common/status.h"
+#include "ddprun/rendezvous/types.h"
 
 namespace ddprun::agent {
+
+using rendezvous::FailureKind;
 
 class RendezvousClient {
  public:
@@ -24,8 +27,9 @@ class RendezvousClient {
 
   // Joins the next round; `done` runs once with the round or the reason there is none.
   virtual void nextRound(RoundCallback done) = 0;
-  // This node's workers failed: every node must restart into a new round.
-  virtual void reportFailure() = 0;
+  // This node's workers failed (kWorkers: every node charges a restart), or its in-place recovery
+  // did (kRecovery: charged already when it began): every node must restart into a new round.
+  virtual void reportFailure(FailureKind kind) = 0;
   // Graceful departure (SIGTERM): the others re-form without this node at once. Calls in flight
   // (a join) are abandoned; their callbacks may still run and must be ignored by the caller.
   virtual void leave() = 0;

@@ -10,5 +10,6 @@ namespace ddprun::agent {
 
 using RendezvousService = rendezvous::Service;
 using rendezvous::CallPolicy;
+using rendezvous::FailureKind;
 
 }  // namespace ddprun::agent

@@ -121,8 +121,9 @@ class Supervisor {
   void onSignal(int sig);
   // The membership changed (multi-node): restart in a new round without charging a restart.
   void onMembershipChange();
-  // Workers on another node failed: every node restarts in one new round, charged once here too.
-  void onPeerFailure();
+  // Workers on another node failed (kWorkers): every node restarts in one new round, charged once
+  // here too. Another node's in-place recovery failed (kRecovery): the same, not charged again.
+  void onPeerFailure(FailureKind kind);
   // The time is at or past nextDeadline(): SIGKILL after the shutdown timeout, a failure report
   // after its grace, a look at the workers' heartbeat files, or the end of the exit barrier.
   void onDeadline();

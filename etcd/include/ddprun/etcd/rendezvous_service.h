@@ -71,7 +71,8 @@ class EtcdRendezvousService final : public rendezvous::Service {
   void heartbeat(const std::string& node_id, rendezvous::CallPolicy policy,
                  Done<rendezvous::RunStatus> done) override;
   void leave(const std::string& node_id, rendezvous::CallPolicy policy, StatusDone done) override;
-  void reportFailure(const std::string& node_id, uint64_t round, Done<uint64_t> done) override;
+  void reportFailure(const std::string& node_id, uint64_t round, rendezvous::FailureKind kind,
+                     Done<uint64_t> done) override;
   void close(rendezvous::CallPolicy policy, StatusDone done) override;
   void publishMaster(const std::string& node_id, uint64_t round,
                      const rendezvous::MasterAddress& master, StatusDone done) override;

@@ -89,7 +89,7 @@ class AsyncClient {
   void leave(const std::string& run, const std::string& node, StatusDone done, CallOptions o = {});
   // Completes with the round every node must join next.
   void reportFailure(const std::string& run, const std::string& node, uint64_t round,
-                     Done<uint64_t> done, CallOptions o = {});
+                     FailureKind kind, Done<uint64_t> done, CallOptions o = {});
   void close(const std::string& run, StatusDone done, CallOptions o = {});
   // The rank-0 node of `round` publishes the master address of its workers.
   void publishMaster(const std::string& run, const std::string& node, uint64_t round,

@@ -43,7 +43,7 @@ class Client {
   Status leave(const std::string& run_id, const std::string& node_id);
   // Returns the round every node must join next.
   StatusOr<uint64_t> reportFailure(const std::string& run_id, const std::string& node_id,
-                                   uint64_t round);
+                                   uint64_t round, FailureKind kind = FailureKind::kWorkers);
   Status close(const std::string& run_id);
   // The rank-0 node of `round` publishes the master address of its workers.
   Status publishMaster(const std::string& run_id, const std::string& node_id, uint64_t round,

@@ -47,7 +47,8 @@ class Service {
   virtual void heartbeat(const std::string& node_id, CallPolicy policy, Done<RunStatus> done) = 0;
   virtual void leave(const std::string& node_id, CallPolicy policy, StatusDone done) = 0;
   // Returns the round every node must join next.
-  virtual void reportFailure(const std::string& node_id, uint64_t round, Done<uint64_t> done) = 0;
+  virtual void reportFailure(const std::string& node_id, uint64_t round, FailureKind kind,
+                             Done<uint64_t> done) = 0;
   virtual void close(CallPolicy policy, StatusDone done) = 0;
   // The rank-0 node of `round` publishes its workers' master address; others wait for it
   // (ABORTED when a later round completed first: join again).

@@ -144,9 +144,11 @@ class RendezvousState {
   void watchOpened(const std::string& run_id, TimePoint now);
   void watchClosed(const std::string& run_id, TimePoint now);
   // Returns the round every node must join next. Reports for a superseded round are absorbed
-  // into the round already forming, so N nodes reporting one failure cost one round.
+  // into the round already forming, so N nodes reporting one failure cost one round. The round
+  // opened tells why: kFailureReported, or kRecoveryFailed for FailureKind::kRecovery.
   StatusOr<uint64_t> reportFailure(const std::string& run_id, const std::string& node_id,
-                                   uint64_t round, TimePoint now);
+                                   uint64_t round, TimePoint now,
+                                   FailureKind kind = FailureKind::kWorkers);
   // Refuses later joins; the run's watchers get kClosed. `reason` is kept in its tombstone.
   Status close(const std::string& run_id, TimePoint now, std::string reason = "by a client");
   // A tombstoned run reports closed (its round counters are gone: 0).

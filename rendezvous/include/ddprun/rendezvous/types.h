@@ -71,13 +71,20 @@ enum class ChangeReason {
   kNodeLeft = 2,
   kNodeDead = 3,
   kFailureReported = 4,
+  kRecoveryFailed = 5,
 };
+
+// What a failure report is about. kWorkers: a node's workers failed, every node charges one
+// restart. kRecovery: a node's in-place recovery failed and it restarts its workers; the failure
+// it recovered from was charged when the recovery began, so no node charges it again.
+enum class FailureKind { kWorkers = 0, kRecovery = 1 };
 
 const char* changeKindName(ChangeKind kind);
 const char* changeReasonName(ChangeReason reason);
 
 // Pushed to every watcher of a run. On kRoundPending with the agent's node among the last round's
-// participants, the agent stops its workers and joins `round`; kFailureReported charges a restart.
+// participants, the agent stops its workers and joins `round`; kFailureReported charges a restart,
+// kRecoveryFailed does not (FailureKind::kRecovery).
 struct RoundChange {
   ChangeKind kind = ChangeKind::kSnapshot;
   ChangeReason reason = ChangeReason::kNone;
