@@ -6,6 +6,8 @@
 //   run's bit for bit.
 // - A whole node killed: the survivors wait, a replacement node joins (--nnodes=2:2) and its new
 //   workers take the live state; or nobody comes (--nnodes=1:2) and the world shrinks.
+// - One node leaving on SIGTERM (a spot notice): the other goes on in place; a new node joining
+//   afterwards takes its live state.
 #include <catch2/catch.hpp>
 #include <csignal>
 #include <map>
@@ -398,4 +400,53 @@ TEST_CASE(
     CHECK(std::regex_search(kept.out,
                             std::regex(R"(\[RANK 1\] took rank 0's live state after step 8)")));
   }
+}
+
+TEST_CASE(
+    "in-place across nodes: after a node left on SIGTERM, a new node joins and its workers take "
+    "the survivors' live state while the survivors keep their processes",
+    "[multinode][inplace]") {
+  RendezvousDaemon rdzv;
+  TempDir dir;
+  // 8 epochs of 12 steps in a world of 2 (6 in a world of 4): time enough for the new node.
+  const std::vector<std::string> train_args = {
+      "8", "1", "--model", "mlp", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+  auto a = node("127.0.0.2", rdzv.endpoint, "1:2", "leavejoin", "in-place", train_args);
+  auto b = node("127.0.0.3", rdzv.endpoint, "1:2", "leavejoin", "in-place", train_args);
+  REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
+                    180s));
+  const auto a_workers = workerPids(a->pid());
+  REQUIRE(a_workers.size() == 2);
+  b->signal(SIGTERM);  // a spot notice: its ranks leave after the agreed step
+  auto rb = b->wait(60s);
+  INFO("first node:\n" << a->out() << a->err() << "\nleaving node:\n" << b->out() << b->err());
+  REQUIRE(rb);
+  CHECK(rb->exit_code == 128 + SIGTERM);
+  // Once the world of 2 completed a step (the agent's summary of that recovery); a node joining
+  // before that would void the group being formed and the two changes be recovered as one.
+  REQUIRE(waitUntil([&] { return countOf(a->err(), "in-place recovery, generation") == 1; }, 60s));
+  CHECK(countOf(a->out(), "formed (world 2)") == 2);
+  auto c = node("127.0.0.4", rdzv.endpoint, "1:2", "leavejoin", "in-place", train_args);
+  auto ra = a->wait(300s);
+  auto rc = c->wait(120s);
+  REQUIRE(ra);
+  REQUIRE(rc);
+  INFO("first node, to the end:\n" << ra->out << ra->err << "\nnew node:\n" << rc->out << rc->err);
+  CHECK(ra->exit_code == 0);
+  CHECK(rc->exit_code == 0);
+  const std::string all = ra->out + ra->err + rc->out + rc->err;
+  // Both changes of nodes were recovered in place, free: the survivors formed a world of 2, then
+  // one of 4 with the new node, whose ranks took the live state (no snapshot was read).
+  CHECK(countOf(ra->err, "the job's nodes changed; recovering in place") == 2);
+  CHECK(countOf(ra->out, "formed (world 4)") == 2);
+  CHECK(std::regex_search(rc->out, std::regex(R"(took rank \d's live state after step \d+)")));
+  CHECK(countOf(rc->out, "live state after step") == 2);
+  CHECK(all.find("restarting every worker") == std::string::npos);
+  CHECK(all.find("Resuming training from snapshot") == std::string::npos);
+  CHECK(ra->err.find("(1 of 1 restarts used)") == std::string::npos);  // neither was charged
+  CHECK(all.find("Epoch 7 |") != std::string::npos);
+  // The survivors kept their processes throughout.
+  const auto joined = joinedPids(ra->out);
+  CHECK(std::set<int>(joined.begin(), joined.end()) ==
+        std::set<int>(a_workers.begin(), a_workers.end()));
 }
