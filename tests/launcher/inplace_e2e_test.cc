@@ -171,6 +171,41 @@ TEST_CASE(
     CHECK(countOf(all, "Resuming training from snapshot") == 4);  // every worker fresh
     CHECK(dumped(tag) == clean);
   }
+
+  // The recovery fails on one node after the other's ended: rank 0 exits once it completed the
+  // first step in the new group, before telling its agent (DDPRUN_INPLACE_FAULT=step:0). Its node
+  // restarts its workers and says the failure was charged already; the other node, back in
+  // RUNNING, takes them in, in place, without charging it again: --max-restarts=1 suffices.
+  {
+    INFO("DDPRUN_INPLACE_FAULT=step:0");
+    const std::map<std::string, std::string> env = {{"DDPRUN_INPLACE_FAULT", "step:0"}};
+    auto a =
+        node("127.0.0.2", rdzv.endpoint, "2", "fault-step", "in-place", args("stepa", true), env);
+    auto b =
+        node("127.0.0.3", rdzv.endpoint, "2", "fault-step", "in-place", args("stepb", true), env);
+    auto [ra, rb] = finish(*a, *b);
+    const std::string all = ra.out + ra.err + rb.out + rb.err;
+    INFO(all);
+    CHECK(ra.exit_code == 0);
+    CHECK(rb.exit_code == 0);
+    CHECK(countOf(all, "DDPRUN_INPLACE_FAULT: exiting at the end of the step phase") == 1);
+    // Rank 0's node fell back; the other took its restarted workers in.
+    const bool a_failed = ra.err.find("in-place recovery failed (") != std::string::npos;
+    const Finished& failed = a_failed ? ra : rb;
+    const Finished& kept = a_failed ? rb : ra;
+    CHECK(countOf(failed.err, "in-place recovery failed (local rank 0") == 1);
+    CHECK(kept.err.find("in-place recovery failed (") == std::string::npos);
+    CHECK(countOf(kept.err,
+                  "another node's in-place recovery failed and it restarts its workers; "
+                  "recovering in place (1 of 1 restarts used)") == 1);
+    CHECK(all.find("restart budget") == std::string::npos);
+    // The other node's workers kept their processes (two survivors and the replacement of rank
+    // 3 where it was killed); the restarted ones took their live state, after step 9.
+    CHECK(countOf(kept.out, "going on after step 9") == 2);
+    CHECK(std::regex_search(
+        failed.out, std::regex(R"(\[RANK [01]\] took rank [23]'s live state after step 9)")));
+    CHECK(dumped("step") == clean);
+  }
 }
 
 TEST_CASE(

@@ -362,7 +362,9 @@ namespace {
 // restart); in the wait phase, as it starts waiting for the new group, it sends itself SIGTERM (a
 // stop that reaches it mid-recovery: it leaves, and its agent replaces it in the same recovery);
 // in the form phase, as it starts forming the new group, it kills its node (its agent, then
-// itself): a node lost while the others form.
+// itself): a node lost while the others form; in the step phase it exits 1 once it completed the
+// first step in the new group, before telling its agent: its node's recovery fails after the
+// other nodes' ended.
 void injectRecoveryFault(const char* phase, int rank) {
   const char* spec = std::getenv("DDPRUN_INPLACE_FAULT");
   if (spec == nullptr || std::string(spec) != std::string(phase) + ":" + std::to_string(rank)) {
@@ -387,8 +389,8 @@ void injectRecoveryFault(const char* phase, int rank) {
     std::raise(SIGTERM);
     return;
   }
-  std::fprintf(stderr, "[RANK %d] DDPRUN_INPLACE_FAULT: exiting during the %s phase\n", rank,
-               phase);
+  std::fprintf(stderr, "[RANK %d] DDPRUN_INPLACE_FAULT: exiting %s the %s phase\n", rank,
+               std::strcmp(phase, "step") == 0 ? "at the end of" : "during", phase);
   std::fflush(nullptr);
   std::_Exit(1);
 }
@@ -512,6 +514,7 @@ DdpOptions Trainer::ddpOptions() const {
 void Trainer::reportFirstStep() {
   if (!first_step_pending_) return;
   first_step_pending_ = false;
+  if (recoveries_.size() == 1) injectRecoveryFault("step", group_->rank());
   group_->control()->send(ddprun::makeControl(
       ddprun::ControlType::kStep, {{"gen", std::to_string(std::max(group_->generation(), 1))},
                                    {"n", std::to_string(progress_.global_step)}}));
