@@ -160,9 +160,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         (void)h.state.leave(run, node, h.now);
         break;
       case 5:
-        (void)h.state.reportFailure(run, node, round, h.now,
-                                    in.ConsumeBool() ? FailureKind::kRecovery
-                                                     : FailureKind::kWorkers);
+        (void)h.state.reportFailure(
+            run, node, round, h.now,
+            in.ConsumeBool() ? FailureKind::kRecovery : FailureKind::kWorkers);
         break;
       case 6:
         if (in.ConsumeIntegralInRange<int>(0, 7) == 0) (void)h.state.close(run, h.now);

@@ -43,6 +43,9 @@ def worker(rank, port, outdir, steps, state, x, y):
         opt.step()
     if rank == 0:
         flat(model).numpy().tofile(os.path.join(outdir, "final.bin"))
+    # Both ranks tear gloo down together: under torch 2.15 a rank whose peer had already destroyed
+    # its group and exited was once seen to abort ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

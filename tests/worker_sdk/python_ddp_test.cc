@@ -24,9 +24,16 @@ TEST_CASE("the SDK's DDP and PyTorch's DDP reach the same parameters after k ste
           "[worker][ddp][python]") {
   const int steps = 6;
   t::TempDir dir;
-  auto r =
-      t::run(t::python() + " " + t::sourceDir() + "/tests/worker_sdk/python_ddp_reference.py " +
-             dir.str() + " " + std::to_string(steps) + " 2>&1");
+  const std::string reference = t::python() + " " + t::sourceDir() +
+                                "/tests/worker_sdk/python_ddp_reference.py " + dir.str() + " " +
+                                std::to_string(steps) + " 2>&1";
+  auto r = t::run(reference);
+  if (r.exit_code != 0) {
+    // The reference is PyTorch's, not the SDK's: one crash of it (a torch 2.x gloo teardown abort
+    // was seen once in CI) is said and the reference run again; the comparison below is unchanged.
+    WARN("the PyTorch reference run failed once; running it again. Its output:\n" << r.output);
+    r = t::run(reference);
+  }
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
 
