@@ -242,12 +242,10 @@ void MultiNodeRendezvous::onChange(const rendezvous::RoundChange& change) {
   forming_round_ = std::max(forming_round_, change.round);
   agentLog()->info("round {} is forming ({} by {})", change.round,
                    rendezvous::changeReasonName(change.reason), change.node_id);
-  if (change.reason == rendezvous::ChangeReason::kFailureReported) {
-    if (change.node_id != node_id_) sink_(PeerEvent::kPeerFailure);
-    return;
-  }
-  if (change.reason == rendezvous::ChangeReason::kRecoveryFailed) {
-    if (change.node_id != node_id_) sink_(PeerEvent::kPeerRecoveryFailed);
+  const bool failure = change.reason == rendezvous::ChangeReason::kFailureReported;
+  if (failure || change.reason == rendezvous::ChangeReason::kRecoveryFailed) {
+    if (change.node_id == node_id_) return;  // its own report
+    sink_(failure ? PeerEvent::kPeerFailure : PeerEvent::kPeerRecoveryFailed);
     return;
   }
   sink_(PeerEvent::kMembershipChange);

@@ -576,26 +576,21 @@ void Supervisor::onPeerFailure(FailureKind kind) {
     return;
   }
   if (state_ != AgentState::kRunning) return;  // charged once
-  if (recovery) {
-    // The failure that node recovered from was charged here too when the recovery began (this
-    // node finished it first): its restarted workers are taken in, free of charge.
-    if (recoverInPlaceWithPeers("another node's in-place recovery failed and it restarts its "
-                                "workers",
-                                /*charged=*/false)) {
-      return;
-    }
-    logger("agent")->warn(
-        "another node's in-place recovery failed; restarting this node's workers too (the "
-        "failure was charged when the recovery began)");
-    failures_.clear();
-    beginStop(StopReason::kInPlaceFallback, SIGTERM);
-    maybeFinishStop();
+  // After a failed recovery elsewhere, the failure it recovered from was charged here too when
+  // that recovery began (this node finished it first): its restarted workers cost nothing more.
+  if (recoverInPlaceWithPeers(recovery ? "another node's in-place recovery failed and it restarts "
+                                         "its workers"
+                                       : "workers on another node failed",
+                              /*charged=*/!recovery)) {
     return;
   }
-  if (recoverInPlaceWithPeers("workers on another node failed", /*charged=*/true)) return;
-  logger("agent")->warn("workers on another node failed; restarting this node's workers too");
+  logger("agent")->warn(recovery ? "another node's in-place recovery failed; restarting this "
+                                   "node's workers too (the failure was charged when the "
+                                   "recovery began)"
+                                 : "workers on another node failed; restarting this node's "
+                                   "workers too");
   failures_.clear();
-  beginStop(StopReason::kFailure, SIGTERM);
+  beginStop(recovery ? StopReason::kInPlaceFallback : StopReason::kFailure, SIGTERM);
   maybeFinishStop();
 }
 
