@@ -98,6 +98,12 @@ ProcessGroup::ProcessGroup(int rank, int size, std::shared_ptr<KeyValueStore> st
                            std::unique_ptr<Communicator> comm)
     : rank_(rank), size_(size), store_(std::move(store)), comm_(std::move(comm)) {}
 
+// The agent's abort's way to the group (see ProcessGroup::abort_target_).
+struct ProcessGroup::AbortTarget {
+  std::mutex mu;
+  ProcessGroup* group = nullptr;  // guarded by mu; null once the group is being destroyed
+};
+
 std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const ProcessGroupOptions& options) {
   return initFromEnv(WorkerEnv::fromProcessEnv(), options);
 }
@@ -109,14 +115,17 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
   }
   // Under --restart-mode=in-place the agent names the generation to form first.
   std::unique_ptr<ControlClient> control;
-  auto target = std::make_shared<std::weak_ptr<ProcessGroup>>();
+  auto target = std::make_shared<AbortTarget>();
   if (!env.control_socket.empty()) {
     control = ControlClient::connect(
         env.control_socket,
         std::min<std::chrono::milliseconds>(options.connect_timeout, std::chrono::seconds(30)),
         [target](int gen, const std::string& reason) {
-          auto group = target->lock();
-          if (group && gen >= group->generation()) group->abort("aborted by the agent: " + reason);
+          std::lock_guard<std::mutex> lock(target->mu);
+          ProcessGroup* group = target->group;
+          if (group != nullptr && gen >= group->generation()) {
+            group->abort("aborted by the agent: " + reason);
+          }
         });
   }
   const bool hosts = env.rank == 0 && !env.use_agent_store;
@@ -140,7 +149,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
   group->options_ = opts;  // reform() adds each generation's key to the prefix
   group->hosts_store_ = hosts;
   group->generation_ = generation;
-  *target = group;
+  {
+    std::lock_guard<std::mutex> lock(target->mu);
+    target->group = group.get();
+  }
+  group->abort_target_ = std::move(target);
   group->control_ = std::move(control);
   return group;
 }
@@ -159,7 +172,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(int rank, int size,
 }
 
 ProcessGroup::~ProcessGroup() {
-  control_.reset();  // no abort reaches a communicator being destroyed
+  // No abort reaches a communicator being destroyed. (A weak_ptr locked on the reader thread
+  // could make that thread the group's last owner: its destructor would then join itself.)
+  if (abort_target_) {
+    std::lock_guard<std::mutex> lock(abort_target_->mu);
+    abort_target_->group = nullptr;
+  }
+  control_.reset();
 }
 
 void ProcessGroup::abort(const std::string& reason) {

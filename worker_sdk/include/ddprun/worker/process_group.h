@@ -101,6 +101,10 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   ProcessGroupOptions options_;
   bool hosts_store_ = false;  // store_ is the server this rank hosts
   std::atomic<int> generation_{0};
+  // Where the control channel's reader thread sends an agent's abort: a plain pointer, cleared
+  // by the destructor, so that thread never holds (and never destroys) the group.
+  struct AbortTarget;
+  std::shared_ptr<AbortTarget> abort_target_;
   std::unique_ptr<ControlClient> control_;  // last: its thread stops first
 };
 
