@@ -392,18 +392,30 @@ TEST_CASE(
   // - form:0: the node of ranks 0 and 1, which hosts the new group's store, is lost while the
   //   other node's replacement of rank 3 starts for the voided round: rank 2 goes on, and a new
   //   replacement, started with the next round, takes its live state.
-  const int killer = GENERATE(2, 0);
+  // - connect:2: the node of ranks 2 and 3 goes silent (rank 2 stops its agent and itself, its
+  //   sockets open) once rank 2 published its Gloo pair addresses. Ranks 0 and 1 either listen
+  //   for rank 2's connect, which never comes, or connect to it and wait for it in the planning's
+  //   collective: the agent's abort fails their pairs, and they form the next group (without it
+  //   Gloo waits 5 x the connect timeout, and the agent falls back at inplace_timeout). The
+  //   silent node is killed once the other ended.
+  const auto [phase, killer] =
+      GENERATE(std::make_pair(std::string("form"), 2), std::make_pair(std::string("form"), 0),
+               std::make_pair(std::string("connect"), 2));
   const bool lost_replacement_node = killer == 2;
-  INFO("DDPRUN_INPLACE_FAULT=form:" << killer);
+  const std::string fault = phase + ":" + std::to_string(killer);
+  INFO("DDPRUN_INPLACE_FAULT=" << fault);
   RendezvousDaemon rdzv;
   TempDir dir;
   const std::vector<std::string> train_args = {
       "3", "1", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt", "--fail-at-step", "8"};
-  const std::map<std::string, std::string> env = {
-      {"DDPRUN_INPLACE_FAULT", "form:" + std::to_string(killer)}};
-  const std::string run = "formlost" + std::to_string(killer);
+  const std::map<std::string, std::string> env = {{"DDPRUN_INPLACE_FAULT", fault}};
+  const std::string run = phase + "lost" + std::to_string(killer);
   auto a = node("127.0.0.2", rdzv.endpoint, "1:2", run, "in-place", train_args, env);
   auto b = node("127.0.0.3", rdzv.endpoint, "1:2", run, "in-place", train_args, env);
+  if (phase == "connect") {
+    REQUIRE(waitUntil([&] { return a->wait(50ms) || b->wait(50ms); }, 240s));
+    (a->wait(1ms) ? *b : *a).signal(SIGKILL);  // its workers go with it (their guardians)
+  }
   auto [ra, rb] = finish(*a, *b);
   const std::string all = ra.out + ra.err + rb.out + rb.err;
   INFO(all);
@@ -413,8 +425,16 @@ TEST_CASE(
   CHECK(lost.exit_code == 128 + SIGKILL);
   CHECK(kept.exit_code == 0);
   CHECK(countOf(all, "fault injection: killing myself at step 8") == 1);
-  CHECK(countOf(all, "DDPRUN_INPLACE_FAULT: killing this node's agent in the form phase") == 1);
+  CHECK(countOf(all, phase == "connect" ? "DDPRUN_INPLACE_FAULT: stopping this node's agent and "
+                                          "this rank in the connect phase"
+                                        : "DDPRUN_INPLACE_FAULT: killing this node's agent in "
+                                          "the form phase") == 1);
   const std::string kept_all = kept.out + kept.err;
+  if (phase == "connect") {
+    // The survivors gave the silent rank up when their agent aborted the generation, not at a
+    // timeout of their own.
+    CHECK(countOf(kept_all, "gave up forming its group") >= 1);
+  }
   // The survivors gave the aborted generation up and formed the next one, world 2. (Here every
   // survivor was forming it when the node was lost; one that reached its wait only after the next
   // group came would skip it.)

@@ -34,6 +34,7 @@ THREAD_FILES = {
     "worker_sdk/src/op_queue.h",
     "worker_sdk/src/nccl_communicator.cc",  # the NCCL watchdog
     "worker_sdk/src/control_client.cc",     # the agent's control channel reader
+    "worker_sdk/src/gloo_mesh.cc",          # a forming Gloo group's watch on the agent's abort
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
 STARTS_THREAD = re.compile(r"\bstd::(?:j?thread)\b(?!::)\s*(?:\w+\s*)?[({]|\bpthread_create\s*\(|"

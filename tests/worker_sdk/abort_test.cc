@@ -3,6 +3,7 @@
 // take (Gloo's ring, shared memory, a ring per local index across hosts, the leaders' pipeline),
 // fails with CommError, and leaves no thread behind; later collectives fail at once.
 #include <ATen/ATen.h>
+#include <gloo/transport/tcp/device.h>
 
 #include <atomic>
 #include <catch2/catch.hpp>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "ddprun/worker/errors.h"
+#include "gloo_communicator.h"
 #include "thread_ranks.h"
 
 using namespace ddprun::worker;
@@ -89,4 +91,63 @@ TEST_CASE(
     CHECK(o.find(", idle yes, woke within 30 s: yes, later op failed with the reason") !=
           std::string::npos);
   }
+}
+
+TEST_CASE(
+    "a group forming with a peer that published its pair addresses and never connects gives up "
+    "at the store's cancel, not at Gloo's connect timeout",
+    "[worker][comm][inplace]") {
+  // The peer, rank 1 of 2, on 127.0.0.2: above rank 0's 127.0.0.1, so rank 0's pair listens for
+  // it (Gloo's client is the side with the greater address). It publishes a real pair's address
+  // and never connects: a node lost after publishing. Without the cancel, Gloo would wait 5 x the
+  // connect timeout and say "Connect timeout".
+  gloo::transport::tcp::attr attr;
+  attr.hostname = "127.0.0.2";
+  auto peer_device = gloo::transport::tcp::CreateDevice(attr);
+  auto peer_pairs = peer_device->createContext(1, 2);
+  const std::vector<char> peer_address = peer_pairs->createPair(0)->address().bytes();
+  auto store = KeyValueStore::inMemory(std::chrono::seconds(60));
+  store->set("cancel/gloo/1", peer_address);
+  std::atomic<bool> aborted{false};
+  store->setCancel([&]() -> std::string {
+    return aborted ? "the agent aborted generation 3 while it formed" : "";
+  });
+  const GlooOptions options{
+      "127.0.0.1", "cancel", std::chrono::seconds(5), std::chrono::seconds(5), 0, false, ""};
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    aborted = true;
+  });
+  std::string error;
+  try {
+    makeGlooCommunicator(0, 2, store, options);
+  } catch (const CommError& e) {
+    error = e.what();
+  }
+  canceller.join();
+  INFO(error);
+  CHECK(error.find("gloo: rank 0 gave up forming its group (connect to its 1 peers): the agent "
+                   "aborted generation 3 while it formed") != std::string::npos);
+  CHECK(error.find("Connect timeout") == std::string::npos);
+}
+
+TEST_CASE("a peer's malformed pair addresses fail the group with a clear error, not a crash",
+          "[worker][comm]") {
+  const GlooOptions options{"127.0.0.1", "bad", std::chrono::seconds(5), std::chrono::seconds(5), 0,
+                            false,       ""};
+  // None at all; a size that is no address; two ranks' worth where one is due.
+  const auto published =
+      GENERATE(std::vector<char>{}, std::vector<char>{'x', 'y', 'z'}, std::vector<char>(600, 'a'));
+  INFO(published.size() << " bytes");
+  auto store = KeyValueStore::inMemory(std::chrono::seconds(60));
+  store->set("bad/gloo/1", published);
+  std::string error;
+  try {
+    makeGlooCommunicator(0, 2, store, options);
+  } catch (const CommError& e) {
+    error = e.what();
+  }
+  INFO(error);
+  CHECK(error.find("gloo: rank 0 could not connect to its 1 peers: rank 1 published " +
+                   std::to_string(published.size()) + " bytes of pair addresses, not 1 of ") == 0);
 }

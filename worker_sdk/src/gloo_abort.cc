@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 
 #include <mutex>
+#include <string>
 
 namespace ddprun::worker {
 
@@ -17,6 +18,12 @@ struct PairAccess : gloo::transport::tcp::Pair {
     const int fd = pair.*(&PairAccess::fd_);
     return fd >= 0 && ::shutdown(fd, SHUT_RDWR) == 0;
   }
+  // Fails the pair as Gloo does on its own timeouts (under the pair's lock, once): whatever waits
+  // on it wakes with an IoException carrying `why`, and its socket is closed.
+  static bool fail(gloo::transport::tcp::Pair& pair, const std::string& why) {
+    const auto signal = &PairAccess::signalExceptionExternal;
+    return (pair.*signal)(why) != nullptr;
+  }
 };
 
 }  // namespace
@@ -28,6 +35,17 @@ int shutdownGlooPairs(gloo::Context& ctx) {
     auto& pair = ctx.getPair(i);
     auto* tcp = dynamic_cast<gloo::transport::tcp::Pair*>(pair.get());
     if (tcp != nullptr && PairAccess::shutdownSocket(*tcp)) ++n;
+  }
+  return n;
+}
+
+int failGlooPairs(gloo::Context& ctx, const std::string& why) {
+  int n = 0;
+  for (int i = 0; i < ctx.size; ++i) {
+    if (i == ctx.rank) continue;
+    auto& pair = ctx.getPair(i);
+    auto* tcp = dynamic_cast<gloo::transport::tcp::Pair*>(pair.get());
+    if (tcp != nullptr && PairAccess::fail(*tcp, why)) ++n;
   }
   return n;
 }

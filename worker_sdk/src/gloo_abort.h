@@ -9,11 +9,19 @@
 
 #include <gloo/context.h>
 
+#include <string>
+
 namespace ddprun::worker {
 
 // Shuts down the socket of every pair of `ctx` (under each pair's lock, so a closed descriptor is
 // never touched). Thread-safe against the op thread and Gloo's loop; idempotent; frees nothing.
 // Returns how many sockets were shut down.
 int shutdownGlooPairs(gloo::Context& ctx);
+
+// Fails every pair of `ctx`, connected or not, with an IoException carrying `why`: a pair still
+// connecting (Gloo waits up to 5 x its timeout for a peer that never connects) throws at once, and
+// so does every op pending on a connected one. Thread-safe, idempotent (a pair keeps its first
+// failure); the pairs' sockets are closed. Returns how many pairs hold a failure now.
+int failGlooPairs(gloo::Context& ctx, const std::string& why);
 
 }  // namespace ddprun::worker

@@ -5,7 +5,6 @@
 #include <gloo/allgather.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
-#include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 
 #include <chrono>
@@ -14,9 +13,11 @@
 #include "allreduce_route.h"
 #include "ddprun/common/log_text.h"
 #include "ddprun/worker/errors.h"
+#include "fault_hooks.h"
 #include "gloo_abort.h"
 #include "gloo_communicator_impl.h"
 #include "gloo_dtypes.h"
+#include "gloo_mesh.h"
 #include "gloo_ring.h"
 
 namespace ddprun::worker {
@@ -236,17 +237,43 @@ std::unique_ptr<Communicator> makeGlooCommunicator(int rank, int size,
     throw CommError("gloo: cannot create a TCP device on " + options.local_address + ": " +
                     e.what());
   }
-  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
-  ctx->setTimeout(options.connect_timeout);
+  // While an in-place recovery forms this group, the agent's abort of it (the store's cancel)
+  // fails the pairs still connecting and the planning's collectives (gloo_mesh.h).
+  FormingWatch watch(store->cancel());
   GlooStoreAdapter adapter(store, options.prefix + "/gloo/", options.connect_timeout);
+  std::shared_ptr<gloo::Context> ctx;
+  auto failed = [&](const std::string& what, const std::exception& e) {
+    const std::string why = watch.fired();
+    return CommError("gloo: rank " + std::to_string(rank) +
+                     (why.empty() ? " could not " + what + ": " + e.what()
+                                  : " gave up forming its group (" + what + "): " + why));
+  };
   try {
-    ctx->connectFullMesh(adapter, device);
+    ctx = connectGlooMesh(rank, size, adapter, device, options.connect_timeout, &watch, [&] {
+      // The test hook's node goes silent once the others are past the store's waits.
+      if (!watch.active() || !recoveryFaultRequested("connect", rank)) return;
+      std::vector<std::string> every;
+      for (int i = 0; i < size; ++i) every.push_back(std::to_string(i));
+      adapter.wait(every);
+      injectRecoveryFault("connect", rank);
+    });
   } catch (const std::exception& e) {
-    throw CommError("gloo: rank " + std::to_string(rank) + " could not connect to its " +
-                    std::to_string(size - 1) + " peers: " + e.what());
+    throw failed("connect to its " + std::to_string(size - 1) + " peers", e);
   }
   ctx->setTimeout(options.op_timeout);
-  AllReducePlan plan = planAllReduce(rank, size, store, options, ctx, device);
+  AllReducePlan plan;
+  try {
+    plan = planAllReduce(rank, size, store, options, ctx, device, &watch);
+  } catch (const CommError& e) {
+    if (watch.fired().empty()) throw;  // it names what failed already
+    throw failed("plan its all_reduce with its peers", e);
+  } catch (const std::exception& e) {
+    // A peer lost while the ranks agree on the plan throws gloo's IoException.
+    throw failed("plan its all_reduce with its peers", e);
+  }
+  if (const std::string why = watch.fired(); !why.empty()) {
+    throw CommError("gloo: rank " + std::to_string(rank) + " gave up forming its group: " + why);
+  }
   if (rank == 0) {
     static const ddprun::TextLogger log("worker");
     DDPRUN_LOG(log, kInfo, "all_reduce over " << plan.description);

@@ -1,7 +1,6 @@
 #include "gloo_plan.h"
 
 #include <gloo/allgather.h>
-#include <gloo/rendezvous/context.h>
 
 #include <algorithm>
 
@@ -40,12 +39,11 @@ std::shared_ptr<gloo::Context> connectGlooContext(int index, int count,
                                                   const std::string& prefix,
                                                   std::shared_ptr<gloo::transport::Device> device,
                                                   const GlooOptions& options,
-                                                  const std::string& whom) {
-  auto context = std::make_shared<gloo::rendezvous::Context>(index, count);
-  context->setTimeout(options.connect_timeout);
+                                                  const std::string& whom, FormingWatch* watch) {
   GlooStoreAdapter adapter(store, options.prefix + prefix, options.connect_timeout);
+  std::shared_ptr<gloo::Context> context;
   try {
-    context->connectFullMesh(adapter, device);
+    context = connectGlooMesh(index, count, adapter, device, options.connect_timeout, watch);
   } catch (const std::exception& e) {
     throw CommError("gloo: " + whom + ": " + e.what());
   }
@@ -70,7 +68,8 @@ uint64_t fingerprint(const std::string& s) {
 
 AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueStore>& store,
                             const GlooOptions& options, const std::shared_ptr<gloo::Context>& ctx,
-                            const std::shared_ptr<gloo::transport::Device>& device) {
+                            const std::shared_ptr<gloo::transport::Device>& device,
+                            FormingWatch* watch) {
   static const ddprun::TextLogger log("worker");
   AllReducePlan plan;
   const bool wanted = options.shared_memory && !shmDisabledByEnvironment();
@@ -110,7 +109,8 @@ AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueSt
                             : nullptr;
   auto connect = [&](int index, int count, const std::string& prefix, const std::string& whom) {
     return connectGlooContext(index, count, store, prefix, device, options,
-                              "rank " + std::to_string(rank) + " could not connect to " + whom);
+                              "rank " + std::to_string(rank) + " could not connect to " + whom,
+                              watch);
   };
   // Collective over ctx: whether every rank can go on with the plan.
   auto everyRank = [&](bool mine) {

@@ -16,6 +16,7 @@
 
 #include "ddprun/worker/store.h"
 #include "gloo_communicator.h"
+#include "gloo_mesh.h"
 #include "shm_allreduce.h"
 
 namespace ddprun::worker {
@@ -38,13 +39,14 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
 };
 
 // A full mesh of `count` ranks (this one `index`) over `device`, through `store` under `prefix`;
-// connect_timeout to form, op_timeout for its collectives. CommError naming `whom` on failure.
+// connect_timeout to form, op_timeout for its collectives; watched by `watch` (may be null).
+// CommError naming `whom` on failure.
 std::shared_ptr<gloo::Context> connectGlooContext(int index, int count,
                                                   const std::shared_ptr<KeyValueStore>& store,
                                                   const std::string& prefix,
                                                   std::shared_ptr<gloo::transport::Device> device,
                                                   const GlooOptions& options,
-                                                  const std::string& whom);
+                                                  const std::string& whom, FormingWatch* watch);
 
 struct AllReducePlan {
   std::unique_ptr<ShmAllReduce> shm;      // this host's group, if any
@@ -56,9 +58,11 @@ struct AllReducePlan {
   std::string description = "gloo TCP ring";
 };
 
-// Collective over `ctx` (every rank of the group calls it at the same point).
+// Collective over `ctx` (every rank of the group calls it at the same point). The contexts it
+// connects are watched by `watch` (may be null).
 AllReducePlan planAllReduce(int rank, int size, const std::shared_ptr<KeyValueStore>& store,
                             const GlooOptions& options, const std::shared_ptr<gloo::Context>& ctx,
-                            const std::shared_ptr<gloo::transport::Device>& device);
+                            const std::shared_ptr<gloo::transport::Device>& device,
+                            FormingWatch* watch);
 
 }  // namespace ddprun::worker

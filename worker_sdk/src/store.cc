@@ -170,6 +170,11 @@ void KeyValueStore::setCancel(Cancel cancel) {
   impl_->cancel = std::move(cancel);
 }
 
+KeyValueStore::Cancel KeyValueStore::cancel() const {
+  std::lock_guard<std::mutex> lock(impl_->cancel_mu);
+  return impl_->cancel;
+}
+
 void KeyValueStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   Cancel cancel;
   {

@@ -17,10 +17,10 @@
 #include <utility>
 
 #include "control_client.h"
-#include "ddprun/common/proc_stat.h"
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/sampler.h"
 #include "ddprun/worker/signals.h"
+#include "fault_hooks.h"
 #include "posix_files.h"
 #include "stop_agreement.h"
 
@@ -354,48 +354,6 @@ Trainer::Outcome Trainer::train() {
     }
   }
 }
-
-namespace {
-
-// The test hook DDPRUN_INPLACE_FAULT=<phase>:<rank>. In the abort or sync phase of an in-place
-// recovery that rank exits 1 (a failure during the recovery, which falls back to a process
-// restart); in the wait phase, as it starts waiting for the new group, it sends itself SIGTERM (a
-// stop that reaches it mid-recovery: it leaves, and its agent replaces it in the same recovery);
-// in the form phase, as it starts forming the new group, it kills its node (its agent, then
-// itself): a node lost while the others form; in the step phase it exits 1 once it completed the
-// first step in the new group, before telling its agent: its node's recovery fails after the
-// other nodes' ended.
-void injectRecoveryFault(const char* phase, int rank) {
-  const char* spec = std::getenv("DDPRUN_INPLACE_FAULT");
-  if (spec == nullptr || std::string(spec) != std::string(phase) + ":" + std::to_string(rank)) {
-    return;
-  }
-  if (std::strcmp(phase, "form") == 0) {
-    // The node dies: its agent (this worker's guardian's parent) and, through the guardian,
-    // every worker on it.
-    std::fprintf(stderr,
-                 "[RANK %d] DDPRUN_INPLACE_FAULT: killing this node's agent in the %s phase\n",
-                 rank, phase);
-    std::fflush(nullptr);
-    if (const auto guardian = readProcStat(static_cast<int>(::getppid()));
-        guardian && guardian->ppid > 1) {
-      ::kill(guardian->ppid, SIGKILL);
-    }
-    std::_Exit(1);
-  }
-  if (std::strcmp(phase, "wait") == 0) {
-    std::fprintf(stderr, "[RANK %d] DDPRUN_INPLACE_FAULT: sending myself SIGTERM in the %s phase\n",
-                 rank, phase);
-    std::raise(SIGTERM);
-    return;
-  }
-  std::fprintf(stderr, "[RANK %d] DDPRUN_INPLACE_FAULT: exiting %s the %s phase\n", rank,
-               std::strcmp(phase, "step") == 0 ? "at the end of" : "during", phase);
-  std::fflush(nullptr);
-  std::_Exit(1);
-}
-
-}  // namespace
 
 bool Trainer::recoverable(const std::exception& failure) {
   if (!group_->inPlace()) return false;

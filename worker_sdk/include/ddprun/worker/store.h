@@ -45,6 +45,8 @@ class KeyValueStore {
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
   // Sets (or, with an empty function, clears) the cancel every wait asks until it is cleared.
   void setCancel(Cancel cancel);
+  // The cancel set now (empty when none): what else the formation waits on asks it too.
+  Cancel cancel() const;
   int port() const;  // 0 for in-memory stores
 
   Impl& impl() { return *impl_; }
