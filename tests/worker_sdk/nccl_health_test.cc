@@ -208,3 +208,40 @@ TEST_CASE("a watchdog and waiters racing on one timed-out collective abort it ex
   CHECK(comm.aborts == 1);
   CHECK(comm.calls_after_abort == 0);
 }
+
+TEST_CASE(
+    "an init given up by its cancel (the agent aborted the generation being formed) is aborted at "
+    "once, naming the reason, before the deadline",
+    "[worker][nccl][health][inplace]") {
+  FakeNcclComm comm;
+  comm.answer(NcclStatus::inProgress());  // a peer node lost while NCCL bootstraps
+  FakeTime time;
+  NcclHealth health(comm, 10s, time.now(), time.pause());
+  int asked = 0;
+  const auto start = time.t;
+  const std::string m = messageOf([&] {
+    health.settle(NcclStatus::inProgress(), "comm init", time.t + 300s, "connect_timeout",
+                  [&]() -> std::string {
+                    return ++asked < 5 ? "" : "the agent aborted generation 4 while it formed";
+                  });
+  });
+  CHECK(m ==
+        "nccl comm init given up: the agent aborted generation 4 while it formed; the "
+        "communicator was aborted");
+  CHECK(asked == 5);
+  CHECK(comm.aborts == 1);
+  CHECK(comm.calls_after_abort == 0);
+  CHECK(time.t < start + 1s);
+  CHECK(health.aborted());
+  // An init that completes is not asked again, and a cancel with no reason changes nothing.
+  FakeNcclComm ok({NcclStatus::inProgress(), NcclStatus::success()});
+  NcclHealth healthy(ok, 10s, time.now(), time.pause());
+  asked = 0;
+  healthy.settle(NcclStatus::inProgress(), "comm init", time.t + 5s, "connect_timeout",
+                 [&]() -> std::string {
+                   ++asked;
+                   return "";
+                 });
+  CHECK(asked == 2);
+  CHECK(ok.aborts == 0);
+}

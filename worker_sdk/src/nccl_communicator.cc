@@ -502,7 +502,8 @@ std::unique_ptr<Communicator> makeNcclCommunicator(int rank, int size,
                    "comm init (rank " + std::to_string(rank) + " of " + std::to_string(size) + ")",
                    Clock::now() + options.connect_timeout,
                    msText("connect_timeout", options.connect_timeout) +
-                       ": a rank did not join, or cannot reach the others");
+                       ": a rank did not join, or cannot reach the others",
+                   store->cancel());
   } catch (...) {
     release();  // settle aborted the communicator
     throw;

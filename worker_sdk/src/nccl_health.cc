@@ -20,12 +20,20 @@ NcclStatus NcclHealth::call(const std::function<NcclStatus()>& nccl_call) {
 }
 
 void NcclHealth::settle(NcclStatus status, const std::string& what, Clock::time_point deadline,
-                        const std::string& deadline_text) {
+                        const std::string& deadline_text,
+                        const std::function<std::string()>& cancel) {
   auto pause = std::chrono::microseconds(10);
   while (status.code == NcclStatus::Code::kInProgress) {
+    std::string reason;
     if (now_() >= deadline) {
-      const std::string reason = "nccl " + what + " did not complete within " + deadline_text +
-                                 "; the communicator was aborted";
+      reason = "nccl " + what + " did not complete within " + deadline_text +
+               "; the communicator was aborted";
+    } else if (cancel) {
+      if (const std::string why = cancel(); !why.empty()) {
+        reason = "nccl " + what + " given up: " + why + "; the communicator was aborted";
+      }
+    }
+    if (!reason.empty()) {
       abortWith(reason);
       throw CommError(reason);
     }

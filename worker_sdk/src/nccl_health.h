@@ -58,11 +58,13 @@ class NcclHealth {
 
   // Waits until a call that returned `first` is done: an NCCL call on a non-blocking communicator
   // may return kInProgress, and the communicator is usable only once ncclCommGetAsyncError says
-  // success. Polls until then; on an error, or at `deadline`, aborts the communicator and throws
-  // CommError naming `what` and, for the deadline, `deadline_text` (e.g. "connect_timeout
-  // (300000 ms)").
+  // success. Polls until then; on an error, at `deadline`, or once `cancel` (if set; asked at
+  // every poll) gives a reason, aborts the communicator and throws CommError naming `what` and
+  // the deadline's `deadline_text` (e.g. "connect_timeout (300000 ms)") or the cancel's reason.
+  // (An in-place recovery's init is cancelled when the agent aborts the generation it forms.)
   void settle(NcclStatus first, const std::string& what, Clock::time_point deadline,
-              const std::string& deadline_text) EXCLUDES(mu_, comm_mu_);
+              const std::string& deadline_text, const std::function<std::string()>& cancel = {})
+      EXCLUDES(mu_, comm_mu_);
 
   // A collective handed to NCCL at `enqueued`; `done` tells whether the device finished it (a
   // CUDA event query; it must not call NCCL).
