@@ -310,6 +310,59 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "in-place across nodes: a node gone silent mid-training (SIGSTOP, its sockets open) is given "
+    "up "
+    "at its missed heartbeats, and the other node's workers go on in place in a world of 2",
+    "[multinode][inplace]") {
+  // The silent node: 0, the one without rank 0 (the group's store stays up); 1, the one whose
+  // rank 0 hosts the store. Its agent and workers stop, so the others get no reset, only silence:
+  // their collectives block until their agent, having seen the node's heartbeats stop, aborts
+  // them.
+  const int which = GENERATE(0, 1);
+  const bool silent_hosts_store = which == 1;
+  INFO((silent_hosts_store ? "the node of rank 0 goes silent" : "the other node goes silent"));
+  RendezvousDaemon rdzv;
+  TempDir dir;
+  const std::string run = "silent" + std::to_string(which);
+  const std::vector<std::string> train_args = {
+      "6", "1", "--model", "mlp", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+  auto a = node("127.0.0.2", rdzv.endpoint, "1:2", run, "in-place", train_args);
+  auto b = node("127.0.0.3", rdzv.endpoint, "1:2", run, "in-place", train_args);
+  REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
+                    180s));
+  const bool a_has_rank0 = a->out().find("[RANK 0] pid") != std::string::npos;
+  Process& silent = a_has_rank0 == silent_hosts_store ? *a : *b;
+  Process& kept = &silent == a.get() ? *b : *a;
+  const auto kept_workers = workerPids(kept.pid());
+  const auto silent_workers = workerPids(silent.pid());
+  REQUIRE(kept_workers.size() == 2);
+  REQUIRE(silent_workers.size() == 2);
+  silent.signal(SIGSTOP);
+  for (int pid : silent_workers) ::kill(pid, SIGSTOP);
+  auto rk = kept.wait(300s);
+  silent.signal(SIGKILL);  // its guardians then kill its stopped workers
+  auto rs = silent.wait(60s);
+  INFO("kept node:\n"
+       << kept.out() << kept.err() << "\nsilent node:\n"
+       << silent.out() << silent.err());
+  REQUIRE(rk);
+  REQUIRE(rs);
+  CHECK(rk->exit_code == 0);
+  CHECK(rs->exit_code == 128 + SIGKILL);
+  for (int pid : silent_workers) CHECK(waitUntil([&] { return !pidAlive(pid); }, 30s));
+  // The same processes went on, in a world of 2, from the live state: no snapshot read, no
+  // restart.
+  CHECK(rk->out.find("Epoch 5 |") != std::string::npos);
+  CHECK(countOf(rk->out, "formed (world 2)") == 2);
+  CHECK(rk->err.find("the job's nodes changed; recovering in place") != std::string::npos);
+  CHECK(rk->err.find("restarting every worker") == std::string::npos);
+  CHECK(rk->out.find("Resuming training from snapshot") == std::string::npos);
+  const auto joined = joinedPids(rk->out);
+  CHECK(std::set<int>(joined.begin(), joined.end()) ==
+        std::set<int>(kept_workers.begin(), kept_workers.end()));
+}
+
+TEST_CASE(
     "in-place across nodes: SIGTERM to every node still ends the job with a checkpoint, and one "
     "node leaving (a spot notice) leaves the other's workers training in place, no step lost",
     "[multinode][inplace]") {
