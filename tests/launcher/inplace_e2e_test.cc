@@ -77,6 +77,17 @@ std::pair<Finished, Finished> finish(Process& a, Process& b, std::chrono::second
   return {*ra, *rb};
 }
 
+// The node's workers went on in place through a change of nodes: the same processes as
+// `workers`, no restart, no snapshot read.
+void checkKeptInPlace(const Finished& kept, const std::vector<int>& workers) {
+  CHECK(kept.err.find("the job's nodes changed; recovering in place") != std::string::npos);
+  CHECK(kept.err.find("restarting every worker") == std::string::npos);
+  CHECK(kept.out.find("Resuming training from snapshot") == std::string::npos);
+  const auto joined = joinedPids(kept.out);
+  CHECK(std::set<int>(joined.begin(), joined.end()) ==
+        std::set<int>(workers.begin(), workers.end()));
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -354,12 +365,7 @@ TEST_CASE(
   // restart.
   CHECK(rk->out.find("Epoch 5 |") != std::string::npos);
   CHECK(countOf(rk->out, "formed (world 2)") == 2);
-  CHECK(rk->err.find("the job's nodes changed; recovering in place") != std::string::npos);
-  CHECK(rk->err.find("restarting every worker") == std::string::npos);
-  CHECK(rk->out.find("Resuming training from snapshot") == std::string::npos);
-  const auto joined = joinedPids(rk->out);
-  CHECK(std::set<int>(joined.begin(), joined.end()) ==
-        std::set<int>(kept_workers.begin(), kept_workers.end()));
+  checkKeptInPlace(*rk, kept_workers);
 }
 
 TEST_CASE(
@@ -424,12 +430,7 @@ TEST_CASE(
     const bool rank0_left = all.find("[RANK 0] left the job") != std::string::npos;
     CHECK((all.find("Training snapshot saved at " + (dir / "snap.pt") + " (checkpoint signal)") !=
            std::string::npos) == rank0_left);
-    CHECK(ra->err.find("the job's nodes changed; recovering in place") != std::string::npos);
-    CHECK(ra->err.find("restarting every worker") == std::string::npos);
-    CHECK(ra->out.find("Resuming training from snapshot") == std::string::npos);
-    const auto joined = joinedPids(ra->out);
-    CHECK(std::set<int>(joined.begin(), joined.end()) ==
-          std::set<int>(a_workers.begin(), a_workers.end()));
+    checkKeptInPlace(*ra, a_workers);
   }
 }
 
