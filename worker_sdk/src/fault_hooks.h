@@ -12,9 +12,9 @@ namespace ddprun::worker {
 // it kills its node (its agent, then itself): a node lost while the others form; in the connect
 // phase, once every rank published its Gloo pair addresses and before it connects its own, it
 // stops its agent and itself (SIGSTOP): a node gone silent while the others connect to it (the
-// caller waits for the addresses); in the step
-// phase it exits 1 once it completed the first step in the new group, before telling its agent:
-// its node's recovery fails after the other nodes' ended.
+// caller waits for the addresses); in the step phase it exits 1 once it completed the first step
+// in the new group, before telling its agent: its node's recovery fails after the other nodes'
+// ended.
 void injectRecoveryFault(const char* phase, int rank);
 // Whether DDPRUN_INPLACE_FAULT names this phase and rank.
 bool recoveryFaultRequested(const char* phase, int rank);

@@ -28,26 +28,29 @@ struct PairAccess : gloo::transport::tcp::Pair {
 
 }  // namespace
 
-int shutdownGlooPairs(gloo::Context& ctx) {
+namespace {
+
+// Calls `act` on each of ctx's TCP pairs; counts those it returned true for.
+template <typename Act>
+int eachTcpPair(gloo::Context& ctx, Act act) {
   int n = 0;
   for (int i = 0; i < ctx.size; ++i) {
     if (i == ctx.rank) continue;
-    auto& pair = ctx.getPair(i);
-    auto* tcp = dynamic_cast<gloo::transport::tcp::Pair*>(pair.get());
-    if (tcp != nullptr && PairAccess::shutdownSocket(*tcp)) ++n;
+    auto* tcp = dynamic_cast<gloo::transport::tcp::Pair*>(ctx.getPair(i).get());
+    if (tcp != nullptr && act(*tcp)) ++n;
   }
   return n;
 }
 
+}  // namespace
+
+int shutdownGlooPairs(gloo::Context& ctx) {
+  return eachTcpPair(ctx,
+                     [](gloo::transport::tcp::Pair& p) { return PairAccess::shutdownSocket(p); });
+}
+
 int failGlooPairs(gloo::Context& ctx, const std::string& why) {
-  int n = 0;
-  for (int i = 0; i < ctx.size; ++i) {
-    if (i == ctx.rank) continue;
-    auto& pair = ctx.getPair(i);
-    auto* tcp = dynamic_cast<gloo::transport::tcp::Pair*>(pair.get());
-    if (tcp != nullptr && PairAccess::fail(*tcp, why)) ++n;
-  }
-  return n;
+  return eachTcpPair(ctx, [&](gloo::transport::tcp::Pair& p) { return PairAccess::fail(p, why); });
 }
 
 }  // namespace ddprun::worker

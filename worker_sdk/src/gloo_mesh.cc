@@ -85,6 +85,7 @@ std::shared_ptr<gloo::Context> connectGlooMesh(
     const std::vector<char> address = pairs->createPair(i)->address().bytes();
     mine.insert(mine.end(), address.begin(), address.end());
   }
+  const size_t each = size > 1 ? mine.size() / static_cast<size_t>(size - 1) : 0;
   ctx->adopt(device, pairs);
   if (watch != nullptr) watch->watch(ctx);
   store.set(std::to_string(rank), mine);
@@ -94,7 +95,6 @@ std::shared_ptr<gloo::Context> connectGlooMesh(
     // Rank i's addresses, one per rank but i, in rank order (this rank's is one of them), each
     // the size of this rank's own (the same transport).
     const std::vector<char> theirs = store.get(std::to_string(i));
-    const size_t each = mine.size() / static_cast<size_t>(size - 1);
     if (theirs.size() != mine.size()) {
       throw CommError("rank " + std::to_string(i) + " published " + std::to_string(theirs.size()) +
                       " bytes of pair addresses, not " + std::to_string(size - 1) + " of " +
