@@ -171,9 +171,9 @@ StatusOr<std::unique_ptr<RendezvousStack>> makeRendezvousStack(
   DDPRUN_ASSIGN_OR_RETURN(stack->setup,
                           makeRendezvous(node.choice, cfg.rdzv_conf, io, std::move(sink)));
   if (!stack->setup.service) return stack;  // one node: nothing to check or replicate
-  stack->identity =
-      std::make_unique<JobIdentityClient>(*stack->setup.client, *stack->setup.service, cfg.rdzv_id,
-                                          encodeJobIdentity(node.local_addr, cfg.entrypoint));
+  stack->identity = std::make_unique<JobIdentityClient>(
+      *stack->setup.client, *stack->setup.service, cfg.rdzv_id,
+      encodeJobIdentity(node.local_addr, cfg.entrypoint, cfg.restart_in_place));
   if (!cfg.snapshot_dir.empty()) {
     DDPRUN_RETURN_IF_ERROR(addSnapshotReplication(cfg, node, io, *stack));
   }

@@ -8,10 +8,32 @@
 namespace ddprun::agent {
 
 namespace {
-std::pair<std::string, std::string> decode(const std::string& value) {
-  const auto nl = value.find('\n');
-  if (nl == std::string::npos) return {"", value};
-  return {value.substr(0, nl), value.substr(nl + 1)};
+constexpr char kVoteLine[] = "\ninplace=";
+
+struct Identity {
+  std::string address;
+  std::string program;
+  bool in_place = false;
+};
+
+// The vote is the value's last line (the program may hold a newline; the vote never does).
+Identity decode(const std::string& value) {
+  Identity id;
+  std::string rest = value;
+  const auto vote = rest.rfind(kVoteLine);
+  if (vote != std::string::npos && rest.find('\n', vote + 1) == std::string::npos &&
+      rest.find('\n') < vote) {
+    id.in_place = rest.substr(vote + sizeof(kVoteLine) - 1) == "1";
+    rest.resize(vote);
+  }
+  const auto nl = rest.find('\n');
+  if (nl == std::string::npos) {
+    id.program = rest;
+  } else {
+    id.address = rest.substr(0, nl);
+    id.program = rest.substr(nl + 1);
+  }
+  return id;
 }
 // Programs are compared by their file (or module) name: the nodes of one job may run it from
 // other directories.
@@ -21,24 +43,38 @@ std::string baseName(const std::string& program) {
 }
 }  // namespace
 
-std::string encodeJobIdentity(const std::string& address, const std::string& program) {
-  return address + "\n" + program;
+std::string encodeJobIdentity(const std::string& address, const std::string& program,
+                              bool in_place) {
+  return address + "\n" + program + kVoteLine + (in_place ? "1" : "0");
 }
 
 Status checkSameJob(const std::vector<std::string>& identities, int self_rank,
                     const std::string& run_id) {
   if (self_rank < 0 || static_cast<size_t>(self_rank) >= identities.size()) return Status::ok();
-  const std::string mine = decode(identities[static_cast<size_t>(self_rank)]).second;
+  const std::string mine = decode(identities[static_cast<size_t>(self_rank)]).program;
   for (size_t i = 0; i < identities.size(); ++i) {
-    const auto [address, program] = decode(identities[i]);
-    if (baseName(program) == baseName(mine)) continue;
+    const Identity id = decode(identities[i]);
+    if (baseName(id.program) == baseName(mine)) continue;
     return failedPrecondition("another job uses --rdzv-id '" + quotePeerText(run_id, 100) +
                               "': node " + std::to_string(i) + " of this round (" +
-                              quotePeerText(address, 100) + ") runs '" + quotePeerText(program) +
-                              "', this node runs '" + quotePeerText(mine) +
-                              "'; give each job an id of its own");
+                              quotePeerText(id.address, 100) + ") runs '" +
+                              quotePeerText(id.program) + "', this node runs '" +
+                              quotePeerText(mine) + "'; give each job an id of its own");
   }
   return Status::ok();
+}
+
+std::string inPlaceVeto(const std::vector<std::string>& identities, int self_rank, int round) {
+  for (size_t i = 0; i < identities.size(); ++i) {
+    if (static_cast<int>(i) == self_rank) continue;
+    const Identity id = decode(identities[i]);
+    if (id.in_place) continue;
+    return "node " + std::to_string(i) + " of round " + std::to_string(round) + " (" +
+           quotePeerText(id.address, 100) +
+           ") restarts its workers as processes (its agent runs --restart-mode=process, or a "
+           "ddprun without in-place recovery)";
+  }
+  return "";
 }
 
 namespace {
@@ -91,7 +127,9 @@ void JobIdentityClient::compare(const RoundInfo& r, const std::string& prefix, R
                     }
                     Status same = checkSameJob(*values, r.group_rank, run_id_);
                     if (same.isOk()) {
-                      done(r);
+                      RoundInfo voted = r;
+                      voted.in_place_veto = inPlaceVeto(*values, r.group_rank, r.round);
+                      done(std::move(voted));
                       return;
                     }
                     failOnceAllRead(r, prefix, std::move(same), std::move(done));

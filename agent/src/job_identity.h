@@ -6,7 +6,12 @@
 // line naming it and the id, instead of the hang. Every node of the round says so: none fails (and
 // closes the run, which erases what the nodes published) before all have read.
 //
-// checkSameJob is the pure part; the client is the shell around the rendezvous (as
+// The same exchange carries each node's vote for in-place recovery (docs/in-place-recovery.md
+// §2.1): whether its agent runs --restart-mode=in-place. A round in which some node does not is
+// handed up with RoundInfo::in_place_veto naming it: the nodes that would recover in place restart
+// their workers as processes instead of waiting, until inplace_timeout, for ranks that never come.
+//
+// checkSameJob and inPlaceVeto are the pure part; the client is the shell around the rendezvous (as
 // SnapshotSyncClient). Threading: the agent's loop thread. Lifetime: outlives no call of `inner`'s
 // it made (the agent destroys it with the rendezvous setup).
 #pragma once
@@ -20,13 +25,18 @@
 
 namespace ddprun::agent {
 
-// What a node publishes: "<address>\n<program>".
-std::string encodeJobIdentity(const std::string& address, const std::string& program);
+// What a node publishes: "<address>\n<program>\ninplace=1|0". A value without the last line
+// (an agent that predates the vote) votes 0.
+std::string encodeJobIdentity(const std::string& address, const std::string& program,
+                              bool in_place);
 // OK when every node's published identity (by group rank) runs this node's program (compared by
 // its file or module name: one job's nodes may hold it in other directories); FAILED_PRECONDITION
 // naming the first node that runs another, and `run_id`.
 Status checkSameJob(const std::vector<std::string>& identities, int self_rank,
                     const std::string& run_id);
+// Empty when every node's published identity votes for in-place recovery; else a line naming the
+// first other node that does not (by group rank), for the round `round`.
+std::string inPlaceVeto(const std::vector<std::string>& identities, int self_rank, int round);
 
 class JobIdentityClient final : public RendezvousClient {
  public:
@@ -38,7 +48,8 @@ class JobIdentityClient final : public RendezvousClient {
         identity_(std::move(identity)),
         wait_for_(wait_for) {}
   // A round from `inner`, handed on once every node said what it runs (or after wait_for: a
-  // node that is slow to say is no other job), or the mismatch as the round's error.
+  // node that is slow to say is no other job, and casts no vote), or the mismatch as the round's
+  // error.
   void nextRound(RoundCallback done) override;
   void reportFailure(FailureKind kind) override { inner_.reportFailure(kind); }
   void leave() override { inner_.leave(); }

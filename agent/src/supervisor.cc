@@ -115,6 +115,7 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     return;
   }
   round_ = *round;
+  if (options_.restart_in_place && !round_.in_place_veto.empty()) notInPlace(round_.in_place_veto);
   group_generation_ = generationOf(round_);
   episode_.reset();
   hang_seen_.reset();
@@ -494,7 +495,7 @@ void Supervisor::onSignal(int sig) {
 
 bool Supervisor::leavesAfterWorkers() const {
   if (!options_.multi_node || !options_.restart_in_place || control_ == nullptr ||
-      state_ != AgentState::kRunning) {
+      state_ != AgentState::kRunning || !round_.in_place_veto.empty()) {
     return false;
   }
   return std::all_of(workers_.begin(), workers_.end(),
@@ -681,18 +682,21 @@ double Supervisor::msSinceDetection() const {
              : 0.0;
 }
 
+bool Supervisor::notInPlace(const std::string& why) {
+  if (!said_why_not_in_place_) {
+    said_why_not_in_place_ = true;
+    logger("agent")->warn("--restart-mode=in-place: {}; this job recovers by restarting processes",
+                          why);
+  }
+  return false;
+}
+
 bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
   if (!options_.restart_in_place || control_ == nullptr) return false;
-  auto whyNot = [this](const std::string& why) {
-    if (!said_why_not_in_place_) {
-      said_why_not_in_place_ = true;
-      logger("agent")->warn(
-          "--restart-mode=in-place: {}; this job recovers by restarting processes", why);
-    }
-    return false;
-  };
   // With the budget spent the usual path fails the job.
   if (charged && restart_count_ >= options_.max_restarts) return false;
+  // Another node restarts its workers whatever happens: those here could only wait for its ranks.
+  if (!round_.in_place_veto.empty()) return notInPlace(round_.in_place_veto);
   for (const auto& w : workers_) {
     // One that left on a signal too (its channel may be closed already) is replaced once reaped.
     if (&w == failed || (w.running && (w.capable || w.left))) continue;
@@ -704,10 +708,10 @@ bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
           w.launch.local_rank, w.pid);
       return false;
     }
-    return whyNot("local rank " + std::to_string(w.launch.local_rank) + " (pid " +
-                  std::to_string(w.pid) +
-                  ") did not announce in-place support on DDPRUN_CONTROL_SOCKET (not a worker "
-                  "SDK Trainer)");
+    return notInPlace("local rank " + std::to_string(w.launch.local_rank) + " (pid " +
+                      std::to_string(w.pid) +
+                      ") did not announce in-place support on DDPRUN_CONTROL_SOCKET (not a worker "
+                      "SDK Trainer)");
   }
   return true;
 }
@@ -862,6 +866,12 @@ void Supervisor::onRecoveryRound(StatusOr<RoundInfo> round) {
     logger("agent")->info("round {} was superseded before it re-formed (round {} is forming)",
                           round->round, rendezvous_.formingRound());
     joinRecoveryRound();
+    return;
+  }
+  if (!round->in_place_veto.empty()) {
+    // A node that restarts processes joined: its fresh ranks form no group with the survivors.
+    // Every node restarts into the next round, which syncs the snapshot the old rank 0 saves now.
+    fallBack(round->in_place_veto, /*report=*/true, FallbackCause::kRecovery);
     return;
   }
   const auto rank = static_cast<size_t>(round->group_rank);

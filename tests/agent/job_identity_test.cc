@@ -7,24 +7,63 @@ using namespace ddprun;
 using namespace ddprun::agent;
 
 TEST_CASE("nodes that run one program are one job, wherever they keep it", "[agent]") {
-  CHECK(checkSameJob({encodeJobIdentity("10.0.0.1", "/home/a/train.py"),
-                      encodeJobIdentity("10.0.0.2", "/scratch/b/train.py")},
+  CHECK(checkSameJob({encodeJobIdentity("10.0.0.1", "/home/a/train.py", true),
+                      encodeJobIdentity("10.0.0.2", "/scratch/b/train.py", false)},
                      1, "job")
             .isOk());
-  CHECK(checkSameJob({encodeJobIdentity("10.0.0.1", "train.py")}, 0, "job").isOk());
+  CHECK(checkSameJob({encodeJobIdentity("10.0.0.1", "train.py", true)}, 0, "job").isOk());
 }
 
 TEST_CASE("a node of the round that runs another program is named, with the job id", "[agent]") {
-  const Status st = checkSameJob({encodeJobIdentity("10.0.0.1", "/srv/train.py"),
-                                  encodeJobIdentity("10.0.0.2", "/srv/eval.py")},
+  const Status st = checkSameJob({encodeJobIdentity("10.0.0.1", "/srv/train.py", true),
+                                  encodeJobIdentity("10.0.0.2", "/srv/eval.py", true)},
                                  0, "nightly");
   REQUIRE(st.code() == StatusCode::kFailedPrecondition);
   CHECK(st.message() ==
         "another job uses --rdzv-id 'nightly': node 1 of this round (10.0.0.2) runs "
         "'/srv/eval.py', this node runs '/srv/train.py'; give each job an id of its own");
   // What a node published is escaped in the message.
-  const Status odd =
-      checkSameJob({encodeJobIdentity("h", "a"), encodeJobIdentity("h\x1b", "b\x1b[2J")}, 0, "j");
+  const Status odd = checkSameJob(
+      {encodeJobIdentity("h", "a", true), encodeJobIdentity("h\x1b", "b\x1b[2J", true)}, 0, "j");
   CHECK(odd.message().find("\\x1b[2J") != std::string::npos);
   CHECK(odd.message().find('\x1b') == std::string::npos);
+}
+
+TEST_CASE("each node votes for in-place recovery, and the first other node against it is named",
+          "[agent][inplace]") {
+  const std::string a = encodeJobIdentity("10.0.0.1", "/srv/train", true);
+  const std::string b = encodeJobIdentity("10.0.0.2", "/srv/train", true);
+  const std::string c = encodeJobIdentity("10.0.0.3", "/srv/train", false);
+  CHECK(inPlaceVeto({a, b}, 0, 4).empty());
+  CHECK(inPlaceVeto({a, b, c}, 0, 4) ==
+        "node 2 of round 4 (10.0.0.3) restarts its workers as processes (its agent runs "
+        "--restart-mode=process, or a ddprun without in-place recovery)");
+  CHECK(inPlaceVeto({a, b, c}, 1, 4).find("node 2 of round 4") == 0);
+  // Its own vote is not held against a node (it does not try in place anyway).
+  CHECK(inPlaceVeto({a, b, c}, 2, 4).empty());
+  // Different votes do not make different jobs.
+  CHECK(checkSameJob({a, c}, 0, "job").isOk());
+}
+
+TEST_CASE("a vote that is missing or malformed is a vote against", "[agent][inplace]") {
+  const std::string yes = encodeJobIdentity("10.0.0.1", "/srv/train", true);
+  // An agent that predates the vote publishes "<address>\n<program>".
+  CHECK(inPlaceVeto({yes, "10.0.0.2\n/srv/train"}, 0, 1).find("node 1 of round 1 (10.0.0.2)") == 0);
+  CHECK(checkSameJob({yes, "10.0.0.2\n/srv/train"}, 0, "job").isOk());
+  for (const std::string odd :
+       {"10.0.0.2\n/srv/train\ninplace=yes", "10.0.0.2\n/srv/train\ninplace=",
+        "10.0.0.2\n/srv/train\ninplace=1\n", "", "\n\n\n", "inplace=1", "\ninplace=1"}) {
+    INFO(odd);
+    CHECK_FALSE(inPlaceVeto({yes, odd}, 0, 1).empty());
+  }
+  // A program whose name holds what looks like a vote: the last line is the vote.
+  const std::string tricky = encodeJobIdentity("10.0.0.2", "train\ninplace=1", false);
+  CHECK_FALSE(inPlaceVeto({yes, tricky}, 0, 1).empty());
+  CHECK(checkSameJob({encodeJobIdentity("10.0.0.1", "train\ninplace=1", true), tricky}, 0, "job")
+            .isOk());
+  // What a node published is escaped in the line.
+  const std::string veto =
+      inPlaceVeto({yes, encodeJobIdentity("h\x1b[2J", "/srv/train", false)}, 0, 1);
+  CHECK(veto.find("\\x1b[2J") != std::string::npos);
+  CHECK(veto.find('\x1b') == std::string::npos);
 }

@@ -315,9 +315,11 @@ namespace {
 
 // The second of two nodes of two workers each (ranks 2 and 3), every worker capable.
 struct TwoNodes : Fixture {
-  TwoNodes() : Fixture(2, 2, /*multi_node=*/true) {
+  // `veto`: the first round's (another node restarts processes; JobIdentityClient).
+  explicit TwoNodes(std::string veto = "") : Fixture(2, 2, /*multi_node=*/true) {
     rdzv.round.local_world_sizes = {2, 2};
     rdzv.round.group_rank = 1;
+    rdzv.round.in_place_veto = std::move(veto);
     sup->start();
     allCapable();
   }
@@ -1010,4 +1012,88 @@ TEST_CASE("in-place across nodes: the exit barrier has no grace left to wait for
   // Only the barrier's own deadline remains (no past deadline the loop would spin on).
   REQUIRE(f.sup->nextDeadline().has_value());
   CHECK(*f.sup->nextDeadline() > f.clock.now());
+}
+
+namespace {
+const std::string kVeto =
+    "node 0 of round 0 (127.0.0.2) restarts its workers as processes (its agent runs "
+    "--restart-mode=process, or a ddprun without in-place recovery)";
+}  // namespace
+
+TEST_CASE(
+    "in-place across nodes: in a round where another node restarts processes, every failure "
+    "restarts processes here too, at once, and the round says so once",
+    "[agent][inplace]") {
+  LogCapture log("agent");
+  const std::string line =
+      "--restart-mode=in-place: " + kVeto + "; this job recovers by restarting processes";
+  SECTION("a worker fails") {
+    TwoNodes f(kVeto);
+    CHECK(log.count(line) == 1);
+    const auto pids = f.first();
+    f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+    CHECK(f.sup->state() == AgentState::kStopping);
+    CHECK(f.launcher.signalsSent(SIGTERM) == 1);
+    CHECK(f.channel.to(pids[0], ControlType::kAbort).empty());
+    f.clock.advance(std::chrono::seconds(1));  // failure_grace: reported as in process mode
+    f.fireDeadlines();
+    CHECK(f.rdzv.failures == 1);
+    f.sup->onWorkerExit(pids[0], ExitStatus{true, SIGTERM});
+    CHECK(f.sup->state() == AgentState::kRunning);
+    CHECK(f.sup->restartCount() == 1);
+    CHECK(log.count(line) == 1);
+  }
+  SECTION("the nodes change: no grace, no recovery") {
+    TwoNodes f(kVeto);
+    f.sup->onMembershipChange();
+    CHECK(f.sup->state() == AgentState::kStopping);
+    CHECK_FALSE(f.sup->nextDeadline() == f.clock.now() + std::chrono::seconds(1));
+  }
+  SECTION("SIGTERM: the leave is told at once, as in process mode") {
+    TwoNodes f(kVeto);
+    f.sup->onSignal(SIGTERM);
+    CHECK(f.rdzv.leaves == 1);
+  }
+  SECTION("a peer fails") {
+    TwoNodes f(kVeto);
+    f.sup->onPeerFailure(agent::FailureKind::kWorkers);
+    CHECK(f.sup->state() == AgentState::kStopping);
+    CHECK(f.rdzv.joins == 1);
+  }
+}
+
+TEST_CASE(
+    "in-place across nodes: a node that restarts processes in the round a recovery forms ends "
+    "the recovery at once: every node restarts into the next round, nothing charged twice",
+    "[agent][inplace]") {
+  for (const bool charged : {true, false}) {
+    INFO((charged ? "a local failure" : "a change of nodes"));
+    LogCapture log("agent");
+    TwoNodes f;
+    const auto pids = f.first();
+    f.rdzv.hold = true;
+    if (charged) {
+      f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+    } else {
+      f.say(pids[0], ControlType::kAborted, {{"gen", "1"}});  // its collectives failed: no grace
+      f.say(pids[1], ControlType::kAborted, {{"gen", "1"}});
+      f.sup->onMembershipChange();
+    }
+    REQUIRE(f.sup->state() == AgentState::kRecovering);
+    const int failures = f.rdzv.failures;
+    f.rdzv.round.in_place_veto = kVeto;
+    f.formRound(1);
+    CHECK(f.sup->state() == AgentState::kStopping);
+    CHECK(log.count("in-place recovery failed (" + kVeto + "); restarting every worker") == 1);
+    // The others restart too, and the snapshot the old rank 0 saves now reaches them in that round.
+    CHECK(f.rdzv.failures == failures + 1);
+    CHECK(f.rdzv.failure_kinds.back() == agent::FailureKind::kRecovery);
+    CHECK(f.channel.to(pids[0], ControlType::kGroup).empty());
+    for (int pid : pids) {
+      if (charged && pid == pids[1]) continue;
+      f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
+    }
+    CHECK(f.sup->state() == AgentState::kRendezvous);
+    CHECK(f.sup->restartCount() == (charged ? 1 : 0));
+  }
 }

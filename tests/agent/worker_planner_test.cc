@@ -184,3 +184,21 @@ TEST_CASE("the planner names the handled signals and NCCL's switch for the worke
   CHECK(envOf(plan.launches[0], "NCCL_ASYNC_ERROR_HANDLING") == "<unset>");
   CHECK(envOf(plan.launches[0], "TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1");
 }
+
+TEST_CASE(
+    "the workers get the control channel, except in a round where another node restarts "
+    "processes",
+    "[agent][inplace]") {
+  AgentConfig cfg;
+  cfg.worker_argv = {"/bin/train"};
+  WorkerPlanner planner(cfg, "/logs/run_x", "host1", {{"DDPRUN_CONTROL_SOCKET", "/inherited"}});
+  CHECK(envOf(planner.plan(round4And2(1), 0).launches[0], "DDPRUN_CONTROL_SOCKET") == "<unset>");
+  planner.setControlSocket("/run/ddprun/control.sock");
+  RoundInfo round = round4And2(1);
+  CHECK(envOf(planner.plan(round, 0).launches[1], "DDPRUN_CONTROL_SOCKET") ==
+        "/run/ddprun/control.sock");
+  round.in_place_veto = "node 0 of round 2 (m) restarts its workers as processes";
+  for (const auto& w : planner.plan(round, 0).launches) {
+    CHECK(envOf(w, "DDPRUN_CONTROL_SOCKET") == "<unset>");
+  }
+}

@@ -183,6 +183,29 @@ TEST_CASE(
     CHECK(dumped(tag) == clean);
   }
 
+  // One node under --restart-mode=process: its vote, cast as every round forms, has the other
+  // node run as process mode does. Its workers form the process-mode group (without the vote the
+  // two nodes' ranks formed groups under different store prefixes and hung 300 s from the start),
+  // and a failure restarts every worker at once, whichever node the killed rank is on.
+  {
+    INFO("--restart-mode=in-place on one node, process on the other");
+    auto a = node("127.0.0.2", rdzv.endpoint, "2", "mixed", "in-place", args("mixeda", true));
+    auto b = node("127.0.0.3", rdzv.endpoint, "2", "mixed", "process", args("mixedb", true));
+    auto [ra, rb] = finish(*a, *b);
+    const std::string all = ra.out + ra.err + rb.out + rb.err;
+    INFO(all);
+    CHECK(ra.exit_code == 0);
+    CHECK(rb.exit_code == 0);
+    CHECK(std::regex_search(ra.err, std::regex(R"(--restart-mode=in-place: node [01] of round 1 )"
+                                               R"(\(127\.0\.0\.3\) restarts its workers as )"
+                                               R"(processes)")));
+    CHECK(countOf(ra.err, "this job recovers by restarting processes") == 1);
+    CHECK(all.find("recovering in place") == std::string::npos);
+    CHECK(all.find("in-place recovery failed") == std::string::npos);
+    CHECK(countOf(all, "Resuming training from snapshot") == 4);  // every worker fresh
+    CHECK(dumped("mixed") == clean);
+  }
+
   // The recovery fails on one node after the other's ended: rank 0 exits once it completed the
   // first step in the new group, before telling its agent (DDPRUN_INPLACE_FAULT=step:0). Its node
   // restarts its workers and says the failure was charged already; the other node, back in
@@ -223,12 +246,16 @@ TEST_CASE(
     "in-place across nodes: a node killed mid-training is replaced by a new node whose workers "
     "take the survivors' live state, or the world shrinks when none comes",
     "[multinode][inplace]") {
-  const bool replace = GENERATE(true, false);
-  INFO((replace ? "--nnodes=2:2, a new node joins" : "--nnodes=1:2, the world shrinks"));
+  // 0: a new node joins; 1: nobody comes; 2: the new node runs --restart-mode=process.
+  const int variant = GENERATE(0, 1, 2);
+  const bool replace = variant != 1;
+  const bool process_joins = variant == 2;
+  INFO((replace ? "--nnodes=2:2, a new node joins" : "--nnodes=1:2, the world shrinks")
+       << (process_joins ? " (under --restart-mode=process)" : ""));
   RendezvousDaemon rdzv;
   TempDir dir;
   const std::string nnodes = replace ? "2:2" : "1:2";
-  const std::string run = replace ? "nodekill" : "nodeleave";
+  const std::string run = replace ? "nodekill" + std::to_string(variant) : "nodeleave";
   // mlp: about 0.2 s a step here, so the kill lands mid-training (6 epochs of 6 steps).
   const std::vector<std::string> train_args = {
       "6", "1", "--model", "mlp", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
@@ -244,7 +271,10 @@ TEST_CASE(
   REQUIRE(b->wait(10s));
   CHECK(waitUntil([&] { return !pidAlive(b_workers[0]) && !pidAlive(b_workers[1]); }, 10s));
   std::unique_ptr<Process> c;
-  if (replace) c = node("127.0.0.4", rdzv.endpoint, nnodes, run, "in-place", train_args);
+  if (replace) {
+    c = node("127.0.0.4", rdzv.endpoint, nnodes, run, process_joins ? "process" : "in-place",
+             train_args);
+  }
   auto ra = a->wait(300s);
   std::optional<Finished> rc;
   if (c) rc = c->wait(120s);
@@ -253,6 +283,19 @@ TEST_CASE(
   REQUIRE(ra);
   CHECK(ra->exit_code == 0);
   const std::string all = ra->out + ra->err + (rc ? rc->out + rc->err : "");
+  CHECK(all.find("Epoch 5 |") != std::string::npos);
+  if (process_joins) {
+    // The round the survivors waited for has a node that restarts processes: they give up at once
+    // (not at inplace_timeout), and every node restarts its workers from the snapshot.
+    REQUIRE(rc);
+    CHECK(rc->exit_code == 0);
+    CHECK(countOf(ra->err, "in-place recovery failed (node ") == 1);
+    CHECK(ra->err.find("(127.0.0.4) restarts its workers as processes") != std::string::npos);
+    CHECK(ra->err.find("inplace_timeout") == std::string::npos);
+    CHECK(countOf(all, "Resuming training from snapshot") == 4);
+    CHECK(countOf(rc->out, "Epoch 5 |") == 2);
+    return;
+  }
   // The survivors kept their processes: they joined once, and still ran at the end.
   const auto joined = joinedPids(ra->out);
   CHECK(std::set<int>(joined.begin(), joined.end()) ==
@@ -261,7 +304,6 @@ TEST_CASE(
   CHECK(countOf(ra->out, "going on after step") == 2);
   CHECK(ra->err.find("restarting every worker") == std::string::npos);
   CHECK(all.find("Resuming training from snapshot") == std::string::npos);
-  CHECK(all.find("Epoch 5 |") != std::string::npos);
   if (replace) {
     REQUIRE(rc);
     CHECK(rc->exit_code == 0);

@@ -226,7 +226,8 @@ class Supervisor {
   void beginStop(StopReason reason, int sig);
   void maybeFinishStop();
   void reportLocalFailure();
-  // On SIGTERM: multi-node, in place, RUNNING, every running worker capable.
+  // On SIGTERM: multi-node, in place, RUNNING, no node of the round vetoed in-place recovery,
+  // every running worker capable.
   bool leavesAfterWorkers() const;
   void finish(AgentState s, int exit_code);
   // In-place recovery (restart_in_place): replaces `failed` alone and has the others re-form;
@@ -235,6 +236,8 @@ class Supervisor {
   // `failed`: the local worker that failed, or null for a peer's failure or a membership change;
   // `charged`: the episode takes a restart from the budget.
   bool inPlaceEligible(const Worker* failed, bool charged);
+  // Says once why this job recovers by restarting processes after all; false.
+  bool notInPlace(const std::string& why);
   // Multi-node: a peer's failure or a change of the job's nodes while RUNNING; false when it
   // does not apply.
   bool recoverInPlaceWithPeers(const std::string& cause, bool charged);

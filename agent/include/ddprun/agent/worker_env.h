@@ -19,6 +19,9 @@ struct RoundInfo {
   int master_port = 0;
   std::string run_id;
   bool use_agent_store = false;
+  // Empty when every node of the round recovers in place (multi-node: their agents' votes,
+  // JobIdentityClient); else a line naming a node that restarts processes instead.
+  std::string in_place_veto;
 };
 
 // A PyTorch version as far as the worker contract depends on it.
