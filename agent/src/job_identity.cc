@@ -8,7 +8,9 @@
 namespace ddprun::agent {
 
 namespace {
-constexpr char kVoteLine[] = "\ninplace=";
+// The vote ends the first line, after the address: an agent that predates it reads the line as
+// the address (shown only in its mismatch message) and the rest, unchanged, as the program.
+constexpr char kVote[] = " inplace=";
 
 struct Identity {
   std::string address;
@@ -16,22 +18,22 @@ struct Identity {
   bool in_place = false;
 };
 
-// The vote is the value's last line (the program may hold a newline; the vote never does).
 Identity decode(const std::string& value) {
   Identity id;
-  std::string rest = value;
-  const auto vote = rest.rfind(kVoteLine);
-  if (vote != std::string::npos && rest.find('\n', vote + 1) == std::string::npos &&
-      rest.find('\n') < vote) {
-    id.in_place = rest.substr(vote + sizeof(kVoteLine) - 1) == "1";
-    rest.resize(vote);
-  }
-  const auto nl = rest.find('\n');
+  const auto nl = value.find('\n');
   if (nl == std::string::npos) {
-    id.program = rest;
-  } else {
-    id.address = rest.substr(0, nl);
-    id.program = rest.substr(nl + 1);
+    id.program = value;
+    return id;
+  }
+  id.address = value.substr(0, nl);
+  id.program = value.substr(nl + 1);
+  const auto vote = id.address.rfind(kVote);
+  if (vote != std::string::npos) {
+    const std::string said = id.address.substr(vote + sizeof(kVote) - 1);
+    if (said == "1" || said == "0") {
+      id.in_place = said == "1";
+      id.address.resize(vote);
+    }
   }
   return id;
 }
@@ -45,7 +47,7 @@ std::string baseName(const std::string& program) {
 
 std::string encodeJobIdentity(const std::string& address, const std::string& program,
                               bool in_place) {
-  return address + "\n" + program + kVoteLine + (in_place ? "1" : "0");
+  return address + kVote + (in_place ? "1" : "0") + "\n" + program;
 }
 
 Status checkSameJob(const std::vector<std::string>& identities, int self_rank,

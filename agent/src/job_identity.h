@@ -25,8 +25,8 @@
 
 namespace ddprun::agent {
 
-// What a node publishes: "<address>\n<program>\ninplace=1|0". A value without the last line
-// (an agent that predates the vote) votes 0.
+// What a node publishes: "<address> inplace=1|0\n<program>". A value without the vote (an
+// agent that predates it: "<address>\n<program>") votes 0.
 std::string encodeJobIdentity(const std::string& address, const std::string& program,
                               bool in_place);
 // OK when every node's published identity (by group rank) runs this node's program (compared by

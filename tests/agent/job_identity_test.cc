@@ -49,21 +49,30 @@ TEST_CASE("a vote that is missing or malformed is a vote against", "[agent][inpl
   const std::string yes = encodeJobIdentity("10.0.0.1", "/srv/train", true);
   // An agent that predates the vote publishes "<address>\n<program>".
   CHECK(inPlaceVeto({yes, "10.0.0.2\n/srv/train"}, 0, 1).find("node 1 of round 1 (10.0.0.2)") == 0);
-  CHECK(checkSameJob({yes, "10.0.0.2\n/srv/train"}, 0, "job").isOk());
-  for (const std::string odd :
-       {"10.0.0.2\n/srv/train\ninplace=yes", "10.0.0.2\n/srv/train\ninplace=",
-        "10.0.0.2\n/srv/train\ninplace=1\n", "", "\n\n\n", "inplace=1", "\ninplace=1"}) {
+  for (const std::string odd : {"10.0.0.2 inplace=yes\n/srv/train", "10.0.0.2 inplace=\n/srv/train",
+                                "10.0.0.2 inplace=11\n/srv/train", "10.0.0.2\n/srv/train inplace=1",
+                                "", "\n\n\n", "inplace=1", " inplace=1", "10.0.0.2 inplace=1"}) {
     INFO(odd);
     CHECK_FALSE(inPlaceVeto({yes, odd}, 0, 1).empty());
   }
-  // A program whose name holds what looks like a vote: the last line is the vote.
-  const std::string tricky = encodeJobIdentity("10.0.0.2", "train\ninplace=1", false);
-  CHECK_FALSE(inPlaceVeto({yes, tricky}, 0, 1).empty());
-  CHECK(checkSameJob({encodeJobIdentity("10.0.0.1", "train\ninplace=1", true), tricky}, 0, "job")
+  // A program or an address that looks like a vote changes nothing.
+  const std::string tricky = encodeJobIdentity("h inplace=1", "train inplace=1\nx", false);
+  CHECK(inPlaceVeto({yes, tricky}, 0, 1).find("(h inplace=1)") != std::string::npos);
+  CHECK(checkSameJob({encodeJobIdentity("10.0.0.1", "train inplace=1\nx", true), tricky}, 0, "job")
             .isOk());
   // What a node published is escaped in the line.
   const std::string veto =
       inPlaceVeto({yes, encodeJobIdentity("h\x1b[2J", "/srv/train", false)}, 0, 1);
   CHECK(veto.find("\\x1b[2J") != std::string::npos);
   CHECK(veto.find('\x1b') == std::string::npos);
+}
+
+TEST_CASE("an agent that predates the vote still reads a new identity as the same job",
+          "[agent][inplace]") {
+  // Its decoding: the first line is the address, the rest the program.
+  const std::string mine = encodeJobIdentity("10.0.0.1", "train.py", true);
+  const auto nl = mine.find('\n');
+  REQUIRE(nl != std::string::npos);
+  CHECK(mine.substr(nl + 1) == "train.py");
+  CHECK(checkSameJob({mine, "10.0.0.2\ntrain.py"}, 1, "job").isOk());
 }
