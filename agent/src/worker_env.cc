@@ -84,6 +84,9 @@ std::map<std::string, std::string> buildWorkerEnv(
     set("CUDA_VISIBLE_DEVICES", device);
   }
   set("DDPRUN_MEMBERSHIP_EPOCH", std::to_string(r.membership_epoch));
+  // The same on every node of the round, unlike TORCHELASTIC_RESTART_COUNT (a node that joined
+  // after a restart counts from 0): the worker SDK keys its group's store entries by it.
+  set("DDPRUN_ROUND", std::to_string(r.round));
   if (!in.snapshot_dir.empty()) set("DDPRUN_SNAPSHOT_DIR", in.snapshot_dir);
   if (in.stop_file.empty()) {
     env.erase("DDPRUN_STOP_FILE");

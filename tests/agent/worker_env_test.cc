@@ -67,12 +67,16 @@ TEST_CASE("the parent's NCCL error handling and OMP settings win", "[agent]") {
   CHECK(kept["OMP_NUM_THREADS"] == "4");
 }
 
-TEST_CASE("ddprun's own variables tell membership epoch and snapshot dir", "[agent]") {
+TEST_CASE("ddprun's own variables tell membership epoch, round and snapshot dir", "[agent]") {
   auto in = inputs({1}, 0);
   in.round.membership_epoch = 7;
+  in.round.round = 12;
+  in.restart_count = 3;
   in.snapshot_dir = "/snap";
-  auto env = buildWorkerEnv(in, 0, {});
+  auto env = buildWorkerEnv(in, 0, {{"DDPRUN_ROUND", "99"}});
   CHECK(env["DDPRUN_MEMBERSHIP_EPOCH"] == "7");
+  CHECK(env["DDPRUN_ROUND"] == "12");
+  CHECK(env["TORCHELASTIC_RESTART_COUNT"] == "3");
   CHECK(env["DDPRUN_SNAPSHOT_DIR"] == "/snap");
 }
 

@@ -114,9 +114,10 @@ void compareWithTorchrun(const std::vector<std::string>& flags,
   // NCCL's switch both ways (torch 1.13 reads NCCL_, 2.x TORCH_NCCL_), and it names the handled
   // signals as torchrun 2.x does. Either side: what the shell or Python put there.
   const std::set<std::string> ours_only = {
-      "DDPRUN_MEMBERSHIP_EPOCH",   "DDPRUN_HEARTBEAT_FILE",
-      "DDPRUN_STOP_FILE",          "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-      "NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_SIGNALS_TO_HANDLE"};
+      "DDPRUN_MEMBERSHIP_EPOCH",         "DDPRUN_ROUND",
+      "DDPRUN_HEARTBEAT_FILE",           "DDPRUN_STOP_FILE",
+      "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING",
+      "TORCHELASTIC_SIGNALS_TO_HANDLE"};
   const std::set<std::string> ignored = {"_"};
   for (const char* rank : {"0", "1"}) {
     auto e1 = parseEnvFile(readFile(ours / (std::string("env.") + rank)));

@@ -221,6 +221,49 @@ TEST_CASE("with a standalone ddprun-rendezvous, losing the group-rank-0 node doe
   CHECK(r->err.find("group rank 0 of 1, world size 1") != std::string::npos);
 }
 
+// The worker SDK keys its group's store entries by the round, which every node shares; each
+// node's restart count differs once a node joins after a restart (the groups hung 300 s, then
+// failed, again at every restart).
+TEST_CASE("a train job whose second node joins after the first restarted its workers trains on",
+          "[multinode]") {
+  RendezvousDaemon rdzv;
+  TempDir dir;
+  const std::vector<std::string> flags = {
+      "--nproc-per-node=2", "--max-restarts=2",
+      "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3", "--no-python"};
+  auto train = [&](bool fault) {
+    std::vector<std::string> p = {buildDir() + "/examples/train",
+                                  "10",
+                                  "1",
+                                  "--model",
+                                  "mlp",
+                                  "--dataset-size",
+                                  "768",
+                                  "--snapshot-path",
+                                  dir / "snap.pt"};
+    if (fault) p.insert(p.end(), {"--fail-at-step", "2"});
+    return p;
+  };
+  // The first node alone fails once: its count is 1. The second joins with its own count at 0.
+  auto a = agent("127.0.0.2", rdzv.endpoint, "1:2", "latejoin", flags, train(true));
+  REQUIRE(waitUntil(
+      [&] { return a->err().find("started 2 worker(s) (attempt 1") != std::string::npos; }, 120s));
+  auto b = agent("127.0.0.3", rdzv.endpoint, "1:2", "latejoin", flags, train(false));
+  auto ra = a->wait(240s);
+  auto rb = b->wait(ra ? 240s : 1s);
+  INFO("first node:\n" << a->out() << a->err() << "\nsecond node:\n" << b->out() << b->err());
+  REQUIRE(ra);
+  REQUIRE(rb);
+  CHECK(ra->exit_code == 0);
+  CHECK(rb->exit_code == 0);
+  CHECK(ra->err.find("(1 of 2 restarts used)") != std::string::npos);
+  CHECK(ra->err.find("(2 of 2 restarts used)") == std::string::npos);
+  CHECK(rb->err.find("restarts used)") == std::string::npos);
+  // The second node's ranks trained in the world of 4 to the end.
+  CHECK(countOf(ra->err + rb->err, "world size 4") >= 2);
+  CHECK(rb->out.find("Epoch 9 |") != std::string::npos);
+}
+
 TEST_CASE("joining a run that was closed is refused with a clear error", "[multinode]") {
   RendezvousDaemon rdzv;
   auto first = agent("127.0.0.2", rdzv.endpoint, "1", "closedrun", {}, testWorker({}));

@@ -44,6 +44,7 @@ TEST_CASE("the worker environment is read from the torchrun variables", "[worker
   CHECK(env.master_addr == "node0");
   CHECK(env.master_port == 29500);
   CHECK(env.restart_count == 2);
+  CHECK(env.round == -1);  // not under ddprun
   CHECK(env.snapshot_dir.empty());
   CHECK_FALSE(env.use_agent_store);
 }
@@ -74,4 +75,14 @@ TEST_CASE("a missing or malformed variable is named in the error", "[worker][env
   m = good();
   m.erase("MASTER_ADDR");
   CHECK_THAT(errorOf(m), Catch::Contains("MASTER_ADDR"));
+}
+
+TEST_CASE("ddprun's round is read, and a malformed one named", "[worker][env]") {
+  auto m = good();
+  m["DDPRUN_ROUND"] = "17";
+  CHECK(WorkerEnv::parse(from(m)).round == 17);
+  for (const char* bad : {"-1", "x", "", "99999999999"}) {
+    m["DDPRUN_ROUND"] = bad;
+    CHECK_THAT(errorOf(m), Catch::Contains(std::string("DDPRUN_ROUND='") + bad + "' is malformed"));
+  }
 }

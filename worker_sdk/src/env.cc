@@ -44,6 +44,7 @@ WorkerEnv WorkerEnv::parse(const Lookup& lookup) {
   env.master_addr = ddprun::trim(*addr);
   env.master_port = parseIntVar(lookup, "MASTER_PORT", std::nullopt, 1, 65535);
   env.restart_count = parseIntVar(lookup, "TORCHELASTIC_RESTART_COUNT", 0, 0, kMaxInt);
+  if (lookup("DDPRUN_ROUND")) env.round = parseIntVar(lookup, "DDPRUN_ROUND", 0, 0, kMaxInt);
   if (auto v = lookup("TORCHELASTIC_USE_AGENT_STORE")) {
     std::optional<bool> b = ddprun::parseBool(ddprun::trim(*v));
     if (!b) {

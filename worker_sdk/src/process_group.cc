@@ -135,12 +135,19 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
   if (opts.local_address.empty())
     opts.local_address = localAddressToward(env.master_addr, env.master_port);
   if (opts.cuda_device < 0) opts.cuda_device = env.local_rank;
-  // A restarted group reuses MASTER_PORT with a fresh store, but keep keys per attempt anyway
-  // (per generation under the agent's control: survivors of a recovery keep their store).
+  // A restarted group reuses MASTER_PORT with a fresh store, but keep keys per round anyway
+  // (per generation under the agent's control: survivors of a recovery keep their store). The
+  // key must be the same on every node: ddprun's round is; a restart count is each node's own (a
+  // node that joined after a restart counts from 0), so it only stands in under torchrun.
   const int generation = control ? control->generation() : 0;
   ProcessGroupOptions first = opts;
-  first.prefix +=
-      control ? "/g" + std::to_string(generation) : "/attempt" + std::to_string(env.restart_count);
+  if (control) {
+    first.prefix += "/g" + std::to_string(generation);
+  } else if (env.round >= 0) {
+    first.prefix += "/r" + std::to_string(env.round);
+  } else {
+    first.prefix += "/attempt" + std::to_string(env.restart_count);
+  }
   static const ddprun::TextLogger log("worker");
   DDPRUN_LOG(log, kDebug,
              "rank " << env.rank << "/" << env.world_size << ": store " << env.master_addr << ":"

@@ -15,7 +15,9 @@ struct WorkerEnv {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT (this node's own count)
+  // DDPRUN_ROUND: ddprun's rendezvous round, the same on every node; -1 when not set (torchrun).
+  int round = -1;
   // TORCHELASTIC_USE_AGENT_STORE: the launcher's agent already hosts the store at
   // MASTER_ADDR:MASTER_PORT (torchrun's static backend), so rank 0 connects instead of hosting.
   bool use_agent_store = false;
