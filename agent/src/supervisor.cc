@@ -115,7 +115,9 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     return;
   }
   round_ = *round;
-  if (options_.restart_in_place && !round_.in_place_veto.empty()) notInPlace(round_.in_place_veto);
+  if (options_.restart_in_place && !round_.in_place_veto.empty()) {
+    notInPlace(NotInPlace::kVeto, round_.in_place_veto);
+  }
   group_generation_ = generationOf(round_);
   episode_.reset();
   hang_seen_.reset();
@@ -682,9 +684,9 @@ double Supervisor::msSinceDetection() const {
              : 0.0;
 }
 
-bool Supervisor::notInPlace(const std::string& why) {
-  if (!said_why_not_in_place_) {
-    said_why_not_in_place_ = true;
+bool Supervisor::notInPlace(NotInPlace kind, const std::string& why) {
+  if (said_why_not_in_place_ != kind) {
+    said_why_not_in_place_ = kind;
     logger("agent")->warn("--restart-mode=in-place: {}; this job recovers by restarting processes",
                           why);
   }
@@ -696,7 +698,7 @@ bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
   // With the budget spent the usual path fails the job.
   if (charged && restart_count_ >= options_.max_restarts) return false;
   // Another node restarts its workers whatever happens: those here could only wait for its ranks.
-  if (!round_.in_place_veto.empty()) return notInPlace(round_.in_place_veto);
+  if (!round_.in_place_veto.empty()) return notInPlace(NotInPlace::kVeto, round_.in_place_veto);
   for (const auto& w : workers_) {
     // One that left on a signal too (its channel may be closed already) is replaced once reaped.
     if (&w == failed || (w.running && (w.capable || w.left))) continue;
@@ -708,10 +710,11 @@ bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
           w.launch.local_rank, w.pid);
       return false;
     }
-    return notInPlace("local rank " + std::to_string(w.launch.local_rank) + " (pid " +
-                      std::to_string(w.pid) +
-                      ") did not announce in-place support on DDPRUN_CONTROL_SOCKET (not a worker "
-                      "SDK Trainer)");
+    return notInPlace(
+        NotInPlace::kUnannounced,
+        "local rank " + std::to_string(w.launch.local_rank) + " (pid " + std::to_string(w.pid) +
+            ") did not announce in-place support on DDPRUN_CONTROL_SOCKET (not a worker "
+            "SDK Trainer)");
   }
   return true;
 }

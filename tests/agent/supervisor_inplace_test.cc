@@ -1097,3 +1097,24 @@ TEST_CASE(
     CHECK(f.sup->restartCount() == (charged ? 1 : 0));
   }
 }
+
+TEST_CASE(
+    "in-place across nodes: the restarting-processes line is said once per reason, and again "
+    "when the reason changes",
+    "[agent][inplace]") {
+  LogCapture log("agent");
+  Fixture f(2, 2, /*multi_node=*/true);
+  f.rdzv.round.local_world_sizes = {2, 2};
+  f.rdzv.round.group_rank = 1;
+  f.sup->start();  // its workers never announce support
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);
+  CHECK(log.count("did not announce in-place support") == 1);
+  f.rdzv.round.in_place_veto = kVeto;  // the next round has a node under process
+  for (int pid : f.first()) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
+  REQUIRE(f.sup->state() == AgentState::kRunning);
+  CHECK(log.count(kVeto + "; this job recovers by restarting processes") == 1);
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(log.count(kVeto) == 1);
+  CHECK(log.count("did not announce in-place support") == 1);
+}

@@ -236,8 +236,10 @@ class Supervisor {
   // `failed`: the local worker that failed, or null for a peer's failure or a membership change;
   // `charged`: the episode takes a restart from the budget.
   bool inPlaceEligible(const Worker* failed, bool charged);
-  // Says once why this job recovers by restarting processes after all; false.
-  bool notInPlace(const std::string& why);
+  // Why this job recovers by restarting processes after all: said once per reason, again when
+  // the reason changes (a veto after workers that did not announce support, or back); false.
+  enum class NotInPlace { kNone, kVeto, kUnannounced };
+  bool notInPlace(NotInPlace kind, const std::string& why);
   // Multi-node: a peer's failure or a change of the job's nodes while RUNNING; false when it
   // does not apply.
   bool recoverInPlaceWithPeers(const std::string& cause, bool charged);
@@ -318,7 +320,7 @@ class Supervisor {
   // SIGTERM to an in-place node whose workers are all Trainers: the rendezvous is left once every
   // worker said `goodbye reason=stop` or ended (finish), not at the signal (leavesAfterWorkers).
   bool leave_after_workers_ = false;
-  bool said_why_not_in_place_ = false;  // the "recovers by restarting processes" line, once
+  NotInPlace said_why_not_in_place_ = NotInPlace::kNone;  // the last "restarting processes" line
   LoopAffinity loop_{"Supervisor"};
 };
 
