@@ -43,7 +43,7 @@ AttemptPlan WorkerPlanner::plan(const RoundInfo& round, int restart_count) const
   in.virtual_local_rank = cfg_.virtual_local_rank;
   in.torch_version = torch_version_;
   // A round in which another node restarts processes forms its groups as process mode does
-  // (`/attempt<n>`): here too, so these workers are not offered the channel.
+  // (`/r<round>`, DDPRUN_ROUND): here too, so these workers are not offered the channel.
   if (round.in_place_veto.empty()) in.control_socket = control_socket_;
   for (int sig : cfg_.signals_to_handle) {
     in.signals_to_handle += (in.signals_to_handle.empty() ? "" : ",") + signalName(sig);
