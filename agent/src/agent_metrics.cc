@@ -47,7 +47,8 @@ namespace {
 std::string renderPhaseHistograms(const AgentMetrics& m) {
   std::string out =
       "# HELP ddprun_agent_inplace_phase_seconds Phases of in-place recoveries, from the failure "
-      "seen here.\n# TYPE ddprun_agent_inplace_phase_seconds histogram\n";
+      "first seen here (a local worker's collective, or this agent).\n"
+      "# TYPE ddprun_agent_inplace_phase_seconds histogram\n";
   char line[256];
   for (const auto& [phase, h] : m.inplace_phases) {
     for (size_t i = 0; i < std::size(AgentMetrics::kPhaseBuckets); ++i) {

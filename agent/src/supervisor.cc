@@ -814,11 +814,30 @@ void Supervisor::startEpisode(const std::string& cause, int generation, bool cha
   Episode episode;
   episode.generation = generation;
   episode.old_generation = group_generation_;
-  episode.detected = clock_.now();
-  episode.detected_unix =
-      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const TimePoint now = clock_.now();
+  episode.detected = now;
+  episode.detected_unix = clock_.wallSeconds();
+  if (first_fault_ && first_fault_->generation == group_generation_ &&
+      now - first_fault_->at <= options_.inplace_timeout) {
+    episode.agent_saw_ms =
+        std::chrono::duration<double, std::milli>(now - first_fault_->at).count();
+    episode.detected = first_fault_->at;
+    episode.detected_unix = first_fault_->at_unix;
+    episode.first_seen =
+        fmt::format("local rank {}'s collective failed first ({}), {:.0f} ms earlier",
+                    first_fault_->local_rank, first_fault_->what, episode.agent_saw_ms);
+  }
+  first_fault_.reset();
+  if (allAbortedOnTheirOwn()) {  // before they were told: that phase ended already
+    for (const auto& w : workers_) {
+      if (!w.running) continue;
+      episode.aborted_ms = std::max(
+          episode.aborted_ms,
+          std::chrono::duration<double, std::milli>(w.aborted_at - episode.detected).count());
+    }
+  }
   // Multi-node: also the bound on forming the round (a `--nnodes 2:2` job waits for a new node).
-  episode.deadline = episode.detected + options_.inplace_timeout;
+  episode.deadline = now + options_.inplace_timeout;
   episode.cause = cause;
   episode.charged = charged;
   episode_ = std::move(episode);
@@ -971,15 +990,28 @@ void Supervisor::onControlMessage(int pid, const ControlMessage& message) {
       }
       return;
     }
+    case ControlType::kFault:
+      noteFault(*w, message);
+      return;
     default:
       if (state_ == AgentState::kRecovering) {
         onPhase(*w, message);
       } else if (state_ == AgentState::kRunning && message.type == ControlType::kAborted) {
         w->aborted_gen = static_cast<int>(message.num("gen"));
+        w->aborted_at = clock_.now();
         if (deadlines_.membership && allAbortedOnTheirOwn()) onNodesChanged();
       }
       return;
   }
+}
+
+void Supervisor::noteFault(const Worker& w, const ControlMessage& message) {
+  if (state_ != AgentState::kRunning || message.num("gen") != group_generation_) return;
+  if (first_fault_ && first_fault_->generation == group_generation_) return;
+  first_fault_ = Fault{group_generation_, clock_.now(), clock_.wallSeconds(), w.launch.local_rank,
+                       message.str("what")};
+  logger("agent")->debug("local rank {} (pid {}): a collective of generation {} failed ({})",
+                         w.launch.local_rank, w.pid, group_generation_, message.str("what"));
 }
 
 void Supervisor::onPhase(Worker& w, const ControlMessage& message) {
@@ -1029,6 +1061,7 @@ void Supervisor::finishEpisode() {
   const bool replaced = e.replacement_pid != 0;
   if (recovery_listener_) {
     InPlaceRecovery r{e.generation, {{"told", e.told_ms}}, e.step};
+    if (e.agent_saw_ms >= 0) r.phases_ms.emplace_back("detected", e.agent_saw_ms);
     if (replaced) r.phases_ms.emplace_back("replacement_start", e.hello_ms);
     if (replaced && e.ready_ms > 0) r.phases_ms.emplace_back("replacement_ready", e.ready_ms);
     for (const auto& phase :
@@ -1043,11 +1076,12 @@ void Supervisor::finishEpisode() {
   std::string hello = replaced ? fmt::format(", replacement said hello {:.0f} ms", e.hello_ms) : "";
   if (replaced && e.ready_ms > 0) hello += fmt::format(", ready {:.0f} ms", e.ready_ms);
   logger("agent")->info(
-      "in-place recovery, generation {} ({}, seen at unix time {:.3f}): told {:.1f} ms{}, aborted "
-      "{:.0f} ms, formed {:.0f} ms, synced {:.0f} ms, first step {:.0f} ms; resumed after step {} "
-      "from rank {}, world {}",
-      e.generation, e.cause, e.detected_unix, e.told_ms, hello, e.aborted_ms, e.formed_ms,
-      e.synced_ms, first_step, e.step, e.source, worldSize());
+      "in-place recovery, generation {} ({}, seen at unix time {:.3f}{}): told {:.1f} ms{}, "
+      "aborted {:.0f} ms, formed {:.0f} ms, synced {:.0f} ms, first step {:.0f} ms; resumed after "
+      "step {} from rank {}, world {}",
+      e.generation, e.cause, e.detected_unix, e.first_seen.empty() ? "" : ": " + e.first_seen,
+      e.told_ms, hello, e.aborted_ms, e.formed_ms, e.synced_ms, first_step, e.step, e.source,
+      worldSize());
 }
 
 void Supervisor::fallBack(const std::string& why, bool report, FallbackCause cause) {

@@ -123,8 +123,9 @@ def run_in(d, mode, kill_at, build, python, nproc, epochs, nodes, fault):
               re.search(r"in-place recovery, generation .*", text))
     line = phases.group(0) if phases else ""
     # The start-up it had to wait for: the kernel's teardown of the killed process (kill -> the
-    # agent sees it), then the replacement's own start-up (spawn -> its Trainer exists: exec,
-    # LibTorch, its model and data). The rest of the lost time is the recovery's own.
+    # failure first seen there: the agent's SIGCHLD, or a collective that failed first), then the
+    # replacement's own start-up (spawn -> its Trainer exists: exec, LibTorch, its model and
+    # data). The rest of the lost time is the recovery's own.
     seen = re.search(r"seen at unix time ([0-9.]+)", line)
     ready = re.search(r"ready (\d+) ms", line)
     teardown = float(seen.group(1)) - t_kill if seen else None

@@ -169,6 +169,77 @@ TEST_CASE("in-place: a failed worker is replaced alone, the others are told to a
   CHECK(f.sup->state() == AgentState::kSucceeded);
 }
 
+TEST_CASE(
+    "in-place: a worker's collective that failed before the agent saw why dates the recovery, "
+    "only the first of the running generation and only within inplace_timeout",
+    "[agent][inplace]") {
+  Fixture f(3, /*max_restarts=*/3);
+  std::vector<InPlaceRecovery> recoveries;
+  f.sup->setRecoveryListener([&](const InPlaceRecovery& r) { recoveries.push_back(r); });
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  auto phasesOf = [&](size_t i) {
+    return std::map<std::string, double>(recoveries.at(i).phases_ms.begin(),
+                                         recoveries.at(i).phases_ms.end());
+  };
+  auto recoverFrom = [&](int killed, int gen) {
+    f.sup->onWorkerExit(killed, ExitStatus{true, SIGKILL});
+    REQUIRE(f.sup->state() == AgentState::kRecovering);
+    const int newcomer = f.launcher.spawned.back().first;
+    f.clock.advance(std::chrono::milliseconds(5));
+    for (int pid : f.launcher.pids()) {
+      if (f.sup->isRunningWorker(pid)) {
+        f.say(pid, ControlType::kStep, {{"gen", std::to_string(gen)}, {"n", "9"}});
+      }
+    }
+    REQUIRE(f.sup->state() == AgentState::kRunning);
+    return newcomer;
+  };
+  LogCapture log("agent");
+  // Out of bounds or not of this generation: ignored (a malformed one never gets here).
+  f.say(pids[0], ControlType::kFault, {{"gen", "0"}, {"what", "timeout"}});
+  f.say(pids[0], ControlType::kFault, {{"gen", "7"}, {"what", "timeout"}});
+  f.clock.advance(std::chrono::milliseconds(100));
+  // Rank 1's socket to rank 2 closed 30 ms before its agent reaps rank 2; rank 0's report later
+  // does not move that.
+  f.say(pids[1], ControlType::kFault, {{"gen", "1"}, {"what", "peer_closed"}});
+  f.clock.advance(std::chrono::milliseconds(20));
+  f.say(pids[0], ControlType::kFault, {{"gen", "1"}, {"what", "timeout"}});
+  f.clock.advance(std::chrono::milliseconds(10));
+  const int newcomer = recoverFrom(pids[2], 2);
+  auto phases = phasesOf(0);
+  CHECK(phases["detected"] == Approx(30.0));
+  CHECK(phases["told"] == Approx(30.0));
+  CHECK(phases["first_step"] == Approx(35.0));
+  CHECK(log.count("seen at unix time 1700001000.100: local rank 1's collective failed first "
+                  "(peer_closed), 30 ms earlier)") == 1);
+
+  // The next failure, with a fault of the generation that ended (and one sent while recovering):
+  // the agent's own detection.
+  f.say(pids[0], ControlType::kFault, {{"gen", "1"}, {"what", "other"}});
+  f.sup->onWorkerExit(newcomer, ExitStatus{true, SIGKILL});
+  f.say(pids[0], ControlType::kFault, {{"gen", "3"}, {"what", "other"}});
+  f.clock.advance(std::chrono::milliseconds(5));
+  for (int pid : f.launcher.pids()) {
+    if (f.sup->isRunningWorker(pid)) f.say(pid, ControlType::kStep, {{"gen", "3"}, {"n", "9"}});
+  }
+  REQUIRE(f.sup->state() == AgentState::kRunning);
+  CHECK(phasesOf(1).count("detected") == 0);
+  CHECK(phasesOf(1)["first_step"] == Approx(5.0));
+  CHECK(log.count("failed first") == 1);
+
+  // A fault more than inplace_timeout (10 s) before the failure belongs to no recovery: that
+  // worker gave up waiting for a group long ago.
+  f.say(pids[0], ControlType::kFault, {{"gen", "3"}, {"what", "timeout"}});
+  f.clock.advance(std::chrono::seconds(11));
+  recoverFrom(f.launcher.spawned.back().first, 4);
+  CHECK(phasesOf(2).count("detected") == 0);
+  CHECK(phasesOf(2)["first_step"] == Approx(5.0));
+  CHECK(log.count("failed first") == 1);
+  CHECK(f.sup->restartCount() == 3);
+}
+
 TEST_CASE("in-place: a worker that did not announce support means a process restart",
           "[agent][inplace]") {
   Fixture f;
@@ -508,6 +579,60 @@ TEST_CASE(
     // The first report is a new failure; the fallback's says it was charged already.
     CHECK(f.rdzv.failure_kinds.front() == agent::FailureKind::kWorkers);
     if (!peer) CHECK(f.rdzv.failure_kinds.back() == agent::FailureKind::kRecovery);
+  }
+}
+
+TEST_CASE(
+    "in-place across nodes: a node lost is dated from the first local collective that failed, "
+    "before the rendezvous said so",
+    "[agent][inplace]") {
+  for (const bool aborted_first : {false, true}) {
+    INFO((aborted_first ? "every worker here aborted on its own: no failure grace"
+                        : "the recovery waits failure_grace for a stop under way"));
+    TwoNodes f;
+    std::vector<InPlaceRecovery> recoveries;
+    f.sup->setRecoveryListener([&](const InPlaceRecovery& r) { recoveries.push_back(r); });
+    const auto pids = f.first();
+    f.rdzv.hold = true;
+    LogCapture log("agent");
+    // The other node died: this node's ranks see their sockets close at once, the rendezvous
+    // tells the agent 200 ms later.
+    const double t0 = f.clock.wallSeconds();
+    f.say(pids[0], ControlType::kFault, {{"gen", "1"}, {"what", "peer_closed"}});
+    if (aborted_first) {
+      f.clock.advance(std::chrono::milliseconds(5));
+      f.say(pids[0], ControlType::kAborted, {{"gen", "1"}});
+      f.say(pids[1], ControlType::kFault, {{"gen", "1"}, {"what", "timeout"}});
+      f.clock.advance(std::chrono::milliseconds(3));
+      f.say(pids[1], ControlType::kAborted, {{"gen", "1"}});
+      f.clock.advance(std::chrono::milliseconds(192));
+    } else {
+      f.clock.advance(std::chrono::milliseconds(200));
+    }
+    f.rdzv.round.local_world_sizes = {2};
+    f.rdzv.round.group_rank = 0;
+    f.sup->onMembershipChange();
+    if (!aborted_first) {
+      CHECK(f.sup->state() == AgentState::kRunning);
+      f.clock.advance(std::chrono::seconds(1));
+      f.fireDeadlines();
+    }
+    REQUIRE(f.sup->state() == AgentState::kRecovering);
+    f.formRound(1);
+    f.clock.advance(std::chrono::milliseconds(50));
+    for (int pid : pids) f.say(pid, ControlType::kStep, {{"gen", "2"}, {"n", "7"}});
+    REQUIRE(f.sup->state() == AgentState::kRunning);
+    REQUIRE(recoveries.size() == 1);
+    std::map<std::string, double> phases(recoveries[0].phases_ms.begin(),
+                                         recoveries[0].phases_ms.end());
+    const double seen = aborted_first ? 200.0 : 1200.0;
+    CHECK(phases["detected"] == Approx(seen));
+    CHECK(phases["told"] == Approx(seen));
+    CHECK(phases["aborted"] == Approx(aborted_first ? 8.0 : 0.0));
+    CHECK(phases["first_step"] == Approx(seen + 50.0));
+    CHECK(log.count(fmt::format("seen at unix time {:.3f}: local rank 0's collective failed "
+                                "first (peer_closed), {:.0f} ms earlier)",
+                                t0, seen)) == 1);
   }
 }
 

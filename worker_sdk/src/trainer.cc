@@ -16,6 +16,7 @@
 #include <tuple>
 #include <utility>
 
+#include "collective_fault.h"
 #include "control_client.h"
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/sampler.h"
@@ -369,11 +370,17 @@ bool Trainer::recoverInPlace(const std::string& what) {
   const auto t0 = std::chrono::steady_clock::now();
   const int old_generation = group_->generation();
   const int rank = group_->rank();
-  log() << "[RANK " << rank << "] generation " << old_generation
-        << " failed; recovering in place: " << what.substr(0, 300) << std::endl;
   auto send = [&](ddprun::ControlType type, std::map<std::string, std::string> fields) {
     control.send(ddprun::makeControl(type, std::move(fields)));
   };
+  // This rank saw the failure before its agent said so (a peer's socket closed, an op timed out):
+  // the agent dates the recovery from the first such report (its phase timings only).
+  if (control.abortedGeneration() < old_generation) {
+    send(ddprun::ControlType::kFault,
+         {{"gen", std::to_string(old_generation)}, {"what", collectiveFaultKind(what)}});
+  }
+  log() << "[RANK " << rank << "] generation " << old_generation
+        << " failed; recovering in place: " << what.substr(0, 300) << std::endl;
   try {
     // Nothing may still write into the gradients or the buckets once they are dropped.
     group_->abort("recovering in place");

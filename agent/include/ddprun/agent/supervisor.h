@@ -174,6 +174,7 @@ class Supervisor {
     bool hung_up = false;                // its control channel closed (it is exiting, or lost it)
     bool left = false;    // said `goodbye reason=stop`: it leaves on a signal to it, the rest go on
     int aborted_gen = 0;  // the generation it said `aborted` for on its own (a peer gone), RUNNING
+    TimePoint aborted_at;    // when it said so
     bool newcomer = false;   // started by this recovery: it holds nothing of its own yet
     bool discarded = false;  // a newcomer killed when its round was voided: its exit is expected
   };
@@ -184,8 +185,12 @@ class Supervisor {
     bool awaiting_round = false;  // multi-node: the agents are forming the next round
     int regenerations = 0;        // rounds formed again because the nodes changed meanwhile
     bool charged = false;         // a failure began it (one restart counted)
+    // When the failure was first seen: this agent's own detection, or a local worker's earlier
+    // `fault` (its collective failed first, e.g. a peer node's sockets closed).
     TimePoint detected;
     double detected_unix = 0;  // wall-clock seconds, to line the phases up with others' logs
+    double agent_saw_ms = -1;  // after a worker's `fault`: when this agent saw it (else -1)
+    std::string first_seen;    // after a worker's `fault`: who and what
     TimePoint deadline;
     std::string cause;  // "local rank 1 (pid 812) killed by signal 9"
     int replacement_pid = 0;
@@ -266,6 +271,9 @@ class Supervisor {
   int generationOf(const RoundInfo& round) const;
   void sendGroup(const Worker& w);
   void onPhase(Worker& w, const ControlMessage& message);
+  // A worker's `fault` while RUNNING: the first of the current generation is kept to date the
+  // episode that follows (timings only: nothing is decided on a worker's word).
+  void noteFault(const Worker& w, const ControlMessage& message);
   void finishEpisode();
   // Every worker restarts; multi-node with `report`: the other nodes are told. No new charge,
   // except for a `failure` (a worker's, or a peer's) that ends a free episode (a change of nodes):
@@ -314,6 +322,16 @@ class Supervisor {
   // recovery; never reused, so each has its own store keys.
   int group_generation_ = 0;
   std::optional<Episode> episode_;
+  // The first `fault` of the running generation. An episode that starts within inplace_timeout of
+  // it (a worker that saw a failure waits no longer for a group) is timed from it.
+  struct Fault {
+    int generation = 0;
+    TimePoint at;
+    double at_unix = 0;
+    int local_rank = 0;
+    std::string what;
+  };
+  std::optional<Fault> first_fault_;
   // When heartbeats were first seen stale with no stopped worker here (in-place, multi-node).
   std::optional<TimePoint> hang_seen_;
   int recovered_in_place_ = 0;

@@ -1,0 +1,34 @@
+#include "collective_fault.h"
+
+#include <algorithm>
+#include <cctype>
+#include <initializer_list>
+#include <string>
+
+namespace ddprun::worker {
+
+namespace {
+
+bool containsAny(const std::string& text, std::initializer_list<const char*> words) {
+  return std::any_of(words.begin(), words.end(),
+                     [&](const char* w) { return text.find(w) != std::string::npos; });
+}
+
+}  // namespace
+
+const char* collectiveFaultKind(std::string_view what) {
+  std::string text(what);
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  // A peer that went away: its sockets closed (Gloo's TCP pairs, the store), or the shared-memory
+  // path saw its process gone.
+  if (containsAny(text, {"closed by peer", "reset by peer", "broken pipe", "connection refused",
+                         "connection closed", "exited while", "end of file", "hung up"})) {
+    return "peer_closed";
+  }
+  if (containsAny(text, {"timed out", "timeout"})) return "timeout";
+  if (containsAny(text, {"cuda", "nccl"})) return "cuda";
+  return "other";
+}
+
+}  // namespace ddprun::worker
