@@ -81,8 +81,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# cred_expire also delays a requeued job; 30 s instead of 120 s keeps the requeue test short.
-AuthInfo=socket=$dir/munge/munge.sock,cred_expire=30
+# cred_expire also delays a requeued job; 15 s instead of 120 s keeps the requeue test short.
+AuthInfo=socket=$dir/munge/munge.sock,cred_expire=15
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/run/slurmctld.pid
@@ -105,7 +105,11 @@ SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
-MinJobAge=60
+# sbatch --wait polls every 2 s while MinJobAge/2 allows no longer sleep (it grows to 8 s and then
+# 32 s at 60, which left each job's end up to 32 s unseen); a completed job's record stays 5 s.
+MinJobAge=5
+# A requeued job starts at the main scheduling loop's next pass (every 60 s by default).
+SchedulerParameters=sched_interval=2
 MessageTimeout=20
 NodeName=n1 NodeHostname=$host NodeAddr=127.0.0.1 Port=$p1 CPUs=$cpus State=UNKNOWN
 NodeName=n2 NodeHostname=$host NodeAddr=127.0.0.2 Port=$p2 CPUs=$cpus State=UNKNOWN
