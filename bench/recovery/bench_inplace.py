@@ -126,10 +126,15 @@ def run_in(d, mode, kill_at, build, python, nproc, epochs, nodes, fault):
     # failure first seen there: the agent's SIGCHLD, or a collective that failed first), then the
     # replacement's own start-up (spawn -> its Trainer exists: exec, LibTorch, its model and
     # data). The rest of the lost time is the recovery's own.
-    seen = re.search(r"seen at unix time ([0-9.]+)", line)
+    # The phases count from the failure first seen on that node: a worker's collective may have
+    # failed before the agent reaped the killed rank ("..., N ms earlier"); the agent spawned the
+    # replacement when it saw the exit, N ms after that.
+    seen = re.search(
+        r"seen at unix time ([0-9.]+)(?:: .*? failed first \(\w+\), (\d+) ms earlier)?", line)
     ready = re.search(r"ready (\d+) ms", line)
-    teardown = float(seen.group(1)) - t_kill if seen else None
-    startup = int(ready.group(1)) / 1e3 if ready else None
+    agent_saw = int(seen.group(2)) / 1e3 if seen and seen.group(2) else 0.0
+    teardown = float(seen.group(1)) + agent_saw - t_kill if seen else None
+    startup = int(ready.group(1)) / 1e3 - agent_saw if ready else None
     return t_next - t_kill - step_time, twice, step_time, line, teardown, startup
 
 
