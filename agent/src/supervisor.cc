@@ -33,6 +33,8 @@ const char* agentStateName(AgentState s) {
 }
 
 namespace {
+
+double millis(Duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 bool isTerminating(int sig) {
   return sig == SIGTERM || sig == SIGINT || sig == SIGHUP || sig == SIGQUIT;
 }
@@ -679,9 +681,7 @@ std::int64_t Supervisor::inplaceTimeoutMs() const {
 }
 
 double Supervisor::msSinceDetection() const {
-  return episode_
-             ? std::chrono::duration<double, std::milli>(clock_.now() - episode_->detected).count()
-             : 0.0;
+  return episode_ ? millis(clock_.now() - episode_->detected) : 0.0;
 }
 
 bool Supervisor::notInPlace(NotInPlace kind, const std::string& why) {
@@ -819,8 +819,7 @@ void Supervisor::startEpisode(const std::string& cause, int generation, bool cha
   episode.detected_unix = clock_.wallSeconds();
   if (first_fault_ && first_fault_->generation == group_generation_ &&
       now - first_fault_->at <= options_.inplace_timeout) {
-    episode.agent_saw_ms =
-        std::chrono::duration<double, std::milli>(now - first_fault_->at).count();
+    episode.agent_saw_ms = millis(now - first_fault_->at);
     episode.detected = first_fault_->at;
     episode.detected_unix = first_fault_->at_unix;
     episode.first_seen =
@@ -831,9 +830,7 @@ void Supervisor::startEpisode(const std::string& cause, int generation, bool cha
   if (allAbortedOnTheirOwn()) {  // before they were told: that phase ended already
     for (const auto& w : workers_) {
       if (!w.running) continue;
-      episode.aborted_ms = std::max(
-          episode.aborted_ms,
-          std::chrono::duration<double, std::milli>(w.aborted_at - episode.detected).count());
+      episode.aborted_ms = std::max(episode.aborted_ms, millis(w.aborted_at - episode.detected));
     }
   }
   // Multi-node: also the bound on forming the round (a `--nnodes 2:2` job waits for a new node).

@@ -1,9 +1,10 @@
 #include "collective_fault.h"
 
 #include <algorithm>
-#include <cctype>
 #include <initializer_list>
 #include <string>
+
+#include "ddprun/common/strings.h"
 
 namespace ddprun::worker {
 
@@ -17,9 +18,7 @@ bool containsAny(const std::string& text, std::initializer_list<const char*> wor
 }  // namespace
 
 const char* collectiveFaultKind(std::string_view what) {
-  std::string text(what);
-  std::transform(text.begin(), text.end(), text.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  const std::string text = ddprun::toLower(what);
   // A peer that went away: its sockets closed (Gloo's TCP pairs, the store), or the shared-memory
   // path saw its process gone.
   if (containsAny(text, {"closed by peer", "reset by peer", "broken pipe", "connection refused",
