@@ -512,7 +512,11 @@ void fetchRange(const SnapshotPeer& peer, const SnapshotFile& file, const std::s
     ctx.set_deadline(std::chrono::system_clock::now() + allowed);
   }
   if (!abort->enter(&ctx)) {
-    range->status = Status(StatusCode::kCancelled, "the fetch was cancelled");
+    // Ended before this stream began: by a stall of the fetch's first streams (nothing in time,
+    // the connection included; the fetch is tried again), else by a failure or a cancel the others
+    // report.
+    range->status =
+        abort->stalled().value_or(Status(StatusCode::kCancelled, "the fetch was cancelled"));
     return;
   }
   spb::FetchRequest req;
