@@ -4,8 +4,8 @@
 # (-fsyntax-only): the worker SDK's (they include LibTorch, which the sanitizer leg does not
 # build) and the control plane's threaded components, the rendezvous' gRPC adapters, the snapshot
 # component and the etcd adapter, which that leg does not build either (their generated protobuf
-# headers must exist: the leg builds ddprun_proto and ddprun_etcd_proto first). Every source of
-# those folders is checked, so a file added there is checked too.
+# headers must exist: the leg generates them first, target ddprun_protos_generated). Every source
+# of those folders is checked, so a file added there is checked too.
 #   deploy/check-thread-safety.sh BUILD_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
