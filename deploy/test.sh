@@ -61,26 +61,27 @@ await() {
 }
 
 rc=0
+failed() { [ "$rc" != 0 ] || rc=$1; }  # the exit code is the first failure's
 ctest --test-dir "${DDPRUN_BUILD_DIR:-build}" --output-on-failure -j "${DDPRUN_TEST_JOBS:-2}" \
-  --timeout 600 || rc=$?
+  --timeout 600 || failed $?
 took "the main suite"
 if [ "$torch2" = 1 ]; then
   if await build-torch2 "the build against the current PyTorch"; then
     # train's multi-process tests launch it with this build's ddprun.
     DDPRUN_TEST_DDPRUN="$PWD/${DDPRUN_BUILD_DIR:-build}/launcher/ddprun" \
       ctest --test-dir "${DDPRUN_TORCH2_BUILD_DIR:-build-torch2}" --output-on-failure \
-      -j "${DDPRUN_TEST_JOBS:-2}" --timeout 600 || { r=$?; [ "$rc" != 0 ] || rc=$r; }
+      -j "${DDPRUN_TEST_JOBS:-2}" --timeout 600 || failed $?
     took "the suite against the current PyTorch"
   else
-    [ "$rc" != 0 ] || rc=1
+    failed 1
   fi
 fi
 if [ "$sanitized" = 1 ]; then
   if await build-asan "the sanitizer leg's build"; then
-    deploy/test-sanitized.sh --test-only || { r=$?; [ "$rc" != 0 ] || rc=$r; }
+    deploy/test-sanitized.sh --test-only || failed $?
     took "the sanitizer leg's tests"
   else
-    [ "$rc" != 0 ] || rc=1
+    failed 1
   fi
 fi
 wait "$builds" || true
