@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # clang's thread-safety analysis (-Wthread-safety -Werror) over every source that shares state
-# with threads, as it compiles in a clang build's compile_commands.json, without generating code
+# with threads, as it compiles in a clang build's compile_commands.json (a source of a unity file,
+# DDPRUN_UNITY, through that file), without generating code
 # (-fsyntax-only): the worker SDK's (they include LibTorch, which the sanitizer leg does not
 # build) and the control plane's threaded components, the rendezvous' gRPC adapters, the snapshot
 # component and the etcd adapter, which that leg does not build either (their generated protobuf
@@ -18,7 +19,14 @@ done
 python3 - "$build/compile_commands.json" "$PWD" "${files[@]}" <<'PY'
 import concurrent.futures, json, os, shlex, subprocess, sys
 commands, root, files = sys.argv[1], sys.argv[2], sys.argv[3:]
-entries = {e["file"]: e for e in json.load(open(commands))}
+entries = {}
+for e in json.load(open(commands)):
+    entries[e["file"]] = e
+    # A unity build's file (DDPRUN_UNITY) stands for the sources it includes.
+    if "/Unity/unity_" in e["file"]:
+        for line in open(e["file"]):
+            if line.startswith('#include "'):
+                entries.setdefault(line.split('"')[1], e)
 
 
 def check(f):
@@ -39,16 +47,30 @@ def check(f):
     return f, r.returncode == 0, r.stderr[-4000:]
 
 
-failed = checked = 0
+# Each compile command once: the sources of one unity file pass or fail together, and its
+# compiler output is shown once.
+def key(f):
+    e = entries.get(f"{root}/{f}")
+    return e["file"] if e else f
+
+
+firsts = {}
+for f in files:
+    firsts.setdefault(key(f), f)
 with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-    for f, ok, text in pool.map(check, files):
-        if ok is None:
-            print(f"check-thread-safety: {f}: {text}")
-            continue
-        checked += 1
-        if not ok:
-            failed += 1
-            print(f"{text}\ncheck-thread-safety: {f}: FAILED")
+    results = {key(f): (ok, text) for f, ok, text in pool.map(check, firsts.values())}
+failed = checked = 0
+for f in files:
+    ok, text = results[key(f)]
+    if ok is None:
+        print(f"check-thread-safety: {f}: {text}")
+        continue
+    checked += 1
+    if not ok:
+        failed += 1
+        if firsts[key(f)] == f:
+            print(text)
+        print(f"check-thread-safety: {f}: FAILED")
 print(f"check-thread-safety: {checked - failed}/{checked} sources pass -Wthread-safety -Werror")
 sys.exit(1 if failed or checked == 0 else 0)
 PY

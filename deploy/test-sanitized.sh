@@ -21,10 +21,9 @@ JOBS=${DDPRUN_JOBS:-$(nproc)}
 launcher=()
 if command -v ccache >/dev/null 2>&1; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
 if [ "$phase" != test ]; then
-  # No unity groups: the thread-safety check below reads each source's own compile command.
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_COMPILER=clang++ -DDDPRUN_SANITIZE=address,undefined -DDDPRUN_FUZZ=ON \
-    -DDDPRUN_UNITY=OFF "${launcher[@]}" "$@" >/dev/null
+    "${launcher[@]}" "$@" >/dev/null
   cmake --build "$BUILD_DIR" -j "$JOBS" --target common_tests rendezvous_state_tests \
     launcher_tests slurm_tests worker_core_test snapshot_core_tests fuzz_hostlist fuzz_rdzv_conf \
     fuzz_cli fuzz_nnodes_endpoint fuzz_rendezvous_state fuzz_snapshot_requests fuzz_snapshot_core \

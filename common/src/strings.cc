@@ -1,11 +1,11 @@
 #include "ddprun/common/strings.h"
 
+#include <unistd.h>  // environ
+
 #include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
-
-extern char** environ;
 
 namespace ddprun {
 

@@ -44,8 +44,8 @@ rendezvous::RoundChange pending(uint64_t round, rendezvous::ChangeReason reason,
   return c;
 }
 
-struct Fixture {
-  explicit Fixture(MultiNodeOptions o = defaults()) : service(io) {
+struct MultiNodeFixture {
+  explicit MultiNodeFixture(MultiNodeOptions o = defaults()) : service(io) {
     rdzv = std::make_unique<MultiNodeRendezvous>(io, o, service,
                                                  [this](PeerEvent e) { events.push_back(e); });
   }
@@ -88,7 +88,7 @@ struct Fixture {
 
 TEST_CASE("rank 0 of a completed round publishes its master address and gets its round",
           "[agent][multinode]") {
-  Fixture f;
+  MultiNodeFixture f;
   f.nextRound();
   REQUIRE(f.service.joins.size() == 1);
   CHECK(f.service.last_join.run_id == "job");
@@ -118,7 +118,7 @@ TEST_CASE("rank 0 of a completed round publishes its master address and gets its
 
 TEST_CASE("a non-zero rank takes the master from the round, or waits for it",
           "[agent][multinode]") {
-  Fixture f;
+  MultiNodeFixture f;
   f.nextRound();
   auto joined = roundOf(1, "a", {{"b", 1}, {"a", 2}});
   joined.master_addr = "b.host";
@@ -143,7 +143,7 @@ TEST_CASE("a non-zero rank takes the master from the round, or waits for it",
 }
 
 TEST_CASE("the membership epoch bumps only when the members change", "[agent][multinode]") {
-  Fixture f;
+  MultiNodeFixture f;
   f.formRound(1);
   CHECK(f.result->value().membership_epoch == 0);
   f.formRound(2);  // a failure restart: same members
@@ -158,7 +158,7 @@ TEST_CASE("the membership epoch bumps only when the members change", "[agent][mu
 
 TEST_CASE("a join that fails says what to check when the service is unreachable",
           "[agent][multinode]") {
-  Fixture f;
+  MultiNodeFixture f;
   f.nextRound();
   f.service.answer(f.service.joins, StatusOr<rendezvous::RoundInfo>(unavailable("down")));
   f.poll();
@@ -172,7 +172,7 @@ TEST_CASE("a join the rendezvous itself timed out is reported as it said, with n
   const std::string said = std::string(rendezvous::kJoinTimeoutExpired) +
                            "round 1 of run r: 1 node(s) joined, min_nodes is 2";
   {
-    Fixture f;
+    MultiNodeFixture f;
     f.nextRound();
     f.service.answer(f.service.joins, StatusOr<rendezvous::RoundInfo>(deadlineExceeded(said)));
     f.poll();
@@ -181,7 +181,7 @@ TEST_CASE("a join the rendezvous itself timed out is reported as it said, with n
     CHECK(f.result->status().message() == said);
   }
   {  // a transport deadline (a port held by something that is not a rendezvous) is explained
-    Fixture f;
+    MultiNodeFixture f;
     f.nextRound();
     f.service.answer(f.service.joins,
                      StatusOr<rendezvous::RoundInfo>(deadlineExceeded("Deadline Exceeded")));
@@ -193,7 +193,7 @@ TEST_CASE("a join the rendezvous itself timed out is reported as it said, with n
 
 TEST_CASE("pushed round changes become membership changes and peer failures",
           "[agent][multinode]") {
-  Fixture f;
+  MultiNodeFixture f;
   f.formRound(4);
   f.service.push(pending(4, rendezvous::ChangeReason::kNodeJoined, "c"));       // a round it holds
   f.service.push(pending(5, rendezvous::ChangeReason::kFailureReported, "a"));  // its own report
@@ -214,11 +214,11 @@ TEST_CASE("pushed round changes become membership changes and peer failures",
 }
 
 TEST_CASE("static node ranks order the nodes by --node-rank", "[agent][multinode]") {
-  auto o = Fixture::defaults();
+  auto o = MultiNodeFixture::defaults();
   o.static_node_rank = 0;
   o.static_master_addr = "master";
   o.master_port = 29500;
-  Fixture f(o);
+  MultiNodeFixture f(o);
   f.nextRound();
   // The service ranked b first; --node-rank says a is 0.
   f.service.answer(f.service.joins, roundOf(1, "a", {{"b", 4}, {"a", 2}}));
@@ -241,9 +241,9 @@ TEST_CASE("static node ranks order the nodes by --node-rank", "[agent][multinode
 }
 
 TEST_CASE("a --node-rank used twice fails the round naming the flag", "[agent][multinode]") {
-  auto o = Fixture::defaults();
+  auto o = MultiNodeFixture::defaults();
   o.static_node_rank = 1;
-  Fixture f(o);
+  MultiNodeFixture f(o);
   f.nextRound();
   f.service.answer(f.service.joins, roundOf(1, "a", {{"a", 2}, {"b", 2}}));
   f.poll();
@@ -258,7 +258,7 @@ TEST_CASE("a --node-rank used twice fails the round naming the flag", "[agent][m
 
 TEST_CASE("calls run one at a time in the order made, and leave cancels a join in flight",
           "[agent][multinode]") {
-  Fixture f;
+  MultiNodeFixture f;
   f.formRound(1);
   f.nextRound();
   f.rdzv->reportFailure(FailureKind::kWorkers);  // queued behind the join
@@ -280,7 +280,7 @@ TEST_CASE("calls run one at a time in the order made, and leave cancels a join i
 
 TEST_CASE("the exit barrier waits only for the members that are still in the job",
           "[agent][multinode][barrier]") {
-  Fixture f;
+  MultiNodeFixture f;
   f.nextRound();
   f.service.answer(f.service.joins, roundOf(1, "a", {{"a", 1}, {"b", 1}, {"c", 1}}));
   f.poll();
@@ -313,7 +313,7 @@ TEST_CASE("the exit barrier waits only for the members that are still in the job
 
 TEST_CASE("after a success the closer waits for departures, then closes the run",
           "[agent][multinode][barrier]") {
-  Fixture f;
+  MultiNodeFixture f;
   f.formRound(1);  // a is group rank 0: the closer
   bool done = false;
   f.rdzv->shutdown(/*succeeded=*/true, /*left=*/false, [&] { done = true; });
@@ -336,7 +336,7 @@ TEST_CASE("after a success the closer waits for departures, then closes the run"
 
 TEST_CASE("after a success a node that does not close the run departs and leaves",
           "[agent][multinode][barrier]") {
-  Fixture f;
+  MultiNodeFixture f;
   f.nextRound();
   auto joined = roundOf(1, "a", {{"b", 1}, {"a", 1}});
   joined.master_addr = "b.host";
@@ -358,7 +358,7 @@ TEST_CASE("after a success a node that does not close the run departs and leaves
 
 TEST_CASE("after a failure past the budget the run is closed, after a leave nothing is said",
           "[agent][multinode]") {
-  Fixture f;
+  MultiNodeFixture f;
   f.formRound(1);
   bool done = false;
   f.rdzv->shutdown(false, false, [&] { done = true; });
@@ -368,7 +368,7 @@ TEST_CASE("after a failure past the budget the run is closed, after a leave noth
   f.poll();
   CHECK(done);
 
-  Fixture g;
+  MultiNodeFixture g;
   g.formRound(1);
   g.rdzv->leave();
   g.poll();
@@ -384,9 +384,9 @@ TEST_CASE("after a failure past the budget the run is closed, after a leave noth
 
 TEST_CASE("a heartbeat the service no longer knows makes the node join again",
           "[agent][multinode]") {
-  auto o = Fixture::defaults();
+  auto o = MultiNodeFixture::defaults();
   o.run_config.heartbeat_interval = 1ms;
-  Fixture f(o);
+  MultiNodeFixture f(o);
   f.formRound(1);
   // Wait (bounded) for the heartbeat timer to fire once.
   const auto give_up = std::chrono::steady_clock::now() + 10s;
@@ -407,14 +407,14 @@ TEST_CASE("a heartbeat the service no longer knows makes the node join again",
 
 TEST_CASE("rank 0 re-joining a round whose master is published keeps that master",
           "[agent][multinode]") {
-  Fixture f;
+  MultiNodeFixture f;
   f.formRound(1);
   CHECK(f.result->value().master_port == 1234);
   // Every node re-forms without a membership change: the service answers the same round, with
   // the master rank 0 published the first time. A fresh port would split the workers' stores.
-  auto o = Fixture::defaults();
+  auto o = MultiNodeFixture::defaults();
   o.master_port = 0;  // would pick a free port
-  Fixture g(o);
+  MultiNodeFixture g(o);
   g.nextRound();
   auto joined = roundOf(1, "a", {{"a", 2}, {"b", 2}});
   joined.master_addr = "a.host";
@@ -432,7 +432,7 @@ TEST_CASE("a round that began forming before the watch did is a membership chang
           "[agent][multinode]") {
   // A node left just as this one's round completed: its kRoundPending went out before this
   // node's watch began, and only the watch's first snapshot tells of round 2.
-  Fixture f;
+  MultiNodeFixture f;
   f.formRound(1);
   REQUIRE(f.service.watches == 1);
   rendezvous::RoundChange snapshot;
@@ -449,7 +449,7 @@ TEST_CASE("a round that began forming before the watch did is a membership chang
   f.poll();
   CHECK(f.events.size() == 1);
   // A snapshot with nothing forming beyond this node's round is no change.
-  Fixture g;
+  MultiNodeFixture g;
   g.formRound(1);
   snapshot.status.pending_round = 0;
   snapshot.round = 1;

@@ -25,9 +25,9 @@ using ddprun::testing::LogCapture;
 
 namespace {
 
-struct Fixture {
-  explicit Fixture(int nproc = 3, int max_restarts = 1, bool multi_node = false,
-                   Duration heartbeat_timeout = Duration::zero()) {
+struct InPlaceFixture {
+  explicit InPlaceFixture(int nproc = 3, int max_restarts = 1, bool multi_node = false,
+                          Duration heartbeat_timeout = Duration::zero()) {
     rdzv.round.local_world_sizes = {nproc};
     rdzv.round.master_addr = "127.0.0.1";
     rdzv.round.master_port = 29500;
@@ -93,7 +93,7 @@ struct Fixture {
 
 TEST_CASE("in-place: hello is answered with the generation to form and the recovery bound",
           "[agent][inplace]") {
-  Fixture f;
+  InPlaceFixture f;
   f.sup->start();
   const int pid = f.first()[0];
   f.say(pid, ControlType::kHello, {{"v", "7"}, {"pid", std::to_string(pid)}, {"caps", ""}});
@@ -111,7 +111,7 @@ TEST_CASE("in-place: hello is answered with the generation to form and the recov
 
 TEST_CASE("in-place: a failed worker is replaced alone, the others are told to abort and re-form",
           "[agent][inplace]") {
-  Fixture f;
+  InPlaceFixture f;
   std::vector<InPlaceRecovery> recoveries;
   f.sup->setRecoveryListener([&](const InPlaceRecovery& r) { recoveries.push_back(r); });
   f.sup->start();
@@ -173,7 +173,7 @@ TEST_CASE(
     "in-place: a worker's collective that failed before the agent saw why dates the recovery, "
     "only the first of the running generation and only within inplace_timeout",
     "[agent][inplace]") {
-  Fixture f(3, /*max_restarts=*/3);
+  InPlaceFixture f(3, /*max_restarts=*/3);
   std::vector<InPlaceRecovery> recoveries;
   f.sup->setRecoveryListener([&](const InPlaceRecovery& r) { recoveries.push_back(r); });
   f.sup->start();
@@ -242,7 +242,7 @@ TEST_CASE(
 
 TEST_CASE("in-place: a worker that did not announce support means a process restart",
           "[agent][inplace]") {
-  Fixture f;
+  InPlaceFixture f;
   f.sup->start();
   const auto pids = f.first();
   f.say(pids[0], ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pids[0])}, {"caps", ""}});
@@ -258,7 +258,7 @@ TEST_CASE("in-place: a worker that did not announce support means a process rest
 
 TEST_CASE("in-place: with the restart budget spent the job fails as in process mode",
           "[agent][inplace]") {
-  Fixture f(3, /*max_restarts=*/0);
+  InPlaceFixture f(3, /*max_restarts=*/0);
   f.sup->start();
   f.allCapable();
   f.sup->onWorkerExit(f.first()[1], ExitStatus{false, 1});
@@ -272,8 +272,8 @@ namespace {
 
 // A started job of `nproc` capable workers whose worker `index` was sent SIGTERM by someone else
 // than its agent: it left after the agreed step (`goodbye reason=stop`, exit 0).
-std::unique_ptr<Fixture> oneLeft(int nproc, int max_restarts, int index) {
-  auto f = std::make_unique<Fixture>(nproc, max_restarts);
+std::unique_ptr<InPlaceFixture> oneLeft(int nproc, int max_restarts, int index) {
+  auto f = std::make_unique<InPlaceFixture>(nproc, max_restarts);
   f->sup->start();
   f->allCapable();
   const int pid = f->first()[static_cast<size_t>(index)];
@@ -290,7 +290,7 @@ TEST_CASE(
     "[agent][inplace]") {
   // Rank 2 left; ranks 0 and 1 re-form in place without it and the agent starts its replacement.
   auto owned = oneLeft(3, /*max_restarts=*/2, 2);
-  Fixture& f = *owned;
+  InPlaceFixture& f = *owned;
   const auto pids = f.first();
   CHECK(f.sup->state() == AgentState::kRecovering);
   CHECK(f.sup->restartCount() == 1);  // charged, as torchrun charges a worker ended by a signal
@@ -322,7 +322,7 @@ TEST_CASE(
     "in-place: a failure while another worker's control channel is closed restarts every worker, "
     "and says why",
     "[agent][inplace]") {
-  Fixture f(3, /*max_restarts=*/2);
+  InPlaceFixture f(3, /*max_restarts=*/2);
   f.sup->start();
   f.allCapable();
   const auto pids = f.first();
@@ -344,7 +344,7 @@ TEST_CASE(
     "worker, not charged",
     "[agent][inplace]") {
   auto owned = oneLeft(2, /*max_restarts=*/0, 1);
-  Fixture& f = *owned;
+  InPlaceFixture& f = *owned;
   const auto pids = f.first();
   CHECK(f.sup->state() == AgentState::kStopping);
   f.sup->onWorkerExit(pids[0], ExitStatus{true, SIGTERM});
@@ -359,7 +359,7 @@ TEST_CASE(
     "[agent][inplace]") {
   // Ranks 1 and 2 of 4 left at the same agreed step; the agent reaps one (when the other's
   // channel closed already), then the other while the survivors already re-form.
-  Fixture f(4, /*max_restarts=*/1);
+  InPlaceFixture f(4, /*max_restarts=*/1);
   f.sup->start();
   f.allCapable();
   const auto pids = f.first();
@@ -385,9 +385,9 @@ TEST_CASE(
 namespace {
 
 // The second of two nodes of two workers each (ranks 2 and 3), every worker capable.
-struct TwoNodes : Fixture {
+struct TwoNodes : InPlaceFixture {
   // `veto`: the first round's (another node restarts processes; JobIdentityClient).
-  explicit TwoNodes(std::string veto = "") : Fixture(2, 2, /*multi_node=*/true) {
+  explicit TwoNodes(std::string veto = "") : InPlaceFixture(2, 2, /*multi_node=*/true) {
     rdzv.round.local_world_sizes = {2, 2};
     rdzv.round.group_rank = 1;
     rdzv.round.in_place_veto = std::move(veto);
@@ -737,7 +737,7 @@ TEST_CASE(
     "in-place: a recovery that misses its deadline falls back to restarting every worker, "
     "charged once",
     "[agent][inplace]") {
-  Fixture f;
+  InPlaceFixture f;
   f.sup->start();
   f.allCapable();
   const auto pids = f.first();
@@ -761,7 +761,7 @@ TEST_CASE(
 TEST_CASE("in-place: a second failure or a give-up during the recovery falls back, charged once",
           "[agent][inplace]") {
   for (const bool give_up : {false, true}) {
-    Fixture f(3, /*max_restarts=*/3);
+    InPlaceFixture f(3, /*max_restarts=*/3);
     f.sup->start();
     f.allCapable();
     const auto pids = f.first();
@@ -783,7 +783,7 @@ TEST_CASE("in-place: a second failure or a give-up during the recovery falls bac
 }
 
 TEST_CASE("in-place: SIGTERM during a recovery stops the agent as usual", "[agent][inplace]") {
-  Fixture f;
+  InPlaceFixture f;
   f.sup->start();
   f.allCapable();
   const auto pids = f.first();
@@ -829,7 +829,7 @@ namespace {
 
 // Three workers with heartbeat files (timeout 10 s), every one has stepped once; then nobody
 // steps again for `silence`, checked as the agent's loop would.
-void goSilent(Fixture& f, Duration silence) {
+void goSilent(InPlaceFixture& f, Duration silence) {
   for (int i = 0; i < 3; ++i) f.heartbeats.touch("/hb/0/" + std::to_string(i));
   f.clock.advance(std::chrono::seconds(1));
   f.fireDeadlines();  // the agent sees the touches
@@ -843,7 +843,7 @@ TEST_CASE(
     "in-place: a hung worker stopped by a signal is killed and replaced alone, the others, stalled "
     "behind it, are not",
     "[agent][inplace]") {
-  Fixture f(3, 1, false, std::chrono::seconds(10));
+  InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
   f.sup->start();
   f.allCapable();
   const auto pids = f.first();
@@ -870,7 +870,7 @@ TEST_CASE(
 TEST_CASE(
     "in-place: hung workers none of which is stopped restart every worker, as in process mode",
     "[agent][inplace]") {
-  Fixture f(3, 1, false, std::chrono::seconds(10));
+  InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
   f.sup->start();
   f.allCapable();
   goSilent(f, std::chrono::seconds(11));
@@ -882,7 +882,7 @@ TEST_CASE(
     "in-place across nodes: stalled workers wait a grace for the peer's report, which recovers "
     "them in place",
     "[agent][inplace]") {
-  Fixture f(3, 1, /*multi_node=*/true, std::chrono::seconds(10));
+  InPlaceFixture f(3, 1, /*multi_node=*/true, std::chrono::seconds(10));
   f.sup->start();
   f.allCapable();
   goSilent(f, std::chrono::seconds(11));
@@ -892,7 +892,7 @@ TEST_CASE(
   CHECK(f.sup->state() == AgentState::kRecovering);
   CHECK(f.launcher.signals.empty());
   // Without the report, the grace ends in the usual path.
-  Fixture g(3, 1, /*multi_node=*/true, std::chrono::seconds(10));
+  InPlaceFixture g(3, 1, /*multi_node=*/true, std::chrono::seconds(10));
   g.sup->start();
   g.allCapable();
   goSilent(g, std::chrono::seconds(11));
@@ -1094,7 +1094,7 @@ TEST_CASE(
     CHECK(f.sup->restartCount() == 1);                 // its failure is charged, once
   }
   SECTION("a worker gives up, with no restart left") {
-    Fixture f(2, /*max_restarts=*/0, /*multi_node=*/true);
+    InPlaceFixture f(2, /*max_restarts=*/0, /*multi_node=*/true);
     f.rdzv.round.local_world_sizes = {2, 2};
     f.rdzv.round.group_rank = 1;
     f.sup->start();
@@ -1228,7 +1228,7 @@ TEST_CASE(
     "when the reason changes",
     "[agent][inplace]") {
   LogCapture log("agent");
-  Fixture f(2, 2, /*multi_node=*/true);
+  InPlaceFixture f(2, 2, /*multi_node=*/true);
   f.rdzv.round.local_world_sizes = {2, 2};
   f.rdzv.round.group_rank = 1;
   f.sup->start();  // its workers never announce support

@@ -37,7 +37,7 @@ struct TempDir {
   std::string path;
 };
 
-struct Fixture {
+struct ControlFixture {
   boost::asio::io_context io;
   TempDir base;
   std::vector<std::pair<int, std::string>> lines;
@@ -113,7 +113,7 @@ mode_t modeOf(const std::string& path) {
 }  // namespace
 
 TEST_CASE("a worker's line reaches on_line with its pid, and send reaches the worker", "[agent]") {
-  Fixture f;
+  ControlFixture f;
   auto server = f.open();
   Client client(f.io, server->path());
   client.write("hello v=1 pid=1 caps=inplace\n");
@@ -135,7 +135,7 @@ TEST_CASE("a worker's line reaches on_line with its pid, and send reaches the wo
 }
 
 TEST_CASE("a peer that is not a worker is closed at accept with no callback", "[agent]") {
-  Fixture f;
+  ControlFixture f;
   f.is_worker = [](int) { return false; };
   auto server = f.open();
   Client client(f.io, server->path());
@@ -147,7 +147,7 @@ TEST_CASE("a peer that is not a worker is closed at accept with no callback", "[
 }
 
 TEST_CASE("a second connection from a worker is closed while its first still works", "[agent]") {
-  Fixture f;
+  ControlFixture f;
   auto server = f.open();
   Client first(f.io, server->path());
   first.write("hello v=1 pid=1 caps=\n");
@@ -163,7 +163,7 @@ TEST_CASE("a second connection from a worker is closed while its first still wor
 }
 
 TEST_CASE("a control line over 1024 bytes closes its connection, saying so", "[agent]") {
-  Fixture f;
+  ControlFixture f;
   auto server = f.open();
   Client client(f.io, server->path());
   client.write(std::string(2000, 'a') + "\n");
@@ -176,7 +176,7 @@ TEST_CASE("a control line over 1024 bytes closes its connection, saying so", "[a
 }
 
 TEST_CASE("more than 100 control lines in a second close the connection", "[agent]") {
-  Fixture f;
+  ControlFixture f;
   auto server = f.open();
   Client client(f.io, server->path());
   std::string burst;
@@ -188,7 +188,7 @@ TEST_CASE("more than 100 control lines in a second close the connection", "[agen
 }
 
 TEST_CASE("a connection silent past the first-line timeout is closed", "[agent]") {
-  Fixture f;
+  ControlFixture f;
   f.options.first_line_timeout = std::chrono::milliseconds(200);
   auto server = f.open();
   Client client(f.io, server->path());
@@ -199,7 +199,7 @@ TEST_CASE("a connection silent past the first-line timeout is closed", "[agent]"
 }
 
 TEST_CASE("the worker hanging up is reported as closed by the worker", "[agent]") {
-  Fixture f;
+  ControlFixture f;
   auto server = f.open();
   {
     Client client(f.io, server->path());
@@ -211,7 +211,7 @@ TEST_CASE("the worker hanging up is reported as closed by the worker", "[agent]"
 }
 
 TEST_CASE("lines a worker does not read close its connection past max_unsent_lines", "[agent]") {
-  Fixture f;
+  ControlFixture f;
   auto server = f.open();
   Client client(f.io, server->path());
   client.write("hello v=1 pid=1 caps=\n");
@@ -255,7 +255,7 @@ TEST_CASE("close() ends a connection without on_closed, also from within on_line
 
 TEST_CASE("the control socket is 0600 in 0700 directories, all removed by the destructor",
           "[agent]") {
-  Fixture f;
+  ControlFixture f;
   auto server = f.open();
   const std::filesystem::path socket = server->path();
   const std::filesystem::path dir = socket.parent_path();
@@ -277,7 +277,7 @@ TEST_CASE("the control socket is 0600 in 0700 directories, all removed by the de
 }
 
 TEST_CASE("open removes the directories of dead agents and keeps those of live ones", "[agent]") {
-  Fixture f;
+  ControlFixture f;
   const std::string user_dir = f.base.path + "/ddprun-" + std::to_string(getuid());
   REQUIRE(mkdir(user_dir.c_str(), 0700) == 0);
   const std::string dead = user_dir + "/" + std::to_string(deadPid()) + "-deadbeef";
@@ -310,7 +310,7 @@ TEST_CASE("open refuses a ddprun-<uid> directory that others can write", "[agent
 }
 
 TEST_CASE("a socket path over 107 bytes goes under /tmp instead", "[agent]") {
-  Fixture f;
+  ControlFixture f;
   const std::string long_base = f.base.path + "/" + std::string(90, 'b');
   REQUIRE(mkdir(long_base.c_str(), 0700) == 0);
   f.options.base_dir = long_base;
