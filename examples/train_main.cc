@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ddprun/common/strings.h"
@@ -29,7 +30,7 @@ constexpr const char* kUsage =
     "[--no-overlap]\n"
     "             [--compression none|fp16|bf16] [--accumulate N] [--amp none|bf16|fp16]\n"
     "             [--seed N] [--dump-params FILE] [--timing] [--fail-at-step N] [--fail-ranks K]\n"
-    "             [--fail-signal KILL|TERM] [--step-log FILE]\n"
+    "             [--fail-signal KILL|TERM] [--step-log FILE] [--step-delay S]\n"
     "  --accumulate N:   N micro-batches of --batch-size per optimizer step, reduced once "
     "(no_sync)\n"
     "  --amp bf16|fp16:  mixed precision: autocast forward and loss; fp16 also scales the loss\n"
@@ -39,7 +40,9 @@ constexpr const char* kUsage =
     "  --fail-signal TERM: ... sends itself SIGTERM instead (it is asked to stop; under\n"
     "                    --restart-mode=in-place it leaves and the others go on)\n"
     "  --fail-ranks K:   ... the last K ranks do it, at the same step (default 1)\n"
-    "  --step-log FILE:  rank 0 appends '<global step> <unix time>' after every optimizer step";
+    "  --step-log FILE:  rank 0 appends '<global step> <unix time>' after every optimizer step\n"
+    "  --step-delay S:   every rank sleeps S seconds (at most 60) after each optimizer step, in\n"
+    "                    place of a larger model's compute (as ddp_tutorial.py's --step_delay)";
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -66,6 +69,7 @@ struct Args {
   int fail_signal = SIGKILL;
   int64_t fail_ranks = 1;
   std::string step_log;
+  double step_delay = 0;
 };
 
 int64_t intArg(const std::string& flag, const std::string& v, int64_t min) {
@@ -152,7 +156,10 @@ Args parseArgs(int argc, char** argv) {
       a.fail_signal = v == "KILL" ? SIGKILL : SIGTERM;
     } else if (arg == "--step-log")
       a.step_log = value();
-    else if (arg == "-h" || arg == "--help") {
+    else if (arg == "--step-delay") {
+      a.step_delay = positiveArg(arg, value());
+      if (a.step_delay > 60) throw UsageError("--step-delay must be at most 60 seconds");
+    } else if (arg == "-h" || arg == "--help") {
       std::cout << kUsage << std::endl;
       std::exit(0);
     } else if (ddprun::startsWith(arg, "-"))
@@ -250,6 +257,9 @@ int main(int argc, char** argv) {
                      args.fail_signal == SIGKILL ? "killing myself" : "sending myself SIGTERM",
                      static_cast<long long>(n), unixNow());
         std::raise(args.fail_signal);
+      }
+      if (args.step_delay > 0) {
+        std::this_thread::sleep_for(std::chrono::duration<double>(args.step_delay));
       }
     };
     w::Trainer trainer(group, task.module, task.forward, task.loss, opt, task.inputs, task.targets,

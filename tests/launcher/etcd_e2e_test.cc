@@ -146,14 +146,14 @@ TEST_CASE("etcd-v3: a train job finishes while the etcd leader is killed mid-run
   eo.members = 3;
   EtcdCluster etcd(eo);
   TempDir work;
-  // mlp: compute-bound (~0.1 s a step), so the kill lands mid-training.
+  // 0.2 s a step (--step-delay), so the kill lands mid-training.
   auto prog = [&](const std::string& name) {
     return std::vector<std::string>{"--no-python",
                                     buildDir() + "/examples/train",
                                     "60",
                                     "1",
-                                    "--model",
-                                    "mlp",
+                                    "--step-delay",
+                                    "0.2",
                                     "--dataset-size",
                                     "192",
                                     "--snapshot-path",

@@ -256,9 +256,14 @@ TEST_CASE(
   TempDir dir;
   const std::string nnodes = replace ? "2:2" : "1:2";
   const std::string run = replace ? "nodekill" + std::to_string(variant) : "nodeleave";
-  // mlp: about 0.2 s a step here, so the kill lands mid-training (6 epochs of 6 steps).
-  const std::vector<std::string> train_args = {
-      "6", "1", "--model", "mlp", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+  // 6 epochs of 6 steps, so the kill lands mid-training: the mlp where the new node takes the
+  // survivors' live state (50 MB of it: about 0.2 s a step here), elsewhere the linear model
+  // sleeping 0.2 s a step in place of its compute (--step-delay).
+  std::vector<std::string> train_args = {
+      "6", "1", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+  const std::vector<std::string> pace = {"--step-delay", "0.2"}, mlp = {"--model", "mlp"};
+  train_args.insert(train_args.end(), variant == 0 ? mlp.begin() : pace.begin(),
+                    variant == 0 ? mlp.end() : pace.end());
   auto a = node("127.0.0.2", rdzv.endpoint, nnodes, run, "in-place", train_args);
   auto b = node("127.0.0.3", rdzv.endpoint, nnodes, run, "in-place", train_args);
   REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 2 |") != std::string::npos; },
@@ -378,8 +383,9 @@ TEST_CASE(
   RendezvousDaemon rdzv;
   TempDir dir;
   const std::string run = "silent" + std::to_string(which);
+  // The linear model sleeping 0.2 s a step (--step-delay): 6 epochs of 6 steps.
   const std::vector<std::string> train_args = {
-      "6", "1", "--model", "mlp", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+      "6", "1", "--step-delay", "0.2", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
   auto a = node("127.0.0.2", rdzv.endpoint, "1:2", run, "in-place", train_args);
   auto b = node("127.0.0.3", rdzv.endpoint, "1:2", run, "in-place", train_args);
   REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
@@ -433,8 +439,9 @@ TEST_CASE(
   INFO("rendezvous: " << backend);
   TempDir dir;
   const std::string run = everyone ? "stopall" : "spot" + std::to_string(which);
+  // The linear model sleeping 0.2 s a step (--step-delay): 6 epochs of 6 steps.
   const std::vector<std::string> train_args = {
-      "6", "1", "--model", "mlp", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+      "6", "1", "--step-delay", "0.2", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
   auto a = node("127.0.0.2", backend, "1:2", run, "in-place", train_args);
   auto b = node("127.0.0.3", backend, "1:2", run, "in-place", train_args);
   REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
@@ -560,9 +567,10 @@ TEST_CASE(
     "[multinode][inplace]") {
   RendezvousDaemon rdzv;
   TempDir dir;
-  // 8 epochs of 12 steps in a world of 2 (6 in a world of 4): time enough for the new node.
+  // 8 epochs of 12 steps in a world of 2 (6 in a world of 4) of 0.2 s (--step-delay): time
+  // enough for the new node.
   const std::vector<std::string> train_args = {
-      "8", "1", "--model", "mlp", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+      "8", "1", "--step-delay", "0.2", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
   auto a = node("127.0.0.2", rdzv.endpoint, "1:2", "leavejoin", "in-place", train_args);
   auto b = node("127.0.0.3", rdzv.endpoint, "1:2", "leavejoin", "in-place", train_args);
   REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },

@@ -235,8 +235,8 @@ TEST_CASE("a train job whose second node joins after the first restarted its wor
     std::vector<std::string> p = {buildDir() + "/examples/train",
                                   "10",
                                   "1",
-                                  "--model",
-                                  "mlp",
+                                  "--step-delay",
+                                  "0.2",
                                   "--dataset-size",
                                   "768",
                                   "--snapshot-path",
@@ -605,10 +605,17 @@ void surviveServerRestart(const std::vector<std::string>& addrs,
 TEST_CASE("after the rendezvous server restarts, every node of a train job re-forms and finishes",
           "[multinode][restart]") {
   TempDir work;
-  // mlp: compute-bound (~0.1 s a step), so the restart lands mid-training.
-  const std::vector<std::string> prog = {
-      "--no-python",     trainBin(),      "40", "1", "--model", "mlp", "--dataset-size", "192",
-      "--snapshot-path", work / "snap.pt"};
+  // 0.15 s a step (--step-delay), so the restart lands mid-training.
+  const std::vector<std::string> prog = {"--no-python",
+                                         trainBin(),
+                                         "40",
+                                         "1",
+                                         "--step-delay",
+                                         "0.15",
+                                         "--dataset-size",
+                                         "192",
+                                         "--snapshot-path",
+                                         work / "snap.pt"};
   surviveServerRestart({"127.0.0.2", "127.0.0.3", "127.0.0.4"}, prog, "srvrestart", "] Epoch 5 |",
                        "] Epoch 39 |");
 }
@@ -636,7 +643,7 @@ TEST_CASE("a worker's checkpoint stop is no job success, every node re-forms",
   RendezvousDaemon rdzv;
   TempDir work;
   const std::vector<std::string> prog = {
-      "--no-python",     trainBin(),      "30", "1", "--model", "mlp", "--dataset-size", "192",
+      "--no-python",     trainBin(),      "30", "1", "--step-delay", "0.1", "--dataset-size", "192",
       "--snapshot-path", work / "snap.pt"};
   const std::vector<std::string> flags = {"--nproc-per-node=1", "--max-restarts=0",
                                           "--rdzv-conf=last_call_timeout=1"};

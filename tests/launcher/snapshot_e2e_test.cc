@@ -196,7 +196,7 @@ TEST_CASE("a train job resumes bit-identically on a fresh node from the replicat
   TempDir params;
   auto prog = [&](const std::string& dump) {
     return std::vector<std::string>{
-        "--no-python", trainBin(),      "24", "1", "--model", "mlp", "--dataset-size",
+        "--no-python", trainBin(),      "24", "1", "--step-delay", "0.15", "--dataset-size",
         "256",         "--dump-params", dump};
   };
   uninterrupted(prog(params / "reference.bin"), "snap-cc-ref");

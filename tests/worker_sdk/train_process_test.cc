@@ -86,6 +86,12 @@ TEST_CASE("train rejects bad arguments with a clear message and exit code 2", "[
   r = t::run(trainBin() + " 3 1 --fail-ranks 0 2>&1");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("--fail-ranks"));
+  r = t::run(trainBin() + " 3 1 --step-delay 0 2>&1");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--step-delay must be a positive number, got '0'"));
+  r = t::run(trainBin() + " 3 1 --step-delay 61 2>&1");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--step-delay must be at most 60 seconds"));
   r = t::run("env -u RANK -u WORLD_SIZE " + trainBin() + " 3 1 2>&1");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("WORLD_SIZE is not set"));
