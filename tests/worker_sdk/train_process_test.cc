@@ -9,6 +9,9 @@
 #include <memory>
 #include <regex>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "test_util.h"
 
@@ -69,30 +72,23 @@ std::vector<std::string> launcherArgv(const std::vector<std::string>& args, std:
 
 TEST_CASE("train rejects bad arguments with a clear message and exit code 2", "[worker][train]") {
   t::TempDir dir;
-  auto r = t::run(trainBin() + " 3 2>&1");
-  CHECK(r.exit_code == 2);
-  CHECK_THAT(r.output, Catch::Contains("expected TOTAL_EPOCHS and SAVE_EVERY"));
-  r = t::run(trainBin() + " 3 1 --model resnet 2>&1");
-  CHECK(r.exit_code == 2);
-  CHECK_THAT(r.output, Catch::Contains("--model must be linear, mlp or cnn"));
-  r = t::run(trainBin() + " 3 1 --batch-size 0 2>&1");
-  CHECK(r.exit_code == 2);
-  r = t::run(trainBin() + " 3 1 --backend mpi 2>&1");
-  CHECK(r.exit_code == 2);
-  CHECK_THAT(r.output, Catch::Contains("expected gloo or nccl"));
-  r = t::run(trainBin() + " 3 1 --fail-signal HUP 2>&1");
-  CHECK(r.exit_code == 2);
-  CHECK_THAT(r.output, Catch::Contains("--fail-signal must be KILL or TERM, got 'HUP'"));
-  r = t::run(trainBin() + " 3 1 --fail-ranks 0 2>&1");
-  CHECK(r.exit_code == 2);
-  CHECK_THAT(r.output, Catch::Contains("--fail-ranks"));
-  r = t::run(trainBin() + " 3 1 --step-delay 0 2>&1");
-  CHECK(r.exit_code == 2);
-  CHECK_THAT(r.output, Catch::Contains("--step-delay must be a positive number, got '0'"));
-  r = t::run(trainBin() + " 3 1 --step-delay 61 2>&1");
-  CHECK(r.exit_code == 2);
-  CHECK_THAT(r.output, Catch::Contains("--step-delay must be at most 60 seconds"));
-  r = t::run("env -u RANK -u WORLD_SIZE " + trainBin() + " 3 1 2>&1");
+  // {what follows `train` (after env's unsets), what the message says}
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"3", "expected TOTAL_EPOCHS and SAVE_EVERY"},
+      {"3 1 --model resnet", "--model must be linear, mlp or cnn"},
+      {"3 1 --batch-size 0", "--batch-size must be an integer >= 1, got '0'"},
+      {"3 1 --backend mpi", "expected gloo or nccl"},
+      {"3 1 --fail-signal HUP", "--fail-signal must be KILL or TERM, got 'HUP'"},
+      {"3 1 --fail-ranks 0", "--fail-ranks"},
+      {"3 1 --step-delay 0", "--step-delay must be a positive number, got '0'"},
+      {"3 1 --step-delay 61", "--step-delay must be at most 60 seconds"}};
+  for (const auto& [args, says] : cases) {
+    auto r = t::run(trainBin() + " " + args + " 2>&1");
+    INFO("train " << args << ":\n" << r.output);
+    CHECK(r.exit_code == 2);
+    CHECK_THAT(r.output, Catch::Contains(says));
+  }
+  auto r = t::run("env -u RANK -u WORLD_SIZE " + trainBin() + " 3 1 2>&1");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("WORLD_SIZE is not set"));
 }
