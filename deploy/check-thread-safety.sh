@@ -49,28 +49,23 @@ def check(f):
 
 # Each compile command once: the sources of one unity file pass or fail together, and its
 # compiler output is shown once.
-def key(f):
+groups = {}
+for f in files:
     e = entries.get(f"{root}/{f}")
-    return e["file"] if e else f
-
-
-firsts = {}
-for f in files:
-    firsts.setdefault(key(f), f)
+    groups.setdefault(e["file"] if e else f, []).append(f)
 with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-    results = {key(f): (ok, text) for f, ok, text in pool.map(check, firsts.values())}
+    results = list(pool.map(check, [sources[0] for sources in groups.values()]))
 failed = checked = 0
-for f in files:
-    ok, text = results[key(f)]
+for sources, (_, ok, text) in zip(groups.values(), results):
     if ok is None:
-        print(f"check-thread-safety: {f}: {text}")
+        print(f"check-thread-safety: {sources[0]}: {text}")
         continue
-    checked += 1
+    checked += len(sources)
     if not ok:
-        failed += 1
-        if firsts[key(f)] == f:
-            print(text)
-        print(f"check-thread-safety: {f}: FAILED")
+        failed += len(sources)
+        print(text)
+        for f in sources:
+            print(f"check-thread-safety: {f}: FAILED")
 print(f"check-thread-safety: {checked - failed}/{checked} sources pass -Wthread-safety -Werror")
 sys.exit(1 if failed or checked == 0 else 0)
 PY

@@ -29,6 +29,14 @@ namespace {
 
 std::string trainBin() { return buildDir() + "/examples/train"; }
 
+// train's arguments for `epochs` epochs of the linear model sleeping 0.2 s a step
+// (--step-delay) in place of a larger model's compute, so that a fault lands mid-training: 6
+// steps an epoch in a world of 4, 12 in a world of 2.
+std::vector<std::string> pacedTrain(const std::string& epochs, const TempDir& dir) {
+  return {epochs,           "1",   "--step-delay",    "0.2",
+          "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+}
+
 // The rendezvous flags: a standalone ddprun-rendezvous ("127.0.0.1:port"), or etcd-v3's members
 // ("etcd-v3 http://...").
 std::vector<std::string> rendezvousFlags(const std::string& where) {
@@ -257,13 +265,17 @@ TEST_CASE(
   const std::string nnodes = replace ? "2:2" : "1:2";
   const std::string run = replace ? "nodekill" + std::to_string(variant) : "nodeleave";
   // 6 epochs of 6 steps, so the kill lands mid-training: the mlp where the new node takes the
-  // survivors' live state (50 MB of it: about 0.2 s a step here), elsewhere the linear model
-  // sleeping 0.2 s a step in place of its compute (--step-delay).
-  std::vector<std::string> train_args = {
-      "6", "1", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
-  const std::vector<std::string> pace = {"--step-delay", "0.2"}, mlp = {"--model", "mlp"};
-  train_args.insert(train_args.end(), variant == 0 ? mlp.begin() : pace.begin(),
-                    variant == 0 ? mlp.end() : pace.end());
+  // survivors' live state (50 MB of it: about 0.2 s a step here), elsewhere pacedTrain's.
+  const std::vector<std::string> train_args = variant == 0
+                                                  ? std::vector<std::string>{"6",
+                                                                             "1",
+                                                                             "--model",
+                                                                             "mlp",
+                                                                             "--dataset-size",
+                                                                             "768",
+                                                                             "--snapshot-path",
+                                                                             dir / "snap.pt"}
+                                                  : pacedTrain("6", dir);
   auto a = node("127.0.0.2", rdzv.endpoint, nnodes, run, "in-place", train_args);
   auto b = node("127.0.0.3", rdzv.endpoint, nnodes, run, "in-place", train_args);
   REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 2 |") != std::string::npos; },
@@ -383,9 +395,7 @@ TEST_CASE(
   RendezvousDaemon rdzv;
   TempDir dir;
   const std::string run = "silent" + std::to_string(which);
-  // The linear model sleeping 0.2 s a step (--step-delay): 6 epochs of 6 steps.
-  const std::vector<std::string> train_args = {
-      "6", "1", "--step-delay", "0.2", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+  const std::vector<std::string> train_args = pacedTrain("6", dir);
   auto a = node("127.0.0.2", rdzv.endpoint, "1:2", run, "in-place", train_args);
   auto b = node("127.0.0.3", rdzv.endpoint, "1:2", run, "in-place", train_args);
   REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
@@ -439,9 +449,7 @@ TEST_CASE(
   INFO("rendezvous: " << backend);
   TempDir dir;
   const std::string run = everyone ? "stopall" : "spot" + std::to_string(which);
-  // The linear model sleeping 0.2 s a step (--step-delay): 6 epochs of 6 steps.
-  const std::vector<std::string> train_args = {
-      "6", "1", "--step-delay", "0.2", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+  const std::vector<std::string> train_args = pacedTrain("6", dir);
   auto a = node("127.0.0.2", backend, "1:2", run, "in-place", train_args);
   auto b = node("127.0.0.3", backend, "1:2", run, "in-place", train_args);
   REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
@@ -567,10 +575,8 @@ TEST_CASE(
     "[multinode][inplace]") {
   RendezvousDaemon rdzv;
   TempDir dir;
-  // 8 epochs of 12 steps in a world of 2 (6 in a world of 4) of 0.2 s (--step-delay): time
-  // enough for the new node.
-  const std::vector<std::string> train_args = {
-      "8", "1", "--step-delay", "0.2", "--dataset-size", "768", "--snapshot-path", dir / "snap.pt"};
+  // 8 epochs of 12 steps in a world of 2 (6 in a world of 4): time enough for the new node.
+  const std::vector<std::string> train_args = pacedTrain("8", dir);
   auto a = node("127.0.0.2", rdzv.endpoint, "1:2", "leavejoin", "in-place", train_args);
   auto b = node("127.0.0.3", rdzv.endpoint, "1:2", "leavejoin", "in-place", train_args);
   REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },

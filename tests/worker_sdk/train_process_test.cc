@@ -72,7 +72,7 @@ std::vector<std::string> launcherArgv(const std::vector<std::string>& args, std:
 
 TEST_CASE("train rejects bad arguments with a clear message and exit code 2", "[worker][train]") {
   t::TempDir dir;
-  // {what follows `train` (after env's unsets), what the message says}
+  // {train's arguments, what its message says}
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"3", "expected TOTAL_EPOCHS and SAVE_EVERY"},
       {"3 1 --model resnet", "--model must be linear, mlp or cnn"},
