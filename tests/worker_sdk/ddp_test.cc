@@ -262,6 +262,99 @@ TEST_CASE("a parameter without gradient is named in the error unless unused para
   CHECK(torch::equal(grads[0], grads[1]));
 }
 
+namespace {
+// A float layer feeding a double one: its buckets take two buffers, one of each dtype.
+struct MixedImpl : torch::nn::Module {
+  MixedImpl()
+      : low(register_module("low", torch::nn::Linear(20, 300))),
+        high(register_module("high", torch::nn::Linear(300, 4))) {
+    high->to(torch::kDouble);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return high->forward(torch::tanh(low->forward(x)).to(torch::kDouble));
+  }
+  torch::nn::Linear low;
+  torch::nn::Linear high;
+};
+TORCH_MODULE(Mixed);
+}  // namespace
+
+TEST_CASE("float and double buckets share two buffers, apart, and train like one process",
+          "[worker][ddp]") {
+  torch::manual_seed(7);
+  Mixed init;
+  std::vector<torch::Tensor> xs, ys;
+  for (int i = 0; i < 3; ++i) {
+    xs.push_back(torch::randn({8, 20}));
+    ys.push_back(torch::randn({8, 4}, torch::kDouble));
+  }
+  Mixed ref;
+  copyParams(*init, *ref);
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  for (size_t k = 0; k < xs.size(); ++k) {
+    ref_opt.zero_grad();
+    torch::mse_loss(ref->forward(xs[k]), ys[k]).backward();
+    ref_opt.step();
+  }
+  std::vector<double> diff(2, -1);
+  std::vector<std::string> layout(2);
+  t::runRanks(2, [&](ProcessGroup& pg) {
+    Mixed model;
+    if (pg.rank() == 0) copyParams(*init, *model);
+    DdpOptions o;
+    o.first_bucket_mb = 0.001;
+    o.bucket_cap_mb = 0.01;  // the float weight (6000 elements) fills buckets of its own
+    DistributedDataParallel ddp(model.ptr(), pg.shared_from_this(), o);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    for (size_t k = 0; k < xs.size(); ++k) {
+      opt.zero_grad();
+      auto x = xs[k].narrow(0, pg.rank() * 4, 4);
+      torch::mse_loss(model->forward(x), ys[k].narrow(0, pg.rank() * 4, 4)).backward();
+      opt.step();
+    }
+    diff[static_cast<size_t>(pg.rank())] = maxAbsDiff(*model, *ref);
+    // Each bucket is a range of its dtype's buffer: the gradients (bucket views) of one bucket
+    // follow each other, every bucket starts 4 KiB after the start of another of its dtype, and
+    // no two overlap.
+    const auto params = model->parameters();
+    struct Range {
+      const char* begin;
+      const char* end;
+      at::ScalarType dtype;
+    };
+    std::vector<Range> ranges;
+    for (const auto& bucket : ddp.bucketIndices()) {
+      const torch::Tensor& first = params[bucket.front()];
+      const char* begin = static_cast<const char*>(first.grad().data_ptr());
+      const char* at = begin;
+      for (std::size_t i : bucket) {
+        if (params[i].grad().data_ptr() != at) layout[static_cast<size_t>(pg.rank())] += "gap ";
+        at += params[i].numel() * params[i].element_size();
+      }
+      ranges.push_back(Range{begin, at, first.scalar_type()});
+    }
+    std::set<at::ScalarType> dtypes;
+    for (const Range& a : ranges) {
+      dtypes.insert(a.dtype);
+      for (const Range& b : ranges) {
+        if (&a == &b) continue;
+        if (a.begin < b.end && b.begin < a.end)
+          layout[static_cast<size_t>(pg.rank())] += "overlap ";
+        if (a.dtype == b.dtype && (a.begin - b.begin) % 4096 != 0) {
+          layout[static_cast<size_t>(pg.rank())] += "unaligned ";
+        }
+      }
+    }
+    if (ranges.size() < 4 || dtypes.size() != 2) layout[static_cast<size_t>(pg.rank())] += "few ";
+  });
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK(diff[static_cast<size_t>(r)] < 1e-6);
+    CHECK(diff[static_cast<size_t>(r)] >= 0);
+    CHECK(layout[static_cast<size_t>(r)].empty());
+  }
+}
+
 TEST_CASE("ranks holding different models are told so at construction", "[worker][ddp]") {
   std::vector<std::string> errors(2);
   t::runRanks(2, [&](ProcessGroup& pg) {
