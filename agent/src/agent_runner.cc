@@ -171,9 +171,9 @@ StatusOr<std::unique_ptr<RendezvousStack>> makeRendezvousStack(
   DDPRUN_ASSIGN_OR_RETURN(stack->setup,
                           makeRendezvous(node.choice, cfg.rdzv_conf, io, std::move(sink)));
   if (!stack->setup.service) return stack;  // one node: nothing to check or replicate
-  stack->identity = std::make_unique<JobIdentityClient>(
-      *stack->setup.client, *stack->setup.service, cfg.rdzv_id,
-      encodeJobIdentity(node.local_addr, cfg.entrypoint, cfg.restart_in_place));
+  stack->identity =
+      std::make_unique<JobIdentityClient>(*stack->setup.client, *stack->setup.service, cfg.rdzv_id,
+                                          node.local_addr, cfg.entrypoint, cfg.restart_in_place);
   if (!cfg.snapshot_dir.empty()) {
     DDPRUN_RETURN_IF_ERROR(addSnapshotReplication(cfg, node, io, *stack));
   }
@@ -276,6 +276,9 @@ StatusOr<std::unique_ptr<AgentRun>> AgentRun::build(const AgentConfig& cfg, Node
       },
       &r.heartbeat_probe_, r.control_channel_.get());
   if (cfg.metrics_port >= 0) DDPRUN_RETURN_IF_ERROR(usageError(r.startMetrics()));
+  if (r.rendezvous_->identity) {
+    r.rendezvous_->identity->setVote([&r] { return r.supervisor_->votesInPlace(); });
+  }
   r.supervisor_->setStateListener([&r](AgentState s) { r.onStateChange(s); });
   r.supervisor_->setRecoveryListener(
       [&r](const InPlaceRecovery& recovery) { r.counters_.onInPlaceRecovery(recovery); });

@@ -16,6 +16,7 @@ struct Identity {
   std::string address;
   std::string program;
   bool in_place = false;
+  bool voted = false;  // its agent knows the vote (an older one publishes no field)
 };
 
 Identity decode(const std::string& value) {
@@ -31,6 +32,7 @@ Identity decode(const std::string& value) {
   if (vote != std::string::npos) {
     const std::string said = id.address.substr(vote + sizeof(kVote) - 1);
     if (said == "1" || said == "0") {
+      id.voted = true;
       id.in_place = said == "1";
       id.address.resize(vote);
     }
@@ -73,10 +75,36 @@ std::string inPlaceVeto(const std::vector<std::string>& identities, int self_ran
     if (id.in_place) continue;
     return "node " + std::to_string(i) + " of round " + std::to_string(round) + " (" +
            quotePeerText(id.address, 100) +
-           ") restarts its workers as processes (its agent runs --restart-mode=process, or a "
-           "ddprun without in-place recovery)";
+           ") restarts its workers as processes (its agent runs --restart-mode=process or a "
+           "ddprun without in-place recovery, or its workers did not announce in-place support)";
+  }
+  if (self_rank >= 0 && static_cast<size_t>(self_rank) < identities.size() &&
+      !decode(identities[static_cast<size_t>(self_rank)]).in_place) {
+    return "this node (node " + std::to_string(self_rank) + " of round " + std::to_string(round) +
+           ") restarts its workers as processes (its agent runs --restart-mode=process, or its "
+           "workers did not announce in-place support)";
   }
   return "";
+}
+
+std::string olderAgent(const std::vector<std::string>& identities, int self_rank) {
+  for (size_t i = 0; i < identities.size(); ++i) {
+    if (static_cast<int>(i) == self_rank) continue;
+    const Identity id = decode(identities[i]);
+    if (id.voted) continue;
+    return "node " + std::to_string(i) + " (" + quotePeerText(id.address, 100) +
+           ") runs a ddprun from before the in-place vote: if it runs --restart-mode=in-place, its "
+           "workers and this node's form no group (they would wait for each other until a "
+           "timeout); run one ddprun release on every node of a job";
+  }
+  return "";
+}
+
+bool othersVoteInPlace(const std::vector<std::string>& identities, int self_rank) {
+  for (size_t i = 0; i < identities.size(); ++i) {
+    if (static_cast<int>(i) != self_rank && !decode(identities[i]).in_place) return false;
+  }
+  return true;
 }
 
 namespace {
@@ -100,7 +128,8 @@ void JobIdentityClient::nextRound(RoundCallback done) {
 
 void JobIdentityClient::publish(const RoundInfo& r, RoundCallback done) {
   const std::string prefix = "job/" + std::to_string(r.round) + "/";
-  service_.kvSet(prefix + std::to_string(r.group_rank), identity_, {},
+  service_.kvSet(prefix + std::to_string(r.group_rank),
+                 encodeJobIdentity(address_, program_, vote_()), {},
                  [this, r, prefix, done = std::move(done)](Status st) mutable {
                    if (!st.isOk()) {  // the job's own rendezvous trouble shows elsewhere
                      done(r);
@@ -128,9 +157,18 @@ void JobIdentityClient::compare(const RoundInfo& r, const std::string& prefix, R
                       return;
                     }
                     Status same = checkSameJob(*values, r.group_rank, run_id_);
+                    if (in_place_mode_ && !warned_older_) {
+                      const std::string older = olderAgent(*values, r.group_rank);
+                      if (!older.empty()) {
+                        warned_older_ = true;
+                        logger("agent")->warn("--restart-mode=in-place: {}", older);
+                      }
+                    }
                     if (same.isOk()) {
                       RoundInfo voted = r;
                       voted.in_place_veto = inPlaceVeto(*values, r.group_rank, r.round);
+                      voted.in_place_veto_own =
+                          !voted.in_place_veto.empty() && othersVoteInPlace(*values, r.group_rank);
                       done(std::move(voted));
                       return;
                     }

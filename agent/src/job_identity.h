@@ -7,15 +7,19 @@
 // closes the run, which erases what the nodes published) before all have read.
 //
 // The same exchange carries each node's vote for in-place recovery (docs/in-place-recovery.md
-// §2.1): whether its agent runs --restart-mode=in-place. A round in which some node does not is
-// handed up with RoundInfo::in_place_veto naming it: the nodes that would recover in place restart
-// their workers as processes instead of waiting, until inplace_timeout, for ranks that never come.
+// §2.1): whether its agent runs --restart-mode=in-place and its workers can recover in place
+// (Supervisor::votesInPlace, asked as the node publishes). A round in which some node, this one
+// included, votes against is handed up with RoundInfo::in_place_veto naming it: every node runs
+// it as process mode (its workers get no control channel), and the nodes that would recover in
+// place restart their workers as processes instead of waiting, until inplace_timeout, for ranks
+// that never come.
 //
 // checkSameJob and inPlaceVeto are the pure part; the client is the shell around the rendezvous (as
 // SnapshotSyncClient). Threading: the agent's loop thread. Lifetime: outlives no call of `inner`'s
 // it made (the agent destroys it with the rendezvous setup).
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -35,18 +39,33 @@ std::string encodeJobIdentity(const std::string& address, const std::string& pro
 Status checkSameJob(const std::vector<std::string>& identities, int self_rank,
                     const std::string& run_id);
 // Empty when every node's published identity votes for in-place recovery; else a line naming the
-// first other node that does not (by group rank), for the round `round`.
+// first other node that does not (by group rank), for the round `round`, or this node when only
+// its own vote is against.
 std::string inPlaceVeto(const std::vector<std::string>& identities, int self_rank, int round);
+// Empty when every other node's agent knows the vote; else a line naming the first that predates
+// it (said once by an agent under --restart-mode=in-place: such a node's workers may form their
+// groups under other keys than this node's).
+std::string olderAgent(const std::vector<std::string>& identities, int self_rank);
+// Whether every other node's published identity votes for in-place recovery.
+bool othersVoteInPlace(const std::vector<std::string>& identities, int self_rank);
 
 class JobIdentityClient final : public RendezvousClient {
  public:
+  // This node runs `program` at `address`; `in_place`: --restart-mode=in-place, its vote until
+  // setVote.
   JobIdentityClient(RendezvousClient& inner, RendezvousService& service, std::string run_id,
-                    std::string identity, Duration wait_for = std::chrono::seconds(30))
+                    std::string address, std::string program, bool in_place,
+                    Duration wait_for = std::chrono::seconds(30))
       : inner_(inner),
         service_(service),
         run_id_(std::move(run_id)),
-        identity_(std::move(identity)),
+        address_(std::move(address)),
+        program_(std::move(program)),
+        vote_([in_place] { return in_place; }),
+        in_place_mode_(in_place),
         wait_for_(wait_for) {}
+  // Asked for this node's vote each time it publishes (on the loop thread).
+  void setVote(std::function<bool()> vote) { vote_ = std::move(vote); }
   // A round from `inner`, handed on once every node said what it runs (or after wait_for: a
   // node that is slow to say is no other job, and casts no vote), or the mismatch as the round's
   // error.
@@ -73,7 +92,11 @@ class JobIdentityClient final : public RendezvousClient {
   RendezvousClient& inner_;
   RendezvousService& service_;
   std::string run_id_;
-  std::string identity_;
+  std::string address_;
+  std::string program_;
+  std::function<bool()> vote_;
+  bool in_place_mode_;         // --restart-mode=in-place
+  bool warned_older_ = false;  // olderAgent's line was said
   Duration wait_for_;
   LoopAffinity loop_{"JobIdentityClient"};
 };

@@ -117,7 +117,9 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     return;
   }
   round_ = *round;
-  if (options_.restart_in_place && !round_.in_place_veto.empty()) {
+  // (This node's own veto, for a worker that failed unannounced, was said already.)
+  if (options_.restart_in_place && !round_.in_place_veto.empty() &&
+      !(round_.in_place_veto_own && failed_unannounced_)) {
     notInPlace(NotInPlace::kVeto, round_.in_place_veto);
   }
   group_generation_ = generationOf(round_);
@@ -698,7 +700,24 @@ bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
   // With the budget spent the usual path fails the job.
   if (charged && restart_count_ >= options_.max_restarts) return false;
   // Another node restarts its workers whatever happens: those here could only wait for its ranks.
-  if (!round_.in_place_veto.empty()) return notInPlace(NotInPlace::kVeto, round_.in_place_veto);
+  // (This node's own veto: its workers did not announce support, which it said as it voted.)
+  if (!round_.in_place_veto.empty()) {
+    return round_.in_place_veto_own ? false : notInPlace(NotInPlace::kVeto, round_.in_place_veto);
+  }
+  auto unannounced = [this](const Worker& w) {
+    return notInPlace(NotInPlace::kUnannounced,
+                      "local rank " + std::to_string(w.launch.local_rank) + " (pid " +
+                          std::to_string(w.pid) +
+                          ") did not announce in-place support on DDPRUN_CONTROL_SOCKET (not a "
+                          "worker SDK Trainer)");
+  };
+  // The failed one's replacement runs its program: it can join only if the failed one said it
+  // could (a program that never speaks the channel would leave the others waiting for it). One
+  // that left on a signal spoke it too.
+  if (failed != nullptr && !failed->announced && !failed->left) {
+    failed_unannounced_ = true;
+    return unannounced(*failed);
+  }
   for (const auto& w : workers_) {
     // One that left on a signal too (its channel may be closed already) is replaced once reaped.
     if (&w == failed || (w.running && (w.capable || w.left))) continue;
@@ -710,11 +729,7 @@ bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
           w.launch.local_rank, w.pid);
       return false;
     }
-    return notInPlace(
-        NotInPlace::kUnannounced,
-        "local rank " + std::to_string(w.launch.local_rank) + " (pid " + std::to_string(w.pid) +
-            ") did not announce in-place support on DDPRUN_CONTROL_SOCKET (not a worker "
-            "SDK Trainer)");
+    return unannounced(w);  // it may still be starting
   }
   return true;
 }
@@ -787,6 +802,7 @@ bool Supervisor::spawnReplacement(Worker& slot, WorkerLaunch launch) {
   replacement.pid = *pid;
   replacement.running = true;
   replacement.capable = true;  // it joins through the channel, as a newcomer
+  replacement.announced = true;
   replacement.newcomer = true;
   episode_->replacement_pid = *pid;
   slot = std::move(replacement);
@@ -964,6 +980,8 @@ void Supervisor::onControlMessage(int pid, const ControlMessage& message) {
       return;
     case ControlType::kCaps:
       w->capable = w->connected;
+      w->announced = w->announced || w->capable;
+      failed_unannounced_ = failed_unannounced_ && !w->capable;  // this program can, after all
       // The SDK's Trainer announces itself once the program has built its model and data: the
       // replacement's own start-up ends here (what follows is the recovery's).
       if (episode_ && pid == episode_->replacement_pid && episode_->ready_ms == 0) {

@@ -37,10 +37,21 @@ TEST_CASE("each node votes for in-place recovery, and the first other node again
   CHECK(inPlaceVeto({a, b}, 0, 4).empty());
   CHECK(inPlaceVeto({a, b, c}, 0, 4) ==
         "node 2 of round 4 (10.0.0.3) restarts its workers as processes (its agent runs "
-        "--restart-mode=process, or a ddprun without in-place recovery)");
+        "--restart-mode=process or a ddprun without in-place recovery, or its workers did not "
+        "announce in-place support)");
   CHECK(inPlaceVeto({a, b, c}, 1, 4).find("node 2 of round 4") == 0);
-  // Its own vote is not held against a node (it does not try in place anyway).
-  CHECK(inPlaceVeto({a, b, c}, 2, 4).empty());
+  // A node's own vote against holds it too (its workers then get no control channel, as the
+  // others' do not): named after any other node against.
+  CHECK(inPlaceVeto({a, b, c}, 2, 4) ==
+        "this node (node 2 of round 4) restarts its workers as processes (its agent runs "
+        "--restart-mode=process, or its workers did not announce in-place support)");
+  CHECK(inPlaceVeto({c, b, c}, 2, 4).find("node 0 of round 4 (10.0.0.3)") == 0);
+  CHECK(inPlaceVeto({c}, 5, 4).find("node 0 of round 4") == 0);
+  CHECK(inPlaceVeto({a}, -1, 4).empty());
+  CHECK(othersVoteInPlace({a, b, c}, 2));
+  CHECK_FALSE(othersVoteInPlace({a, c, c}, 2));
+  CHECK_FALSE(othersVoteInPlace({a, b, c}, 0));
+  CHECK(othersVoteInPlace({c}, 0));
   // Different votes do not make different jobs.
   CHECK(checkSameJob({a, c}, 0, "job").isOk());
 }
@@ -65,6 +76,19 @@ TEST_CASE("a vote that is missing or malformed is a vote against", "[agent][inpl
       inPlaceVeto({yes, encodeJobIdentity("h\x1b[2J", "/srv/train", false)}, 0, 1);
   CHECK(veto.find("\\x1b[2J") != std::string::npos);
   CHECK(veto.find('\x1b') == std::string::npos);
+}
+
+TEST_CASE("a node whose agent predates the vote is named, with what to do", "[agent][inplace]") {
+  const std::string a = encodeJobIdentity("10.0.0.1", "/srv/train", true);
+  const std::string b = encodeJobIdentity("10.0.0.2", "/srv/train", false);
+  CHECK(olderAgent({a, b}, 0).empty());                       // a vote against is no older agent
+  CHECK(olderAgent({a, "10.0.0.3\n/srv/train"}, 1).empty());  // its own identity is not read
+  const std::string older = olderAgent({a, b, "10.0.0.3\n/srv/train"}, 0);
+  CHECK(older.find("node 2 (10.0.0.3) runs a ddprun from before the in-place vote") == 0);
+  CHECK(older.find("run one ddprun release on every node of a job") != std::string::npos);
+  // A malformed vote reads as no vote: that node is named too (escaped).
+  CHECK(olderAgent({a, "h\x1b inplace=2\n/srv/train"}, 0).find("(h\\x1b inplace=2)") !=
+        std::string::npos);
 }
 
 TEST_CASE("an agent that predates the vote still reads a new identity as the same job",

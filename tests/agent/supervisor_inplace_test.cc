@@ -245,13 +245,15 @@ TEST_CASE("in-place: a worker that did not announce support means a process rest
   InPlaceFixture f;
   f.sup->start();
   const auto pids = f.first();
-  f.say(pids[0], ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pids[0])}, {"caps", ""}});
-  f.say(pids[0], ControlType::kCaps, {{"add", "inplace"}});  // pids[1] never says it can
+  for (int pid : {pids[0], pids[2]}) {  // pids[1] never says it can
+    f.say(pid, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pid)}, {"caps", ""}});
+    f.say(pid, ControlType::kCaps, {{"add", "inplace"}});
+  }
   LogCapture log("agent");
   f.sup->onWorkerExit(pids[2], ExitStatus{false, 1});
   CHECK(f.sup->state() == AgentState::kStopping);
   CHECK(f.rdzv.failures == 1);
-  CHECK(f.channel.sent.size() == 1);  // the welcome only: no abort, no group
+  CHECK(f.channel.sent.size() == 2);  // the welcomes only: no abort, no group
   CHECK(log.count("--restart-mode=in-place: local rank 1 (pid " + std::to_string(pids[1]) +
                   ") did not announce in-place support on DDPRUN_CONTROL_SOCKET") == 1);
 }
@@ -1223,15 +1225,23 @@ TEST_CASE(
   }
 }
 
+namespace {
+// The second of two nodes of two workers each, started; its workers never announce support.
+struct UnannouncedSecondNode : InPlaceFixture {
+  UnannouncedSecondNode() : InPlaceFixture(2, 2, /*multi_node=*/true) {
+    rdzv.round.local_world_sizes = {2, 2};
+    rdzv.round.group_rank = 1;
+    sup->start();
+  }
+};
+}  // namespace
+
 TEST_CASE(
     "in-place across nodes: the restarting-processes line is said once per reason, and again "
     "when the reason changes",
     "[agent][inplace]") {
   LogCapture log("agent");
-  InPlaceFixture f(2, 2, /*multi_node=*/true);
-  f.rdzv.round.local_world_sizes = {2, 2};
-  f.rdzv.round.group_rank = 1;
-  f.sup->start();  // its workers never announce support
+  UnannouncedSecondNode f;
   f.sup->onPeerFailure(agent::FailureKind::kWorkers);
   CHECK(log.count("did not announce in-place support") == 1);
   f.rdzv.round.in_place_veto = kVeto;  // the next round has a node under process
@@ -1242,4 +1252,105 @@ TEST_CASE(
   CHECK(f.sup->state() == AgentState::kStopping);
   CHECK(log.count(kVeto) == 1);
   CHECK(log.count("did not announce in-place support") == 1);
+}
+
+TEST_CASE(
+    "in-place: a failed worker that never announced support means a process restart, even when "
+    "every other one did",
+    "[agent][inplace]") {
+  for (const bool multi_node : {false, true}) {
+    INFO("multi-node " << multi_node);
+    LogCapture log("agent");
+    InPlaceFixture f(2, 2, multi_node);
+    if (multi_node) f.rdzv.round.local_world_sizes = {2, 2};
+    f.sup->start();
+    const auto pids = f.first();
+    for (int pid : pids) {
+      f.say(pid, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pid)}, {"caps", ""}});
+    }
+    f.say(pids[0], ControlType::kCaps, {{"add", "inplace"}});  // pids[1] never says it can
+    CHECK(f.sup->votesInPlace());
+    f.sup->onControlClosed(pids[1]);  // a dying worker's channel closes before its exit
+    f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+    if (multi_node) f.clock.advance(std::chrono::seconds(1));  // the failure grace
+    f.fireDeadlines();
+    // Its replacement, the same program, would not join the survivors' group either.
+    CHECK(f.sup->state() == AgentState::kStopping);
+    CHECK(f.launcher.spawned.size() == 2);
+    CHECK(f.channel.to(pids[0], ControlType::kAbort).empty());
+    CHECK(log.count("--restart-mode=in-place: local rank 1 (pid " + std::to_string(pids[1]) +
+                    ") did not announce in-place support") == 1);
+    CHECK(log.count("closed its DDPRUN_CONTROL_SOCKET") == 0);
+    CHECK(f.rdzv.failures == 1);
+    // The next round's vote (multi-node) is against: this node's fresh workers run as processes.
+    CHECK_FALSE(f.sup->votesInPlace());
+    f.sup->onWorkerExit(pids[0], ExitStatus{true, SIGTERM});
+    CHECK(f.sup->state() == AgentState::kRunning);
+    CHECK(f.sup->restartCount() == 1);
+    CHECK_FALSE(f.sup->votesInPlace());  // until one of its workers announces support
+    const int fresh = f.launcher.spawned.back().first;
+    f.say(fresh, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(fresh)}, {"caps", ""}});
+    f.say(fresh, ControlType::kCaps, {{"add", "inplace"}});
+    CHECK(f.sup->votesInPlace());
+  }
+}
+
+TEST_CASE(
+    "in-place: a failed worker that announced support is replaced alone after its channel "
+    "closed",
+    "[agent][inplace]") {
+  InPlaceFixture f(2);
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  f.sup->onControlClosed(pids[1]);
+  f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.launcher.spawned.size() == 3);
+  CHECK(f.sup->votesInPlace());
+}
+
+TEST_CASE(
+    "in-place across nodes: a node whose worker failed unannounced votes against the next "
+    "rounds, runs them as process mode, and says why once (workers still starting do not)",
+    "[agent][inplace]") {
+  LogCapture log("agent");
+  UnannouncedSecondNode f;
+  // A peer's failure while its workers have not announced support (they may be starting): this
+  // node restarts its workers, and still votes for in-place recovery.
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.sup->votesInPlace());
+  for (int pid : f.first()) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
+  REQUIRE(f.sup->state() == AgentState::kRunning);
+  // One of the new workers fails before it announced support: its replacement would not either.
+  const int failed = f.launcher.spawned.back().first;
+  f.sup->onWorkerExit(failed, ExitStatus{false, 1});
+  f.clock.advance(std::chrono::seconds(1));  // the failure grace
+  f.fireDeadlines();
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK_FALSE(f.sup->votesInPlace());
+  // The identity exchange hands the round up with this node's own vote against.
+  f.rdzv.round.in_place_veto = "this node (node 1 of round 1) restarts its workers as processes";
+  f.rdzv.round.in_place_veto_own = true;
+  f.sup->onWorkerExit(f.launcher.spawned[2].first, ExitStatus{true, SIGTERM});
+  REQUIRE(f.sup->state() == AgentState::kRunning);
+  CHECK(log.count("did not announce in-place support") == 1);
+  CHECK(log.count("this node (node 1") == 0);  // its reason was said
+  CHECK_FALSE(f.sup->votesInPlace());          // its workers get no channel to say otherwise
+  // A failure in that round restarts processes at once, with no other line on why.
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(log.count("this job recovers by restarting processes") == 1);
+  CHECK(log.count("this node (node 1") == 0);
+}
+
+TEST_CASE("in-place across nodes: a node that recovers in place votes for it in the next round",
+          "[agent][inplace]") {
+  TwoNodes f;
+  const auto pids = f.first();
+  f.rdzv.hold = true;
+  f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+  REQUIRE(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.sup->votesInPlace());
 }

@@ -8,6 +8,8 @@
 //   workers take the live state; or nobody comes (--nnodes=1:2) and the world shrinks.
 // - One node leaving on SIGTERM (a spot notice): the other goes on in place; a new node joining
 //   afterwards takes its live state.
+// - One node whose workers do not announce in-place support: one of them failing restarts every
+//   worker at once (that node votes against the next rounds).
 #include <catch2/catch.hpp>
 #include <csignal>
 #include <map>
@@ -63,6 +65,19 @@ std::unique_ptr<Process> node(const std::string& addr, const std::string& endpoi
   auto e = env;
   e["OMP_NUM_THREADS"] = "1";
   return std::make_unique<Process>(argv, e);
+}
+
+// Two nodes (127.0.0.2, 127.0.0.3) of one in-place job, returned once either logged epoch 1;
+// `b_env`: the second's environment.
+std::pair<std::unique_ptr<Process>, std::unique_ptr<Process>> twoTraining(
+    const std::string& endpoint, const std::string& nnodes, const std::string& run,
+    const std::vector<std::string>& train_args,
+    const std::map<std::string, std::string>& b_env = {}) {
+  auto a = node("127.0.0.2", endpoint, nnodes, run, "in-place", train_args);
+  auto b = node("127.0.0.3", endpoint, nnodes, run, "in-place", train_args, b_env);
+  REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
+                    180s));
+  return {std::move(a), std::move(b)};
 }
 
 // "[RANK r] pid P joined generation G" lines: the pids that joined.
@@ -396,10 +411,9 @@ TEST_CASE(
   TempDir dir;
   const std::string run = "silent" + std::to_string(which);
   const std::vector<std::string> train_args = pacedTrain("6", dir);
-  auto a = node("127.0.0.2", rdzv.endpoint, "1:2", run, "in-place", train_args);
-  auto b = node("127.0.0.3", rdzv.endpoint, "1:2", run, "in-place", train_args);
-  REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
-                    180s));
+  auto nodes = twoTraining(rdzv.endpoint, "1:2", run, train_args);
+  auto& a = nodes.first;
+  auto& b = nodes.second;
   const bool a_has_rank0 = a->out().find("[RANK 0] pid") != std::string::npos;
   Process& silent = a_has_rank0 == silent_hosts_store ? *a : *b;
   Process& kept = &silent == a.get() ? *b : *a;
@@ -450,10 +464,9 @@ TEST_CASE(
   TempDir dir;
   const std::string run = everyone ? "stopall" : "spot" + std::to_string(which);
   const std::vector<std::string> train_args = pacedTrain("6", dir);
-  auto a = node("127.0.0.2", backend, "1:2", run, "in-place", train_args);
-  auto b = node("127.0.0.3", backend, "1:2", run, "in-place", train_args);
-  REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
-                    180s));
+  auto nodes = twoTraining(backend, "1:2", run, train_args);
+  auto& a = nodes.first;
+  auto& b = nodes.second;
   const auto a_workers = workerPids(a->pid());
   REQUIRE(a_workers.size() == 2);
   b->signal(SIGTERM);
@@ -577,10 +590,9 @@ TEST_CASE(
   TempDir dir;
   // 8 epochs of 12 steps in a world of 2 (6 in a world of 4): time enough for the new node.
   const std::vector<std::string> train_args = pacedTrain("8", dir);
-  auto a = node("127.0.0.2", rdzv.endpoint, "1:2", "leavejoin", "in-place", train_args);
-  auto b = node("127.0.0.3", rdzv.endpoint, "1:2", "leavejoin", "in-place", train_args);
-  REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
-                    180s));
+  auto nodes = twoTraining(rdzv.endpoint, "1:2", "leavejoin", train_args);
+  auto& a = nodes.first;
+  auto& b = nodes.second;
   const auto a_workers = workerPids(a->pid());
   REQUIRE(a_workers.size() == 2);
   b->signal(SIGTERM);  // a spot notice: its ranks leave after the agreed step
@@ -615,4 +627,38 @@ TEST_CASE(
   const auto joined = joinedPids(ra->out);
   CHECK(std::set<int>(joined.begin(), joined.end()) ==
         std::set<int>(a_workers.begin(), a_workers.end()));
+}
+
+TEST_CASE(
+    "in-place across nodes: a worker that fails without having announced in-place support "
+    "restarts every worker at once, without waiting for inplace_timeout",
+    "[multinode][inplace]") {
+  // The second node runs the same program, but its Trainers keep from announcing support (the
+  // hook caps:*), as a program that does not speak the control channel; one of them is killed.
+  RendezvousDaemon rdzv;
+  TempDir dir;
+  const std::vector<std::string> train_args = pacedTrain("4", dir);
+  auto nodes = twoTraining(rdzv.endpoint, "2", "unannounced", train_args,
+                           {{"DDPRUN_INPLACE_FAULT", "caps:*"}});
+  auto& a = nodes.first;
+  auto& b = nodes.second;
+  const auto victims = workerPids(b->pid());
+  REQUIRE(victims.size() == 2);
+  ::kill(victims[1], SIGKILL);
+  auto [ra, rb] = finish(*a, *b);
+  INFO("first node:\n" << ra.err << "\nsecond node:\n" << rb.err);
+  CHECK(ra.exit_code == 0);
+  CHECK(rb.exit_code == 0);
+  // The second node said why once and voted against the next round: the first gave its in-place
+  // recovery up as that round formed (not at inplace_timeout), and every worker restarted from
+  // the snapshot.
+  CHECK(countOf(rb.err, "local rank 1 (pid " + std::to_string(victims[1]) +
+                            ") did not announce in-place support on DDPRUN_CONTROL_SOCKET") == 1);
+  CHECK(countOf(rb.err, "did not announce in-place support on DDPRUN_CONTROL_SOCKET") == 1);
+  CHECK(countOf(ra.err, "in-place recovery failed (node ") == 1);
+  CHECK(ra.err.find("(127.0.0.3) restarts its workers as processes") != std::string::npos);
+  CHECK((ra.err + rb.err).find("inplace_timeout") == std::string::npos);
+  CHECK(rb.err.find("this node (node ") == std::string::npos);  // its own vote: said why already
+  CHECK(countOf(ra.out + rb.out, "Resuming training from snapshot") >= 4);
+  CHECK(countOf(ra.out + rb.out, "] Epoch 3 |") >= 4);
 }

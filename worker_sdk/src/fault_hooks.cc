@@ -14,7 +14,9 @@ namespace ddprun::worker {
 
 bool recoveryFaultRequested(const char* phase, int rank) {
   const char* spec = std::getenv("DDPRUN_INPLACE_FAULT");
-  return spec != nullptr && std::string(spec) == std::string(phase) + ":" + std::to_string(rank);
+  if (spec == nullptr) return false;
+  const std::string s(spec);
+  return s == std::string(phase) + ":" + std::to_string(rank) || s == std::string(phase) + ":*";
 }
 
 void injectRecoveryFault(const char* phase, int rank) {

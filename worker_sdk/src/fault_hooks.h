@@ -1,5 +1,7 @@
-// The in-place recovery's test hook, DDPRUN_INPLACE_FAULT=<phase>:<rank> (trainer.h): the phases
-// of a recovery where the tests make a rank fail, leave, or take its whole node down.
+// The in-place recovery's test hook, DDPRUN_INPLACE_FAULT=<phase>:<rank> (trainer.h; `*`: every
+// rank): the phases of a recovery where the tests make a rank fail, leave, or take its whole node
+// down, and the caps phase, in which the Trainer does not announce in-place support (as a program
+// that does not speak the control channel; recoveryFaultRequested only).
 #pragma once
 
 namespace ddprun::worker {

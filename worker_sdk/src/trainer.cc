@@ -53,7 +53,10 @@ Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn:
                       ")");
   }
   if (group_->inPlace()) {
-    group_->control()->send(ddprun::makeControl(ddprun::ControlType::kCaps, {{"add", "inplace"}}));
+    if (!recoveryFaultRequested("caps", group_->rank())) {
+      group_->control()->send(
+          ddprun::makeControl(ddprun::ControlType::kCaps, {{"add", "inplace"}}));
+    }
     first_step_pending_ = true;
   }
   if (!options_.snapshot_path.empty() && group_->rank() == 0 &&

@@ -134,6 +134,13 @@ class Supervisor {
   bool isRunningWorker(int pid) const;
   // In-place recoveries that completed.
   int recoveredInPlace() const { return recovered_in_place_; }
+  // This node's vote for in-place recovery in the round it joins next (multi-node; published by
+  // JobIdentityClient): --restart-mode=in-place, unless a worker here failed without having
+  // announced support, and none announced it since. Its replacement would not either: voted
+  // against, the rounds run as process mode on every node, so no node waits for ranks that never
+  // come. (Workers that have not announced support yet, but did not fail, may still be starting:
+  // they do not change the vote.)
+  bool votesInPlace() const { return options_.restart_in_place && !failed_unannounced_; }
 
   std::optional<TimePoint> nextDeadline() const;
   AgentState state() const { return state_; }
@@ -171,6 +178,7 @@ class Supervisor {
     std::optional<TimePoint> killed_at;  // when it was sent SIGKILL
     bool connected = false;              // said hello on the control channel
     bool capable = false;                // said `caps add=inplace`
+    bool announced = false;              // said it once (a closed channel does not take that back)
     bool hung_up = false;                // its control channel closed (it is exiting, or lost it)
     bool left = false;    // said `goodbye reason=stop`: it leaves on a signal to it, the rest go on
     int aborted_gen = 0;  // the generation it said `aborted` for on its own (a peer gone), RUNNING
@@ -339,6 +347,8 @@ class Supervisor {
   // worker said `goodbye reason=stop` or ended (finish), not at the signal (leavesAfterWorkers).
   bool leave_after_workers_ = false;
   NotInPlace said_why_not_in_place_ = NotInPlace::kNone;  // the last "restarting processes" line
+  // A worker failed without having announced support, and none announced it since (votesInPlace).
+  bool failed_unannounced_ = false;
   LoopAffinity loop_{"Supervisor"};
 };
 

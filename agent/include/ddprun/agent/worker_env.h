@@ -20,8 +20,9 @@ struct RoundInfo {
   std::string run_id;
   bool use_agent_store = false;
   // Empty when every node of the round recovers in place (multi-node: their agents' votes,
-  // JobIdentityClient); else a line naming a node that restarts processes instead.
+  // JobIdentityClient); else a line naming a node that restarts processes instead (this one too).
   std::string in_place_veto;
+  bool in_place_veto_own = false;  // it names this node: every other one votes for in-place
 };
 
 // A PyTorch version as far as the worker contract depends on it.

@@ -14,7 +14,9 @@
 // of the world (a spot notice to one node) makes those ranks leave after the agreed step (kLeft;
 // a leaving rank 0 saves it) while the others re-form in place without them. Test hook:
 // DDPRUN_INPLACE_FAULT=abort:<rank>|sync:<rank> makes that rank exit 1 in that phase (step:<rank>:
-// after the first step of its first recovery, before its agent hears of that step).
+// after the first step of its first recovery, before its agent hears of that step); caps:<rank>
+// (caps:* every rank) keeps that rank from announcing in-place support, as a program that does
+// not speak the control channel.
 // Single-threaded: construct and call train() from the rank's main thread.
 #pragma once
 
