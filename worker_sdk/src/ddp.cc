@@ -5,7 +5,6 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <chrono>
 #include <iomanip>
 #include <mutex>
@@ -279,44 +278,18 @@ void DistributedDataParallel::buildBuckets(Communicator& comm) {
 
   bucket_of_.assign(params_.size(), 0);
   offset_of_.assign(params_.size(), 0);
-  // Where each bucket lies in the buffer of its parameters' dtype and device: one buffer holds
-  // every bucket of that kind, since the communicator's allocation may itself be collective (with
-  // the shared-memory path: a segment and store round trips, ~20 ms each on 2 cores), and a new
-  // group after an in-place recovery waits for its DDP. Buckets start on a 4 KiB boundary.
-  constexpr int64_t kAlignBytes = 4096;
-  struct Arena {
-    torch::TensorOptions options;
-    int64_t numel = 0;
-  };
-  std::vector<Arena> arenas;
-  std::vector<std::pair<std::size_t, int64_t>> place;  // per bucket: its arena, its offset
-  std::vector<int64_t> sizes;
   for (std::size_t b = 0; b < bucket_indices_.size(); ++b) {
+    auto bucket = std::make_unique<Bucket>();
+    bucket->params = bucket_indices_[b];
     int64_t n = 0;
-    for (std::size_t i : bucket_indices_[b]) {
+    for (std::size_t i : bucket->params) {
       bucket_of_[i] = b;
       offset_of_[i] = static_cast<std::size_t>(n);
       n += params_[i].numel();
     }
-    const torch::Tensor& first = params_[bucket_indices_[b].front()];
-    const torch::TensorOptions options = first.options().requires_grad(false);
-    auto arena = std::find_if(arenas.begin(), arenas.end(), [&](const Arena& a) {
-      return a.options.dtype() == options.dtype() && a.options.device() == options.device();
-    });
-    if (arena == arenas.end()) arena = arenas.insert(arenas.end(), Arena{options, 0});
-    const int64_t align = std::max<int64_t>(kAlignBytes / first.element_size(), 1);
-    arena->numel = (arena->numel + align - 1) / align * align;
-    place.emplace_back(static_cast<std::size_t>(arena - arenas.begin()), arena->numel);
-    sizes.push_back(n);
-    arena->numel += n;
-  }
-  // Communicator-provided memory: with the shared-memory path peers reduce it in place.
-  std::vector<torch::Tensor> buffers;
-  for (const Arena& a : arenas) buffers.push_back(comm.allocateBuffer(a.numel, a.options));
-  for (std::size_t b = 0; b < bucket_indices_.size(); ++b) {
-    auto bucket = std::make_unique<Bucket>();
-    bucket->params = bucket_indices_[b];
-    bucket->flat = buffers[place[b].first].narrow(0, place[b].second, sizes[b]);
+    // Communicator-provided memory: with the shared-memory path peers reduce it in place.
+    bucket->flat =
+        comm.allocateBuffer(n, params_[bucket->params.front()].options().requires_grad(false));
     buckets_.push_back(std::move(bucket));
   }
   // Plain aliases (from_blob), not autograd views: the optimizer's zero_grad() detaches grads in
