@@ -118,8 +118,7 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
   }
   round_ = *round;
   // (This node's own veto, for a worker that failed unannounced, was said already.)
-  if (options_.restart_in_place && !round_.in_place_veto.empty() &&
-      !(round_.in_place_veto_own && failed_unannounced_)) {
+  if (options_.restart_in_place && !round_.in_place_veto.empty() && !round_.in_place_veto_own) {
     notInPlace(NotInPlace::kVeto, round_.in_place_veto);
   }
   group_generation_ = generationOf(round_);
@@ -700,7 +699,7 @@ bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
   // With the budget spent the usual path fails the job.
   if (charged && restart_count_ >= options_.max_restarts) return false;
   // Another node restarts its workers whatever happens: those here could only wait for its ranks.
-  // (This node's own veto: its workers did not announce support, which it said as it voted.)
+  // (This node's own veto, for a worker that failed unannounced, was said as it voted.)
   if (!round_.in_place_veto.empty()) {
     return round_.in_place_veto_own ? false : notInPlace(NotInPlace::kVeto, round_.in_place_veto);
   }
@@ -980,8 +979,10 @@ void Supervisor::onControlMessage(int pid, const ControlMessage& message) {
       return;
     case ControlType::kCaps:
       w->capable = w->connected;
-      w->announced = w->announced || w->capable;
-      failed_unannounced_ = failed_unannounced_ && !w->capable;  // this program can, after all
+      if (w->capable) {
+        w->announced = true;
+        failed_unannounced_ = false;  // this program can, after all
+      }
       // The SDK's Trainer announces itself once the program has built its model and data: the
       // replacement's own start-up ends here (what follows is the recovery's).
       if (episode_ && pid == episode_->replacement_pid && episode_->ready_ms == 0) {

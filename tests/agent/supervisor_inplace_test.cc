@@ -65,12 +65,17 @@ struct InPlaceFixture {
   void say(int pid, ControlType type, std::map<std::string, std::string> fields) {
     sup->onControlMessage(pid, makeControl(type, std::move(fields)));
   }
-  // Every worker says hello and that it can recover in place.
+  void hello(int pid) {
+    say(pid, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pid)}, {"caps", ""}});
+  }
+  // Worker `pid` says hello and that it can recover in place.
+  void capable(int pid) {
+    hello(pid);
+    say(pid, ControlType::kCaps, {{"add", "inplace"}});
+  }
+  // Every worker does.
   void allCapable() {
-    for (int pid : first()) {
-      say(pid, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pid)}, {"caps", ""}});
-      say(pid, ControlType::kCaps, {{"add", "inplace"}});
-    }
+    for (int pid : first()) capable(pid);
   }
   void fireDeadlines() {
     while (sup->nextDeadline() && *sup->nextDeadline() <= clock.now()) {
@@ -245,10 +250,7 @@ TEST_CASE("in-place: a worker that did not announce support means a process rest
   InPlaceFixture f;
   f.sup->start();
   const auto pids = f.first();
-  for (int pid : {pids[0], pids[2]}) {  // pids[1] never says it can
-    f.say(pid, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pid)}, {"caps", ""}});
-    f.say(pid, ControlType::kCaps, {{"add", "inplace"}});
-  }
+  for (int pid : {pids[0], pids[2]}) f.capable(pid);  // pids[1] never says it can
   LogCapture log("agent");
   f.sup->onWorkerExit(pids[2], ExitStatus{false, 1});
   CHECK(f.sup->state() == AgentState::kStopping);
@@ -496,7 +498,7 @@ TEST_CASE(
     f.sup->onWorkerExit(newcomer, ExitStatus{true, SIGKILL});
     CHECK(f.sup->state() == AgentState::kRecovering);
   }
-  f.say(second, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(second)}, {"caps", ""}});
+  f.hello(second);
   f.say(pids[0], ControlType::kStep, {{"gen", "5"}, {"n", "9"}});
   f.say(second, ControlType::kStep, {{"gen", "5"}, {"n", "9"}});
   CHECK(f.sup->state() == AgentState::kRunning);
@@ -675,11 +677,7 @@ TEST_CASE(
       CHECK(f.sup->state() == AgentState::kRunning);
       CHECK(f.planned.back() == 1);  // TORCHELASTIC_RESTART_COUNT stays 1
       REQUIRE(f.launcher.spawned.size() == 4);
-      for (size_t i = 2; i < 4; ++i) {
-        const int pid = f.launcher.spawned[i].first;
-        f.say(pid, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pid)}, {"caps", ""}});
-        f.say(pid, ControlType::kCaps, {{"add", "inplace"}});
-      }
+      for (size_t i = 2; i < 4; ++i) f.capable(f.launcher.spawned[i].first);
     }
     CHECK(f.sup->restartCount() == 1);
     // A new failure afterwards is charged as usual.
@@ -1265,10 +1263,8 @@ TEST_CASE(
     if (multi_node) f.rdzv.round.local_world_sizes = {2, 2};
     f.sup->start();
     const auto pids = f.first();
-    for (int pid : pids) {
-      f.say(pid, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(pid)}, {"caps", ""}});
-    }
-    f.say(pids[0], ControlType::kCaps, {{"add", "inplace"}});  // pids[1] never says it can
+    f.capable(pids[0]);
+    f.hello(pids[1]);  // it never says it can
     CHECK(f.sup->votesInPlace());
     f.sup->onControlClosed(pids[1]);  // a dying worker's channel closes before its exit
     f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
@@ -1288,9 +1284,7 @@ TEST_CASE(
     CHECK(f.sup->state() == AgentState::kRunning);
     CHECK(f.sup->restartCount() == 1);
     CHECK_FALSE(f.sup->votesInPlace());  // until one of its workers announces support
-    const int fresh = f.launcher.spawned.back().first;
-    f.say(fresh, ControlType::kHello, {{"v", "1"}, {"pid", std::to_string(fresh)}, {"caps", ""}});
-    f.say(fresh, ControlType::kCaps, {{"add", "inplace"}});
+    f.capable(f.launcher.spawned.back().first);
     CHECK(f.sup->votesInPlace());
   }
 }
