@@ -200,6 +200,7 @@ class SocketControlChannel : public ControlChannel {
   bool send(int pid, const ControlMessage& message) override {
     return server_.send(pid, formatControlLine(message));
   }
+  void drain(int pid) override { server_.drain(pid); }
 
  private:
   UnixControlServer& server_;

@@ -23,6 +23,11 @@ class StatHeartbeatProbe final : public HeartbeatProbe {
     const auto stat = readProcStat(pid);
     return stat && (stat->state == 'T' || stat->state == 't');
   }
+  // No /proc/<pid>/stat, or its state is Z (zombie) or X (dead).
+  bool ended(int pid) override {
+    const auto stat = readProcStat(pid);
+    return !stat || stat->state == 'Z' || stat->state == 'X';
+  }
 };
 
 }  // namespace ddprun::agent

@@ -304,6 +304,12 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
   Worker* worker = findWorker(pid);
   if (worker == nullptr) return;  // not ours (or a previous attempt's straggler)
   if (worker->discarded) return;  // killed on purpose; its slot starts again with the next round
+  if (control_ != nullptr) {
+    // What it said before it died comes first (an `aborted` decides how its end is recovered).
+    control_->drain(pid);
+    worker = findWorker(pid);
+    if (worker == nullptr || worker->discarded) return;
+  }
   worker->running = false;
 
   if (state_ == AgentState::kRecovering || state_ == AgentState::kRunning) {
@@ -315,7 +321,7 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
                                   /*hang=*/""});
     }
     if (state_ == AgentState::kRecovering) {
-      if (status.success() && worker->left && replaceLeaver(*worker, what)) return;
+      if (replaceInEpisode(*worker, what, status)) return;
       fallBack(what + " during the recovery", /*report=*/true,
                status.success() ? FallbackCause::kRecovery : FallbackCause::kFailure);
       return;
@@ -721,7 +727,11 @@ bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
     // One that left on a signal too (its channel may be closed already) is replaced once reaped.
     if (&w == failed || (w.running && (w.capable || w.left))) continue;
     if (!w.running) return false;  // it ended already (finished or failing too)
-    if (w.hung_up) {  // this time only: its replacement may well recover in place later
+    if (w.hung_up) {
+      // Dead, its exit not reaped yet (killed with the failed one): replaced in this recovery
+      // once reaped, before it could hear of it (replaceInEpisode).
+      if (w.announced && heartbeats_ != nullptr && heartbeats_->ended(w.pid)) continue;
+      // Alive: this time only, its replacement may well recover in place later.
       logger("agent")->warn(
           "no in-place recovery this time: local rank {} (pid {}) closed its "
           "DDPRUN_CONTROL_SOCKET connection; restarting every worker",
@@ -768,24 +778,40 @@ StatusOr<WorkerLaunch> Supervisor::replacementLaunch(int local_rank, int restart
   return std::move((*launches)[static_cast<size_t>(local_rank)]);
 }
 
-bool Supervisor::replaceLeaver(Worker& leaver, const std::string& what) {
+bool Supervisor::replaceInEpisode(Worker& w, const std::string& what, ExitStatus status) {
   Episode& e = *episode_;
-  if (!e.charged) {  // a change of nodes' episode: the signal is the first failure in it
+  const bool left = status.success() && w.left;
+  // One that heard may be forming this episode's group, or sending its state: a failure of the
+  // recovery. A group not sent yet (multi-node) no one can have joined.
+  const bool unaware =
+      !status.success() && !w.newcomer && w.announced && (e.awaiting_round || !w.heard_abort);
+  if (!left && !unaware) return false;
+  if (!e.charged) {  // a change of nodes' episode: this is the first failure in it
     if (restart_count_ >= options_.max_restarts) return false;
     ++restart_count_;
     e.charged = true;
   }
-  logger("agent")->info(
-      "in-place recovery: {} after it left the job on a signal sent to it; it is replaced in "
-      "this recovery too",
-      what);
+  if (left) {
+    logger("agent")->info(
+        "in-place recovery: {} after it left the job on a signal sent to it; it is replaced in "
+        "this recovery too",
+        what);
+  } else {
+    logger("agent")->warn(
+        "in-place recovery: {} too, before it heard of the recovery; it is replaced in this "
+        "recovery too",
+        what);
+    e.cause += "; " + what;
+  }
   if (e.awaiting_round) return true;  // started with the others once the round forms
-  auto launch = replacementLaunch(leaver.launch.local_rank, restart_count_);
+  auto launch = replacementLaunch(w.launch.local_rank, restart_count_);
   if (!launch.isOk()) {
     fallBack(launch.status().message(), /*report=*/true);
     return true;
   }
-  spawnReplacement(leaver, std::move(*launch));
+  // The phases of start-up are the last replacement's, which the group waits for.
+  e.hello_ms = e.ready_ms = 0;
+  spawnReplacement(w, std::move(*launch));
   return true;
 }
 
@@ -842,6 +868,7 @@ void Supervisor::startEpisode(const std::string& cause, int generation, bool cha
                     first_fault_->local_rank, first_fault_->what, episode.agent_saw_ms);
   }
   first_fault_.reset();
+  for (auto& w : workers_) w.heard_abort = w.aborted_gen == group_generation_;
   if (allAbortedOnTheirOwn()) {  // before they were told: that phase ended already
     for (const auto& w : workers_) {
       if (!w.running) continue;
@@ -1037,6 +1064,7 @@ void Supervisor::onPhase(Worker& w, const ControlMessage& message) {
   const double at = msSinceDetection();
   switch (message.type) {
     case ControlType::kAborted:
+      w.heard_abort = true;
       if (gen <= e.old_generation) e.aborted_ms = std::max(e.aborted_ms, at);
       return;
     case ControlType::kFormed:

@@ -257,6 +257,25 @@ void UnixControlServer::onAccept(Socket socket) {
   readNext(c);
 }
 
+void UnixControlServer::drain(int pid) {
+  loop_.check();
+  const auto it = connections_.find(pid);
+  if (it == connections_.end()) return;
+  const ConnectionPtr c = it->second;
+  // The pending async read stays: it finds nothing more, or the end, and goes on as usual (one
+  // thread, so it cannot run in between).
+  while (!c->closed) {
+    const ssize_t n = ::recv(c->socket.native_handle(), c->buf.data(), c->buf.size(), MSG_DONTWAIT);
+    if (n == 0) return finish(c, "closed by the worker", true);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      return finish(c, std::string("read failed: ") + std::strerror(errno), true);
+    }
+    if (!takeBytes(c, static_cast<std::size_t>(n))) return;
+  }
+}
+
 void UnixControlServer::readNext(const ConnectionPtr& c) {
   loop_.check();
   c->socket.async_read_some(boost::asio::buffer(c->buf),
@@ -273,12 +292,17 @@ void UnixControlServer::readNext(const ConnectionPtr& c) {
 
 void UnixControlServer::onRead(const ConnectionPtr& c, std::size_t n) {
   loop_.check();
+  if (takeBytes(c, n)) readNext(c);
+}
+
+bool UnixControlServer::takeBytes(const ConnectionPtr& c, std::size_t n) {
   c->in.append(c->buf.data(), n);
-  if (!takeLines(c)) return;
+  if (!takeLines(c)) return false;
   if (c->in.size() > kMaxControlLine) {
-    return finish(c, "line over " + std::to_string(kMaxControlLine) + " bytes", true);
+    finish(c, "line over " + std::to_string(kMaxControlLine) + " bytes", true);
+    return false;
   }
-  readNext(c);
+  return true;
 }
 
 bool UnixControlServer::takeLines(const ConnectionPtr& c) {

@@ -77,6 +77,10 @@ class UnixControlServer {
   // Closes pid's connection, if any, without calling on_closed.
   void close(int pid);
   bool connected(int pid) const;
+  // Reads, without waiting, what pid's connection holds unread, and hands its complete lines to
+  // on_line now (and on_closed, at its end), under the same limits as the loop's reads. For a
+  // worker whose exit is being handled: whatever it wrote before it died comes before its exit.
+  void drain(int pid);
 
  private:
   struct Connection;
@@ -89,6 +93,9 @@ class UnixControlServer {
   void onAccept(boost::asio::local::stream_protocol::socket socket);
   void readNext(const ConnectionPtr& c);
   void onRead(const ConnectionPtr& c, std::size_t n);
+  // The n bytes read into c->buf join its buffer, whose complete lines go to on_line; false once
+  // c is closed (by a line, or a partial line over the limit).
+  bool takeBytes(const ConnectionPtr& c, std::size_t n);
   // Hands the complete lines of c's buffer to on_line; false once c is closed.
   bool takeLines(const ConnectionPtr& c);
   void writeNext(const ConnectionPtr& c);

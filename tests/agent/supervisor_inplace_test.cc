@@ -341,6 +341,24 @@ TEST_CASE(
   for (int pid : {pids[1], pids[2]}) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
   CHECK(f.sup->state() == AgentState::kRunning);  // every worker started again
   CHECK(f.sup->restartCount() == 1);
+
+  // Unless that worker has ended, its exit not reaped yet (killed with the first: its channel
+  // closed before the agent saw the first exit): it is replaced in the same recovery.
+  InPlaceFixture g(3, /*max_restarts=*/2);
+  g.sup->start();
+  g.allCapable();
+  const auto p = g.first();
+  g.sup->onControlClosed(p[2]);
+  g.heartbeats.ended_pids.insert(p[2]);
+  g.sup->onWorkerExit(p[0], ExitStatus{true, SIGKILL});
+  REQUIRE(g.sup->state() == AgentState::kRecovering);
+  g.sup->onWorkerExit(p[2], ExitStatus{true, SIGKILL});
+  CHECK(g.sup->state() == AgentState::kRecovering);
+  CHECK(g.sup->restartCount() == 1);
+  REQUIRE(g.launcher.spawned.size() == 5);
+  CHECK(g.launcher.spawned[3].second.local_rank == 0);
+  CHECK(g.launcher.spawned[4].second.local_rank == 2);
+  CHECK(g.launcher.signals.empty());
 }
 
 TEST_CASE(
@@ -575,6 +593,8 @@ TEST_CASE(
     if (peer) {
       f.sup->onPeerFailure(agent::FailureKind::kWorkers);
     } else {
+      // It heard of the recovery (it may be forming the group): a failure of the recovery.
+      f.say(pids[0], ControlType::kAborted, {{"gen", "1"}});
       f.sup->onWorkerExit(pids[0], ExitStatus{false, 1});
     }
     CHECK(f.sup->state() == AgentState::kStopping);
@@ -770,6 +790,8 @@ TEST_CASE("in-place: a second failure or a give-up during the recovery falls bac
     if (give_up) {
       f.say(pids[1], ControlType::kGoodbye, {{"reason", "giveup"}});
     } else {
+      // It heard of the recovery (it may be forming the group): a failure of the recovery.
+      f.say(pids[1], ControlType::kAborted, {{"gen", "1"}});
       f.sup->onWorkerExit(pids[1], ExitStatus{false, 1});
     }
     CHECK(f.sup->state() == AgentState::kStopping);
@@ -779,6 +801,140 @@ TEST_CASE("in-place: a second failure or a give-up during the recovery falls bac
     }
     CHECK(f.sup->state() == AgentState::kRunning);
     CHECK(f.sup->restartCount() == 1);
+  }
+}
+
+TEST_CASE(
+    "in-place: a worker that died before it heard of the recovery (several died at once) is "
+    "replaced in the same recovery, charged once, and one that heard falls back",
+    "[agent][inplace]") {
+  InPlaceFixture f(3, /*max_restarts=*/1);
+  std::vector<InPlaceRecovery> recoveries;
+  f.sup->setRecoveryListener([&](const InPlaceRecovery& r) { recoveries.push_back(r); });
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  LogCapture log("agent");
+  f.sup->onWorkerExit(pids[2], ExitStatus{true, SIGKILL});
+  REQUIRE(f.sup->state() == AgentState::kRecovering);
+  const int first_newcomer = f.launcher.spawned.back().first;
+  // pids[1] was killed with pids[2]: it was sent the abort and the group, but never said
+  // `aborted`. Its rank in generation 2 is free: a replacement takes it.
+  f.clock.advance(std::chrono::milliseconds(40));
+  f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.sup->restartCount() == 1);  // one event, one charge
+  CHECK(f.launcher.signals.empty());  // pids[0] keeps its process
+  REQUIRE(f.launcher.spawned.size() == 5);
+  CHECK(f.launcher.spawned.back().second.local_rank == 1);
+  CHECK(f.planned.back() == 1);
+  CHECK(log.count("in-place recovery: local rank 1 (pid " + std::to_string(pids[1]) +
+                  ") was killed by signal 9 too, before it heard of the recovery; it is replaced "
+                  "in this recovery too") == 1);
+  CHECK(log.count("in-place recovery failed") == 0);
+  const int second_newcomer = f.launcher.spawned.back().first;
+  for (int newcomer : {first_newcomer, second_newcomer}) {
+    f.hello(newcomer);
+    REQUIRE(f.channel.to(newcomer, ControlType::kWelcome).size() == 1);
+    CHECK(f.channel.to(newcomer, ControlType::kWelcome)[0].num("gen") == 2);
+    f.say(newcomer, ControlType::kCaps, {{"add", "inplace"}});
+  }
+  // The survivor's group was sent once: generation 2 stands.
+  CHECK(f.channel.to(pids[0], ControlType::kGroup).size() == 1);
+  f.say(pids[0], ControlType::kAborted, {{"gen", "1"}});
+  for (int pid : {pids[0], first_newcomer, second_newcomer}) {
+    f.say(pid, ControlType::kStep, {{"gen", "2"}, {"n", "13"}});
+  }
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->recoveredInPlace() == 1);
+  REQUIRE(recoveries.size() == 1);
+  std::map<std::string, double> phases(recoveries[0].phases_ms.begin(),
+                                       recoveries[0].phases_ms.end());
+  CHECK(phases["replacement_ready"] == Approx(40.0));  // the last replacement's start-up
+  CHECK(log.count("(local rank 2 (pid " + std::to_string(pids[2]) +
+                  ") was killed by signal 9; local rank 1 (pid " + std::to_string(pids[1]) +
+                  ") was killed by signal 9, seen at") == 1);
+
+  // A replacement that fails, or a survivor that had said `aborted` (it may be forming the group
+  // or sending its state), is a failure of the recovery: every worker restarts, charged once.
+  for (const bool newcomer : {true, false}) {
+    INFO((newcomer ? "the replacement failed" : "a survivor failed after its abort"));
+    InPlaceFixture g(3, /*max_restarts=*/2);
+    g.sup->start();
+    g.allCapable();
+    const auto p = g.first();
+    g.sup->onWorkerExit(p[2], ExitStatus{true, SIGKILL});
+    if (newcomer) {
+      g.sup->onWorkerExit(g.launcher.spawned.back().first, ExitStatus{true, SIGKILL});
+    } else {
+      g.say(p[1], ControlType::kAborted, {{"gen", "1"}});
+      g.sup->onWorkerExit(p[1], ExitStatus{true, SIGKILL});
+    }
+    CHECK(g.sup->state() == AgentState::kStopping);
+    CHECK(g.sup->restartCount() == 1);
+    CHECK(g.launcher.spawned.size() == 4);
+  }
+}
+
+TEST_CASE(
+    "in-place across nodes: a local worker that died before it heard of the recovery is "
+    "replaced in the same round, before or after the round formed",
+    "[agent][inplace]") {
+  for (const bool formed : {false, true}) {
+    INFO((formed ? "it is reaped after the round formed" : "it is reaped while the round forms"));
+    TwoNodes f;
+    const auto pids = f.first();
+    f.rdzv.hold = true;
+    f.sup->onPeerFailure(agent::FailureKind::kWorkers);  // a rank on the other node died first
+    REQUIRE(f.sup->state() == AgentState::kRecovering);
+    CHECK(f.sup->restartCount() == 1);
+    if (formed) f.formRound(1);
+    // Its own death at the same moment reached this agent later (the kernel's teardown).
+    f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+    CHECK(f.sup->state() == AgentState::kRecovering);
+    CHECK(f.sup->restartCount() == 1);
+    CHECK(f.rdzv.failures == 0);  // nothing for the other nodes: the round holds its rank
+    CHECK(f.rdzv.joins == 2);
+    if (!formed) {
+      CHECK(f.launcher.spawned.size() == 2);  // it starts with the round's ranks
+      f.formRound(1);
+    }
+    REQUIRE(f.launcher.spawned.size() == 3);
+    CHECK(f.launcher.spawned.back().second.local_rank == 1);
+    CHECK(f.launcher.spawned.back().second.global_rank == 1);
+    const int newcomer = f.launcher.spawned.back().first;
+    f.hello(newcomer);
+    CHECK(f.channel.to(newcomer, ControlType::kWelcome).at(0).num("gen") == 2);
+    REQUIRE(f.channel.to(pids[0], ControlType::kGroup).size() == 1);
+    CHECK(f.channel.to(pids[0], ControlType::kGroup)[0].num("gen") == 2);
+    for (int pid : {pids[0], newcomer}) f.say(pid, ControlType::kStep, {{"gen", "2"}, {"n", "5"}});
+    CHECK(f.sup->state() == AgentState::kRunning);
+    CHECK(f.launcher.signals.empty());
+  }
+  // In a free episode (a change of nodes) such a death is the first failure: it is charged
+  // then, or, with no restart left, the recovery falls back and the job fails.
+  for (const int max_restarts : {1, 0}) {
+    INFO("--max-restarts=" << max_restarts);
+    InPlaceFixture f(2, max_restarts, /*multi_node=*/true);
+    f.rdzv.round.local_world_sizes = {2, 2};
+    f.rdzv.round.group_rank = 1;
+    f.sup->start();
+    f.allCapable();
+    f.rdzv.hold = true;
+    f.sup->onMembershipChange();
+    f.clock.advance(std::chrono::seconds(2));
+    f.fireDeadlines();
+    REQUIRE(f.sup->state() == AgentState::kRecovering);
+    CHECK(f.sup->restartCount() == 0);
+    f.sup->onWorkerExit(f.first()[0], ExitStatus{true, SIGKILL});
+    if (max_restarts == 1) {
+      CHECK(f.sup->state() == AgentState::kRecovering);
+      CHECK(f.sup->restartCount() == 1);
+    } else {
+      CHECK(f.sup->state() == AgentState::kStopping);
+      f.sup->onWorkerExit(f.first()[1], ExitStatus{true, SIGTERM});
+      CHECK(f.sup->state() == AgentState::kFailed);
+    }
   }
 }
 
@@ -1087,6 +1243,9 @@ TEST_CASE(
     f.fireDeadlines();
     REQUIRE(f.sup->state() == AgentState::kRecovering);
     CHECK(f.sup->restartCount() == 0);  // a change of nodes is free
+    // The group is out, and this worker heard of the recovery.
+    f.formRound(1);
+    f.say(f.first()[0], ControlType::kAborted, {{"gen", "1"}});
     f.sup->onWorkerExit(f.first()[0], ExitStatus{false, 1});
     CHECK(f.sup->state() == AgentState::kStopping);
     f.sup->onWorkerExit(f.first()[1], ExitStatus{true, SIGTERM});

@@ -322,3 +322,51 @@ TEST_CASE("a socket path over 107 bytes goes under /tmp instead", "[agent]") {
   CHECK(server.value()->path().rfind("/tmp/ddprun-" + std::to_string(getuid()) + "/", 0) == 0);
   CHECK(server.value()->path().size() <= 107);
 }
+
+TEST_CASE(
+    "drain hands over at once the lines a worker sent before it died, then its end, and the loop "
+    "goes on as usual afterwards",
+    "[agent]") {
+  ControlFixture f;
+  auto server = f.open();
+  {
+    Client client(f.io, server->path());
+    client.write("hello v=1 pid=1 caps=\n");
+    REQUIRE(f.runUntil([&] { return f.lines.size() == 1; }));
+    // A live connection with nothing unread: nothing happens, and the loop's read goes on.
+    server->drain(getpid());
+    CHECK(f.lines.size() == 1);
+    CHECK(f.closed.empty());
+    client.write("aborted gen=1\nformed gen=2 ");  // the second line is not complete yet
+    // Unread: the loop has not run since. drain reads it now, outside the loop.
+    server->drain(getpid());
+    REQUIRE(f.lines.size() == 2);
+    CHECK(f.lines[1].second == "aborted gen=1");
+    CHECK(f.closed.empty());
+    client.write("rank=0 world=2\nsynced gen=2 step=5 source=0 discarded=0\n");
+  }  // the worker is gone: its last lines, then its end
+  server->drain(getpid());
+  REQUIRE(f.lines.size() == 4);
+  CHECK(f.lines[2].second == "formed gen=2 rank=0 world=2");
+  CHECK(f.lines[3].second == "synced gen=2 step=5 source=0 discarded=0");
+  REQUIRE(f.closed.size() == 1);
+  CHECK(f.closed[0].second == "closed by the worker");
+  CHECK_FALSE(server->connected(getpid()));
+  // The loop's pending read, cancelled by the close, reports nothing twice; an unknown pid is
+  // nothing to drain.
+  f.io.restart();
+  f.io.run_for(std::chrono::milliseconds(20));
+  CHECK(f.lines.size() == 4);
+  CHECK(f.closed.size() == 1);
+  server->drain(getpid() + 1);
+  // A line over the limit found by drain closes the connection as the loop would.
+  Client again(f.io, server->path());
+  again.write(std::string(1100, 'a'));
+  f.io.restart();
+  f.io.run_for(std::chrono::milliseconds(1));  // accepted (its read may take the bytes, or not)
+  REQUIRE(f.runUntil([&] {
+    server->drain(getpid());
+    return f.closed.size() == 2;
+  }));
+  CHECK(f.closed[1].second == "line over 1024 bytes");
+}

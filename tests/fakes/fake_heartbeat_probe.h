@@ -21,9 +21,11 @@ class FakeHeartbeatProbe final : public agent::HeartbeatProbe {
   }
   void touch(const std::string& path) { mtimes[path] = ++stamp_; }
   bool stopped(int pid) override { return stopped_pids.count(pid) > 0; }
+  bool ended(int pid) override { return ended_pids.count(pid) > 0; }
 
   std::map<std::string, int64_t> mtimes;
   std::set<int> stopped_pids;
+  std::set<int> ended_pids;
   int looks = 0;
 
  private:

@@ -184,25 +184,64 @@ TEST_CASE(
     CHECK(dumped(tag) == clean);
   }
 
-  // A failure during the recovery itself (rank 0 exits while it sends the state, rank 1 in its
-  // abort): every node falls back to restarting its workers, charged once (--max-restarts=1
-  // suffices), and the job still ends with the fault-free parameters.
-  for (const std::string fault : {"sync:0", "abort:1"}) {
-    const std::string tag = fault.substr(0, fault.find(':'));
-    INFO("DDPRUN_INPLACE_FAULT=" << fault);
-    auto a = node("127.0.0.2", rdzv.endpoint, "2", "fault-" + tag, "in-place",
-                  args(tag + "a", true), {{"DDPRUN_INPLACE_FAULT", fault}});
-    auto b = node("127.0.0.3", rdzv.endpoint, "2", "fault-" + tag, "in-place",
-                  args(tag + "b", true), {{"DDPRUN_INPLACE_FAULT", fault}});
+  // A failure during the recovery itself (rank 0 exits while it sends the state): every node
+  // falls back to restarting its workers, charged once (--max-restarts=1 suffices), and the job
+  // still ends with the fault-free parameters.
+  {
+    INFO("DDPRUN_INPLACE_FAULT=sync:0");
+    auto a = node("127.0.0.2", rdzv.endpoint, "2", "fault-sync", "in-place", args("synca", true),
+                  {{"DDPRUN_INPLACE_FAULT", "sync:0"}});
+    auto b = node("127.0.0.3", rdzv.endpoint, "2", "fault-sync", "in-place", args("syncb", true),
+                  {{"DDPRUN_INPLACE_FAULT", "sync:0"}});
     auto [ra, rb] = finish(*a, *b);
     const std::string all = ra.out + ra.err + rb.out + rb.err;
     INFO(all);
     CHECK(ra.exit_code == 0);
     CHECK(rb.exit_code == 0);
-    CHECK(countOf(all, "DDPRUN_INPLACE_FAULT: exiting during the " + tag) == 1);
+    CHECK(countOf(all, "DDPRUN_INPLACE_FAULT: exiting during the sync") == 1);
     CHECK(ra.err.find("in-place recovery failed") != std::string::npos);
     CHECK(rb.err.find("in-place recovery failed") != std::string::npos);
     CHECK(countOf(all, "Resuming training from snapshot") == 4);  // every worker fresh
+    CHECK(dumped("sync") == clean);
+  }
+
+  // Ranks that die before they heard of the recovery are replaced in it too, on either node, the
+  // failure charged once: three ranks killed at one step (rank 1 on the first node, 2 and 3 on the
+  // second; an agent may see its own dead only after the round formed), and rank 1 dying in its
+  // abort of the failed group after rank 3 was killed (it never saw the new group). The others
+  // keep their processes and the result is the fault-free one.
+  for (const std::string fault : {"ranks:3", "abort:1"}) {
+    const std::string tag = fault.substr(0, fault.find(':'));
+    const bool three = tag == "ranks";
+    INFO((three ? "--fail-ranks 3" : "DDPRUN_INPLACE_FAULT=abort:1"));
+    auto with = [&](const std::string& t) {
+      auto v = args(t, true);
+      if (three) v.insert(v.end(), {"--fail-ranks", "3"});
+      return v;
+    };
+    const std::map<std::string, std::string> env =
+        three ? std::map<std::string, std::string>{}
+              : std::map<std::string, std::string>{{"DDPRUN_INPLACE_FAULT", fault}};
+    auto a = node("127.0.0.2", rdzv.endpoint, "2", "also-" + tag, "in-place", with(tag + "a"), env);
+    auto b = node("127.0.0.3", rdzv.endpoint, "2", "also-" + tag, "in-place", with(tag + "b"), env);
+    auto [ra, rb] = finish(*a, *b);
+    const std::string all = ra.out + ra.err + rb.out + rb.err;
+    INFO(all);
+    CHECK(ra.exit_code == 0);
+    CHECK(rb.exit_code == 0);
+    CHECK(countOf(all, "fault injection: killing myself at step 8") == (three ? 3 : 1));
+    if (!three) CHECK(countOf(all, "DDPRUN_INPLACE_FAULT: exiting during the abort") == 1);
+    CHECK(countOf(all, "before it heard of the recovery; it is replaced in this recovery too") ==
+          (three ? 2 : 1));
+    CHECK(all.find("restarting every worker") == std::string::npos);
+    CHECK(all.find("in-place recovery failed") == std::string::npos);
+    CHECK(all.find("Resuming training from snapshot") == std::string::npos);
+    CHECK(countOf(all, "going on after step 8") == (three ? 1 : 2));
+    CHECK(countOf(all, "'s live state after step 8") == (three ? 3 : 2));
+    // The survivors joined once; each dead rank's replacement once more: 4 + 3 or 4 + 2 pids.
+    const auto pids = joinedPids(all);
+    CHECK(pids.size() == (three ? 7u : 6u));
+    CHECK(std::set<int>(pids.begin(), pids.end()).size() == pids.size());
     CHECK(dumped(tag) == clean);
   }
 

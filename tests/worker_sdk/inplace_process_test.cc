@@ -130,14 +130,52 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "in-place recovery: a failure during the abort or the state sync falls back to "
-    "restarting every worker, charged once, with nothing left running",
+    "in-place recovery: ranks that die before they heard of the recovery (two killed at once, "
+    "or one in its abort) are replaced in it too, charged once, and the result equals a run "
+    "without the fault",
     "[worker][train][inplace]") {
   if (!haveDdprun()) return;
   t::TempDir dir;
   const std::string a = faultFreeParameters(dir);
 
-  for (const std::string fault : {"abort:1", "sync:0"}) {
+  for (const std::string tag : {"two", "abort"}) {
+    const bool two = tag == std::string("two");
+    auto faulty = two ? inPlaceRun(dir, tag, {}, "KILL", /*fail_ranks=*/2)
+                      : inPlaceRun(dir, tag, {{"DDPRUN_INPLACE_FAULT", "abort:1"}});
+    auto c = faulty->waitExit(240s);
+    const std::string out = faulty->output();
+    INFO(tag << ":\n" << out);
+    REQUIRE(c.has_value());
+    CHECK(*c == 0);  // --max-restarts=1: one failure
+    CHECK(count(out, "fault injection: killing myself at step 12") == (two ? 2 : 1));
+    if (!two) CHECK_THAT(out, Catch::Contains("DDPRUN_INPLACE_FAULT: exiting during the abort"));
+    CHECK(count(out, "before it heard of the recovery; it is replaced in this recovery too") == 1);
+    CHECK_THAT(out, !Catch::Contains("restarting every worker"));
+    CHECK_THAT(out, !Catch::Contains("Resuming training from snapshot"));
+    // Rank 0 kept its process and went on after step 12; ranks 1 and 2 joined twice each (the
+    // second time as replacements, which took rank 0's live state).
+    CHECK(count(out, "going on after step 12") == 1);
+    CHECK(count(out, "took rank 0's live state after step 12") == 2);
+    const auto pids = joinedPids(out);
+    REQUIRE(pids.count(0) == 1);
+    CHECK(pids.at(0).size() == 1);
+    for (int r : {1, 2}) {
+      REQUIRE(pids.count(r) == 1);
+      CHECK(pids.at(r).size() == 2);
+    }
+    CHECK(t::readFile(dir.str() + "/" + tag + ".bin") == a);
+  }
+}
+
+TEST_CASE(
+    "in-place recovery: a failure during the state sync falls back to restarting every worker, "
+    "charged once, with nothing left running",
+    "[worker][train][inplace]") {
+  if (!haveDdprun()) return;
+  t::TempDir dir;
+  const std::string a = faultFreeParameters(dir);
+
+  for (const std::string fault : {"sync:0"}) {
     const std::string tag = fault.substr(0, fault.find(':'));
     auto faulty = inPlaceRun(dir, tag, {{"DDPRUN_INPLACE_FAULT", fault}});
     auto c = faulty->waitExit(240s);

@@ -33,6 +33,13 @@ class HeartbeatProbe {
     (void)pid;
     return false;
   }
+  // True when process `pid` has ended (a zombie not reaped yet, or gone): its exit is on its way.
+  // In-place recovery tells a worker killed with the failed one (its channel closed first) from
+  // a live one that hung up.
+  virtual bool ended(int pid) {
+    (void)pid;
+    return false;
+  }
 };
 
 // How often the supervisor looks at the files for a given timeout: a quarter of it, at most 1 s

@@ -98,6 +98,9 @@ class ControlChannel {
   virtual ~ControlChannel() = default;
   // False when `pid` has no open connection.
   virtual bool send(int pid, const ControlMessage& message) = 0;
+  // Delivers now (to onControlMessage, then onControlClosed at its end) what `pid` sent that was
+  // not read yet: a worker's last lines come before its exit, which is handled next.
+  virtual void drain(int /*pid*/) {}
 };
 
 class Supervisor {
@@ -182,7 +185,10 @@ class Supervisor {
     bool hung_up = false;                // its control channel closed (it is exiting, or lost it)
     bool left = false;    // said `goodbye reason=stop`: it leaves on a signal to it, the rest go on
     int aborted_gen = 0;  // the generation it said `aborted` for on its own (a peer gone), RUNNING
-    TimePoint aborted_at;    // when it said so
+    TimePoint aborted_at;  // when it said so
+    // In this episode: it said `aborted` (it then forms the groups it is sent), or had for the
+    // failed generation before the episode began.
+    bool heard_abort = false;
     bool newcomer = false;   // started by this recovery: it holds nothing of its own yet
     bool discarded = false;  // a newcomer killed when its round was voided: its exit is expected
   };
@@ -261,10 +267,12 @@ class Supervisor {
   // Multi-node: the episode's start, the survivors' abort, the report (a local failure) and the
   // join of the next round.
   void recoverAcrossNodes(const std::string& cause, bool report, bool charged);
-  // During an episode: a worker that left on a signal sent to it (several ranks sent SIGTERM at
-  // once leave at one agreed step) is replaced in this episode too, which it charges when it was
-  // free. False when the budget is spent (the caller falls back).
-  bool replaceLeaver(Worker& leaver, const std::string& what);
+  // During an episode, a local worker ended (`what`): replaced in this episode too, which it
+  // charges when it was free, if it left on a signal sent to it (several ranks sent SIGTERM at
+  // once leave at one agreed step), or if it failed before it heard of the episode (several ranks
+  // died at once: it saw no group of this episode, so its rank there is free). False otherwise,
+  // or with the budget spent: the caller falls back.
+  bool replaceInEpisode(Worker& w, const std::string& what, ExitStatus status);
   // The launch of `local_rank` in the current round at `restarts`, or why there is none.
   StatusOr<WorkerLaunch> replacementLaunch(int local_rank, int restarts);
   // Starts `launch` in `slot` (a failed worker's) as a newcomer; false after falling back.
