@@ -18,8 +18,12 @@ node's launcher gets SIGTERM (a spot notice) once rank 0 logged step 60 or 90, a
 trains on alone. Its lost time is the longest pause between two steps rank 0 completed after the
 signal, less the median step time before it.
 
+--fail-ranks N (with the kill): the last N ranks kill themselves at that step, a few ms apart (a
+fault that takes several processes at once); the lost time counts from the first kill. For
+in-place runs the split below is one node's line: the first that names a replacement.
+
 Usage: /usr/bin/python3 bench/recovery/bench_inplace.py --build build [--reps 3] [--nodes 2]
-         [--fault kill|leave]
+         [--fault kill|leave] [--fail-ranks N]
 """
 import argparse
 import os
@@ -73,17 +77,17 @@ def logged_steps(log):
         return []
 
 
-def run_once(mode, kill_at, build, python, nproc, epochs, nodes, fault="kill"):
+def run_once(mode, kill_at, build, python, nproc, epochs, nodes, fault="kill", fail_ranks=1):
     # Each run's step log and snapshots (about 50 MB) go with it, whatever happens.
     with tempfile.TemporaryDirectory(prefix="bench-inplace-") as d:
-        return run_in(d, mode, kill_at, build, python, nproc, epochs, nodes, fault)
+        return run_in(d, mode, kill_at, build, python, nproc, epochs, nodes, fault, fail_ranks)
 
 
-def run_in(d, mode, kill_at, build, python, nproc, epochs, nodes, fault):
+def run_in(d, mode, kill_at, build, python, nproc, epochs, nodes, fault, fail_ranks):
     log, snap = os.path.join(d, "steps.log"), os.path.join(d, "snap.pt")
     common = ["--dataset-size", "6400", "--batch-size", "32", "--step-log", log]
     if fault == "kill":
-        common += ["--fail-at-step", str(kill_at)]
+        common += ["--fail-at-step", str(kill_at), "--fail-ranks", str(fail_ranks)]
     program = ([str(epochs), "--snapshot", snap] if mode == "torchrun" else
                [str(epochs), "1", "--model", "mlp", "--snapshot-path", snap]) + common
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -105,8 +109,8 @@ def run_in(d, mode, kill_at, build, python, nproc, epochs, nodes, fault):
         if p.returncode != 0 and not (fault == "leave" and i == 1):
             raise RuntimeError(f"{mode} exited {p.returncode}:\n{err[-3000:]}")
     if t_kill is None:
-        m = re.search(r"killing myself at step (\d+) at ([0-9.]+)", text)
-        t_kill = float(m.group(2))
+        # The first of the ranks killed (--fail-ranks: several, a few ms apart).
+        t_kill = min(float(t) for t in re.findall(r"killing myself at step \d+ at ([0-9.]+)", text))
     steps = logged_steps(log)
     before = [t for s, t in steps if t <= t_kill]
     step_time = statistics.median(b - a for a, b in zip(before[-20:], before[-19:]))
@@ -149,6 +153,8 @@ def main():
     ap.add_argument("--python", default="/usr/bin/python3")
     ap.add_argument("--fault", default="kill", choices=["kill", "leave"],
                     help="kill: the last rank SIGKILLs itself; leave: SIGTERM to node 2's launcher")
+    ap.add_argument("--fail-ranks", type=int, default=1,
+                    help="with --fault kill: the last N ranks kill themselves at that step")
     a = ap.parse_args()
     if a.fault == "leave" and a.nodes != 2:
         ap.error("--fault leave needs --nodes 2")
@@ -159,11 +165,13 @@ def main():
         for mode in modes:
             runs = []
             for _ in range(a.reps):
-                runs.append(run_once(mode, kill_at, build, a.python, a.nproc, 2, a.nodes, a.fault))
+                runs.append(run_once(mode, kill_at, build, a.python, a.nproc, 2, a.nodes, a.fault,
+                                     a.fail_ranks))
                 print(f"{mode} {a.fault} at {kill_at}: lost {runs[-1][0]:.3f} s, twice {runs[-1][1]}, "
                       f"step {runs[-1][2] * 1e3:.0f} ms {runs[-1][3]}", file=sys.stderr)
             rows[(mode, kill_at)] = runs
-    print(f"{a.nodes} node(s) x {a.nproc // a.nodes} workers\n")
+    killed = f", the last {a.fail_ranks} ranks killed at once" if a.fail_ranks > 1 else ""
+    print(f"{a.nodes} node(s) x {a.nproc // a.nodes} workers{killed}\n")
     what = "kill -9" if a.fault == "kill" else "SIGTERM to node 2"
     print(f"| {what} at step (after the snapshot at 50) | mode | lost time (median of {a.reps}) "
           "| steps trained twice | step time | lost / in-place |")

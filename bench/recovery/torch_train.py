@@ -3,8 +3,9 @@ same model (1024-4096-2048-10), dataset size, batch, sampler and SGD; a snapshot
 torch.save) after every epoch; a restart resumes from it at the start of the next epoch.
 
 Usage (under torchrun): torch_train.py EPOCHS --dataset-size N --batch-size B --snapshot PATH
-  [--fail-at-step K] [--step-log FILE]
---fail-at-step K: the last rank kills itself (SIGKILL) after global step K on the first attempt.
+  [--fail-at-step K] [--fail-ranks N] [--step-log FILE]
+--fail-at-step K: the last rank kills itself (SIGKILL) after global step K on the first attempt;
+--fail-ranks N: the last N ranks do (default 1).
 --step-log FILE: rank 0 appends "<global step> <unix time>" after every step.
 """
 import argparse
@@ -31,6 +32,7 @@ def main():
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--snapshot", required=True)
     p.add_argument("--fail-at-step", type=int, default=-1)
+    p.add_argument("--fail-ranks", type=int, default=1)
     p.add_argument("--step-log", default="")
     a = p.parse_args()
     dist.init_process_group("gloo")
@@ -49,7 +51,7 @@ def main():
         epoch, step = snap["epoch"], snap["global_step"]
     ddp = DDP(model)
     sampler = DistributedSampler(range(a.dataset_size), num_replicas=world, rank=rank, seed=0)
-    inject = (a.fail_at_step > 0 and rank == world - 1
+    inject = (a.fail_at_step > 0 and rank >= world - a.fail_ranks
               and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
     log = open(a.step_log, "a") if a.step_log and rank == 0 else None
     for e in range(epoch, a.epochs):
