@@ -856,9 +856,14 @@ TEST_CASE(
                   ") was killed by signal 9, seen at") == 1);
 
   // A replacement that fails, or a survivor that had said `aborted` (it may be forming the group
-  // or sending its state), is a failure of the recovery: every worker restarts, charged once.
-  for (const bool newcomer : {true, false}) {
-    INFO((newcomer ? "the replacement failed" : "a survivor failed after its abort"));
+  // or sending its state), is a failure of the recovery: every worker restarts, charged once. Its
+  // `aborted` counts even when the agent reads it only as it handles the exit (the channel still
+  // held it): what a worker wrote comes before its exit.
+  for (const int how : {0, 1, 2}) {
+    const bool newcomer = how == 0, unread = how == 2;
+    INFO((newcomer ? "the replacement failed"
+          : unread ? "a survivor failed after its abort, not read yet"
+                   : "a survivor failed after its abort"));
     InPlaceFixture g(3, /*max_restarts=*/2);
     g.sup->start();
     g.allCapable();
@@ -866,6 +871,13 @@ TEST_CASE(
     g.sup->onWorkerExit(p[2], ExitStatus{true, SIGKILL});
     if (newcomer) {
       g.sup->onWorkerExit(g.launcher.spawned.back().first, ExitStatus{true, SIGKILL});
+    } else if (unread) {
+      g.channel.reader = [&g](int pid, const ControlMessage& m) {
+        g.sup->onControlMessage(pid, m);
+      };
+      g.channel.unread[p[1]] = {makeControl(ControlType::kAborted, {{"gen", "1"}})};
+      g.sup->onWorkerExit(p[1], ExitStatus{true, SIGKILL});
+      CHECK(g.channel.unread.empty());
     } else {
       g.say(p[1], ControlType::kAborted, {{"gen", "1"}});
       g.sup->onWorkerExit(p[1], ExitStatus{true, SIGKILL});

@@ -1,6 +1,9 @@
-// FakeControlChannel: records what the supervisor sends each worker on the control channel.
+// FakeControlChannel: records what the supervisor sends each worker on the control channel, and
+// holds what a worker sent that the agent has not read yet (`unread`), which drain() hands to
+// `reader` (the supervisor under test).
 #pragma once
 
+#include <functional>
 #include <map>
 #include <set>
 #include <utility>
@@ -26,8 +29,18 @@ class FakeControlChannel : public agent::ControlChannel {
     return out;
   }
 
+  void drain(int pid) override {
+    auto it = unread.find(pid);
+    if (it == unread.end()) return;
+    auto lines = std::move(it->second);
+    unread.erase(it);
+    for (const auto& m : lines) reader(pid, m);
+  }
+
   std::vector<std::pair<int, ControlMessage>> sent;
   std::set<int> closed;
+  std::map<int, std::vector<ControlMessage>> unread;
+  std::function<void(int, const ControlMessage&)> reader;
 };
 
 }  // namespace ddprun::testing
