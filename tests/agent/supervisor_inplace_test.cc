@@ -57,6 +57,12 @@ struct InPlaceFixture {
           return StatusOr<std::vector<WorkerLaunch>>(out);
         },
         &heartbeats, &channel);
+    sup->setRecoveryListener([this](const InPlaceRecovery& r) { recoveries.push_back(r); });
+  }
+  // The phases of completed recovery i, by name.
+  std::map<std::string, double> phasesOf(size_t i) const {
+    return std::map<std::string, double>(recoveries.at(i).phases_ms.begin(),
+                                         recoveries.at(i).phases_ms.end());
   }
   std::vector<int> first() const {
     auto all = launcher.pids();
@@ -91,6 +97,7 @@ struct InPlaceFixture {
   FakeRendezvous rdzv;
   FakeControlChannel channel;
   std::vector<int> planned;
+  std::vector<InPlaceRecovery> recoveries;  // completed, in order
   std::unique_ptr<Supervisor> sup;
 };
 
@@ -117,8 +124,6 @@ TEST_CASE("in-place: hello is answered with the generation to form and the recov
 TEST_CASE("in-place: a failed worker is replaced alone, the others are told to abort and re-form",
           "[agent][inplace]") {
   InPlaceFixture f;
-  std::vector<InPlaceRecovery> recoveries;
-  f.sup->setRecoveryListener([&](const InPlaceRecovery& r) { recoveries.push_back(r); });
   f.sup->start();
   f.allCapable();
   const auto pids = f.first();
@@ -163,9 +168,8 @@ TEST_CASE("in-place: a failed worker is replaced alone, the others are told to a
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.sup->recoveredInPlace() == 1);
   CHECK_FALSE(f.sup->nextDeadline().has_value());  // no recovery deadline left
-  REQUIRE(recoveries.size() == 1);
-  std::map<std::string, double> phases(recoveries[0].phases_ms.begin(),
-                                       recoveries[0].phases_ms.end());
+  REQUIRE(f.recoveries.size() == 1);
+  auto phases = f.phasesOf(0);
   CHECK(phases.count("replacement_start") == 1);
   CHECK(phases["replacement_ready"] == Approx(80.0));
   CHECK(phases["first_step"] == Approx(100.0));
@@ -179,15 +183,9 @@ TEST_CASE(
     "only the first of the running generation and only within inplace_timeout",
     "[agent][inplace]") {
   InPlaceFixture f(3, /*max_restarts=*/3);
-  std::vector<InPlaceRecovery> recoveries;
-  f.sup->setRecoveryListener([&](const InPlaceRecovery& r) { recoveries.push_back(r); });
   f.sup->start();
   f.allCapable();
   const auto pids = f.first();
-  auto phasesOf = [&](size_t i) {
-    return std::map<std::string, double>(recoveries.at(i).phases_ms.begin(),
-                                         recoveries.at(i).phases_ms.end());
-  };
   auto recoverFrom = [&](int killed, int gen) {
     f.sup->onWorkerExit(killed, ExitStatus{true, SIGKILL});
     REQUIRE(f.sup->state() == AgentState::kRecovering);
@@ -213,7 +211,7 @@ TEST_CASE(
   f.say(pids[0], ControlType::kFault, {{"gen", "1"}, {"what", "timeout"}});
   f.clock.advance(std::chrono::milliseconds(10));
   const int newcomer = recoverFrom(pids[2], 2);
-  auto phases = phasesOf(0);
+  auto phases = f.phasesOf(0);
   CHECK(phases["detected"] == Approx(30.0));
   CHECK(phases["told"] == Approx(30.0));
   CHECK(phases["first_step"] == Approx(35.0));
@@ -230,8 +228,8 @@ TEST_CASE(
     if (f.sup->isRunningWorker(pid)) f.say(pid, ControlType::kStep, {{"gen", "3"}, {"n", "9"}});
   }
   REQUIRE(f.sup->state() == AgentState::kRunning);
-  CHECK(phasesOf(1).count("detected") == 0);
-  CHECK(phasesOf(1)["first_step"] == Approx(5.0));
+  CHECK(f.phasesOf(1).count("detected") == 0);
+  CHECK(f.phasesOf(1)["first_step"] == Approx(5.0));
   CHECK(log.count("failed first") == 1);
 
   // A fault more than inplace_timeout (10 s) before the failure belongs to no recovery: that
@@ -239,8 +237,8 @@ TEST_CASE(
   f.say(pids[0], ControlType::kFault, {{"gen", "3"}, {"what", "timeout"}});
   f.clock.advance(std::chrono::seconds(11));
   recoverFrom(f.launcher.spawned.back().first, 4);
-  CHECK(phasesOf(2).count("detected") == 0);
-  CHECK(phasesOf(2)["first_step"] == Approx(5.0));
+  CHECK(f.phasesOf(2).count("detected") == 0);
+  CHECK(f.phasesOf(2)["first_step"] == Approx(5.0));
   CHECK(log.count("failed first") == 1);
   CHECK(f.sup->restartCount() == 3);
 }
@@ -614,8 +612,6 @@ TEST_CASE(
     INFO((aborted_first ? "every worker here aborted on its own: no failure grace"
                         : "the recovery waits failure_grace for a stop under way"));
     TwoNodes f;
-    std::vector<InPlaceRecovery> recoveries;
-    f.sup->setRecoveryListener([&](const InPlaceRecovery& r) { recoveries.push_back(r); });
     const auto pids = f.first();
     f.rdzv.hold = true;
     LogCapture log("agent");
@@ -646,9 +642,8 @@ TEST_CASE(
     f.clock.advance(std::chrono::milliseconds(50));
     for (int pid : pids) f.say(pid, ControlType::kStep, {{"gen", "2"}, {"n", "7"}});
     REQUIRE(f.sup->state() == AgentState::kRunning);
-    REQUIRE(recoveries.size() == 1);
-    std::map<std::string, double> phases(recoveries[0].phases_ms.begin(),
-                                         recoveries[0].phases_ms.end());
+    REQUIRE(f.recoveries.size() == 1);
+    auto phases = f.phasesOf(0);
     const double seen = aborted_first ? 200.0 : 1200.0;
     CHECK(phases["detected"] == Approx(seen));
     CHECK(phases["told"] == Approx(seen));
@@ -809,8 +804,6 @@ TEST_CASE(
     "replaced in the same recovery, charged once, and one that heard falls back",
     "[agent][inplace]") {
   InPlaceFixture f(3, /*max_restarts=*/1);
-  std::vector<InPlaceRecovery> recoveries;
-  f.sup->setRecoveryListener([&](const InPlaceRecovery& r) { recoveries.push_back(r); });
   f.sup->start();
   f.allCapable();
   const auto pids = f.first();
@@ -847,9 +840,8 @@ TEST_CASE(
   }
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.sup->recoveredInPlace() == 1);
-  REQUIRE(recoveries.size() == 1);
-  std::map<std::string, double> phases(recoveries[0].phases_ms.begin(),
-                                       recoveries[0].phases_ms.end());
+  REQUIRE(f.recoveries.size() == 1);
+  auto phases = f.phasesOf(0);
   CHECK(phases["replacement_ready"] == Approx(40.0));  // the last replacement's start-up
   CHECK(log.count("(local rank 2 (pid " + std::to_string(pids[2]) +
                   ") was killed by signal 9; local rank 1 (pid " + std::to_string(pids[1]) +
