@@ -581,6 +581,7 @@ void Supervisor::onPeerFailure(FailureKind kind) {
   loop_.check();
   const bool recovery = kind == FailureKind::kRecovery;
   if (state_ == AgentState::kRecovering) {
+    if (!recovery && joinPeerFailure()) return;
     // A failure the episode cannot absorb (its own is reported by the node it happened on).
     fallBack(recovery ? "the in-place recovery failed on another node"
                       : "workers on another node failed during the recovery",
@@ -812,6 +813,17 @@ bool Supervisor::replaceInEpisode(Worker& w, const std::string& what, ExitStatus
   // The phases of start-up are the last replacement's, which the group waits for.
   e.hello_ms = e.ready_ms = 0;
   spawnReplacement(w, std::move(*launch));
+  return true;
+}
+
+bool Supervisor::joinPeerFailure() {
+  Episode& e = *episode_;
+  // (In a change of nodes' episode such a report may be a peer's fallback: the usual path.)
+  if (!e.awaiting_round || !e.charged) return false;
+  logger("agent")->warn(
+      "workers on another node failed too while the round forms; that node replaces them in this "
+      "recovery");
+  e.cause += "; workers on another node failed";
   return true;
 }
 

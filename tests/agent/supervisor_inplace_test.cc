@@ -915,6 +915,41 @@ TEST_CASE(
     CHECK(f.sup->state() == AgentState::kRunning);
     CHECK(f.launcher.signals.empty());
   }
+  // Ranks on both nodes died together: each node reported its own, and the other's report reaches
+  // this node while the round forms. It is part of that round (the other node replaces its ranks
+  // in it): no fallback, no second charge. Once a group is out, a peer's failure still falls back
+  // (the first test above on fallbacks), as does a peer's failed recovery, and a peer's report
+  // in a change of nodes' episode (the next test).
+  {
+    TwoNodes f;
+    f.rdzv.hold = true;
+    f.sup->onWorkerExit(f.first()[1], ExitStatus{true, SIGKILL});
+    f.sup->onPeerFailure(agent::FailureKind::kRecovery);
+    CHECK(f.sup->state() == AgentState::kStopping);
+    CHECK(f.sup->restartCount() == 1);
+  }
+  {
+    TwoNodes f;
+    const auto pids = f.first();
+    f.rdzv.hold = true;
+    LogCapture log("agent");
+    f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
+    REQUIRE(f.rdzv.failures == 1);
+    f.sup->onPeerFailure(agent::FailureKind::kWorkers);
+    CHECK(f.sup->state() == AgentState::kRecovering);
+    CHECK(f.sup->restartCount() == 1);
+    CHECK(f.rdzv.failures == 1);
+    CHECK(log.count("workers on another node failed too while the round forms; that node "
+                    "replaces them in this recovery") == 1);
+    f.formRound(1);
+    REQUIRE(f.launcher.spawned.size() == 3);
+    const int newcomer = f.launcher.spawned.back().first;
+    for (int pid : {pids[0], newcomer}) f.say(pid, ControlType::kStep, {{"gen", "2"}, {"n", "5"}});
+    CHECK(f.sup->state() == AgentState::kRunning);
+    CHECK(log.count("workers on another node failed; seen at") == 0);
+    CHECK(log.count("(local rank 1 (pid " + std::to_string(pids[1]) +
+                    ") was killed by signal 9; workers on another node failed, seen at") == 1);
+  }
   // In a free episode (a change of nodes) such a death is the first failure: it is charged
   // then, or, with no restart left, the recovery falls back and the job fails.
   for (const int max_restarts : {1, 0}) {

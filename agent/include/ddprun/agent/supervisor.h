@@ -273,6 +273,11 @@ class Supervisor {
   // died at once: it saw no group of this episode, so its rank there is free). False otherwise,
   // or with the budget spent: the caller falls back.
   bool replaceInEpisode(Worker& w, const std::string& what, ExitStatus status);
+  // During a failure's episode, another node reported failed workers (kWorkers): while the round
+  // forms (no group out yet) they are part of it (ranks on several nodes died together, each node
+  // reported its own), their node replacing them; charged once. False once a group is out, or in
+  // a change of nodes' episode (the report may be a peer's fallback).
+  bool joinPeerFailure();
   // The launch of `local_rank` in the current round at `restarts`, or why there is none.
   StatusOr<WorkerLaunch> replacementLaunch(int local_rank, int restarts);
   // Starts `launch` in `slot` (a failed worker's) as a newcomer; false after falling back.
