@@ -14,7 +14,12 @@ std::optional<ProcStat> parseProcStat(const std::string& text) {
   long ppid = -1;
   rest >> state >> ppid;
   if (!rest || state.size() != 1) return std::nullopt;
-  return ProcStat{state[0], static_cast<int>(ppid)};
+  ProcStat stat{state[0], static_cast<int>(ppid), 0};
+  // pgrp, session, tty_nr, tpgid, then flags (proc(5)).
+  long skipped = 0;
+  unsigned long flags = 0;
+  if (rest >> skipped >> skipped >> skipped >> skipped >> flags) stat.flags = flags;
+  return stat;
 }
 
 std::optional<ProcStat> readProcStat(int pid) {

@@ -13,10 +13,19 @@ TEST_CASE("/proc/<pid>/stat gives the state and the parent, whatever the command
   REQUIRE(s);
   CHECK(s->state == 'S');
   CHECK(s->ppid == 811);
+  CHECK(s->flags == 4194560);
+  CHECK_FALSE(s->exiting());
+  // Killed, its memory still being torn down: running, PF_EXITING set.
+  s = parseProcStat("813 (train) R 811 812 700 0 -1 4195340 9 0 0");
+  REQUIRE(s);
+  CHECK(s->state == 'R');
+  CHECK(s->exiting());
   s = parseProcStat("9 (a) b) (c) T 1 9 9");
   REQUIRE(s);
   CHECK(s->state == 'T');
   CHECK(s->ppid == 1);
+  CHECK(s->flags == 0);  // the line ends before the flags
+  CHECK_FALSE(s->exiting());
   CHECK_FALSE(parseProcStat(""));
   CHECK_FALSE(parseProcStat("12 (no closing parenthesis S 1"));
   CHECK_FALSE(parseProcStat("12 (x)"));
@@ -27,5 +36,6 @@ TEST_CASE("/proc/<pid>/stat gives the state and the parent, whatever the command
   REQUIRE(self);
   CHECK(self->state == 'R');
   CHECK(self->ppid == static_cast<int>(::getppid()));
+  CHECK_FALSE(self->exiting());
   CHECK_FALSE(readProcStat(-5));
 }

@@ -1,5 +1,6 @@
 // The fields of /proc/<pid>/stat that ddprun reads: a process's state letter (T or t: stopped by
-// a signal or a debugger) and its parent. Linux only; pure parsing apart from readProcStat.
+// a signal or a debugger), its parent and its kernel flags (PF_EXITING: on its way out, its memory
+// being torn down before it turns zombie). Linux only; pure parsing apart from readProcStat.
 #pragma once
 
 #include <optional>
@@ -10,6 +11,11 @@ namespace ddprun {
 struct ProcStat {
   char state = '?';
   int ppid = -1;
+  unsigned long flags = 0;  // the kernel's PF_* word (0 when the line stops before it)
+  // PF_EXITING: the process has begun to exit (a SIGKILL taken, exit() called) and can never run
+  // its own code again; a large one stays in state R for tens of milliseconds before it is a
+  // zombie.
+  bool exiting() const { return (flags & 0x4UL) != 0; }
 };
 
 // The text of a /proc/<pid>/stat line; nullopt when it is not one. The command name, in
