@@ -126,6 +126,12 @@ def run_in(d, mode, kill_at, build, python, nproc, epochs, nodes, fault, fail_ra
     phases = (re.search(r"in-place recovery, generation .*replacement said hello.*", text) or
               re.search(r"in-place recovery, generation .*", text))
     line = phases.group(0) if phases else ""
+    # A node that did not recover in place (it restarted its workers): what its agent said.
+    fallbacks = re.findall(r"(?:no in-place recovery this time|in-place recovery failed|"
+                           r"did not announce in-place support|restarting this node's workers)"
+                           r"[^\n]*", text)
+    if mode == "in-place" and fallbacks:
+        line += " [not in place on a node: " + fallbacks[0][:300] + "]"
     # The start-up it had to wait for: the kernel's teardown of the killed process (kill -> the
     # failure first seen there: the agent's SIGCHLD, or a collective that failed first), then the
     # replacement's own start-up (spawn -> its Trainer exists: exec, LibTorch, its model and
@@ -199,6 +205,11 @@ def main():
             print(f"| {kill_at} | {med(0) * 1e3:.0f} ms | {med(4) * 1e3:.0f} ms | "
                   f"{med(5) * 1e3:.0f} ms | {statistics.median(own) * 1e3:.0f} ms "
                   f"(max {max(own) * 1e3:.0f}) |")
+    left_out = sum(1 for k in (60, 90) for r in rows.get(("in-place", k), [])
+                   if r[4] is None or r[5] is None)
+    if inplace and left_out:
+        print(f"\n{left_out} in-place run(s) left out of the split: no agent line names a "
+              "replacement's start-up (see the lines below)")
     for kill_at in (60, 90):
         for r in rows.get(("in-place", kill_at), []):
             print(f"\nin-place, kill at {kill_at}: {r[3]}")
