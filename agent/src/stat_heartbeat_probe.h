@@ -23,12 +23,11 @@ class StatHeartbeatProbe final : public HeartbeatProbe {
     const auto stat = readProcStat(pid);
     return stat && (stat->state == 'T' || stat->state == 't');
   }
-  // No /proc/<pid>/stat, its state is Z (zombie) or X (dead), or it is exiting (PF_EXITING: a
-  // killed worker's memory is torn down for tens of milliseconds before it turns zombie, and its
-  // sockets may close meanwhile).
+  // No /proc/<pid>/stat, or ProcStat::ended (a killed worker's memory is torn down for tens of
+  // milliseconds before it turns zombie, and its sockets may close meanwhile).
   bool ended(int pid) override {
     const auto stat = readProcStat(pid);
-    return !stat || stat->state == 'Z' || stat->state == 'X' || stat->exiting();
+    return !stat || stat->ended();
   }
 };
 

@@ -14,7 +14,7 @@ std::optional<ProcStat> parseProcStat(const std::string& text) {
   long ppid = -1;
   rest >> state >> ppid;
   if (!rest || state.size() != 1) return std::nullopt;
-  ProcStat stat{state[0], static_cast<int>(ppid), 0};
+  ProcStat stat{state[0], static_cast<int>(ppid)};
   // pgrp, session, tty_nr, tpgid, then flags (proc(5)).
   long skipped = 0;
   unsigned long flags = 0;

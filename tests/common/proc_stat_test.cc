@@ -20,6 +20,9 @@ TEST_CASE("/proc/<pid>/stat gives the state and the parent, whatever the command
   REQUIRE(s);
   CHECK(s->state == 'R');
   CHECK(s->exiting());
+  CHECK(s->ended());
+  CHECK(parseProcStat("813 (train) Z 811 812 700 0 -1 4195340")->ended());
+  CHECK_FALSE(parseProcStat("812 (train) S 811 812 700 0 -1 4194560")->ended());
   s = parseProcStat("9 (a) b) (c) T 1 9 9");
   REQUIRE(s);
   CHECK(s->state == 'T');

@@ -34,9 +34,8 @@ class HeartbeatProbe {
     return false;
   }
   // True when process `pid` has ended (exiting, a zombie not reaped yet, or gone): its exit is on
-  // its way.
-  // In-place recovery tells a worker killed with the failed one (its channel closed first) from
-  // a live one that hung up.
+  // its way. In-place recovery tells a worker killed with the failed one (its channel closed
+  // first) from a live one that hung up.
   virtual bool ended(int pid) {
     (void)pid;
     return false;

@@ -16,6 +16,8 @@ struct ProcStat {
   // its own code again; a large one stays in state R for tens of milliseconds before it is a
   // zombie.
   bool exiting() const { return (flags & 0x4UL) != 0; }
+  // Its exit is on its way: exiting, a zombie (Z) or dead (X).
+  bool ended() const { return state == 'Z' || state == 'X' || exiting(); }
 };
 
 // The text of a /proc/<pid>/stat line; nullopt when it is not one. The command name, in
