@@ -159,8 +159,12 @@ TEST_CASE(
   for (const auto& backend : backends) {
     const std::string tag = backend == rdzv.endpoint ? "c10d" : "etcd";
     INFO("rendezvous: " << tag);
-    auto a = node("127.0.0.2", backend, "2", "faulty-" + tag, "in-place", args(tag + "a", true));
-    auto b = node("127.0.0.3", backend, "2", "faulty-" + tag, "in-place", args(tag + "b", true));
+    // At debug level the workers say how the new group got its shared-memory buckets.
+    const std::map<std::string, std::string> debug = {{"DDPRUN_LOG_LEVEL", "debug"}};
+    auto a =
+        node("127.0.0.2", backend, "2", "faulty-" + tag, "in-place", args(tag + "a", true), debug);
+    auto b =
+        node("127.0.0.3", backend, "2", "faulty-" + tag, "in-place", args(tag + "b", true), debug);
     auto [ra, rb] = finish(*a, *b);
     const std::string all = ra.out + ra.err + rb.out + rb.err;
     INFO(all);
@@ -181,6 +185,13 @@ TEST_CASE(
     const auto pids = joinedPids(all);
     CHECK(pids.size() == 5);
     CHECK(std::set<int>(pids.begin(), pids.end()).size() == 5);
+    // The new group's buckets took the old ones' shared memory over on both nodes: the three
+    // survivors kept their pages, the newcomer mapped its node's segment through its survivor.
+    const int kept = countOf(all, "taken over from the aborted group (kept)");
+    const int mapped = countOf(all, "taken over from the aborted group (mapped through pid");
+    CHECK(kept > 0);
+    CHECK(kept == 3 * mapped);
+    CHECK(all.find("not taken over") == std::string::npos);
     CHECK(dumped(tag) == clean);
   }
 

@@ -1,15 +1,19 @@
 // The intra-host shared-memory all-reduce: exact sums for every dtype and size across 2-4 ranks
 // (threads, each with its own mapping), with slots small enough that most sizes take many chunks;
 // bit-identical results on every rank; the all-or-nobody fallback; nothing left in /dev/shm; and
-// a clear error when a peer process dies mid-collective.
+// a clear error when a peer process dies mid-collective; and an aborted group's buffers taken over
+// by the next group (in-place recovery), but never a live group's or a file a peer names.
 #include "shm_allreduce.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <random>
 #include <string>
@@ -503,4 +507,168 @@ TEST_CASE("an aborted rank's broadcast fails at once instead of waiting for a de
       });
   INFO(errors[0]);
   CHECK(errors[0].find("was aborted (broadcast: copying in)") != std::string::npos);
+}
+
+namespace {
+
+// A group under `prefix` on the shared store, or an exception.
+std::unique_ptr<ShmAllReduce> group(int rank, int world, std::shared_ptr<KeyValueStore> store,
+                                    const std::string& prefix) {
+  auto shm = ShmAllReduce::tryCreate(rank, world, std::move(store), smallSlots(prefix));
+  if (!shm) throw std::runtime_error("no shared-memory group on one host");
+  return shm;
+}
+
+// Each rank's mark in its region of the n-th buffer.
+float markOf(int rank, size_t k) { return static_cast<float>(1000 * (rank + 1) + k); }
+
+}  // namespace
+
+TEST_CASE(
+    "after an abort the next group takes the buffers over: survivors keep their pages, a "
+    "newcomer maps them through a survivor",
+    "[worker][shm]") {
+  const int world = 3;
+  const int newcomer = 1;  // its "process" dropped everything, as a killed rank's did
+  const std::vector<size_t> sizes = {5000, 300000, 7};
+  auto store = KeyValueStore::inMemory(std::chrono::seconds(30));
+  std::vector<std::string> failures(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto& fail = failures[static_cast<size_t>(r)];
+      try {
+        auto a = group(r, world, store, "takeover-a");
+        std::vector<std::shared_ptr<void>> old;
+        for (size_t k = 0; k < sizes.size(); ++k) {
+          old.push_back(a->allocate(sizes[k] * sizeof(float)));
+          if (!old.back()) throw std::runtime_error("allocate refused");
+          std::fill_n(static_cast<float*>(old.back().get()), sizes[k], markOf(r, k));
+        }
+        int64_t x = 1;
+        a->allReduce(&x, 1, ShmDType::kInt64);  // every rank has marked its regions
+        a->abort();
+        if (r == newcomer) old.clear();
+        auto b = group(r, world, store, "takeover-b");
+        a.reset();  // the old group is gone; its buffers live on where held
+        for (size_t k = 0; k < sizes.size(); ++k) {
+          std::shared_ptr<void> mem = b->allocate(sizes[k] * sizeof(float));
+          if (!mem) throw std::runtime_error("allocate refused in the new group");
+          auto* f = static_cast<float*>(mem.get());
+          if (f[0] != markOf(r, k) || f[sizes[k] - 1] != markOf(r, k)) {
+            fail = "buffer " + std::to_string(k) + " was not taken over: holds " +
+                   std::to_string(f[0]);
+            return;
+          }
+          if (r != newcomer && mem.get() != old[k].get()) fail = "a survivor's pages moved";
+          for (size_t i = 0; i < sizes[k]; ++i) f[i] = static_cast<float>((r + 1) * (i % 100));
+          b->allReduce(f, sizes[k], ShmDType::kFloat32);
+          for (size_t i = 0; i < sizes[k]; ++i) {
+            if (f[i] != static_cast<float>(6 * (i % 100))) {
+              fail = "buffer " + std::to_string(k) + " element " + std::to_string(i);
+              return;
+            }
+          }
+        }
+      } catch (const std::exception& e) {
+        fail = e.what();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (auto& f : failures) CHECK(f == "");
+  CHECK(ourSegments().empty());
+}
+
+TEST_CASE(
+    "a new group allocates fresh buffers when the old group was not aborted, or sizes or "
+    "the group differ",
+    "[worker][shm]") {
+  enum class Change { kNotAborted, kOtherSize, kSmallerGroup };
+  for (Change change : {Change::kNotAborted, Change::kOtherSize, Change::kSmallerGroup}) {
+    const int world = 3;
+    const int next_world = change == Change::kSmallerGroup ? 2 : 3;
+    const std::string tag = std::to_string(static_cast<int>(change));
+    auto store = KeyValueStore::inMemory(std::chrono::seconds(30));
+    std::vector<std::string> failures(static_cast<size_t>(world));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        auto& fail = failures[static_cast<size_t>(r)];
+        try {
+          auto a = group(r, world, store, "fresh-a" + tag);
+          std::shared_ptr<void> old = a->allocate(4000 * sizeof(float));
+          if (!old) throw std::runtime_error("allocate refused");
+          std::fill_n(static_cast<float*>(old.get()), 4000, markOf(r, 0));
+          if (change != Change::kNotAborted) a->abort();
+          if (r >= next_world) return;
+          auto b = group(r, next_world, store, "fresh-b" + tag);
+          const size_t n = change == Change::kOtherSize ? 4100 : 4000;
+          std::shared_ptr<void> mem = b->allocate(n * sizeof(float));
+          if (!mem) throw std::runtime_error("allocate refused in the new group");
+          auto* f = static_cast<float*>(mem.get());
+          if (mem.get() == old.get() || f[0] != 0.0f || f[n - 1] != 0.0f) {
+            fail = "the old buffer was taken over";
+          }
+          if (change == Change::kNotAborted && static_cast<float*>(old.get())[0] != markOf(r, 0)) {
+            fail = "the live group's buffer changed";
+          }
+        } catch (const std::exception& e) {
+          fail = e.what();
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    for (auto& f : failures) CHECK(f == "");
+  }
+}
+
+TEST_CASE("an offer that names a file other than an unlinked shared-memory segment is refused",
+          "[worker][shm]") {
+  // Rank 1 is played by hand after setup: it offers a regular file that starts with the magic it
+  // names, as a hostile peer could. Rank 0 must not map it (it would write gradients into it).
+  auto store = KeyValueStore::inMemory(std::chrono::seconds(30));
+  std::unique_ptr<ShmAllReduce> peer;
+  std::thread setup([&] { peer = group(1, 2, store, "hostile"); });
+  auto shm = group(0, 2, store, "hostile");
+  setup.join();
+  const size_t bytes = 4096 * sizeof(float);
+  const size_t total = 4096 + 2 * bytes;  // a page, then a region per rank
+  const std::string path = "/tmp/ddprun_shm_hostile_" + std::to_string(getpid());
+  std::vector<char> content(total, 'x');
+  const uint64_t magic = 0x1234567;
+  std::memcpy(content.data(), &magic, sizeof(magic));
+  {
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    REQUIRE(f != nullptr);
+    REQUIRE(std::fwrite(content.data(), 1, total, f) == total);
+    std::fclose(f);
+  }
+  const int fd = open(path.c_str(), O_RDWR);
+  REQUIRE(fd >= 0);
+  auto put = [&](const std::string& key, const std::string& v) {
+    store->set("hostile/shm/buffer1/" + key, std::vector<char>(v.begin(), v.end()));
+  };
+  put("offer/1", std::to_string(getpid()) + " " + std::to_string(fd) + " " + std::to_string(magic));
+  put("taken/1", "1");
+  put("ok/1", "1");
+  std::shared_ptr<void> mem = shm->allocate(bytes);
+  close(fd);
+  REQUIRE(mem != nullptr);
+  auto* f = static_cast<float*>(mem.get());
+  CHECK(f[0] == 0.0f);  // a new segment
+  std::fill_n(f, 4096, 1.0f);
+  std::vector<char> after(total);
+  {
+    std::FILE* in = std::fopen(path.c_str(), "rb");
+    REQUIRE(in != nullptr);
+    CHECK(std::fread(after.data(), 1, total, in) == total);
+    std::fclose(in);
+  }
+  std::remove(path.c_str());
+  CHECK(after == content);
+  const std::vector<char> taken = store->get("hostile/shm/buffer1/taken/0");
+  const std::string why(taken.begin(), taken.end());
+  INFO(why);
+  CHECK(why.find("is not an unlinked shared-memory segment") != std::string::npos);
 }

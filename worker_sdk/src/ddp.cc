@@ -303,6 +303,12 @@ void DistributedDataParallel::buildBuckets(Communicator& comm) {
   }
 }
 
+std::vector<torch::Tensor> DistributedDataParallel::bucketBuffers() const {
+  std::vector<torch::Tensor> flats;
+  for (const auto& b : buckets_) flats.push_back(b->flat);
+  return flats;
+}
+
 void DistributedDataParallel::registerHooks() {
   // Look every accumulator up before registering any hook, so a failure cannot leave hooks that
   // point at a half-constructed object.

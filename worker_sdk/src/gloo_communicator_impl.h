@@ -41,6 +41,7 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<Work> allGatherAsync(at::Tensor input, at::Tensor output) override;
   std::shared_ptr<Work> barrierAsync() override;
   at::Tensor allocateBuffer(int64_t numel, const at::TensorOptions& options) override;
+  bool buffersOutliveAbort() const override { return shm_ != nullptr; }
   void abort(const std::string& reason) override;
   bool awaitIdle(std::chrono::milliseconds timeout) override { return queue_.waitIdle(timeout); }
   // The leaders' route pads with +0.0 (gloo_leaders.cc).

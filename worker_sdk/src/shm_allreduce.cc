@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <mutex>
 #include <new>
 #include <random>
 #include <sstream>
@@ -169,18 +171,22 @@ std::vector<char> bytesOf(const std::string& s) { return std::vector<char>(s.beg
 }  // namespace
 
 // One mapped segment; unmaps on destruction and, for its creator until every rank mapped it,
-// unlinks its name.
+// unlinks its name. A buffer's segment keeps its descriptor open: a later group's newcomer opens
+// the segment through it (/proc/<pid>/fd/<fd>) to take it over.
 struct ShmAllReduce::Segment {
   std::string name;
   char* base = nullptr;
   size_t bytes = 0;
   bool unlink_on_close = false;
+  int fd = -1;
+  uint64_t magic = 0;
 
   Segment() = default;
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
   ~Segment() {
     if (base != nullptr) munmap(base, bytes);
+    if (fd >= 0) close(fd);
     unlinkName();
   }
   void unlinkName() {
@@ -265,6 +271,36 @@ OpDescriptor* descriptorsOf(char* base, int size) {
   return reinterpret_cast<OpDescriptor*>(base + descriptorsOffset(size));
 }
 
+// Publishes `value` under key + rank and returns every rank's, in rank order. Collective.
+std::vector<std::string> exchange(KeyValueStore& store, const std::string& key, int rank, int size,
+                                  const std::string& value, std::chrono::milliseconds timeout) {
+  store.set(key + std::to_string(rank), bytesOf(value));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(key + std::to_string(r));
+  store.wait(keys, timeout);
+  std::vector<std::string> values;
+  for (const std::string& k : keys) {
+    const std::vector<char> v = store.get(k);
+    values.emplace_back(v.begin(), v.end());
+  }
+  return values;
+}
+
+// Each rank says why it failed ("" = it did not); returns "" when none did, else the first
+// refusal as "rank r: why". Collective.
+std::string firstRefusal(KeyValueStore& store, const std::string& key, int rank, int size,
+                         const std::string& why, std::chrono::milliseconds timeout) {
+  const std::vector<std::string> all =
+      exchange(store, key, rank, size, why.empty() ? "1" : "0" + why, timeout);
+  for (int r = 0; r < size; ++r) {
+    const std::string& v = all[static_cast<size_t>(r)];
+    if (v.empty() || v[0] != '1') {
+      return "rank " + std::to_string(r) + ": " + (v.empty() ? v : v.substr(1));
+    }
+  }
+  return "";
+}
+
 // Rank 0 creates a segment of `bytes` (reserving the memory, so a full /dev/shm is a refusal now
 // rather than a SIGBUS later), lets `init` lay it out, and publishes it under `key`; the others
 // map it. Returns "" when every rank mapped it, else the first refusal ("rank r: why"). Either
@@ -275,7 +311,8 @@ std::string shareSegment(int rank, int size, KeyValueStore& store, const std::st
                          size_t bytes, bool enabled, const std::string& identity,
                          std::chrono::milliseconds timeout, ShmAllReduce::Segment& seg,
                          const std::function<void(char*)>& init, size_t stride = 0) {
-  std::string why;  // empty = this rank mapped the segment
+  const bool keep_fd = stride != 0;  // a buffer: a later group may take it over
+  std::string why;                   // empty = this rank mapped the segment
   uint64_t magic = 0;
   // The part of the segment this rank reserves: [begin, begin + length).
   const size_t begin =
@@ -289,7 +326,11 @@ std::string shareSegment(int rank, int size, KeyValueStore& store, const std::st
   };
   auto mapFd = [&](int fd) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
+    if (keep_fd) {
+      seg.fd = fd;
+    } else {
+      close(fd);
+    }
     if (p == MAP_FAILED) return errnoText("mmap");
     seg.base = static_cast<char*>(p);
     seg.bytes = bytes;
@@ -366,19 +407,8 @@ std::string shareSegment(int rank, int size, KeyValueStore& store, const std::st
       if (why.empty() && seen != magic) why = "segment " + name + " belongs to another host";
     }
   }
-  store.set(key + "ok/" + std::to_string(rank), bytesOf(why.empty() ? "1" : "0" + why));
-
-  std::vector<std::string> keys;
-  for (int r = 0; r < size; ++r) keys.push_back(key + "ok/" + std::to_string(r));
-  store.wait(keys, timeout);
-  std::string refusal;
-  for (int r = 0; r < size && refusal.empty(); ++r) {
-    const std::vector<char> v = store.get(keys[static_cast<size_t>(r)]);
-    if (v.empty() || v[0] != '1') {
-      refusal = "rank " + std::to_string(r) + ": " +
-                std::string(v.begin() + (v.empty() ? 0 : 1), v.end());
-    }
-  }
+  seg.magic = magic;
+  const std::string refusal = firstRefusal(store, key + "ok/", rank, size, why, timeout);
   seg.unlinkName();  // every rank that could map it has: nothing is left in /dev/shm
   return refusal;
 }
@@ -444,21 +474,181 @@ ShmAllReduce::ShmAllReduce(int rank, int size, std::shared_ptr<Segment> control,
 
 ShmAllReduce::~ShmAllReduce() = default;
 
+namespace {
+
+// The buffers this process mapped, so that the next group of an in-place recovery can take over
+// those of the group it aborted: matched by allocation number, size, group size, this rank's
+// place and host. Weak: a buffer nobody holds any more is gone.
+struct Carried {
+  std::weak_ptr<ShmAllReduce::Segment> segment;
+  std::shared_ptr<const std::atomic<bool>> aborted;  // its group's
+  uint64_t id;
+  size_t bytes;
+  int size;
+  int rank;
+  std::string identity;
+};
+
+std::mutex& carriedMutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+std::vector<Carried>& carried() {
+  static std::vector<Carried> all;
+  return all;
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels refuse it (EINVAL) and fault lazily
+#endif
+constexpr long kTmpfsMagic = 0x01021994;
+
+// Maps the segment another process of this host holds open as `fd`: it must be an unlinked
+// tmpfs file (what shm_open made and shareSegment unlinked) of `bytes` bytes starting with
+// `magic`. Returns "" or why not.
+std::string openHeldSegment(long pid, int fd, uint64_t magic, size_t bytes,
+                            ShmAllReduce::Segment& seg) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  const int f = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (f < 0) return errnoText("open " + path);
+  struct stat st {};
+  struct statfs fs {};
+  if (fstat(f, &st) != 0 || fstatfs(f, &fs) != 0) {
+    const std::string why = errnoText("fstat " + path);
+    close(f);
+    return why;
+  }
+  if (static_cast<long>(fs.f_type) != kTmpfsMagic || !S_ISREG(st.st_mode) || st.st_nlink != 0 ||
+      static_cast<size_t>(st.st_size) != bytes) {
+    close(f);
+    return path + " is not an unlinked shared-memory segment of " + std::to_string(bytes) +
+           " bytes";
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+  if (p == MAP_FAILED) {
+    const std::string why = errnoText("mmap " + path);
+    close(f);
+    return why;
+  }
+  seg.name = path;
+  seg.fd = f;
+  seg.base = static_cast<char*>(p);
+  seg.bytes = bytes;
+  seg.magic = magic;
+  uint64_t seen = 0;
+  std::memcpy(&seen, seg.base, sizeof(seen));
+  return seen == magic ? "" : path + " holds another segment";
+}
+
+}  // namespace
+
+std::shared_ptr<ShmAllReduce::Segment> ShmAllReduce::takeOver(uint64_t id, size_t bytes,
+                                                              size_t stride,
+                                                              const std::string& identity,
+                                                              const std::string& key) {
+  static const ddprun::TextLogger log("worker");
+  const size_t total = kPageBytes + static_cast<size_t>(size_) * stride;
+  std::shared_ptr<Segment> mine;
+  {
+    std::lock_guard<std::mutex> lock(carriedMutex());
+    auto& all = carried();
+    all.erase(std::remove_if(all.begin(), all.end(),
+                             [](const Carried& c) { return c.segment.expired(); }),
+              all.end());
+    for (auto c = all.rbegin(); c != all.rend() && !mine; ++c) {
+      if (c->aborted->load() && c->id == id && c->bytes == bytes && c->size == size_ &&
+          c->rank == rank_ && c->identity == identity) {
+        mine = c->segment.lock();
+        if (mine && mine->bytes != total) mine.reset();
+      }
+    }
+  }
+  std::ostringstream offer;
+  if (mine) {
+    offer << getpid() << " " << mine->fd << " " << mine->magic;
+  } else {
+    offer << "-";
+  }
+  const std::vector<std::string> offers =
+      exchange(*store_, key + "offer/", rank_, size_, offer.str(), options_.setup_timeout);
+  // Every rank that offers must hold the same segment; the lowest lends it to the others.
+  long pid = 0;
+  int fd = -1;
+  uint64_t magic = 0;
+  for (int r = 0; r < size_; ++r) {
+    const std::string& o = offers[static_cast<size_t>(r)];
+    if (o == "-") continue;
+    std::istringstream in(o);
+    long p = 0;
+    int f = -1;
+    uint64_t m = 0;
+    if (!(in >> p >> f >> m) || p <= 0 || f < 0 || (pid != 0 && m != magic)) {
+      DDPRUN_LOG(log, kDebug,
+                 "rank " << rank_ << ": shared buffer " << id << " not taken over: rank " << r
+                         << " offers '" << o.substr(0, 80) << "'");
+      return nullptr;
+    }
+    if (pid == 0) {
+      pid = p;
+      fd = f;
+      magic = m;
+    }
+  }
+  if (pid == 0) return nullptr;  // no rank holds one: a first group, or another layout
+  std::string why;
+  std::shared_ptr<Segment> seg = mine;
+  if (!seg) {
+    seg = std::make_shared<Segment>();
+    why = openHeldSegment(pid, fd, magic, total, *seg);
+  }
+  if (why.empty()) {
+    // Its pages exist: mapping them in one call is far cheaper than faulting them one by one in
+    // the first all-reduce.
+    madvise(seg->base + kPageBytes + static_cast<size_t>(rank_) * stride, stride,
+            MADV_POPULATE_WRITE);
+  }
+  const std::string refusal =
+      firstRefusal(*store_, key + "taken/", rank_, size_, why, options_.setup_timeout);
+  if (!refusal.empty()) {
+    DDPRUN_LOG(log, kDebug,
+               "rank " << rank_ << ": shared buffer " << id << " not taken over (" << refusal
+                       << "); allocating a new one");
+    return nullptr;
+  }
+  DDPRUN_LOG(log, kDebug,
+             "rank " << rank_ << ": shared buffer " << id << " taken over from the aborted group ("
+                     << (mine ? "kept" : "mapped through pid " + std::to_string(pid)) << ")");
+  return seg;
+}
+
 std::shared_ptr<void> ShmAllReduce::allocate(size_t bytes) {
   static const ddprun::TextLogger log("worker");
   const uint64_t id = ++allocations_;
   const size_t stride = roundUp(std::max<size_t>(bytes, 1), kPageBytes);
-  auto seg = std::make_shared<Segment>();
-  const std::string refusal = shareSegment(
-      rank_, size_, *store_, options_.prefix + "/shm/buffer" + std::to_string(id) + "/",
-      kPageBytes + static_cast<size_t>(size_) * stride, true,
-      options_.host_identity.empty() ? localHostIdentity() : options_.host_identity,
-      options_.setup_timeout, *seg, [](char*) {}, stride);
-  if (!refusal.empty()) {
-    DDPRUN_LOG(log, kDebug,
-               "rank " << rank_ << ": shared buffer " << id << " of " << bytes << " bytes refused ("
-                       << refusal << "); it stays private");
-    return nullptr;
+  const std::string identity =
+      options_.host_identity.empty() ? localHostIdentity() : options_.host_identity;
+  const std::string key = options_.prefix + "/shm/buffer" + std::to_string(id) + "/";
+  std::shared_ptr<Segment> seg = takeOver(id, bytes, stride, identity, key);
+  if (!seg) {
+    seg = std::make_shared<Segment>();
+    const std::string refusal = shareSegment(
+        rank_, size_, *store_, key, kPageBytes + static_cast<size_t>(size_) * stride, true,
+        identity, options_.setup_timeout, *seg, [](char*) {}, stride);
+    if (!refusal.empty()) {
+      DDPRUN_LOG(log, kDebug,
+                 "rank " << rank_ << ": shared buffer " << id << " of " << bytes
+                         << " bytes refused (" << refusal << "); it stays private");
+      return nullptr;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(carriedMutex());
+    auto& all = carried();
+    all.erase(std::remove_if(all.begin(), all.end(),
+                             [&](const Carried& c) { return c.segment.lock() == seg; }),
+              all.end());
+    all.push_back(Carried{seg, aborted_, id, bytes, size_, rank_, identity});
   }
   char* rank0 = seg->base + kPageBytes;
   char* own = rank0 + static_cast<size_t>(rank_) * stride;
@@ -534,14 +724,14 @@ void ShmAllReduce::checkPeers(const char* phase) const {
 }
 
 void ShmAllReduce::abort() {
-  aborted_.store(true);
+  aborted_->store(true);
   // Every sleeper on this segment wakes; those not aborted go back to sleep.
   futexWakeAll(&header_->arrived);
 }
 
 void ShmAllReduce::barrier(const char* phase) {
   auto throwIfAborted = [&] {
-    if (aborted_.load()) {
+    if (aborted_->load()) {
       throw CommError("shared-memory all_reduce: rank " + std::to_string(rank_) + " was aborted (" +
                       phase + ")");
     }

@@ -25,7 +25,8 @@
 // Barriers are an arrival counter in the control segment: spin briefly, then sleep on a (shared)
 // futex. A wait that exceeds the op timeout, or sees a peer process gone, throws CommError naming
 // the rank. Segments are unlinked as soon as every rank mapped them: a crash leaves nothing in
-// /dev/shm.
+// /dev/shm. A buffer's segment stays open, so that an in-place recovery's new group can take it
+// over instead of allocating and faulting in new memory (see allocate()).
 //
 // Thread-compatibility: one thread at a time per rank (the communicator's op thread), for
 // allReduce() and allocate() alike.
@@ -102,10 +103,14 @@ class ShmAllReduce {
   // passes `receive` false: it takes part but copies nothing.
   void broadcast(void* data, size_t bytes, int root, bool receive = true);
 
-  // Collective (same sizes in the same order on every rank): `bytes` of zeroed memory that peers
-  // can read in place, so all-reduces of ranges inside it skip the staging copy. Returns nullptr
-  // on every rank when /dev/shm cannot hold size() such buffers. The memory stays valid while the
-  // returned pointer (or a copy) lives.
+  // Collective (same sizes in the same order on every rank): `bytes` of memory that peers can read
+  // in place, so all-reduces of ranges inside it skip the staging copy. Returns nullptr on every
+  // rank when /dev/shm cannot hold size() such buffers. The memory stays valid while the returned
+  // pointer (or a copy) lives. It is zeroed, except when it is taken over: after an in-place
+  // recovery, the n-th allocation of the new group reuses the n-th buffer of the aborted one when
+  // it has the same size, every rank that still holds it kept its place, and it is still held
+  // (survivors keep their pages; a replacement maps the segment through a survivor's descriptor,
+  // /proc/<pid>/fd): then it holds what the old group left there.
   std::shared_ptr<void> allocate(size_t bytes);
 
   int rank() const { return rank_; }
@@ -143,6 +148,12 @@ class ShmAllReduce {
   // Sums the peers' copies of [b, e) into `own` (in rank order); the last pass scales and, when
   // `publish` is set, also stores the result there. With a hook: plain sums, then the hook, then
   // the scaling and the publishing.
+  // In-place recovery: the segment of buffer `id` of this process's aborted group, when every
+  // rank that holds one (the survivors, each at its old place) holds the same; the others (the
+  // newcomers) map it through the lowest holder's descriptor. nullptr on every rank otherwise.
+  // Collective.
+  std::shared_ptr<Segment> takeOver(uint64_t id, size_t bytes, size_t stride,
+                                    const std::string& identity, const std::string& key);
   void reduceOwnPiece(char* own, const std::function<const char*(int)>& peer_piece, char* publish,
                       size_t n, ShmDType dtype, double scale, const PieceHook& hook);
 
@@ -156,7 +167,8 @@ class ShmAllReduce {
   std::vector<Buffer> buffers_;
   uint64_t allocations_ = 0;
   uint32_t barriers_ = 0;  // barriers this rank completed; identical on every rank
-  std::atomic<bool> aborted_{false};
+  // Shared with the buffers' entries for a later group (see takeOver()).
+  std::shared_ptr<std::atomic<bool>> aborted_ = std::make_shared<std::atomic<bool>>(false);
   uint64_t chunks_ = 0;  // staged chunks done; picks the slot set
 };
 

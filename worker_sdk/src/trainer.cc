@@ -396,6 +396,10 @@ bool Trainer::recoverInPlace(const std::string& what) {
                 << std::endl;
       std::_Exit(1);  // exit() would wait for the thread still blocked
     }
+    // Shared-memory buckets outlive this DDP until the next one is built: where the new group
+    // keeps this host's layout, its buckets take the same pages over instead of new ones.
+    std::vector<torch::Tensor> old_buckets;
+    if (ddp_ && group_->comm().buffersOutliveAbort()) old_buckets = ddp_->bucketBuffers();
     ddp_.reset();
     for (auto& p : model_->parameters()) p.mutable_grad() = torch::Tensor();
     RecoveryReport report;
@@ -459,6 +463,7 @@ bool Trainer::recoverInPlace(const std::string& what) {
           {"source", std::to_string(std::max(report.source, 0))},
           {"discarded", std::to_string(std::max<int64_t>(before - progress_.global_step, 0))}});
     ddp_ = std::make_unique<DistributedDataParallel>(model_, group_, ddpOptions());
+    old_buckets.clear();
     first_step_pending_ = true;
     log() << "[RANK " << group_->rank() << "] in-place recovery: generation " << spec.generation
           << " formed (world " << spec.size << "), going on after step " << report.step

@@ -66,8 +66,13 @@ class Communicator {
   // A zeroed 1-D tensor for data this communicator will all-reduce again and again (DDP's
   // gradient buckets). Collective: every rank allocates the same sizes in the same order. The
   // Gloo communicator's shared-memory path places it where peers read it in place (no staging
-  // copy per all-reduce); otherwise, and by default, it is at::zeros.
+  // copy per all-reduce); otherwise, and by default, it is at::zeros. After an in-place recovery
+  // the shared-memory path may hand back the aborted group's buffer of the same place, size and
+  // order, with what that group left in it, while a tensor of it is still held.
   virtual at::Tensor allocateBuffer(int64_t numel, const at::TensorOptions& options);
+  // Whether the next group's allocateBuffer can take this one's buffers over once it is aborted
+  // (the shared-memory path): only then is holding them until then worth their memory.
+  virtual bool buffersOutliveAbort() const { return false; }
 
   // In-place recovery: interrupts this communicator for good. The collective running fails with
   // CommError soon after (Gloo: its sockets are shut down; shared memory: its barrier wakes;

@@ -116,6 +116,11 @@ class DistributedDataParallel {
   // reduced first.
   const std::vector<std::vector<std::size_t>>& bucketIndices() const { return bucket_indices_; }
 
+  // The buckets' flat buffers. An in-place recovery holds them while it builds the next group's
+  // DistributedDataParallel, whose buckets may then take the same memory over (see
+  // Communicator::allocateBuffer).
+  std::vector<torch::Tensor> bucketBuffers() const;
+
  private:
   struct Bucket;
   struct Iteration;
