@@ -7,6 +7,9 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -623,10 +626,13 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("an offer that names a file other than an unlinked shared-memory segment is refused",
-          "[worker][shm]") {
-  // Rank 1 is played by hand after setup: it offers a regular file that starts with the magic it
-  // names, as a hostile peer could. Rank 0 must not map it (it would write gradients into it).
+TEST_CASE(
+    "offers that name anything but this group's segment are refused: a regular file, an even "
+    "magic, a process outside the group",
+    "[worker][shm]") {
+  // Rank 1 is played by hand after setup: as a hostile peer (or whoever writes the store) could, it
+  // offers a file of the right size that starts with the magic it names. Rank 0 must not map it
+  // (it would write gradients into it), and allocates a new segment instead.
   auto store = KeyValueStore::inMemory(std::chrono::seconds(30));
   std::unique_ptr<ShmAllReduce> peer;
   std::thread setup([&] { peer = group(1, 2, store, "hostile"); });
@@ -634,41 +640,58 @@ TEST_CASE("an offer that names a file other than an unlinked shared-memory segme
   setup.join();
   const size_t bytes = 4096 * sizeof(float);
   const size_t total = 4096 + 2 * bytes;  // a page, then a region per rank
-  const std::string path = "/tmp/ddprun_shm_hostile_" + std::to_string(getpid());
-  std::vector<char> content(total, 'x');
-  const uint64_t magic = 0x1234567;
-  std::memcpy(content.data(), &magic, sizeof(magic));
-  {
-    std::FILE* f = std::fopen(path.c_str(), "wb");
-    REQUIRE(f != nullptr);
-    REQUIRE(std::fwrite(content.data(), 1, total, f) == total);
-    std::fclose(f);
-  }
-  const int fd = open(path.c_str(), O_RDWR);
-  REQUIRE(fd >= 0);
-  auto put = [&](const std::string& key, const std::string& v) {
-    store->set("hostile/shm/buffer1/" + key, std::vector<char>(v.begin(), v.end()));
+  int allocation = 0;
+  // Offers `fd` (of `pid`) with `magic` as rank 1; true when rank 0 left the file alone.
+  auto offer = [&](int fd, long pid, uint64_t magic) {
+    std::vector<char> content(total, 'x');
+    std::memcpy(content.data(), &magic, sizeof(magic));
+    REQUIRE(pwrite(fd, content.data(), total, 0) == static_cast<ssize_t>(total));
+    const std::string key = "hostile/shm/buffer" + std::to_string(++allocation) + "/";
+    auto put = [&](const std::string& k, const std::string& v) {
+      store->set(key + k, std::vector<char>(v.begin(), v.end()));
+    };
+    put("offer/1", std::to_string(pid) + " " + std::to_string(fd) + " " + std::to_string(magic));
+    put("taken/1", "1");
+    put("ok/1", "1");
+    std::shared_ptr<void> mem = shm->allocate(bytes);
+    REQUIRE(mem != nullptr);
+    auto* f = static_cast<float*>(mem.get());
+    CHECK(f[0] == 0.0f);  // a new segment
+    std::fill_n(f, 4096, 1.0f);
+    std::vector<char> after(total);
+    REQUIRE(pread(fd, after.data(), total, 0) == static_cast<ssize_t>(total));
+    return after == content;
   };
-  put("offer/1", std::to_string(getpid()) + " " + std::to_string(fd) + " " + std::to_string(magic));
-  put("taken/1", "1");
-  put("ok/1", "1");
-  std::shared_ptr<void> mem = shm->allocate(bytes);
-  close(fd);
-  REQUIRE(mem != nullptr);
-  auto* f = static_cast<float*>(mem.get());
-  CHECK(f[0] == 0.0f);  // a new segment
-  std::fill_n(f, 4096, 1.0f);
-  std::vector<char> after(total);
-  {
-    std::FILE* in = std::fopen(path.c_str(), "rb");
-    REQUIRE(in != nullptr);
-    CHECK(std::fread(after.data(), 1, total, in) == total);
-    std::fclose(in);
+
+  SECTION("a regular file") {
+    const std::string path = "/tmp/ddprun_shm_hostile_" + std::to_string(getpid());
+    const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
+    REQUIRE(fd >= 0);
+    CHECK(offer(fd, getpid(), 0x1234567));
+    close(fd);
+    std::remove(path.c_str());
+    const std::vector<char> taken = store->get("hostile/shm/buffer1/taken/0");
+    const std::string why(taken.begin(), taken.end());
+    INFO(why);
+    CHECK(why.find("is not an unlinked shared-memory segment") != std::string::npos);
   }
-  std::remove(path.c_str());
-  CHECK(after == content);
-  const std::vector<char> taken = store->get("hostile/shm/buffer1/taken/0");
-  const std::string why(taken.begin(), taken.end());
-  INFO(why);
-  CHECK(why.find("is not an unlinked shared-memory segment") != std::string::npos);
+
+  // An unlinked tmpfs file of the right size passes every check on the file itself.
+  const int memfd = static_cast<int>(syscall(SYS_memfd_create, "hostile", 0u));
+  REQUIRE(memfd >= 0);
+  SECTION("an even magic (real ones are odd), here the zeros of a fresh file") {
+    CHECK(offer(memfd, getpid(), 0));
+  }
+  SECTION("a process outside the group, though it holds such a file") {
+    const pid_t child = fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      pause();  // holds the memfd (inherited) until killed
+      _exit(0);
+    }
+    CHECK(offer(memfd, child, 0x1234567));
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+  }
+  close(memfd);
 }

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <mutex>
 #include <new>
 #include <random>
@@ -506,28 +507,32 @@ constexpr long kTmpfsMagic = 0x01021994;
 
 // Maps the segment another process of this host holds open as `fd`: it must be an unlinked
 // tmpfs file (what shm_open made and shareSegment unlinked) of `bytes` bytes starting with
-// `magic`. Returns "" or why not.
+// `magic`. It is looked at through an O_PATH descriptor first, so that nothing else (a device, a
+// FIFO) is ever opened for reading and writing. Returns "" or why not.
 std::string openHeldSegment(long pid, int fd, uint64_t magic, size_t bytes,
                             ShmAllReduce::Segment& seg) {
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-  const int f = open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (f < 0) return errnoText("open " + path);
+  const int look = open(path.c_str(), O_PATH | O_CLOEXEC);
+  if (look < 0) return errnoText("open " + path);
   struct stat st {};
   struct statfs fs {};
-  if (fstat(f, &st) != 0 || fstatfs(f, &fs) != 0) {
-    const std::string why = errnoText("fstat " + path);
-    close(f);
-    return why;
+  std::string why;
+  if (fstat(look, &st) != 0 || fstatfs(look, &fs) != 0) {
+    why = errnoText("fstat " + path);
+  } else if (static_cast<long>(fs.f_type) != kTmpfsMagic || !S_ISREG(st.st_mode) ||
+             st.st_nlink != 0 || static_cast<size_t>(st.st_size) != bytes) {
+    why = path + " is not an unlinked shared-memory segment of " + std::to_string(bytes) + " bytes";
   }
-  if (static_cast<long>(fs.f_type) != kTmpfsMagic || !S_ISREG(st.st_mode) || st.st_nlink != 0 ||
-      static_cast<size_t>(st.st_size) != bytes) {
-    close(f);
-    return path + " is not an unlinked shared-memory segment of " + std::to_string(bytes) +
-           " bytes";
-  }
+  // The same file, now for reading and writing (/proc/self/fd reopens what `look` refers to).
+  const int f = why.empty()
+                    ? open(("/proc/self/fd/" + std::to_string(look)).c_str(), O_RDWR | O_CLOEXEC)
+                    : -1;
+  if (why.empty() && f < 0) why = errnoText("open " + path);
+  close(look);
+  if (!why.empty()) return why;
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
   if (p == MAP_FAILED) {
-    const std::string why = errnoText("mmap " + path);
+    why = errnoText("mmap " + path);
     close(f);
     return why;
   }
@@ -561,6 +566,9 @@ std::shared_ptr<ShmAllReduce::Segment> ShmAllReduce::takeOver(uint64_t id, size_
           c->rank == rank_ && c->identity == identity) {
         mine = c->segment.lock();
         if (mine && mine->bytes != total) mine.reset();
+        // Claimed: no other group of this process may offer it too (allocate() notes it again,
+        // under this group, once taken over).
+        if (mine) all.erase(std::next(c).base());
       }
     }
   }
@@ -572,7 +580,10 @@ std::shared_ptr<ShmAllReduce::Segment> ShmAllReduce::takeOver(uint64_t id, size_
   }
   const std::vector<std::string> offers =
       exchange(*store_, key + "offer/", rank_, size_, offer.str(), options_.setup_timeout);
-  // Every rank that offers must hold the same segment; the lowest lends it to the others.
+  // Every rank that offers must hold the same segment, and be one of this group's processes (the
+  // pids every rank wrote into the control segment); the lowest lends it to the others. A real
+  // magic is odd.
+  const std::atomic<int32_t>* pids = pidsOf(control_->base);
   long pid = 0;
   int fd = -1;
   uint64_t magic = 0;
@@ -583,7 +594,8 @@ std::shared_ptr<ShmAllReduce::Segment> ShmAllReduce::takeOver(uint64_t id, size_
     long p = 0;
     int f = -1;
     uint64_t m = 0;
-    if (!(in >> p >> f >> m) || p <= 0 || f < 0 || (pid != 0 && m != magic)) {
+    if (!(in >> p >> f >> m) || p != pids[r].load() || f < 0 || (m & 1u) == 0 ||
+        (pid != 0 && m != magic)) {
       DDPRUN_LOG(log, kDebug,
                  "rank " << rank_ << ": shared buffer " << id << " not taken over: rank " << r
                          << " offers '" << o.substr(0, 80) << "'");

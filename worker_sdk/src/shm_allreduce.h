@@ -110,7 +110,8 @@ class ShmAllReduce {
   // recovery, the n-th allocation of the new group reuses the n-th buffer of the aborted one when
   // it has the same size, every rank that still holds it kept its place, and it is still held
   // (survivors keep their pages; a replacement maps the segment through a survivor's descriptor,
-  // /proc/<pid>/fd): then it holds what the old group left there.
+  // /proc/<pid>/fd, of a pid in this group): then it holds what the old group left there. Each
+  // buffer keeps one descriptor open while it is held.
   std::shared_ptr<void> allocate(size_t bytes);
 
   int rank() const { return rank_; }

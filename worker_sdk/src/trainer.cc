@@ -446,6 +446,9 @@ bool Trainer::recoverInPlace(const std::string& what) {
             << (failed.empty() ? "" : " (" + failed.substr(0, 200) + ")")
             << "; waiting for the next group" << std::endl;
     }
+    // Without shared memory in the new group (its hosts no longer hold the same number of
+    // ranks) nothing takes the old buckets over: they go before the new ones are allocated.
+    if (!group_->comm().buffersOutliveAbort()) old_buckets.clear();
     report.generation = spec.generation;
     report.world = spec.size;
     report.formed_ms = Ms(std::chrono::steady_clock::now() - t0).count();

@@ -70,8 +70,9 @@ class Communicator {
   // the shared-memory path may hand back the aborted group's buffer of the same place, size and
   // order, with what that group left in it, while a tensor of it is still held.
   virtual at::Tensor allocateBuffer(int64_t numel, const at::TensorOptions& options);
-  // Whether the next group's allocateBuffer can take this one's buffers over once it is aborted
-  // (the shared-memory path): only then is holding them until then worth their memory.
+  // Whether buffers pass from an aborted group to the next one's allocateBuffer (the
+  // shared-memory path, on both groups): only then is holding the old ones until the new ones are
+  // allocated worth their memory.
   virtual bool buffersOutliveAbort() const { return false; }
 
   // In-place recovery: interrupts this communicator for good. The collective running fails with
