@@ -525,6 +525,28 @@ std::unique_ptr<ShmAllReduce> group(int rank, int world, std::shared_ptr<KeyValu
 // Each rank's mark in its region of the n-th buffer.
 float markOf(int rank, size_t k) { return static_cast<float>(1000 * (rank + 1) + k); }
 
+// Runs `body(rank, fail)` on `world` threads; `fail` is what the rank found wrong (an exception's
+// message counts too). Every rank's finding is checked.
+void onRanks(int world, const std::function<void(int, std::string&)>& body) {
+  std::vector<std::string> failures(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      std::string& fail = failures[static_cast<size_t>(r)];
+      try {
+        body(r, fail);
+      } catch (const std::exception& e) {
+        fail = e.what();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r);
+    CHECK(failures[static_cast<size_t>(r)] == "");
+  }
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -535,51 +557,39 @@ TEST_CASE(
   const int newcomer = 1;  // its "process" dropped everything, as a killed rank's did
   const std::vector<size_t> sizes = {5000, 300000, 7};
   auto store = KeyValueStore::inMemory(std::chrono::seconds(30));
-  std::vector<std::string> failures(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      auto& fail = failures[static_cast<size_t>(r)];
-      try {
-        auto a = group(r, world, store, "takeover-a");
-        std::vector<std::shared_ptr<void>> old;
-        for (size_t k = 0; k < sizes.size(); ++k) {
-          old.push_back(a->allocate(sizes[k] * sizeof(float)));
-          if (!old.back()) throw std::runtime_error("allocate refused");
-          std::fill_n(static_cast<float*>(old.back().get()), sizes[k], markOf(r, k));
-        }
-        int64_t x = 1;
-        a->allReduce(&x, 1, ShmDType::kInt64);  // every rank has marked its regions
-        a->abort();
-        if (r == newcomer) old.clear();
-        auto b = group(r, world, store, "takeover-b");
-        a.reset();  // the old group is gone; its buffers live on where held
-        for (size_t k = 0; k < sizes.size(); ++k) {
-          std::shared_ptr<void> mem = b->allocate(sizes[k] * sizeof(float));
-          if (!mem) throw std::runtime_error("allocate refused in the new group");
-          auto* f = static_cast<float*>(mem.get());
-          if (f[0] != markOf(r, k) || f[sizes[k] - 1] != markOf(r, k)) {
-            fail = "buffer " + std::to_string(k) + " was not taken over: holds " +
-                   std::to_string(f[0]);
-            return;
-          }
-          if (r != newcomer && mem.get() != old[k].get()) fail = "a survivor's pages moved";
-          for (size_t i = 0; i < sizes[k]; ++i) f[i] = static_cast<float>((r + 1) * (i % 100));
-          b->allReduce(f, sizes[k], ShmDType::kFloat32);
-          for (size_t i = 0; i < sizes[k]; ++i) {
-            if (f[i] != static_cast<float>(6 * (i % 100))) {
-              fail = "buffer " + std::to_string(k) + " element " + std::to_string(i);
-              return;
-            }
-          }
-        }
-      } catch (const std::exception& e) {
-        fail = e.what();
+  onRanks(world, [&](int r, std::string& fail) {
+    auto a = group(r, world, store, "takeover-a");
+    std::vector<std::shared_ptr<void>> old;
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      old.push_back(a->allocate(sizes[k] * sizeof(float)));
+      if (!old.back()) throw std::runtime_error("allocate refused");
+      std::fill_n(static_cast<float*>(old.back().get()), sizes[k], markOf(r, k));
+    }
+    int64_t x = 1;
+    a->allReduce(&x, 1, ShmDType::kInt64);  // every rank has marked its regions
+    a->abort();
+    if (r == newcomer) old.clear();
+    auto b = group(r, world, store, "takeover-b");
+    a.reset();  // the old group is gone; its buffers live on where held
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      std::shared_ptr<void> mem = b->allocate(sizes[k] * sizeof(float));
+      if (!mem) throw std::runtime_error("allocate refused in the new group");
+      auto* f = static_cast<float*>(mem.get());
+      if (f[0] != markOf(r, k) || f[sizes[k] - 1] != markOf(r, k)) {
+        fail = "buffer " + std::to_string(k) + " was not taken over: holds " + std::to_string(f[0]);
+        return;
       }
-    });
-  }
-  for (auto& th : threads) th.join();
-  for (auto& f : failures) CHECK(f == "");
+      if (r != newcomer && mem.get() != old[k].get()) fail = "a survivor's pages moved";
+      for (size_t i = 0; i < sizes[k]; ++i) f[i] = static_cast<float>((r + 1) * (i % 100));
+      b->allReduce(f, sizes[k], ShmDType::kFloat32);
+      for (size_t i = 0; i < sizes[k]; ++i) {
+        if (f[i] != static_cast<float>(6 * (i % 100))) {
+          fail = "buffer " + std::to_string(k) + " element " + std::to_string(i);
+          return;
+        }
+      }
+    }
+  });
   CHECK(ourSegments().empty());
 }
 
@@ -593,36 +603,25 @@ TEST_CASE(
     const int next_world = change == Change::kSmallerGroup ? 2 : 3;
     const std::string tag = std::to_string(static_cast<int>(change));
     auto store = KeyValueStore::inMemory(std::chrono::seconds(30));
-    std::vector<std::string> failures(static_cast<size_t>(world));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < world; ++r) {
-      threads.emplace_back([&, r] {
-        auto& fail = failures[static_cast<size_t>(r)];
-        try {
-          auto a = group(r, world, store, "fresh-a" + tag);
-          std::shared_ptr<void> old = a->allocate(4000 * sizeof(float));
-          if (!old) throw std::runtime_error("allocate refused");
-          std::fill_n(static_cast<float*>(old.get()), 4000, markOf(r, 0));
-          if (change != Change::kNotAborted) a->abort();
-          if (r >= next_world) return;
-          auto b = group(r, next_world, store, "fresh-b" + tag);
-          const size_t n = change == Change::kOtherSize ? 4100 : 4000;
-          std::shared_ptr<void> mem = b->allocate(n * sizeof(float));
-          if (!mem) throw std::runtime_error("allocate refused in the new group");
-          auto* f = static_cast<float*>(mem.get());
-          if (mem.get() == old.get() || f[0] != 0.0f || f[n - 1] != 0.0f) {
-            fail = "the old buffer was taken over";
-          }
-          if (change == Change::kNotAborted && static_cast<float*>(old.get())[0] != markOf(r, 0)) {
-            fail = "the live group's buffer changed";
-          }
-        } catch (const std::exception& e) {
-          fail = e.what();
-        }
-      });
-    }
-    for (auto& th : threads) th.join();
-    for (auto& f : failures) CHECK(f == "");
+    onRanks(world, [&](int r, std::string& fail) {
+      auto a = group(r, world, store, "fresh-a" + tag);
+      std::shared_ptr<void> old = a->allocate(4000 * sizeof(float));
+      if (!old) throw std::runtime_error("allocate refused");
+      std::fill_n(static_cast<float*>(old.get()), 4000, markOf(r, 0));
+      if (change != Change::kNotAborted) a->abort();
+      if (r >= next_world) return;
+      auto b = group(r, next_world, store, "fresh-b" + tag);
+      const size_t n = change == Change::kOtherSize ? 4100 : 4000;
+      std::shared_ptr<void> mem = b->allocate(n * sizeof(float));
+      if (!mem) throw std::runtime_error("allocate refused in the new group");
+      auto* f = static_cast<float*>(mem.get());
+      if (mem.get() == old.get() || f[0] != 0.0f || f[n - 1] != 0.0f) {
+        fail = "the old buffer was taken over";
+      }
+      if (change == Change::kNotAborted && static_cast<float*>(old.get())[0] != markOf(r, 0)) {
+        fail = "the live group's buffer changed";
+      }
+    });
   }
 }
 
