@@ -418,9 +418,11 @@ std::string shareSegment(int rank, int size, KeyValueStore& store, const std::st
 
 std::unique_ptr<ShmAllReduce> ShmAllReduce::tryCreate(int rank, int size,
                                                       std::shared_ptr<KeyValueStore> store,
-                                                      const ShmOptions& options) {
+                                                      const ShmOptions& given) {
   static const ddprun::TextLogger log("worker");
   if (size < 2) return nullptr;
+  ShmOptions options = given;  // with this host's identity resolved once, for every buffer too
+  if (options.host_identity.empty()) options.host_identity = localHostIdentity();
   const size_t slot_bytes =
       options.slot_bytes > 0
           ? roundUp(options.slot_bytes, kLineBytes)
@@ -430,8 +432,7 @@ std::unique_ptr<ShmAllReduce> ShmAllReduce::tryCreate(int rank, int size,
   const std::string refusal =
       shareSegment(rank, size, *store, options.prefix + "/shm/control/",
                    headerBytes(size) + 2 * static_cast<size_t>(size) * slot_bytes,
-                   options.enabled && !shmDisabledByEnvironment(),
-                   options.host_identity.empty() ? localHostIdentity() : options.host_identity,
+                   options.enabled && !shmDisabledByEnvironment(), options.host_identity,
                    options.setup_timeout, *control, [&](char* base) {
                      auto* h = new (base) Header{};
                      h->size = static_cast<uint32_t>(size);
@@ -549,11 +550,9 @@ std::string openHeldSegment(long pid, int fd, uint64_t magic, size_t bytes,
 }  // namespace
 
 std::shared_ptr<ShmAllReduce::Segment> ShmAllReduce::takeOver(uint64_t id, size_t bytes,
-                                                              size_t stride,
-                                                              const std::string& identity,
+                                                              size_t stride, size_t total,
                                                               const std::string& key) {
   static const ddprun::TextLogger log("worker");
-  const size_t total = kPageBytes + static_cast<size_t>(size_) * stride;
   std::shared_ptr<Segment> mine;
   {
     std::lock_guard<std::mutex> lock(carriedMutex());
@@ -563,7 +562,7 @@ std::shared_ptr<ShmAllReduce::Segment> ShmAllReduce::takeOver(uint64_t id, size_
               all.end());
     for (auto c = all.rbegin(); c != all.rend() && !mine; ++c) {
       if (c->aborted->load() && c->id == id && c->bytes == bytes && c->size == size_ &&
-          c->rank == rank_ && c->identity == identity) {
+          c->rank == rank_ && c->identity == options_.host_identity) {
         mine = c->segment.lock();
         if (mine && mine->bytes != total) mine.reset();
         // Claimed: no other group of this process may offer it too (allocate() notes it again,
@@ -638,15 +637,14 @@ std::shared_ptr<void> ShmAllReduce::allocate(size_t bytes) {
   static const ddprun::TextLogger log("worker");
   const uint64_t id = ++allocations_;
   const size_t stride = roundUp(std::max<size_t>(bytes, 1), kPageBytes);
-  const std::string identity =
-      options_.host_identity.empty() ? localHostIdentity() : options_.host_identity;
+  const size_t total = kPageBytes + static_cast<size_t>(size_) * stride;
   const std::string key = options_.prefix + "/shm/buffer" + std::to_string(id) + "/";
-  std::shared_ptr<Segment> seg = takeOver(id, bytes, stride, identity, key);
+  std::shared_ptr<Segment> seg = takeOver(id, bytes, stride, total, key);
   if (!seg) {
     seg = std::make_shared<Segment>();
     const std::string refusal = shareSegment(
-        rank_, size_, *store_, key, kPageBytes + static_cast<size_t>(size_) * stride, true,
-        identity, options_.setup_timeout, *seg, [](char*) {}, stride);
+        rank_, size_, *store_, key, total, true, options_.host_identity, options_.setup_timeout,
+        *seg, [](char*) {}, stride);
     if (!refusal.empty()) {
       DDPRUN_LOG(log, kDebug,
                  "rank " << rank_ << ": shared buffer " << id << " of " << bytes
@@ -655,12 +653,9 @@ std::shared_ptr<void> ShmAllReduce::allocate(size_t bytes) {
     }
   }
   {
+    // A segment taken over left the registry when takeOver() claimed it: one entry each.
     std::lock_guard<std::mutex> lock(carriedMutex());
-    auto& all = carried();
-    all.erase(std::remove_if(all.begin(), all.end(),
-                             [&](const Carried& c) { return c.segment.lock() == seg; }),
-              all.end());
-    all.push_back(Carried{seg, aborted_, id, bytes, size_, rank_, identity});
+    carried().push_back(Carried{seg, aborted_, id, bytes, size_, rank_, options_.host_identity});
   }
   char* rank0 = seg->base + kPageBytes;
   char* own = rank0 + static_cast<size_t>(rank_) * stride;

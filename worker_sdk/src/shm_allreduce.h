@@ -146,15 +146,15 @@ class ShmAllReduce {
                        const PieceHook& hook);
   void allReduceInPlace(const Buffer& buffer, char* data, size_t count, ShmDType dtype,
                         double scale, const PieceHook& hook);
+  // In-place recovery: the segment (`total` bytes) of buffer `id` of this process's aborted group,
+  // when every rank that holds one (the survivors, each at its old place) holds the same; the
+  // others (the newcomers) map it through the lowest holder's descriptor. nullptr on every rank
+  // otherwise. Collective.
+  std::shared_ptr<Segment> takeOver(uint64_t id, size_t bytes, size_t stride, size_t total,
+                                    const std::string& key);
   // Sums the peers' copies of [b, e) into `own` (in rank order); the last pass scales and, when
   // `publish` is set, also stores the result there. With a hook: plain sums, then the hook, then
   // the scaling and the publishing.
-  // In-place recovery: the segment of buffer `id` of this process's aborted group, when every
-  // rank that holds one (the survivors, each at its old place) holds the same; the others (the
-  // newcomers) map it through the lowest holder's descriptor. nullptr on every rank otherwise.
-  // Collective.
-  std::shared_ptr<Segment> takeOver(uint64_t id, size_t bytes, size_t stride,
-                                    const std::string& identity, const std::string& key);
   void reduceOwnPiece(char* own, const std::function<const char*(int)>& peer_piece, char* publish,
                       size_t n, ShmDType dtype, double scale, const PieceHook& hook);
 
