@@ -278,7 +278,7 @@ StatusOr<std::unique_ptr<AgentRun>> AgentRun::build(const AgentConfig& cfg, Node
       &r.heartbeat_probe_, r.control_channel_.get());
   if (cfg.metrics_port >= 0) DDPRUN_RETURN_IF_ERROR(usageError(r.startMetrics()));
   if (r.rendezvous_->identity) {
-    r.rendezvous_->identity->setVote([&r] { return r.supervisor_->votesInPlace(); });
+    r.rendezvous_->identity->setVote([&r] { return r.supervisor_->inPlaceVote(); });
   }
   r.supervisor_->setStateListener([&r](AgentState s) { r.onStateChange(s); });
   r.supervisor_->setRecoveryListener(

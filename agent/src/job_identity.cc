@@ -15,9 +15,21 @@ constexpr char kVote[] = " inplace=";
 struct Identity {
   std::string address;
   std::string program;
-  bool in_place = false;
+  InPlaceVote vote = InPlaceVote::kProcess;
   bool voted = false;  // its agent knows the vote (an older one publishes no field)
 };
+
+const char* voteText(InPlaceVote vote) {
+  switch (vote) {
+    case InPlaceVote::kInPlace:
+      return "1";
+    case InPlaceVote::kListen:
+      return "listen";
+    case InPlaceVote::kProcess:
+      break;
+  }
+  return "0";
+}
 
 Identity decode(const std::string& value) {
   Identity id;
@@ -31,9 +43,10 @@ Identity decode(const std::string& value) {
   const auto vote = id.address.rfind(kVote);
   if (vote != std::string::npos) {
     const std::string said = id.address.substr(vote + sizeof(kVote) - 1);
-    if (said == "1" || said == "0") {
+    for (InPlaceVote v : {InPlaceVote::kProcess, InPlaceVote::kListen, InPlaceVote::kInPlace}) {
+      if (said != voteText(v)) continue;
       id.voted = true;
-      id.in_place = said == "1";
+      id.vote = v;
       id.address.resize(vote);
     }
   }
@@ -48,8 +61,8 @@ std::string baseName(const std::string& program) {
 }  // namespace
 
 std::string encodeJobIdentity(const std::string& address, const std::string& program,
-                              bool in_place) {
-  return address + kVote + (in_place ? "1" : "0") + "\n" + program;
+                              InPlaceVote vote) {
+  return address + kVote + voteText(vote) + "\n" + program;
 }
 
 Status checkSameJob(const std::vector<std::string>& identities, int self_rank,
@@ -68,21 +81,35 @@ Status checkSameJob(const std::vector<std::string>& identities, int self_rank,
   return Status::ok();
 }
 
+namespace {
+// Why a node that votes `vote` (not kInPlace) restarts its workers as processes in this round.
+std::string whyNot(InPlaceVote vote, bool self) {
+  if (vote == InPlaceVote::kListen) {
+    return self ? " (a worker failed without having announced in-place support, and none of its "
+                  "workers announced it since)"
+                : " (one of its workers failed without having announced in-place support, and "
+                  "none announced it since)";
+  }
+  return self ? " (its agent runs --restart-mode=process)"
+              : " (its agent runs --restart-mode=process or a ddprun without in-place recovery)";
+}
+}  // namespace
+
 std::string inPlaceVeto(const std::vector<std::string>& identities, int self_rank, int round) {
   for (size_t i = 0; i < identities.size(); ++i) {
     if (static_cast<int>(i) == self_rank) continue;
     const Identity id = decode(identities[i]);
-    if (id.in_place) continue;
+    if (id.vote == InPlaceVote::kInPlace) continue;
     return "node " + std::to_string(i) + " of round " + std::to_string(round) + " (" +
-           quotePeerText(id.address, 100) +
-           ") restarts its workers as processes (its agent runs --restart-mode=process or a "
-           "ddprun without in-place recovery, or its workers did not announce in-place support)";
+           quotePeerText(id.address, 100) + ") restarts its workers as processes" +
+           whyNot(id.vote, false);
   }
-  if (self_rank >= 0 && static_cast<size_t>(self_rank) < identities.size() &&
-      !decode(identities[static_cast<size_t>(self_rank)]).in_place) {
-    return "this node (node " + std::to_string(self_rank) + " of round " + std::to_string(round) +
-           ") restarts its workers as processes (its agent runs --restart-mode=process, or its "
-           "workers did not announce in-place support)";
+  if (self_rank >= 0 && static_cast<size_t>(self_rank) < identities.size()) {
+    const InPlaceVote own = decode(identities[static_cast<size_t>(self_rank)]).vote;
+    if (own != InPlaceVote::kInPlace) {
+      return "this node (node " + std::to_string(self_rank) + " of round " + std::to_string(round) +
+             ") restarts its workers as processes" + whyNot(own, true);
+    }
   }
   return "";
 }
@@ -102,9 +129,17 @@ std::string olderAgent(const std::vector<std::string>& identities, int self_rank
 
 bool othersVoteInPlace(const std::vector<std::string>& identities, int self_rank) {
   for (size_t i = 0; i < identities.size(); ++i) {
-    if (static_cast<int>(i) != self_rank && !decode(identities[i]).in_place) return false;
+    if (static_cast<int>(i) != self_rank && decode(identities[i]).vote != InPlaceVote::kInPlace) {
+      return false;
+    }
   }
   return true;
+}
+
+bool everyNodeListens(const std::vector<std::string>& identities) {
+  return std::none_of(identities.begin(), identities.end(), [](const std::string& value) {
+    return decode(value).vote == InPlaceVote::kProcess;
+  });
 }
 
 namespace {
@@ -169,6 +204,8 @@ void JobIdentityClient::compare(const RoundInfo& r, const std::string& prefix, R
                       voted.in_place_veto = inPlaceVeto(*values, r.group_rank, r.round);
                       voted.in_place_veto_own =
                           !voted.in_place_veto.empty() && othersVoteInPlace(*values, r.group_rank);
+                      voted.in_place_veto_soft =
+                          !voted.in_place_veto.empty() && everyNodeListens(*values);
                       done(std::move(voted));
                       return;
                     }

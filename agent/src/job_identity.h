@@ -8,11 +8,13 @@
 //
 // The same exchange carries each node's vote for in-place recovery (docs/in-place-recovery.md
 // §2.1): whether its agent runs --restart-mode=in-place and its workers can recover in place
-// (Supervisor::votesInPlace, asked as the node publishes). A round in which some node, this one
-// included, votes against is handed up with RoundInfo::in_place_veto naming it: every node runs
-// it as process mode (its workers get no control channel), and the nodes that would recover in
-// place restart their workers as processes instead of waiting, until inplace_timeout, for ranks
-// that never come.
+// (Supervisor::inPlaceVote, asked as the node publishes). A round in which some node, this one
+// included, votes against is handed up with RoundInfo::in_place_veto naming it: a recovery that
+// forms it falls back (the nodes that would recover in place restart their workers as processes
+// instead of waiting, until inplace_timeout, for ranks that never come). A node under
+// --restart-mode=process votes kProcess, and every node runs the round as process mode (its
+// workers get no control channel); when every vote against is kListen (in_place_veto_soft) the
+// workers get the channel, and may announce support, which brings their node's vote back.
 //
 // checkSameJob and inPlaceVeto are the pure part; the client is the shell around the rendezvous (as
 // SnapshotSyncClient). Threading: the agent's loop thread. Lifetime: outlives no call of `inner`'s
@@ -29,10 +31,10 @@
 
 namespace ddprun::agent {
 
-// What a node publishes: "<address> inplace=1|0\n<program>". A value without the vote (an
-// agent that predates it: "<address>\n<program>") votes 0.
+// What a node publishes: "<address> inplace=1|listen|0\n<program>". A value without the vote (an
+// agent that predates it: "<address>\n<program>"), or with another value, votes 0.
 std::string encodeJobIdentity(const std::string& address, const std::string& program,
-                              bool in_place);
+                              InPlaceVote vote);
 // OK when every node's published identity (by group rank) runs this node's program (compared by
 // its file or module name: one job's nodes may hold it in other directories); FAILED_PRECONDITION
 // naming the first node that runs another, and `run_id`.
@@ -48,11 +50,14 @@ std::string inPlaceVeto(const std::vector<std::string>& identities, int self_ran
 std::string olderAgent(const std::vector<std::string>& identities, int self_rank);
 // Whether every other node's published identity votes for in-place recovery.
 bool othersVoteInPlace(const std::vector<std::string>& identities, int self_rank);
+// Whether every node's published identity, this one's included, votes kInPlace or kListen (their
+// agents listen on a control channel: RoundInfo::in_place_veto_soft).
+bool everyNodeListens(const std::vector<std::string>& identities);
 
 class JobIdentityClient final : public RendezvousClient {
  public:
-  // This node runs `program` at `address`; `in_place`: --restart-mode=in-place, its vote until
-  // setVote.
+  // This node runs `program` at `address`; `in_place`: --restart-mode=in-place, its vote
+  // (kInPlace, else kProcess) until setVote.
   JobIdentityClient(RendezvousClient& inner, RendezvousService& service, std::string run_id,
                     std::string address, std::string program, bool in_place,
                     Duration wait_for = std::chrono::seconds(30))
@@ -61,11 +66,11 @@ class JobIdentityClient final : public RendezvousClient {
         run_id_(std::move(run_id)),
         address_(std::move(address)),
         program_(std::move(program)),
-        vote_([in_place] { return in_place; }),
+        vote_([in_place] { return in_place ? InPlaceVote::kInPlace : InPlaceVote::kProcess; }),
         in_place_mode_(in_place),
         wait_for_(wait_for) {}
   // Asked for this node's vote each time it publishes (on the loop thread).
-  void setVote(std::function<bool()> vote) { vote_ = std::move(vote); }
+  void setVote(std::function<InPlaceVote()> vote) { vote_ = std::move(vote); }
   // A round from `inner`, handed on once every node said what it runs (or after wait_for: a
   // node that is slow to say is no other job, and casts no vote), or the mismatch as the round's
   // error.
@@ -94,7 +99,7 @@ class JobIdentityClient final : public RendezvousClient {
   std::string run_id_;
   std::string address_;
   std::string program_;
-  std::function<bool()> vote_;
+  std::function<InPlaceVote()> vote_;
   bool in_place_mode_;         // --restart-mode=in-place
   bool warned_older_ = false;  // olderAgent's line was said
   Duration wait_for_;

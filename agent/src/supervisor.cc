@@ -117,8 +117,10 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     return;
   }
   round_ = *round;
-  // (This node's own veto, for a worker that failed unannounced, was said already.)
-  if (options_.restart_in_place && !round_.in_place_veto.empty() && !round_.in_place_veto_own) {
+  // (This node's own veto, for a worker that failed unannounced, was said already. A soft veto
+  // leaves this round's failures to the next round's votes, which a recovery's fallback names.)
+  if (options_.restart_in_place && !round_.in_place_veto.empty() && !round_.in_place_veto_own &&
+      !round_.in_place_veto_soft) {
     notInPlace(NotInPlace::kVeto, round_.in_place_veto);
   }
   group_generation_ = generationOf(round_);
@@ -506,7 +508,7 @@ void Supervisor::onSignal(int sig) {
 
 bool Supervisor::leavesAfterWorkers() const {
   if (!options_.multi_node || !options_.restart_in_place || control_ == nullptr ||
-      state_ != AgentState::kRunning || !round_.in_place_veto.empty()) {
+      state_ != AgentState::kRunning || hardVeto()) {
     return false;
   }
   return std::all_of(workers_.begin(), workers_.end(),
@@ -706,8 +708,9 @@ bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
   // With the budget spent the usual path fails the job.
   if (charged && restart_count_ >= options_.max_restarts) return false;
   // Another node restarts its workers whatever happens: those here could only wait for its ranks.
-  // (This node's own veto, for a worker that failed unannounced, was said as it voted.)
-  if (!round_.in_place_veto.empty()) {
+  // (This node's own veto, for a worker that failed unannounced, was said as it voted.) Under a
+  // soft veto every node's workers have the channel, and the recovery's round decides.
+  if (hardVeto()) {
     return round_.in_place_veto_own ? false : notInPlace(NotInPlace::kVeto, round_.in_place_veto);
   }
   auto unannounced = [this](const Worker& w) {

@@ -42,9 +42,10 @@ AttemptPlan WorkerPlanner::plan(const RoundInfo& round, int restart_count) const
   in.set_omp_num_threads = cfg_.set_omp_num_threads;
   in.virtual_local_rank = cfg_.virtual_local_rank;
   in.torch_version = torch_version_;
-  // A round in which another node restarts processes forms its groups as process mode does
-  // (`/r<round>`, DDPRUN_ROUND): here too, so these workers are not offered the channel.
-  if (round.in_place_veto.empty()) in.control_socket = control_socket_;
+  // A round in which a node under process mode restarts processes forms its groups as process
+  // mode does (`/r<round>`, DDPRUN_ROUND): here too, so these workers are not offered the channel.
+  // Where every node listens on its channel (a soft veto) they are, and may announce support.
+  if (round.in_place_veto.empty() || round.in_place_veto_soft) in.control_socket = control_socket_;
   for (int sig : cfg_.signals_to_handle) {
     in.signals_to_handle += (in.signals_to_handle.empty() ? "" : ",") + signalName(sig);
   }

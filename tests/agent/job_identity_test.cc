@@ -7,44 +7,46 @@ using namespace ddprun;
 using namespace ddprun::agent;
 
 TEST_CASE("nodes that run one program are one job, wherever they keep it", "[agent]") {
-  CHECK(checkSameJob({encodeJobIdentity("10.0.0.1", "/home/a/train.py", true),
-                      encodeJobIdentity("10.0.0.2", "/scratch/b/train.py", false)},
+  CHECK(checkSameJob({encodeJobIdentity("10.0.0.1", "/home/a/train.py", InPlaceVote::kInPlace),
+                      encodeJobIdentity("10.0.0.2", "/scratch/b/train.py", InPlaceVote::kProcess)},
                      1, "job")
             .isOk());
-  CHECK(checkSameJob({encodeJobIdentity("10.0.0.1", "train.py", true)}, 0, "job").isOk());
+  CHECK(checkSameJob({encodeJobIdentity("10.0.0.1", "train.py", InPlaceVote::kInPlace)}, 0, "job")
+            .isOk());
 }
 
 TEST_CASE("a node of the round that runs another program is named, with the job id", "[agent]") {
-  const Status st = checkSameJob({encodeJobIdentity("10.0.0.1", "/srv/train.py", true),
-                                  encodeJobIdentity("10.0.0.2", "/srv/eval.py", true)},
-                                 0, "nightly");
+  const Status st =
+      checkSameJob({encodeJobIdentity("10.0.0.1", "/srv/train.py", InPlaceVote::kInPlace),
+                    encodeJobIdentity("10.0.0.2", "/srv/eval.py", InPlaceVote::kInPlace)},
+                   0, "nightly");
   REQUIRE(st.code() == StatusCode::kFailedPrecondition);
   CHECK(st.message() ==
         "another job uses --rdzv-id 'nightly': node 1 of this round (10.0.0.2) runs "
         "'/srv/eval.py', this node runs '/srv/train.py'; give each job an id of its own");
   // What a node published is escaped in the message.
-  const Status odd = checkSameJob(
-      {encodeJobIdentity("h", "a", true), encodeJobIdentity("h\x1b", "b\x1b[2J", true)}, 0, "j");
+  const Status odd = checkSameJob({encodeJobIdentity("h", "a", InPlaceVote::kInPlace),
+                                   encodeJobIdentity("h\x1b", "b\x1b[2J", InPlaceVote::kInPlace)},
+                                  0, "j");
   CHECK(odd.message().find("\\x1b[2J") != std::string::npos);
   CHECK(odd.message().find('\x1b') == std::string::npos);
 }
 
 TEST_CASE("each node votes for in-place recovery, and the first other node against it is named",
           "[agent][inplace]") {
-  const std::string a = encodeJobIdentity("10.0.0.1", "/srv/train", true);
-  const std::string b = encodeJobIdentity("10.0.0.2", "/srv/train", true);
-  const std::string c = encodeJobIdentity("10.0.0.3", "/srv/train", false);
+  const std::string a = encodeJobIdentity("10.0.0.1", "/srv/train", InPlaceVote::kInPlace);
+  const std::string b = encodeJobIdentity("10.0.0.2", "/srv/train", InPlaceVote::kInPlace);
+  const std::string c = encodeJobIdentity("10.0.0.3", "/srv/train", InPlaceVote::kProcess);
   CHECK(inPlaceVeto({a, b}, 0, 4).empty());
   CHECK(inPlaceVeto({a, b, c}, 0, 4) ==
         "node 2 of round 4 (10.0.0.3) restarts its workers as processes (its agent runs "
-        "--restart-mode=process or a ddprun without in-place recovery, or its workers did not "
-        "announce in-place support)");
+        "--restart-mode=process or a ddprun without in-place recovery)");
   CHECK(inPlaceVeto({a, b, c}, 1, 4).find("node 2 of round 4") == 0);
   // A node's own vote against holds it too (its workers then get no control channel, as the
   // others' do not): named after any other node against.
   CHECK(inPlaceVeto({a, b, c}, 2, 4) ==
         "this node (node 2 of round 4) restarts its workers as processes (its agent runs "
-        "--restart-mode=process, or its workers did not announce in-place support)");
+        "--restart-mode=process)");
   CHECK(inPlaceVeto({c, b, c}, 2, 4).find("node 0 of round 4 (10.0.0.3)") == 0);
   CHECK(inPlaceVeto({c}, 5, 4).find("node 0 of round 4") == 0);
   CHECK(inPlaceVeto({a}, -1, 4).empty());
@@ -56,8 +58,36 @@ TEST_CASE("each node votes for in-place recovery, and the first other node again
   CHECK(checkSameJob({a, c}, 0, "job").isOk());
 }
 
+TEST_CASE(
+    "a node that listens on its channel but whose workers did not announce support votes "
+    "against, and the veto is soft only while every node listens",
+    "[agent][inplace]") {
+  const std::string a = encodeJobIdentity("10.0.0.1", "/srv/train", InPlaceVote::kInPlace);
+  const std::string l = encodeJobIdentity("10.0.0.2", "/srv/train", InPlaceVote::kListen);
+  const std::string p = encodeJobIdentity("10.0.0.3", "/srv/train", InPlaceVote::kProcess);
+  CHECK(l == "10.0.0.2 inplace=listen\n/srv/train");
+  CHECK(inPlaceVeto({a, l}, 0, 7) ==
+        "node 1 of round 7 (10.0.0.2) restarts its workers as processes (one of its workers failed "
+        "without having announced in-place support, and none announced it since)");
+  CHECK(inPlaceVeto({a, l}, 1, 7) ==
+        "this node (node 1 of round 7) restarts its workers as processes (a worker failed without "
+        "having announced in-place support, and none of its workers announced it since)");
+  CHECK(everyNodeListens({a, l}));
+  CHECK(everyNodeListens({a, a}));
+  CHECK(everyNodeListens({l, l}));
+  CHECK_FALSE(everyNodeListens({a, l, p}));
+  CHECK_FALSE(everyNodeListens({a, "10.0.0.4\n/srv/train"}));  // an agent from before the vote
+  CHECK_FALSE(everyNodeListens({a, "10.0.0.4 inplace=Listen\n/srv/train"}));
+  CHECK_FALSE(othersVoteInPlace({a, l}, 0));
+  CHECK(othersVoteInPlace({a, l}, 1));
+  // The node under process mode is named before one that listens only when it comes first.
+  CHECK(inPlaceVeto({a, l, p}, 0, 7).find("node 1 of round 7") == 0);
+  CHECK(olderAgent({a, l, p}, 0).empty());  // each knows the vote
+  CHECK(checkSameJob({a, l, p}, 1, "job").isOk());
+}
+
 TEST_CASE("a vote that is missing or malformed is a vote against", "[agent][inplace]") {
-  const std::string yes = encodeJobIdentity("10.0.0.1", "/srv/train", true);
+  const std::string yes = encodeJobIdentity("10.0.0.1", "/srv/train", InPlaceVote::kInPlace);
   // An agent that predates the vote publishes "<address>\n<program>".
   CHECK(inPlaceVeto({yes, "10.0.0.2\n/srv/train"}, 0, 1).find("node 1 of round 1 (10.0.0.2)") == 0);
   for (const std::string odd : {"10.0.0.2 inplace=yes\n/srv/train", "10.0.0.2 inplace=\n/srv/train",
@@ -67,20 +97,23 @@ TEST_CASE("a vote that is missing or malformed is a vote against", "[agent][inpl
     CHECK_FALSE(inPlaceVeto({yes, odd}, 0, 1).empty());
   }
   // A program or an address that looks like a vote changes nothing.
-  const std::string tricky = encodeJobIdentity("h inplace=1", "train inplace=1\nx", false);
+  const std::string tricky =
+      encodeJobIdentity("h inplace=1", "train inplace=1\nx", InPlaceVote::kProcess);
   CHECK(inPlaceVeto({yes, tricky}, 0, 1).find("(h inplace=1)") != std::string::npos);
-  CHECK(checkSameJob({encodeJobIdentity("10.0.0.1", "train inplace=1\nx", true), tricky}, 0, "job")
+  CHECK(checkSameJob(
+            {encodeJobIdentity("10.0.0.1", "train inplace=1\nx", InPlaceVote::kInPlace), tricky}, 0,
+            "job")
             .isOk());
   // What a node published is escaped in the line.
   const std::string veto =
-      inPlaceVeto({yes, encodeJobIdentity("h\x1b[2J", "/srv/train", false)}, 0, 1);
+      inPlaceVeto({yes, encodeJobIdentity("h\x1b[2J", "/srv/train", InPlaceVote::kProcess)}, 0, 1);
   CHECK(veto.find("\\x1b[2J") != std::string::npos);
   CHECK(veto.find('\x1b') == std::string::npos);
 }
 
 TEST_CASE("a node whose agent predates the vote is named, with what to do", "[agent][inplace]") {
-  const std::string a = encodeJobIdentity("10.0.0.1", "/srv/train", true);
-  const std::string b = encodeJobIdentity("10.0.0.2", "/srv/train", false);
+  const std::string a = encodeJobIdentity("10.0.0.1", "/srv/train", InPlaceVote::kInPlace);
+  const std::string b = encodeJobIdentity("10.0.0.2", "/srv/train", InPlaceVote::kProcess);
   CHECK(olderAgent({a, b}, 0).empty());                       // a vote against is no older agent
   CHECK(olderAgent({a, "10.0.0.3\n/srv/train"}, 1).empty());  // its own identity is not read
   const std::string older = olderAgent({a, b, "10.0.0.3\n/srv/train"}, 0);
@@ -94,7 +127,7 @@ TEST_CASE("a node whose agent predates the vote is named, with what to do", "[ag
 TEST_CASE("an agent that predates the vote still reads a new identity as the same job",
           "[agent][inplace]") {
   // Its decoding: the first line is the address, the rest the program.
-  const std::string mine = encodeJobIdentity("10.0.0.1", "train.py", true);
+  const std::string mine = encodeJobIdentity("10.0.0.1", "train.py", InPlaceVote::kInPlace);
   const auto nl = mine.find('\n');
   REQUIRE(nl != std::string::npos);
   CHECK(mine.substr(nl + 1) == "train.py");

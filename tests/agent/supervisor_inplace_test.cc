@@ -1424,7 +1424,8 @@ TEST_CASE(
 namespace {
 // The second of two nodes of two workers each, started; its workers never announce support.
 struct UnannouncedSecondNode : InPlaceFixture {
-  UnannouncedSecondNode() : InPlaceFixture(2, 2, /*multi_node=*/true) {
+  explicit UnannouncedSecondNode(int max_restarts = 2)
+      : InPlaceFixture(2, max_restarts, /*multi_node=*/true) {
     rdzv.round.local_world_sizes = {2, 2};
     rdzv.round.group_rank = 1;
     sup->start();
@@ -1463,7 +1464,7 @@ TEST_CASE(
     const auto pids = f.first();
     f.capable(pids[0]);
     f.hello(pids[1]);  // it never says it can
-    CHECK(f.sup->votesInPlace());
+    CHECK(f.sup->inPlaceVote() == InPlaceVote::kInPlace);
     f.sup->onControlClosed(pids[1]);  // a dying worker's channel closes before its exit
     f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
     if (multi_node) f.clock.advance(std::chrono::seconds(1));  // the failure grace
@@ -1476,14 +1477,15 @@ TEST_CASE(
                     ") did not announce in-place support") == 1);
     CHECK(log.count("closed its DDPRUN_CONTROL_SOCKET") == 0);
     CHECK(f.rdzv.failures == 1);
-    // The next round's vote (multi-node) is against: this node's fresh workers run as processes.
-    CHECK_FALSE(f.sup->votesInPlace());
+    // The next round's vote (multi-node) is against, with the channel kept open: this node's
+    // fresh workers run as processes, and may say they can.
+    CHECK(f.sup->inPlaceVote() == InPlaceVote::kListen);
     f.sup->onWorkerExit(pids[0], ExitStatus{true, SIGTERM});
     CHECK(f.sup->state() == AgentState::kRunning);
     CHECK(f.sup->restartCount() == 1);
-    CHECK_FALSE(f.sup->votesInPlace());  // until one of its workers announces support
+    CHECK(f.sup->inPlaceVote() == InPlaceVote::kListen);  // until one announces support
     f.capable(f.launcher.spawned.back().first);
-    CHECK(f.sup->votesInPlace());
+    CHECK(f.sup->inPlaceVote() == InPlaceVote::kInPlace);
   }
 }
 
@@ -1499,7 +1501,7 @@ TEST_CASE(
   f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
   CHECK(f.sup->state() == AgentState::kRecovering);
   CHECK(f.launcher.spawned.size() == 3);
-  CHECK(f.sup->votesInPlace());
+  CHECK(f.sup->inPlaceVote() == InPlaceVote::kInPlace);
 }
 
 TEST_CASE(
@@ -1507,12 +1509,12 @@ TEST_CASE(
     "rounds, runs them as process mode, and says why once (workers still starting do not)",
     "[agent][inplace]") {
   LogCapture log("agent");
-  UnannouncedSecondNode f;
+  UnannouncedSecondNode f(/*max_restarts=*/4);
   // A peer's failure while its workers have not announced support (they may be starting): this
   // node restarts its workers, and still votes for in-place recovery.
   f.sup->onPeerFailure(agent::FailureKind::kWorkers);
   CHECK(f.sup->state() == AgentState::kStopping);
-  CHECK(f.sup->votesInPlace());
+  CHECK(f.sup->inPlaceVote() == InPlaceVote::kInPlace);
   for (int pid : f.first()) f.sup->onWorkerExit(pid, ExitStatus{true, SIGTERM});
   REQUIRE(f.sup->state() == AgentState::kRunning);
   // One of the new workers fails before it announced support: its replacement would not either.
@@ -1521,20 +1523,61 @@ TEST_CASE(
   f.clock.advance(std::chrono::seconds(1));  // the failure grace
   f.fireDeadlines();
   CHECK(f.sup->state() == AgentState::kStopping);
-  CHECK_FALSE(f.sup->votesInPlace());
-  // The identity exchange hands the round up with this node's own vote against.
+  CHECK(f.sup->inPlaceVote() == InPlaceVote::kListen);
+  // The identity exchange hands the round up with this node's own vote against, soft (its agent
+  // listens on its channel).
   f.rdzv.round.in_place_veto = "this node (node 1 of round 1) restarts its workers as processes";
   f.rdzv.round.in_place_veto_own = true;
+  f.rdzv.round.in_place_veto_soft = true;
   f.sup->onWorkerExit(f.launcher.spawned[2].first, ExitStatus{true, SIGTERM});
   REQUIRE(f.sup->state() == AgentState::kRunning);
   CHECK(log.count("did not announce in-place support") == 1);
   CHECK(log.count("this node (node 1") == 0);  // its reason was said
-  CHECK_FALSE(f.sup->votesInPlace());          // its workers get no channel to say otherwise
-  // A failure in that round restarts processes at once, with no other line on why.
+  CHECK(f.sup->inPlaceVote() == InPlaceVote::kListen);
+  // A failure in that round while its workers have not announced support restarts processes at
+  // once, with no other line on why.
   f.sup->onPeerFailure(agent::FailureKind::kWorkers);
   CHECK(f.sup->state() == AgentState::kStopping);
   CHECK(log.count("this job recovers by restarting processes") == 1);
   CHECK(log.count("this node (node 1") == 0);
+  const size_t stopped = f.launcher.spawned.size();
+  for (size_t i = stopped - 2; i < stopped; ++i) {
+    f.sup->onWorkerExit(f.launcher.spawned[i].first, ExitStatus{true, SIGTERM});
+  }
+  REQUIRE(f.sup->state() == AgentState::kRunning);
+  // Its fresh workers announce support (a Trainer that had crashed early in its start-up): the
+  // vote is back, and a failure in this round already starts an in-place recovery, which the
+  // next round's votes decide.
+  const size_t n = f.launcher.spawned.size();
+  for (size_t i = n - 2; i < n; ++i) f.capable(f.launcher.spawned[i].first);
+  CHECK(f.sup->inPlaceVote() == InPlaceVote::kInPlace);
+  f.rdzv.hold = true;
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.channel.to(f.launcher.spawned[n - 1].first, ControlType::kAbort).size() == 1);
+}
+
+TEST_CASE(
+    "in-place across nodes: under a hard veto (a node under process mode) a failure restarts "
+    "processes at once, and under a soft one (every agent listens) it starts an in-place recovery",
+    "[agent][inplace]") {
+  for (const bool soft : {false, true}) {
+    INFO((soft ? "soft" : "hard"));
+    InPlaceFixture f(2, 2, /*multi_node=*/true);
+    f.rdzv.round.local_world_sizes = {2, 2};
+    f.rdzv.round.in_place_veto = kVeto;
+    f.rdzv.round.in_place_veto_soft = soft;
+    f.sup->start();
+    f.allCapable();
+    f.rdzv.hold = true;
+    f.sup->onWorkerExit(f.first()[1], ExitStatus{true, SIGKILL});
+    if (!soft) {
+      f.clock.advance(std::chrono::seconds(1));  // the failure grace
+      f.fireDeadlines();
+    }
+    CHECK(f.sup->state() == (soft ? AgentState::kRecovering : AgentState::kStopping));
+    CHECK(f.channel.to(f.first()[0], ControlType::kAbort).size() == (soft ? 1u : 0u));
+  }
 }
 
 TEST_CASE("in-place across nodes: a node that recovers in place votes for it in the next round",
@@ -1544,5 +1587,5 @@ TEST_CASE("in-place across nodes: a node that recovers in place votes for it in 
   f.rdzv.hold = true;
   f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
   REQUIRE(f.sup->state() == AgentState::kRecovering);
-  CHECK(f.sup->votesInPlace());
+  CHECK(f.sup->inPlaceVote() == InPlaceVote::kInPlace);
 }

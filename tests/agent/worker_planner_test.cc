@@ -201,4 +201,9 @@ TEST_CASE(
   for (const auto& w : planner.plan(round, 0).launches) {
     CHECK(envOf(w, "DDPRUN_CONTROL_SOCKET") == "<unset>");
   }
+  // Every node listens on its channel (a soft veto): the workers get it, to announce support.
+  round.in_place_veto_soft = true;
+  for (const auto& w : planner.plan(round, 0).launches) {
+    CHECK(envOf(w, "DDPRUN_CONTROL_SOCKET") == "/run/ddprun/control.sock");
+  }
 }

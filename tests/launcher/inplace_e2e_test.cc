@@ -9,9 +9,15 @@
 // - One node leaving on SIGTERM (a spot notice): the other goes on in place; a new node joining
 //   afterwards takes its live state.
 // - One node whose workers do not announce in-place support: one of them failing restarts every
-//   worker at once (that node votes against the next rounds).
+//   worker at once (that node votes against the next rounds); once its fresh workers announce
+//   support (a Trainer that had crashed early in its start-up), the next failure is recovered in
+//   place again.
+#include <sys/stat.h>
+
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <csignal>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
@@ -53,14 +59,15 @@ std::vector<std::string> rendezvousFlags(const std::string& where) {
 std::unique_ptr<Process> node(const std::string& addr, const std::string& endpoint,
                               const std::string& nnodes, const std::string& run_id,
                               const std::string& mode, const std::vector<std::string>& train_args,
-                              const std::map<std::string, std::string>& env = {}) {
+                              const std::map<std::string, std::string>& env = {},
+                              int max_restarts = 1, const std::string& program = trainBin()) {
   std::vector<std::string> argv = {ddprunBin(), "--nnodes=" + nnodes, "--nproc-per-node=2"};
   for (auto& flag : rendezvousFlags(endpoint)) argv.push_back(flag);
-  argv.insert(
-      argv.end(),
-      {"--rdzv-id=" + run_id, "--local-addr=" + addr, "--max-restarts=1", "--restart-mode=" + mode,
-       "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3", "--no-python",
-       trainBin()});
+  argv.insert(argv.end(),
+              {"--rdzv-id=" + run_id, "--local-addr=" + addr,
+               "--max-restarts=" + std::to_string(max_restarts), "--restart-mode=" + mode,
+               "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3",
+               "--no-python", program});
   argv.insert(argv.end(), train_args.begin(), train_args.end());
   auto e = env;
   e["OMP_NUM_THREADS"] = "1";
@@ -717,4 +724,74 @@ TEST_CASE(
   CHECK(rb.err.find("this node (node ") == std::string::npos);  // its own vote: said why already
   CHECK(countOf(ra.out + rb.out, "Resuming training from snapshot") >= 4);
   CHECK(countOf(ra.out + rb.out, "] Epoch 3 |") >= 4);
+}
+
+TEST_CASE(
+    "in-place across nodes: after a worker crashed before it announced support, its node's fresh "
+    "Trainers announce it and the next failure is recovered in place",
+    "[multinode][inplace]") {
+  // Both nodes run one wrapper (one program name); on the second node, its first attempt's local
+  // rank 1 exits before train starts, as a Trainer that crashes early in its start-up.
+  RendezvousDaemon rdzv;
+  TempDir dir;
+  const std::string program = dir / "job";
+  {
+    std::ofstream script(program);
+    script << "#!/bin/sh\n"
+              "if [ -n \"$CRASH_EARLY\" ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && "
+              "[ \"$LOCAL_RANK\" = 1 ]; then sleep 0.3; echo crashing early >&2; exit 3; fi\n"
+              "exec "
+           << trainBin() << " \"$@\"\n";
+  }
+  REQUIRE(::chmod(program.c_str(), 0755) == 0);
+  const std::vector<std::string> train_args = pacedTrain("5", dir);
+  auto a =
+      node("127.0.0.2", rdzv.endpoint, "2", "crashearly", "in-place", train_args, {}, 3, program);
+  auto b = node("127.0.0.3", rdzv.endpoint, "2", "crashearly", "in-place", train_args,
+                {{"CRASH_EARLY", "1"}}, 3, program);
+  REQUIRE(waitUntil([&] { return (a->out() + b->out()).find("Epoch 1 |") != std::string::npos; },
+                    180s));
+  INFO("first node:\n" << a->out() << a->err() << "\nsecond node:\n" << b->out() << b->err());
+  REQUIRE(countOf(b->err(), "crashing early") == 1);
+  CHECK(countOf(b->err(), "did not announce in-place support on DDPRUN_CONTROL_SOCKET") == 1);
+  const std::string resumed = "Resuming training from snapshot";
+  const int resumed_before = countOf(a->out() + b->out(), resumed);
+  const auto a_workers = workerPids(a->pid());
+  const auto b_workers = workerPids(b->pid());
+  REQUIRE(a_workers.size() == 2);
+  REQUIRE(b_workers.size() == 2);
+  const size_t a_err_before = a->err().size();
+  const size_t b_err_before = b->err().size();
+  ::kill(b_workers[1], SIGKILL);
+  // Once both nodes said their recovery ended, the survivors are the same processes.
+  const std::string summary = "in-place recovery, generation";
+  const bool recovered = waitUntil(
+      [&] {
+        return countOf(a->err().substr(a_err_before), summary) +
+                   countOf(b->err().substr(b_err_before), summary) ==
+               2;
+      },
+      60s);
+  if (recovered) {
+    CHECK(workerPids(a->pid()) == a_workers);
+    const auto b_now = workerPids(b->pid());
+    CHECK(std::count(b_now.begin(), b_now.end(), b_workers[0]) == 1);
+    CHECK(std::count(b_now.begin(), b_now.end(), b_workers[1]) == 0);
+  }
+  auto [ra, rb] = finish(*a, *b);
+  INFO("first node, to the end:\n" << ra.err << "\nsecond node, to the end:\n" << rb.err);
+  CHECK(ra.exit_code == 0);
+  CHECK(rb.exit_code == 0);
+  // The kill was recovered in place on both nodes: the second node's vote came back once its
+  // fresh workers announced support (before the fix it stayed against for the rest of the job).
+  CHECK(recovered);
+  const std::string after = ra.err.substr(a_err_before) + rb.err.substr(b_err_before);
+  CHECK(countOf(after, summary) == 2);
+  CHECK(after.find("restarting every worker") == std::string::npos);
+  CHECK(after.find("restarts its workers as processes") == std::string::npos);
+  CHECK(countOf(ra.out + rb.out, resumed) == resumed_before);
+  // The killed rank's replacement (a worker of the program that crashed before) took the live
+  // state of a survivor.
+  CHECK(std::regex_search(rb.out, std::regex(R"(took rank \d's live state after step \d+)")));
+  CHECK(countOf(ra.out + rb.out, "] Epoch 4 |") >= 1);
 }

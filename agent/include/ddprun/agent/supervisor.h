@@ -138,12 +138,16 @@ class Supervisor {
   // In-place recoveries that completed.
   int recoveredInPlace() const { return recovered_in_place_; }
   // This node's vote for in-place recovery in the round it joins next (multi-node; published by
-  // JobIdentityClient): --restart-mode=in-place, unless a worker here failed without having
-  // announced support, and none announced it since. Its replacement would not either: voted
-  // against, the rounds run as process mode on every node, so no node waits for ranks that never
-  // come. (Workers that have not announced support yet, but did not fail, may still be starting:
-  // they do not change the vote.)
-  bool votesInPlace() const { return options_.restart_in_place && !failed_unannounced_; }
+  // JobIdentityClient): kInPlace under --restart-mode=in-place, kProcess under process mode, and
+  // kListen after a worker here failed without having announced support while none announced it
+  // since: its replacement may not either, so a recovery that forms that round falls back (no
+  // node waits for ranks that never come), but its workers still get the control channel, and
+  // the first that announces support brings the vote back. (Workers that have not announced
+  // support yet, but did not fail, may still be starting: they do not change the vote.)
+  InPlaceVote inPlaceVote() const {
+    if (!options_.restart_in_place) return InPlaceVote::kProcess;
+    return failed_unannounced_ ? InPlaceVote::kListen : InPlaceVote::kInPlace;
+  }
 
   std::optional<TimePoint> nextDeadline() const;
   AgentState state() const { return state_; }
@@ -245,9 +249,12 @@ class Supervisor {
   void beginStop(StopReason reason, int sig);
   void maybeFinishStop();
   void reportLocalFailure();
-  // On SIGTERM: multi-node, in place, RUNNING, no node of the round vetoed in-place recovery,
-  // every running worker capable.
+  // On SIGTERM: multi-node, in place, RUNNING, no hard veto on the round, every running worker
+  // capable.
   bool leavesAfterWorkers() const;
+  // A node of the current round restarts processes whatever happens (its workers have no control
+  // channel): a veto that is not soft (RoundInfo::in_place_veto_soft).
+  bool hardVeto() const { return !round_.in_place_veto.empty() && !round_.in_place_veto_soft; }
   void finish(AgentState s, int exit_code);
   // In-place recovery (restart_in_place): replaces `failed` alone and has the others re-form;
   // false when it does not apply (the caller takes the usual path).
@@ -360,7 +367,7 @@ class Supervisor {
   // worker said `goodbye reason=stop` or ended (finish), not at the signal (leavesAfterWorkers).
   bool leave_after_workers_ = false;
   NotInPlace said_why_not_in_place_ = NotInPlace::kNone;  // the last "restarting processes" line
-  // A worker failed without having announced support, and none announced it since (votesInPlace).
+  // A worker failed without having announced support, and none announced it since (inPlaceVote).
   bool failed_unannounced_ = false;
   LoopAffinity loop_{"Supervisor"};
 };

@@ -23,6 +23,21 @@ struct RoundInfo {
   // JobIdentityClient); else a line naming a node that restarts processes instead (this one too).
   std::string in_place_veto;
   bool in_place_veto_own = false;  // it names this node: every other one votes for in-place
+  // The veto comes only from nodes that listen on their control channel but whose workers have not
+  // shown they can recover in place since one failed unannounced (InPlaceVote::kListen): every
+  // node's workers get the channel (and can announce support), a failure within the round may
+  // start an in-place recovery, and that recovery's own round decides. A recovery whose round
+  // has any veto falls back.
+  bool in_place_veto_soft = false;
+};
+
+// A node's vote for in-place recovery in a round (docs/in-place-recovery.md §2.1).
+enum class InPlaceVote {
+  kProcess,  // its agent runs --restart-mode=process (or predates the vote): no control channel
+  // --restart-mode=in-place, but a worker failed without having announced support and none
+  // announced it since: not this round; its workers get the channel to announce it again.
+  kListen,
+  kInPlace,
 };
 
 // A PyTorch version as far as the worker contract depends on it.
