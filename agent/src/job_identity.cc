@@ -11,24 +11,22 @@ namespace {
 // The vote ends the first line, after the address: an agent that predates it reads the line as
 // the address (shown only in its mismatch message) and the rest, unchanged, as the program.
 constexpr char kVote[] = " inplace=";
+// Before the vote, an agent that listens on a control channel under --restart-mode=in-place says
+// so (kInPlace and kListen). kListen is then `inplace=0`: an agent of the release before
+// kListen reads it as a vote against and gives its workers no channel, as a node that reads no
+// marker on that agent's line does too, so the two never form groups under different keys.
+constexpr char kListens[] = " listens";
 
 struct Identity {
   std::string address;
   std::string program;
   InPlaceVote vote = InPlaceVote::kProcess;
-  bool voted = false;  // its agent knows the vote (an older one publishes no field)
+  bool voted = false;    // its agent knows the vote (an older one publishes no field)
+  bool listens = false;  // its agent knows kListen, and listens on a control channel
 };
 
-const char* voteText(InPlaceVote vote) {
-  switch (vote) {
-    case InPlaceVote::kInPlace:
-      return "1";
-    case InPlaceVote::kListen:
-      return "listen";
-    case InPlaceVote::kProcess:
-      break;
-  }
-  return "0";
+bool endsWith(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
 Identity decode(const std::string& value) {
@@ -41,14 +39,19 @@ Identity decode(const std::string& value) {
   id.address = value.substr(0, nl);
   id.program = value.substr(nl + 1);
   const auto vote = id.address.rfind(kVote);
-  if (vote != std::string::npos) {
-    const std::string said = id.address.substr(vote + sizeof(kVote) - 1);
-    for (InPlaceVote v : {InPlaceVote::kProcess, InPlaceVote::kListen, InPlaceVote::kInPlace}) {
-      if (said != voteText(v)) continue;
-      id.voted = true;
-      id.vote = v;
-      id.address.resize(vote);
-    }
+  if (vote == std::string::npos) return id;
+  const std::string said = id.address.substr(vote + sizeof(kVote) - 1);
+  if (said != "1" && said != "0") return id;
+  id.voted = true;
+  id.address.resize(vote);
+  if (endsWith(id.address, kListens)) {
+    id.listens = true;
+    id.address.resize(id.address.size() - (sizeof(kListens) - 1));
+  }
+  if (said == "1") {
+    id.vote = InPlaceVote::kInPlace;
+  } else if (id.listens) {
+    id.vote = InPlaceVote::kListen;
   }
   return id;
 }
@@ -62,7 +65,15 @@ std::string baseName(const std::string& program) {
 
 std::string encodeJobIdentity(const std::string& address, const std::string& program,
                               InPlaceVote vote) {
-  return address + kVote + voteText(vote) + "\n" + program;
+  switch (vote) {
+    case InPlaceVote::kInPlace:
+      return address + kListens + kVote + "1\n" + program;
+    case InPlaceVote::kListen:
+      return address + kListens + kVote + "0\n" + program;
+    case InPlaceVote::kProcess:
+      break;
+  }
+  return address + kVote + "0\n" + program;
 }
 
 Status checkSameJob(const std::vector<std::string>& identities, int self_rank,
@@ -137,9 +148,8 @@ bool othersVoteInPlace(const std::vector<std::string>& identities, int self_rank
 }
 
 bool everyNodeListens(const std::vector<std::string>& identities) {
-  return std::none_of(identities.begin(), identities.end(), [](const std::string& value) {
-    return decode(value).vote == InPlaceVote::kProcess;
-  });
+  return std::all_of(identities.begin(), identities.end(),
+                     [](const std::string& value) { return decode(value).listens; });
 }
 
 namespace {

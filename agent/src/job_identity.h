@@ -31,8 +31,11 @@
 
 namespace ddprun::agent {
 
-// What a node publishes: "<address> inplace=1|listen|0\n<program>". A value without the vote (an
-// agent that predates it: "<address>\n<program>"), or with another value, votes 0.
+// What a node publishes: "<address>[ listens] inplace=1|0\n<program>" (" listens": its agent
+// listens on a control channel: kInPlace is " listens inplace=1", kListen " listens inplace=0",
+// kProcess " inplace=0"). A value without the vote (an agent that predates it:
+// "<address>\n<program>"), or with another value, votes 0 (kProcess); a 1 without " listens" (an
+// agent that predates kListen) is kInPlace.
 std::string encodeJobIdentity(const std::string& address, const std::string& program,
                               InPlaceVote vote);
 // OK when every node's published identity (by group rank) runs this node's program (compared by
@@ -50,8 +53,9 @@ std::string inPlaceVeto(const std::vector<std::string>& identities, int self_ran
 std::string olderAgent(const std::vector<std::string>& identities, int self_rank);
 // Whether every other node's published identity votes for in-place recovery.
 bool othersVoteInPlace(const std::vector<std::string>& identities, int self_rank);
-// Whether every node's published identity, this one's included, votes kInPlace or kListen (their
-// agents listen on a control channel: RoundInfo::in_place_veto_soft).
+// Whether every node's published identity, this one's included, says its agent listens on a
+// control channel (kInPlace or kListen, from a release that knows kListen):
+// RoundInfo::in_place_veto_soft.
 bool everyNodeListens(const std::vector<std::string>& identities);
 
 class JobIdentityClient final : public RendezvousClient {

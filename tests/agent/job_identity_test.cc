@@ -65,7 +65,9 @@ TEST_CASE(
   const std::string a = encodeJobIdentity("10.0.0.1", "/srv/train", InPlaceVote::kInPlace);
   const std::string l = encodeJobIdentity("10.0.0.2", "/srv/train", InPlaceVote::kListen);
   const std::string p = encodeJobIdentity("10.0.0.3", "/srv/train", InPlaceVote::kProcess);
-  CHECK(l == "10.0.0.2 inplace=listen\n/srv/train");
+  CHECK(a == "10.0.0.1 listens inplace=1\n/srv/train");
+  CHECK(l == "10.0.0.2 listens inplace=0\n/srv/train");
+  CHECK(p == "10.0.0.3 inplace=0\n/srv/train");
   CHECK(inPlaceVeto({a, l}, 0, 7) ==
         "node 1 of round 7 (10.0.0.2) restarts its workers as processes (one of its workers failed "
         "without having announced in-place support, and none announced it since)");
@@ -77,7 +79,15 @@ TEST_CASE(
   CHECK(everyNodeListens({l, l}));
   CHECK_FALSE(everyNodeListens({a, l, p}));
   CHECK_FALSE(everyNodeListens({a, "10.0.0.4\n/srv/train"}));  // an agent from before the vote
-  CHECK_FALSE(everyNodeListens({a, "10.0.0.4 inplace=Listen\n/srv/train"}));
+  CHECK_FALSE(everyNodeListens({a, "10.0.0.4 listens inplace=2\n/srv/train"}));
+  CHECK_FALSE(everyNodeListens({a, "10.0.0.4 listens\n/srv/train"}));
+  // An agent of the release before kListen votes "<address> inplace=1|0": its 1 is still a vote
+  // for in-place recovery, but not one that listens, so beside a kListen node the veto is hard
+  // (no node offers the channel; that agent, reading "inplace=0", offers none either).
+  const std::string before = "10.0.0.4 inplace=1\n/srv/train";
+  CHECK(inPlaceVeto({a, before}, 0, 7).empty());
+  CHECK_FALSE(everyNodeListens({a, l, before}));
+  CHECK(inPlaceVeto({before, l}, 0, 7).find("node 1 of round 7 (10.0.0.2)") == 0);
   CHECK_FALSE(othersVoteInPlace({a, l}, 0));
   CHECK(othersVoteInPlace({a, l}, 1));
   // The node under process mode is named before one that listens only when it comes first.
@@ -91,6 +101,7 @@ TEST_CASE("a vote that is missing or malformed is a vote against", "[agent][inpl
   // An agent that predates the vote publishes "<address>\n<program>".
   CHECK(inPlaceVeto({yes, "10.0.0.2\n/srv/train"}, 0, 1).find("node 1 of round 1 (10.0.0.2)") == 0);
   for (const std::string odd : {"10.0.0.2 inplace=yes\n/srv/train", "10.0.0.2 inplace=\n/srv/train",
+                                "10.0.0.2 inplace=listen\n/srv/train",
                                 "10.0.0.2 inplace=11\n/srv/train", "10.0.0.2\n/srv/train inplace=1",
                                 "", "\n\n\n", "inplace=1", " inplace=1", "10.0.0.2 inplace=1"}) {
     INFO(odd);
