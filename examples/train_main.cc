@@ -30,7 +30,7 @@ constexpr const char* kUsage =
     "[--no-overlap]\n"
     "             [--compression none|fp16|bf16] [--accumulate N] [--amp none|bf16|fp16]\n"
     "             [--seed N] [--dump-params FILE] [--timing] [--fail-at-step N] [--fail-ranks K]\n"
-    "             [--fail-signal KILL|TERM] [--step-log FILE] [--step-delay S]\n"
+    "             [--fail-signal KILL|TERM|HANG] [--step-log FILE] [--step-delay S]\n"
     "  --accumulate N:   N micro-batches of --batch-size per optimizer step, reduced once "
     "(no_sync)\n"
     "  --amp bf16|fp16:  mixed precision: autocast forward and loss; fp16 also scales the loss\n"
@@ -39,6 +39,7 @@ constexpr const char* kUsage =
     "                    step N on the first attempt (TORCHELASTIC_RESTART_COUNT=0)\n"
     "  --fail-signal TERM: ... sends itself SIGTERM instead (it is asked to stop; under\n"
     "                    --restart-mode=in-place it leaves and the others go on)\n"
+    "  --fail-signal HANG: ... sleeps for good instead (a hang in the program's own code)\n"
     "  --fail-ranks K:   ... the last K ranks do it, at the same step (default 1)\n"
     "  --step-log FILE:  rank 0 appends '<global step> <unix time>' after every optimizer step\n"
     "  --step-delay S:   every rank sleeps S seconds (at most 60) after each optimizer step, in\n"
@@ -66,7 +67,7 @@ struct Args {
   std::string dump_params;
   bool timing = false;
   int64_t fail_at_step = -1;
-  int fail_signal = SIGKILL;
+  int fail_signal = SIGKILL;  // 0: hang
   int64_t fail_ranks = 1;
   std::string step_log;
   double step_delay = 0;
@@ -151,9 +152,9 @@ Args parseArgs(int argc, char** argv) {
       a.fail_ranks = intArg(arg, value(), 1);
     else if (arg == "--fail-signal") {
       const std::string v = value();
-      if (v != "KILL" && v != "TERM")
-        throw UsageError("--fail-signal must be KILL or TERM, got '" + v + "'");
-      a.fail_signal = v == "KILL" ? SIGKILL : SIGTERM;
+      if (v != "KILL" && v != "TERM" && v != "HANG")
+        throw UsageError("--fail-signal must be KILL, TERM or HANG, got '" + v + "'");
+      a.fail_signal = v == "KILL" ? SIGKILL : v == "TERM" ? SIGTERM : 0;
     } else if (arg == "--step-log")
       a.step_log = value();
     else if (arg == "--step-delay") {
@@ -254,8 +255,13 @@ int main(int argc, char** argv) {
       }
       if (inject && p.global_step == n) {
         std::fprintf(stderr, "train: fault injection: %s at step %lld at %.6f\n",
-                     args.fail_signal == SIGKILL ? "killing myself" : "sending myself SIGTERM",
+                     args.fail_signal == SIGKILL   ? "killing myself"
+                     : args.fail_signal == SIGTERM ? "sending myself SIGTERM"
+                                                   : "hanging",
                      static_cast<long long>(n), unixNow());
+        if (args.fail_signal == 0) {
+          for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+        }
         std::raise(args.fail_signal);
       }
       if (args.step_delay > 0) {

@@ -1,4 +1,5 @@
-// StatHeartbeatProbe: hang detection's look at a worker's DDPRUN_HEARTBEAT_FILE (its mtime).
+// StatHeartbeatProbe: hang detection's look at a worker's DDPRUN_HEARTBEAT_FILE (its mtime, and
+// whether its first byte says the worker waits for its peers).
 // Stateless; any thread.
 #pragma once
 
@@ -23,6 +24,8 @@ class StatHeartbeatProbe final : public HeartbeatProbe {
     const auto stat = readProcStat(pid);
     return stat && (stat->state == 'T' || stat->state == 't');
   }
+  // The file's first byte.
+  HeartbeatMark mark(const std::string& path) override { return readHeartbeatMark(path); }
   // No /proc/<pid>/stat, or ProcStat::ended (a killed worker's memory is torn down for tens of
   // milliseconds before it turns zombie, and its sockets may close meanwhile).
   bool ended(int pid) override {

@@ -271,13 +271,28 @@ void Supervisor::recordHang(const Worker& w, TimePoint now) {
 
 bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint now) {
   if (!options_.restart_in_place || control_ == nullptr) return false;
-  // A worker stopped by a signal stalls every rank's collective, so the others' heartbeats go
-  // stale with its own: it alone is the failure (one, or the usual path decides).
+  // A rank that hangs stalls every rank's collective, so the others' heartbeats go stale with its
+  // own: it alone is the failure. It is the one stopped by a signal, or else the one hung worker
+  // whose heartbeat file says it does not wait for its peers (a Trainer says so at each touch,
+  // and marks its collectives' long waits). More than one stopped: the usual path decides; more
+  // than one not waiting, or none, as no culprit here.
   Worker* culprit = nullptr;
+  bool by_signal = false;
   for (Worker* w : hung) {
     if (!heartbeats_->stopped(w->pid)) continue;
     if (culprit != nullptr) return false;
     culprit = w;
+    by_signal = true;
+  }
+  if (!by_signal) {
+    for (Worker* w : hung) {
+      if (heartbeats_->mark(w->launch.heartbeat_file) != HeartbeatMark::kNotWaiting) continue;
+      if (culprit != nullptr) {
+        culprit = nullptr;
+        break;
+      }
+      culprit = w;
+    }
   }
   if (culprit == nullptr) {
     // Across nodes the hung rank may be another node's: its agent's report starts an in-place
@@ -290,13 +305,15 @@ bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint 
   if (!inPlaceEligible(culprit, /*charged=*/true)) return false;
   hang_seen_.reset();
   recordHang(*culprit, now);
-  logger("agent")->warn("local rank {} (pid {}) is hung and stopped by a signal: sending SIGKILL",
-                        culprit->launch.local_rank, culprit->pid);
+  const std::string how = by_signal ? "stopped by a signal" : "hung while its peers wait for it";
+  logger("agent")->warn("local rank {} (pid {}) is hung{}: sending SIGKILL",
+                        culprit->launch.local_rank, culprit->pid,
+                        by_signal ? " and stopped by a signal" : " while its peers wait for it");
   kill(*culprit);
   culprit->running = false;  // its exit, whenever it is reaped, ends nothing more
   const std::string cause = "local rank " + std::to_string(culprit->launch.local_rank) + " (pid " +
-                            std::to_string(culprit->pid) +
-                            "), stopped by a signal: " + failures_.back().hang;
+                            std::to_string(culprit->pid) + "), " + how + ": " +
+                            failures_.back().hang;
   if (!recoverInPlace(*culprit, cause)) stopForLocalFailure();
   return true;
 }

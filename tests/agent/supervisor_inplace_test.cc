@@ -1063,6 +1063,39 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "in-place: a hung worker whose peers' heartbeat files say they wait for it is killed and "
+    "replaced alone, and with two that do not wait every worker restarts",
+    "[agent][inplace]") {
+  for (const int not_waiting : {1, 2}) {
+    INFO(not_waiting << " not waiting");
+    LogCapture log("agent");
+    InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
+    f.sup->start();
+    f.allCapable();
+    const auto pids = f.first();
+    f.heartbeats.marks = {
+        {"/hb/0/0", HeartbeatMark::kWaiting},
+        {"/hb/0/1", HeartbeatMark::kNotWaiting},
+        {"/hb/0/2", not_waiting == 1 ? HeartbeatMark::kWaiting : HeartbeatMark::kNotWaiting}};
+    goSilent(f, std::chrono::seconds(11));
+    if (not_waiting == 2) {
+      CHECK(f.sup->state() == AgentState::kStopping);
+      CHECK(f.launcher.signalsSent(SIGKILL) == 3);
+      continue;
+    }
+    CHECK(f.sup->state() == AgentState::kRecovering);
+    REQUIRE(f.launcher.signals.size() == 1);
+    CHECK(f.launcher.signals[0] == std::make_pair(pids[1], SIGKILL));
+    CHECK(log.count("local rank 1 (pid " + std::to_string(pids[1]) +
+                    ") is hung while its peers wait for it: sending SIGKILL") == 1);
+    CHECK(f.launcher.spawned.back().second.local_rank == 1);
+    for (int survivor : {pids[0], pids[2]}) {
+      CHECK(f.channel.to(survivor, ControlType::kAbort).size() == 1);
+    }
+  }
+}
+
+TEST_CASE(
     "in-place: hung workers none of which is stopped restart every worker, as in process mode",
     "[agent][inplace]") {
   InPlaceFixture f(3, 1, false, std::chrono::seconds(10));

@@ -22,10 +22,15 @@ class FakeHeartbeatProbe final : public agent::HeartbeatProbe {
   void touch(const std::string& path) { mtimes[path] = ++stamp_; }
   bool stopped(int pid) override { return stopped_pids.count(pid) > 0; }
   bool ended(int pid) override { return ended_pids.count(pid) > 0; }
+  HeartbeatMark mark(const std::string& path) override {
+    auto it = marks.find(path);
+    return it == marks.end() ? HeartbeatMark::kUnknown : it->second;
+  }
 
   std::map<std::string, int64_t> mtimes;
   std::set<int> stopped_pids;
   std::set<int> ended_pids;
+  std::map<std::string, HeartbeatMark> marks;  // what heartbeat files say (else kUnknown)
   int looks = 0;
 
  private:

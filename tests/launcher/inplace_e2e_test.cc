@@ -459,6 +459,58 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "in-place: a worker that hangs in its own code is told from the others waiting for it, and "
+    "replaced alone, and the result equals a run without the fault",
+    "[inplace]") {
+  TempDir dir;
+  // 3 workers, 2 epochs of 10 steps (960 samples, batch 32); the last rank hangs after step 4.
+  auto run = [&](const std::string& tag, const std::string& mode, bool fault) {
+    std::vector<std::string> argv = {ddprunBin(),
+                                     "--standalone",
+                                     "--nproc-per-node=3",
+                                     "--max-restarts=1",
+                                     "--heartbeat-timeout=2",
+                                     "--restart-mode=" + mode,
+                                     "--no-python",
+                                     trainBin(),
+                                     "2",
+                                     "1",
+                                     "--dataset-size",
+                                     "960",
+                                     "--snapshot-path",
+                                     dir / (tag + ".pt"),
+                                     "--dump-params",
+                                     dir / (tag + ".bin")};
+    if (fault) argv.insert(argv.end(), {"--fail-at-step", "4", "--fail-signal", "HANG"});
+    return std::make_unique<Process>(argv,
+                                     std::map<std::string, std::string>{{"OMP_NUM_THREADS", "1"}});
+  };
+  auto clean = run("clean", "process", false);
+  auto rc = clean->wait(240s);
+  REQUIRE(rc);
+  REQUIRE(rc->exit_code == 0);
+
+  auto r = run("hung", "in-place", true)->wait(240s);
+  REQUIRE(r);
+  const std::string all = r->out + r->err;
+  INFO(all);
+  CHECK(r->exit_code == 0);
+  CHECK(countOf(all, "fault injection: hanging at step 4") == 1);
+  CHECK(std::regex_search(
+      all,
+      std::regex(
+          R"(local rank 2 \(pid \d+\) is hung while its peers wait for it: sending SIGKILL)")));
+  CHECK(all.find("worker hung: no heartbeat for") != std::string::npos);
+  CHECK(countOf(all, "going on after step 4") == 2);
+  CHECK(all.find("restarting every worker") == std::string::npos);
+  CHECK(all.find("Resuming training from snapshot") == std::string::npos);
+  // Ranks 0 and 1 joined once; rank 2 twice (the hung one, then its replacement).
+  CHECK(joinedPids(all).size() == 4);
+  CHECK(countOf(all, "[RANK 2] pid") == 2);
+  CHECK(readFile(dir / "hung.bin") == readFile(dir / "clean.bin"));
+}
+
+TEST_CASE(
     "in-place across nodes: a node gone silent mid-training (SIGSTOP, its sockets open) is given "
     "up "
     "at its missed heartbeats, and the other node's workers go on in place in a world of 2",

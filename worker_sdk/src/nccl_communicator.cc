@@ -27,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -38,6 +39,7 @@
 #include "gloo_communicator.h"
 #include "nccl_health.h"
 #include "op_queue.h"
+#include "peer_wait.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
 #error "ddprun's NCCL communicator needs NCCL >= 2.14 (non-blocking communicators, ncclAvg)"
@@ -365,7 +367,9 @@ void NcclWork::wait() {
   // Spin for the first millisecond (small collectives finish in microseconds), then back off.
   const auto start = Clock::now();
   auto pause = std::chrono::microseconds(10);
+  std::optional<WaitingForPeers> waiting;  // a wait that lasts: the agent's hang check reads it
   for (;;) {
+    if (!waiting && Clock::now() - start >= kMarkAfter) waiting.emplace();
     if (enqueued_->isCompleted()) {
       enqueued_->wait();  // rethrows a failure of the enqueue step
       const cudaError_t e = cudaEventQuery(done_.get());

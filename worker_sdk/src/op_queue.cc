@@ -1,10 +1,24 @@
 #include "op_queue.h"
 
 #include "ddprun/worker/errors.h"
+#include "peer_wait.h"
 
 namespace ddprun::worker {
 
 void OpWork::wait() {
+  {
+    ddprun::MutexLock lock(mu_);
+    const auto marked_at = std::chrono::steady_clock::now() + kMarkAfter;
+    while (!done_) {
+      if (cv_.wait_until(mu_, marked_at) == std::cv_status::timeout) break;
+    }
+    if (done_) {
+      if (!error_.empty()) throw CommError(error_);
+      return;
+    }
+  }
+  // A wait that lasts: this rank waits for its peers (the agent's hang check reads it).
+  WaitingForPeers waiting;
   ddprun::MutexLock lock(mu_);
   while (!done_) cv_.wait(mu_);
   if (!error_.empty()) throw CommError(error_);

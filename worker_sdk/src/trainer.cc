@@ -22,6 +22,7 @@
 #include "ddprun/worker/sampler.h"
 #include "ddprun/worker/signals.h"
 #include "fault_hooks.h"
+#include "peer_wait.h"
 #include "posix_files.h"
 #include "stop_agreement.h"
 
@@ -52,6 +53,9 @@ Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn:
                       std::to_string(inputs_.size(0)) + " vs " + std::to_string(targets_.size(0)) +
                       ")");
   }
+  // Its heartbeat says whether its collectives wait for their peers: a rank that hangs is told
+  // from the ranks that wait for it (peer_wait.h).
+  if (!options_.heartbeat_file.empty()) markWaitsIn(options_.heartbeat_file);
   if (group_->inPlace()) {
     if (!recoveryFaultRequested("caps", group_->rank())) {
       group_->control()->send(
@@ -129,7 +133,9 @@ torch::Tensor Trainer::step(const torch::Tensor& index, int64_t first, int64_t l
   return step_loss;
 }
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+  if (!options_.heartbeat_file.empty()) markWaitsIn("");
+}
 
 int Trainer::syncState() {
   // Live state (survivors of an in-place recovery) comes first: it is newer than any snapshot.
@@ -540,7 +546,10 @@ Trainer::Outcome Trainer::trainFromProgress() {
       progress_.epoch_loss_sum += step(index, first, last).item<double>();
       progress_.step_in_epoch = s + 1;
       ++progress_.global_step;
-      if (!options_.heartbeat_file.empty()) touchFile(options_.heartbeat_file);
+      if (const int err = touchHeartbeat(); err != 0) {
+        throw WorkerError("cannot touch heartbeat file '" + options_.heartbeat_file +
+                          "': " + std::strerror(err));
+      }
       if (options_.on_step) options_.on_step(progress_);
       reportFirstStep();
       const auto [agreed, requests] = agreedStop();

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "ddprun/common/clock.h"
+#include "ddprun/common/heartbeat_file.h"
 
 namespace ddprun::agent {
 
@@ -32,6 +33,13 @@ class HeartbeatProbe {
   virtual bool stopped(int pid) {
     (void)pid;
     return false;
+  }
+  // What the heartbeat file at `path` says of its worker (ddprun/common/heartbeat_file.h: a
+  // worker SDK Trainer says whether a collective waits for its peers). In-place recovery tells a
+  // rank that hangs from the ranks stalled behind it.
+  virtual HeartbeatMark mark(const std::string& path) {
+    (void)path;
+    return HeartbeatMark::kUnknown;
   }
   // True when process `pid` has ended (exiting, a zombie not reaped yet, or gone): its exit is on
   // its way. In-place recovery tells a worker killed with the failed one (its channel closed
