@@ -847,3 +847,42 @@ TEST_CASE(
   CHECK(std::regex_search(rb.out, std::regex(R"(took rank \d's live state after step \d+)")));
   CHECK(countOf(ra.out + rb.out, "] Epoch 4 |") >= 1);
 }
+
+TEST_CASE(
+    "in-place across nodes: a rank hung in its own code is replaced alone, and the other node's "
+    "ranks, which wait for it, keep their processes",
+    "[multinode][inplace]") {
+  RendezvousDaemon rdzv;
+  TempDir dir;
+  // 3 epochs of 6 steps; the last rank hangs after step 8.
+  const std::vector<std::string> args = {"3",
+                                         "1",
+                                         "--dataset-size",
+                                         "768",
+                                         "--snapshot-path",
+                                         dir / "snap.pt",
+                                         "--fail-at-step",
+                                         "8",
+                                         "--fail-signal",
+                                         "HANG"};
+  const std::map<std::string, std::string> env = {{"PET_HEARTBEAT_TIMEOUT", "2"}};
+  auto a = node("127.0.0.2", rdzv.endpoint, "2", "hung", "in-place", args, env);
+  auto b = node("127.0.0.3", rdzv.endpoint, "2", "hung", "in-place", args, env);
+  auto [ra, rb] = finish(*a, *b);
+  const std::string all = ra.out + ra.err + rb.out + rb.err;
+  INFO(all);
+  CHECK(ra.exit_code == 0);
+  CHECK(rb.exit_code == 0);
+  CHECK(countOf(all, "fault injection: hanging at step 8") == 1);
+  // (Rank 3 is on either node: the rendezvous orders them.)
+  CHECK(std::regex_search(all, std::regex(R"(local rank 1 \(pid \d+\) is hung while its peers )"
+                                          R"(wait for it: sending SIGKILL)")));
+  CHECK(all.find("is hung: sending SIGKILL") == std::string::npos);
+  CHECK(countOf(all, "in-place recovery, generation") == 2);
+  CHECK(countOf(all, "going on after step 8") == 3);
+  CHECK(all.find("restarting every worker") == std::string::npos);
+  CHECK(all.find("Resuming training from snapshot") == std::string::npos);
+  const auto pids = joinedPids(all);
+  CHECK(pids.size() == 5);
+  CHECK(std::set<int>(pids.begin(), pids.end()).size() == 5);
+}
