@@ -107,13 +107,16 @@ std::string whyNot(InPlaceVote vote, bool self) {
 }  // namespace
 
 std::string inPlaceVeto(const std::vector<std::string>& identities, int self_rank, int round) {
-  for (size_t i = 0; i < identities.size(); ++i) {
-    if (static_cast<int>(i) == self_rank) continue;
-    const Identity id = decode(identities[i]);
-    if (id.vote == InPlaceVote::kInPlace) continue;
-    return "node " + std::to_string(i) + " of round " + std::to_string(round) + " (" +
-           quotePeerText(id.address, 100) + ") restarts its workers as processes" +
-           whyNot(id.vote, false);
+  // A node under process mode first: it is the one that makes the veto hard.
+  for (const InPlaceVote against : {InPlaceVote::kProcess, InPlaceVote::kListen}) {
+    for (size_t i = 0; i < identities.size(); ++i) {
+      if (static_cast<int>(i) == self_rank) continue;
+      const Identity id = decode(identities[i]);
+      if (id.vote != against) continue;
+      return "node " + std::to_string(i) + " of round " + std::to_string(round) + " (" +
+             quotePeerText(id.address, 100) + ") restarts its workers as processes" +
+             whyNot(id.vote, false);
+    }
   }
   if (self_rank >= 0 && static_cast<size_t>(self_rank) < identities.size()) {
     const InPlaceVote own = decode(identities[static_cast<size_t>(self_rank)]).vote;

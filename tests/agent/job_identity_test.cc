@@ -90,8 +90,9 @@ TEST_CASE(
   CHECK(inPlaceVeto({before, l}, 0, 7).find("node 1 of round 7 (10.0.0.2)") == 0);
   CHECK_FALSE(othersVoteInPlace({a, l}, 0));
   CHECK(othersVoteInPlace({a, l}, 1));
-  // The node under process mode is named before one that listens only when it comes first.
-  CHECK(inPlaceVeto({a, l, p}, 0, 7).find("node 1 of round 7") == 0);
+  // A node under process mode is named before one that listens (it makes the veto hard).
+  CHECK(inPlaceVeto({a, l, p}, 0, 7).find("node 2 of round 7") == 0);
+  CHECK(inPlaceVeto({a, l, p}, 2, 7).find("node 1 of round 7") == 0);
   CHECK(olderAgent({a, l, p}, 0).empty());  // each knows the vote
   CHECK(checkSameJob({a, l, p}, 1, "job").isOk());
 }

@@ -18,6 +18,7 @@
 using ddprun::HeartbeatMark;
 using ddprun::readHeartbeatMark;
 using ddprun::worker::markWaitsIn;
+using ddprun::worker::stopMarkingWaits;
 using ddprun::worker::touchHeartbeat;
 using ddprun::worker::WaitingForPeers;
 
@@ -39,7 +40,7 @@ TEST_CASE(
     "[worker][pure]") {
   const std::string dir = tempDir();
   const std::string path = dir + "/heartbeat";
-  markWaitsIn(path);
+  const int token = markWaitsIn(path);
   {
     WaitingForPeers before_the_first_touch;  // the file is not created: no heartbeat yet
   }
@@ -68,17 +69,33 @@ TEST_CASE(
   }
   for (auto& t : threads) t.join();
   CHECK(contents(path) == "-");
+  // A file removed meanwhile is made again by the next touch (the agent watches the path).
+  REQUIRE(::unlink(path.c_str()) == 0);
+  REQUIRE(touchHeartbeat() == 0);
+  CHECK(contents(path) == "-");
+  {
+    WaitingForPeers again;
+    CHECK(readHeartbeatMark(path) == HeartbeatMark::kWaiting);
+  }
+  // A newer Trainer's file outlives an older Trainer destroyed after the newer one was built.
+  const std::string newer = dir + "/newer";
+  const int newer_token = markWaitsIn(newer);
+  stopMarkingWaits(token);
+  REQUIRE(touchHeartbeat() == 0);
+  CHECK(contents(newer) == "-");
   // No file: waits and touches write nothing.
-  markWaitsIn("");
+  stopMarkingWaits(newer_token);
   {
     WaitingForPeers after;
     CHECK(touchHeartbeat() == 0);
     CHECK(readHeartbeatMark(path) == HeartbeatMark::kNotWaiting);
+    CHECK(readHeartbeatMark(newer) == HeartbeatMark::kNotWaiting);
   }
   // A file that cannot be created is an error the Trainer reports.
-  markWaitsIn(dir + "/missing/heartbeat");
+  stopMarkingWaits(markWaitsIn(dir + "/missing/heartbeat") - 1);  // an older token: no effect
   CHECK(touchHeartbeat() == ENOENT);
-  markWaitsIn("");
+  stopMarkingWaits(markWaitsIn(""));
+  ::unlink(newer.c_str());
   ::unlink(path.c_str());
   ::rmdir(dir.c_str());
 }

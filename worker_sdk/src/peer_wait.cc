@@ -1,6 +1,7 @@
 #include "peer_wait.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -16,6 +17,7 @@ struct Marker {
   std::string path;  // guarded by mu
   int fd = -1;       // guarded by mu: opened by the first touch
   int waits = 0;     // guarded by mu: the live WaitingForPeers objects
+  int token = 0;     // guarded by mu: markWaitsIn's calls
 };
 
 Marker& marker() {
@@ -29,22 +31,37 @@ int write(const Marker& m) {
   const char mark = m.waits > 0 ? kWaitingForPeers : kNotWaiting;
   return ::pwrite(m.fd, &mark, 1, 0) == 1 ? 0 : errno;
 }
-}  // namespace
 
-void markWaitsIn(const std::string& path) {
-  Marker& m = marker();
-  std::lock_guard<std::mutex> lock(m.mu);
+void reset(Marker& m, const std::string& path) {
   if (m.fd >= 0) ::close(m.fd);
   m.fd = -1;
   m.path = path;
+}
+}  // namespace
+
+int markWaitsIn(const std::string& path) {
+  Marker& m = marker();
+  std::lock_guard<std::mutex> lock(m.mu);
+  reset(m, path);
+  return ++m.token;
+}
+
+void stopMarkingWaits(int token) {
+  Marker& m = marker();
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (token == m.token) reset(m, "");
 }
 
 int touchHeartbeat() {
   Marker& m = marker();
   std::lock_guard<std::mutex> lock(m.mu);
   if (m.path.empty()) return 0;
+  // A file removed meanwhile (a clean-up of the log directory) is made again: the agent watches
+  // the path, not this descriptor's file.
+  struct stat st {};
+  if (m.fd >= 0 && ::fstat(m.fd, &st) == 0 && st.st_nlink == 0) reset(m, m.path);
   if (m.fd < 0) {
-    m.fd = ::open(m.path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    m.fd = ::open(m.path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
     if (m.fd < 0) return errno;
   }
   return write(m);

@@ -20,12 +20,15 @@ inline constexpr std::chrono::milliseconds kMarkAfter{50};
 
 // The heartbeat file is `path` from now on ("": none; waits and touches write nothing). Waits are
 // marked only once touchHeartbeat created it: until the first step, the agent does not watch it,
-// and a mark would start its clock early.
-void markWaitsIn(const std::string& path);
+// and a mark would start its clock early. Returns a token for stopMarkingWaits.
+int markWaitsIn(const std::string& path);
+// Stops marking, unless markWaitsIn was called again since the call that returned `token` (a newer
+// Trainer's file is kept when an older Trainer is destroyed after it was built).
+void stopMarkingWaits(int token);
 
 // The Trainer's touch after each step: writes the mark (kNotWaiting, or kWaitingForPeers while a
-// wait is marked), which also sets the file's modification time; creates the file. Returns errno
-// when it cannot be opened or written, else 0 (and 0 without a file).
+// wait is marked), which also sets the file's modification time; creates the file, again if it
+// was removed. Returns errno when it cannot be opened or written, else 0 (and 0 without a file).
 int touchHeartbeat();
 
 // While an object lives, this thread waits for its peers (nested and concurrent ones count once).

@@ -55,7 +55,7 @@ Trainer::Trainer(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn:
   }
   // Its heartbeat says whether its collectives wait for their peers: a rank that hangs is told
   // from the ranks that wait for it (peer_wait.h).
-  if (!options_.heartbeat_file.empty()) markWaitsIn(options_.heartbeat_file);
+  if (!options_.heartbeat_file.empty()) marks_token_ = markWaitsIn(options_.heartbeat_file);
   if (group_->inPlace()) {
     if (!recoveryFaultRequested("caps", group_->rank())) {
       group_->control()->send(
@@ -134,7 +134,7 @@ torch::Tensor Trainer::step(const torch::Tensor& index, int64_t first, int64_t l
 }
 
 Trainer::~Trainer() {
-  if (!options_.heartbeat_file.empty()) markWaitsIn("");
+  if (marks_token_ != 0) stopMarkingWaits(marks_token_);
 }
 
 int Trainer::syncState() {

@@ -42,7 +42,8 @@ class WorkerPlanner {
   // The workers' PyTorch, once known (WorkerEnvInputs::torch_version).
   void setTorchVersion(std::optional<TorchVersion> version) { torch_version_ = version; }
   // The agent's control channel (--restart-mode=in-place), once it listens; offered to the
-  // workers of every round but one in which a node restarts processes (in_place_veto).
+  // workers of every round but one with a hard veto (in_place_veto, not in_place_veto_soft: a
+  // node that does not listen on a channel).
   void setControlSocket(std::string path) { control_socket_ = std::move(path); }
 
  private:

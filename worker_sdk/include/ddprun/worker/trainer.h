@@ -155,6 +155,7 @@ class Trainer {
   bool live_ = false;             // the model holds a state some step completed (not fresh)
   bool live_sync_ = false;        // the last syncState took live state (DDP need not broadcast it)
   bool first_step_pending_ = false;  // the agent waits for the generation's first step
+  int marks_token_ = 0;  // peer_wait.h: this Trainer marks its waits in its heartbeat file
   // One optimizer step over micro-batches [first, last) of `index` (this epoch's samples); returns
   // the step's loss (a tensor: no host sync per micro-batch).
   torch::Tensor step(const torch::Tensor& index, std::int64_t first, std::int64_t last);
