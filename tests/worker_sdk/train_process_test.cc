@@ -78,7 +78,7 @@ TEST_CASE("train rejects bad arguments with a clear message and exit code 2", "[
       {"3 1 --model resnet", "--model must be linear, mlp or cnn"},
       {"3 1 --batch-size 0", "--batch-size must be an integer >= 1, got '0'"},
       {"3 1 --backend mpi", "expected gloo or nccl"},
-      {"3 1 --fail-signal HUP", "--fail-signal must be KILL or TERM, got 'HUP'"},
+      {"3 1 --fail-signal HUP", "--fail-signal must be KILL, TERM or HANG, got 'HUP'"},
       {"3 1 --fail-ranks 0", "--fail-ranks"},
       {"3 1 --step-delay 0", "--step-delay must be a positive number, got '0'"},
       {"3 1 --step-delay 61", "--step-delay must be at most 60 seconds"}};
