@@ -25,10 +25,6 @@ struct Identity {
   bool listens = false;  // its agent knows kListen, and listens on a control channel
 };
 
-bool endsWith(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
-
 Identity decode(const std::string& value) {
   Identity id;
   const auto nl = value.find('\n');

@@ -306,9 +306,8 @@ bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint 
   hang_seen_.reset();
   recordHang(*culprit, now);
   const std::string how = by_signal ? "stopped by a signal" : "hung while its peers wait for it";
-  logger("agent")->warn("local rank {} (pid {}) is hung{}: sending SIGKILL",
-                        culprit->launch.local_rank, culprit->pid,
-                        by_signal ? " and stopped by a signal" : " while its peers wait for it");
+  logger("agent")->warn("local rank {} (pid {}) is {}: sending SIGKILL", culprit->launch.local_rank,
+                        culprit->pid, by_signal ? "hung and " + how : how);
   kill(*culprit);
   culprit->running = false;  // its exit, whenever it is reaped, ends nothing more
   const std::string cause = "local rank " + std::to_string(culprit->launch.local_rank) + " (pid " +

@@ -1,26 +1,23 @@
 #include "op_queue.h"
 
+#include <optional>
+
 #include "ddprun/worker/errors.h"
 #include "peer_wait.h"
 
 namespace ddprun::worker {
 
 void OpWork::wait() {
-  {
-    ddprun::MutexLock lock(mu_);
-    const auto marked_at = std::chrono::steady_clock::now() + kMarkAfter;
-    while (!done_) {
-      if (cv_.wait_until(mu_, marked_at) == std::cv_status::timeout) break;
-    }
-    if (done_) {
-      if (!error_.empty()) throw CommError(error_);
-      return;
+  std::optional<WaitingForPeers> waiting;  // a wait that lasts: the agent's hang check reads it
+  ddprun::MutexLock lock(mu_);
+  const auto mark_at = std::chrono::steady_clock::now() + kMarkAfter;
+  while (!done_) {
+    if (waiting) {
+      cv_.wait(mu_);
+    } else if (cv_.wait_until(mu_, mark_at) == std::cv_status::timeout) {
+      waiting.emplace();
     }
   }
-  // A wait that lasts: this rank waits for its peers (the agent's hang check reads it).
-  WaitingForPeers waiting;
-  ddprun::MutexLock lock(mu_);
-  while (!done_) cv_.wait(mu_);
   if (!error_.empty()) throw CommError(error_);
 }
 
