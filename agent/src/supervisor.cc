@@ -263,6 +263,39 @@ void Supervisor::checkHeartbeats() {
   stopForLocalFailure();
 }
 
+void Supervisor::checkHungInEpisode() {
+  const TimePoint now = clock_.now();
+  deadlines_.heartbeat_check = now + heartbeatCheckInterval(options_.heartbeat_timeout);
+  for (auto& w : workers_) {
+    // The others' files stall while the group re-forms: only a survivor that never said `aborted`
+    // is looked at. It was not waiting for its peers when the episode began (or it was stopped by
+    // a signal): it hangs too, a step later than the failure, and the group would wait for it
+    // until inplace_timeout. It is replaced in this episode.
+    if (!w.running || w.newcomer || w.heard_abort || w.launch.heartbeat_file.empty()) continue;
+    w.heartbeat.observe(heartbeats_->modificationTime(w.launch.heartbeat_file), now);
+    if (!w.heartbeat.hung(now, options_.heartbeat_timeout)) continue;
+    const bool stopped = heartbeats_->stopped(w.pid);
+    if (!stopped && heartbeats_->mark(w.launch.heartbeat_file) != HeartbeatMark::kNotWaiting) {
+      continue;
+    }
+    recordHang(w, now);
+    const std::string what = "local rank " + std::to_string(w.launch.local_rank) + " (pid " +
+                             std::to_string(w.pid) + "), " +
+                             (stopped ? "stopped by a signal" : "hung in its own code") + ": " +
+                             failures_.back().hang;
+    logger("agent")->warn(
+        "local rank {} (pid {}) is hung during the recovery and never heard of it: "
+        "sending SIGKILL",
+        w.launch.local_rank, w.pid);
+    kill(w);
+    w.running = false;  // its exit, whenever it is reaped, ends nothing more
+    if (!replaceInEpisode(w, what, ExitStatus{true, SIGKILL})) {
+      fallBack(what + " during the recovery", /*report=*/true);
+    }
+    if (state_ != AgentState::kRecovering) return;
+  }
+}
+
 void Supervisor::recordHang(const Worker& w, TimePoint now) {
   recordFailure(WorkerFailure{w.launch.local_rank, w.launch.global_rank, w.pid, ExitStatus{},
                               clock_.wallSeconds(), w.launch.error_file,
@@ -272,29 +305,34 @@ void Supervisor::recordHang(const Worker& w, TimePoint now) {
 bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint now) {
   if (!options_.restart_in_place || control_ == nullptr) return false;
   // A rank that hangs stalls every rank's collective, so the others' heartbeats go stale with its
-  // own: it alone is the failure. It is the one stopped by a signal, or else the one hung worker
-  // whose heartbeat file says it does not wait for its peers (a Trainer says so at each touch,
-  // and marks its collectives' long waits). More than one stopped: the usual path decides; more
-  // than one not waiting, or none, as no culprit here.
-  Worker* culprit = nullptr;
-  bool by_signal = false;
-  for (Worker* w : hung) {
-    if (!heartbeats_->stopped(w->pid)) continue;
-    if (culprit != nullptr) return false;
-    culprit = w;
-    by_signal = true;
-  }
-  if (!by_signal) {
+  // own: it alone is the failure. The culprits are the hung workers stopped by a signal, or else
+  // those whose heartbeat file says they do not wait for their peers (a Trainer says so at each
+  // touch, and marks its collectives' long waits). Each is killed and replaced in one episode;
+  // the others keep their processes. None: no culprit here.
+  const bool by_signal = std::any_of(hung.begin(), hung.end(),
+                                     [this](Worker* w) { return heartbeats_->stopped(w->pid); });
+  std::vector<Worker*> culprits;
+  if (by_signal) {
     for (Worker* w : hung) {
-      if (heartbeats_->mark(w->launch.heartbeat_file) != HeartbeatMark::kNotWaiting) continue;
-      if (culprit != nullptr) {
-        culprit = nullptr;
-        break;
-      }
-      culprit = w;
+      if (heartbeats_->stopped(w->pid)) culprits.push_back(w);
     }
+  } else {
+    // Ranks that hang at one step touched their files moments apart, which the agent may see one
+    // look apart: one not waiting that would be hung at the next look is a culprit too.
+    const Duration next_look =
+        options_.heartbeat_timeout - heartbeatCheckInterval(options_.heartbeat_timeout);
+    bool any_hung = false;
+    for (auto& w : workers_) {
+      if (!w.running || w.launch.heartbeat_file.empty()) continue;
+      const bool is_hung = std::find(hung.begin(), hung.end(), &w) != hung.end();
+      if (!is_hung && w.heartbeat.silentFor(now) <= next_look) continue;
+      if (heartbeats_->mark(w.launch.heartbeat_file) != HeartbeatMark::kNotWaiting) continue;
+      any_hung = any_hung || is_hung;
+      culprits.push_back(&w);
+    }
+    if (!any_hung) culprits.clear();
   }
-  if (culprit == nullptr) {
+  if (culprits.empty()) {
     // Across nodes the hung rank may be another node's: its agent's report starts an in-place
     // recovery here too. Give it failure_grace and one more look before stopping everything.
     if (!options_.multi_node || !inPlaceEligible(nullptr, /*charged=*/true)) return false;
@@ -302,18 +340,31 @@ bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint 
     return now < *hang_seen_ + options_.failure_grace +
                      heartbeatCheckInterval(options_.heartbeat_timeout);
   }
-  if (!inPlaceEligible(culprit, /*charged=*/true)) return false;
+  Worker& first = *culprits.front();
+  if (!inPlaceEligible(&first, /*charged=*/true)) return false;
   hang_seen_.reset();
-  recordHang(*culprit, now);
   const std::string how = by_signal ? "stopped by a signal" : "hung while its peers wait for it";
-  logger("agent")->warn("local rank {} (pid {}) is {}: sending SIGKILL", culprit->launch.local_rank,
-                        culprit->pid, by_signal ? "hung and " + how : how);
-  kill(*culprit);
-  culprit->running = false;  // its exit, whenever it is reaped, ends nothing more
-  const std::string cause = "local rank " + std::to_string(culprit->launch.local_rank) + " (pid " +
-                            std::to_string(culprit->pid) + "), " + how + ": " +
-                            failures_.back().hang;
-  if (!recoverInPlace(*culprit, cause)) stopForLocalFailure();
+  std::vector<std::string> causes;
+  for (Worker* w : culprits) {
+    recordHang(*w, now);
+    logger("agent")->warn("local rank {} (pid {}) is {}: sending SIGKILL", w->launch.local_rank,
+                          w->pid, by_signal ? "hung and " + how : how);
+    kill(*w);
+    causes.push_back("local rank " + std::to_string(w->launch.local_rank) + " (pid " +
+                     std::to_string(w->pid) + "), " + how + ": " + failures_.back().hang);
+  }
+  // Their exits, whenever they are reaped, end nothing more.
+  first.running = false;
+  if (!recoverInPlace(first, causes.front())) {
+    stopForLocalFailure();
+    return true;
+  }
+  for (size_t i = 1; i < culprits.size() && episode_; ++i) {
+    logger("agent")->warn("in-place recovery: {}; it is replaced in this recovery too", causes[i]);
+    episode_->cause += "; " + causes[i];
+    culprits[i]->running = false;
+    startReplacementInEpisode(*culprits[i]);
+  }
   return true;
 }
 
@@ -648,10 +699,14 @@ void Supervisor::onDeadline() {
              episode_->awaiting_round ? FallbackCause::kRecovery : FallbackCause::kFailure);
     return;
   }
-  if (state_ == AgentState::kRunning && deadlines_.heartbeat_check &&
-      clock_.now() >= *deadlines_.heartbeat_check) {
-    checkHeartbeats();
-    if (finished()) return;
+  if (deadlines_.heartbeat_check && clock_.now() >= *deadlines_.heartbeat_check) {
+    if (state_ == AgentState::kRunning) {
+      checkHeartbeats();
+      if (finished()) return;
+    } else if (state_ == AgentState::kRecovering && episode_) {
+      checkHungInEpisode();
+      if (state_ != AgentState::kRecovering) return;
+    }
   }
   if (deadlines_.report && clock_.now() >= *deadlines_.report) {
     reportLocalFailure();
@@ -823,16 +878,21 @@ bool Supervisor::replaceInEpisode(Worker& w, const std::string& what, ExitStatus
         what);
     e.cause += "; " + what;
   }
-  if (e.awaiting_round) return true;  // started with the others once the round forms
+  startReplacementInEpisode(w);
+  return true;
+}
+
+void Supervisor::startReplacementInEpisode(Worker& w) {
+  Episode& e = *episode_;
+  if (e.awaiting_round) return;  // started with the others once the round forms
   auto launch = replacementLaunch(w.launch.local_rank, restart_count_);
   if (!launch.isOk()) {
     fallBack(launch.status().message(), /*report=*/true);
-    return true;
+    return;
   }
   // The phases of start-up are the last replacement's, which the group waits for.
   e.hello_ms = e.ready_ms = 0;
   spawnReplacement(w, std::move(*launch));
-  return true;
 }
 
 bool Supervisor::joinPeerFailure() {
@@ -911,7 +971,7 @@ void Supervisor::startEpisode(const std::string& cause, int generation, bool cha
   episode.cause = cause;
   episode.charged = charged;
   episode_ = std::move(episode);
-  deadlines_.heartbeat_check.reset();  // paused while the group re-forms
+  // (The heartbeats go on being checked: only for workers that never heard of the episode.)
   setState(AgentState::kRecovering);
   const std::string budget = " (" + std::to_string(restart_count_) + " of " +
                              std::to_string(options_.max_restarts) + " restarts used)";

@@ -407,7 +407,8 @@ namespace {
 // The second of two nodes of two workers each (ranks 2 and 3), every worker capable.
 struct TwoNodes : InPlaceFixture {
   // `veto`: the first round's (another node restarts processes; JobIdentityClient).
-  explicit TwoNodes(std::string veto = "") : InPlaceFixture(2, 2, /*multi_node=*/true) {
+  explicit TwoNodes(std::string veto = "", Duration heartbeat_timeout = Duration::zero())
+      : InPlaceFixture(2, 2, /*multi_node=*/true, heartbeat_timeout) {
     rdzv.round.local_world_sizes = {2, 2};
     rdzv.round.group_rank = 1;
     rdzv.round.in_place_veto = std::move(veto);
@@ -1063,8 +1064,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "in-place: a hung worker whose peers' heartbeat files say they wait for it is killed and "
-    "replaced alone, and with two that do not wait every worker restarts",
+    "in-place: hung workers whose heartbeat files say they do not wait while their peers' say they "
+    "do are killed and replaced in one episode, the others keep their processes",
     "[agent][inplace]") {
   for (const int not_waiting : {1, 2}) {
     INFO(not_waiting << " not waiting");
@@ -1078,21 +1079,179 @@ TEST_CASE(
         {"/hb/0/1", HeartbeatMark::kNotWaiting},
         {"/hb/0/2", not_waiting == 1 ? HeartbeatMark::kWaiting : HeartbeatMark::kNotWaiting}};
     goSilent(f, std::chrono::seconds(11));
-    if (not_waiting == 2) {
-      CHECK(f.sup->state() == AgentState::kStopping);
-      CHECK(f.launcher.signalsSent(SIGKILL) == 3);
-      continue;
-    }
     CHECK(f.sup->state() == AgentState::kRecovering);
-    REQUIRE(f.launcher.signals.size() == 1);
-    CHECK(f.launcher.signals[0] == std::make_pair(pids[1], SIGKILL));
-    CHECK(log.count("local rank 1 (pid " + std::to_string(pids[1]) +
-                    ") is hung while its peers wait for it: sending SIGKILL") == 1);
-    CHECK(f.launcher.spawned.back().second.local_rank == 1);
-    for (int survivor : {pids[0], pids[2]}) {
-      CHECK(f.channel.to(survivor, ControlType::kAbort).size() == 1);
+    CHECK(f.sup->restartCount() == 1);  // one failure, charged once
+    std::vector<int> culprits = {pids[1]};
+    if (not_waiting == 2) culprits.push_back(pids[2]);
+    REQUIRE(f.launcher.signals.size() == culprits.size());
+    for (size_t i = 0; i < culprits.size(); ++i) {
+      CHECK(f.launcher.signals[i] == std::make_pair(culprits[i], SIGKILL));
+      CHECK(log.count("local rank " + std::to_string(i + 1) + " (pid " +
+                      std::to_string(culprits[i]) +
+                      ") is hung while its peers wait for it: sending SIGKILL") == 1);
     }
+    REQUIRE(f.launcher.spawned.size() == 3 + culprits.size());
+    std::vector<int> members = {pids[0]};
+    if (not_waiting == 1) members.push_back(pids[2]);
+    for (size_t i = 0; i < culprits.size(); ++i) {
+      const auto& [pid, launch] = f.launcher.spawned[3 + i];
+      CHECK(launch.local_rank == static_cast<int>(i) + 1);
+      members.push_back(pid);
+    }
+    CHECK(f.channel.to(pids[0], ControlType::kAbort).size() == 1);
+    CHECK(f.channel.to(pids[0], ControlType::kGroup).size() == 1);
+    // The killed ones' exits, when they are reaped, end nothing.
+    for (int pid : culprits) f.sup->onWorkerExit(pid, ExitStatus{true, SIGKILL});
+    CHECK(f.sup->state() == AgentState::kRecovering);
+    for (int pid : members) f.say(pid, ControlType::kStep, {{"gen", "2"}});
+    CHECK(f.sup->state() == AgentState::kRunning);
+    CHECK(f.sup->restartCount() == 1);
   }
+}
+
+TEST_CASE(
+    "in-place: a second worker not waiting that the agent saw touch its file one look later is a "
+    "culprit too once it would be hung at the next look, not before",
+    "[agent][inplace]") {
+  // Timeout 10 s: the agent looks every second, so 9 s of silence is hung at the next look.
+  for (const int touched_at_s : {2, 4}) {
+    INFO("rank 2 last touched at " << touched_at_s << " s");
+    InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
+    f.sup->start();
+    f.allCapable();
+    const auto pids = f.first();
+    f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
+                          {"/hb/0/1", HeartbeatMark::kNotWaiting},
+                          {"/hb/0/2", HeartbeatMark::kNotWaiting}};
+    for (int i = 0; i < 3; ++i) f.heartbeats.touch("/hb/0/" + std::to_string(i));
+    f.clock.advance(std::chrono::seconds(1));
+    f.fireDeadlines();
+    f.clock.advance(std::chrono::seconds(touched_at_s - 1));
+    f.heartbeats.touch("/hb/0/0");
+    f.heartbeats.touch("/hb/0/2");
+    f.fireDeadlines();
+    f.clock.advance(std::chrono::milliseconds(11500 - 1000 * touched_at_s));
+    f.fireDeadlines();  // at 11.5 s: rank 1 silent 10.5 s, rank 2 9.5 s or 7.5 s
+    CHECK(f.sup->state() == AgentState::kRecovering);
+    if (touched_at_s == 2) {
+      REQUIRE(f.launcher.signals.size() == 2);
+      CHECK(f.launcher.signals[1] == std::make_pair(pids[2], SIGKILL));
+      CHECK(f.launcher.spawned.size() == 5);
+    } else {
+      REQUIRE(f.launcher.signals.size() == 1);
+      CHECK(f.launcher.spawned.size() == 4);
+      CHECK(f.channel.to(pids[2], ControlType::kGroup).size() == 1);
+    }
+    CHECK(f.launcher.signals[0] == std::make_pair(pids[1], SIGKILL));
+    CHECK(f.channel.to(pids[0], ControlType::kGroup).size() == 1);
+  }
+}
+
+TEST_CASE(
+    "in-place: a survivor that hangs in its own code a step after the failure, and so never says "
+    "aborted, is killed and replaced in the same recovery, and one that waits is not",
+    "[agent][inplace]") {
+  LogCapture log("agent");
+  InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  // Rank 1 hangs at 1 s; rank 2 at 4 s, when rank 0 starts waiting for both.
+  f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
+                        {"/hb/0/1", HeartbeatMark::kNotWaiting},
+                        {"/hb/0/2", HeartbeatMark::kNotWaiting}};
+  for (int i = 0; i < 3; ++i) f.heartbeats.touch("/hb/0/" + std::to_string(i));
+  f.clock.advance(std::chrono::seconds(1));
+  f.fireDeadlines();
+  f.clock.advance(std::chrono::seconds(3));
+  f.heartbeats.touch("/hb/0/0");
+  f.heartbeats.touch("/hb/0/2");
+  f.fireDeadlines();
+  f.clock.advance(std::chrono::milliseconds(7500));
+  f.fireDeadlines();  // 11.5 s: rank 1 is hung, rank 2 only silent for 7.5 s
+  REQUIRE(f.sup->state() == AgentState::kRecovering);
+  REQUIRE(f.launcher.signals.size() == 1);
+  CHECK(f.launcher.signals[0] == std::make_pair(pids[1], SIGKILL));
+  const int first_newcomer = f.launcher.spawned.back().first;
+  f.clock.advance(std::chrono::seconds(2));
+  f.fireDeadlines();  // 13.5 s: not yet
+  CHECK(f.launcher.signals.size() == 1);
+  f.clock.advance(std::chrono::seconds(1));
+  f.fireDeadlines();  // 14.5 s: rank 2 silent 10.5 s, never said aborted, not waiting
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  REQUIRE(f.launcher.signals.size() == 2);
+  CHECK(f.launcher.signals[1] == std::make_pair(pids[2], SIGKILL));
+  CHECK(log.count("local rank 2 (pid " + std::to_string(pids[2]) +
+                  ") is hung during the recovery and never heard of it: sending SIGKILL") == 1);
+  REQUIRE(f.launcher.spawned.size() == 5);
+  CHECK(f.launcher.spawned.back().second.local_rank == 2);
+  CHECK(f.sup->restartCount() == 1);  // one failure
+  // Rank 0 waits (its file says so) and never said aborted either: it is left alone.
+  f.clock.advance(std::chrono::seconds(3));
+  f.fireDeadlines();
+  CHECK(f.launcher.signals.size() == 2);
+  f.sup->onWorkerExit(pids[2], ExitStatus{true, SIGKILL});  // reaped: ends nothing
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  for (int pid : {pids[0], first_newcomer, f.launcher.spawned.back().first}) {
+    f.say(pid, ControlType::kStep, {{"gen", "2"}});
+  }
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 1);
+}
+
+TEST_CASE(
+    "in-place: two hung workers stopped by a signal are both killed and replaced in one episode, "
+    "the one stalled behind them is not",
+    "[agent][inplace]") {
+  InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  f.heartbeats.stopped_pids = {pids[0], pids[2]};
+  // A stopped worker's own mark says nothing: the signal decides.
+  f.heartbeats.marks = {{"/hb/0/1", HeartbeatMark::kNotWaiting}};
+  goSilent(f, std::chrono::seconds(11));
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  REQUIRE(f.launcher.signals.size() == 2);
+  CHECK(f.launcher.signals[0] == std::make_pair(pids[0], SIGKILL));
+  CHECK(f.launcher.signals[1] == std::make_pair(pids[2], SIGKILL));
+  REQUIRE(f.launcher.spawned.size() == 5);
+  CHECK(f.launcher.spawned[3].second.local_rank == 0);
+  CHECK(f.launcher.spawned[4].second.local_rank == 2);
+  CHECK(f.channel.to(pids[1], ControlType::kGroup).size() == 1);
+  for (int pid : {pids[1], f.launcher.spawned[3].first, f.launcher.spawned[4].first}) {
+    f.say(pid, ControlType::kStep, {{"gen", "2"}});
+  }
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 1);
+}
+
+TEST_CASE(
+    "in-place across nodes: a node whose hung workers all say they do not wait replaces both in "
+    "the next round, the other node's keep their processes",
+    "[agent][inplace]") {
+  TwoNodes f("", std::chrono::seconds(10));
+  const auto pids = f.first();
+  f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kNotWaiting},
+                        {"/hb/0/1", HeartbeatMark::kNotWaiting}};
+  f.rdzv.hold = true;
+  goSilent(f, std::chrono::seconds(11));
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.sup->restartCount() == 1);
+  CHECK(f.rdzv.failures == 1);  // the other node's workers recover in place too
+  REQUIRE(f.launcher.signals.size() == 2);
+  CHECK(f.launcher.signals[0] == std::make_pair(pids[0], SIGKILL));
+  CHECK(f.launcher.signals[1] == std::make_pair(pids[1], SIGKILL));
+  CHECK(f.launcher.spawned.size() == 2);  // the replacements wait for the round's ranks
+  for (int pid : pids) f.sup->onWorkerExit(pid, ExitStatus{true, SIGKILL});
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  f.formRound(3);
+  REQUIRE(f.launcher.spawned.size() == 4);
+  CHECK(f.launcher.spawned[2].second.local_rank == 0);
+  CHECK(f.launcher.spawned[3].second.local_rank == 1);
+  for (int i : {2, 3}) f.say(f.launcher.spawned[i].first, ControlType::kStep, {{"gen", "4"}});
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 1);
 }
 
 TEST_CASE(

@@ -459,12 +459,13 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "in-place: a worker that hangs in its own code is told from the others waiting for it, and "
-    "replaced alone, and the result equals a run without the fault",
+    "in-place: workers that hang in their own code are told from the others waiting for them, "
+    "and replaced alone, and the result equals a run without the fault",
     "[inplace]") {
   TempDir dir;
-  // 3 workers, 2 epochs of 10 steps (960 samples, batch 32); the last rank hangs after step 4.
-  auto run = [&](const std::string& tag, const std::string& mode, bool fault) {
+  // 3 workers, 2 epochs of 10 steps (960 samples, batch 32); the last rank, or the last two,
+  // hang after step 4.
+  auto run = [&](const std::string& tag, const std::string& mode, int hung) {
     std::vector<std::string> argv = {ddprunBin(),
                                      "--standalone",
                                      "--nproc-per-node=3",
@@ -481,33 +482,43 @@ TEST_CASE(
                                      dir / (tag + ".pt"),
                                      "--dump-params",
                                      dir / (tag + ".bin")};
-    if (fault) argv.insert(argv.end(), {"--fail-at-step", "4", "--fail-signal", "HANG"});
+    if (hung > 0) {
+      argv.insert(argv.end(), {"--fail-at-step", "4", "--fail-signal", "HANG", "--fail-ranks",
+                               std::to_string(hung)});
+    }
     return std::make_unique<Process>(argv,
                                      std::map<std::string, std::string>{{"OMP_NUM_THREADS", "1"}});
   };
-  auto clean = run("clean", "process", false);
+  auto clean = run("clean", "process", 0);
   auto rc = clean->wait(240s);
   REQUIRE(rc);
   REQUIRE(rc->exit_code == 0);
 
-  auto r = run("hung", "in-place", true)->wait(240s);
-  REQUIRE(r);
-  const std::string all = r->out + r->err;
-  INFO(all);
-  CHECK(r->exit_code == 0);
-  CHECK(countOf(all, "fault injection: hanging at step 4") == 1);
-  CHECK(std::regex_search(
-      all,
-      std::regex(
-          R"(local rank 2 \(pid \d+\) is hung while its peers wait for it: sending SIGKILL)")));
-  CHECK(all.find("worker hung: no heartbeat for") != std::string::npos);
-  CHECK(countOf(all, "going on after step 4") == 2);
-  CHECK(all.find("restarting every worker") == std::string::npos);
-  CHECK(all.find("Resuming training from snapshot") == std::string::npos);
-  // Ranks 0 and 1 joined once; rank 2 twice (the hung one, then its replacement).
-  CHECK(joinedPids(all).size() == 4);
-  CHECK(countOf(all, "[RANK 2] pid") == 2);
-  CHECK(readFile(dir / "hung.bin") == readFile(dir / "clean.bin"));
+  for (const int hung : {1, 2}) {
+    INFO(hung << " hung");
+    const std::string tag = "hung" + std::to_string(hung);
+    auto r = run(tag, "in-place", hung)->wait(240s);
+    REQUIRE(r);
+    const std::string all = r->out + r->err;
+    INFO(all);
+    CHECK(r->exit_code == 0);
+    CHECK(countOf(all, "fault injection: hanging at step 4") == hung);
+    for (int local_rank = 3 - hung; local_rank < 3; ++local_rank) {
+      CHECK(std::regex_search(all, std::regex("local rank " + std::to_string(local_rank) +
+                                              R"( \(pid \d+\) is hung while its peers wait for )"
+                                              R"(it: sending SIGKILL)")));
+      // Each hung rank joined twice: the hung one, then its replacement.
+      CHECK(countOf(all, "[RANK " + std::to_string(local_rank) + "] pid") == 2);
+    }
+    CHECK(countOf(all, "is hung while its peers wait for it: sending SIGKILL") == hung);
+    CHECK(all.find("worker hung: no heartbeat for") != std::string::npos);
+    CHECK(countOf(all, "in-place recovery, generation") == 1);
+    CHECK(countOf(all, "going on after step 4") == 3 - hung);
+    CHECK(all.find("restarting every worker") == std::string::npos);
+    CHECK(all.find("Resuming training from snapshot") == std::string::npos);
+    CHECK(joinedPids(all).size() == static_cast<size_t>(3 + hung));
+    CHECK(readFile(dir / (tag + ".bin")) == readFile(dir / "clean.bin"));
+  }
 }
 
 TEST_CASE(
@@ -849,12 +860,15 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "in-place across nodes: a rank hung in its own code is replaced alone, and the other node's "
-    "ranks, which wait for it, keep their processes",
+    "in-place across nodes: ranks hung in their own code are replaced alone, and the other ranks, "
+    "which wait for them, keep their processes",
     "[multinode][inplace]") {
+  // The last rank hangs, or the last two: both of one node's.
+  const int hung = GENERATE(1, 2);
+  INFO(hung << " hung");
   RendezvousDaemon rdzv;
   TempDir dir;
-  // 3 epochs of 6 steps; the last rank hangs after step 8.
+  // 3 epochs of 6 steps; they hang after step 8.
   const std::vector<std::string> args = {"3",
                                          "1",
                                          "--dataset-size",
@@ -864,7 +878,9 @@ TEST_CASE(
                                          "--fail-at-step",
                                          "8",
                                          "--fail-signal",
-                                         "HANG"};
+                                         "HANG",
+                                         "--fail-ranks",
+                                         std::to_string(hung)};
   const std::map<std::string, std::string> env = {{"PET_HEARTBEAT_TIMEOUT", "2"}};
   auto a = node("127.0.0.2", rdzv.endpoint, "2", "hung", "in-place", args, env);
   auto b = node("127.0.0.3", rdzv.endpoint, "2", "hung", "in-place", args, env);
@@ -873,16 +889,17 @@ TEST_CASE(
   INFO(all);
   CHECK(ra.exit_code == 0);
   CHECK(rb.exit_code == 0);
-  CHECK(countOf(all, "fault injection: hanging at step 8") == 1);
+  CHECK(countOf(all, "fault injection: hanging at step 8") == hung);
   // (Rank 3 is on either node: the rendezvous orders them.)
   CHECK(std::regex_search(all, std::regex(R"(local rank 1 \(pid \d+\) is hung while its peers )"
                                           R"(wait for it: sending SIGKILL)")));
+  CHECK(countOf(all, "is hung while its peers wait for it: sending SIGKILL") == hung);
   CHECK(all.find("is hung: sending SIGKILL") == std::string::npos);
   CHECK(countOf(all, "in-place recovery, generation") == 2);
-  CHECK(countOf(all, "going on after step 8") == 3);
+  CHECK(countOf(all, "going on after step 8") == 4 - hung);
   CHECK(all.find("restarting every worker") == std::string::npos);
   CHECK(all.find("Resuming training from snapshot") == std::string::npos);
   const auto pids = joinedPids(all);
-  CHECK(pids.size() == 5);
-  CHECK(std::set<int>(pids.begin(), pids.end()).size() == 5);
+  CHECK(pids.size() == static_cast<size_t>(4 + hung));
+  CHECK(std::set<int>(pids.begin(), pids.end()).size() == static_cast<size_t>(4 + hung));
 }

@@ -237,10 +237,14 @@ class Supervisor {
   void stopForLocalFailure();
   void checkHeartbeats();
   void recordHang(const Worker& w, TimePoint now);
-  // In-place mode: the hung worker stopped by a signal is killed and replaced alone (true); a
-  // multi-node hang with none stopped here waits a grace for the peer's report (true, nothing
-  // done). False: the usual path.
+  // In-place mode: the hung workers stopped by a signal, or else those whose heartbeat file says
+  // they do not wait for their peers, are killed and replaced in one episode, the others keeping
+  // their processes (true); a multi-node hang with no such worker here waits a grace for the
+  // peer's report (true, nothing done). False: the usual path.
   bool recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint now);
+  // RECOVERING: a survivor that never said `aborted` and whose heartbeat went stale while it was
+  // not waiting for its peers (or stopped by a signal) is killed and replaced in the episode.
+  void checkHungInEpisode();
   // SIGKILL to a running worker's group, timed for reap_timeout.
   void kill(Worker& w);
   // Workers sent SIGKILL reap_timeout ago and still not reaped: given up (forceEnd).
@@ -280,6 +284,8 @@ class Supervisor {
   // died at once: it saw no group of this episode, so its rank there is free). False otherwise,
   // or with the budget spent: the caller falls back.
   bool replaceInEpisode(Worker& w, const std::string& what, ExitStatus status);
+  // Starts w's replacement in the episode under way (across nodes: once its round forms).
+  void startReplacementInEpisode(Worker& w);
   // During a failure's episode, another node reported failed workers (kWorkers): while the round
   // forms (no group out yet) they are part of it (ranks on several nodes died together, each node
   // reported its own), their node replacing them; charged once. False once a group is out, or in
