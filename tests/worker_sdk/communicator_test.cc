@@ -1,9 +1,15 @@
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <fstream>
 #include <mutex>
 #include <set>
+#include <sstream>
 
 #include "ddprun/worker/errors.h"
 #include "ddprun/worker/process_group.h"
+#include "ddprun/worker/trainer.h"
 #include "thread_ranks.h"
 #include "torch_catch.h"
 
@@ -245,6 +251,94 @@ TEST_CASE(
       KeyValueStore::tcpClient("127.0.0.1", port, std::chrono::seconds(60),
                                [] { return std::string("node lost"); }),
       Catch::Contains("127.0.0.1:" + std::to_string(port)) && Catch::Contains("node lost"));
+}
+
+TEST_CASE(
+    "a store wait that lasts, in a Trainer's step, marks its heartbeat file as waiting for peers "
+    "until it ends, with or without a cancel, and a short one writes nothing",
+    "[worker][comm]") {
+  // A group the program forms after its first step waits in the store for its peers: the agent's
+  // hang check must not take it for the rank that hangs.
+  char dir[] = "/tmp/ddprun_store_mark_XXXXXX";
+  REQUIRE(::mkdtemp(dir) != nullptr);
+  const std::string path = std::string(dir) + "/heartbeat";
+  // The mark (ddprun/common/heartbeat_file.h): 'w' waits for peers, '-' does not.
+  auto mark = [&] {
+    std::ifstream in(path);
+    return static_cast<char>(in.get());
+  };
+  auto mtime = [&] {
+    struct stat st {};
+    REQUIRE(::stat(path.c_str(), &st) == 0);
+    return std::make_pair(st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+  };
+  auto server = KeyValueStore::tcpServer("127.0.0.1", 0, std::chrono::seconds(10));
+  auto client = KeyValueStore::tcpClient("127.0.0.1", server->port(), std::chrono::seconds(10));
+  int checked = 0;
+  t::runRanks(1, [&](ProcessGroup& pg) {
+    torch::manual_seed(3);
+    auto model = torch::nn::Linear(2, 1);
+    auto opt =
+        std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1));
+    TrainerOptions o;
+    o.total_epochs = 1;
+    o.batch_size = 4;
+    o.heartbeat_file = path;
+    std::ostringstream log;
+    o.log = &log;
+    o.on_step = [&](const TrainingProgress& p) {
+      if (p.global_step != 1) return;
+      REQUIRE(mark() == '-');  // the step's touch
+      for (const bool with_cancel : {false, true}) {
+        INFO((with_cancel ? "with a cancel" : "without a cancel"));
+        client->setCancel(with_cancel ? KeyValueStore::Cancel([] { return std::string(); })
+                                      : KeyValueStore::Cancel());
+        const std::string key = with_cancel ? "late-c" : "late";
+        // A key already there: no mark, the file untouched.
+        server->set(key + "-now", {'x'});
+        const auto before = mtime();
+        client->wait({key + "-now"}, std::chrono::seconds(10));
+        CHECK(mtime() == before);
+        // A key that comes 300 ms later: marked while it waits, unmarked after.
+        std::atomic<bool> saw_waiting{false};
+        std::atomic<bool> done{false};
+        std::thread watcher([&] {
+          while (!done) {
+            if (mark() == 'w') saw_waiting = true;
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          }
+        });
+        std::thread setter([&] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          server->set(key, {'y'});
+        });
+        client->wait({key}, std::chrono::seconds(10));
+        done = true;
+        setter.join();
+        watcher.join();
+        CHECK(saw_waiting);
+        CHECK(mark() == '-');
+        // One that times out is unmarked too.
+        CHECK_THROWS_WITH(client->wait({key + "-never"}, std::chrono::milliseconds(200)),
+                          Catch::Contains("timed out"));
+        CHECK(mark() == '-');
+        ++checked;
+      }
+    };
+    const auto x = torch::randn({8, 2});
+    const auto y = torch::randn({8, 1});
+    Trainer trainer(
+        std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {}), model.ptr(),
+        [model](const torch::Tensor& in) mutable { return model->forward(in); },
+        [](const torch::Tensor& out, const torch::Tensor& target) {
+          return torch::mse_loss(out, target);
+        },
+        opt, x, y, o);
+    trainer.train();
+  });
+  CHECK(checked == 2);
+  ::unlink(path.c_str());
+  ::rmdir(dir);
 }
 
 TEST_CASE("a client reaches a store whose host comes up only after it began waiting",

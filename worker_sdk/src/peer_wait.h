@@ -2,10 +2,10 @@
 // (DDPRUN_HEARTBEAT_FILE), for the agent's hang check (docs/in-place-recovery.md §2.2). When one
 // rank hangs, every rank's heartbeat goes stale: the others wait in their collectives for it. The
 // file's first byte says which (ddprun/common/heartbeat_file.h): kNotWaiting at each of the
-// Trainer's touches, kWaitingForPeers while a collective has waited for kMarkAfter, so the agent
-// can tell the rank that hangs (its file says it does not wait) from those that wait for it, and
-// replace it alone. The caller marks only waits that lasted kMarkAfter: a step's short waits
-// write nothing.
+// Trainer's touches, kWaitingForPeers while a collective or a store wait has waited for
+// kMarkAfter, so the agent can tell the rank that hangs (its file says it does not wait) from
+// those that wait for it, and replace it alone. The caller marks only waits that lasted
+// kMarkAfter: a step's short waits write nothing.
 //
 // Thread-safe (one mutex); the file is opened once.
 #pragma once

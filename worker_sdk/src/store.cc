@@ -9,12 +9,14 @@
 #include <algorithm>
 #include <cerrno>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "ddprun/common/strings.h"
 #include "ddprun/worker/errors.h"
+#include "peer_wait.h"
 
 namespace ddprun::worker {
 
@@ -186,18 +188,15 @@ void KeyValueStore::wait(const std::vector<std::string>& keys, std::chrono::mill
                      " ms waiting for store keys [" + ddprun::join(keys, ", ") +
                      "] (a peer rank did not arrive): " + ddprun::trim(why).substr(0, 300));
   };
-  if (!cancel) {
-    try {
-      impl_->store->wait(keys, timeout);
-    } catch (const std::exception& e) {
-      throw timedOut(e.what());
-    }
-    return;
-  }
+  // A wait that lasts kMarkAfter waits for its peers (a group formed after the first step): the
+  // heartbeat file says so, for the agent's hang check (peer_wait.h).
+  std::optional<WaitingForPeers> waiting;
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + timeout;
   // c10d's blocking wait cannot be interrupted (and one given up on its own timeout leaves the
   // connection out of step on LibTorch 1.13): ask whether the keys are there, 1 ms apart at
-  // first, then up to 5 ms apart (a loopback round trip is about 0.1 ms).
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  // first, then up to 5 ms apart (a loopback round trip is about 0.1 ms). Without a cancel, only
+  // until the wait is marked; then c10d's wait, which asks the store once.
   auto pause = std::chrono::milliseconds(1);
   for (;;) {
     bool there = false;
@@ -208,12 +207,28 @@ void KeyValueStore::wait(const std::vector<std::string>& keys, std::chrono::mill
                       "] failed: " + ddprun::trim(e.what()).substr(0, 300));
     }
     if (there) return;
-    if (std::string why = cancel(); !why.empty()) {
-      throw CommError("gave up waiting for store keys [" + ddprun::join(keys, ", ") + "]: " + why);
+    if (cancel) {
+      if (std::string why = cancel(); !why.empty()) {
+        throw CommError("gave up waiting for store keys [" + ddprun::join(keys, ", ") +
+                        "]: " + why);
+      }
     }
-    if (std::chrono::steady_clock::now() >= deadline) throw timedOut("no such keys yet");
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) throw timedOut("no such keys yet");
+    if (!waiting && now >= start + kMarkAfter) {
+      waiting.emplace();
+      if (!cancel) break;
+    }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(5));
+  }
+  try {
+    // (At least 1 ms: c10d reads 0 as no timeout at all.)
+    impl_->store->wait(keys, std::max(std::chrono::milliseconds(1),
+                                      std::chrono::duration_cast<std::chrono::milliseconds>(
+                                          deadline - std::chrono::steady_clock::now())));
+  } catch (const std::exception& e) {
+    throw timedOut(e.what());
   }
 }
 
