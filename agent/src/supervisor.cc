@@ -266,71 +266,93 @@ void Supervisor::checkHeartbeats() {
 void Supervisor::checkHungInEpisode() {
   const TimePoint now = clock_.now();
   deadlines_.heartbeat_check = now + heartbeatCheckInterval(options_.heartbeat_timeout);
-  for (auto& w : workers_) {
+  for (size_t i = 0; i < workers_.size(); ++i) {
     // The others' files stall while the group re-forms: only a survivor that never said `aborted`
     // is looked at. It was not waiting for its peers when the episode began (or it was stopped by
     // a signal): it hangs too, a step later than the failure, and the group would wait for it
     // until inplace_timeout. It is replaced in this episode.
-    if (!w.running || w.newcomer || w.heard_abort || w.launch.heartbeat_file.empty()) continue;
-    w.heartbeat.observe(heartbeats_->modificationTime(w.launch.heartbeat_file), now);
-    if (!w.heartbeat.hung(now, options_.heartbeat_timeout)) continue;
-    const bool stopped = heartbeats_->stopped(w.pid);
-    if (!stopped && heartbeats_->mark(w.launch.heartbeat_file) != HeartbeatMark::kNotWaiting) {
+    auto unaware = [this, i] {
+      const Worker& w = workers_[i];
+      return w.running && !w.newcomer && !w.heard_abort && !w.launch.heartbeat_file.empty();
+    };
+    if (!unaware()) continue;
+    Worker* w = &workers_[i];
+    w->heartbeat.observe(heartbeats_->modificationTime(w->launch.heartbeat_file), now);
+    if (!w->heartbeat.hung(now, options_.heartbeat_timeout)) continue;
+    const bool stopped = heartbeats_->stopped(w->pid);
+    if (!stopped && heartbeats_->mark(w->launch.heartbeat_file) != HeartbeatMark::kNotWaiting) {
       continue;
     }
-    recordHang(w, now);
-    const std::string what = "local rank " + std::to_string(w.launch.local_rank) + " (pid " +
-                             std::to_string(w.pid) + "), " +
+    // What it said and was not read yet comes first: an `aborted` there means it heard.
+    const int pid = w->pid;
+    control_->drain(pid);
+    if (state_ != AgentState::kRecovering || !episode_) return;
+    if (workers_[i].pid != pid || !unaware()) continue;
+    w = &workers_[i];
+    recordHang(*w, now);
+    const std::string what = "local rank " + std::to_string(w->launch.local_rank) + " (pid " +
+                             std::to_string(pid) + "), " +
                              (stopped ? "stopped by a signal" : "hung in its own code") + ": " +
                              failures_.back().hang;
     logger("agent")->warn(
-        "local rank {} (pid {}) is hung during the recovery and never heard of it: "
-        "sending SIGKILL",
-        w.launch.local_rank, w.pid);
-    kill(w);
-    w.running = false;  // its exit, whenever it is reaped, ends nothing more
-    if (!replaceInEpisode(w, what, ExitStatus{true, SIGKILL})) {
-      fallBack(what + " during the recovery", /*report=*/true);
+        "local rank {} (pid {}) is hung during the recovery and never heard of it: sending SIGKILL",
+        w->launch.local_rank, pid);
+    kill(*w);
+    // A crash: replaced in this episode (charged if the episode was free), else the fallback of
+    // a failure, which counts the killed one among the workers to stop.
+    if (!replaceInEpisode(*w, what, ExitStatus{true, SIGKILL})) {
+      fallBack(what + " during the recovery", /*report=*/true, FallbackCause::kFailure);
     }
     if (state_ != AgentState::kRecovering) return;
+    // Its exit, whenever it is reaped, ends nothing more; across nodes its replacement starts
+    // with the round.
+    if (workers_[i].pid == pid) workers_[i].running = false;
   }
 }
 
-void Supervisor::recordHang(const Worker& w, TimePoint now) {
-  recordFailure(WorkerFailure{w.launch.local_rank, w.launch.global_rank, w.pid, ExitStatus{},
-                              clock_.wallSeconds(), w.launch.error_file,
-                              hangMessage(w.heartbeat.silentFor(now), options_.heartbeat_timeout)});
+void Supervisor::recordHang(const Worker& w, TimePoint now, const std::string& note) {
+  recordFailure(
+      WorkerFailure{w.launch.local_rank, w.launch.global_rank, w.pid, ExitStatus{},
+                    clock_.wallSeconds(), w.launch.error_file,
+                    hangMessage(w.heartbeat.silentFor(now), options_.heartbeat_timeout) + note});
 }
 
 bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint now) {
   if (!options_.restart_in_place || control_ == nullptr) return false;
   // A rank that hangs stalls every rank's collective, so the others' heartbeats go stale with its
-  // own: it alone is the failure. The culprits are the hung workers stopped by a signal, or else
+  // own: it alone is the failure. The culprits are the hung workers stopped by a signal, and
   // those whose heartbeat file says they do not wait for their peers (a Trainer says so at each
-  // touch, and marks its collectives' long waits). Each is killed and replaced in one episode;
-  // the others keep their processes. None: no culprit here.
-  const bool by_signal = std::any_of(hung.begin(), hung.end(),
-                                     [this](Worker* w) { return heartbeats_->stopped(w->pid); });
-  std::vector<Worker*> culprits;
-  if (by_signal) {
-    for (Worker* w : hung) {
-      if (heartbeats_->stopped(w->pid)) culprits.push_back(w);
+  // touch, and marks its long waits). Each is killed and replaced in one episode; the others keep
+  // their processes. None: no culprit here.
+  struct Culprit {
+    Worker* w;
+    std::string how;
+    bool hung;  // else it would be at the next look
+  };
+  std::vector<Culprit> culprits;
+  // Ranks that hang at one step touched their files moments apart, which the agent may see one
+  // look apart: one not waiting that would be hung at the next look is a culprit too.
+  const Duration next_look =
+      options_.heartbeat_timeout - heartbeatCheckInterval(options_.heartbeat_timeout);
+  bool any_hung = false;
+  for (auto& w : workers_) {
+    if (!w.running || w.launch.heartbeat_file.empty()) continue;
+    const bool is_hung = std::find(hung.begin(), hung.end(), &w) != hung.end();
+    if (is_hung && heartbeats_->stopped(w.pid)) {
+      culprits.push_back({&w, "stopped by a signal", true});
+    } else if ((is_hung || w.heartbeat.silentFor(now) > next_look) &&
+               heartbeats_->mark(w.launch.heartbeat_file) == HeartbeatMark::kNotWaiting) {
+      culprits.push_back({&w, "hung while its peers wait for it", is_hung});
+    } else {
+      continue;
     }
-  } else {
-    // Ranks that hang at one step touched their files moments apart, which the agent may see one
-    // look apart: one not waiting that would be hung at the next look is a culprit too.
-    const Duration next_look =
-        options_.heartbeat_timeout - heartbeatCheckInterval(options_.heartbeat_timeout);
-    bool any_hung = false;
-    for (auto& w : workers_) {
-      if (!w.running || w.launch.heartbeat_file.empty()) continue;
-      const bool is_hung = std::find(hung.begin(), hung.end(), &w) != hung.end();
-      if (!is_hung && w.heartbeat.silentFor(now) <= next_look) continue;
-      if (heartbeats_->mark(w.launch.heartbeat_file) != HeartbeatMark::kNotWaiting) continue;
-      any_hung = any_hung || is_hung;
-      culprits.push_back(&w);
-    }
-    if (!any_hung) culprits.clear();
+    any_hung = any_hung || is_hung;
+  }
+  if (!any_hung) culprits.clear();
+  // On one node with every worker a culprit, no survivor would keep anything: the usual path.
+  if (!options_.multi_node && !culprits.empty() &&
+      static_cast<int>(culprits.size()) == runningWorkers()) {
+    return false;
   }
   if (culprits.empty()) {
     // Across nodes the hung rank may be another node's: its agent's report starts an in-place
@@ -340,30 +362,37 @@ bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint 
     return now < *hang_seen_ + options_.failure_grace +
                      heartbeatCheckInterval(options_.heartbeat_timeout);
   }
-  Worker& first = *culprits.front();
-  if (!inPlaceEligible(&first, /*charged=*/true)) return false;
+  if (!inPlaceEligible(culprits.front().w, /*charged=*/true)) return false;
   hang_seen_.reset();
-  const std::string how = by_signal ? "stopped by a signal" : "hung while its peers wait for it";
   std::vector<std::string> causes;
-  for (Worker* w : culprits) {
-    recordHang(*w, now);
+  std::vector<int> pids;
+  for (const auto& [w, how, is_hung] : culprits) {
+    recordHang(*w, now, is_hung ? "" : ", hung at the next look (with a peer, at one step)");
     logger("agent")->warn("local rank {} (pid {}) is {}: sending SIGKILL", w->launch.local_rank,
-                          w->pid, by_signal ? "hung and " + how : how);
+                          w->pid, how == "stopped by a signal" ? "hung and " + how : how);
     kill(*w);
     causes.push_back("local rank " + std::to_string(w->launch.local_rank) + " (pid " +
                      std::to_string(w->pid) + "), " + how + ": " + failures_.back().hang);
+    pids.push_back(w->pid);
   }
-  // Their exits, whenever they are reaped, end nothing more.
+  // A killed one's exit, whenever it is reaped, ends nothing more once its replacement is under
+  // way; until then (and after a fallback) it counts among the workers a stop waits for. The
+  // first is out before the recovery begins: across nodes the round's replacements are those
+  // not running.
+  Worker& first = *culprits.front().w;
   first.running = false;
-  if (!recoverInPlace(first, causes.front())) {
+  const bool recovering = recoverInPlace(first, causes.front());
+  if (state_ != AgentState::kRecovering && first.pid == pids.front()) first.running = true;
+  if (!recovering) {
     stopForLocalFailure();
     return true;
   }
-  for (size_t i = 1; i < culprits.size() && episode_; ++i) {
+  for (size_t i = 1; i < culprits.size() && state_ == AgentState::kRecovering; ++i) {
     logger("agent")->warn("in-place recovery: {}; it is replaced in this recovery too", causes[i]);
     episode_->cause += "; " + causes[i];
-    culprits[i]->running = false;
-    startReplacementInEpisode(*culprits[i]);
+    Worker& w = *culprits[i].w;
+    startReplacementInEpisode(w);
+    if (state_ == AgentState::kRecovering && w.pid == pids[i]) w.running = false;
   }
   return true;
 }

@@ -1151,8 +1151,12 @@ TEST_CASE(
     "in-place: a survivor that hangs in its own code a step after the failure, and so never says "
     "aborted, is killed and replaced in the same recovery, and one that waits is not",
     "[agent][inplace]") {
+  // (unread: it said `aborted` before the agent's look, which had not read it yet.)
+  const bool unread = GENERATE(false, true);
+  INFO((unread ? "its aborted unread" : "silent"));
   LogCapture log("agent");
   InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
+  f.channel.reader = [&f](int pid, const ControlMessage& m) { f.sup->onControlMessage(pid, m); };
   f.sup->start();
   f.allCapable();
   const auto pids = f.first();
@@ -1177,6 +1181,17 @@ TEST_CASE(
   f.fireDeadlines();  // 13.5 s: not yet
   CHECK(f.launcher.signals.size() == 1);
   f.clock.advance(std::chrono::seconds(1));
+  if (unread) {
+    f.channel.unread[pids[2]] = {makeControl(ControlType::kAborted, {{"gen", "1"}})};
+    f.fireDeadlines();  // 14.5 s: it heard, and forms the group
+    CHECK(f.channel.unread.empty());
+    CHECK(f.launcher.signals.size() == 1);
+    for (int pid : {pids[0], pids[2], first_newcomer}) {
+      f.say(pid, ControlType::kStep, {{"gen", "2"}});
+    }
+    CHECK(f.sup->state() == AgentState::kRunning);
+    return;
+  }
   f.fireDeadlines();  // 14.5 s: rank 2 silent 10.5 s, never said aborted, not waiting
   CHECK(f.sup->state() == AgentState::kRecovering);
   REQUIRE(f.launcher.signals.size() == 2);
@@ -1200,30 +1215,94 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "in-place: two hung workers stopped by a signal are both killed and replaced in one episode, "
-    "the one stalled behind them is not",
+    "in-place across nodes: a survivor that hangs during a change of nodes' recovery, with the "
+    "restart budget spent, fails the job as a crash would, charged",
     "[agent][inplace]") {
-  InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
+  InPlaceFixture f(2, /*max_restarts=*/0, /*multi_node=*/true, std::chrono::seconds(10));
+  f.rdzv.round.local_world_sizes = {2, 2};
+  f.rdzv.round.group_rank = 1;
   f.sup->start();
   f.allCapable();
   const auto pids = f.first();
-  f.heartbeats.stopped_pids = {pids[0], pids[2]};
-  // A stopped worker's own mark says nothing: the signal decides.
-  f.heartbeats.marks = {{"/hb/0/1", HeartbeatMark::kNotWaiting}};
-  goSilent(f, std::chrono::seconds(11));
-  CHECK(f.sup->state() == AgentState::kRecovering);
-  REQUIRE(f.launcher.signals.size() == 2);
-  CHECK(f.launcher.signals[0] == std::make_pair(pids[0], SIGKILL));
-  CHECK(f.launcher.signals[1] == std::make_pair(pids[2], SIGKILL));
-  REQUIRE(f.launcher.spawned.size() == 5);
-  CHECK(f.launcher.spawned[3].second.local_rank == 0);
-  CHECK(f.launcher.spawned[4].second.local_rank == 2);
-  CHECK(f.channel.to(pids[1], ControlType::kGroup).size() == 1);
-  for (int pid : {pids[1], f.launcher.spawned[3].first, f.launcher.spawned[4].first}) {
-    f.say(pid, ControlType::kStep, {{"gen", "2"}});
+  f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
+                        {"/hb/0/1", HeartbeatMark::kNotWaiting}};
+  for (int i = 0; i < 2; ++i) f.heartbeats.touch("/hb/0/" + std::to_string(i));
+  f.clock.advance(std::chrono::seconds(1));
+  f.fireDeadlines();  // seen at 1 s; rank 1 then hangs in its own code
+  f.clock.advance(std::chrono::seconds(4));
+  f.heartbeats.touch("/hb/0/0");
+  f.fireDeadlines();
+  f.rdzv.hold = true;
+  f.sup->onMembershipChange();               // at 5 s, free: the budget of 0 allows it
+  f.clock.advance(std::chrono::seconds(1));  // the failure grace
+  f.fireDeadlines();
+  REQUIRE(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.sup->restartCount() == 0);
+  f.say(pids[0], ControlType::kAborted, {{"gen", "1"}});
+  f.clock.advance(std::chrono::seconds(6));
+  f.fireDeadlines();  // 12 s: rank 1 silent 11 s, never said aborted, not waiting
+  CHECK(f.launcher.signals.size() >= 1);
+  CHECK(f.launcher.signals.at(0) == std::make_pair(pids[1], SIGKILL));
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.rdzv.failures == 1);  // reported as a failure: the other nodes charge it too
+  for (int pid : pids) f.sup->onWorkerExit(pid, ExitStatus{true, SIGKILL});
+  CHECK(f.sup->state() == AgentState::kFailed);
+  CHECK(f.sup->exitCode() == 1);
+}
+
+TEST_CASE(
+    "in-place: hung workers stopped by a signal, and one not waiting beside them, are killed and "
+    "replaced in one episode, the one waiting for them is not, and with no such one left every "
+    "worker restarts",
+    "[agent][inplace]") {
+  // (stopped, or not waiting) x 2, and the third waits; then all three are culprits.
+  for (const bool third_waits : {true, false}) {
+    INFO((third_waits ? "rank 1 waits" : "rank 1 does not wait either"));
+    for (const bool both_stopped : {true, false}) {
+      INFO((both_stopped ? "ranks 0 and 2 stopped" : "rank 0 stopped, rank 2 not waiting"));
+      LogCapture log("agent");
+      InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
+      f.sup->start();
+      f.allCapable();
+      const auto pids = f.first();
+      f.heartbeats.stopped_pids = {pids[0]};
+      if (both_stopped) f.heartbeats.stopped_pids.insert(pids[2]);
+      // A stopped worker's own mark says nothing: the signal decides.
+      f.heartbeats.marks = {
+          {"/hb/0/1", third_waits ? HeartbeatMark::kWaiting : HeartbeatMark::kNotWaiting},
+          {"/hb/0/2", both_stopped ? HeartbeatMark::kWaiting : HeartbeatMark::kNotWaiting}};
+      goSilent(f, std::chrono::seconds(11));
+      if (!third_waits) {
+        // On one node, no survivor would keep anything: every worker restarts as processes.
+        CHECK(f.sup->state() == AgentState::kStopping);
+        CHECK(f.launcher.signalsSent(SIGKILL) == 3);
+        continue;
+      }
+      CHECK(f.sup->state() == AgentState::kRecovering);
+      REQUIRE(f.launcher.signals.size() == 2);
+      CHECK(f.launcher.signals[0] == std::make_pair(pids[0], SIGKILL));
+      CHECK(f.launcher.signals[1] == std::make_pair(pids[2], SIGKILL));
+      CHECK(log.count("is hung and stopped by a signal: sending SIGKILL") ==
+            (both_stopped ? 2 : 1));
+      CHECK(log.count("is hung while its peers wait for it: sending SIGKILL") ==
+            (both_stopped ? 0 : 1));
+      REQUIRE(f.launcher.spawned.size() == 5);
+      CHECK(f.launcher.spawned[3].second.local_rank == 0);
+      CHECK(f.launcher.spawned[4].second.local_rank == 2);
+      CHECK(f.channel.to(pids[1], ControlType::kGroup).size() == 1);
+      // The killed ones' exits end nothing; the one that waits is never killed.
+      for (int pid : {pids[0], pids[2]}) f.sup->onWorkerExit(pid, ExitStatus{true, SIGKILL});
+      f.say(pids[1], ControlType::kAborted, {{"gen", "1"}});
+      f.clock.advance(std::chrono::seconds(3));
+      f.fireDeadlines();
+      CHECK(f.launcher.signals.size() == 2);
+      for (int pid : {pids[1], f.launcher.spawned[3].first, f.launcher.spawned[4].first}) {
+        f.say(pid, ControlType::kStep, {{"gen", "2"}});
+      }
+      CHECK(f.sup->state() == AgentState::kRunning);
+      CHECK(f.sup->restartCount() == 1);
+    }
   }
-  CHECK(f.sup->state() == AgentState::kRunning);
-  CHECK(f.sup->restartCount() == 1);
 }
 
 TEST_CASE(

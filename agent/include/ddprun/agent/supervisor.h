@@ -236,11 +236,13 @@ class Supervisor {
   void recordFailure(const WorkerFailure& failure);
   void stopForLocalFailure();
   void checkHeartbeats();
-  void recordHang(const Worker& w, TimePoint now);
-  // In-place mode: the hung workers stopped by a signal, or else those whose heartbeat file says
-  // they do not wait for their peers, are killed and replaced in one episode, the others keeping
-  // their processes (true); a multi-node hang with no such worker here waits a grace for the
-  // peer's report (true, nothing done). False: the usual path.
+  // Records its hang as a failure ("worker hung: no heartbeat for ..." + `note`).
+  void recordHang(const Worker& w, TimePoint now, const std::string& note = "");
+  // In-place mode: the hung workers stopped by a signal, and those whose heartbeat file says they
+  // do not wait for their peers, are killed and replaced in one episode, the others keeping their
+  // processes (true); a multi-node hang with no such worker here waits a grace for the peer's
+  // report (true, nothing done). False: the usual path (also on one node when every worker is
+  // such a culprit).
   bool recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint now);
   // RECOVERING: a survivor that never said `aborted` and whose heartbeat went stale while it was
   // not waiting for its peers (or stopped by a signal) is killed and replaced in the episode.

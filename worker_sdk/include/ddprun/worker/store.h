@@ -39,9 +39,11 @@ class KeyValueStore {
   // Blocks until the key exists (bounded by the store timeout).
   std::vector<char> get(const std::string& key);
   std::int64_t add(const std::string& key, std::int64_t delta);
-  // Throws CommError listing the keys when they do not all appear within `timeout`. With a
-  // cancel set (setCancel), it asks the store every few milliseconds instead of blocking, and
-  // throws CommError naming the reason once the cancel gives one.
+  // Throws CommError listing the keys when they do not all appear within `timeout` (0: at once
+  // if they are not there). It asks the store every few milliseconds: for the first 50 ms, after
+  // which the wait is marked in the heartbeat file as waiting for peers and c10d's blocking wait
+  // takes the rest; with a cancel set (setCancel) until the end, throwing CommError naming the
+  // reason once the cancel gives one.
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
   // Sets (or, with an empty function, clears) the cancel every wait asks until it is cleared.
   void setCancel(Cancel cancel);
