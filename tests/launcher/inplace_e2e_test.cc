@@ -795,6 +795,41 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "in-place across nodes: a peer's failure beside a node whose Trainers never announced support "
+    "restarts that node's workers, whose fresh Trainers join the survivors and take their live "
+    "state",
+    "[multinode][inplace]") {
+  // The second node's Trainers keep from announcing support (the hook caps:*): its agent cannot
+  // recover them in place, and restarts them; a worker of the first node is killed.
+  RendezvousDaemon rdzv;
+  TempDir dir;
+  auto nodes = twoTraining(rdzv.endpoint, "2", "silentpeer", pacedTrain("6", dir),
+                           {{"DDPRUN_INPLACE_FAULT", "caps:*"}});
+  auto& a = nodes.first;
+  auto& b = nodes.second;
+  const auto a_workers = workerPids(a->pid());
+  REQUIRE(a_workers.size() == 2);
+  ::kill(a_workers[1], SIGKILL);
+  auto [ra, rb] = finish(*a, *b);
+  INFO("first node:\n" << ra.out << ra.err << "\nsecond node:\n" << rb.out << rb.err);
+  CHECK(ra.exit_code == 0);
+  CHECK(rb.exit_code == 0);
+  // The second node said why once and restarted its workers; the first recovered in place, its
+  // survivor kept, and nobody waited for inplace_timeout or read the snapshot.
+  CHECK(countOf(rb.err, "did not announce in-place support on DDPRUN_CONTROL_SOCKET") == 1);
+  CHECK(countOf(rb.err, "workers on another node failed; restarting this node's workers too") == 1);
+  CHECK(countOf(ra.err, "in-place recovery, generation") == 1);
+  CHECK(ra.err.find("in-place recovery failed") == std::string::npos);
+  CHECK((ra.err + rb.err).find("inplace_timeout") == std::string::npos);
+  CHECK((ra.out + rb.out).find("Resuming training from snapshot") == std::string::npos);
+  CHECK(countOf(rb.out, "live state after step") == 2);
+  // The first node's survivor went on (the same process); its killed rank joined once more.
+  CHECK(countOf(ra.out, "going on after step") == 1);
+  CHECK(joinedPids(ra.out).size() == 3);
+  CHECK(countOf(ra.out + rb.out, "] Epoch 5 |") >= 4);
+}
+
+TEST_CASE(
     "in-place across nodes: after a worker crashed before it announced support, its node's fresh "
     "Trainers announce it and the next failure is recovered in place",
     "[multinode][inplace]") {
