@@ -1059,7 +1059,9 @@ TEST_CASE("streams that never read are bounded in number and in the bytes held f
   for (auto& ctx : held) ctx->TryCancel();
   for (auto& r : readers) (void)r->Finish();
   REQUIRE(ddprun::testing::waitUntil([&] { return h.server->activeStreams() == 0; }));
-  CHECK(h.server->bufferedBytes() == 0);
+  // A chunk's bytes are given back when gRPC frees its buffer, which may come after the stream's
+  // end (seen once under load: 64 KiB still held right after the last stream ended).
+  CHECK(ddprun::testing::waitUntil([&] { return h.server->bufferedBytes() == 0; }));
   Dir recv;
   REQUIRE(fetchSnapshot(h.peer(), h.served.file, recv / "got", nullptr).isOk());
   const bool same = readAll(recv / "got") == h.content;
