@@ -83,6 +83,10 @@ struct InPlaceFixture {
   void allCapable() {
     for (int pid : first()) capable(pid);
   }
+  // Each of `pids` completed a step in generation `gen` (the last ends the recovery).
+  void stepped(const std::vector<int>& pids, int gen) {
+    for (int pid : pids) say(pid, ControlType::kStep, {{"gen", std::to_string(gen)}});
+  }
   void fireDeadlines() {
     while (sup->nextDeadline() && *sup->nextDeadline() <= clock.now()) {
       const auto before = sup->nextDeadline();
@@ -1059,7 +1063,7 @@ TEST_CASE(
   f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});
   CHECK(f.sup->state() == AgentState::kRecovering);
   const int newcomer = f.launcher.spawned.back().first;
-  for (int pid : {pids[0], pids[2], newcomer}) f.say(pid, ControlType::kStep, {{"gen", "2"}});
+  f.stepped({pids[0], pids[2], newcomer}, 2);
   CHECK(f.sup->state() == AgentState::kRunning);
 }
 
@@ -1103,7 +1107,7 @@ TEST_CASE(
     // The killed ones' exits, when they are reaped, end nothing.
     for (int pid : culprits) f.sup->onWorkerExit(pid, ExitStatus{true, SIGKILL});
     CHECK(f.sup->state() == AgentState::kRecovering);
-    for (int pid : members) f.say(pid, ControlType::kStep, {{"gen", "2"}});
+    f.stepped(members, 2);
     CHECK(f.sup->state() == AgentState::kRunning);
     CHECK(f.sup->restartCount() == 1);
   }
@@ -1186,9 +1190,7 @@ TEST_CASE(
     f.fireDeadlines();  // 14.5 s: it heard, and forms the group
     CHECK(f.channel.unread.empty());
     CHECK(f.launcher.signals.size() == 1);
-    for (int pid : {pids[0], pids[2], first_newcomer}) {
-      f.say(pid, ControlType::kStep, {{"gen", "2"}});
-    }
+    f.stepped({pids[0], pids[2], first_newcomer}, 2);
     CHECK(f.sup->state() == AgentState::kRunning);
     return;
   }
@@ -1207,9 +1209,7 @@ TEST_CASE(
   CHECK(f.launcher.signals.size() == 2);
   f.sup->onWorkerExit(pids[2], ExitStatus{true, SIGKILL});  // reaped: ends nothing
   CHECK(f.sup->state() == AgentState::kRecovering);
-  for (int pid : {pids[0], first_newcomer, f.launcher.spawned.back().first}) {
-    f.say(pid, ControlType::kStep, {{"gen", "2"}});
-  }
+  f.stepped({pids[0], first_newcomer, f.launcher.spawned.back().first}, 2);
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.sup->restartCount() == 1);
 }
@@ -1296,9 +1296,7 @@ TEST_CASE(
       f.clock.advance(std::chrono::seconds(3));
       f.fireDeadlines();
       CHECK(f.launcher.signals.size() == 2);
-      for (int pid : {pids[1], f.launcher.spawned[3].first, f.launcher.spawned[4].first}) {
-        f.say(pid, ControlType::kStep, {{"gen", "2"}});
-      }
+      f.stepped({pids[1], f.launcher.spawned[3].first, f.launcher.spawned[4].first}, 2);
       CHECK(f.sup->state() == AgentState::kRunning);
       CHECK(f.sup->restartCount() == 1);
     }
@@ -1328,7 +1326,7 @@ TEST_CASE(
   REQUIRE(f.launcher.spawned.size() == 4);
   CHECK(f.launcher.spawned[2].second.local_rank == 0);
   CHECK(f.launcher.spawned[3].second.local_rank == 1);
-  for (int i : {2, 3}) f.say(f.launcher.spawned[i].first, ControlType::kStep, {{"gen", "4"}});
+  f.stepped({f.launcher.spawned[2].first, f.launcher.spawned[3].first}, 4);
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.sup->restartCount() == 1);
 }
