@@ -1332,6 +1332,70 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "in-place across nodes: a survivor that hangs while the recovery's round forms is replaced "
+    "once the round is out, with the others, charged once",
+    "[agent][inplace]") {
+  TwoNodes f("", std::chrono::seconds(10));
+  const auto pids = f.first();
+  f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
+                        {"/hb/0/1", HeartbeatMark::kNotWaiting}};
+  for (int i = 0; i < 2; ++i) f.heartbeats.touch("/hb/0/" + std::to_string(i));
+  f.clock.advance(std::chrono::seconds(1));
+  f.fireDeadlines();  // seen at 1 s; local rank 1 then hangs in its own code
+  f.clock.advance(std::chrono::seconds(4));
+  f.heartbeats.touch("/hb/0/0");
+  f.fireDeadlines();
+  f.rdzv.hold = true;
+  f.sup->onPeerFailure(agent::FailureKind::kWorkers);  // at 5 s: another node's worker died
+  REQUIRE(f.sup->state() == AgentState::kRecovering);
+  CHECK(f.sup->restartCount() == 1);
+  f.say(pids[0], ControlType::kAborted, {{"gen", "1"}});
+  f.clock.advance(std::chrono::seconds(7));
+  f.fireDeadlines();  // 12 s: local rank 1 silent 11 s, never said aborted, not waiting
+  REQUIRE(f.launcher.signals.size() == 1);
+  CHECK(f.launcher.signals[0] == std::make_pair(pids[1], SIGKILL));
+  CHECK(f.launcher.spawned.size() == 2);  // its replacement waits for the round's ranks
+  f.sup->onWorkerExit(pids[1], ExitStatus{true, SIGKILL});  // reaped: ends nothing
+  CHECK(f.sup->state() == AgentState::kRecovering);
+  f.formRound(3);
+  REQUIRE(f.launcher.spawned.size() == 3);
+  CHECK(f.launcher.spawned.back().second.local_rank == 1);
+  CHECK(f.channel.to(pids[0], ControlType::kGroup).size() == 1);
+  f.stepped({pids[0], f.launcher.spawned.back().first}, 4);
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 1);
+}
+
+TEST_CASE(
+    "in-place: when a second hung worker's replacement cannot start, every worker restarts and "
+    "the killed ones are waited for",
+    "[agent][inplace]") {
+  InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
+                        {"/hb/0/1", HeartbeatMark::kNotWaiting},
+                        {"/hb/0/2", HeartbeatMark::kNotWaiting}};
+  f.launcher.fail_local_ranks = {2};
+  goSilent(f, std::chrono::seconds(11));
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.launcher.signalsSent(SIGKILL) == 2);
+  // Rank 2, SIGKILLed and not reaped yet, is still one the stop waits for.
+  CHECK(f.sup->isRunningWorker(pids[2]));
+  CHECK(f.sup->isRunningWorker(pids[0]));
+  f.launcher.fail_local_ranks.clear();
+  const size_t before = f.launcher.spawned.size();
+  for (int pid : f.launcher.pids()) {
+    if (f.sup->isRunningWorker(pid)) f.sup->onWorkerExit(pid, ExitStatus{true, SIGKILL});
+  }
+  // Once every one ended, the workers restart as processes, the failure charged once.
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.launcher.spawned.size() == before + 3);
+  CHECK(f.sup->restartCount() == 1);
+}
+
+TEST_CASE(
     "in-place: hung workers none of which is stopped restart every worker, as in process mode",
     "[agent][inplace]") {
   InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
