@@ -35,6 +35,11 @@ const char* agentStateName(AgentState s) {
 namespace {
 
 double millis(Duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+// "local rank 1 (pid 812)": how the logs name a worker.
+std::string workerName(int local_rank, int pid) {
+  return "local rank " + std::to_string(local_rank) + " (pid " + std::to_string(pid) + ")";
+}
 bool isTerminating(int sig) {
   return sig == SIGTERM || sig == SIGINT || sig == SIGHUP || sig == SIGQUIT;
 }
@@ -290,8 +295,7 @@ void Supervisor::checkHungInEpisode() {
     if (workers_[i].pid != pid || !unaware()) continue;
     w = &workers_[i];
     recordHang(*w, now);
-    const std::string what = "local rank " + std::to_string(w->launch.local_rank) + " (pid " +
-                             std::to_string(pid) + "), " +
+    const std::string what = workerName(w->launch.local_rank, pid) + ", " +
                              (stopped ? "stopped by a signal" : "hung in its own code") + ": " +
                              failures_.back().hang;
     logger("agent")->warn(
@@ -326,8 +330,10 @@ bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint 
   // their processes. None: no culprit here.
   struct Culprit {
     Worker* w;
-    std::string how;
-    bool hung;  // else it would be at the next look
+    int pid;
+    bool stopped;  // by a signal; else its file says it does not wait
+    bool hung;     // else it would be at the next look
+    std::string cause;
   };
   std::vector<Culprit> culprits;
   // Ranks that hang at one step touched their files moments apart, which the agent may see one
@@ -338,14 +344,12 @@ bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint 
   for (auto& w : workers_) {
     if (!w.running || w.launch.heartbeat_file.empty()) continue;
     const bool is_hung = std::find(hung.begin(), hung.end(), &w) != hung.end();
-    if (is_hung && heartbeats_->stopped(w.pid)) {
-      culprits.push_back({&w, "stopped by a signal", true});
-    } else if ((is_hung || w.heartbeat.silentFor(now) > next_look) &&
-               heartbeats_->mark(w.launch.heartbeat_file) == HeartbeatMark::kNotWaiting) {
-      culprits.push_back({&w, "hung while its peers wait for it", is_hung});
-    } else {
-      continue;
-    }
+    const bool stopped = is_hung && heartbeats_->stopped(w.pid);
+    const bool not_waiting =
+        !stopped && (is_hung || w.heartbeat.silentFor(now) > next_look) &&
+        heartbeats_->mark(w.launch.heartbeat_file) == HeartbeatMark::kNotWaiting;
+    if (!stopped && !not_waiting) continue;
+    culprits.push_back({&w, w.pid, stopped, is_hung, ""});
     any_hung = any_hung || is_hung;
   }
   if (!any_hung) culprits.clear();
@@ -364,35 +368,32 @@ bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint 
   }
   if (!inPlaceEligible(culprits.front().w, /*charged=*/true)) return false;
   hang_seen_.reset();
-  std::vector<std::string> causes;
-  std::vector<int> pids;
-  for (const auto& [w, how, is_hung] : culprits) {
-    recordHang(*w, now, is_hung ? "" : ", hung at the next look (with a peer, at one step)");
-    logger("agent")->warn("local rank {} (pid {}) is {}: sending SIGKILL", w->launch.local_rank,
-                          w->pid, how == "stopped by a signal" ? "hung and " + how : how);
-    kill(*w);
-    causes.push_back("local rank " + std::to_string(w->launch.local_rank) + " (pid " +
-                     std::to_string(w->pid) + "), " + how + ": " + failures_.back().hang);
-    pids.push_back(w->pid);
+  for (Culprit& c : culprits) {
+    const std::string how = c.stopped ? "stopped by a signal" : "hung while its peers wait for it";
+    recordHang(*c.w, now, c.hung ? "" : ", hung at the next look (with a peer, at one step)");
+    logger("agent")->warn("{} is {}: sending SIGKILL", workerName(c.w->launch.local_rank, c.pid),
+                          c.stopped ? "hung and " + how : how);
+    kill(*c.w);
+    c.cause = workerName(c.w->launch.local_rank, c.pid) + ", " + how + ": " + failures_.back().hang;
   }
   // A killed one's exit, whenever it is reaped, ends nothing more once its replacement is under
   // way; until then (and after a fallback) it counts among the workers a stop waits for. The
   // first is out before the recovery begins: across nodes the round's replacements are those
   // not running.
-  Worker& first = *culprits.front().w;
-  first.running = false;
-  const bool recovering = recoverInPlace(first, causes.front());
-  if (state_ != AgentState::kRecovering && first.pid == pids.front()) first.running = true;
+  const Culprit& first = culprits.front();
+  first.w->running = false;
+  const bool recovering = recoverInPlace(*first.w, first.cause);
+  if (state_ != AgentState::kRecovering && first.w->pid == first.pid) first.w->running = true;
   if (!recovering) {
     stopForLocalFailure();
     return true;
   }
   for (size_t i = 1; i < culprits.size() && state_ == AgentState::kRecovering; ++i) {
-    logger("agent")->warn("in-place recovery: {}; it is replaced in this recovery too", causes[i]);
-    episode_->cause += "; " + causes[i];
-    Worker& w = *culprits[i].w;
-    startReplacementInEpisode(w);
-    if (state_ == AgentState::kRecovering && w.pid == pids[i]) w.running = false;
+    const Culprit& c = culprits[i];
+    logger("agent")->warn("in-place recovery: {}; it is replaced in this recovery too", c.cause);
+    episode_->cause += "; " + c.cause;
+    startReplacementInEpisode(*c.w);
+    if (state_ == AgentState::kRecovering && c.w->pid == c.pid) c.w->running = false;
   }
   return true;
 }
@@ -411,8 +412,8 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
   worker->running = false;
 
   if (state_ == AgentState::kRecovering || state_ == AgentState::kRunning) {
-    const std::string what = "local rank " + std::to_string(worker->launch.local_rank) + " (pid " +
-                             std::to_string(pid) + ") " + describeExit(status);
+    const std::string what =
+        workerName(worker->launch.local_rank, pid) + " " + describeExit(status);
     if (!status.success()) {
       recordFailure(WorkerFailure{worker->launch.local_rank, worker->launch.global_rank, pid,
                                   status, clock_.wallSeconds(), worker->launch.error_file,
@@ -815,9 +816,8 @@ bool Supervisor::inPlaceEligible(const Worker* failed, bool charged) {
   }
   auto unannounced = [this](const Worker& w) {
     return notInPlace(NotInPlace::kUnannounced,
-                      "local rank " + std::to_string(w.launch.local_rank) + " (pid " +
-                          std::to_string(w.pid) +
-                          ") did not announce in-place support on DDPRUN_CONTROL_SOCKET (not a "
+                      workerName(w.launch.local_rank, w.pid) +
+                          " did not announce in-place support on DDPRUN_CONTROL_SOCKET (not a "
                           "worker SDK Trainer)");
   };
   // The failed one's replacement runs its program: it can join only if the failed one said it

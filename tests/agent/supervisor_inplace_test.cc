@@ -1027,12 +1027,25 @@ TEST_CASE("in-place: metrics count a recovery's failure once and each outcome",
 
 namespace {
 
-// Three workers with heartbeat files (timeout 10 s), every one has stepped once; then nobody
-// steps again for `silence`, checked as the agent's loop would.
+// A started single-node job of `nproc` capable workers with heartbeat files (timeout 10 s).
+struct HeartbeatJob : InPlaceFixture {
+  explicit HeartbeatJob(int nproc = 3) : InPlaceFixture(nproc, 1, false, std::chrono::seconds(10)) {
+    sup->start();
+    allCapable();
+  }
+};
+
+// Local ranks `ranks` touch their heartbeat files now; the agent's loop runs `look_after` later.
+void touchThenLook(InPlaceFixture& f, const std::vector<int>& ranks, Duration look_after) {
+  for (int r : ranks) f.heartbeats.touch("/hb/0/" + std::to_string(r));
+  f.clock.advance(look_after);
+  f.fireDeadlines();
+}
+
+// Three workers with heartbeat files (timeout 10 s), every one has stepped once, which the agent
+// sees a second later; then nobody steps again for `silence`, checked as the agent's loop would.
 void goSilent(InPlaceFixture& f, Duration silence) {
-  for (int i = 0; i < 3; ++i) f.heartbeats.touch("/hb/0/" + std::to_string(i));
-  f.clock.advance(std::chrono::seconds(1));
-  f.fireDeadlines();  // the agent sees the touches
+  touchThenLook(f, {0, 1, 2}, std::chrono::seconds(1));
   f.clock.advance(silence);
   f.fireDeadlines();
 }
@@ -1043,9 +1056,7 @@ TEST_CASE(
     "in-place: a hung worker stopped by a signal is killed and replaced alone, the others, stalled "
     "behind it, are not",
     "[agent][inplace]") {
-  InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
-  f.sup->start();
-  f.allCapable();
+  HeartbeatJob f;
   const auto pids = f.first();
   f.heartbeats.stopped_pids = {pids[1]};
   goSilent(f, std::chrono::seconds(11));
@@ -1074,9 +1085,7 @@ TEST_CASE(
   for (const int not_waiting : {1, 2}) {
     INFO(not_waiting << " not waiting");
     LogCapture log("agent");
-    InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
-    f.sup->start();
-    f.allCapable();
+    HeartbeatJob f;
     const auto pids = f.first();
     f.heartbeats.marks = {
         {"/hb/0/0", HeartbeatMark::kWaiting},
@@ -1120,20 +1129,14 @@ TEST_CASE(
   // Timeout 10 s: the agent looks every second, so 9 s of silence is hung at the next look.
   for (const int touched_at_s : {2, 4}) {
     INFO("rank 2 last touched at " << touched_at_s << " s");
-    InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
-    f.sup->start();
-    f.allCapable();
+    HeartbeatJob f;
     const auto pids = f.first();
     f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
                           {"/hb/0/1", HeartbeatMark::kNotWaiting},
                           {"/hb/0/2", HeartbeatMark::kNotWaiting}};
-    for (int i = 0; i < 3; ++i) f.heartbeats.touch("/hb/0/" + std::to_string(i));
-    f.clock.advance(std::chrono::seconds(1));
-    f.fireDeadlines();
+    touchThenLook(f, {0, 1, 2}, std::chrono::seconds(1));
     f.clock.advance(std::chrono::seconds(touched_at_s - 1));
-    f.heartbeats.touch("/hb/0/0");
-    f.heartbeats.touch("/hb/0/2");
-    f.fireDeadlines();
+    touchThenLook(f, {0, 2}, Duration::zero());
     f.clock.advance(std::chrono::milliseconds(11500 - 1000 * touched_at_s));
     f.fireDeadlines();  // at 11.5 s: rank 1 silent 10.5 s, rank 2 9.5 s or 7.5 s
     CHECK(f.sup->state() == AgentState::kRecovering);
@@ -1159,22 +1162,16 @@ TEST_CASE(
   const bool unread = GENERATE(false, true);
   INFO((unread ? "its aborted unread" : "silent"));
   LogCapture log("agent");
-  InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
+  HeartbeatJob f;
   f.channel.reader = [&f](int pid, const ControlMessage& m) { f.sup->onControlMessage(pid, m); };
-  f.sup->start();
-  f.allCapable();
   const auto pids = f.first();
   // Rank 1 hangs at 1 s; rank 2 at 4 s, when rank 0 starts waiting for both.
   f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
                         {"/hb/0/1", HeartbeatMark::kNotWaiting},
                         {"/hb/0/2", HeartbeatMark::kNotWaiting}};
-  for (int i = 0; i < 3; ++i) f.heartbeats.touch("/hb/0/" + std::to_string(i));
-  f.clock.advance(std::chrono::seconds(1));
-  f.fireDeadlines();
+  touchThenLook(f, {0, 1, 2}, std::chrono::seconds(1));
   f.clock.advance(std::chrono::seconds(3));
-  f.heartbeats.touch("/hb/0/0");
-  f.heartbeats.touch("/hb/0/2");
-  f.fireDeadlines();
+  touchThenLook(f, {0, 2}, Duration::zero());
   f.clock.advance(std::chrono::milliseconds(7500));
   f.fireDeadlines();  // 11.5 s: rank 1 is hung, rank 2 only silent for 7.5 s
   REQUIRE(f.sup->state() == AgentState::kRecovering);
@@ -1226,12 +1223,10 @@ TEST_CASE(
   const auto pids = f.first();
   f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
                         {"/hb/0/1", HeartbeatMark::kNotWaiting}};
-  for (int i = 0; i < 2; ++i) f.heartbeats.touch("/hb/0/" + std::to_string(i));
-  f.clock.advance(std::chrono::seconds(1));
-  f.fireDeadlines();  // seen at 1 s; rank 1 then hangs in its own code
+  // Seen at 1 s; rank 1 then hangs in its own code.
+  touchThenLook(f, {0, 1}, std::chrono::seconds(1));
   f.clock.advance(std::chrono::seconds(4));
-  f.heartbeats.touch("/hb/0/0");
-  f.fireDeadlines();
+  touchThenLook(f, {0}, Duration::zero());
   f.rdzv.hold = true;
   f.sup->onMembershipChange();               // at 5 s, free: the budget of 0 allows it
   f.clock.advance(std::chrono::seconds(1));  // the failure grace
@@ -1261,9 +1256,7 @@ TEST_CASE(
     for (const bool both_stopped : {true, false}) {
       INFO((both_stopped ? "ranks 0 and 2 stopped" : "rank 0 stopped, rank 2 not waiting"));
       LogCapture log("agent");
-      InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
-      f.sup->start();
-      f.allCapable();
+      HeartbeatJob f;
       const auto pids = f.first();
       f.heartbeats.stopped_pids = {pids[0]};
       if (both_stopped) f.heartbeats.stopped_pids.insert(pids[2]);
@@ -1339,12 +1332,10 @@ TEST_CASE(
   const auto pids = f.first();
   f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
                         {"/hb/0/1", HeartbeatMark::kNotWaiting}};
-  for (int i = 0; i < 2; ++i) f.heartbeats.touch("/hb/0/" + std::to_string(i));
-  f.clock.advance(std::chrono::seconds(1));
-  f.fireDeadlines();  // seen at 1 s; local rank 1 then hangs in its own code
+  // Seen at 1 s; local rank 1 then hangs in its own code.
+  touchThenLook(f, {0, 1}, std::chrono::seconds(1));
   f.clock.advance(std::chrono::seconds(4));
-  f.heartbeats.touch("/hb/0/0");
-  f.fireDeadlines();
+  touchThenLook(f, {0}, Duration::zero());
   f.rdzv.hold = true;
   f.sup->onPeerFailure(agent::FailureKind::kWorkers);  // at 5 s: another node's worker died
   REQUIRE(f.sup->state() == AgentState::kRecovering);
@@ -1370,9 +1361,7 @@ TEST_CASE(
     "in-place: when a second hung worker's replacement cannot start, every worker restarts and "
     "the killed ones are waited for",
     "[agent][inplace]") {
-  InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
-  f.sup->start();
-  f.allCapable();
+  HeartbeatJob f;
   const auto pids = f.first();
   f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
                         {"/hb/0/1", HeartbeatMark::kNotWaiting},
@@ -1398,9 +1387,7 @@ TEST_CASE(
 TEST_CASE(
     "in-place: hung workers none of which is stopped restart every worker, as in process mode",
     "[agent][inplace]") {
-  InPlaceFixture f(3, 1, false, std::chrono::seconds(10));
-  f.sup->start();
-  f.allCapable();
+  HeartbeatJob f;
   goSilent(f, std::chrono::seconds(11));
   CHECK(f.sup->state() == AgentState::kStopping);
   CHECK(f.launcher.signalsSent(SIGKILL) == 3);
