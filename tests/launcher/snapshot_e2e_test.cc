@@ -73,6 +73,7 @@ std::unique_ptr<Process> node(const NodeSpec& spec, const std::string& endpoint,
   }
   auto env = spec.env;
   env["PYTHON_EXEC"] = torchPython();
+  env["PYTHONFAULTHANDLER"] = "1";  // a stuck Python worker says where it is (stuckReport)
   return std::make_unique<Process>(argv, env);
 }
 
@@ -116,7 +117,10 @@ std::string uninterrupted(const std::vector<std::string>& program, const std::st
   auto a = node({"127.0.0.2", a_dir.path(), {}}, rdzv.endpoint, "2", run_id, 2, program);
   auto b = node({"127.0.0.3", b_dir.path(), {}}, rdzv.endpoint, "2", run_id, 2, program);
   auto ra = finish(*a, 300s), rb = finish(*b, 300s);
-  INFO("first node:\n" << a->err() << "\nsecond node:\n" << b->err());
+  INFO((ra ? "" : stuckReport(*a, "the first node", 300s))
+       << (rb ? "" : stuckReport(*b, "the second node", 300s)) << "first node:\n"
+       << a->err() << "\nsecond node:\n"
+       << b->err());
   REQUIRE(ra);
   REQUIRE(rb);
   REQUIRE(ra->exit_code == 0);
@@ -157,7 +161,11 @@ std::string replaceRankZeroNode(const std::vector<std::string>& program, const s
   (a_is_rank0 ? a_dir : b_dir).reset();  // the reclaimed node's disk is gone
   auto c = node({"127.0.0.4", c_dir.path(), {}}, rdzv.endpoint, "2", run_id, 2, program);
   auto rs = finish(*survivor, 300s), rc = finish(*c, 300s);
-  INFO("survivor:\n" << survivor->err() << "\nfresh node:\n" << c->err() << "\n" << c->out());
+  INFO((rs ? "" : stuckReport(*survivor, "the survivor", 300s))
+       << (rc ? "" : stuckReport(*c, "the fresh node", 300s)) << "survivor:\n"
+       << survivor->err() << "\nfresh node:\n"
+       << c->err() << "\n"
+       << c->out());
   REQUIRE(rs);
   REQUIRE(rc);
   CHECK(rs->exit_code == 0);

@@ -35,7 +35,10 @@ inline void checkEveryRankRestartedOnce(const TempDir& state, const TempDir& env
 inline std::pair<Finished, Finished> bothSucceed(
     Process& a, Process& b, std::chrono::seconds bound = std::chrono::seconds(120)) {
   auto ra = a.wait(bound), rb = b.wait(bound);
-  INFO("first agent:\n" << a.err() << "second agent:\n" << b.err());
+  INFO((ra ? "" : stuckReport(a, "the first agent", bound))
+       << (rb ? "" : stuckReport(b, "the second agent", bound)) << "first agent:\n"
+       << a.err() << "second agent:\n"
+       << b.err());
   REQUIRE(ra);
   REQUIRE(rb);
   CHECK(ra->exit_code == 0);

@@ -300,6 +300,72 @@ inline std::map<std::string, std::string> parseEnvFile(const std::string& text) 
   return env;
 }
 
+// The last `n` lines of `text`.
+inline std::string lastLines(const std::string& text, size_t n) {
+  size_t at = text.size();
+  if (at > 0 && text[at - 1] == '\n') --at;
+  while (n > 0 && at > 0) {
+    at = text.rfind('\n', at - 1);
+    if (at == std::string::npos) return text;
+    --n;
+  }
+  return n == 0 ? text.substr(at + 1) : text;
+}
+
+// "pid P (name) state S, waits in W": what a process is doing, from /proc.
+inline std::string procSummary(int pid) {
+  const std::string dir = "/proc/" + std::to_string(pid);
+  const std::string stat = readFile(dir + "/stat");
+  const auto open = stat.find('('), close = stat.rfind(')');
+  if (open == std::string::npos || close == std::string::npos || close + 2 >= stat.size()) {
+    return "pid " + std::to_string(pid) + " gone";
+  }
+  return "pid " + std::to_string(pid) + " " + stat.substr(open, close - open + 1) + " state " +
+         stat[close + 2] + ", waits in " + readFile(dir + "/wchan");
+}
+
+// For the failure message of a test whose launcher `p` did not finish within `waited`: the states
+// of the launcher and its workers; where each Python worker's threads were (the launcher stopped,
+// each is sent SIGABRT: started with PYTHONFAULTHANDLER=1, it prints them); then the last lines
+// the launcher printed before.
+inline std::string stuckReport(const Process& p, const std::string& name,
+                               std::chrono::seconds waited, size_t lines = 30) {
+  std::ostringstream r;
+  r << name << " did not finish within " << waited.count() << " s: " << procSummary(p.pid());
+  const auto workers = workerPids(p.pid());
+  if (workers.empty()) r << "; no workers";
+  for (int w : workers) r << "\n  worker " << procSummary(w);
+  const std::string before = p.err();
+  std::string seen = before;
+  // Stopped, the launcher does not stop the other workers when the first one dies.
+  ::kill(p.pid(), SIGSTOP);
+  for (int w : workers) {
+    // One at a time: their tracebacks would interleave on the one stderr.
+    if (readFile("/proc/" + std::to_string(w) + "/cmdline").find("python") == std::string::npos ||
+        ::kill(w, SIGABRT) != 0) {
+      continue;
+    }
+    waitUntil([&] { return !pidAlive(w); }, std::chrono::seconds(2));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // its last lines relayed
+    const std::string now = p.err();
+    std::istringstream in(now.size() > seen.size() ? now.substr(seen.size()) : "");
+    seen = now;
+    r << "\nwhere the threads of Python worker " << w << " were (SIGABRT):";
+    size_t shown = 0;
+    for (std::string line; std::getline(in, line) && shown < lines;) {
+      if (line.find("File \"") != std::string::npos || line.find("hread 0x") != std::string::npos) {
+        r << "\n" << line;
+        ++shown;
+      }
+    }
+  }
+  ::kill(p.pid(), SIGCONT);
+  r << "\nthe last lines of its stdout:\n"
+    << lastLines(p.out(), lines / 3) << "\nthe last lines of its stderr:\n"
+    << lastLines(before, lines) << "\n";
+  return r.str();
+}
+
 inline int countOf(const std::string& haystack, const std::string& needle) {
   int n = 0;
   for (size_t p = 0; (p = haystack.find(needle, p)) != std::string::npos; p += needle.size()) ++n;
