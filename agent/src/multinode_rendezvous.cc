@@ -260,12 +260,20 @@ void MultiNodeRendezvous::scheduleHeartbeat() {
       once.attempt_timeout = options_.run_config.heartbeat_interval;
       once.retry_for = Duration::zero();
       service_.heartbeat(node_id_, once, [this](StatusOr<rendezvous::RunStatus> st) {
-        if (st.isOk()) return;
+        if (st.isOk()) {
+          dropped_said_ = false;
+          return;
+        }
         agentLog()->debug("heartbeat: {}", st.status().toString());
         if (st.status().code() == StatusCode::kNotFound && !left_ && !shut_down_) {
-          // Declared dead (e.g. a network cut healed): the others went on; join them again.
-          agentLog()->warn("the rendezvous no longer counts this node ({}); re-joining",
-                           st.status().message());
+          // Declared dead (e.g. a network cut healed): the others went on; join them again (an
+          // agent whose workers finished waits out its exit barrier instead). Said once: it
+          // answers so at every beat until this node joins again.
+          if (!dropped_said_) {
+            agentLog()->warn("the rendezvous no longer counts this node ({}); re-joining",
+                             st.status().message());
+          }
+          dropped_said_ = true;
           sink_(PeerEvent::kMembershipChange);
         }
       });

@@ -656,12 +656,15 @@ void Supervisor::onMembershipChange() {
     return;
   }
   if (state_ != AgentState::kRunning) return;
-  if (options_.multi_node && options_.failure_grace > Duration::zero() &&
-      inPlaceEligible(nullptr, /*charged=*/false)) {
-    // A stop may be under way: this node's own SIGTERM (the whole job stopped), or the workers'
-    // agreed checkpoint stop. That path keeps its snapshot; the recovery starts once
-    // failure_grace passed without one (onDeadline), or once every worker aborted on its own.
-    if (!allAbortedOnTheirOwn()) {
+  if (options_.multi_node && options_.failure_grace > Duration::zero()) {
+    // The workers are stopped once failure_grace passed (onDeadline). Meanwhile they end as they
+    // would have: all of them succeeding ends the job here (a node declared dead while the last
+    // steps ran, its agent stalled, must not send this one into a round it will not join), and a
+    // crash is the change's echo, not charged. In place, a stop may be under way too: this node's
+    // own SIGTERM (the whole job stopped), or the workers' agreed checkpoint stop, which keeps
+    // its snapshot; the recovery starts at once when every worker aborted on its own.
+    const bool in_place = inPlaceEligible(nullptr, /*charged=*/false);
+    if (!in_place || !allAbortedOnTheirOwn()) {
       if (!deadlines_.membership) deadlines_.membership = clock_.now() + options_.failure_grace;
       return;
     }

@@ -217,6 +217,70 @@ TEST_CASE("a membership change restarts the workers without charging a restart",
   CHECK(f.rdzv.joins == 2);
 }
 
+// Two workers of a multi-node job with a failure_grace of 1 s, no restart budget.
+struct GraceFixture : Fixture {
+  GraceFixture()
+      : Fixture(2, /*max_restarts=*/0, std::chrono::seconds(1), Duration::zero(),
+                std::chrono::seconds(300), /*multi_node=*/true) {}
+};
+
+// A node declared dead while the last steps ran (its agent stalled; its workers went on): the
+// others' workers finish too. Stopped at once, they would wait for a round that node never joins.
+TEST_CASE("with a failure grace, workers that all succeed after a membership change end the job",
+          "[agent][barrier]") {
+  GraceFixture f;
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.sup->onMembershipChange();
+  CHECK(f.launcher.signalsSent(SIGTERM) == 0);  // not stopped within the grace
+  REQUIRE(f.sup->nextDeadline().has_value());
+  f.clock.advance(std::chrono::milliseconds(900));
+  f.exitAll(0);
+  CHECK(f.sup->state() == AgentState::kExitBarrier);
+  CHECK(f.rdzv.joins == 1);
+  f.clock.advance(std::chrono::milliseconds(200));  // the grace's end changes nothing now
+  f.sup->onDeadline();
+  f.rdzv.pending_barrier(Status::ok());
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK(f.sup->exitCode() == 0);
+  CHECK(f.launcher.signalsSent(SIGTERM) == 0);
+}
+
+TEST_CASE("with a failure grace, a membership change stops the workers once the grace passed",
+          "[agent]") {
+  GraceFixture f;
+  f.sup->start();
+  f.sup->onMembershipChange();
+  f.sup->onWorkerExit(f.current()[0], ExitStatus{false, 0});  // one rank finished
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.launcher.signalsSent(SIGTERM) == 0);
+  f.clock.advance(std::chrono::seconds(1));
+  f.sup->onDeadline();
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.launcher.signalsSent(SIGTERM) == 1);  // the one still running
+  f.sup->onWorkerExit(f.current()[1], ExitStatus{true, SIGTERM});
+  CHECK(f.sup->state() == AgentState::kRunning);  // the next round's workers, both of them
+  CHECK(f.current().size() == 2);
+  CHECK(f.sup->restartCount() == 0);
+  CHECK(f.rdzv.joins == 2);
+}
+
+TEST_CASE("with a failure grace, a crash after a membership change re-forms, not charged",
+          "[agent]") {
+  GraceFixture f;
+  f.sup->start();
+  f.sup->onMembershipChange();
+  f.clock.advance(std::chrono::milliseconds(300));
+  f.sup->onWorkerExit(f.current()[1], ExitStatus{false, 1});  // its peer's connection reset
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.launcher.signalsSent(SIGTERM) == 1);
+  f.sup->onWorkerExit(f.current()[0], ExitStatus{true, SIGTERM});
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 0);
+  CHECK(f.rdzv.failures == 0);
+  CHECK(f.rdzv.joins == 2);
+}
+
 TEST_CASE("a round superseded while it was on its way starts no workers, the newer one does",
           "[agent]") {
   // The membership change (a node left during the job-identity check) came while the supervisor

@@ -103,6 +103,7 @@ class MultiNodeRendezvous final : public RendezvousClient {
   bool watching_ = false;
   bool left_ = false;
   bool shut_down_ = false;
+  bool dropped_said_ = false;  // "no longer counts this node" said since the last good heartbeat
   boost::asio::steady_timer heartbeat_timer_;
   bool heartbeating_ = false;
   LoopAffinity loop_{"MultiNodeRendezvous"};
