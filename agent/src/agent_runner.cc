@@ -344,12 +344,16 @@ void AgentRun::onControlLine(int pid, const std::string& line) {
 }
 
 void AgentRun::onPeerEvent(PeerEvent e) {
+  // Workers that finished before the news (this node's agent stalled while they ran to the end,
+  // and was declared dead meanwhile) end the job as they would have, not stopped for the change.
+  launcher_.reapExited();
+  if (supervisor_->finished()) return;
   if (e == PeerEvent::kPeerFailure) {
     supervisor_->onPeerFailure(FailureKind::kWorkers);
   } else if (e == PeerEvent::kPeerRecoveryFailed) {
     supervisor_->onPeerFailure(FailureKind::kRecovery);
   } else {
-    supervisor_->onMembershipChange();
+    supervisor_->onMembershipChange(/*peer_declared_dead=*/e == PeerEvent::kPeerDead);
   }
   afterEvent();
 }

@@ -248,7 +248,9 @@ void MultiNodeRendezvous::onChange(const rendezvous::RoundChange& change) {
     sink_(failure ? PeerEvent::kPeerFailure : PeerEvent::kPeerRecoveryFailed);
     return;
   }
-  sink_(PeerEvent::kMembershipChange);
+  const bool peer_dead =
+      change.reason == rendezvous::ChangeReason::kNodeDead && change.node_id != node_id_;
+  sink_(peer_dead ? PeerEvent::kPeerDead : PeerEvent::kMembershipChange);
 }
 
 void MultiNodeRendezvous::scheduleHeartbeat() {

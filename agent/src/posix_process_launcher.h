@@ -32,6 +32,10 @@ class PosixProcessLauncher final : public ProcessLauncher {
   // From now on, every child that exits is reaped on the loop and reported to `on_exit` (then
   // `after` runs once per batch). Call before the first spawn.
   void watchExits(ExitCallback on_exit, std::function<void()> after);
+  // Reaps and reports the children that exited by now, ahead of their SIGCHLD's turn on the loop:
+  // news handled next (an agent stopped and continued finds both queued) then meets the workers
+  // as they are, not as they were.
+  void reapExited() { reap(); }
 
   StatusOr<int> spawn(const WorkerLaunch& launch) override;
   void signalGroup(int pid, int sig) override;

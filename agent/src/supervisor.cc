@@ -612,7 +612,7 @@ bool Supervisor::leavesAfterWorkers() const {
                      [](const Worker& w) { return !w.running || w.capable; });
 }
 
-void Supervisor::onMembershipChange() {
+void Supervisor::onMembershipChange(bool peer_declared_dead) {
   loop_.check();
   if (state_ == AgentState::kStopping && stop_reason_ == StopReason::kFailure &&
       deadlines_.report) {
@@ -658,13 +658,15 @@ void Supervisor::onMembershipChange() {
   if (state_ != AgentState::kRunning) return;
   if (options_.multi_node && options_.failure_grace > Duration::zero()) {
     // The workers are stopped once failure_grace passed (onDeadline). Meanwhile they end as they
-    // would have: all of them succeeding ends the job here (a node declared dead while the last
-    // steps ran, its agent stalled, must not send this one into a round it will not join), and a
-    // crash is the change's echo, not charged. In place, a stop may be under way too: this node's
-    // own SIGTERM (the whole job stopped), or the workers' agreed checkpoint stop, which keeps
-    // its snapshot; the recovery starts at once when every worker aborted on its own.
+    // would have: all of them succeeding ends the job here, and a crash is the change's echo, not
+    // charged. In process mode only for a peer declared dead: it may be alive, its agent stalled
+    // while its workers finished, and would not join the round this node's stop waits for (a node
+    // that left or joined is no such case, and is answered at once). In place, a stop may be
+    // under way too: this node's own SIGTERM (the whole job stopped), or the workers' agreed
+    // checkpoint stop, which keeps its snapshot; the recovery starts at once when every worker
+    // aborted on its own.
     const bool in_place = inPlaceEligible(nullptr, /*charged=*/false);
-    if (!in_place || !allAbortedOnTheirOwn()) {
+    if (in_place ? !allAbortedOnTheirOwn() : peer_declared_dead) {
       if (!deadlines_.membership) deadlines_.membership = clock_.now() + options_.failure_grace;
       return;
     }

@@ -185,6 +185,11 @@ Status RendezvousState::validateIds(const std::string& run_id, const std::string
 
 Status RendezvousState::validateKey(const std::string& run_id, const std::string& key) const {
   DDPRUN_RETURN_IF_ERROR(validateIds(run_id));
+  // A closed run's keys are gone with it: a write would start an empty store under its id, and a
+  // wait (a node's exit barrier) would wait for keys written before the close until it times out.
+  if (findRun(run_id) == nullptr && findTombstone(run_id) != nullptr) {
+    return failedPrecondition("run " + run_id + " is closed");
+  }
   if (key.empty()) return invalidArgument("key is empty");
   if (key.size() > limits_.max_key_bytes) {
     return invalidArgument("key is " + std::to_string(key.size()) + " bytes, above the limit of " +

@@ -164,9 +164,10 @@ StatusOr<FileId> Holdings::install(const SnapshotTransfer& t, const std::string&
     return Status(moved.code(), "cannot place " + name + ": " + moved.message());
   }
   // The directory that holds the name (not always the top): its new entry lasts through a crash
-  // of the host.
+  // of the host. On a pool thread: a host busy writing can hold a directory's fsync for seconds,
+  // and the loop sends the agent's heartbeats (three missed: the node is declared dead).
   const std::string placed = path(name);
-  syncDir(placed.substr(0, placed.rfind('/')));
+  pool_.run([dir = placed.substr(0, placed.rfind('/'))] { syncDir(dir); }, [] {});
   return fileIdOf(sb);
 }
 

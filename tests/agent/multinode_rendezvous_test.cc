@@ -204,7 +204,7 @@ TEST_CASE("pushed round changes become membership changes and peer failures",
   f.service.push(pending(5, rendezvous::ChangeReason::kNodeDead, "b"));
   f.poll();
   CHECK(f.events == std::vector<PeerEvent>{PeerEvent::kPeerFailure, PeerEvent::kMembershipChange,
-                                           PeerEvent::kMembershipChange});
+                                           PeerEvent::kPeerDead});
   // A failed in-place recovery elsewhere (not charged again); this node's own is not an event.
   f.events.clear();
   f.service.push(pending(6, rendezvous::ChangeReason::kRecoveryFailed, "a"));

@@ -226,12 +226,12 @@ struct GraceFixture : Fixture {
 
 // A node declared dead while the last steps ran (its agent stalled; its workers went on): the
 // others' workers finish too. Stopped at once, they would wait for a round that node never joins.
-TEST_CASE("with a failure grace, workers that all succeed after a membership change end the job",
+TEST_CASE("with a failure grace, workers that all succeed after a peer's death end the job",
           "[agent][barrier]") {
   GraceFixture f;
   f.rdzv.hold_barrier = true;
   f.sup->start();
-  f.sup->onMembershipChange();
+  f.sup->onMembershipChange(/*peer_declared_dead=*/true);
   CHECK(f.launcher.signalsSent(SIGTERM) == 0);  // not stopped within the grace
   REQUIRE(f.sup->nextDeadline().has_value());
   f.clock.advance(std::chrono::milliseconds(900));
@@ -246,11 +246,11 @@ TEST_CASE("with a failure grace, workers that all succeed after a membership cha
   CHECK(f.launcher.signalsSent(SIGTERM) == 0);
 }
 
-TEST_CASE("with a failure grace, a membership change stops the workers once the grace passed",
+TEST_CASE("with a failure grace, a peer's death stops the workers once the grace passed",
           "[agent]") {
   GraceFixture f;
   f.sup->start();
-  f.sup->onMembershipChange();
+  f.sup->onMembershipChange(/*peer_declared_dead=*/true);
   f.sup->onWorkerExit(f.current()[0], ExitStatus{false, 0});  // one rank finished
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.launcher.signalsSent(SIGTERM) == 0);
@@ -265,11 +265,23 @@ TEST_CASE("with a failure grace, a membership change stops the workers once the 
   CHECK(f.rdzv.joins == 2);
 }
 
-TEST_CASE("with a failure grace, a crash after a membership change re-forms, not charged",
+TEST_CASE("with a failure grace, a node that left or joined has the workers stopped at once",
           "[agent]") {
   GraceFixture f;
   f.sup->start();
   f.sup->onMembershipChange();
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.launcher.signalsSent(SIGTERM) == 2);
+  f.exitAll(143);
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 0);
+  CHECK(f.rdzv.joins == 2);
+}
+
+TEST_CASE("with a failure grace, a crash after a peer's death re-forms, not charged", "[agent]") {
+  GraceFixture f;
+  f.sup->start();
+  f.sup->onMembershipChange(/*peer_declared_dead=*/true);
   f.clock.advance(std::chrono::milliseconds(300));
   f.sup->onWorkerExit(f.current()[1], ExitStatus{false, 1});  // its peer's connection reset
   CHECK(f.sup->state() == AgentState::kStopping);

@@ -619,6 +619,9 @@ TEST_CASE("a worker whose guardian is stopped still ends the agent, the guardian
   Process p(withWorker({"--standalone", "--nproc-per-node=1", "--max-restarts=0"},
                        {"--wait-for", go, "--exit-code", "3", "--state-dir", state.path()}));
   REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0"); }));
+  // The agent has the guardian's report that it started the worker (stopped before it sent it,
+  // the guardian would be killed as one that never started its worker).
+  REQUIRE(waitUntil([&] { return p.err().find("started 1 worker(s)") != std::string::npos; }));
   std::vector<int> guardians;
   REQUIRE(waitUntil([&] {
     guardians.clear();

@@ -638,7 +638,13 @@ TEST_CASE(
   CHECK(h.state.census().closed_runs == 0);
   CHECK(h.state.census().tombstones == 1);
   CHECK(h.state.census().kv_spaces == 0);  // the store went with the run
-  CHECK(h.state.kvGet("job", "k").status().code() == StatusCode::kNotFound);
+  // Its keys are refused, not answered from an empty store (a late node's exit barrier would wait
+  // for keys written before the close until it timed out), and no store starts under its id.
+  CHECK(h.state.kvGet("job", "k").status().code() == StatusCode::kFailedPrecondition);
+  const Status late_write = h.state.kvSet("job", "exit_barrier/1/arrive/b", "1", h.clock.now());
+  CHECK(late_write.code() == StatusCode::kFailedPrecondition);
+  CHECK(late_write.message() == "run job is closed");
+  CHECK(h.state.census().kv_spaces == 0);
 
   h.clearAnswers();
   h.join("b");
@@ -666,6 +672,8 @@ TEST_CASE(
   REQUIRE(h.completed("d"));
   CHECK(h.done["d"].round == 1);  // a fresh run, no history
   CHECK_FALSE(h.state.status("job")->closed);
+  CHECK(h.state.kvSet("job", "k", "v2", h.clock.now()).isOk());  // and a store of its own
+  CHECK(*h.state.kvGet("job", "k") == "v2");
 }
 
 TEST_CASE("a closed run keeps its state until its last watch stream ended, or the drain timeout",

@@ -45,9 +45,11 @@ struct MultiNodeOptions {
   Duration departure_timeout = std::chrono::seconds(10);
 };
 
-// Pushed changes the supervisor must act on. kPeerRecoveryFailed: another node's in-place
-// recovery failed and it restarts its workers (FailureKind::kRecovery: not charged again).
-enum class PeerEvent { kMembershipChange, kPeerFailure, kPeerRecoveryFailed };
+// Pushed changes the supervisor must act on. kPeerDead: a change of nodes because another node
+// missed its heartbeats (it may be alive, its agent stalled, and its workers finishing the job).
+// kPeerRecoveryFailed: another node's in-place recovery failed and it restarts its workers
+// (FailureKind::kRecovery: not charged again).
+enum class PeerEvent { kMembershipChange, kPeerDead, kPeerFailure, kPeerRecoveryFailed };
 
 class MultiNodeRendezvous final : public RendezvousClient {
  public:

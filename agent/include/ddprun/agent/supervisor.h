@@ -122,9 +122,10 @@ class Supervisor {
   // A handled signal reached the agent. Terminating signals (TERM, INT, HUP, QUIT) stop the
   // workers and end the agent with 128+sig; others are only forwarded.
   void onSignal(int sig);
-  // The membership changed (multi-node): restart in a new round without charging a restart;
-  // with a failure_grace, once it passed (workers that all succeed meanwhile end the job here).
-  void onMembershipChange();
+  // The membership changed (multi-node): restart in a new round without charging a restart.
+  // With a failure_grace, when a peer was declared dead (or in place, whatever changed), once the
+  // grace passed: workers that all succeed meanwhile end the job here.
+  void onMembershipChange(bool peer_declared_dead = false);
   // Workers on another node failed (kWorkers): every node restarts in one new round, charged once
   // here too. Another node's in-place recovery failed (kRecovery): the same, not charged again.
   void onPeerFailure(FailureKind kind);
@@ -345,9 +346,10 @@ class Supervisor {
     std::optional<TimePoint> report;           // a local failure not yet reported (grace)
     std::optional<TimePoint> heartbeat_check;  // next look at the heartbeat files (RUNNING only)
     std::optional<TimePoint> barrier;          // EXIT_BARRIER only
-    // Multi-node: a change of nodes waits failure_grace before the workers are stopped or
-    // recovered in place (RUNNING), unless every local worker aborted the current generation
-    // already (allAbortedOnTheirOwn); workers that all succeed meanwhile end the job here.
+    // Multi-node: a change of nodes (in process mode, a peer declared dead) waits failure_grace
+    // before the workers are stopped or recovered in place (RUNNING), unless every local worker
+    // aborted the current generation already (allAbortedOnTheirOwn); workers that all succeed
+    // meanwhile end the job here.
     std::optional<TimePoint> membership;
   } deadlines_;
   int restart_count_ = 0;
