@@ -70,11 +70,7 @@ void RendezvousState::waitMaster(CallId id, const std::string& run_id, uint64_t 
     outbox_.masters.push_back({id, s});
     return;
   }
-  if (findRun(run_id) == nullptr && findTombstone(run_id) != nullptr) {
-    outbox_.masters.push_back({id, failedPrecondition("run " + run_id + " is closed")});
-    return;
-  }
-  if (Status s = validateKey(run_id, masterKey(round)); !s.isOk()) {
+  if (Status s = validateKey(run_id, masterKey(round)); !s.isOk()) {  // a closed run's too
     outbox_.masters.push_back({id, s});
     return;
   }

@@ -1042,6 +1042,14 @@ void touchThenLook(InPlaceFixture& f, const std::vector<int>& ranks, Duration lo
   f.fireDeadlines();
 }
 
+// What the heartbeat files of attempt 0 say, by local rank from 0.
+void markFiles(InPlaceFixture& f, const std::vector<HeartbeatMark>& by_local_rank) {
+  f.heartbeats.marks.clear();
+  for (size_t r = 0; r < by_local_rank.size(); ++r) {
+    f.heartbeats.marks["/hb/0/" + std::to_string(r)] = by_local_rank[r];
+  }
+}
+
 // Three workers with heartbeat files (timeout 10 s), every one has stepped once, which the agent
 // sees a second later; then nobody steps again for `silence`, checked as the agent's loop would.
 void goSilent(InPlaceFixture& f, Duration silence) {
@@ -1131,9 +1139,7 @@ TEST_CASE(
     INFO("rank 2 last touched at " << touched_at_s << " s");
     HeartbeatJob f;
     const auto pids = f.first();
-    f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
-                          {"/hb/0/1", HeartbeatMark::kNotWaiting},
-                          {"/hb/0/2", HeartbeatMark::kNotWaiting}};
+    markFiles(f, {HeartbeatMark::kWaiting, HeartbeatMark::kNotWaiting, HeartbeatMark::kNotWaiting});
     touchThenLook(f, {0, 1, 2}, std::chrono::seconds(1));
     f.clock.advance(std::chrono::seconds(touched_at_s - 1));
     touchThenLook(f, {0, 2}, Duration::zero());
@@ -1166,9 +1172,7 @@ TEST_CASE(
   f.channel.reader = [&f](int pid, const ControlMessage& m) { f.sup->onControlMessage(pid, m); };
   const auto pids = f.first();
   // Rank 1 hangs at 1 s; rank 2 at 4 s, when rank 0 starts waiting for both.
-  f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
-                        {"/hb/0/1", HeartbeatMark::kNotWaiting},
-                        {"/hb/0/2", HeartbeatMark::kNotWaiting}};
+  markFiles(f, {HeartbeatMark::kWaiting, HeartbeatMark::kNotWaiting, HeartbeatMark::kNotWaiting});
   touchThenLook(f, {0, 1, 2}, std::chrono::seconds(1));
   f.clock.advance(std::chrono::seconds(3));
   touchThenLook(f, {0, 2}, Duration::zero());
@@ -1221,8 +1225,7 @@ TEST_CASE(
   f.sup->start();
   f.allCapable();
   const auto pids = f.first();
-  f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
-                        {"/hb/0/1", HeartbeatMark::kNotWaiting}};
+  markFiles(f, {HeartbeatMark::kWaiting, HeartbeatMark::kNotWaiting});
   // Seen at 1 s; rank 1 then hangs in its own code.
   touchThenLook(f, {0, 1}, std::chrono::seconds(1));
   f.clock.advance(std::chrono::seconds(4));
@@ -1302,8 +1305,7 @@ TEST_CASE(
     "[agent][inplace]") {
   TwoNodes f("", std::chrono::seconds(10));
   const auto pids = f.first();
-  f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kNotWaiting},
-                        {"/hb/0/1", HeartbeatMark::kNotWaiting}};
+  markFiles(f, {HeartbeatMark::kNotWaiting, HeartbeatMark::kNotWaiting});
   f.rdzv.hold = true;
   goSilent(f, std::chrono::seconds(11));
   CHECK(f.sup->state() == AgentState::kRecovering);
@@ -1330,8 +1332,7 @@ TEST_CASE(
     "[agent][inplace]") {
   TwoNodes f("", std::chrono::seconds(10));
   const auto pids = f.first();
-  f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
-                        {"/hb/0/1", HeartbeatMark::kNotWaiting}};
+  markFiles(f, {HeartbeatMark::kWaiting, HeartbeatMark::kNotWaiting});
   // Seen at 1 s; local rank 1 then hangs in its own code.
   touchThenLook(f, {0, 1}, std::chrono::seconds(1));
   f.clock.advance(std::chrono::seconds(4));
@@ -1363,9 +1364,7 @@ TEST_CASE(
     "[agent][inplace]") {
   HeartbeatJob f;
   const auto pids = f.first();
-  f.heartbeats.marks = {{"/hb/0/0", HeartbeatMark::kWaiting},
-                        {"/hb/0/1", HeartbeatMark::kNotWaiting},
-                        {"/hb/0/2", HeartbeatMark::kNotWaiting}};
+  markFiles(f, {HeartbeatMark::kWaiting, HeartbeatMark::kNotWaiting, HeartbeatMark::kNotWaiting});
   f.launcher.fail_local_ranks = {2};
   goSilent(f, std::chrono::seconds(11));
   CHECK(f.sup->state() == AgentState::kStopping);
