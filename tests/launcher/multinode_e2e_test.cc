@@ -570,8 +570,17 @@ TEST_CASE("a node declared dead while the last steps ran does not turn the job's
         "--no-python", "/bin/sh", "-c",
         "while [ ! -e '" + flags_dir / name + "' ]; do sleep 0.05; done; echo done " + name};
   };
-  auto a = agent("127.0.0.2", rdzv.endpoint, "2", "stalledend", flags, untilFlag("a"));
-  auto b = agent("127.0.0.3", rdzv.endpoint, "2", "stalledend", flags, untilFlag("b"));
+  // The stalled node a joins first (group rank 0, the node that closes the run) or second.
+  const bool a_first = GENERATE(true, false);
+  auto start = [&](const std::string& addr, const std::string& name) {
+    auto p = agent(addr, rdzv.endpoint, "2", "stalledend", flags, untilFlag(name));
+    REQUIRE(waitUntil([&] { return p->err().find("waiting up to") != std::string::npos; }, 30s));
+    return p;
+  };
+  auto first = start(a_first ? "127.0.0.2" : "127.0.0.3", a_first ? "a" : "b");
+  auto second = start(a_first ? "127.0.0.3" : "127.0.0.2", a_first ? "b" : "a");
+  auto& a = a_first ? first : second;
+  auto& b = a_first ? second : first;
   REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "started 1 worker(s)") == 2; }, 60s));
   a->signal(SIGSTOP);  // the agent only: its worker goes on
   std::ofstream(flags_dir / "a") << "";
