@@ -353,7 +353,7 @@ void AgentRun::onPeerEvent(PeerEvent e) {
   } else if (e == PeerEvent::kPeerRecoveryFailed) {
     supervisor_->onPeerFailure(FailureKind::kRecovery);
   } else {
-    supervisor_->onMembershipChange(/*peer_declared_dead=*/e == PeerEvent::kPeerDead);
+    supervisor_->onMembershipChange(/*declared_dead=*/e == PeerEvent::kNodeDeclaredDead);
   }
   afterEvent();
 }

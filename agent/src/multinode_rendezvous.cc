@@ -10,6 +10,16 @@ namespace ddprun::agent {
 
 namespace {
 auto agentLog() { return logger("agent"); }
+
+// The value of a node's exit-barrier key in a round it left for round N before its workers
+// finished: "next:N" (a node that finished there writes "1").
+constexpr const char* kMovedOnMark = "next:";
+
+// A service error that ends the exit barrier: never one that reads as isRoundAbandoned().
+Status barrierError(const Status& st) {
+  if (!isRoundAbandoned(st)) return st;
+  return Status(StatusCode::kUnknown, st.message());
+}
 }  // namespace
 
 MultiNodeRendezvous::MultiNodeRendezvous(boost::asio::io_context& io, MultiNodeOptions options,
@@ -40,6 +50,19 @@ void MultiNodeRendezvous::runNext() {
 void MultiNodeRendezvous::nextRound(RoundCallback done) {
   loop_.check();
   enqueue([this, done = std::move(done)](std::function<void()> next) mutable {
+    if (!node_id_.empty() && !left_ && forming_round_ > joined_round_) {
+      // Leaving the round its workers ran in for a newer one: a node that waits in that round's
+      // exit barrier would wait for this one in vain. Its barrier key says where it went (not
+      // awaited: a node waiting there is needed for the newer round anyway, and reads the key by
+      // then or at its next slice).
+      CallPolicy brief;
+      brief.retry_for = options_.endgame_retry;
+      service_.kvSet(barrierPrefix() + "arrive/" + node_id_,
+                     kMovedOnMark + std::to_string(forming_round_), brief, [](Status st) {
+                       if (!st.isOk())
+                         agentLog()->debug("exit barrier: moved on: {}", st.toString());
+                     });
+    }
     join(std::move(done), std::move(next));
   });
 }
@@ -248,9 +271,8 @@ void MultiNodeRendezvous::onChange(const rendezvous::RoundChange& change) {
     sink_(failure ? PeerEvent::kPeerFailure : PeerEvent::kPeerRecoveryFailed);
     return;
   }
-  const bool peer_dead =
-      change.reason == rendezvous::ChangeReason::kNodeDead && change.node_id != node_id_;
-  sink_(peer_dead ? PeerEvent::kPeerDead : PeerEvent::kMembershipChange);
+  sink_(change.reason == rendezvous::ChangeReason::kNodeDead ? PeerEvent::kNodeDeclaredDead
+                                                             : PeerEvent::kMembershipChange);
 }
 
 void MultiNodeRendezvous::scheduleHeartbeat() {
@@ -269,14 +291,15 @@ void MultiNodeRendezvous::scheduleHeartbeat() {
         agentLog()->debug("heartbeat: {}", st.status().toString());
         if (st.status().code() == StatusCode::kNotFound && !left_ && !shut_down_) {
           // Declared dead (e.g. a network cut healed): the others went on; join them again (an
-          // agent whose workers finished waits out its exit barrier instead). Said once: it
+          // agent whose workers finished stays in its exit barrier, which ends as soon as the
+          // others finished too or went on to a newer round). Said once: it
           // answers so at every beat until this node joins again.
           if (!dropped_said_) {
             agentLog()->warn("the rendezvous no longer counts this node ({}); re-joining",
                              st.status().message());
           }
           dropped_said_ = true;
-          sink_(PeerEvent::kMembershipChange);
+          sink_(PeerEvent::kNodeDeclaredDead);
         }
       });
     }
@@ -288,9 +311,11 @@ void MultiNodeRendezvous::reportFailure(FailureKind kind) {
   loop_.check();
   enqueue([this, kind](std::function<void()> next) {
     service_.reportFailure(
-        node_id_, joined_round_, kind, [next = std::move(next)](StatusOr<uint64_t> round) {
+        node_id_, joined_round_, kind, [this, next = std::move(next)](StatusOr<uint64_t> round) {
           if (!round.isOk()) {
             agentLog()->warn("could not report the failure: {}", round.status().toString());
+          } else {
+            forming_round_ = std::max(forming_round_, *round);  // the round every node joins next
           }
           next();
         });
@@ -343,20 +368,36 @@ void MultiNodeRendezvous::waitForMembers(const std::string& phase, TimePoint dea
   CallPolicy brief;
   brief.retry_for = options_.endgame_retry;
   brief.attempt_timeout = slice + std::chrono::seconds(5);
-  service_.kvWait(barrierKeys(phase), slice, brief,
-                  [this, phase, deadline,
+  std::vector<std::string> keys = barrierKeys(phase);
+  service_.kvWait(keys, slice, brief,
+                  [this, phase, deadline, keys,
                    done = std::move(done)](StatusOr<std::vector<std::string>> values) mutable {
                     if (values.isOk()) {
-                      done(Status::ok());
+                      done(movedOnFrom(keys, *values));
                       return;
                     }
                     if (values.status().code() != StatusCode::kDeadlineExceeded || left_ ||
                         std::chrono::steady_clock::now() >= deadline) {
-                      done(values.status());
+                      done(barrierError(values.status()));
                       return;
                     }
                     waitForMembers(phase, deadline, std::move(done));
                   });
+}
+
+Status MultiNodeRendezvous::movedOnFrom(const std::vector<std::string>& keys,
+                                        const std::vector<std::string>& values) const {
+  for (size_t i = 0; i < keys.size() && i < values.size(); ++i) {
+    if (!startsWith(values[i], kMovedOnMark)) continue;
+    const auto round = parseInt(values[i].substr(std::char_traits<char>::length(kMovedOnMark)));
+    if (!round || *round <= static_cast<long long>(joined_round_)) continue;
+    const std::string member = keys[i].substr(keys[i].rfind('/') + 1);
+    if (member == node_id_) continue;
+    return roundAbandoned("node " + member +
+                          " stopped its workers before they finished and went on to round " +
+                          std::to_string(*round));
+  }
+  return Status::ok();
 }
 
 void MultiNodeRendezvous::exitBarrier(Duration timeout, StatusCallback done) {
@@ -379,7 +420,7 @@ void MultiNodeRendezvous::exitBarrier(Duration timeout, StatusCallback done) {
     service_.kvSet(barrierPrefix() + "arrive/" + node_id_, "1", brief,
                    [this, deadline, finish = std::move(finish)](Status st) mutable {
                      if (!st.isOk()) {
-                       finish(st);
+                       finish(barrierError(st));
                        return;
                      }
                      waitForMembers("arrive", deadline, std::move(finish));

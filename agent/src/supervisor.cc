@@ -178,6 +178,16 @@ void Supervisor::enterExitBarrier() {
 }
 
 void Supervisor::onExitBarrier(const Status& status) {
+  if (isRoundAbandoned(status)) {
+    // The job ends only when one round's workers all finish: this node's start again with the
+    // others' in that round (not charged: no worker of this node failed).
+    logger("agent")->warn("exit barrier: {}; joining it, this node's workers start again",
+                          status.message());
+    deadlines_.barrier.reset();
+    setState(AgentState::kRestarting);
+    joinRound();
+    return;
+  }
   if (!status.isOk()) {
     logger("agent")->warn("exit barrier: not every node finished ({}); exiting anyway",
                           status.toString());
@@ -612,7 +622,7 @@ bool Supervisor::leavesAfterWorkers() const {
                      [](const Worker& w) { return !w.running || w.capable; });
 }
 
-void Supervisor::onMembershipChange(bool peer_declared_dead) {
+void Supervisor::onMembershipChange(bool declared_dead) {
   loop_.check();
   if (state_ == AgentState::kStopping && stop_reason_ == StopReason::kFailure &&
       deadlines_.report) {
@@ -659,14 +669,15 @@ void Supervisor::onMembershipChange(bool peer_declared_dead) {
   if (options_.multi_node && options_.failure_grace > Duration::zero()) {
     // The workers are stopped once failure_grace passed (onDeadline). Meanwhile they end as they
     // would have: all of them succeeding ends the job here, and a crash is the change's echo, not
-    // charged. In process mode only for a peer declared dead: it may be alive, its agent stalled
-    // while its workers finished, and would not join the round this node's stop waits for (a node
-    // that left or joined is no such case, and is answered at once). In place, a stop may be
-    // under way too: this node's own SIGTERM (the whole job stopped), or the workers' agreed
-    // checkpoint stop, which keeps its snapshot; the recovery starts at once when every worker
-    // aborted on its own.
+    // charged. In process mode only for a node declared dead: a peer may be alive, its agent
+    // stalled while its workers finished, and would not join the round this node's stop waits for;
+    // this node, its own agent stalled, may find its workers finishing a job the others ended
+    // meanwhile (a node that left or joined is no such case, and is answered at once). In place,
+    // a stop may be under way too: this node's own SIGTERM (the whole job stopped), or the
+    // workers' agreed checkpoint stop, which keeps its snapshot; the recovery starts at once when
+    // every worker aborted on its own.
     const bool in_place = inPlaceEligible(nullptr, /*charged=*/false);
-    if (in_place ? !allAbortedOnTheirOwn() : peer_declared_dead) {
+    if (in_place ? !allAbortedOnTheirOwn() : declared_dead) {
       if (!deadlines_.membership) deadlines_.membership = clock_.now() + options_.failure_grace;
       return;
     }

@@ -204,13 +204,18 @@ TEST_CASE("pushed round changes become membership changes and peer failures",
   f.service.push(pending(5, rendezvous::ChangeReason::kNodeDead, "b"));
   f.poll();
   CHECK(f.events == std::vector<PeerEvent>{PeerEvent::kPeerFailure, PeerEvent::kMembershipChange,
-                                           PeerEvent::kPeerDead});
+                                           PeerEvent::kNodeDeclaredDead});
   // A failed in-place recovery elsewhere (not charged again); this node's own is not an event.
   f.events.clear();
   f.service.push(pending(6, rendezvous::ChangeReason::kRecoveryFailed, "a"));
   f.service.push(pending(6, rendezvous::ChangeReason::kRecoveryFailed, "b"));
   f.poll();
   CHECK(f.events == std::vector<PeerEvent>{PeerEvent::kPeerRecoveryFailed});
+  // This node declared dead (its agent stalled): its workers may be finishing, as a peer's.
+  f.events.clear();
+  f.service.push(pending(7, rendezvous::ChangeReason::kNodeDead, "a"));
+  f.poll();
+  CHECK(f.events == std::vector<PeerEvent>{PeerEvent::kNodeDeclaredDead});
 }
 
 TEST_CASE("static node ranks order the nodes by --node-rank", "[agent][multinode]") {
@@ -311,6 +316,77 @@ TEST_CASE("the exit barrier waits only for the members that are still in the job
   CHECK(barrier->isOk());
 }
 
+TEST_CASE("a node that leaves its round for a newer one says so in that round's exit barrier",
+          "[agent][multinode][barrier]") {
+  MultiNodeFixture f;
+  f.formRound(1);
+  SECTION("a round forming (a node joined, left or was declared dead)") {
+    f.service.push(pending(2, rendezvous::ChangeReason::kNodeJoined, "c"));
+    f.poll();
+  }
+  SECTION("its own failure report, answered before the watch tells it") {
+    f.rdzv->reportFailure(FailureKind::kWorkers);
+    f.poll();
+    f.service.answer(f.service.failure_reports, uint64_t{2});
+    f.poll();
+  }
+  f.nextRound();
+  REQUIRE(f.service.kv_sets.size() == 1);
+  CHECK(f.service.kv_sets.front().first == "exit_barrier/1/arrive/a=next:2");
+  // Not awaited: the join is on its way at once.
+  CHECK(f.service.joins.size() == 1);
+}
+
+TEST_CASE("re-joining the round it ran in (no newer round forming) marks nothing",
+          "[agent][multinode][barrier]") {
+  MultiNodeFixture f;
+  f.formRound(1);
+  f.nextRound();
+  CHECK(f.service.kv_sets.empty());
+  CHECK(f.service.joins.size() == 1);
+}
+
+TEST_CASE("the exit barrier ends when another node went on to a newer round",
+          "[agent][multinode][barrier]") {
+  MultiNodeFixture f;
+  f.formRound(1);
+  std::optional<Status> barrier;
+  f.rdzv->exitBarrier(60s, [&](Status st) { barrier = st; });
+  f.poll();
+  f.service.answer(f.service.kv_sets, Status::ok());
+  f.poll();
+  REQUIRE(f.service.kv_waits.size() == 1);
+  SECTION("b's key names a newer round: this node must join it") {
+    f.service.answer(f.service.kv_waits, std::vector<std::string>{"1", "next:2"});
+    f.poll();
+    REQUIRE(barrier.has_value());
+    CHECK(isRoundAbandoned(*barrier));
+    CHECK(barrier->message() ==
+          "node b stopped its workers before they finished and went on to round 2");
+  }
+  SECTION("a mark of this round or an older one is no such news") {
+    f.service.answer(f.service.kv_waits, std::vector<std::string>{"1", "next:1"});
+    f.poll();
+    REQUIRE(barrier.has_value());
+    CHECK(barrier->isOk());
+  }
+  SECTION("a malformed mark is no such news either") {
+    f.service.answer(f.service.kv_waits, std::vector<std::string>{"1", "next:x"});
+    f.poll();
+    REQUIRE(barrier.has_value());
+    CHECK(barrier->isOk());
+  }
+  SECTION("the service's own ABORTED is an error, not a reason to start again") {
+    f.service.answer(f.service.kv_waits,
+                     StatusOr<std::vector<std::string>>(Status(StatusCode::kAborted, "conflict")));
+    f.poll();
+    REQUIRE(barrier.has_value());
+    CHECK_FALSE(barrier->isOk());
+    CHECK_FALSE(isRoundAbandoned(*barrier));
+    CHECK(barrier->message() == "conflict");
+  }
+}
+
 TEST_CASE("after a success the closer waits for departures, then closes the run",
           "[agent][multinode][barrier]") {
   MultiNodeFixture f;
@@ -402,7 +478,8 @@ TEST_CASE("a heartbeat the service no longer knows makes the node join again",
                    StatusOr<rendezvous::RunStatus>(notFound("node a is not in run job")));
   f.poll();
   REQUIRE_FALSE(f.events.empty());
-  CHECK(f.events.front() == PeerEvent::kMembershipChange);
+  // Declared dead: its workers may be finishing a job the others ended (failure_grace).
+  CHECK(f.events.front() == PeerEvent::kNodeDeclaredDead);
 }
 
 TEST_CASE("rank 0 re-joining a round whose master is published keeps that master",

@@ -231,7 +231,7 @@ TEST_CASE("with a failure grace, workers that all succeed after a peer's death e
   GraceFixture f;
   f.rdzv.hold_barrier = true;
   f.sup->start();
-  f.sup->onMembershipChange(/*peer_declared_dead=*/true);
+  f.sup->onMembershipChange(/*declared_dead=*/true);
   CHECK(f.launcher.signalsSent(SIGTERM) == 0);  // not stopped within the grace
   REQUIRE(f.sup->nextDeadline().has_value());
   f.clock.advance(std::chrono::milliseconds(900));
@@ -250,7 +250,7 @@ TEST_CASE("with a failure grace, a peer's death stops the workers once the grace
           "[agent]") {
   GraceFixture f;
   f.sup->start();
-  f.sup->onMembershipChange(/*peer_declared_dead=*/true);
+  f.sup->onMembershipChange(/*declared_dead=*/true);
   f.sup->onWorkerExit(f.current()[0], ExitStatus{false, 0});  // one rank finished
   CHECK(f.sup->state() == AgentState::kRunning);
   CHECK(f.launcher.signalsSent(SIGTERM) == 0);
@@ -281,7 +281,7 @@ TEST_CASE("with a failure grace, a node that left or joined has the workers stop
 TEST_CASE("with a failure grace, a crash after a peer's death re-forms, not charged", "[agent]") {
   GraceFixture f;
   f.sup->start();
-  f.sup->onMembershipChange(/*peer_declared_dead=*/true);
+  f.sup->onMembershipChange(/*declared_dead=*/true);
   f.clock.advance(std::chrono::milliseconds(300));
   f.sup->onWorkerExit(f.current()[1], ExitStatus{false, 1});  // its peer's connection reset
   CHECK(f.sup->state() == AgentState::kStopping);
@@ -618,6 +618,30 @@ TEST_CASE("membership changes and peer failures do not disturb the exit barrier"
   CHECK(f.sup->restartCount() == 0);
   f.rdzv.pending_barrier(Status::ok());
   CHECK(f.sup->state() == AgentState::kSucceeded);
+}
+
+TEST_CASE("an exit barrier another node abandoned for a newer round joins it, not charged",
+          "[agent][barrier]") {
+  Fixture f(2, /*max_restarts=*/0, Duration::zero(), Duration::zero(), std::chrono::seconds(42));
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  REQUIRE(f.sup->state() == AgentState::kExitBarrier);
+  f.rdzv.pending_barrier(agent::roundAbandoned("node b went on"));
+  // Its workers start again with the others' in the newer round; no worker of its own failed.
+  CHECK(f.rdzv.joins == 2);
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->restartCount() == 0);
+  CHECK(f.launcher.spawned.size() == 4);
+  // The old barrier's deadline is gone with it.
+  f.runFor(std::chrono::seconds(43), std::chrono::seconds(1));
+  CHECK(f.sup->state() == AgentState::kRunning);
+  f.exitAll(0);
+  CHECK(f.sup->state() == AgentState::kExitBarrier);
+  CHECK(f.rdzv.barriers == 2);
+  f.rdzv.pending_barrier(Status::ok());
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK(f.sup->exitCode() == 0);
 }
 
 TEST_CASE(

@@ -45,11 +45,12 @@ struct MultiNodeOptions {
   Duration departure_timeout = std::chrono::seconds(10);
 };
 
-// Pushed changes the supervisor must act on. kPeerDead: a change of nodes because another node
-// missed its heartbeats (it may be alive, its agent stalled, and its workers finishing the job).
+// Pushed changes the supervisor must act on. kNodeDeclaredDead: a change of nodes because a node
+// missed its heartbeats, another one or this one (it may be alive, its agent stalled, and its
+// workers finishing the job).
 // kPeerRecoveryFailed: another node's in-place recovery failed and it restarts its workers
 // (FailureKind::kRecovery: not charged again).
-enum class PeerEvent { kMembershipChange, kPeerDead, kPeerFailure, kPeerRecoveryFailed };
+enum class PeerEvent { kMembershipChange, kNodeDeclaredDead, kPeerFailure, kPeerRecoveryFailed };
 
 class MultiNodeRendezvous final : public RendezvousClient {
  public:
@@ -86,6 +87,9 @@ class MultiNodeRendezvous final : public RendezvousClient {
   // re-reading who is gone every slice, until `deadline`.
   void waitForMembers(const std::string& phase, TimePoint deadline, StatusCallback done);
   std::vector<std::string> barrierKeys(const std::string& phase) const;
+  // roundAbandoned() when one of `keys`' `values` says its node went on to a newer round.
+  Status movedOnFrom(const std::vector<std::string>& keys,
+                     const std::vector<std::string>& values) const;
   std::string barrierPrefix() const;
 
   MultiNodeOptions options_;

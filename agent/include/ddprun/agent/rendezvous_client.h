@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 
 #include "ddprun/agent/worker_env.h"
 #include "ddprun/common/clock.h"
@@ -34,8 +35,10 @@ class RendezvousClient {
   // (a join) are abandoned; their callbacks may still run and must be ignored by the caller.
   virtual void leave() = 0;
   // Exit barrier (SPEC §4): this node's workers all succeeded. `done` runs once every other node
-  // still in the job has finished too, or with the reason the wait ended early; never later than
-  // about `timeout` from now.
+  // still in the job has finished too; with isRoundAbandoned() when one of them stopped its
+  // workers and went on to a newer round instead (the job ends only when one round's workers all
+  // finish: this node joins that round); or with the reason the wait ended early. Never later
+  // than about `timeout` from now.
   virtual void exitBarrier(Duration timeout, StatusCallback done) = 0;
   // The agent is done with the run. After a success: say so, and the node that closes the run
   // waits (bounded) for the others to say so too before closing it. After a failure past the
@@ -49,6 +52,13 @@ class RendezvousClient {
   // meanwhile): the supervisor joins the newer one instead of starting workers in it.
   virtual uint64_t formingRound() const { return 0; }
 };
+
+// The exit barrier's answer when another node left the round for a newer one before its workers
+// finished (ABORTED; the barrier's other ends never carry that code).
+inline Status roundAbandoned(std::string message) {
+  return Status(StatusCode::kAborted, std::move(message));
+}
+inline bool isRoundAbandoned(const Status& st) { return st.code() == StatusCode::kAborted; }
 
 // True when `round`, from `client`'s nextRound, was superseded on its way (formingRound).
 inline bool isSuperseded(const RendezvousClient& client, const RoundInfo& round) {

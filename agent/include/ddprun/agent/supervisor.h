@@ -123,9 +123,9 @@ class Supervisor {
   // workers and end the agent with 128+sig; others are only forwarded.
   void onSignal(int sig);
   // The membership changed (multi-node): restart in a new round without charging a restart.
-  // With a failure_grace, when a peer was declared dead (or in place, whatever changed), once the
-  // grace passed: workers that all succeed meanwhile end the job here.
-  void onMembershipChange(bool peer_declared_dead = false);
+  // With a failure_grace, when a node was declared dead, another or this one (or in place,
+  // whatever changed), once the grace passed: workers that all succeed meanwhile end the job here.
+  void onMembershipChange(bool declared_dead = false);
   // Workers on another node failed (kWorkers): every node restarts in one new round, charged once
   // here too. Another node's in-place recovery failed (kRecovery): the same, not charged again.
   void onPeerFailure(FailureKind kind);
