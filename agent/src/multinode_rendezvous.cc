@@ -50,20 +50,21 @@ void MultiNodeRendezvous::runNext() {
 void MultiNodeRendezvous::nextRound(RoundCallback done) {
   loop_.check();
   enqueue([this, done = std::move(done)](std::function<void()> next) mutable {
-    if (!node_id_.empty() && !left_ && forming_round_ > joined_round_) {
-      // Leaving the round its workers ran in for a newer one: a node that waits in that round's
-      // exit barrier would wait for this one in vain. Its barrier key says where it went (not
-      // awaited: a node waiting there is needed for the newer round anyway, and reads the key by
-      // then or at its next slice).
-      CallPolicy brief;
-      brief.retry_for = options_.endgame_retry;
-      service_.kvSet(barrierPrefix() + "arrive/" + node_id_,
-                     kMovedOnMark + std::to_string(forming_round_), brief, [](Status st) {
-                       if (!st.isOk())
-                         agentLog()->debug("exit barrier: moved on: {}", st.toString());
-                     });
-    }
+    // Leaving the round its workers ran in for a newer one: a node that waits in that round's exit
+    // barrier would wait for this one in vain. Its barrier key says where it went. Not awaited,
+    // and sent after the join (which answers later, never inline), so the join goes first where
+    // the backend runs calls one at a time (etcd): a node waiting there is needed for the newer
+    // round anyway, and reads the key at its next slice.
+    const bool moving_on = !node_id_.empty() && !left_ && forming_round_ > joined_round_;
+    const std::string key = barrierPrefix() + "arrive/" + node_id_;
+    const std::string mark = kMovedOnMark + std::to_string(forming_round_);
     join(std::move(done), std::move(next));
+    if (!moving_on) return;
+    CallPolicy brief;
+    brief.retry_for = options_.endgame_retry;
+    service_.kvSet(key, mark, brief, [](Status st) {
+      if (!st.isOk()) agentLog()->debug("exit barrier: moved on: {}", st.toString());
+    });
   });
 }
 

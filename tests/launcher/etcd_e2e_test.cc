@@ -111,6 +111,30 @@ TEST_CASE("etcd-v3: an agent killed with SIGKILL is found dead by its lease", "[
   CHECK(a->wait(30s));
 }
 
+TEST_CASE("etcd-v3: a node declared dead while its agent stalled lets its workers finish",
+          "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  stalledNodeFinishesItsTail(
+      [&](const std::string& addr, const std::vector<std::string>& flags,
+          const std::vector<std::string>& prog) {
+        return etcdAgent(addr, etcd.endpoints(), "2", "e2e-stalledtail", flags, prog);
+      },
+      GENERATE(true, false));
+}
+
+TEST_CASE(
+    "etcd-v3: a node whose workers finished while it was declared dead joins the others' new "
+    "round",
+    "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  stalledNodeRerunsWithTheOthers([&](const std::string& addr, const std::vector<std::string>& flags,
+                                     const std::vector<std::string>& prog) {
+    return etcdAgent(addr, etcd.endpoints(), "2", "e2e-stalledrerun", flags, prog);
+  });
+}
+
 TEST_CASE("etcd-v3: an unreachable etcd is one error line naming the member", "[etcd]") {
   const std::string endpoint = "127.0.0.1:" + std::to_string(freePort());
   auto a = etcdAgent("127.0.0.2", endpoint, "2", "e2e-down", {"--rdzv-conf=join_timeout=2"},

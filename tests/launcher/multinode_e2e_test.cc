@@ -608,49 +608,12 @@ TEST_CASE(
     "failure_grace",
     "[multinode]") {
   RendezvousDaemon rdzv;
-  TempDir flags_dir;
-  const std::vector<std::string> flags = {
-      "--nproc-per-node=1", "--max-restarts=0",
-      "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3,failure_grace=30"};
-  auto untilFlag = [&](const std::string& name) {
-    return std::vector<std::string>{"--no-python", "/bin/sh", "-c",
-                                    "trap 'echo stopped " + name +
-                                        "; exit 143' TERM; while [ ! -e '" + flags_dir / name +
-                                        "' ]; do sleep 0.05; done; echo done " + name};
-  };
-  // The stalled node a joins first (group rank 0, the node that closes the run) or second.
-  const bool a_first = GENERATE(true, false);
-  auto start = [&](const std::string& addr, const std::string& name) {
-    auto p = agent(addr, rdzv.endpoint, "2", "stalledtail", flags, untilFlag(name));
-    REQUIRE(waitUntil([&] { return p->err().find("waiting up to") != std::string::npos; }, 30s));
-    return p;
-  };
-  auto first = start(a_first ? "127.0.0.2" : "127.0.0.3", a_first ? "a" : "b");
-  auto second = start(a_first ? "127.0.0.3" : "127.0.0.2", a_first ? "b" : "a");
-  auto& a = a_first ? first : second;
-  auto& b = a_first ? second : first;
-  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "started 1 worker(s)") == 2; }, 60s));
-  a->signal(SIGSTOP);  // the agent only: its worker goes on, a little behind b's
-  std::ofstream(flags_dir / "b") << "";
-  auto rb = b->wait(60s);
-  INFO("other node:\n" << b->err());
-  REQUIRE(rb);
-  CHECK(rb->exit_code == 0);
-  a->signal(SIGCONT);
-  // a learns it was declared dead; its worker, still running, finishes within the grace.
-  REQUIRE(waitUntil(
-      [&] {
-        return a->err().find("no longer counts this node") != std::string::npos ||
-               a->err().find("NODE_DEAD by") != std::string::npos;
+  stalledNodeFinishesItsTail(
+      [&](const std::string& addr, const std::vector<std::string>& flags,
+          const std::vector<std::string>& prog) {
+        return agent(addr, rdzv.endpoint, "2", "stalledtail", flags, prog);
       },
-      30s));
-  std::ofstream(flags_dir / "a") << "";
-  auto ra = a->wait(60s);
-  INFO((ra ? "" : stuckReport(*a, "the stalled node", 60s)) << "stalled node:\n" << a->err());
-  REQUIRE(ra);
-  CHECK(ra->exit_code == 0);
-  CHECK(countOf(ra->out, "done a") == 1);
-  CHECK(countOf(ra->out, "stopped a") == 0);
+      GENERATE(true, false));
 }
 
 TEST_CASE(
@@ -658,39 +621,10 @@ TEST_CASE(
     "in their new round",
     "[multinode]") {
   RendezvousDaemon rdzv;
-  TempDir flags_dir;
-  // The other node stops its worker 1 s after the stalled one's death: its worker is not done.
-  const std::vector<std::string> flags = {
-      "--nproc-per-node=1", "--max-restarts=0",
-      "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3,failure_grace=1"};
-  auto untilFlag = [&](const std::string& name) {
-    return std::vector<std::string>{"--no-python", "/bin/sh", "-c",
-                                    "trap 'echo stopped " + name +
-                                        "; exit 143' TERM; while [ ! -e '" + flags_dir / name +
-                                        "' ]; do sleep 0.05; done; echo done " + name};
-  };
-  auto a = agent("127.0.0.2", rdzv.endpoint, "2", "stalledrerun", flags, untilFlag("a"));
-  REQUIRE(waitUntil([&] { return a->err().find("waiting up to") != std::string::npos; }, 30s));
-  auto b = agent("127.0.0.3", rdzv.endpoint, "2", "stalledrerun", flags, untilFlag("b"));
-  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "started 1 worker(s)") == 2; }, 60s));
-  a->signal(SIGSTOP);  // the agent only: its worker goes on
-  std::ofstream(flags_dir / "a") << "";
-  REQUIRE(waitUntil([&] { return a->out().find("done a") != std::string::npos; }, 30s));
-  INFO(b->err());
-  REQUIRE(waitUntil([&] { return b->out().find("stopped b") != std::string::npos; }, 30s));
-  a->signal(SIGCONT);
-  // a's exit barrier learns that b went on to round 2 and joins it; both workers start again.
-  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "started 1 worker(s)") == 4; }, 60s));
-  std::ofstream(flags_dir / "b") << "";
-  auto rb = b->wait(60s), ra = a->wait(60s);
-  INFO((ra ? "" : stuckReport(*a, "the stalled node", 60s)) << "stalled node:\n" << a->err());
-  REQUIRE(rb);
-  REQUIRE(ra);
-  CHECK(rb->exit_code == 0);
-  CHECK(ra->exit_code == 0);
-  CHECK(ra->err.find("went on to round 2; joining it") != std::string::npos);
-  CHECK(countOf(ra->out, "done a") == 2);
-  CHECK(countOf(rb->out, "done b") == 1);
+  stalledNodeRerunsWithTheOthers([&](const std::string& addr, const std::vector<std::string>& flags,
+                                     const std::vector<std::string>& prog) {
+    return agent(addr, rdzv.endpoint, "2", "stalledrerun", flags, prog);
+  });
 }
 
 namespace {

@@ -1,10 +1,15 @@
 // Helpers of the multi-node e2e suites: the test worker's ddprun arguments
 // (tests/agent/ddprun_test_worker), what its state and env files say after a job that restarted
-// its workers once, and two agents that both succeed.
+// its workers once, two agents that both succeed, and the stalled-agent scenarios each backend
+// (gRPC, etcd-v3) must pass.
 #pragma once
 
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <csignal>
+#include <fstream>
+#include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,6 +49,94 @@ inline std::pair<Finished, Finished> bothSucceed(
   CHECK(ra->exit_code == 0);
   CHECK(rb->exit_code == 0);
   return {*ra, *rb};
+}
+
+// Starts one node of a 2-node job: its agent advertising `addr`, with ddprun `flags`, running
+// `program`.
+using StartNode = std::function<std::unique_ptr<Process>(const std::string& addr,
+                                                         const std::vector<std::string>& flags,
+                                                         const std::vector<std::string>& program)>;
+
+// A worker that says "done <name>" once the file `dir`/`name` exists, and "stopped <name>" when
+// it is sent SIGTERM first.
+inline std::vector<std::string> untilFlagWorker(const TempDir& dir, const std::string& name) {
+  return {"--no-python", "/bin/sh", "-c",
+          "trap 'echo stopped " + name + "; exit 143' TERM; while [ ! -e '" + dir / name +
+              "' ]; do sleep 0.05; done; echo done " + name};
+}
+
+// Node a's agent stalls (SIGSTOP) while the job ends: b's worker finishes and b, a declared dead,
+// ends the job. a, running again, learns that it was declared dead; its worker, still running,
+// finishes within failure_grace and a exits 0 too, its worker neither stopped nor started again.
+// a joins first (group rank 0, the node that closes the run) or second.
+inline void stalledNodeFinishesItsTail(const StartNode& start_node, bool a_first) {
+  using namespace std::chrono_literals;
+  TempDir flags_dir;
+  const std::vector<std::string> flags = {
+      "--nproc-per-node=1", "--max-restarts=0",
+      "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3,failure_grace=30"};
+  auto start = [&](const std::string& addr, const std::string& name) {
+    auto p = start_node(addr, flags, untilFlagWorker(flags_dir, name));
+    REQUIRE(waitUntil([&] { return p->err().find("waiting up to") != std::string::npos; }, 60s));
+    return p;
+  };
+  auto first = start(a_first ? "127.0.0.2" : "127.0.0.3", a_first ? "a" : "b");
+  auto second = start(a_first ? "127.0.0.3" : "127.0.0.2", a_first ? "b" : "a");
+  auto& a = a_first ? first : second;
+  auto& b = a_first ? second : first;
+  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "started 1 worker(s)") == 2; }, 60s));
+  a->signal(SIGSTOP);  // the agent only: its worker goes on, a little behind b's
+  std::ofstream(flags_dir / "b") << "";
+  auto rb = b->wait(60s);
+  INFO("other node:\n" << b->err());
+  REQUIRE(rb);
+  CHECK(rb->exit_code == 0);
+  a->signal(SIGCONT);
+  REQUIRE(waitUntil(
+      [&] {
+        return a->err().find("no longer counts this node") != std::string::npos ||
+               a->err().find("NODE_DEAD by") != std::string::npos;
+      },
+      30s));
+  std::ofstream(flags_dir / "a") << "";
+  auto ra = a->wait(60s);
+  INFO((ra ? "" : stuckReport(*a, "the stalled node", 60s)) << "stalled node:\n" << a->err());
+  REQUIRE(ra);
+  CHECK(ra->exit_code == 0);
+  CHECK(countOf(ra->out, "done a") == 1);
+  CHECK(countOf(ra->out, "stopped a") == 0);
+}
+
+// Node a's agent stalls (SIGSTOP) and its worker finishes; b, a declared dead, stops its own
+// unfinished worker after failure_grace (1 s) and goes on to round 2. a, running again, learns it
+// in its exit barrier and joins round 2: both workers start again, and both nodes exit 0.
+inline void stalledNodeRerunsWithTheOthers(const StartNode& start_node) {
+  using namespace std::chrono_literals;
+  TempDir flags_dir;
+  const std::vector<std::string> flags = {
+      "--nproc-per-node=1", "--max-restarts=0",
+      "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3,failure_grace=1"};
+  auto a = start_node("127.0.0.2", flags, untilFlagWorker(flags_dir, "a"));
+  REQUIRE(waitUntil([&] { return a->err().find("waiting up to") != std::string::npos; }, 60s));
+  auto b = start_node("127.0.0.3", flags, untilFlagWorker(flags_dir, "b"));
+  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "started 1 worker(s)") == 2; }, 60s));
+  a->signal(SIGSTOP);  // the agent only: its worker goes on
+  std::ofstream(flags_dir / "a") << "";
+  REQUIRE(waitUntil([&] { return a->out().find("done a") != std::string::npos; }, 30s));
+  INFO(b->err());
+  REQUIRE(waitUntil([&] { return b->out().find("stopped b") != std::string::npos; }, 30s));
+  a->signal(SIGCONT);
+  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "started 1 worker(s)") == 4; }, 60s));
+  std::ofstream(flags_dir / "b") << "";
+  auto rb = b->wait(60s), ra = a->wait(60s);
+  INFO((ra ? "" : stuckReport(*a, "the stalled node", 60s)) << "stalled node:\n" << a->err());
+  REQUIRE(rb);
+  REQUIRE(ra);
+  CHECK(rb->exit_code == 0);
+  CHECK(ra->exit_code == 0);
+  CHECK(ra->err.find("went on to round 2; joining it") != std::string::npos);
+  CHECK(countOf(ra->out, "done a") == 2);
+  CHECK(countOf(rb->out, "done b") == 1);
 }
 
 }  // namespace ddprun::testing
