@@ -111,6 +111,18 @@ TEST_CASE("etcd-v3: an agent killed with SIGKILL is found dead by its lease", "[
   CHECK(a->wait(30s));
 }
 
+TEST_CASE("etcd-v3: a node declared dead while the last steps ran ends the job with the others",
+          "[etcd]") {
+  REQUIRE_ETCD();
+  EtcdCluster etcd;
+  stalledNodeEndsWithTheOthers(
+      [&](const std::string& addr, const std::vector<std::string>& flags,
+          const std::vector<std::string>& prog) {
+        return etcdAgent(addr, etcd.endpoints(), "2", "e2e-stalledend", flags, prog);
+      },
+      GENERATE(true, false));
+}
+
 TEST_CASE("etcd-v3: a node declared dead while its agent stalled lets its workers finish",
           "[etcd]") {
   REQUIRE_ETCD();

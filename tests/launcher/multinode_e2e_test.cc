@@ -553,54 +553,15 @@ TEST_CASE("a node that dies while the others wait in the exit barrier does not h
   CHECK(r->exit_code == 0);
 }
 
-// A node declared dead while the job's last steps run (its agent stalled past heartbeat_misses;
-// its workers went on and finished): the other node's workers finish too, within failure_grace,
-// and both nodes end with exit 0. Stopping them at once, the other node would wait for a round the
-// stalled one never joins, and the stalled one out its whole exit barrier.
 TEST_CASE("a node declared dead while the last steps ran does not turn the job's end into a wait",
           "[multinode]") {
   RendezvousDaemon rdzv;
-  TempDir flags_dir;
-  const std::vector<std::string> flags = {
-      "--nproc-per-node=1", "--max-restarts=0",
-      "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3,failure_grace=30"};
-  // Each node's worker exits 0 once its flag file exists.
-  auto untilFlag = [&](const std::string& name) {
-    return std::vector<std::string>{
-        "--no-python", "/bin/sh", "-c",
-        "while [ ! -e '" + flags_dir / name + "' ]; do sleep 0.05; done; echo done " + name};
-  };
-  // The stalled node a joins first (group rank 0, the node that closes the run) or second.
-  const bool a_first = GENERATE(true, false);
-  auto start = [&](const std::string& addr, const std::string& name) {
-    auto p = agent(addr, rdzv.endpoint, "2", "stalledend", flags, untilFlag(name));
-    REQUIRE(waitUntil([&] { return p->err().find("waiting up to") != std::string::npos; }, 30s));
-    return p;
-  };
-  auto first = start(a_first ? "127.0.0.2" : "127.0.0.3", a_first ? "a" : "b");
-  auto second = start(a_first ? "127.0.0.3" : "127.0.0.2", a_first ? "b" : "a");
-  auto& a = a_first ? first : second;
-  auto& b = a_first ? second : first;
-  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "started 1 worker(s)") == 2; }, 60s));
-  a->signal(SIGSTOP);  // the agent only: its worker goes on
-  std::ofstream(flags_dir / "a") << "";
-  REQUIRE(waitUntil([&] { return a->out().find("done a") != std::string::npos; }, 30s));
-  INFO(b->err());
-  REQUIRE(waitUntil([&] { return b->err().find("NODE_DEAD") != std::string::npos; }, 30s));
-  std::ofstream(flags_dir / "b") << "";  // b's worker finishes within b's failure_grace
-  REQUIRE(waitUntil([&] { return b->err().find("exit barrier") != std::string::npos; }, 30s));
-  a->signal(SIGCONT);
-  auto rb = b->wait(60s), ra = a->wait(60s);
-  INFO((ra ? "" : stuckReport(*a, "the stalled node", 60s)) << "stalled node:\n" << a->err());
-  REQUIRE(rb);
-  REQUIRE(ra);
-  CHECK(rb->exit_code == 0);
-  CHECK(ra->exit_code == 0);
-  // b's worker was never stopped and started again.
-  CHECK(countOf(rb->err, "started 1 worker(s)") == 1);
-  CHECK(countOf(rb->out, "done b") == 1);
-  // The stalled node says once that it is no longer counted, not at every heartbeat.
-  CHECK(countOf(ra->err, "no longer counts this node") <= 1);
+  stalledNodeEndsWithTheOthers(
+      [&](const std::string& addr, const std::vector<std::string>& flags,
+          const std::vector<std::string>& prog) {
+        return agent(addr, rdzv.endpoint, "2", "stalledend", flags, prog);
+      },
+      GENERATE(true, false));
 }
 
 TEST_CASE(

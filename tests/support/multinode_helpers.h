@@ -65,26 +65,78 @@ inline std::vector<std::string> untilFlagWorker(const TempDir& dir, const std::s
               "' ]; do sleep 0.05; done; echo done " + name};
 }
 
-// Node a's agent stalls (SIGSTOP) while the job ends: b's worker finishes and b, a declared dead,
-// ends the job. a, running again, learns that it was declared dead; its worker, still running,
-// finishes within failure_grace and a exits 0 too, its worker neither stopped nor started again.
-// a joins first (group rank 0, the node that closes the run) or second.
-inline void stalledNodeFinishesItsTail(const StartNode& start_node, bool a_first) {
+// The two nodes of the stalled-agent scenarios, a and b, each running untilFlagWorker(dir, its
+// name) with `flags`, both workers started. a joins first (group rank 0, the node that closes
+// the run) or second.
+struct NodePair {
+  std::unique_ptr<Process> a, b;
+};
+inline NodePair startNodePair(const StartNode& start_node, const std::vector<std::string>& flags,
+                              const TempDir& dir, bool a_first) {
   using namespace std::chrono_literals;
-  TempDir flags_dir;
-  const std::vector<std::string> flags = {
-      "--nproc-per-node=1", "--max-restarts=0",
-      "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3,failure_grace=30"};
   auto start = [&](const std::string& addr, const std::string& name) {
-    auto p = start_node(addr, flags, untilFlagWorker(flags_dir, name));
+    auto p = start_node(addr, flags, untilFlagWorker(dir, name));
     REQUIRE(waitUntil([&] { return p->err().find("waiting up to") != std::string::npos; }, 60s));
     return p;
   };
+  NodePair n;
   auto first = start(a_first ? "127.0.0.2" : "127.0.0.3", a_first ? "a" : "b");
   auto second = start(a_first ? "127.0.0.3" : "127.0.0.2", a_first ? "b" : "a");
-  auto& a = a_first ? first : second;
-  auto& b = a_first ? second : first;
-  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "started 1 worker(s)") == 2; }, 60s));
+  n.a = std::move(a_first ? first : second);
+  n.b = std::move(a_first ? second : first);
+  REQUIRE(
+      waitUntil([&] { return countOf(n.a->err() + n.b->err(), "started 1 worker(s)") == 2; }, 60s));
+  return n;
+}
+
+// The flags of the stalled-agent scenarios: a node is declared dead 1.5 s after its agent stalls.
+inline std::vector<std::string> stalledFlags(const std::string& failure_grace) {
+  return {
+      "--nproc-per-node=1", "--max-restarts=0",
+      "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3,failure_grace=" +
+          failure_grace};
+}
+
+// Node a's agent stalls (SIGSTOP) while the job's last steps run; its worker goes on and
+// finishes. b, a declared dead, has its worker finish within failure_grace: it ends the job, and
+// a, running again, too; both exit 0. (Stopping its worker at once, b would wait for a round a
+// never joins, and a out its whole exit barrier.)
+inline void stalledNodeEndsWithTheOthers(const StartNode& start_node, bool a_first) {
+  using namespace std::chrono_literals;
+  TempDir flags_dir;
+  NodePair nodes = startNodePair(start_node, stalledFlags("30"), flags_dir, a_first);
+  auto& a = nodes.a;
+  auto& b = nodes.b;
+  a->signal(SIGSTOP);  // the agent only: its worker goes on
+  std::ofstream(flags_dir / "a") << "";
+  REQUIRE(waitUntil([&] { return a->out().find("done a") != std::string::npos; }, 30s));
+  INFO(b->err());
+  REQUIRE(waitUntil([&] { return b->err().find("NODE_DEAD") != std::string::npos; }, 30s));
+  std::ofstream(flags_dir / "b") << "";  // b's worker finishes within b's failure_grace
+  REQUIRE(waitUntil([&] { return b->err().find("exit barrier") != std::string::npos; }, 30s));
+  a->signal(SIGCONT);
+  auto rb = b->wait(60s), ra = a->wait(60s);
+  INFO((ra ? "" : stuckReport(*a, "the stalled node", 60s)) << "stalled node:\n" << a->err());
+  REQUIRE(rb);
+  REQUIRE(ra);
+  CHECK(rb->exit_code == 0);
+  CHECK(ra->exit_code == 0);
+  // b's worker was never stopped and started again.
+  CHECK(countOf(rb->err, "started 1 worker(s)") == 1);
+  CHECK(countOf(rb->out, "done b") == 1);
+  // The stalled node says once that it is no longer counted, not at every heartbeat.
+  CHECK(countOf(ra->err, "no longer counts this node") <= 1);
+}
+
+// Node a's agent stalls (SIGSTOP) while the job ends: b's worker finishes and b, a declared dead,
+// ends the job. a, running again, learns that it was declared dead; its worker, still running,
+// finishes within failure_grace and a exits 0 too, its worker neither stopped nor started again.
+inline void stalledNodeFinishesItsTail(const StartNode& start_node, bool a_first) {
+  using namespace std::chrono_literals;
+  TempDir flags_dir;
+  NodePair nodes = startNodePair(start_node, stalledFlags("30"), flags_dir, a_first);
+  auto& a = nodes.a;
+  auto& b = nodes.b;
   a->signal(SIGSTOP);  // the agent only: its worker goes on, a little behind b's
   std::ofstream(flags_dir / "b") << "";
   auto rb = b->wait(60s);
@@ -113,13 +165,9 @@ inline void stalledNodeFinishesItsTail(const StartNode& start_node, bool a_first
 inline void stalledNodeRerunsWithTheOthers(const StartNode& start_node) {
   using namespace std::chrono_literals;
   TempDir flags_dir;
-  const std::vector<std::string> flags = {
-      "--nproc-per-node=1", "--max-restarts=0",
-      "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=3,failure_grace=1"};
-  auto a = start_node("127.0.0.2", flags, untilFlagWorker(flags_dir, "a"));
-  REQUIRE(waitUntil([&] { return a->err().find("waiting up to") != std::string::npos; }, 60s));
-  auto b = start_node("127.0.0.3", flags, untilFlagWorker(flags_dir, "b"));
-  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "started 1 worker(s)") == 2; }, 60s));
+  NodePair nodes = startNodePair(start_node, stalledFlags("1"), flags_dir, /*a_first=*/true);
+  auto& a = nodes.a;
+  auto& b = nodes.b;
   a->signal(SIGSTOP);  // the agent only: its worker goes on
   std::ofstream(flags_dir / "a") << "";
   REQUIRE(waitUntil([&] { return a->out().find("done a") != std::string::npos; }, 30s));
