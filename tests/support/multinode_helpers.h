@@ -97,6 +97,14 @@ inline std::vector<std::string> stalledFlags(const std::string& failure_grace) {
           failure_grace};
 }
 
+// Stops node a's agent (SIGSTOP; its worker goes on) and lets a's worker finish.
+inline void stallWhileItsWorkerFinishes(Process& a, const TempDir& flags_dir) {
+  using namespace std::chrono_literals;
+  a.signal(SIGSTOP);
+  std::ofstream(flags_dir / "a") << "";
+  REQUIRE(waitUntil([&] { return a.out().find("done a") != std::string::npos; }, 30s));
+}
+
 // Node a's agent stalls (SIGSTOP) while the job's last steps run; its worker goes on and
 // finishes. b, a declared dead, has its worker finish within failure_grace: it ends the job, and
 // a, running again, too; both exit 0. (Stopping its worker at once, b would wait for a round a
@@ -107,9 +115,7 @@ inline void stalledNodeEndsWithTheOthers(const StartNode& start_node, bool a_fir
   NodePair nodes = startNodePair(start_node, stalledFlags("30"), flags_dir, a_first);
   auto& a = nodes.a;
   auto& b = nodes.b;
-  a->signal(SIGSTOP);  // the agent only: its worker goes on
-  std::ofstream(flags_dir / "a") << "";
-  REQUIRE(waitUntil([&] { return a->out().find("done a") != std::string::npos; }, 30s));
+  stallWhileItsWorkerFinishes(*a, flags_dir);
   INFO(b->err());
   REQUIRE(waitUntil([&] { return b->err().find("NODE_DEAD") != std::string::npos; }, 30s));
   std::ofstream(flags_dir / "b") << "";  // b's worker finishes within b's failure_grace
@@ -168,9 +174,7 @@ inline void stalledNodeRerunsWithTheOthers(const StartNode& start_node) {
   NodePair nodes = startNodePair(start_node, stalledFlags("1"), flags_dir, /*a_first=*/true);
   auto& a = nodes.a;
   auto& b = nodes.b;
-  a->signal(SIGSTOP);  // the agent only: its worker goes on
-  std::ofstream(flags_dir / "a") << "";
-  REQUIRE(waitUntil([&] { return a->out().find("done a") != std::string::npos; }, 30s));
+  stallWhileItsWorkerFinishes(*a, flags_dir);
   INFO(b->err());
   REQUIRE(waitUntil([&] { return b->out().find("stopped b") != std::string::npos; }, 30s));
   a->signal(SIGCONT);
