@@ -553,6 +553,65 @@ TEST_CASE("a node that dies while the others wait in the exit barrier does not h
   CHECK(r->exit_code == 0);
 }
 
+TEST_CASE(
+    "a worker failing after the other node's workers finished restarts them too, from the exit "
+    "barrier",
+    "[multinode]") {
+  RendezvousDaemon rdzv;
+  TempDir flags_dir;
+  const std::vector<std::string> flags = {"--nproc-per-node=1", "--max-restarts=1",
+                                          "--rdzv-conf=last_call_timeout=1"};
+  // b's worker fails in its first attempt, once its flag exists; it succeeds in the second.
+  const std::vector<std::string> b_prog = {
+      "--no-python", "/bin/sh", "-c",
+      "while [ ! -e '" + flags_dir / "b" +
+          "' ]; do sleep 0.05; done; echo attempt $TORCHELASTIC_RESTART_COUNT; "
+          "[ \"$TORCHELASTIC_RESTART_COUNT\" != 0 ]"};
+  auto a =
+      agent("127.0.0.2", rdzv.endpoint, "2", "failatend", flags, untilFlagWorker(flags_dir, "a"));
+  REQUIRE(waitUntil([&] { return a->err().find("waiting up to") != std::string::npos; }, 60s));
+  auto b = agent("127.0.0.3", rdzv.endpoint, "2", "failatend", flags, b_prog);
+  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "started 1 worker(s)") == 2; }, 60s));
+  std::ofstream(flags_dir / "a") << "";
+  REQUIRE(waitUntil([&] { return a->err().find("exit barrier") != std::string::npos; }, 30s));
+  std::ofstream(flags_dir / "b") << "";
+  auto [ra, rb] = bothSucceed(*a, *b, 60s);
+  CHECK(ra.err.find("went on to round 2; joining it") != std::string::npos);
+  CHECK(countOf(ra.out, "done a") == 2);
+  CHECK(countOf(rb.out, "attempt 0") == 1);
+  CHECK(countOf(rb.out, "attempt 1") == 1);
+}
+
+TEST_CASE("a node joining after one node's workers finished has them start again with it",
+          "[multinode]") {
+  RendezvousDaemon rdzv;
+  TempDir flags_dir;
+  const std::vector<std::string> flags = {"--nproc-per-node=1", "--max-restarts=0",
+                                          "--rdzv-conf=last_call_timeout=1"};
+  auto start = [&](const std::string& addr, const std::string& name) {
+    return agent(addr, rdzv.endpoint, "2:3", "joinatend", flags, untilFlagWorker(flags_dir, name));
+  };
+  auto a = start("127.0.0.2", "a");
+  REQUIRE(waitUntil([&] { return a->err().find("waiting up to") != std::string::npos; }, 60s));
+  auto b = start("127.0.0.3", "b");
+  REQUIRE(waitUntil([&] { return countOf(a->err() + b->err(), "started 1 worker(s)") == 2; }, 60s));
+  std::ofstream(flags_dir / "a") << "";
+  REQUIRE(waitUntil([&] { return a->err().find("exit barrier") != std::string::npos; }, 30s));
+  auto c = start("127.0.0.4", "c");  // b stops its unfinished worker for the round c joins
+  INFO(a->err() << b->err() << c->err());
+  REQUIRE(waitUntil([&] { return a->err().find("joining it") != std::string::npos; }, 60s));
+  std::ofstream(flags_dir / "b") << "";
+  std::ofstream(flags_dir / "c") << "";
+  for (auto* p : {&a, &b, &c}) {
+    auto r = (*p)->wait(60s);
+    REQUIRE(r);
+    CHECK(r->exit_code == 0);
+  }
+  CHECK(countOf(a->out(), "done a") >= 2);
+  CHECK(countOf(b->out(), "stopped b") >= 1);
+  CHECK(countOf(c->out(), "done c") == 1);
+}
+
 TEST_CASE("a node declared dead while the last steps ran does not turn the job's end into a wait",
           "[multinode]") {
   RendezvousDaemon rdzv;
