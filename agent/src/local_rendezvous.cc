@@ -32,7 +32,7 @@ StatusOr<int> findFreePort() {
 void LocalRendezvous::nextRound(RoundCallback done) {
   StatusOr<RoundInfo> result = base_;
   if (closed_) {
-    result = failedPrecondition("run " + base_.run_id + " is closed");
+    result = rendezvous::runClosed(base_.run_id);
   } else {
     RoundInfo round = base_;
     round.round = next_round_++;

@@ -101,6 +101,15 @@ void Supervisor::joinRound() {
 }
 
 void Supervisor::onRound(StatusOr<RoundInfo> round) {
+  if (!round.isOk() && rejoined_after_success_ && rendezvous::isRunClosed(round.status())) {
+    // (A node that saw the mark before it heard that its writer was declared dead, while the
+    // others, who had heard it, ended the job.)
+    logger("agent")->info(
+        "the run was closed before the new round formed: the other nodes ended the job, and this "
+        "node's workers had all succeeded");
+    finish(AgentState::kSucceeded, 0);
+    return;
+  }
   if (!round.isOk()) {
     error_message_ = "rendezvous failed: " + round.status().toString();
     finish(AgentState::kFailed, 1);
@@ -115,6 +124,7 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     joinRound();
     return;
   }
+  rejoined_after_success_ = false;  // its workers start: what they do decides from now on
   auto launches = planner_(*round, restart_count_);
   if (!launches.isOk()) {
     error_message_ = "cannot prepare workers: " + launches.status().message();
@@ -185,6 +195,7 @@ void Supervisor::onExitBarrier(const Status& status) {
                           status.message());
     deadlines_.barrier.reset();
     setState(AgentState::kRestarting);
+    rejoined_after_success_ = true;
     joinRound();
     return;
   }

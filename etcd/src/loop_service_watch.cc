@@ -242,7 +242,7 @@ std::optional<StatusOr<MasterAddress>> LoopService::masterAnswer(uint64_t round)
   if (auto m = cache_.state().masterOf(o_.run_id, round)) return StatusOr<MasterAddress>(*m);
   auto st = cache_.state().status(o_.run_id);
   if (st.isOk() && st.value().closed) {
-    return StatusOr<MasterAddress>(failedPrecondition("run " + o_.run_id + " is closed"));
+    return StatusOr<MasterAddress>(rendezvous::runClosed(o_.run_id));
   }
   if (st.isOk() && st.value().completed_round > round) {
     return StatusOr<MasterAddress>(

@@ -33,7 +33,7 @@ Status RendezvousState::publishMaster(const std::string& run_id, const std::stri
   DDPRUN_RETURN_IF_ERROR(validateIds(run_id, node_id));
   Run* run = findRun(run_id);
   if (run == nullptr && findTombstone(run_id) != nullptr) {
-    return failedPrecondition("run " + run_id + " is closed");
+    return runClosed(run_id);
   }
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
   if (master.addr.size() > limits_.max_id_bytes) {
@@ -184,7 +184,7 @@ Status RendezvousState::validateKey(const std::string& run_id, const std::string
   // A closed run's keys are gone with it: a write would start an empty store under its id, and a
   // wait (a node's exit barrier) would wait for keys written before the close until it times out.
   if (findRun(run_id) == nullptr && findTombstone(run_id) != nullptr) {
-    return failedPrecondition("run " + run_id + " is closed");
+    return runClosed(run_id);
   }
   if (key.empty()) return invalidArgument("key is empty");
   if (key.size() > limits_.max_key_bytes) {

@@ -114,7 +114,7 @@ void RendezvousState::bury(const std::string& run_id, TimePoint closed_at, std::
   for (const auto& [id, wait] : waits_) {
     if (wait.run_id == run_id) failed.push_back(id);
   }
-  for (CallId id : failed) failWait(id, failedPrecondition("run " + run_id + " is closed"));
+  for (CallId id : failed) failWait(id, runClosed(run_id));
   const Run& run = *runs_.at(run_id);
   for (const auto& [id, node] : run.nodes) {
     if (node.join) joins_.erase(*node.join);  // answered at close; defensive

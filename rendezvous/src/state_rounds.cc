@@ -55,7 +55,7 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
 
   Run* run = findRun(req.run_id);
   if (run == nullptr && findTombstone(req.run_id) != nullptr) {
-    return fail(failedPrecondition("run " + req.run_id + " is closed"));
+    return fail(runClosed(req.run_id));
   }
   if (run == nullptr) {
     auto fresh = std::make_unique<Run>();
@@ -75,7 +75,7 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
         std::to_string(run->config.max_nodes) + " but this node asked for " +
         std::to_string(req.config.min_nodes) + ":" + std::to_string(req.config.max_nodes)));
   }
-  if (run->closed) return fail(failedPrecondition("run " + req.run_id + " is closed"));
+  if (run->closed) return fail(runClosed(req.run_id));
 
   std::string node_id = req.node_id;
   if (node_id.empty()) {
@@ -340,7 +340,7 @@ StatusOr<uint64_t> RendezvousState::reportFailure(const std::string& run_id,
   DDPRUN_RETURN_IF_ERROR(validateIds(run_id, node_id));
   Run* run = findRun(run_id);
   if ((run == nullptr && findTombstone(run_id) != nullptr) || (run != nullptr && run->closed)) {
-    return failedPrecondition("run " + run_id + " is closed");
+    return runClosed(run_id);
   }
   if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
   if (run->nodes.count(node_id) == 0) {
@@ -381,7 +381,7 @@ Status RendezvousState::close(const std::string& run_id, TimePoint now, std::str
     scheduleCollect(now + retention_.closed_drain_timeout);
   }
   for (auto& [id, node] : run->nodes) {
-    finishJoin(node, failedPrecondition("run " + run_id + " is closed"));
+    finishJoin(node, runClosed(run_id));
   }
   run->spares.clear();
   logger("rendezvous")->info("run {} closed {}", run_id, run->close_reason);

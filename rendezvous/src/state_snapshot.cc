@@ -321,7 +321,7 @@ StatusOr<std::optional<RoundInfo>> RendezvousState::joinOutcome(const std::strin
                                                                 const std::string& node_id) const {
   const Run* run = findRun(run_id);
   if ((run == nullptr && findTombstone(run_id) != nullptr) || (run != nullptr && run->closed)) {
-    return failedPrecondition("run " + run_id + " is closed");
+    return runClosed(run_id);
   }
   if (run == nullptr) return notFound("run " + run_id + " is unknown");
   auto it = run->nodes.find(node_id);

@@ -644,6 +644,39 @@ TEST_CASE("an exit barrier another node abandoned for a newer round joins it, no
   CHECK(f.sup->exitCode() == 0);
 }
 
+TEST_CASE("a run closed while a node re-joined from its exit barrier ends that node with success",
+          "[agent][barrier]") {
+  Fixture f(2);
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  f.rdzv.hold = true;
+  f.rdzv.pending_barrier(agent::roundAbandoned("node b went on"));
+  REQUIRE(f.rdzv.joins == 2);
+  SECTION("closed: the others ended the job, and this node's workers had all succeeded") {
+    f.rdzv.pending(rendezvous::runClosed("job"));
+    CHECK(f.sup->state() == AgentState::kSucceeded);
+    CHECK(f.sup->exitCode() == 0);
+  }
+  SECTION("any other error fails as a join does") {
+    f.rdzv.pending(unavailable("gone"));
+    CHECK(f.sup->state() == AgentState::kFailed);
+    CHECK(f.sup->exitCode() == 1);
+  }
+}
+
+TEST_CASE("a run closed before a node's first round fails it", "[agent][barrier]") {
+  Fixture f(2);
+  f.rdzv.hold = true;
+  f.sup->start();
+  f.rdzv.pending(rendezvous::runClosed("job"));
+  CHECK(f.sup->state() == AgentState::kFailed);
+  CHECK(f.sup->exitCode() == 1);
+  CHECK(rendezvous::isRunClosed(rendezvous::runClosed("job")));
+  CHECK_FALSE(rendezvous::isRunClosed(failedPrecondition("run job has other settings")));
+  CHECK_FALSE(rendezvous::isRunClosed(Status(StatusCode::kUnavailable, "run job is closed")));
+}
+
 TEST_CASE(
     "in a multi-node job, an exit 0 after a peer's checkpoint stop re-forms instead of "
     "succeeding",

@@ -353,6 +353,9 @@ class Supervisor {
     std::optional<TimePoint> membership;
   } deadlines_;
   int restart_count_ = 0;
+  // Joining a round from the exit barrier (another node went on): this node's workers had all
+  // succeeded, so a run closed meanwhile (the others ended the job without it) is a success.
+  bool rejoined_after_success_ = false;
   int exit_code_ = 0;
   std::string error_message_;
   // Guards against callbacks of a join or barrier that was superseded (e.g. a signal arrived

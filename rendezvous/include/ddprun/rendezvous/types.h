@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ddprun/common/clock.h"
+#include "ddprun/common/status.h"
 
 namespace ddprun::rendezvous {
 
@@ -15,6 +16,17 @@ namespace ddprun::rendezvous {
 // server's state machine and the etcd service both say it): an answer from the rendezvous, which
 // was reachable, not a transport failure to explain.
 inline constexpr const char* kJoinTimeoutExpired = "join_timeout expired waiting for ";
+
+// What every call on a closed run answers, through any backend (FAILED_PRECONDITION).
+inline Status runClosed(const std::string& run_id) {
+  return failedPrecondition("run " + run_id + " is closed");
+}
+inline bool isRunClosed(const Status& st) {
+  const std::string& m = st.message();
+  const std::string tail = " is closed";
+  return st.code() == StatusCode::kFailedPrecondition && m.rfind("run ", 0) == 0 &&
+         m.size() >= tail.size() && m.compare(m.size() - tail.size(), tail.size(), tail) == 0;
+}
 
 // Settings of a run, fixed by its first joiner (torchrun's --nnodes and --rdzv-conf).
 struct RunConfig {
