@@ -55,7 +55,9 @@ void MultiNodeRendezvous::nextRound(RoundCallback done) {
     // and sent after the join (which answers later, never inline), so the join goes first where
     // the backend runs calls one at a time (etcd): a node waiting there is needed for the newer
     // round anyway, and reads the key at its next slice.
-    const bool moving_on = !node_id_.empty() && !left_ && forming_round_ > joined_round_;
+    // (Not after a superseded round: no worker of any node finished that one without this node's.)
+    const bool moving_on =
+        !node_id_.empty() && !left_ && !answered_behind_ && forming_round_ > joined_round_;
     const std::string key = barrierPrefix() + "arrive/" + node_id_;
     const std::string mark = kMovedOnMark + std::to_string(forming_round_);
     join(std::move(done), std::move(next));
@@ -97,6 +99,21 @@ void MultiNodeRendezvous::join(RoundCallback done, std::function<void()> next) {
       next();
       return;
     }
+    // Answered a round below one this node heard forming: superseded on its way (the supervisor
+    // joins again). Below the round it held before, or the same round twice so, the service lost
+    // the rounds this node heard of (a rendezvous server started again without its state, an
+    // etcd store gone back) and numbers its own: the newer round will never come.
+    bool behind = joined->round < forming_round_;
+    if (behind && joined_round_ != 0 &&
+        (joined->round < joined_round_ || (answered_behind_ && joined->round == joined_round_))) {
+      agentLog()->warn(
+          "the rendezvous answers round {}, below round {} this node heard of: it lost its rounds "
+          "(restarted without its state?); going on from its round {}",
+          joined->round, forming_round_, joined->round);
+      forming_round_ = joined->round;
+      behind = false;
+    }
+    answered_behind_ = behind;
     node_id_ = joined->node_id;
     joined_round_ = joined->round;
     RoundInfo round;
@@ -300,7 +317,10 @@ void MultiNodeRendezvous::scheduleHeartbeat() {
                              st.status().message());
           }
           dropped_said_ = true;
-          sink_(PeerEvent::kNodeDeclaredDead);
+          // (A server that lost the run, started again without its state, declared no one dead:
+          // the nodes re-form at once.)
+          sink_(rendezvous::isRunUnknown(st.status()) ? PeerEvent::kMembershipChange
+                                                      : PeerEvent::kNodeDeclaredDead);
         }
       });
     }

@@ -101,12 +101,20 @@ void Supervisor::joinRound() {
 }
 
 void Supervisor::onRound(StatusOr<RoundInfo> round) {
-  if (!round.isOk() && rejoined_after_success_ && rendezvous::isRunClosed(round.status())) {
-    // (A node that saw the mark before it heard that its writer was declared dead, while the
-    // others, who had heard it, ended the job.)
-    logger("agent")->info(
-        "the run was closed before the new round formed: the other nodes ended the job, and this "
-        "node's workers had all succeeded");
+  if (!round.isOk() && rejoined_after_success_) {
+    // Its workers had all succeeded: as the exit barrier, a round that does not form ends it with
+    // success. (A closed run: it saw the mark before it heard that its writer was declared dead,
+    // while the others, who had heard it, ended the job.)
+    if (rendezvous::isRunClosed(round.status())) {
+      logger("agent")->info(
+          "the run was closed before the new round formed: the other nodes ended the job, and "
+          "this node's workers had all succeeded");
+    } else {
+      logger("agent")->warn(
+          "exit barrier: the round this node re-joined did not form ({}); exiting anyway, its "
+          "workers had all succeeded",
+          round.status().toString());
+    }
     finish(AgentState::kSucceeded, 0);
     return;
   }
@@ -125,6 +133,7 @@ void Supervisor::onRound(StatusOr<RoundInfo> round) {
     return;
   }
   rejoined_after_success_ = false;  // its workers start: what they do decides from now on
+  deadlines_.barrier.reset();
   auto launches = planner_(*round, restart_count_);
   if (!launches.isOk()) {
     error_message_ = "cannot prepare workers: " + launches.status().message();
@@ -193,7 +202,7 @@ void Supervisor::onExitBarrier(const Status& status) {
     // others' in that round (not charged: no worker of this node failed).
     logger("agent")->warn("exit barrier: {}; joining it, this node's workers start again",
                           status.message());
-    deadlines_.barrier.reset();
+    // (The barrier's deadline stays: the round must form before it.)
     setState(AgentState::kRestarting);
     rejoined_after_success_ = true;
     joinRound();
@@ -741,6 +750,19 @@ void Supervisor::onDeadline() {
     onExitBarrier(
         deadlineExceeded("the other nodes did not finish within the exit barrier "
                          "timeout"));
+    return;
+  }
+  if (state_ == AgentState::kRendezvous && rejoined_after_success_ && deadlines_.barrier &&
+      clock_.now() >= *deadlines_.barrier) {
+    // Its workers had all succeeded, and the round it re-joined from the exit barrier did not
+    // form in the barrier's time: it leaves, so the others may form theirs without it.
+    ++generation_;
+    gave_up_rejoin_ = true;
+    rendezvous_.leave();
+    logger("agent")->warn(
+        "exit barrier: the round this node re-joined did not form within the exit barrier "
+        "timeout; leaving the run, its workers had all succeeded");
+    finish(AgentState::kSucceeded, 0);
     return;
   }
   if (state_ == AgentState::kRunning && deadlines_.membership &&

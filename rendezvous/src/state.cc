@@ -65,7 +65,7 @@ StatusOr<RunStatus> RendezvousState::status(const std::string& run_id) const {
     s.closed = true;
     return s;
   }
-  if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  if (run == nullptr) return runUnknown(run_id);
   return statusOf(*run);
 }
 

@@ -35,7 +35,7 @@ Status RendezvousState::publishMaster(const std::string& run_id, const std::stri
   if (run == nullptr && findTombstone(run_id) != nullptr) {
     return runClosed(run_id);
   }
-  if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  if (run == nullptr) return runUnknown(run_id);
   if (master.addr.size() > limits_.max_id_bytes) {
     return invalidArgument("master address is longer than " + std::to_string(limits_.max_id_bytes) +
                            " bytes");

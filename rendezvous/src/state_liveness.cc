@@ -14,7 +14,7 @@ StatusOr<RunStatus> RendezvousState::heartbeat(const std::string& run_id,
   DDPRUN_RETURN_IF_ERROR(validateIds(run_id, node_id));
   Run* run = findRun(run_id);
   if (run == nullptr && findTombstone(run_id) != nullptr) return status(run_id);
-  if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  if (run == nullptr) return runUnknown(run_id);
   auto it = run->nodes.find(node_id);
   if (it == run->nodes.end()) {
     return notFound("node " + node_id + " is not part of run " + run_id +

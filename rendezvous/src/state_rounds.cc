@@ -328,7 +328,7 @@ Status RendezvousState::leave(const std::string& run_id, const std::string& node
   DDPRUN_RETURN_IF_ERROR(validateIds(run_id, node_id));
   Run* run = findRun(run_id);
   if (run == nullptr && findTombstone(run_id) != nullptr) return Status::ok();
-  if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  if (run == nullptr) return runUnknown(run_id);
   removeNode(*run, node_id, ChangeReason::kNodeLeft,
              Status(StatusCode::kCancelled, "node " + node_id + " left the run"), now);
   return Status::ok();
@@ -342,7 +342,7 @@ StatusOr<uint64_t> RendezvousState::reportFailure(const std::string& run_id,
   if ((run == nullptr && findTombstone(run_id) != nullptr) || (run != nullptr && run->closed)) {
     return runClosed(run_id);
   }
-  if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  if (run == nullptr) return runUnknown(run_id);
   if (run->nodes.count(node_id) == 0) {
     return notFound("node " + node_id + " is not part of run " + run_id);
   }
@@ -368,7 +368,7 @@ Status RendezvousState::close(const std::string& run_id, TimePoint now, std::str
   DDPRUN_RETURN_IF_ERROR(validateIds(run_id));
   Run* run = findRun(run_id);
   if (run == nullptr && findTombstone(run_id) != nullptr) return Status::ok();
-  if (run == nullptr) return notFound("run " + run_id + " is unknown to this server");
+  if (run == nullptr) return runUnknown(run_id);
   if (run->closed) return Status::ok();
   run->closed = true;
   ++closed_runs_;

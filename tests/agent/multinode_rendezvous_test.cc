@@ -337,6 +337,57 @@ TEST_CASE("a node that leaves its round for a newer one says so in that round's 
   CHECK(f.service.joins.size() == 1);
 }
 
+TEST_CASE("a service that lost its rounds is followed from its own numbers, not re-joined forever",
+          "[agent][multinode]") {
+  MultiNodeFixture f;
+  auto answer = [&](uint64_t round) {
+    f.service.answer(f.service.joins, roundOf(round, "a", {{"a", 2}, {"b", 2}}));
+    f.poll();
+    f.service.answer(f.service.publishes, Status::ok());
+    f.poll();
+    REQUIRE(f.result.has_value());
+    REQUIRE(f.result->isOk());
+  };
+  SECTION("a round below the one it held") {
+    f.formRound(3);
+    f.service.push(pending(4, rendezvous::ChangeReason::kNodeDead, "a"));
+    f.poll();
+    f.nextRound();
+    answer(1);  // a fresh server's first round
+    CHECK(f.rdzv->formingRound() == 1);
+    CHECK_FALSE(isSuperseded(*f.rdzv, f.result->value()));
+  }
+  SECTION("the same round again below the one forming") {
+    f.formRound(1);
+    f.service.push(pending(2, rendezvous::ChangeReason::kNodeDead, "a"));
+    f.poll();
+    f.nextRound();
+    answer(1);
+    // Maybe superseded on its way: joined again, as before.
+    CHECK(isSuperseded(*f.rdzv, f.result->value()));
+    f.service.kv_sets.clear();
+    f.nextRound();
+    CHECK(f.service.kv_sets.empty());  // no worker finished round 1 meanwhile: nothing to mark
+    answer(1);
+    CHECK(f.rdzv->formingRound() == 1);
+    CHECK_FALSE(isSuperseded(*f.rdzv, f.result->value()));
+  }
+  SECTION("a newer round, superseded on its way, is followed by the newest") {
+    f.formRound(1);
+    f.service.push(pending(2, rendezvous::ChangeReason::kNodeJoined, "c"));
+    f.poll();
+    f.nextRound();
+    answer(2);
+    f.service.push(pending(3, rendezvous::ChangeReason::kNodeLeft, "c"));
+    f.poll();
+    CHECK(isSuperseded(*f.rdzv, f.result->value()));
+    f.nextRound();
+    answer(3);
+    CHECK(f.rdzv->formingRound() == 3);
+    CHECK_FALSE(isSuperseded(*f.rdzv, f.result->value()));
+  }
+}
+
 TEST_CASE("re-joining the round it ran in (no newer round forming) marks nothing",
           "[agent][multinode][barrier]") {
   MultiNodeFixture f;
@@ -474,12 +525,21 @@ TEST_CASE("a heartbeat the service no longer knows makes the node join again",
   CHECK(f.service.heartbeats.front().first == "a");
   REQUIRE(f.service.heartbeat_policy.retry_for.has_value());
   CHECK(*f.service.heartbeat_policy.retry_for == Duration::zero());  // one attempt per beat
-  f.service.answer(f.service.heartbeats,
-                   StatusOr<rendezvous::RunStatus>(notFound("node a is not in run job")));
-  f.poll();
-  REQUIRE_FALSE(f.events.empty());
-  // Declared dead: its workers may be finishing a job the others ended (failure_grace).
-  CHECK(f.events.front() == PeerEvent::kNodeDeclaredDead);
+  SECTION("declared dead: its workers may be finishing a job the others ended (failure_grace)") {
+    f.service.answer(
+        f.service.heartbeats,
+        StatusOr<rendezvous::RunStatus>(notFound("node a is not part of run job (declared dead)")));
+    f.poll();
+    REQUIRE_FALSE(f.events.empty());
+    CHECK(f.events.front() == PeerEvent::kNodeDeclaredDead);
+  }
+  SECTION("a server that lost the run (started again without its state) declared no one dead") {
+    f.service.answer(f.service.heartbeats,
+                     StatusOr<rendezvous::RunStatus>(rendezvous::runUnknown("job")));
+    f.poll();
+    REQUIRE_FALSE(f.events.empty());
+    CHECK(f.events.front() == PeerEvent::kMembershipChange);
+  }
 }
 
 TEST_CASE("rank 0 re-joining a round whose master is published keeps that master",

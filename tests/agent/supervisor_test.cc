@@ -658,10 +658,45 @@ TEST_CASE("a run closed while a node re-joined from its exit barrier ends that n
     CHECK(f.sup->state() == AgentState::kSucceeded);
     CHECK(f.sup->exitCode() == 0);
   }
-  SECTION("any other error fails as a join does") {
-    f.rdzv.pending(unavailable("gone"));
-    CHECK(f.sup->state() == AgentState::kFailed);
-    CHECK(f.sup->exitCode() == 1);
+  SECTION("any other error (the round never formed): exiting anyway, as the barrier does") {
+    f.rdzv.pending(deadlineExceeded("join_timeout expired waiting for 2 nodes"));
+    CHECK(f.sup->state() == AgentState::kSucceeded);
+    CHECK(f.sup->exitCode() == 0);
+    CHECK_FALSE(f.sup->leftRun());
+  }
+}
+
+TEST_CASE("a round re-joined from the exit barrier must form within the barrier's time",
+          "[agent][barrier]") {
+  Fixture f(2, 0, Duration::zero(), Duration::zero(), std::chrono::seconds(42));
+  f.rdzv.hold_barrier = true;
+  f.sup->start();
+  f.exitAll(0);
+  f.runFor(std::chrono::seconds(30), std::chrono::seconds(1));
+  f.rdzv.hold = true;
+  f.rdzv.pending_barrier(agent::roundAbandoned("node b went on"));
+  REQUIRE(f.rdzv.joins == 2);
+  SECTION("it does not: the node leaves the run and succeeds") {
+    f.runFor(std::chrono::seconds(11), std::chrono::seconds(1));
+    CHECK(f.sup->state() == AgentState::kRendezvous);
+    f.runFor(std::chrono::seconds(2), std::chrono::seconds(1));
+    CHECK(f.sup->state() == AgentState::kSucceeded);
+    CHECK(f.sup->exitCode() == 0);
+    CHECK(f.rdzv.leaves == 1);
+    CHECK(f.sup->leftRun());
+    agent::RoundInfo late = f.rdzv.round;
+    f.rdzv.pending(late);  // the join's late answer changes nothing
+    CHECK(f.sup->state() == AgentState::kSucceeded);
+    CHECK(f.launcher.spawned.size() == 2);
+  }
+  SECTION("it does: the workers run with no deadline but their own") {
+    agent::RoundInfo r = f.rdzv.round;
+    r.round = 1;
+    f.rdzv.pending(r);
+    CHECK(f.sup->state() == AgentState::kRunning);
+    CHECK_FALSE(f.sup->nextDeadline().has_value());
+    f.runFor(std::chrono::seconds(20), std::chrono::seconds(1));
+    CHECK(f.sup->state() == AgentState::kRunning);
   }
 }
 

@@ -714,6 +714,37 @@ TEST_CASE("after the rendezvous server restarts, every node of a train job re-fo
                        "] Epoch 39 |");
 }
 
+TEST_CASE("a rendezvous server that restarts after the job re-formed once has every node re-form",
+          "[multinode][restart]") {
+  // The new server numbers rounds from 1 again, below the rounds the nodes heard of.
+  const int port = freePort();
+  auto daemon = daemonAt(port);
+  const std::string ep = "127.0.0.1:" + std::to_string(port);
+  TempDir flags_dir;
+  const std::vector<std::string> flags = {"--nproc-per-node=1", "--max-restarts=1",
+                                          "--rdzv-conf=last_call_timeout=1"};
+  // Each worker fails in its first attempt (round 2 forms), then runs until the flag exists.
+  const std::vector<std::string> prog = {
+      "--no-python", "/bin/sh", "-c",
+      "[ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && exit 1; while [ ! -e '" + flags_dir / "go" +
+          "' ]; do sleep 0.05; done; echo done"};
+  auto a = agent("127.0.0.2", ep, "2", "srvrestart2", flags, prog);
+  auto b = agent("127.0.0.3", ep, "2", "srvrestart2", flags, prog);
+  auto started = [&] { return countOf(a->err() + b->err(), "started 1 worker(s)"); };
+  REQUIRE(waitUntil([&] { return started() == 4; }, 60s));
+  daemon->signal(SIGKILL);
+  REQUIRE(daemon->wait(10s));
+  std::this_thread::sleep_for(2s);  // the outage itself, not a wait for an event
+  daemon = daemonAt(port);
+  const bool reformed = waitUntil([&] { return started() == 6; }, 60s);
+  INFO(a->err() << b->err());
+  REQUIRE(reformed);
+  std::ofstream(flags_dir / "go") << "";
+  auto [ra, rb] = bothSucceed(*a, *b, 60s);
+  CHECK(countOf(ra.out + rb.out, "done") == 2);
+  CHECK((ra.err + rb.err).find("it lost its rounds") != std::string::npos);
+}
+
 TEST_CASE("after the rendezvous server restarts, a PyTorch job re-forms and finishes",
           "[multinode][restart][pytorch]") {
   if (!torchAvailable()) {

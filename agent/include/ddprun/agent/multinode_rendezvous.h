@@ -105,7 +105,8 @@ class MultiNodeRendezvous final : public RendezvousClient {
   int membership_epoch_ = 0;
   uint64_t joined_round_ = 0;
   uint64_t current_round_ = 0;
-  uint64_t forming_round_ = 0;  // the newest round heard forming
+  uint64_t forming_round_ = 0;    // the newest round heard forming
+  bool answered_behind_ = false;  // the last join was answered with a round below forming_round_
   bool watching_ = false;
   bool left_ = false;
   bool shut_down_ = false;

@@ -164,8 +164,9 @@ class Supervisor {
   int worldSize() const;
   // Failures of the last attempt that failed (what the failure report shows).
   const std::vector<WorkerFailure>& failures() const { return failures_; }
-  // True when the agent ended because of a handled terminating signal (it left the run).
-  bool leftRun() const { return stop_reason_ == StopReason::kSignal; }
+  // True when the agent left the run: a handled terminating signal ended it, or the round it
+  // re-joined from the exit barrier did not form in time.
+  bool leftRun() const { return stop_reason_ == StopReason::kSignal || gave_up_rejoin_; }
   // Human-readable reason when the agent failed without local worker failures.
   const std::string& errorMessage() const { return error_message_; }
   // Called on every state change (logging, metrics).
@@ -356,6 +357,7 @@ class Supervisor {
   // Joining a round from the exit barrier (another node went on): this node's workers had all
   // succeeded, so a run closed meanwhile (the others ended the job without it) is a success.
   bool rejoined_after_success_ = false;
+  bool gave_up_rejoin_ = false;  // ... and left the run when that round did not form in time
   int exit_code_ = 0;
   std::string error_message_;
   // Guards against callbacks of a join or barrier that was superseded (e.g. a signal arrived

@@ -28,6 +28,18 @@ inline bool isRunClosed(const Status& st) {
          m.size() >= tail.size() && m.compare(m.size() - tail.size(), tail.size(), tail) == 0;
 }
 
+// What a call about a run the server does not hold answers (NOT_FOUND): a server started again
+// without its state, or a run collected. (A node the run no longer counts is told otherwise.)
+inline Status runUnknown(const std::string& run_id) {
+  return notFound("run " + run_id + " is unknown to this server");
+}
+inline bool isRunUnknown(const Status& st) {
+  const std::string& m = st.message();
+  const std::string tail = " is unknown to this server";
+  return st.code() == StatusCode::kNotFound && m.rfind("run ", 0) == 0 && m.size() >= tail.size() &&
+         m.compare(m.size() - tail.size(), tail.size(), tail) == 0;
+}
+
 // Settings of a run, fixed by its first joiner (torchrun's --nnodes and --rdzv-conf).
 struct RunConfig {
   uint32_t min_nodes = 1;
