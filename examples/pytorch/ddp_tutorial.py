@@ -100,6 +100,10 @@ def main():
     # The final parameters, bit for bit, for comparing runs.
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
     print(f"[RANK {dist.get_rank()}] final parameters sha256 {digest.hexdigest()}", flush=True)
+    # All ranks tear gloo down together: under torch 2.15 a rank whose peer had already destroyed
+    # its group and exited (rank 0 takes the store with it) was seen to abort at exit ("terminate
+    # called without an active exception"), failing a job that had finished.
+    dist.barrier()
     dist.destroy_process_group()
 
 
