@@ -270,12 +270,19 @@ void MultiNodeRendezvous::onChange(const rendezvous::RoundChange& change) {
   }
   if (change.kind == rendezvous::ChangeKind::kSnapshot) {
     // What the run is when the watch begins (or resumes): a round that began forming before, when
-    // no kRoundPending could reach this node (a node left just as this one's round completed).
+    // no kRoundPending could reach this node (a node left just as this one's round completed, or
+    // the stream broke while this node's agent stalled). The snapshot says why it opened, as the
+    // kRoundPending would have (a server from before that says nothing: a membership change).
     const uint64_t pending = change.status.pending_round;
     if (pending <= current_round_ || pending <= forming_round_) return;
     forming_round_ = pending;
-    agentLog()->info("round {} is forming (found when the watch began)", pending);
-    sink_(PeerEvent::kMembershipChange);
+    if (change.reason == rendezvous::ChangeReason::kNone) {
+      agentLog()->info("round {} is forming (found when the watch began)", pending);
+    } else {
+      agentLog()->info("round {} is forming ({} by {}, found when the watch began)", pending,
+                       rendezvous::changeReasonName(change.reason), change.node_id);
+    }
+    tellRoundForming(change.reason, change.node_id);
     return;
   }
   if (change.kind != rendezvous::ChangeKind::kRoundPending) return;
@@ -283,14 +290,19 @@ void MultiNodeRendezvous::onChange(const rendezvous::RoundChange& change) {
   forming_round_ = std::max(forming_round_, change.round);
   agentLog()->info("round {} is forming ({} by {})", change.round,
                    rendezvous::changeReasonName(change.reason), change.node_id);
-  const bool failure = change.reason == rendezvous::ChangeReason::kFailureReported;
-  if (failure || change.reason == rendezvous::ChangeReason::kRecoveryFailed) {
-    if (change.node_id == node_id_) return;  // its own report
+  tellRoundForming(change.reason, change.node_id);
+}
+
+void MultiNodeRendezvous::tellRoundForming(rendezvous::ChangeReason reason,
+                                           const std::string& cause) {
+  const bool failure = reason == rendezvous::ChangeReason::kFailureReported;
+  if (failure || reason == rendezvous::ChangeReason::kRecoveryFailed) {
+    if (cause == node_id_) return;  // its own report
     sink_(failure ? PeerEvent::kPeerFailure : PeerEvent::kPeerRecoveryFailed);
     return;
   }
-  sink_(change.reason == rendezvous::ChangeReason::kNodeDead ? PeerEvent::kNodeDeclaredDead
-                                                             : PeerEvent::kMembershipChange);
+  sink_(reason == rendezvous::ChangeReason::kNodeDead ? PeerEvent::kNodeDeclaredDead
+                                                      : PeerEvent::kMembershipChange);
 }
 
 void MultiNodeRendezvous::scheduleHeartbeat() {

@@ -46,6 +46,10 @@ struct RendezvousState::Run {
 
   uint64_t round = 1;  // the forming round, or the last completed one when !forming
   bool forming = true;
+  // Why the forming round opened, and the node it was about (kNone for the run's first round):
+  // a watch that begins while it forms is told so in its snapshot.
+  ChangeReason pending_reason = ChangeReason::kNone;
+  std::string pending_cause;
   std::vector<std::string> members;  // forming: joiners in join order
   std::set<std::string> joined;      // same, as a set
   std::set<std::string> expected;    // survivors of the last round not yet re-joined

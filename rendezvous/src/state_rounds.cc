@@ -163,6 +163,8 @@ void RendezvousState::openRound(Run& run, ChangeReason reason, const std::string
   DDPRUN_CHECK(!run.forming, "openRound while a round is forming");
   run.round = run.completed_round + 1;
   run.forming = true;
+  run.pending_reason = reason;
+  run.pending_cause = cause;
   run.members.clear();
   run.joined.clear();
   run.expected.clear();

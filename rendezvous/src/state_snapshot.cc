@@ -16,7 +16,9 @@ namespace ddprun::rendezvous {
 
 namespace {
 
-constexpr const char* kMagicRun = "ddprun-run-v1";
+// v2 adds why the forming round opened; v1 (no reason: as if for the run's first round) is read.
+constexpr const char* kMagicRun = "ddprun-run-v2";
+constexpr const char* kMagicRunV1 = "ddprun-run-v1";
 constexpr const char* kMagicTomb = "ddprun-tomb-v1";
 
 class Writer {
@@ -175,6 +177,8 @@ std::string RendezvousState::exportRun(const std::string& run_id) const {
     w.str(m.addr);
     w.num(m.port);
   }
+  w.num(static_cast<uint64_t>(run->pending_reason));
+  w.str(run->pending_cause);
   return w.take();
 }
 
@@ -207,7 +211,7 @@ Status RendezvousState::importRun(const std::string& run_id, const std::string& 
     tombstones_by_close_.insert({closed_at, run_id});
     return Status::ok();
   }
-  if (magic != kMagicRun) return bad("unknown format");
+  if (magic != kMagicRun && magic != kMagicRunV1) return bad("unknown format");
 
   auto run = std::make_unique<Run>();
   run->id = run_id;
@@ -272,6 +276,12 @@ Status RendezvousState::importRun(const std::string& run_id, const std::string& 
     m.addr = r.str();
     m.port = static_cast<uint32_t>(r.num());
     run->masters[round] = std::move(m);
+  }
+  if (magic == kMagicRun) {
+    const uint64_t reason = r.num();
+    if (reason > static_cast<uint64_t>(ChangeReason::kRecoveryFailed)) return bad("round reason");
+    run->pending_reason = static_cast<ChangeReason>(reason);
+    run->pending_cause = r.str();
   }
   if (!r.ok() || !r.atEnd()) return bad("truncated or damaged");
   // Every name a round refers to must be a node of the run.

@@ -595,3 +595,44 @@ TEST_CASE("a round that began forming before the watch did is a membership chang
   CHECK(g.events.empty());
   CHECK(g.rdzv->formingRound() == 0);
 }
+
+TEST_CASE("a watch's snapshot of a forming round tells why it opened, as its message would have",
+          "[agent][multinode]") {
+  // The watch broke while this node's agent stalled (SIGSTOP, a paused VM), and the round's
+  // kRoundPending went by: the snapshot of the resumed watch names the reason and the node.
+  auto snapshotOf = [](rendezvous::ChangeReason reason, const std::string& node) {
+    rendezvous::RoundChange snapshot;
+    snapshot.kind = rendezvous::ChangeKind::kSnapshot;
+    snapshot.reason = reason;
+    snapshot.node_id = node;
+    snapshot.status.completed_round = 1;
+    snapshot.status.pending_round = 2;
+    snapshot.round = 2;
+    return snapshot;
+  };
+  struct Case {
+    rendezvous::ChangeReason reason;
+    bool self;
+    std::vector<PeerEvent> events;
+  };
+  const std::vector<Case> cases = {
+      // This node declared dead while it stalled: its running workers get failure_grace.
+      {rendezvous::ChangeReason::kNodeDead, true, {PeerEvent::kNodeDeclaredDead}},
+      {rendezvous::ChangeReason::kNodeDead, false, {PeerEvent::kNodeDeclaredDead}},
+      {rendezvous::ChangeReason::kFailureReported, false, {PeerEvent::kPeerFailure}},
+      {rendezvous::ChangeReason::kRecoveryFailed, false, {PeerEvent::kPeerRecoveryFailed}},
+      {rendezvous::ChangeReason::kNodeLeft, false, {PeerEvent::kMembershipChange}},
+      {rendezvous::ChangeReason::kNodeJoined, false, {PeerEvent::kMembershipChange}},
+      // Its own failure report (its answer raised the forming round first, else this): no event.
+      {rendezvous::ChangeReason::kFailureReported, true, {}},
+  };
+  for (const Case& c : cases) {
+    INFO(rendezvous::changeReasonName(c.reason) << (c.self ? " by this node" : " by a peer"));
+    MultiNodeFixture f;
+    f.formRound(1);
+    f.service.push(snapshotOf(c.reason, c.self ? f.rdzv->nodeId() : std::string("peer")));
+    f.poll();
+    CHECK(f.events == c.events);
+    CHECK(f.rdzv->formingRound() == 2);
+  }
+}

@@ -147,6 +147,56 @@ TEST_CASE(
   });
 }
 
+TEST_CASE(
+    "etcd-v3: a node declared dead while its agent stalled, its watch broken and the store "
+    "compacted meanwhile, still lets its workers finish",
+    "[etcd]") {
+  // etcd drops the connections of a client that answers no keepalive ping (the stalled agent's),
+  // and the revisions the agent missed are compacted: when it runs again it reads the whole run
+  // anew, and only that read's snapshot says that round 2 forms. It must say why (this node was
+  // declared dead), so that the node's workers, still running, get failure_grace as they do when
+  // the round's message itself arrives; told only "a round forms", it stopped them at once.
+  REQUIRE_ETCD();
+  EtcdCluster::Options options;
+  options.extra_args = {"--grpc-keepalive-interval", "1s", "--grpc-keepalive-timeout", "1s"};
+  EtcdCluster etcd(options);
+  const int etcd_port = std::stoi(etcd.endpoint(0).substr(etcd.endpoint(0).rfind(':') + 1));
+  TempDir flags_dir;
+  NodePair nodes = startNodePair(
+      [&](const std::string& addr, const std::vector<std::string>& flags,
+          const std::vector<std::string>& prog) {
+        return etcdAgent(addr, etcd.endpoints(), "2", "e2e-stalledsync", flags, prog);
+      },
+      stalledFlags("60"), flags_dir, /*a_first=*/true);
+  auto& a = nodes.a;
+  auto& b = nodes.b;
+  a->signal(SIGSTOP);  // the agent only: its worker goes on
+  INFO("other node:\n" << b->err());
+  REQUIRE(waitUntil([&] { return b->err().find("NODE_DEAD") != std::string::npos; }, 30s));
+  REQUIRE(waitUntil([&] { return !hasConnectionTo(a->pid(), etcd_port); }, 30s));
+  const int64_t revision = etcd.revision();
+  REQUIRE(revision > 0);
+  REQUIRE(etcd.etcdctl({"compact", std::to_string(revision)}).exit_code == 0);
+  a->signal(SIGCONT);
+  INFO("stalled node:\n" << a->err());
+  REQUIRE(waitUntil(
+      [&] { return a->err().find("found when the watch began") != std::string::npos; }, 30s));
+  CHECK(a->err().find("was compacted") != std::string::npos);
+  std::ofstream(flags_dir / "a") << "";
+  std::ofstream(flags_dir / "b") << "";
+  auto rb = b->wait(60s), ra = a->wait(60s);
+  INFO((ra ? "" : stuckReport(*a, "the stalled node", 60s)));
+  REQUIRE(rb);
+  REQUIRE(ra);
+  CHECK(rb->exit_code == 0);
+  CHECK(ra->exit_code == 0);
+  // Neither worker was stopped and started again.
+  CHECK(countOf(ra->out, "stopped a") == 0);
+  CHECK(countOf(ra->out, "done a") == 1);
+  CHECK(countOf(rb->out, "done b") == 1);
+  CHECK(countOf(ra->err, "started 1 worker(s)") == 1);
+}
+
 TEST_CASE("etcd-v3: an unreachable etcd is one error line naming the member", "[etcd]") {
   const std::string endpoint = "127.0.0.1:" + std::to_string(freePort());
   auto a = etcdAgent("127.0.0.2", endpoint, "2", "e2e-down", {"--rdzv-conf=join_timeout=2"},

@@ -196,6 +196,18 @@ TEST_CASE("membership changes are pushed to every watcher and close ends the run
       }
     }
   }
+  {
+    // A watch that begins now (or resumes after a break) is told the same in its snapshot.
+    ChangeLog late;
+    auto watch_late = client.watch("push", "late", late.onChange());
+    REQUIRE(late.waitUntil([](auto& cs) { return !cs.empty(); }));
+    std::lock_guard<std::mutex> lock(late.mu);
+    const RoundChange& first = late.changes.front();
+    CHECK(first.kind == ChangeKind::kSnapshot);
+    CHECK(first.status.pending_round == 2);
+    CHECK(first.reason == ChangeReason::kNodeJoined);
+    CHECK(first.node_id == "c");
+  }
   StatusOr<RoundInfo> a2 = Status(StatusCode::kUnknown, ""), b2 = a2;
   std::thread ta2([&] { a2 = client.join(pushJoin("a")); });
   std::thread tb2([&] { b2 = client.join(pushJoin("b")); });

@@ -185,3 +185,44 @@ TEST_CASE("a damaged snapshot is refused with a message, never a crash", "[rende
   RendezvousState fresh;
   CHECK_THAT(fresh.importRun(kRun, "garbage").message(), Catch::Contains("unreadable"));
 }
+
+TEST_CASE("why a forming round opened survives a snapshot and reaches a new watch",
+          "[rendezvous]") {
+  RendezvousState st;
+  const TimePoint t0{};
+  st.join(1, request("a", 2, 2), t0);
+  st.join(2, request("b", 2, 2), t0);
+  REQUIRE(st.status(kRun).value().completed_round == 1);
+  // Round 1 formed: a snapshot says nothing forms, so no reason.
+  CHECK(st.watchSnapshot(kRun).front().reason == ChangeReason::kNone);
+  REQUIRE(st.declareDead(kRun, "b", t0).isOk());
+  const std::string blob = st.exportRun(kRun);
+  RendezvousState copy;
+  REQUIRE(copy.importRun(kRun, blob).isOk());
+  CHECK(copy.exportRun(kRun) == blob);
+  for (RendezvousState* s : {&st, &copy}) {
+    const RoundChange snap = s->watchSnapshot(kRun).front();
+    CHECK(snap.kind == ChangeKind::kSnapshot);
+    CHECK(snap.status.pending_round == 2);
+    CHECK(snap.reason == ChangeReason::kNodeDead);
+    CHECK(snap.node_id == "b");
+  }
+  // A value written by a release before the reason (v1) is read: the round forms, no reason.
+  const std::string v2 = "13:ddprun-run-v2";
+  const std::string tail = "3 1:b";
+  REQUIRE(blob.compare(0, v2.size(), v2) == 0);
+  REQUIRE(blob.size() > tail.size());
+  REQUIRE(blob.compare(blob.size() - tail.size(), tail.size(), tail) == 0);
+  const std::string v1 =
+      "13:ddprun-run-v1" + blob.substr(v2.size(), blob.size() - v2.size() - tail.size());
+  RendezvousState old;
+  REQUIRE(old.importRun(kRun, v1).isOk());
+  const RoundChange snap = old.watchSnapshot(kRun).front();
+  CHECK(snap.status.pending_round == 2);
+  CHECK(snap.reason == ChangeReason::kNone);
+  CHECK(snap.node_id.empty());
+  // A reason no release writes is refused.
+  RendezvousState bad;
+  CHECK_THAT(bad.importRun(kRun, blob.substr(0, blob.size() - tail.size()) + "9 1:b").message(),
+             Catch::Contains("round reason"));
+}

@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <optional>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -45,7 +46,8 @@ class EtcdCluster {
  public:
   struct Options {
     int members = 1;
-    std::optional<EtcdTls> tls;  // serve clients over TLS, asking for client certificates
+    std::optional<EtcdTls> tls;           // serve clients over TLS, asking for client certificates
+    std::vector<std::string> extra_args;  // more etcd flags, for every member
   };
 
   EtcdCluster() : EtcdCluster(Options{}) {}
@@ -112,6 +114,7 @@ class EtcdCluster {
       argv.insert(argv.end(), {"--cert-file", t.cert, "--key-file", t.key, "--trusted-ca-file",
                                t.ca, "--client-cert-auth"});
     }
+    argv.insert(argv.end(), options_.extra_args.begin(), options_.extra_args.end());
     procs_[i] = std::make_unique<Process>(argv, std::map<std::string, std::string>{},
                                           ProcessOptions{dir_ / (name + ".log"), false});
   }
@@ -127,6 +130,16 @@ class EtcdCluster {
     if (!user.empty()) argv.push_back("--user=" + user);
     argv.insert(argv.end(), args.begin(), args.end());
     return run(argv, {{"ETCDCTL_API", "3"}}, std::chrono::seconds(30));
+  }
+
+  // The store's current revision (0 when etcdctl cannot say).
+  int64_t revision() const {
+    const Finished f = etcdctl({"get", "ddprun-test-revision", "-w", "json"});
+    std::smatch m;
+    if (f.exit_code != 0 || !std::regex_search(f.out, m, std::regex(R"("revision":(\d+))"))) {
+      return 0;
+    }
+    return std::stoll(m[1]);
   }
 
   bool waitHealthy(std::chrono::milliseconds bound = std::chrono::seconds(30)) const {

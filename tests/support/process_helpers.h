@@ -366,6 +366,37 @@ inline std::string stuckReport(const Process& p, const std::string& name,
   return r.str();
 }
 
+// Whether process `pid` holds an established IPv4 TCP connection to `remote_port` (read from
+// /proc: its socket descriptors' inodes, looked up in /proc/net/tcp).
+inline bool hasConnectionTo(int pid, int remote_port) {
+  std::vector<std::string> inodes;
+  const std::string fds = "/proc/" + std::to_string(pid) + "/fd";
+  if (DIR* d = opendir(fds.c_str())) {
+    while (dirent* e = readdir(d)) {
+      char target[128] = {};
+      const std::string link = fds + "/" + e->d_name;
+      const ssize_t n = readlink(link.c_str(), target, sizeof(target) - 1);
+      const std::string t(target, n > 0 ? static_cast<size_t>(n) : 0);
+      if (t.rfind("socket:[", 0) == 0) inodes.push_back(t.substr(8, t.size() - 9));
+    }
+    closedir(d);
+  }
+  std::ifstream tcp("/proc/net/tcp");
+  std::string line;
+  std::getline(tcp, line);  // the header
+  while (std::getline(tcp, line)) {
+    std::istringstream fields(line);
+    std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+    fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
+        timeout >> inode;
+    const size_t colon = remote.find(':');
+    if (colon == std::string::npos || state != "01") continue;  // 01: ESTABLISHED
+    if (std::stoi(remote.substr(colon + 1), nullptr, 16) != remote_port) continue;
+    if (std::find(inodes.begin(), inodes.end(), inode) != inodes.end()) return true;
+  }
+  return false;
+}
+
 inline int countOf(const std::string& haystack, const std::string& needle) {
   int n = 0;
   for (size_t p = 0; (p = haystack.find(needle, p)) != std::string::npos; p += needle.size()) ++n;

@@ -82,6 +82,9 @@ class MultiNodeRendezvous final : public RendezvousClient {
                      std::function<void()> next);
   void resolveStaticRanks(const rendezvous::RoundInfo& joined, RoundInfo round, RoundCallback done);
   void onChange(const rendezvous::RoundChange& change);
+  // Tells the sink of a round forming for `reason` about node `cause` (a peer's failure, a node
+  // declared dead, any other change), from the watch's message or its snapshot.
+  void tellRoundForming(rendezvous::ChangeReason reason, const std::string& cause);
   void scheduleHeartbeat();
   // Waits until every member still expected (not gone) has written `<prefix><phase>/<member>`,
   // re-reading who is gone every slice, until `deadline`.
