@@ -173,7 +173,8 @@ StatusOr<std::unique_ptr<RendezvousStack>> makeRendezvousStack(
   if (!stack->setup.service) return stack;  // one node: nothing to check or replicate
   stack->identity =
       std::make_unique<JobIdentityClient>(*stack->setup.client, *stack->setup.service, cfg.rdzv_id,
-                                          node.local_addr, cfg.entrypoint, cfg.restart_in_place);
+                                          node.local_addr, cfg.entrypoint, cfg.restart_in_place,
+                                          /*snapshot_dir=*/!cfg.snapshot_dir.empty());
   if (!cfg.snapshot_dir.empty()) {
     DDPRUN_RETURN_IF_ERROR(addSnapshotReplication(cfg, node, io, *stack));
   }

@@ -16,13 +16,16 @@ constexpr char kVote[] = " inplace=";
 // kListen reads it as a vote against and gives its workers no channel, as a node that reads no
 // marker on that agent's line does too, so the two never form groups under different keys.
 constexpr char kListens[] = " listens";
+// Before that, an agent without --snapshot-dir says so.
+constexpr char kNoSnapshotDir[] = " nosnapdir";
 
 struct Identity {
   std::string address;
   std::string program;
   InPlaceVote vote = InPlaceVote::kProcess;
-  bool voted = false;    // its agent knows the vote (an older one publishes no field)
-  bool listens = false;  // its agent knows kListen, and listens on a control channel
+  bool voted = false;        // its agent knows the vote (an older one publishes no field)
+  bool listens = false;      // its agent knows kListen, and listens on a control channel
+  bool snapshot_dir = true;  // false: its agent said it runs without --snapshot-dir
 };
 
 Identity decode(const std::string& value) {
@@ -44,6 +47,10 @@ Identity decode(const std::string& value) {
     id.listens = true;
     id.address.resize(id.address.size() - (sizeof(kListens) - 1));
   }
+  if (endsWith(id.address, kNoSnapshotDir)) {
+    id.snapshot_dir = false;
+    id.address.resize(id.address.size() - (sizeof(kNoSnapshotDir) - 1));
+  }
   if (said == "1") {
     id.vote = InPlaceVote::kInPlace;
   } else if (id.listens) {
@@ -60,16 +67,17 @@ std::string baseName(const std::string& program) {
 }  // namespace
 
 std::string encodeJobIdentity(const std::string& address, const std::string& program,
-                              InPlaceVote vote) {
+                              InPlaceVote vote, bool snapshot_dir) {
+  const std::string node = snapshot_dir ? address : address + kNoSnapshotDir;
   switch (vote) {
     case InPlaceVote::kInPlace:
-      return address + kListens + kVote + "1\n" + program;
+      return node + kListens + kVote + "1\n" + program;
     case InPlaceVote::kListen:
-      return address + kListens + kVote + "0\n" + program;
+      return node + kListens + kVote + "0\n" + program;
     case InPlaceVote::kProcess:
       break;
   }
-  return address + kVote + "0\n" + program;
+  return node + kVote + "0\n" + program;
 }
 
 Status checkSameJob(const std::vector<std::string>& identities, int self_rank,
@@ -151,6 +159,35 @@ bool everyNodeListens(const std::vector<std::string>& identities) {
                      [](const std::string& value) { return decode(value).listens; });
 }
 
+std::map<int, std::string> nodesWithoutSnapshotDir(const std::vector<std::string>& identities) {
+  std::map<int, std::string> without;
+  for (size_t i = 0; i < identities.size(); ++i) {
+    Identity id = decode(identities[i]);
+    if (!id.snapshot_dir) without[static_cast<int>(i)] = std::move(id.address);
+  }
+  return without;
+}
+
+std::string snapshotDirMismatch(const std::vector<std::string>& identities, int self_rank) {
+  if (self_rank < 0 || static_cast<size_t>(self_rank) >= identities.size()) return "";
+  const bool mine = decode(identities[static_cast<size_t>(self_rank)]).snapshot_dir;
+  for (size_t i = 0; i < identities.size(); ++i) {
+    const Identity id = decode(identities[i]);
+    if (id.snapshot_dir == mine) continue;
+    const std::string node =
+        "node " + std::to_string(i) + " (" + quotePeerText(id.address, 100) + ")";
+    return mine ? node +
+                      " runs without --snapshot-dir: the files of this node's --snapshot-dir are "
+                      "neither sent to it nor fetched from it; pass --snapshot-dir on every "
+                      "node of the job"
+                : node +
+                      " runs with --snapshot-dir and this node without: the files it "
+                      "replicates do not reach this node; pass --snapshot-dir on every node "
+                      "of the job";
+  }
+  return "";
+}
+
 namespace {
 std::vector<std::string> rankKeys(const std::string& prefix, size_t nodes) {
   std::vector<std::string> keys;
@@ -173,7 +210,7 @@ void JobIdentityClient::nextRound(RoundCallback done) {
 void JobIdentityClient::publish(const RoundInfo& r, RoundCallback done) {
   const std::string prefix = "job/" + std::to_string(r.round) + "/";
   service_.kvSet(prefix + std::to_string(r.group_rank),
-                 encodeJobIdentity(address_, program_, vote_()), {},
+                 encodeJobIdentity(address_, program_, vote_(), snapshot_dir_), {},
                  [this, r, prefix, done = std::move(done)](Status st) mutable {
                    if (!st.isOk()) {  // the job's own rendezvous trouble shows elsewhere
                      done(r);
@@ -208,8 +245,16 @@ void JobIdentityClient::compare(const RoundInfo& r, const std::string& prefix, R
                         logger("agent")->warn("--restart-mode=in-place: {}", older);
                       }
                     }
+                    if (!warned_snapshot_dir_) {
+                      const std::string differs = snapshotDirMismatch(*values, r.group_rank);
+                      if (!differs.empty()) {
+                        warned_snapshot_dir_ = true;
+                        logger("agent")->warn("{}", differs);
+                      }
+                    }
                     if (same.isOk()) {
                       RoundInfo voted = r;
+                      voted.without_snapshot_dir = nodesWithoutSnapshotDir(*values);
                       voted.in_place_veto = inPlaceVeto(*values, r.group_rank, r.round);
                       voted.in_place_veto_own =
                           !voted.in_place_veto.empty() && othersVoteInPlace(*values, r.group_rank);

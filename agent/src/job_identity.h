@@ -22,6 +22,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -36,8 +37,13 @@ namespace ddprun::agent {
 // kProcess " inplace=0"). A value without the vote (an agent that predates it:
 // "<address>\n<program>"), or with another value, votes 0 (kProcess); a 1 without " listens" (an
 // agent that predates kListen) is kInPlace.
+//
+// An agent run without --snapshot-dir says so before the " listens" and the vote
+// ("<address> nosnapdir[ listens] inplace=..."): the others do not wait for its holdings at each
+// round's start (an agent that predates the marker reads it as part of the address; one that
+// says nothing is waited for, as before).
 std::string encodeJobIdentity(const std::string& address, const std::string& program,
-                              InPlaceVote vote);
+                              InPlaceVote vote, bool snapshot_dir = true);
 // OK when every node's published identity (by group rank) runs this node's program (compared by
 // its file or module name: one job's nodes may hold it in other directories); FAILED_PRECONDITION
 // naming the first node that runs another, and `run_id`.
@@ -57,13 +63,19 @@ bool othersVoteInPlace(const std::vector<std::string>& identities, int self_rank
 // control channel (kInPlace or kListen, from a release that knows kListen):
 // RoundInfo::in_place_veto_soft.
 bool everyNodeListens(const std::vector<std::string>& identities);
+// The nodes (group rank -> address) whose published identity says their agent runs without
+// --snapshot-dir: RoundInfo::without_snapshot_dir.
+std::map<int, std::string> nodesWithoutSnapshotDir(const std::vector<std::string>& identities);
+// Empty when every node runs with --snapshot-dir or every node without; else a line naming the
+// first other node that differs from this one (said once by each agent).
+std::string snapshotDirMismatch(const std::vector<std::string>& identities, int self_rank);
 
 class JobIdentityClient final : public RendezvousClient {
  public:
   // This node runs `program` at `address`; `in_place`: --restart-mode=in-place, its vote
-  // (kInPlace, else kProcess) until setVote.
+  // (kInPlace, else kProcess) until setVote; `snapshot_dir`: it replicates a --snapshot-dir.
   JobIdentityClient(RendezvousClient& inner, RendezvousService& service, std::string run_id,
-                    std::string address, std::string program, bool in_place,
+                    std::string address, std::string program, bool in_place, bool snapshot_dir,
                     Duration wait_for = std::chrono::seconds(30))
       : inner_(inner),
         service_(service),
@@ -72,6 +84,7 @@ class JobIdentityClient final : public RendezvousClient {
         program_(std::move(program)),
         vote_([in_place] { return in_place ? InPlaceVote::kInPlace : InPlaceVote::kProcess; }),
         in_place_mode_(in_place),
+        snapshot_dir_(snapshot_dir),
         wait_for_(wait_for) {}
   // Asked for this node's vote each time it publishes (on the loop thread).
   void setVote(std::function<InPlaceVote()> vote) { vote_ = std::move(vote); }
@@ -104,8 +117,10 @@ class JobIdentityClient final : public RendezvousClient {
   std::string address_;
   std::string program_;
   std::function<InPlaceVote()> vote_;
-  bool in_place_mode_;         // --restart-mode=in-place
-  bool warned_older_ = false;  // olderAgent's line was said
+  bool in_place_mode_;                // --restart-mode=in-place
+  bool snapshot_dir_;                 // --snapshot-dir
+  bool warned_older_ = false;         // olderAgent's line was said
+  bool warned_snapshot_dir_ = false;  // snapshotDirMismatch's line was said
   Duration wait_for_;
   LoopAffinity loop_{"JobIdentityClient"};
 };

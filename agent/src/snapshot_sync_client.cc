@@ -21,8 +21,13 @@ void SnapshotSyncClient::nextRound(RoundCallback done) {
       return;
     }
     RoundInfo r = *round;
-    replicator_.syncRound(static_cast<uint64_t>(r.round), r.group_rank,
-                          static_cast<int>(r.local_world_sizes.size()), board_,
+    // Nodes whose agents run without --snapshot-dir publish no holdings: not waited for (their
+    // identity said so, and JobIdentityClient warned once).
+    std::vector<int> ranks;
+    for (int i = 0; i < static_cast<int>(r.local_world_sizes.size()); ++i) {
+      if (i == r.group_rank || r.without_snapshot_dir.count(i) == 0) ranks.push_back(i);
+    }
+    replicator_.syncRound(static_cast<uint64_t>(r.round), r.group_rank, std::move(ranks), board_,
                           [done = std::move(done), r]() mutable { done(r); });
   });
 }

@@ -187,19 +187,19 @@ bool ReplicationCore::tookHolder(const SnapshotVersion& v, const std::string& so
   return false;
 }
 
-uint64_t ReplicationCore::beginRound(uint64_t round, int group_rank) {
+uint64_t ReplicationCore::beginRound(uint64_t round, int index) {
   if (round_.syncing) {  // a previous round's sync is superseded: hand that round on as it is
     round_.syncing = false;
     emit(SyncDone{generation_});
   }
   ++generation_;
   round_.number = round;
-  round_.rank = group_rank;
+  round_.rank = index;
   round_.nodes_known = false;  // announcements wait for this round's holdings
   round_.holdings_in = false;
   announcing_.unanswering.clear();  // this round's nodes are tried afresh
   replica_.retryGivenUp();
-  replica_.setSelfIndex(group_rank);
+  replica_.setSelfIndex(index);
   return generation_;
 }
 

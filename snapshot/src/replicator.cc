@@ -135,7 +135,7 @@ struct Replicator::Parts {
     };
   }
 
-  void syncRound(uint64_t round, int rank, int nodes, HoldingsBoard& board,
+  void syncRound(uint64_t round, int rank, std::vector<int> ranks, HoldingsBoard& board,
                  std::function<void()> done);
   bool isQuiet(Quiet level) const;
   void whenQuiet(Quiet level, Duration grace, Duration bound, std::function<void()> done);
@@ -180,9 +180,9 @@ Replicator::~Replicator() {
   if (parts_) parts_->stop();
 }
 
-void Replicator::syncRound(uint64_t round, int group_rank, int nodes, HoldingsBoard& board,
-                           std::function<void()> done) {
-  parts_->syncRound(round, group_rank, nodes, board, std::move(done));
+void Replicator::syncRound(uint64_t round, int group_rank, std::vector<int> ranks,
+                           HoldingsBoard& board, std::function<void()> done) {
+  parts_->syncRound(round, group_rank, std::move(ranks), board, std::move(done));
 }
 
 void Replicator::whenQuiet(Quiet level, Duration grace, Duration bound,
@@ -440,15 +440,20 @@ void Replicator::Parts::armTimer() {
   });
 }
 
-void Replicator::Parts::syncRound(uint64_t round, int rank, int nodes, HoldingsBoard& board,
-                                  std::function<void()> done) {
+void Replicator::Parts::syncRound(uint64_t round, int rank, std::vector<int> ranks,
+                                  HoldingsBoard& board, std::function<void()> done) {
   loop.check();
-  const uint64_t generation = core.beginRound(round, rank);
+  if (std::find(ranks.begin(), ranks.end(), rank) == ranks.end()) ranks.push_back(rank);
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  // The core knows the replicating nodes only, in rank order: this node is its index among them.
+  const int self = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
+  const uint64_t generation = core.beginRound(round, self);
   carryOut();  // a previous round's sync still fetching is handed on as it is
   sync = Sync{generation, std::move(done), clock.now()};
   const std::string prefix = "snapshot/" + std::to_string(round) + "/";
   std::vector<std::string> keys;
-  for (int i = 0; i < nodes; ++i) keys.push_back(prefix + std::to_string(i));
+  for (int r : ranks) keys.push_back(prefix + std::to_string(r));
   // What the workers wrote just before the round ended (a checkpoint saved, then a failure) is
   // versioned first, so that the holdings published say so and no node starts without it.
   const Duration versioned_within =

@@ -145,3 +145,33 @@ TEST_CASE("an agent that predates the vote still reads a new identity as the sam
   CHECK(mine.substr(nl + 1) == "train.py");
   CHECK(checkSameJob({mine, "10.0.0.2\ntrain.py"}, 1, "job").isOk());
 }
+
+TEST_CASE("an agent without --snapshot-dir says so in its identity, readable by older agents",
+          "[agent][identity]") {
+  const std::string with = encodeJobIdentity("10.0.0.1", "/srv/train", InPlaceVote::kInPlace);
+  const std::string without =
+      encodeJobIdentity("10.0.0.2", "/srv/train", InPlaceVote::kListen, /*snapshot_dir=*/false);
+  const std::string without_process =
+      encodeJobIdentity("10.0.0.3", "/srv/train", InPlaceVote::kProcess, /*snapshot_dir=*/false);
+  CHECK(without == "10.0.0.2 nosnapdir listens inplace=0\n/srv/train");
+  // The marker changes neither the program nor the vote.
+  CHECK(checkSameJob({with, without, without_process}, 0, "job").isOk());
+  CHECK(everyNodeListens({with, without}));
+  CHECK_THAT(inPlaceVeto({with, without_process}, 0, 4), Catch::Contains("(10.0.0.3)"));
+  const auto missing = nodesWithoutSnapshotDir({with, without, without_process});
+  CHECK(missing == std::map<int, std::string>{{1, "10.0.0.2"}, {2, "10.0.0.3"}});
+  // An agent that predates the marker says nothing: it is waited for, as before.
+  CHECK(
+      nodesWithoutSnapshotDir({"10.0.0.4 inplace=0\n/srv/train", "10.0.0.5\n/srv/train"}).empty());
+  // Said once by each side, naming the first node that differs.
+  CHECK_THAT(snapshotDirMismatch({with, without, without_process}, 0),
+             Catch::Contains("node 1 (10.0.0.2) runs without --snapshot-dir"));
+  CHECK_THAT(snapshotDirMismatch({with, without, without_process}, 2),
+             Catch::Contains("node 0 (10.0.0.1) runs with --snapshot-dir and this node without"));
+  CHECK(snapshotDirMismatch({without, without_process}, 0).empty());
+  CHECK(snapshotDirMismatch({with, with}, 1).empty());
+  CHECK(snapshotDirMismatch({with}, 3).empty());
+  // A hostile address is quoted, not echoed raw.
+  const std::string odd = encodeJobIdentity("h\x1b[2J", "/srv/train", InPlaceVote::kProcess, false);
+  CHECK(snapshotDirMismatch({with, odd}, 0).find('\x1b') == std::string::npos);
+}

@@ -46,7 +46,8 @@ struct NodeSpec {
   std::string heartbeat = "heartbeat_interval=1,heartbeat_misses=3";
 };
 
-// One node: a ddprun agent advertising `addr`, replicating its own `snapshot_dir`.
+// One node: a ddprun agent advertising `addr`, replicating its own `snapshot_dir` (none when
+// empty: no --snapshot-dir).
 std::unique_ptr<Process> node(const NodeSpec& spec, const std::string& endpoint,
                               const std::string& nnodes, const std::string& run_id, int nproc,
                               const std::vector<std::string>& program) {
@@ -59,11 +60,11 @@ std::unique_ptr<Process> node(const NodeSpec& spec, const std::string& endpoint,
                                    "--local-addr=" + spec.addr,
                                    "--max-restarts=3",
                                    "--rdzv-conf=last_call_timeout=1," + spec.heartbeat +
-                                       (spec.conf.empty() ? "" : "," + spec.conf),
-                                   "--snapshot-dir=" + spec.snapshot_dir};
+                                       (spec.conf.empty() ? "" : "," + spec.conf)};
+  if (!spec.snapshot_dir.empty()) argv.push_back("--snapshot-dir=" + spec.snapshot_dir);
   // Replication without a token is refused unless accepted by name (issue 34): these tests run on
   // loopback, where only they can reach the agents.
-  if (spec.conf.find("token_file=") == std::string::npos) {
+  if (!spec.snapshot_dir.empty() && spec.conf.find("token_file=") == std::string::npos) {
     argv.push_back("--snapshot-allow-unauthenticated");
   }
   argv.insert(argv.end(), spec.flags.begin(), spec.flags.end());
@@ -248,6 +249,40 @@ std::pair<Finished, Finished> nextJob(const std::string& dir_a, const NodeSpec& 
 }
 
 }  // namespace
+
+TEST_CASE(
+    "a node without --snapshot-dir is named once, and the others neither wait for it nor tell it",
+    "[snapshot]") {
+  // Three nodes, the middle one without --snapshot-dir. Its identity says so: the two others
+  // start each round without waiting (15 s) for holdings it never publishes, and replicate
+  // between themselves; every node says once which node differs.
+  RendezvousDaemon rdzv;
+  TempDir a_dir, c_dir, flags;
+  const std::string stop = flags / "stop";
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const std::string script = "if [ \"$WRITER\" = 1 ]; then echo v1 > " + d +
+                             "/state.bin.tmp && mv " + d + "/state.bin.tmp " + d +
+                             "/state.bin; fi; while [ ! -e '" + stop + "' ]; do sleep 0.05; done";
+  std::vector<std::unique_ptr<Process>> nodes;
+  nodes.push_back(node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}}}, rdzv.endpoint, "3",
+                       "snap-without", 1, writerScript(script)));
+  nodes.push_back(node({"127.0.0.3", "", {{"WRITER", "0"}}}, rdzv.endpoint, "3", "snap-without", 1,
+                       writerScript(script)));
+  nodes.push_back(node({"127.0.0.4", c_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "3",
+                       "snap-without", 1, writerScript(script)));
+  const bool arrived = waitUntil([&] { return readFile(c_dir / "state.bin") == "v1\n"; }, 60s);
+  INFO(nodes[0]->err() << "\n" << nodes[1]->err() << "\n" << nodes[2]->err());
+  REQUIRE(arrived);
+  const std::string logs = logsThenStop(nodes, stop);
+  INFO(logs);
+  CHECK(logs.find("holdings did not arrive") == std::string::npos);
+  // (Group ranks follow the order of the joins.)
+  CHECK(countOf(logs, " (127.0.0.3) runs without --snapshot-dir") == 2);
+  CHECK(countOf(logs, "runs with --snapshot-dir and this node without") == 1);
+  // The node without is no node of the chain: the writer's one other node is told.
+  CHECK(logs.find("announcing it to 1 of 1 other node(s)") != std::string::npos);
+  CHECK(logs.find("failed at") == std::string::npos);
+}
 
 TEST_CASE("a transfer corrupted in flight or at the source is rejected and retried", "[snapshot]") {
   // 70 MiB: a file announced before its hash is known, fetched over two streams; the CRC-32 that

@@ -29,6 +29,9 @@ struct RoundInfo {
   // start an in-place recovery, and that recovery's own round decides. A recovery whose round
   // has any veto falls back.
   bool in_place_veto_soft = false;
+  // Multi-node: the nodes (group rank -> address) whose agents said they run without
+  // --snapshot-dir (JobIdentityClient): the round's snapshot sync does not wait for them.
+  std::map<int, std::string> without_snapshot_dir;
 };
 
 // A node's vote for in-place recovery in a round (docs/in-place-recovery.md §2.1).

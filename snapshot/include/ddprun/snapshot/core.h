@@ -314,13 +314,16 @@ class ReplicationCore {
   // ---- Rounds. A round's sync: beginRound(), the shell waits for versioned() (bounded), then
   // publishes holdings() and reads every node's: onHoldingsNotPublished() when the first fails,
   // else onHoldings(); the core fetches what is newer and says SyncDone.
-  // Returns the sync's generation (a previous sync still open is handed on as it is).
-  uint64_t beginRound(uint64_t round, int group_rank);
+  // The round's replicating nodes are counted in group-rank order, the nodes that run without
+  // --snapshot-dir left out: `index` is this node's place among them (its group rank when every
+  // node replicates). Returns the sync's generation (a previous sync still open is handed on as
+  // it is).
+  uint64_t beginRound(uint64_t round, int index);
   uint64_t generation() const { return generation_; }
   // What this node publishes for the round.
   std::string holdings() const;
   void onHoldingsNotPublished(uint64_t generation, const Status& why);
-  // Every node's holdings, by group rank (or why they did not arrive).
+  // Every replicating node's holdings, by index (or why they did not arrive).
   void onHoldings(uint64_t generation, const StatusOr<std::vector<std::string>>& values);
 
   // ---- Transfers.
@@ -370,10 +373,11 @@ class ReplicationCore {
     TimePoint until;
     std::string aside;  // relative to the directory; empty: kept open only (copied)
   };
-  // The round as far as it is known: its nodes' endpoints by group rank once its holdings came.
+  // The round as far as it is known: its replicating nodes' endpoints, in group-rank order, once
+  // their holdings came.
   struct Round {
     uint64_t number = 0;
-    int rank = -1;  // this node's group rank in it
+    int rank = -1;  // this node's index among them (beginRound)
     std::vector<std::string> nodes;
     int self = -1;  // `rank`, once `nodes` is the round's
     bool nodes_known = false;
