@@ -158,6 +158,8 @@ TEST_CASE(
   // the round's message itself arrives; told only "a round forms", it stopped them at once.
   REQUIRE_ETCD();
   EtcdCluster::Options options;
+  // The stalled agent's connection is dropped (~2 s) before its lease expires (5 s): the change
+  // that declares it dead goes to no open stream of it.
   options.extra_args = {"--grpc-keepalive-interval", "1s", "--grpc-keepalive-timeout", "1s"};
   EtcdCluster etcd(options);
   const int etcd_port = std::stoi(etcd.endpoint(0).substr(etcd.endpoint(0).rfind(':') + 1));
@@ -167,20 +169,24 @@ TEST_CASE(
           const std::vector<std::string>& prog) {
         return etcdAgent(addr, etcd.endpoints(), "2", "e2e-stalledsync", flags, prog);
       },
-      stalledFlags("60"), flags_dir, /*a_first=*/true);
+      {"--nproc-per-node=1", "--max-restarts=0",
+       "--rdzv-conf=last_call_timeout=1,heartbeat_interval=0.5,heartbeat_misses=10,"
+       "failure_grace=60"},
+      flags_dir, /*a_first=*/true);
   auto& a = nodes.a;
   auto& b = nodes.b;
   a->signal(SIGSTOP);  // the agent only: its worker goes on
+  REQUIRE(waitUntil([&] { return !hasConnectionTo(a->pid(), etcd_port); }, 30s));
   INFO("other node:\n" << b->err());
   REQUIRE(waitUntil([&] { return b->err().find("NODE_DEAD") != std::string::npos; }, 30s));
-  REQUIRE(waitUntil([&] { return !hasConnectionTo(a->pid(), etcd_port); }, 30s));
   const int64_t revision = etcd.revision();
   REQUIRE(revision > 0);
   REQUIRE(etcd.etcdctl({"compact", std::to_string(revision)}).exit_code == 0);
   a->signal(SIGCONT);
+  const bool synced = waitUntil(
+      [&] { return a->err().find("found when the watch began") != std::string::npos; }, 30s);
   INFO("stalled node:\n" << a->err());
-  REQUIRE(waitUntil(
-      [&] { return a->err().find("found when the watch began") != std::string::npos; }, 30s));
+  REQUIRE(synced);
   CHECK(a->err().find("was compacted") != std::string::npos);
   std::ofstream(flags_dir / "a") << "";
   std::ofstream(flags_dir / "b") << "";

@@ -1093,7 +1093,10 @@ TEST_CASE("a checkpoint of 2000 files arrives whole, fetched a few files at a ti
   }
   INFO("the receiving agent ran " << peak << " threads at the most");
   CHECK(peak > 0);
-  CHECK(peak < 64);
+  // At most 8 fetch and 32 other replication threads, the agent's own, and gRPC's pools, which
+  // grow on a loaded host (60-61 on an idle 2-core VM, 64 once in CI beside a build); one thread
+  // per fetch was 300 and more.
+  CHECK(peak < 100);
 }
 
 TEST_CASE("a job that writes a new name and deletes old ones keeps only the newest 1024 deletions",

@@ -366,8 +366,9 @@ inline std::string stuckReport(const Process& p, const std::string& name,
   return r.str();
 }
 
-// Whether process `pid` holds an established IPv4 TCP connection to `remote_port` (read from
-// /proc: its socket descriptors' inodes, looked up in /proc/net/tcp).
+// Whether process `pid` holds an established TCP connection to `remote_port` (read from /proc:
+// its socket descriptors' inodes, looked up in /proc/net/tcp and tcp6, where IPv4 peers of a
+// dual-stack socket are).
 inline bool hasConnectionTo(int pid, int remote_port) {
   std::vector<std::string> inodes;
   const std::string fds = "/proc/" + std::to_string(pid) + "/fd";
@@ -381,18 +382,20 @@ inline bool hasConnectionTo(int pid, int remote_port) {
     }
     closedir(d);
   }
-  std::ifstream tcp("/proc/net/tcp");
-  std::string line;
-  std::getline(tcp, line);  // the header
-  while (std::getline(tcp, line)) {
-    std::istringstream fields(line);
-    std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
-    fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
-        timeout >> inode;
-    const size_t colon = remote.find(':');
-    if (colon == std::string::npos || state != "01") continue;  // 01: ESTABLISHED
-    if (std::stoi(remote.substr(colon + 1), nullptr, 16) != remote_port) continue;
-    if (std::find(inodes.begin(), inodes.end(), inode) != inodes.end()) return true;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream tcp(table);
+    std::string line;
+    std::getline(tcp, line);  // the header
+    while (std::getline(tcp, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
+          timeout >> inode;
+      const size_t colon = remote.rfind(':');
+      if (colon == std::string::npos || state != "01") continue;  // 01: ESTABLISHED
+      if (std::stoi(remote.substr(colon + 1), nullptr, 16) != remote_port) continue;
+      if (std::find(inodes.begin(), inodes.end(), inode) != inodes.end()) return true;
+    }
   }
   return false;
 }
