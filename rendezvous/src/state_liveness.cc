@@ -51,8 +51,10 @@ std::vector<RoundChange> RendezvousState::watchSnapshot(const std::string& run_i
   snapshot.round = snapshot.status.pending_round != 0 ? snapshot.status.pending_round
                                                       : snapshot.status.completed_round;
   // A round forming: why it opened, as its kRoundPending said (a watcher that missed that message,
-  // its stream broken meanwhile, still tells a node's death from a failure or a join).
-  if (const Run* run = findRun(run_id); run != nullptr && snapshot.status.pending_round != 0) {
+  // its stream broken meanwhile, still tells a node's death from a failure or a join). Not for a
+  // closed run: its kClosed follows, and nothing forms any more.
+  if (const Run* run = findRun(run_id);
+      run != nullptr && snapshot.status.pending_round != 0 && !snapshot.status.closed) {
     snapshot.reason = run->pending_reason;
     snapshot.node_id = run->pending_cause;
   }

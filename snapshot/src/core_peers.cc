@@ -237,7 +237,8 @@ void ReplicationCore::learnHoldings(const std::vector<std::string>& values) {
   for (size_t i = 0; i < values.size(); ++i) {
     auto h = decodeHoldings(values[i]);
     if (!h.isOk()) {
-      snapLog()->warn("snapshot: node {}: {}", i, h.status().message());
+      snapLog()->warn("snapshot: the holdings of replicating node {} of {} in round {}: {}", i + 1,
+                      values.size(), round_.number, h.status().message());
       continue;
     }
     round_.nodes[i] = h->first;

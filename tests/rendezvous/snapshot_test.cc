@@ -221,6 +221,14 @@ TEST_CASE("why a forming round opened survives a snapshot and reaches a new watc
   CHECK(snap.status.pending_round == 2);
   CHECK(snap.reason == ChangeReason::kNone);
   CHECK(snap.node_id.empty());
+  // A closed run forms nothing: its snapshot (followed by kClosed) names no cause.
+  RendezvousState closed;
+  REQUIRE(closed.importRun(kRun, blob).isOk());
+  REQUIRE(closed.close(kRun, t0).isOk());
+  const auto closing = closed.watchSnapshot(kRun);
+  REQUIRE(closing.size() == 2);
+  CHECK(closing.front().reason == ChangeReason::kNone);
+  CHECK(closing.back().kind == ChangeKind::kClosed);
   // A reason no release writes is refused.
   RendezvousState bad;
   CHECK_THAT(bad.importRun(kRun, blob.substr(0, blob.size() - tail.size()) + "9 1:b").message(),

@@ -13,12 +13,13 @@
 namespace ddprun::snapshot {
 
 // Who tells whom about a new version: the nodes of the round form a chain that starts at the
-// writer `origin` (indices are group ranks), each node telling the next one once its own fetch
-// of the version starts. Every node serves what it fetches as it arrives (a pipelined relay), so
-// every node's uplink carries one copy, the writer's too, and the last node holds the version
-// about one copy's time plus a few chunks per node after the first: between hosts on 1 Gbit/s
-// links, a binomial tree (the writer sending log2(nodes) copies) took 2x one copy with 4 nodes,
-// the chain 1.1-1.2x. Every node but the writer is told exactly once. Returns group ranks.
+// writer `origin` (indices: the round's replicating nodes in group-rank order), each node telling
+// the next one once its own fetch of the version starts. Every node serves what it fetches as it
+// arrives (a pipelined relay), so every node's uplink carries one copy, the writer's too, and the
+// last node holds the version about one copy's time plus a few chunks per node after the first:
+// between hosts on 1 Gbit/s links, a binomial tree (the writer sending log2(nodes) copies) took 2x
+// one copy with 4 nodes, the chain 1.1-1.2x. Every node but the writer is told exactly once.
+// Returns indices.
 std::vector<int> relayTargets(int origin, int self, int nodes);
 
 // The announcements a node was told and passes on down the chain they came by (relayTargets from

@@ -55,7 +55,7 @@ enum class TransferOutcome { kOk, kCorrupt, kNoSpace, kFailed, kCancelled, kRefu
 
 struct SnapshotReplicaOptions {
   int max_attempts = 4;          // per version, over all its holders
-  int self_index = 0;            // this node's group rank: spreads first tries over the holders
+  int self_index = 0;            // this node's index in the round: spreads first tries over holders
   size_t max_tombstones = 1024;  // deletions kept, the newest ones
   // Names heard of and not held (waiting to be fetched): at most this many per holder, and in all
   // (--snapshot-limits names_per_peer, names). A peer that announces names without end costs a
@@ -122,7 +122,8 @@ class SnapshotReplica {
   // that is newer than the one held is wanted instead. A transfer from a gone holder that still
   // runs fails on its own (the shell ends it) and is retried from a live one.
   void keepSources(const std::vector<std::string>& live);
-  // This node's group rank in the current round (spreads first tries over the holders).
+  // This node's index among the current round's replicating nodes, in group-rank order (spreads
+  // first tries over the holders).
   void setSelfIndex(int index) { options_.self_index = index; }
 
   // Something is wanted and not given up, or a transfer runs.
