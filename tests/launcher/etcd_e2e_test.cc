@@ -175,7 +175,8 @@ TEST_CASE(
       flags_dir, /*a_first=*/true);
   auto& a = nodes.a;
   auto& b = nodes.b;
-  REQUIRE(hasConnectionTo(a->pid(), etcd_port));  // (so that its end below means something)
+  // Seen now, so that its end below means something.
+  REQUIRE(hasConnectionTo(a->pid(), etcd_port));
   a->signal(SIGSTOP);  // the agent only: its worker goes on
   REQUIRE(waitUntil([&] { return !hasConnectionTo(a->pid(), etcd_port); }, 30s));
   INFO("other node:\n" << b->err());
