@@ -955,3 +955,18 @@ TEST_CASE("every call validates its run and node ids the same way", "[rendezvous
   CHECK(state.census().kv_spaces == 0);
   CHECK(state.census().runs == 0);
 }
+
+TEST_CASE("the closed-run and unknown-run answers are told from others by code and wording",
+          "[rendezvous]") {
+  CHECK(isRunClosed(runClosed("job")));
+  CHECK(isRunUnknown(runUnknown("job")));
+  CHECK_FALSE(isRunClosed(runUnknown("job")));
+  CHECK_FALSE(isRunUnknown(runClosed("job")));
+  // The code and both ends of the message count.
+  CHECK_FALSE(isRunClosed(Status(StatusCode::kUnavailable, "run job is closed")));
+  CHECK_FALSE(isRunClosed(failedPrecondition("run job has other settings")));
+  CHECK_FALSE(isRunClosed(failedPrecondition("the run job is closed")));
+  CHECK_FALSE(isRunUnknown(notFound("node n is not part of run job")));
+  CHECK_FALSE(isRunUnknown(notFound("run ")));
+  CHECK_FALSE(isRunClosed(Status::ok()));
+}

@@ -5,10 +5,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ddprun/common/clock.h"
 #include "ddprun/common/status.h"
+#include "ddprun/common/strings.h"
 
 namespace ddprun::rendezvous {
 
@@ -21,11 +23,12 @@ inline constexpr const char* kJoinTimeoutExpired = "join_timeout expired waiting
 inline Status runClosed(const std::string& run_id) {
   return failedPrecondition("run " + run_id + " is closed");
 }
+// Whether `st` is `code` with a message "run <id><tail>", as the helpers below make them.
+inline bool isRunStatus(const Status& st, StatusCode code, std::string_view tail) {
+  return st.code() == code && startsWith(st.message(), "run ") && endsWith(st.message(), tail);
+}
 inline bool isRunClosed(const Status& st) {
-  const std::string& m = st.message();
-  const std::string tail = " is closed";
-  return st.code() == StatusCode::kFailedPrecondition && m.rfind("run ", 0) == 0 &&
-         m.size() >= tail.size() && m.compare(m.size() - tail.size(), tail.size(), tail) == 0;
+  return isRunStatus(st, StatusCode::kFailedPrecondition, " is closed");
 }
 
 // What a call about a run the server does not hold answers (NOT_FOUND): a server started again
@@ -34,10 +37,7 @@ inline Status runUnknown(const std::string& run_id) {
   return notFound("run " + run_id + " is unknown to this server");
 }
 inline bool isRunUnknown(const Status& st) {
-  const std::string& m = st.message();
-  const std::string tail = " is unknown to this server";
-  return st.code() == StatusCode::kNotFound && m.rfind("run ", 0) == 0 && m.size() >= tail.size() &&
-         m.compare(m.size() - tail.size(), tail.size(), tail) == 0;
+  return isRunStatus(st, StatusCode::kNotFound, " is unknown to this server");
 }
 
 // Settings of a run, fixed by its first joiner (torchrun's --nnodes and --rdzv-conf).
