@@ -35,8 +35,8 @@ constexpr const char* kHelp =
     "  --max-run-kv-bytes N       bytes (keys + values) one run id may hold (default 16777216)\n"
     "  --max-kv-bytes N           bytes (keys + values) all run ids together may hold\n"
     "                             (default 268435456)\n"
-    "  --max-streams-per-peer N   open Watch streams plus pending KvWait/GetMaster calls of one\n"
-    "                             client connection (default 1024)\n"
+    "  --max-streams-per-peer N   open Watch streams plus pending Join/KvWait/GetMaster calls of\n"
+    "                             one client connection (default 1024)\n"
     "  A write past a quota, or a stream past the bound, gets RESOURCE_EXHAUSTED naming it.";
 
 // Longest TTL accepted: a year keeps every deadline far from the clock's range.

@@ -97,6 +97,7 @@ struct RendezvousServer::Impl {
     JoinReactor* reactor;
     pb::JoinResponse* response;
     bool include_participants;
+    std::string peer;  // counted against max_streams_per_peer until answered
   };
   struct PendingWait {
     WaitReactor* reactor;
@@ -117,7 +118,7 @@ struct RendezvousServer::Impl {
     bool overflowed = false;  // fell max_watch_queue changes behind: end it, queue dropped
   };
 
-  // Counts a long call (Watch, KvWait, GetMaster) of `peer` against max_streams_per_peer.
+  // Counts a long call (Watch, Join, KvWait, GetMaster) of `peer` against max_streams_per_peer.
   Status admitStream(const std::string& peer) {
     PeerStreams& p = streams_by_peer[peer];
     const size_t n = p.open;
@@ -130,7 +131,7 @@ struct RendezvousServer::Impl {
       }
       return Status(StatusCode::kResourceExhausted,
                     "this connection already holds " + std::to_string(n) +
-                        " watch streams and waits: max-streams-per-peer = " +
+                        " watch streams, joins and waits: max-streams-per-peer = " +
                         std::to_string(options.max_streams_per_peer) +
                         " (ddprun-rendezvous --max-streams-per-peer)");
     }
@@ -154,6 +155,7 @@ struct RendezvousServer::Impl {
       if (it == joins.end()) continue;
       PendingJoin p = it->second;
       joins.erase(it);
+      releaseStream(p.peer);
       if (j.result.isOk()) {
         toProto(j.result.value(), p.include_participants, p.response);
         p.reactor->Finish(grpc::Status::OK);
@@ -278,6 +280,7 @@ struct RendezvousServer::Impl {
     auto it = joins.find(id);
     if (it == joins.end()) return;
     JoinReactor* reactor = it->second.reactor;
+    releaseStream(it->second.peer);
     joins.erase(it);
     state.cancelJoin(id, now());
     reactor->Finish(grpc::Status::CANCELLED);
@@ -405,15 +408,22 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
     auto* reactor = new JoinReactor(impl, id);
     JoinRequest request = fromProto(*req);
     bool include = req->include_participants();
-    impl->post([impl, reactor, id, request = std::move(request), include, resp]() {
-      if (impl->shutting_down) {
-        reactor->Finish(kShuttingDown);
-        return;
-      }
-      impl->joins[id] = {reactor, resp, include};
-      impl->state.join(id, request, impl->now());
-      impl->flush();
-    });
+    impl->post(
+        [impl, reactor, id, request = std::move(request), include, resp, peer = ctx->peer()]() {
+          if (impl->shutting_down) {
+            reactor->Finish(kShuttingDown);
+            return;
+          }
+          // A join waits until its round forms: one more long call of its connection (a flood of
+          // joins under new node ids, each a spare beyond nnodes MAX, is bounded so).
+          if (Status admit = impl->admitStream(peer); !admit.isOk()) {
+            reactor->Finish(toGrpc(admit));
+            return;
+          }
+          impl->joins[id] = {reactor, resp, include, peer};
+          impl->state.join(id, request, impl->now());
+          impl->flush();
+        });
     return reactor;
   }
 

@@ -754,6 +754,10 @@ TEST_CASE("the daemon refuses writes and streams past its quotas and its memory 
     auto wait = peer.kvWait("streams", {"never"}, 30s);
     CHECK(wait.status().code() == StatusCode::kResourceExhausted);
     CHECK_THAT(wait.status().message(), Catch::Contains("max-streams-per-peer = 16"));
+    // A join waits for its round too: a flood of joins under new node ids (spares) is bounded.
+    auto spare = peer.join(joinRequest("streams-join", 2, 2, "spare"));
+    CHECK(spare.status().code() == StatusCode::kResourceExhausted);
+    CHECK_THAT(spare.status().message(), Catch::Contains("joins and waits"));
     ChangeLog extra_log;
     auto extra = peer.watch("streams", "extra", extra_log.onChange(), extra_log.onBreak());
     {
@@ -768,6 +772,12 @@ TEST_CASE("the daemon refuses writes and streams past its quotas and its memory 
       return peer.kvWait("streams", {"never"}, 50ms).status().code() ==
              StatusCode::kDeadlineExceeded;
     }));
+    // Answered joins free theirs: many in a row on the one place left.
+    for (int i = 0; i < 40; ++i) {
+      const std::string run = "streams-joined-" + std::to_string(i);
+      REQUIRE(peer.join(joinRequest(run, 1, 1, "n")).isOk());
+    }
+    CHECK(peer.kvWait("streams", {"never"}, 50ms).status().code() == StatusCode::kDeadlineExceeded);
     CHECK(client.kvWait("streams", {"never"}, 50ms).status().code() ==
           StatusCode::kDeadlineExceeded);
   }
