@@ -393,6 +393,21 @@ void WatchReactor::OnCancel() {
 const grpc::Status kShuttingDown(grpc::StatusCode::UNAVAILABLE,
                                  "rendezvous server is shutting down");
 
+// A long call (Join, KvWait, GetMaster) of `peer` starts, on the io thread: false, with `reactor`
+// finished, when the server shuts down or `peer` already holds max-streams-per-peer long calls.
+template <typename Reactor>
+bool startLongCall(RendezvousServer::Impl* impl, Reactor* reactor, const std::string& peer) {
+  if (impl->shutting_down) {
+    reactor->Finish(kShuttingDown);
+    return false;
+  }
+  if (Status admit = impl->admitStream(peer); !admit.isOk()) {
+    reactor->Finish(toGrpc(admit));
+    return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 class RendezvousService final : public pb::Rendezvous::CallbackService {
@@ -410,16 +425,9 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
     bool include = req->include_participants();
     impl->post(
         [impl, reactor, id, request = std::move(request), include, resp, peer = ctx->peer()]() {
-          if (impl->shutting_down) {
-            reactor->Finish(kShuttingDown);
-            return;
-          }
           // A join waits until its round forms: one more long call of its connection (a flood of
           // joins under new node ids, each a spare beyond nnodes MAX, is bounded so).
-          if (Status admit = impl->admitStream(peer); !admit.isOk()) {
-            reactor->Finish(toGrpc(admit));
-            return;
-          }
+          if (!startLongCall(impl, reactor, peer)) return;
           impl->joins[id] = {reactor, resp, include, peer};
           impl->state.join(id, request, impl->now());
           impl->flush();
@@ -606,14 +614,7 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
     auto* reactor = new WaitReactor(impl, id);
     impl->post(
         [impl, reactor, id, kv, master, peer = ctx->peer(), start = std::move(start)]() mutable {
-          if (impl->shutting_down) {
-            reactor->Finish(kShuttingDown);
-            return;
-          }
-          if (Status admit = impl->admitStream(peer); !admit.isOk()) {
-            reactor->Finish(toGrpc(admit));
-            return;
-          }
+          if (!startLongCall(impl, reactor, peer)) return;
           impl->waits[id] = {reactor, kv, master, std::move(peer)};
           start(impl, id);
           impl->flush();
