@@ -443,11 +443,11 @@ void Replicator::Parts::armTimer() {
 void Replicator::Parts::syncRound(uint64_t round, int rank, std::vector<int> ranks,
                                   HoldingsBoard& board, std::function<void()> done) {
   loop.check();
-  if (std::find(ranks.begin(), ranks.end(), rank) == ranks.end()) ranks.push_back(rank);
-  std::sort(ranks.begin(), ranks.end());
-  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
   // The core knows the replicating nodes only, in rank order: this node is its index among them.
-  const int self = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
+  const auto at = std::lower_bound(ranks.begin(), ranks.end(), rank);
+  DDPRUN_CHECK(std::is_sorted(ranks.begin(), ranks.end()) && at != ranks.end() && *at == rank,
+               "syncRound: ranks must be ascending and hold this node's");
+  const int self = static_cast<int>(at - ranks.begin());
   const uint64_t generation = core.beginRound(round, self);
   carryOut();  // a previous round's sync still fetching is handed on as it is
   sync = Sync{generation, std::move(done), clock.now()};

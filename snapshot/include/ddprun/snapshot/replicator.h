@@ -86,11 +86,11 @@ class Replicator {
   Replicator& operator=(const Replicator&) = delete;
 
   // Publishes this node's holdings for round `round` (this node is `group_rank`) on `board`,
-  // learns those of the nodes `ranks` (the group ranks of the round's nodes that replicate, this
-  // one's among them; the others ran without --snapshot-dir and are neither waited for nor told
-  // of versions), fetches what is newer elsewhere, then calls `done` (on the loop). Never fails:
-  // what cannot be fetched is logged and the previous version stays. A sync still open when the
-  // next begins is handed on as it is. `board` must outlive the sync.
+  // learns those of the nodes `ranks` (the group ranks of the round's nodes that replicate,
+  // ascending, this one's among them; the others ran without --snapshot-dir and are neither waited
+  // for nor told of versions), fetches what is newer elsewhere, then calls `done` (on the loop).
+  // Never fails: what cannot be fetched is logged and the previous version stays. A sync still open
+  // when the next begins is handed on as it is. `board` must outlive the sync.
   void syncRound(uint64_t round, int group_rank, std::vector<int> ranks, HoldingsBoard& board,
                  std::function<void()> done);
   // How much whenQuiet waits for, each level including the ones before it.
