@@ -17,8 +17,10 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ddprun/snapshot/core.h"
@@ -46,12 +48,13 @@ class Clock final : public ddprun::Clock {
 struct Harness {
   Clock clock;
   ReplicationCore core;
-  std::optional<Look> look;              // the look that runs
-  std::optional<Hash> hash;              // the hash that runs
-  std::deque<Announce> announces;        // out, not answered
-  std::deque<AnnounceAgain> agains;      // out, not answered
-  std::map<std::string, Fetch> fetches;  // by name: running
-  std::set<uint64_t> synced;             // generations handed on
+  std::optional<Look> look;                          // the look that runs
+  std::optional<Hash> hash;                          // the hash that runs
+  std::deque<Announce> announces;                    // out, not answered
+  std::deque<AnnounceAgain> agains;                  // out, not answered
+  std::map<std::string, Fetch> fetches;              // by name: running
+  std::set<uint64_t> synced;                         // generations handed on
+  std::vector<std::pair<size_t, std::string>> late;  // holdings not come yet, by index
   uint64_t ino = 100;
 
   static CoreOptions options() {
@@ -199,6 +202,13 @@ struct Harness {
         core.settled();
         break;
       case 12:
+        if (!late.empty() && in.ConsumeBool()) {  // a node's holdings that did not come, come
+          const auto [index, value] = late.back();
+          late.pop_back();
+          core.onLateHoldings(core.generation() - in.ConsumeIntegralInRange<uint64_t>(0, 1), index,
+                              value);
+          break;
+        }
         core.onHoldings(core.generation() - in.ConsumeIntegralInRange<uint64_t>(0, 1),
                         Status(StatusCode::kDeadlineExceeded, "late"));
         break;
@@ -269,7 +279,19 @@ struct Harness {
       }
       values.push_back(encodeHoldings(kNodes[i], held));
     }
-    core.onHoldings(gen, values);
+    late.clear();
+    if (!in.ConsumeBool()) {
+      core.onHoldings(gen, values);
+      return;
+    }
+    // Some did not come in time: those come later (case 12), in any order, or never.
+    std::vector<std::optional<std::string>> some(values.begin(), values.end());
+    for (size_t i = 1; i < some.size(); ++i) {
+      if (!in.ConsumeBool()) continue;
+      late.emplace_back(i, *some[i]);
+      some[i].reset();
+    }
+    core.onSomeHoldings(gen, some);
   }
 
   void answerFetch(FuzzedDataProvider& in) {

@@ -22,7 +22,10 @@ void ReplicationCore::announce(const SnapshotVersion& v, const std::string& sour
   for (int r : ranks) {
     std::vector<std::string> line;
     for (int next = r; next >= 0 && next < count && next != round_.self;) {
-      if (announcing_.unanswering.count(nodes[next]) != 0) {
+      if (nodes[next].empty()) {
+        // A node whose holdings have not come (or were unreadable): not known to be one of the
+        // round yet. Told what it missed once they come (onLateHoldings).
+      } else if (announcing_.unanswering.count(nodes[next]) != 0) {
         keepToTellAgain(Unannounced{v, source, origin, nodes[next], round_.number});
         missed = true;
       } else {
@@ -119,6 +122,7 @@ std::vector<int> ReplicationCore::chainAfter(const std::string& origin) const {
 }
 
 int ReplicationCore::rankOf(const std::string& endpoint) const {
+  if (endpoint.empty()) return -1;  // the place of a node not known (yet)
   const auto& nodes = round_.nodes;
   auto at = std::find(nodes.begin(), nodes.end(), endpoint);
   return at == nodes.end() ? -1 : static_cast<int>(at - nodes.begin());
@@ -131,11 +135,11 @@ void ReplicationCore::onAnnounce(const SnapshotVersion& announced, const std::st
   // which has the job's token). While a round's holdings are still awaited, who is a node is not
   // known yet: the announcement waits for them (a few, the newest kept).
   if (!round_.nodes_known) {
-    if (round_.unverified.size() >= options_.max_unverified) round_.unverified.pop_front();
-    round_.unverified.push_back(Round::Unverified{announced, source, origin});
+    keepUnverified(announced, source, origin);
     return;
   }
   if (rankOf(source) < 0) {
+    if (keepUnverified(announced, source, origin)) return;
     if (auto n = warnings_.ignored.note(source, clock_.now())) {
       snapLog()->warn(
           "snapshot: ignored {} announcement(s) from {}, which is not a node of round {} (the "
@@ -197,6 +201,7 @@ uint64_t ReplicationCore::beginRound(uint64_t round, int index) {
   round_.rank = index;
   round_.nodes_known = false;  // announcements wait for this round's holdings
   round_.holdings_in = false;
+  round_.missing.clear();
   announcing_.unanswering.clear();  // this round's nodes are tried afresh
   replica_.retryGivenUp();
   replica_.setSelfIndex(index);
@@ -225,28 +230,115 @@ void ReplicationCore::onHoldings(uint64_t generation,
     finishSync(generation);
     return;
   }
-  learnHoldings(*values);
+  learnHoldings(std::vector<std::optional<std::string>>(values->begin(), values->end()));
   dropGoneSources();
   nodesKnown();
   finishSync(generation);
 }
 
-void ReplicationCore::learnHoldings(const std::vector<std::string>& values) {
+void ReplicationCore::onSomeHoldings(uint64_t generation,
+                                     const std::vector<std::optional<std::string>>& values) {
+  if (generation != generation_ || round_.holdings_in) return;
+  std::vector<std::string> late;
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (values[i] || static_cast<int>(i) == round_.rank) continue;
+    round_.missing.insert(i);
+    if (late.size() < 5) late.push_back(std::to_string(i + 1));
+  }
+  if (!round_.missing.empty()) {  // (the last may have come since the shell's wait ended)
+    snapLog()->warn(
+        "snapshot: the holdings of replicating node(s) {}{} of {} did not arrive in time; round {} "
+        "starts with the {} that did, and takes the others in when theirs come",
+        join(late, ", "), round_.missing.size() > late.size() ? ", ..." : "", values.size(),
+        round_.number, values.size() - round_.missing.size());
+  }
+  learnHoldings(values);
+  dropGoneSources();
+  nodesKnown();
+  finishSync(generation);
+}
+
+void ReplicationCore::onLateHoldings(uint64_t generation, size_t index, const std::string& value) {
+  if (generation != generation_ || round_.missing.erase(index) == 0) return;
+  if (auto held = learnHoldingsOf(index, value)) tellLateNode(index, *held);
+  // Announcements from it waited; those from sources still unknown wait on while other nodes'
+  // holdings are missing, and are ignored once none is.
+  replayUnverified();
+  pump();
+}
+
+void ReplicationCore::tellLateNode(size_t index, const std::vector<SnapshotVersion>& held) {
+  const std::string& peer = round_.nodes[index];
+  if (rankOf(peer) != static_cast<int>(index)) {  // an endpoint another node of the round has
+    snapLog()->warn(
+        "snapshot: the late holdings of replicating node {} of {} in round {} name {}, which "
+        "another node of the round published: ignored",
+        index + 1, round_.nodes.size(), round_.number, quotePeerText(peer, 100));
+    round_.nodes[index].clear();
+    return;
+  }
+  // It read the others' holdings as they were at the round's start: what it lacks of this round
+  // (written or heard of here since) is told at once, as one list.
+  std::map<std::string, uint64_t> has;
+  for (const auto& v : held) has[v.name] = v.version;
+  const uint64_t this_round = makeSnapshotVersion(round_.number, 0);
+  std::vector<Unannounced> items;
+  for (const auto& v : replica_.heldList()) {
+    if (v.version < this_round) continue;
+    auto it = has.find(v.name);
+    if (it != has.end() && it->second >= v.version) continue;
+    items.push_back(Unannounced{v, endpoint_, endpoint_, peer, round_.number});
+  }
+  snapLog()->info(
+      "snapshot: the holdings of replicating node {} of {} ({}) came late; it is a node of round "
+      "{} from now on{}",
+      index + 1, round_.nodes.size(), quotePeerText(peer, 100), round_.number,
+      items.empty() ? "" : ", told of " + std::to_string(items.size()) + " version(s) held here");
+  if (items.empty()) return;
+  ++announcing_.in_flight;
+  emit(AnnounceAgain{peer, std::move(items)});
+}
+
+void ReplicationCore::learnHoldings(const std::vector<std::optional<std::string>>& values) {
   round_.nodes.assign(values.size(), "");
   round_.self = round_.rank;
   for (size_t i = 0; i < values.size(); ++i) {
-    auto h = decodeHoldings(values[i]);
-    if (!h.isOk()) {
-      snapLog()->warn("snapshot: the holdings of replicating node {} of {} in round {}: {}", i + 1,
-                      values.size(), round_.number, h.status().message());
-      continue;
-    }
-    round_.nodes[i] = h->first;
-    if (static_cast<int>(i) == round_.self) continue;
+    if (values[i]) learnHoldingsOf(i, *values[i]);
+  }
+  // This node's own, even when the store did not answer it back.
+  const auto self = static_cast<size_t>(round_.self);
+  if (round_.self >= 0 && self < values.size() && !values[self]) round_.nodes[self] = endpoint_;
+}
+
+std::optional<std::vector<SnapshotVersion>> ReplicationCore::learnHoldingsOf(
+    size_t index, const std::string& value) {
+  auto h = decodeHoldings(value);
+  if (!h.isOk()) {
+    snapLog()->warn("snapshot: the holdings of replicating node {} of {} in round {}: {}",
+                    index + 1, round_.nodes.size(), round_.number, h.status().message());
+    return std::nullopt;
+  }
+  round_.nodes[index] = h->first;
+  if (static_cast<int>(index) != round_.self) {
     for (const auto& v : h->second) {
       if (replica_.shouldInstall(v) && tookHolder(v, h->first)) heardOf(v);
     }
   }
+  return std::move(h->second);
+}
+
+bool ReplicationCore::keepUnverified(const SnapshotVersion& v, const std::string& source,
+                                     const std::string& origin) {
+  if (round_.nodes_known && round_.missing.empty()) return false;
+  if (round_.unverified.size() >= options_.max_unverified) round_.unverified.pop_front();
+  round_.unverified.push_back(Round::Unverified{v, source, origin});
+  return true;
+}
+
+void ReplicationCore::replayUnverified() {
+  auto waiting = std::move(round_.unverified);
+  round_.unverified.clear();
+  for (const auto& u : waiting) onAnnounce(u.version, u.source, u.origin);
 }
 
 void ReplicationCore::dropGoneSources() {
@@ -279,9 +371,7 @@ void ReplicationCore::dropGoneSources() {
 
 void ReplicationCore::nodesKnown() {
   round_.nodes_known = true;
-  auto waiting = std::move(round_.unverified);
-  round_.unverified.clear();
-  for (const auto& u : waiting) onAnnounce(u.version, u.source, u.origin);
+  replayUnverified();
 }
 
 void ReplicationCore::finishSync(uint64_t generation) {

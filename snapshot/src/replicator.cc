@@ -35,6 +35,10 @@ namespace {
 // at and versioned (Quiet::kVersioned): a checkpoint of 2000 files is hashed in ~6 s here. A
 // round's sync waits at most half the holdings timeout, which the other nodes wait for it.
 constexpr auto kVersionedWithin = std::chrono::seconds(10);
+// Once the holdings timeout passed, each key is read on its own (a wait this short answers what
+// is there), and a node's that was not is awaited in waits of kLateWait while the round lasts.
+constexpr auto kReadNow = std::chrono::milliseconds(200);
+constexpr auto kLateWait = std::chrono::seconds(60);
 
 CoreOptions coreOptions(const SnapshotLimits& limits) {
   CoreOptions o;
@@ -64,16 +68,18 @@ StatusOr<ServeFault> parseSnapshotFault(const std::string& text) {
   if (text.empty()) return fault;
   auto parts = split(text, ':');
   auto count = parts.size() == 2 ? parseInt(parts[1]) : std::nullopt;
-  if (!count || *count < 0 || *count > 1000 ||
+  const bool late = !parts.empty() && parts[0] == "late-holdings";
+  if (!count || *count < 0 || *count > (late ? 600000 : 1000) ||
       (parts[0] != "in-flight" && parts[0] != "at-source" && parts[0] != "slow" &&
-       parts[0] != "slow-hash")) {
+       parts[0] != "slow-hash" && !late)) {
     return invalidArgument("DDPRUN_SNAPSHOT_FAULT: '" + text +
-                           "' is not in-flight:N, at-source:N, slow:MS or slow-hash:MS (a test "
-                           "hook)");
+                           "' is not in-flight:N, at-source:N, slow:MS, slow-hash:MS (N and MS up "
+                           "to 1000) or late-holdings:MS (up to 600000) (a test hook)");
   }
   fault.kind = parts[0] == "in-flight"   ? ServeFault::Kind::kInFlight
                : parts[0] == "at-source" ? ServeFault::Kind::kAtSource
                : parts[0] == "slow"      ? ServeFault::Kind::kSlow
+               : late                    ? ServeFault::Kind::kLateHoldings
                                          : ServeFault::Kind::kSlowHash;
   fault.count = static_cast<int>(*count);
   return fault;
@@ -137,6 +143,10 @@ struct Replicator::Parts {
 
   void syncRound(uint64_t round, int rank, std::vector<int> ranks, HoldingsBoard& board,
                  std::function<void()> done);
+  // The holdings did not all come within holdings_timeout: each key read on its own, the round
+  // started with those there, and the others awaited (readLate).
+  void readSome(HoldingsBoard& board, const std::vector<std::string>& keys, uint64_t generation);
+  void readLate(HoldingsBoard& board, const std::string& key, size_t index, uint64_t generation);
   bool isQuiet(Quiet level) const;
   void whenQuiet(Quiet level, Duration grace, Duration bound, std::function<void()> done);
 
@@ -460,23 +470,86 @@ void Replicator::Parts::syncRound(uint64_t round, int rank, std::vector<int> ran
       std::min<Duration>(kVersionedWithin, options.holdings_timeout / 2);
   auto publish = [this, &board, key = prefix + std::to_string(rank), keys, generation] {
     if (generation != core.generation()) return;
-    board.put(key, core.holdings(),
-              whileAliveWith<Status>([this, &board, keys, generation](Status st) {
-                if (generation != core.generation()) return;
-                if (!st.isOk()) {
-                  core.onHoldingsNotPublished(generation, st);
-                  carryOut();
-                  return;
-                }
-                board.waitAll(keys, options.holdings_timeout,
-                              whileAliveWith<StatusOr<std::vector<std::string>>>(
-                                  [this, generation](StatusOr<std::vector<std::string>> values) {
-                                    core.onHoldings(generation, values);
-                                    carryOut();
-                                  }));
-              }));
+    board.put(
+        key, core.holdings(), whileAliveWith<Status>([this, &board, keys, generation](Status st) {
+          if (generation != core.generation()) return;
+          if (!st.isOk()) {
+            core.onHoldingsNotPublished(generation, st);
+            carryOut();
+            return;
+          }
+          board.waitAll(
+              keys, options.holdings_timeout,
+              whileAliveWith<StatusOr<std::vector<std::string>>>(
+                  [this, &board, keys, generation](StatusOr<std::vector<std::string>> values) {
+                    if (generation != core.generation()) return;
+                    if (!values.isOk() && values.status().code() == StatusCode::kDeadlineExceeded) {
+                      readSome(board, keys, generation);
+                      return;
+                    }
+                    core.onHoldings(generation, values);
+                    carryOut();
+                  }));
+        }));
   };
+  if (options.fault.kind == ServeFault::Kind::kLateHoldings) {  // the test hook: as if stalled
+    auto late = std::make_shared<boost::asio::steady_timer>(io);
+    late->expires_after(std::chrono::milliseconds(options.fault.count));
+    late->async_wait([this, late, alive = std::weak_ptr<int>(alive_), versioned_within,
+                      publish = std::move(publish)](const boost::system::error_code& ec) mutable {
+      if (!ec && alive.lock()) {
+        whenQuiet(Quiet::kVersioned, Duration::zero(), versioned_within, std::move(publish));
+      }
+    });
+    return;
+  }
   whenQuiet(Quiet::kVersioned, Duration::zero(), versioned_within, std::move(publish));
+}
+
+void Replicator::Parts::readSome(HoldingsBoard& board, const std::vector<std::string>& keys,
+                                 uint64_t generation) {
+  struct Reading {
+    std::vector<std::optional<std::string>> values;
+    size_t left = 0;
+  };
+  auto reading = std::make_shared<Reading>();
+  reading->values.resize(keys.size());
+  reading->left = keys.size();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    board.waitAll(
+        {keys[i]}, kReadNow,
+        whileAliveWith<StatusOr<std::vector<std::string>>>(
+            [this, &board, keys, generation, reading, i](StatusOr<std::vector<std::string>> value) {
+              if (value.isOk() && value->size() == 1) reading->values[i] = std::move((*value)[0]);
+              if (--reading->left != 0 || generation != core.generation()) return;
+              core.onSomeHoldings(generation, reading->values);
+              carryOut();
+              for (size_t k = 0; k < keys.size(); ++k) {
+                if (!reading->values[k]) readLate(board, keys[k], k, generation);
+              }
+            }));
+  }
+}
+
+void Replicator::Parts::readLate(HoldingsBoard& board, const std::string& key, size_t index,
+                                 uint64_t generation) {
+  board.waitAll(
+      {key}, kLateWait,
+      whileAliveWith<StatusOr<std::vector<std::string>>>(
+          [this, &board, key, index, generation](StatusOr<std::vector<std::string>> value) {
+            if (generation != core.generation()) return;  // the round is over
+            if (value.isOk() && value->size() == 1) {
+              core.onLateHoldings(generation, index, (*value)[0]);
+              carryOut();
+            } else if (!value.isOk() && value.status().code() == StatusCode::kDeadlineExceeded) {
+              readLate(board, key, index, generation);
+            } else {
+              snapLog()->warn(
+                  "snapshot: stopped waiting for the holdings of replicating node {} "
+                  "in this round: {}",
+                  index + 1, value.isOk() ? "a malformed answer" : value.status().message());
+            }
+          }));
 }
 
 bool Replicator::Parts::isQuiet(Quiet level) const {

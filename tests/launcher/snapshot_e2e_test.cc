@@ -284,6 +284,50 @@ TEST_CASE(
   CHECK(logs.find("failed at") == std::string::npos);
 }
 
+TEST_CASE(
+    "a node whose holdings come after the others started the round is taken in: what each node "
+    "writes reaches every node",
+    "[snapshot]") {
+  // Three nodes; the middle one publishes its holdings 17 s late (DDPRUN_SNAPSHOT_FAULT, as an
+  // agent stalled at the round's start), past the others' 15 s wait. They start the round with
+  // each other, take it in once its holdings come, and tell it what their workers wrote
+  // meanwhile; what its workers write is taken.
+  RendezvousDaemon rdzv;
+  TempDir a_dir, b_dir, c_dir, flags;
+  const std::string stop = flags / "stop";
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const std::string script = "echo \"$NODE\" > " + d + "/\"$NODE.tmp\" && mv " + d +
+                             "/\"$NODE.tmp\" " + d + "/\"$NODE.bin\"; while [ ! -e '" + stop +
+                             "' ]; do sleep 0.05; done";
+  std::vector<std::unique_ptr<Process>> nodes;
+  nodes.push_back(node({"127.0.0.2", a_dir.path(), {{"NODE", "a"}}}, rdzv.endpoint, "3",
+                       "snap-late", 1, writerScript(script)));
+  nodes.push_back(node({"127.0.0.3",
+                        b_dir.path(),
+                        {{"NODE", "b"}, {"DDPRUN_SNAPSHOT_FAULT", "late-holdings:17000"}}},
+                       rdzv.endpoint, "3", "snap-late", 1, writerScript(script)));
+  nodes.push_back(node({"127.0.0.4", c_dir.path(), {{"NODE", "c"}}}, rdzv.endpoint, "3",
+                       "snap-late", 1, writerScript(script)));
+  const bool everywhere = waitUntil(
+      [&] {
+        for (const auto* dir : {&a_dir, &b_dir, &c_dir}) {
+          for (const std::string n : {"a", "b", "c"}) {
+            if (readFile(*dir / (n + ".bin")) != n + "\n") return false;
+          }
+        }
+        return true;
+      },
+      90s);
+  INFO(nodes[0]->err() << "\n" << nodes[1]->err() << "\n" << nodes[2]->err());
+  REQUIRE(everywhere);
+  const std::string logs = logsThenStop(nodes, stop);
+  INFO(logs);
+  // The two others started without it, and took it in (its own wait saw every node's).
+  CHECK(countOf(logs, "did not arrive in time") == 2);
+  CHECK(countOf(logs, "came late; it is a node of round 1 from now on") == 2);
+  CHECK(logs.find("which is not a node of round") == std::string::npos);
+}
+
 TEST_CASE("a transfer corrupted in flight or at the source is rejected and retried", "[snapshot]") {
   // 70 MiB: a file announced before its hash is known, fetched over two streams; the CRC-32 that
   // exposes the source's corruption follows the last chunks.

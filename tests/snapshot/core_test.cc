@@ -226,6 +226,90 @@ TEST_CASE("announcements wait for the round's nodes and are taken only from them
   CHECK(fetch.transfer.source == kPeer1);
 }
 
+TEST_CASE(
+    "holdings that did not all come start the round with the nodes that published theirs, and a "
+    "late node is taken in, and told what it lacks, when its holdings come",
+    "[snapshot_core]") {
+  Shell s;
+  const uint64_t gen = s.core.beginRound(1, 0);
+  const auto held_there = version("old.bin", makeSnapshotVersion(0, 2));
+  // n2's holdings did not come in time (its agent stalled at the round's start).
+  s.core.onSomeHoldings(
+      gen, {encodeHoldings(kSelf, {}), encodeHoldings(kPeer1, {held_there}), std::nullopt});
+  auto fetch = Shell::only<Fetch>(s.actions());
+  CHECK(fetch.transfer.source == kPeer1);
+  s.core.onFetched(Fetched{fetch.transfer, Status::ok(), 5, "/t", false});
+  auto install = Shell::only<Install>(s.actions());
+  s.core.onInstalled(Installed{install.transfer, "", Status::ok(), fileId(8)});
+  CHECK(Shell::only<SyncDone>(s.actions()).generation == gen);  // the round started
+  // What is written here goes to the nodes known; n2 is not announced to (nor retried).
+  auto announce = Shell::only<Announce>(s.write("ckpt.pt", 11));
+  REQUIRE(announce.lines.size() == 1);
+  CHECK(announce.lines[0] == std::vector<std::string>{kPeer1});
+  s.core.onAnnounced(Announced{announce, {}});
+  // n2, which knows the round (it read everyone's holdings), announces what its workers wrote:
+  // that waits for its holdings, as does a stranger's.
+  const auto from_late = version("late.bin", makeSnapshotVersion(1, 1));
+  s.core.onAnnounce(from_late, kPeer2, kPeer2);
+  s.core.onAnnounce(version("x.bin", makeSnapshotVersion(1, 1)), "stranger:1", "stranger:1");
+  CHECK(Shell::all<Fetch>(s.actions()).empty());
+  // Late holdings of another generation, or of a node that was not missing, are ignored.
+  s.core.onLateHoldings(gen + 1, 2, encodeHoldings(kPeer2, {}));
+  s.core.onLateHoldings(gen, 1, encodeHoldings(kPeer2, {}));
+  CHECK(s.actions().empty());
+  // n2's come: it is told what it lacks of this round (not old.bin, from the round before, which
+  // it read in n1's holdings), and its announcement is taken (the stranger's still is not).
+  s.core.onLateHoldings(gen, 2, encodeHoldings(kPeer2, {}));
+  auto acts = s.actions();
+  auto again = Shell::only<AnnounceAgain>(acts);
+  CHECK(again.peer == kPeer2);
+  REQUIRE(again.items.size() == 1);
+  CHECK(again.items[0].version.name == "ckpt.pt");
+  CHECK(again.items[0].source == kSelf);
+  auto late_fetch = Shell::only<Fetch>(acts);
+  CHECK(late_fetch.transfer.file.name == "late.bin");
+  CHECK(late_fetch.transfer.source == kPeer2);
+  CHECK_FALSE(s.core.replicated());
+  s.core.onAnnouncedAgain(again, again.items.size());
+  // From now on n2 is a node of the chain.
+  auto next = Shell::only<Announce>(s.write("ckpt2.pt", 12));
+  REQUIRE(next.lines.size() == 1);
+  CHECK(next.lines[0] == std::vector<std::string>{kPeer1, kPeer2});
+  // A node whose late holdings list what it holds already is told nothing; unreadable ones leave
+  // it out of the round.
+  Shell t;
+  const uint64_t g = t.core.beginRound(1, 0);
+  t.core.onSomeHoldings(g, {encodeHoldings(kSelf, {}), std::nullopt, std::nullopt});
+  t.actions();
+  const auto written = Shell::only<Hold>(t.write("a.pt", 3)).version;  // announced to no one
+  t.core.onLateHoldings(g, 1, encodeHoldings(kPeer1, {written}));
+  t.core.onLateHoldings(g, 2, "");  // no endpoint
+  CHECK(Shell::all<AnnounceAgain>(t.actions()).empty());
+  t.core.onAnnounce(version("b.bin", makeSnapshotVersion(1, 1)), kPeer2, kPeer2);
+  CHECK(Shell::all<Fetch>(t.actions()).empty());
+  t.core.onAnnounce(version("b.bin", makeSnapshotVersion(1, 1)), kPeer1, kPeer1);
+  CHECK(Shell::only<Fetch>(t.actions()).transfer.source == kPeer1);
+  // Late holdings naming another node's endpoint do not make it a node twice.
+  Shell u;
+  const uint64_t h = u.core.beginRound(1, 0);
+  u.core.onSomeHoldings(h, {encodeHoldings(kSelf, {}), encodeHoldings(kPeer1, {}), std::nullopt});
+  u.actions();
+  u.write("c.pt", 4);
+  u.core.onLateHoldings(h, 2, encodeHoldings(kPeer1, {}));
+  CHECK(Shell::all<AnnounceAgain>(u.actions()).empty());
+  CHECK(Shell::only<Announce>(u.write("d.pt", 5)).lines[0] == std::vector<std::string>{kPeer1});
+  // This node's own holdings not read back (the store did not answer it): it is still itself, and
+  // the chain after it steps over the node not known.
+  Shell w;
+  const uint64_t k = w.core.beginRound(1, 1);
+  w.core.onSomeHoldings(k, {encodeHoldings(kPeer1, {}), std::nullopt, std::nullopt});
+  CHECK(Shell::only<SyncDone>(w.actions()).generation == k);
+  auto own = Shell::only<Announce>(w.write("e.pt", 6));
+  CHECK(own.source == kSelf);
+  REQUIRE(own.lines.size() == 1);
+  CHECK(own.lines[0] == std::vector<std::string>{kPeer1});
+}
+
 TEST_CASE("a fetched copy is installed only if still newer, and then passed on down the chain",
           "[snapshot_core]") {
   Shell s;

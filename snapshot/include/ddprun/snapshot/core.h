@@ -323,8 +323,17 @@ class ReplicationCore {
   // What this node publishes for the round.
   std::string holdings() const;
   void onHoldingsNotPublished(uint64_t generation, const Status& why);
-  // Every replicating node's holdings, by index (or why they did not arrive).
+  // Every replicating node's holdings, by index (or why none could be read).
   void onHoldings(uint64_t generation, const StatusOr<std::vector<std::string>>& values);
+  // Not every node's holdings came within the shell's bound: those that did, by index (nothing
+  // for a node whose did not). The round starts with the nodes that published theirs; the others
+  // are not announced to, and their announcements wait (a few, the newest kept), until
+  // onLateHoldings takes them in.
+  void onSomeHoldings(uint64_t generation, const std::vector<std::optional<std::string>>& values);
+  // The holdings of node `index`, missing from onSomeHoldings, came: it is a node of the round
+  // from now on, and is told what this node holds of the round that its holdings lack (it read
+  // the others' holdings as they were at the round's start).
+  void onLateHoldings(uint64_t generation, size_t index, const std::string& value);
 
   // ---- Transfers.
   void onFetched(const Fetched& done);
@@ -387,6 +396,7 @@ class ReplicationCore {
       std::string origin;
     };
     std::deque<Unverified> unverified;  // announcements that came before its nodes were known
+    std::set<size_t> missing;           // nodes whose holdings did not come (onSomeHoldings)
     bool holdings_in = false;           // its holdings came (or will not): once a round
     bool syncing = false;               // and SyncDone is due once nothing is wanted
   };
@@ -437,7 +447,17 @@ class ReplicationCore {
   int rankOf(const std::string& endpoint) const;
   bool tookHolder(const SnapshotVersion& v, const std::string& source);
   void heardOf(const SnapshotVersion& v);
-  void learnHoldings(const std::vector<std::string>& values);
+  void learnHoldings(const std::vector<std::optional<std::string>>& values);
+  // Node `index`'s holdings: its endpoint, and what it holds that is newer here. Returns what it
+  // holds (nothing: unreadable, warned).
+  std::optional<std::vector<SnapshotVersion>> learnHoldingsOf(size_t index,
+                                                              const std::string& value);
+  // Node `index`, whose holdings (`held`) came late, is told what it lacks of the round.
+  void tellLateNode(size_t index, const std::vector<SnapshotVersion>& held);
+  // Announcements from an unknown source wait while some node's holdings are missing.
+  bool keepUnverified(const SnapshotVersion& v, const std::string& source,
+                      const std::string& origin);
+  void replayUnverified();
   void dropGoneSources();
   void nodesKnown();
   void finishSync(uint64_t generation);

@@ -39,9 +39,11 @@ struct ReplicatorOptions {
   std::string run_id;
   std::string local_addr;  // advertised host; the service listens on it (a name: on 0.0.0.0)
   TransferSecurity security;
-  ServeFault fault;                                      // test hook (DDPRUN_SNAPSHOT_FAULT)
-  size_t fetch_streams = kDefaultFetchStreams;           // DDPRUN_SNAPSHOT_STREAMS
-  Duration holdings_timeout = std::chrono::seconds(15);  // waiting for the others' holdings
+  ServeFault fault;                             // test hook (DDPRUN_SNAPSHOT_FAULT)
+  size_t fetch_streams = kDefaultFetchStreams;  // DDPRUN_SNAPSHOT_STREAMS
+  // Waiting for the others' holdings at a round's start: past it the round starts with the nodes
+  // whose holdings came, and takes the others in as theirs come.
+  Duration holdings_timeout = std::chrono::seconds(15);
   SnapshotLimits limits;  // --snapshot-limits: bounds against peers that misbehave
 };
 
@@ -59,8 +61,8 @@ class HoldingsBoard {
 
 // INVALID_ARGUMENT: a --snapshot-dir that is missing, not a directory or not writable.
 Status checkSnapshotDir(const std::string& dir);
-// DDPRUN_SNAPSHOT_FAULT=in-flight:N | at-source:N | slow:MS | slow-hash:MS (test hook);
-// INVALID_ARGUMENT when malformed.
+// DDPRUN_SNAPSHOT_FAULT=in-flight:N | at-source:N | slow:MS | slow-hash:MS | late-holdings:MS
+// (test hook); INVALID_ARGUMENT when malformed.
 StatusOr<ServeFault> parseSnapshotFault(const std::string& text);
 // DDPRUN_SNAPSHOT_STREAMS=N: at most N streams at once for one large fetch (1-16; empty: the
 // default); INVALID_ARGUMENT naming the variable otherwise.

@@ -146,9 +146,18 @@ struct TransferSecurity {
 // not match its announced CRC-32, as a bad disk at the source would give); or (kSlow) pause
 // `count` milliseconds before every chunk, so a test can kill a writer mid-transfer. kSlowHash is
 // the agent's, not the server's: it pauses `count` milliseconds before hashing each file written
-// on its node, so a test can end a round while files are still to be hashed.
+// on its node, so a test can end a round while files are still to be hashed. kLateHoldings is the
+// agent's too: it publishes each round's holdings `count` milliseconds late, as an agent stalled
+// at the round's start would.
 struct ServeFault {
-  enum class Kind { kNone, kInFlight, kAtSource, kSlow, kSlowHash } kind = Kind::kNone;
+  enum class Kind {
+    kNone,
+    kInFlight,
+    kAtSource,
+    kSlow,
+    kSlowHash,
+    kLateHoldings
+  } kind = Kind::kNone;
   int count = 0;
 };
 
