@@ -139,7 +139,17 @@ void ReplicationCore::onAnnounce(const SnapshotVersion& announced, const std::st
     return;
   }
   if (rankOf(source) < 0) {
-    if (keepUnverified(announced, source, origin)) return;
+    if (keepUnverified(announced, source, origin)) {
+      if (auto n = warnings_.ignored.note(source, clock_.now())) {
+        snapLog()->warn(
+            "snapshot: holding back {} announcement(s) from {}, which is not a node of round {} "
+            "whose holdings came (the last: {} version {}): taken if it is one whose holdings are "
+            "late",
+            *n, quotePeerText(source, 100), round_.number, quotePeerText(announced.name, 200),
+            versionText(announced.version));
+      }
+      return;
+    }
     if (auto n = warnings_.ignored.note(source, clock_.now())) {
       snapLog()->warn(
           "snapshot: ignored {} announcement(s) from {}, which is not a node of round {} (the "
@@ -260,7 +270,20 @@ void ReplicationCore::onSomeHoldings(uint64_t generation,
 
 void ReplicationCore::onLateHoldings(uint64_t generation, size_t index, const std::string& value) {
   if (generation != generation_ || round_.missing.erase(index) == 0) return;
-  if (auto held = learnHoldingsOf(index, value)) tellLateNode(index, *held);
+  auto h = decodeHoldings(value);
+  if (!h.isOk()) {
+    snapLog()->warn("snapshot: the late holdings of replicating node {} of {} in round {}: {}",
+                    index + 1, round_.nodes.size(), round_.number, h.status().message());
+  } else if (h->first == endpoint_ || rankOf(h->first) >= 0) {
+    // A node of the round (this one included) has that endpoint already: not a node twice.
+    snapLog()->warn(
+        "snapshot: the late holdings of replicating node {} of {} in round {} name {}, which "
+        "another node of the round published: ignored",
+        index + 1, round_.nodes.size(), round_.number, quotePeerText(h->first, 100));
+  } else {
+    learnHoldingsOf(index, *h);
+    tellLateNode(index, h->second);
+  }
   // Announcements from it waited; those from sources still unknown wait on while other nodes'
   // holdings are missing, and are ignored once none is.
   replayUnverified();
@@ -269,14 +292,6 @@ void ReplicationCore::onLateHoldings(uint64_t generation, size_t index, const st
 
 void ReplicationCore::tellLateNode(size_t index, const std::vector<SnapshotVersion>& held) {
   const std::string& peer = round_.nodes[index];
-  if (rankOf(peer) != static_cast<int>(index)) {  // an endpoint another node of the round has
-    snapLog()->warn(
-        "snapshot: the late holdings of replicating node {} of {} in round {} name {}, which "
-        "another node of the round published: ignored",
-        index + 1, round_.nodes.size(), round_.number, quotePeerText(peer, 100));
-    round_.nodes[index].clear();
-    return;
-  }
   // It read the others' holdings as they were at the round's start: what it lacks of this round
   // (written or heard of here since) is told at once, as one list.
   std::map<std::string, uint64_t> has;
@@ -303,28 +318,27 @@ void ReplicationCore::learnHoldings(const std::vector<std::optional<std::string>
   round_.nodes.assign(values.size(), "");
   round_.self = round_.rank;
   for (size_t i = 0; i < values.size(); ++i) {
-    if (values[i]) learnHoldingsOf(i, *values[i]);
+    if (!values[i]) continue;
+    auto h = decodeHoldings(*values[i]);
+    if (!h.isOk()) {
+      snapLog()->warn("snapshot: the holdings of replicating node {} of {} in round {}: {}", i + 1,
+                      values.size(), round_.number, h.status().message());
+      continue;
+    }
+    learnHoldingsOf(i, *h);
   }
   // This node's own, even when the store did not answer it back.
   const auto self = static_cast<size_t>(round_.self);
   if (round_.self >= 0 && self < values.size() && !values[self]) round_.nodes[self] = endpoint_;
 }
 
-std::optional<std::vector<SnapshotVersion>> ReplicationCore::learnHoldingsOf(
-    size_t index, const std::string& value) {
-  auto h = decodeHoldings(value);
-  if (!h.isOk()) {
-    snapLog()->warn("snapshot: the holdings of replicating node {} of {} in round {}: {}",
-                    index + 1, round_.nodes.size(), round_.number, h.status().message());
-    return std::nullopt;
+void ReplicationCore::learnHoldingsOf(
+    size_t index, const std::pair<std::string, std::vector<SnapshotVersion>>& holdings) {
+  round_.nodes[index] = holdings.first;
+  if (static_cast<int>(index) == round_.self) return;
+  for (const auto& v : holdings.second) {
+    if (replica_.shouldInstall(v) && tookHolder(v, holdings.first)) heardOf(v);
   }
-  round_.nodes[index] = h->first;
-  if (static_cast<int>(index) != round_.self) {
-    for (const auto& v : h->second) {
-      if (replica_.shouldInstall(v) && tookHolder(v, h->first)) heardOf(v);
-    }
-  }
-  return std::move(h->second);
 }
 
 bool ReplicationCore::keepUnverified(const SnapshotVersion& v, const std::string& source,
@@ -347,8 +361,9 @@ void ReplicationCore::dropGoneSources() {
   replica_.keepSources(live);
   // What only the nodes gone were heard to hold is forgotten, with what passing it on needed.
   if (const size_t forgotten = pending - std::min(pending, replica_.pendingNames())) {
-    snapLog()->info("snapshot: forgot {} name(s) that only nodes no longer in round {} held",
-                    forgotten, round_.number);
+    snapLog()->info("snapshot: forgot {} name(s) that only nodes no longer in round {} held{}",
+                    forgotten, round_.number,
+                    round_.missing.empty() ? "" : " (or nodes whose holdings are late)");
   }
   for (auto it = first_heard_.begin(); it != first_heard_.end();) {
     it = replica_.wanted(it->first) ? std::next(it) : first_heard_.erase(it);
@@ -360,12 +375,13 @@ void ReplicationCore::dropGoneSources() {
   for (auto& [name, fetch] : running_) {
     if (fetch.cancelled) continue;  // ended at an earlier round's sync
     if (std::find(live.begin(), live.end(), fetch.source) != live.end()) continue;
-    snapLog()->warn("snapshot: ending the fetch of {} from {}: not a node of round {}", name,
-                    fetch.source, round_.number);
+    // (With holdings late, it may be a node of the round all the same: what it holds is fetched
+    // again once they come.)
+    const std::string why = "not a node of round " + std::to_string(round_.number) +
+                            (round_.missing.empty() ? "" : " whose holdings came");
+    snapLog()->warn("snapshot: ending the fetch of {} from {}: {}", name, fetch.source, why);
     fetch.cancelled = true;
-    emit(CancelFetch{
-        name, Status(StatusCode::kUnavailable,
-                     fetch.source + " is not a node of round " + std::to_string(round_.number))});
+    emit(CancelFetch{name, Status(StatusCode::kUnavailable, fetch.source + " is " + why)});
   }
 }
 

@@ -35,9 +35,10 @@ namespace {
 // at and versioned (Quiet::kVersioned): a checkpoint of 2000 files is hashed in ~6 s here. A
 // round's sync waits at most half the holdings timeout, which the other nodes wait for it.
 constexpr auto kVersionedWithin = std::chrono::seconds(10);
-// Once the holdings timeout passed, each key is read on its own (a wait this short answers what
-// is there), and a node's that was not is awaited in waits of kLateWait while the round lasts.
-constexpr auto kReadNow = std::chrono::milliseconds(200);
+// Once the holdings timeout passed, the keys are read again in parts (a wait this short answers
+// what is there: the store looks as the call comes), and a node's that was not there is awaited in
+// waits of kLateWait while the round lasts.
+constexpr auto kReadNow = std::chrono::milliseconds(50);
 constexpr auto kLateWait = std::chrono::seconds(60);
 
 CoreOptions coreOptions(const SnapshotLimits& limits) {
@@ -143,10 +144,23 @@ struct Replicator::Parts {
 
   void syncRound(uint64_t round, int rank, std::vector<int> ranks, HoldingsBoard& board,
                  std::function<void()> done);
-  // The holdings did not all come within holdings_timeout: each key read on its own, the round
-  // started with those there, and the others awaited (readLate).
+  // The holdings did not all come within holdings_timeout: the keys read again in parts
+  // (readPart), the round started with those there, and the others awaited (readLate).
   void readSome(HoldingsBoard& board, const std::vector<std::string>& keys, uint64_t generation);
-  void readLate(HoldingsBoard& board, const std::string& key, size_t index, uint64_t generation);
+  struct Reading {
+    std::vector<std::string> keys;
+    uint64_t generation = 0;
+    std::vector<std::optional<std::string>> values;
+    size_t waits = 0;  // in flight
+    Status error = Status(StatusCode::kDeadlineExceeded, "no holdings could be read");
+  };
+  void readPart(HoldingsBoard& board, const std::shared_ptr<Reading>& reading, size_t begin,
+                size_t end);
+  void partRead(HoldingsBoard& board, const std::shared_ptr<Reading>& reading, size_t begin,
+                size_t end, const StatusOr<std::vector<std::string>>& values);
+  // (`failed_before`: the store failed the wait before, and said so.)
+  void readLate(HoldingsBoard& board, const std::string& key, size_t index, uint64_t generation,
+                bool failed_before = false);
   bool isQuiet(Quiet level) const;
   void whenQuiet(Quiet level, Duration grace, Duration bound, std::function<void()> done);
 
@@ -508,46 +522,91 @@ void Replicator::Parts::syncRound(uint64_t round, int rank, std::vector<int> ran
 
 void Replicator::Parts::readSome(HoldingsBoard& board, const std::vector<std::string>& keys,
                                  uint64_t generation) {
-  struct Reading {
-    std::vector<std::optional<std::string>> values;
-    size_t left = 0;
-  };
   auto reading = std::make_shared<Reading>();
+  reading->keys = keys;
+  reading->generation = generation;
   reading->values.resize(keys.size());
-  reading->left = keys.size();
-  for (size_t i = 0; i < keys.size(); ++i) {
-    board.waitAll(
-        {keys[i]}, kReadNow,
-        whileAliveWith<StatusOr<std::vector<std::string>>>(
-            [this, &board, keys, generation, reading, i](StatusOr<std::vector<std::string>> value) {
-              if (value.isOk() && value->size() == 1) reading->values[i] = std::move((*value)[0]);
-              if (--reading->left != 0 || generation != core.generation()) return;
-              core.onSomeHoldings(generation, reading->values);
-              carryOut();
-              for (size_t k = 0; k < keys.size(); ++k) {
-                if (!reading->values[k]) readLate(board, keys[k], k, generation);
-              }
-            }));
+  readPart(board, reading, 0, keys.size());
+}
+
+void Replicator::Parts::readPart(HoldingsBoard& board, const std::shared_ptr<Reading>& reading,
+                                 size_t begin, size_t end) {
+  // A wait answers all its keys or none: keys are asked in halves, and a half that times out is
+  // halved again, so m missing of n keys cost about 2m log2(n/m) short waits, not n (every node of
+  // a large job reads at once when one node is late).
+  ++reading->waits;
+  const auto& keys = reading->keys;
+  std::vector<std::string> part(keys.begin() + static_cast<std::ptrdiff_t>(begin),
+                                keys.begin() + static_cast<std::ptrdiff_t>(end));
+  board.waitAll(part, kReadNow,
+                whileAliveWith<StatusOr<std::vector<std::string>>>(
+                    [this, &board, reading, begin, end](StatusOr<std::vector<std::string>> values) {
+                      partRead(board, reading, begin, end, values);
+                    }));
+}
+
+void Replicator::Parts::partRead(HoldingsBoard& board, const std::shared_ptr<Reading>& reading,
+                                 size_t begin, size_t end,
+                                 const StatusOr<std::vector<std::string>>& values) {
+  if (values.isOk() && values->size() == end - begin) {
+    for (size_t i = begin; i < end; ++i) reading->values[i] = (*values)[i - begin];
+  } else if (end - begin > 1 && !values.isOk() &&
+             values.status().code() == StatusCode::kDeadlineExceeded) {
+    const size_t mid = begin + (end - begin) / 2;
+    readPart(board, reading, begin, mid);
+    readPart(board, reading, mid, end);
+  } else if (!values.isOk() && values.status().code() != StatusCode::kDeadlineExceeded) {
+    reading->error = values.status();
+  }
+  const uint64_t generation = reading->generation;
+  if (--reading->waits != 0 || generation != core.generation()) return;
+  const auto& got = reading->values;
+  if (std::none_of(got.begin(), got.end(), [](const auto& v) { return v.has_value(); })) {
+    // Not even this node's own: the store did not answer (the round starts as when it cannot be
+    // read at all).
+    core.onHoldings(generation, reading->error);
+    carryOut();
+    return;
+  }
+  core.onSomeHoldings(generation, got);
+  carryOut();
+  for (size_t k = 0; k < got.size(); ++k) {
+    if (!got[k]) readLate(board, reading->keys[k], k, generation);
   }
 }
 
 void Replicator::Parts::readLate(HoldingsBoard& board, const std::string& key, size_t index,
-                                 uint64_t generation) {
+                                 uint64_t generation, bool failed_before) {
   board.waitAll(
       {key}, kLateWait,
       whileAliveWith<StatusOr<std::vector<std::string>>>(
-          [this, &board, key, index, generation](StatusOr<std::vector<std::string>> value) {
+          [this, &board, key, index, generation,
+           failed_before](StatusOr<std::vector<std::string>> value) {
             if (generation != core.generation()) return;  // the round is over
             if (value.isOk() && value->size() == 1) {
               core.onLateHoldings(generation, index, (*value)[0]);
               carryOut();
             } else if (!value.isOk() && value.status().code() == StatusCode::kDeadlineExceeded) {
               readLate(board, key, index, generation);
-            } else {
-              snapLog()->warn(
-                  "snapshot: stopped waiting for the holdings of replicating node {} "
-                  "in this round: {}",
-                  index + 1, value.isOk() ? "a malformed answer" : value.status().message());
+            } else if (!value.isOk() && value.status().code() == StatusCode::kCancelled) {
+              return;  // the agent leaves or stops
+            } else {   // the store failed (unreachable, a bound): asked again a second later
+              if (!failed_before) {
+                snapLog()->warn(
+                    "snapshot: waiting for the late holdings of replicating node {} in round {}: "
+                    "{}; asking again every second",
+                    index + 1, core.roundNumber(),
+                    value.isOk() ? "a malformed answer" : value.status().message());
+              }
+              auto pause = std::make_shared<boost::asio::steady_timer>(io);
+              pause->expires_after(std::chrono::seconds(1));
+              pause->async_wait(
+                  [this, pause, &board, key, index, generation,
+                   alive = std::weak_ptr<int>(alive_)](const boost::system::error_code& ec) {
+                    if (!ec && alive.lock() && generation == core.generation()) {
+                      readLate(board, key, index, generation, /*failed_before=*/true);
+                    }
+                  });
             }
           }));
 }

@@ -289,15 +289,23 @@ TEST_CASE(
   CHECK(Shell::all<Fetch>(t.actions()).empty());
   t.core.onAnnounce(version("b.bin", makeSnapshotVersion(1, 1)), kPeer1, kPeer1);
   CHECK(Shell::only<Fetch>(t.actions()).transfer.source == kPeer1);
-  // Late holdings naming another node's endpoint do not make it a node twice.
+  // Late holdings naming another node's endpoint (before or after it) or this node's do not make
+  // it a node twice, nor is what they list fetched.
   Shell u;
   const uint64_t h = u.core.beginRound(1, 0);
-  u.core.onSomeHoldings(h, {encodeHoldings(kSelf, {}), encodeHoldings(kPeer1, {}), std::nullopt});
+  u.core.onSomeHoldings(h, {encodeHoldings(kSelf, {}), std::nullopt, encodeHoldings(kPeer2, {}),
+                            std::nullopt, std::nullopt});
   u.actions();
   u.write("c.pt", 4);
-  u.core.onLateHoldings(h, 2, encodeHoldings(kPeer1, {}));
-  CHECK(Shell::all<AnnounceAgain>(u.actions()).empty());
-  CHECK(Shell::only<Announce>(u.write("d.pt", 5)).lines[0] == std::vector<std::string>{kPeer1});
+  const auto listed = version("f.bin", makeSnapshotVersion(1, 1));
+  u.core.onLateHoldings(h, 1, encodeHoldings(kPeer2, {listed}));
+  u.core.onLateHoldings(h, 3, encodeHoldings(kSelf, {listed}));
+  u.core.onLateHoldings(h, 4, encodeHoldings(kPeer1, {}));
+  auto after = u.actions();
+  CHECK(Shell::all<Fetch>(after).empty());
+  CHECK(Shell::only<AnnounceAgain>(after).peer == kPeer1);
+  CHECK(Shell::only<Announce>(u.write("d.pt", 5)).lines[0] ==
+        std::vector<std::string>{kPeer2, kPeer1});
   // This node's own holdings not read back (the store did not answer it): it is still itself, and
   // the chain after it steps over the node not known.
   Shell w;

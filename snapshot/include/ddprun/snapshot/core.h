@@ -320,6 +320,7 @@ class ReplicationCore {
   // it is).
   uint64_t beginRound(uint64_t round, int index);
   uint64_t generation() const { return generation_; }
+  uint64_t roundNumber() const { return round_.number; }
   // What this node publishes for the round.
   std::string holdings() const;
   void onHoldingsNotPublished(uint64_t generation, const Status& why);
@@ -448,10 +449,9 @@ class ReplicationCore {
   bool tookHolder(const SnapshotVersion& v, const std::string& source);
   void heardOf(const SnapshotVersion& v);
   void learnHoldings(const std::vector<std::optional<std::string>>& values);
-  // Node `index`'s holdings: its endpoint, and what it holds that is newer here. Returns what it
-  // holds (nothing: unreadable, warned).
-  std::optional<std::vector<SnapshotVersion>> learnHoldingsOf(size_t index,
-                                                              const std::string& value);
+  // Node `index`'s holdings (decoded): its endpoint, and what it holds that is newer here.
+  void learnHoldingsOf(size_t index,
+                       const std::pair<std::string, std::vector<SnapshotVersion>>& holdings);
   // Node `index`, whose holdings (`held`) came late, is told what it lacks of the round.
   void tellLateNode(size_t index, const std::vector<SnapshotVersion>& held);
   // Announcements from an unknown source wait while some node's holdings are missing.
