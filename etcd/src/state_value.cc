@@ -1,10 +1,10 @@
 #include "state_value.h"
 
-#include <zlib.h>
-
 #include <algorithm>
 #include <charconv>
 #include <map>
+
+#include "ddprun/common/deflate.h"
 
 namespace ddprun::etcd {
 
@@ -21,21 +21,10 @@ constexpr std::string_view kTagPlain = "v2;";
 
 // Snapshots smaller than this are stored as they are: deflating them saves little.
 constexpr size_t kDeflateFrom = 1024;
-// What inflating a stored snapshot allocates at first; the buffer doubles as the stream delivers
-// bytes, so a value that states a large size but holds garbage costs no more than this.
-constexpr size_t kInflateStep = 64 << 10;
 
 void appendSnapshot(std::string& out, const std::string& snapshot) {
-  if (snapshot.size() < kDeflateFrom) {
-    out += 'p';
-    out += snapshot;
-    return;
-  }
-  uLongf room = compressBound(static_cast<uLong>(snapshot.size()));
-  std::string packed(room, '\0');
-  if (compress2(reinterpret_cast<Bytef*>(packed.data()), &room,
-                reinterpret_cast<const Bytef*>(snapshot.data()),
-                static_cast<uLong>(snapshot.size()), Z_BEST_SPEED) != Z_OK) {
+  auto packed = snapshot.size() < kDeflateFrom ? std::nullopt : deflateFast(snapshot);
+  if (!packed) {
     out += 'p';
     out += snapshot;
     return;
@@ -43,7 +32,7 @@ void appendSnapshot(std::string& out, const std::string& snapshot) {
   out += 'z';
   out += std::to_string(snapshot.size());
   out += ':';
-  out.append(packed.data(), room);
+  out += *packed;
 }
 
 // Numbers are decimal followed by a separator; strings "<length>:<bytes>" (as in snapshots).
@@ -272,38 +261,8 @@ StatusOr<std::string> inflateBounded(std::string_view deflated, uint64_t size) {
     return invalidArgument("the stored rendezvous state is unreadable (its snapshot " + why + ")");
   };
   if (size > kMaxStateSnapshotBytes) return bad("states more bytes than any run writes");
-  z_stream zs{};
-  if (inflateInit(&zs) != Z_OK) return bad("cannot be inflated: zlib did not start");
-  std::string out;
-  zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(deflated.data()));
-  zs.avail_in = static_cast<uInt>(std::min<size_t>(deflated.size(), UINT32_MAX));
-  int rc = Z_OK;
-  // The output grows with what the stream delivers, never past the stated size: one byte more
-  // than stated is room to notice a stream that goes on.
-  while (true) {
-    if (zs.total_out == out.size()) {
-      if (out.size() > size) break;
-      out.resize(static_cast<size_t>(std::min<uint64_t>(
-          size + 1, std::max<uint64_t>(kInflateStep, uint64_t{out.size()} * 2))));
-    }
-    zs.next_out = reinterpret_cast<Bytef*>(out.data() + zs.total_out);
-    zs.avail_out = static_cast<uInt>(out.size() - zs.total_out);
-    rc = inflate(&zs, Z_NO_FLUSH);
-    if (rc == Z_STREAM_END) break;
-    if (rc == Z_OK || (rc == Z_BUF_ERROR && zs.avail_out == 0)) continue;
-    break;  // damaged, or the input ended before the stream did
-  }
-  const uint64_t got = zs.total_out;
-  inflateEnd(&zs);
-  if (got > size) {
-    return bad("does not inflate to the " + std::to_string(size) + " bytes stated: it gives more");
-  }
-  if (rc != Z_STREAM_END) return bad("does not inflate");
-  if (got != size) {
-    return bad("does not inflate to the " + std::to_string(size) + " bytes stated: it gives " +
-               std::to_string(got));
-  }
-  out.resize(static_cast<size_t>(got));
+  auto out = inflateExactly(deflated, size);
+  if (!out.isOk()) return bad(out.status().message());
   return out;
 }
 

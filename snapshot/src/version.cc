@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 
+#include "ddprun/common/deflate.h"
 #include "ddprun/common/strings.h"
 
 namespace ddprun::snapshot {
@@ -78,14 +79,42 @@ constexpr const char* kVersionTableHeader = "ddprun snapshot versions 1";
 
 }  // namespace
 
+namespace {
+constexpr std::string_view kDeflatedHoldings = "ddprun-holdings-z1 ";
+constexpr size_t kDeflateHoldingsFrom = 1024;
+}  // namespace
+
 std::string encodeHoldings(const std::string& endpoint, const std::vector<SnapshotVersion>& held) {
   std::string out = endpoint + "\n";
   for (const auto& v : held) out += versionLine(v);
-  return out;
+  if (out.size() < kDeflateHoldingsFrom) return out;
+  auto packed = deflateFast(out);
+  if (!packed) return out;
+  return std::string(kDeflatedHoldings) + std::to_string(out.size()) + "\n" + *packed;
 }
 
 StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
-    const std::string& text) {
+    const std::string& stored) {
+  std::string inflated;
+  if (stored.compare(0, kDeflatedHoldings.size(), kDeflatedHoldings) == 0) {
+    const size_t nl = stored.find('\n');
+    const auto size =
+        nl == std::string::npos
+            ? std::nullopt
+            : parseInt(stored.substr(kDeflatedHoldings.size(), nl - kDeflatedHoldings.size()));
+    if (!size || *size <= 0)
+      return invalidArgument("snapshot holdings: a malformed deflated header");
+    if (static_cast<uint64_t>(*size) > kMaxHoldingsBytes) {
+      return invalidArgument("snapshot holdings: they state " + std::to_string(*size) +
+                             " bytes inflated, more than the " + std::to_string(kMaxHoldingsBytes) +
+                             " any node publishes");
+    }
+    auto text =
+        inflateExactly(std::string_view(stored).substr(nl + 1), static_cast<uint64_t>(*size));
+    if (!text.isOk()) return invalidArgument("snapshot holdings: " + text.status().message());
+    inflated = std::move(text).value();
+  }
+  const std::string& text = inflated.empty() ? stored : inflated;
   auto lines = split(text, '\n');
   if (lines.empty() || lines[0].empty()) {
     return invalidArgument("snapshot holdings: no replication endpoint");

@@ -303,6 +303,43 @@ TEST_CASE("holdings survive the key-value text and malformed text is refused", "
   CHECK_FALSE(decodeHoldings("h:1\nsnapshot.pt\t1\t2\t4294967296\n").isOk());
 }
 
+TEST_CASE("large holdings are published deflated, and a deflated value that lies is refused",
+          "[snapshot]") {
+  // A sharded checkpoint's names: 2000 files.
+  std::vector<SnapshotVersion> held;
+  for (int i = 0; i < 2000; ++i) {
+    held.push_back(file(makeSnapshotVersion(3, static_cast<uint32_t>(i + 1)), 4096,
+                        "ckpt-300/__" + std::to_string(i) + "_0.distcp"));
+  }
+  const auto text = encodeHoldings("127.0.0.2:4567", held);
+  REQUIRE(text.rfind("ddprun-holdings-z1 ", 0) == 0);
+  auto back = decodeHoldings(text);
+  REQUIRE(back.isOk());
+  CHECK(back->first == "127.0.0.2:4567");
+  CHECK(back->second == held);
+  const size_t inflated = std::stoul(text.substr(19, text.find('\n') - 19));
+  INFO(text.size() << " bytes for " << inflated);
+  CHECK(text.size() * 4 < inflated);
+  // Small holdings stay plain text (what an agent of the release before reads).
+  CHECK(encodeHoldings("h:1", {file(1)}).rfind("h:1\n", 0) == 0);
+  const std::string body = text.substr(text.find('\n') + 1);
+  const auto claims = [&](const std::string& size) {
+    return decodeHoldings("ddprun-holdings-z1 " + size + "\n" + body);
+  };
+  CHECK_FALSE(claims(std::to_string(inflated + 1)).isOk());  // gives fewer
+  CHECK_FALSE(claims(std::to_string(inflated - 1)).isOk());  // gives more
+  auto huge = claims("68719476736");
+  REQUIRE_FALSE(huge.isOk());
+  CHECK(huge.status().message().find("more than the") != std::string::npos);
+  CHECK_FALSE(claims("x").isOk());
+  CHECK_FALSE(claims("0").isOk());
+  CHECK_FALSE(decodeHoldings("ddprun-holdings-z1 12").isOk());  // no line end
+  CHECK_FALSE(decodeHoldings("ddprun-holdings-z1 12\nnot deflated").isOk());
+  std::string damaged = text;
+  damaged[damaged.size() / 2] ^= 0x55;
+  CHECK_FALSE(decodeHoldings(damaged).isOk());
+}
+
 TEST_CASE("announcements form a chain from the writer: every node is told once, by one node",
           "[snapshot]") {
   CHECK(relayTargets(0, 0, 1).empty());

@@ -82,7 +82,12 @@ bool isReplicatedName(const std::string& name);
 bool isReplicatedPart(std::string_view part, bool top);
 
 // The holdings a node publishes for a round (in the rendezvous' key-value store): its
-// replication endpoint and what it holds. decodeHoldings refuses malformed text (INVALID_ARGUMENT).
+// replication endpoint and what it holds, a line each. From 1 KiB of text they are deflated
+// ("ddprun-holdings-z1 <size>\n" and the text deflated: file lists shrink ~5-10x, and every node's
+// holdings of a round share the run's quota); an agent from before that reads such holdings as
+// malformed. decodeHoldings refuses malformed text (INVALID_ARGUMENT), and deflated text that
+// states more than kMaxHoldingsBytes before anything is allocated.
+inline constexpr uint64_t kMaxHoldingsBytes = uint64_t{64} << 20;
 std::string encodeHoldings(const std::string& endpoint, const std::vector<SnapshotVersion>& held);
 StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
     const std::string& text);
