@@ -7,6 +7,7 @@ every SAVE_EVERY epochs; on (re)start every rank resumes from the snapshot. Run 
 import argparse
 import hashlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,6 @@ class Trainer:
                 total += loss.item()
                 steps += 1
                 if self.step_delay:
-                    import time
                     time.sleep(self.step_delay)
             mean = torch.tensor([total / steps])
             dist.all_reduce(mean)
@@ -100,11 +100,16 @@ def main():
     # The final parameters, bit for bit, for comparing runs.
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
     print(f"[RANK {dist.get_rank()}] final parameters sha256 {digest.hexdigest()}", flush=True)
-    # All ranks tear gloo down together: under torch 2.15 a rank whose peer had already destroyed
-    # its group and exited (rank 0 takes the store with it) was seen to abort at exit ("terminate
-    # called without an active exception"), failing a job that had finished.
+    # All ranks tear gloo down together, and rank 0, which hosts the store, outlives the others'
+    # teardown by a second: under torch 2.15 a rank whose peer had already destroyed its group and
+    # exited (rank 0 takes the store with it) was seen to abort at exit ("terminate called without
+    # an active exception"), failing a job that had finished (twice in CI, once after the barrier
+    # alone was added).
+    rank = dist.get_rank()
     dist.barrier()
     dist.destroy_process_group()
+    if rank == 0:
+        time.sleep(1.0)
 
 
 if __name__ == "__main__":
