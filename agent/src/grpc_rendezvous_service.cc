@@ -73,6 +73,14 @@ void GrpcRendezvousService::kvWait(const std::vector<std::string>& keys, Duratio
   client_.kvWait(options_.run_id, keys, timeout, std::move(done), toCallOptions(policy));
 }
 
+void GrpcRendezvousService::kvDelete(const std::string& key, CallPolicy policy, StatusDone done) {
+  loop_.check();
+  client_.kvDelete(
+      options_.run_id, key,
+      [done = std::move(done)](StatusOr<bool> deleted) { done(deleted.status()); },
+      toCallOptions(policy));
+}
+
 void GrpcRendezvousService::watch(const std::string& node_id, ChangeSink on_change) {
   loop_.check();
   watch_.reset();

@@ -29,6 +29,7 @@
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/agent/rendezvous_service.h"
 #include "ddprun/common/loop_affinity.h"
+#include "round_keys.h"
 
 namespace ddprun::agent {
 
@@ -122,6 +123,7 @@ class JobIdentityClient final : public RendezvousClient {
   bool warned_older_ = false;         // olderAgent's line was said
   bool warned_snapshot_dir_ = false;  // snapshotDirMismatch's line was said
   Duration wait_for_;
+  RoundKeys published_{service_};  // the previous rounds' identities, deleted
   LoopAffinity loop_{"JobIdentityClient"};
 };
 

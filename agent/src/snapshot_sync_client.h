@@ -12,6 +12,7 @@
 #include "ddprun/agent/rendezvous_service.h"
 #include "ddprun/common/loop_affinity.h"
 #include "ddprun/snapshot/replicator.h"
+#include "round_keys.h"
 
 namespace ddprun::agent {
 
@@ -19,7 +20,7 @@ class SnapshotSyncClient final : public RendezvousClient {
  public:
   SnapshotSyncClient(RendezvousClient& inner, RendezvousService& service,
                      snapshot::Replicator& replicator)
-      : inner_(inner), board_(service), replicator_(replicator) {}
+      : inner_(inner), board_(service), replicator_(replicator), published_(service) {}
   void nextRound(RoundCallback done) override;
   void reportFailure(FailureKind kind) override { inner_.reportFailure(kind); }
   void leave() override { inner_.leave(); }
@@ -52,6 +53,7 @@ class SnapshotSyncClient final : public RendezvousClient {
   RendezvousClient& inner_;
   Board board_;
   snapshot::Replicator& replicator_;
+  RoundKeys published_;  // the previous rounds' holdings, deleted
   LoopAffinity loop_{"SnapshotSyncClient"};
 };
 

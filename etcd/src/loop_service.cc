@@ -250,6 +250,14 @@ void LoopService::kvSet(const std::string& key, const std::string& value, CallPo
                    }));
 }
 
+void LoopService::kvDelete(const std::string& key, CallPolicy policy, StatusDone done) {
+  loop_.check();
+  const uint64_t id = calls_.track<bool>([done](StatusOr<bool> r) { done(r.status()); });
+  etcd_.worker.remove(keys_.kv + key, retryFor(policy), onLoop<Status>([this, id, done](Status st) {
+                        if (calls_.finish(id)) done(st);
+                      }));
+}
+
 void LoopService::kvWait(std::vector<std::string> keys, Duration timeout,
                          Done<std::vector<std::string>> done) {
   loop_.check();

@@ -100,6 +100,14 @@ void TxnWorker::put(std::string key, std::string value, Duration retry_for,
   });
 }
 
+void TxnWorker::remove(std::string key, Duration retry_for, std::function<void(Status)> done) {
+  submit([this, key = std::move(key), retry_for, done = std::move(done)] {
+    ep::DeleteRangeRequest del;
+    del.set_key(key);
+    done(stopper_.retrying(retry_for, [&] { return client_.deleteRange(del); }));
+  });
+}
+
 Status TxnWorker::connectNow(Duration retry_for) {
   StatusOr<std::string> version = unavailable("not tried");
   Status st = stopper_.retrying(retry_for, [&] {

@@ -50,6 +50,10 @@ CoreOptions coreOptions(const SnapshotLimits& limits) {
 
 }  // namespace
 
+std::string holdingsKey(uint64_t round, int rank) {
+  return "snapshot/" + std::to_string(round) + "/" + std::to_string(rank);
+}
+
 Status checkSnapshotDir(const std::string& dir) {
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0) {
@@ -475,14 +479,13 @@ void Replicator::Parts::syncRound(uint64_t round, int rank, std::vector<int> ran
   const uint64_t generation = core.beginRound(round, self);
   carryOut();  // a previous round's sync still fetching is handed on as it is
   sync = Sync{generation, std::move(done), clock.now()};
-  const std::string prefix = "snapshot/" + std::to_string(round) + "/";
   std::vector<std::string> keys;
-  for (int r : ranks) keys.push_back(prefix + std::to_string(r));
+  for (int r : ranks) keys.push_back(holdingsKey(round, r));
   // What the workers wrote just before the round ended (a checkpoint saved, then a failure) is
   // versioned first, so that the holdings published say so and no node starts without it.
   const Duration versioned_within =
       std::min<Duration>(kVersionedWithin, options.holdings_timeout / 2);
-  auto publish = [this, &board, key = prefix + std::to_string(rank), keys, generation] {
+  auto publish = [this, &board, key = holdingsKey(round, rank), keys, generation] {
     if (generation != core.generation()) return;
     board.put(
         key, core.holdings(), whileAliveWith<Status>([this, &board, keys, generation](Status st) {

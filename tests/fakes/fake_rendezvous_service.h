@@ -68,6 +68,10 @@ class FakeRendezvousService final : public agent::RendezvousService {
     record("kvWait " + all);
     kv_waits.emplace_back(all, std::move(done));
   }
+  void kvDelete(const std::string& key, agent::CallPolicy, StatusDone done) override {
+    record("kvDelete " + key);
+    done(Status::ok());
+  }
   void watch(const std::string& node_id, ChangeSink on_change) override {
     ++watches;
     sink = std::move(on_change);

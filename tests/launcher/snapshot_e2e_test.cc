@@ -488,6 +488,40 @@ TEST_CASE("when the writer dies mid-transfer the others resume from the previous
   }
 }
 
+TEST_CASE(
+    "past rounds' holdings and identities are deleted: a job of many rounds stays within the run's "
+    "key-value quota",
+    "[snapshot]") {
+  // 1000 files of distinct contents, on both nodes: each round's holdings take ~24 KB of the
+  // run's store (deflated). The rendezvous allows the run 60 KB: two rounds' worth (the previous
+  // round's keys are deleted as the next one starts). Kept, the third round's could not be
+  // published, and the nodes would start it without knowing each other.
+  RendezvousDaemon rdzv({"--max-run-kv-bytes", "60000"});
+  TempDir a_dir, b_dir;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const std::string script =
+      "if [ \"$WRITER$TORCHELASTIC_RESTART_COUNT\" = 10 ]; then i=0; while [ $i -lt 1000 ]; do "
+      "echo $i > " +
+      d +
+      "/f-$i.bin; i=$((i+1)); done; fi; sleep 2; "
+      "[ \"$TORCHELASTIC_RESTART_COUNT\" -ge 3 ]";
+  auto a = node({"127.0.0.2", a_dir.path(), {{"WRITER", "1"}}}, rdzv.endpoint, "2", "snap-rounds",
+                1, writerScript(script));
+  auto b = node({"127.0.0.3", b_dir.path(), {{"WRITER", "0"}}}, rdzv.endpoint, "2", "snap-rounds",
+                1, writerScript(script));
+  auto [ra, rb] = bothSucceed(*a, *b, 240s);
+  const std::string logs = ra.err + "\n" + rb.err;
+  INFO(logs);
+  CHECK(countOf(ra.err, "started 1 worker(s)") == 4);  // 3 failures: 4 rounds
+  CHECK(logs.find("cannot publish") == std::string::npos);
+  CHECK(logs.find("max-run-kv-bytes") == std::string::npos);
+  CHECK(logs.find("did not arrive") == std::string::npos);
+  size_t files = 0;
+  for (int i = 0; i < 1000; ++i)
+    files += readFile(b_dir / ("f-" + std::to_string(i) + ".bin")) == std::to_string(i) + "\n";
+  CHECK(files == 1000);
+}
+
 TEST_CASE("a job started again keeps the versions its nodes held", "[snapshot]") {
   // The first job ends with its nodes holding different versions: the writer's node wrote v2
   // after the other node was killed (which held v1 by then). A second job on the same

@@ -59,6 +59,10 @@ class HoldingsBoard {
                        std::function<void(StatusOr<std::vector<std::string>>)> done) = 0;
 };
 
+// The key under which the replicating node of group rank `rank` publishes its holdings for
+// round `round`.
+std::string holdingsKey(uint64_t round, int rank);
+
 // INVALID_ARGUMENT: a --snapshot-dir that is missing, not a directory or not writable.
 Status checkSnapshotDir(const std::string& dir);
 // DDPRUN_SNAPSHOT_FAULT=in-flight:N | at-source:N | slow:MS | slow-hash:MS | late-holdings:MS
