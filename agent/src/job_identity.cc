@@ -209,11 +209,12 @@ void JobIdentityClient::nextRound(RoundCallback done) {
 
 void JobIdentityClient::publish(const RoundInfo& r, RoundCallback done) {
   const std::string prefix = "job/" + std::to_string(r.round) + "/";
-  published_.tookPart(static_cast<uint64_t>(r.round), rankKeys(prefix, r.local_world_sizes.size()),
-                      static_cast<size_t>(r.group_rank), r.group_rank == 0);
   service_.kvSet(prefix + std::to_string(r.group_rank),
                  encodeJobIdentity(address_, program_, vote_(), snapshot_dir_), {},
                  [this, r, prefix, done = std::move(done)](Status st) mutable {
+                   published_.tookPart(static_cast<uint64_t>(r.round),
+                                       rankKeys(prefix, r.local_world_sizes.size()),
+                                       static_cast<size_t>(r.group_rank), r.group_rank == 0);
                    if (!st.isOk()) {  // the job's own rendezvous trouble shows elsewhere
                      done(r);
                      return;

@@ -22,7 +22,10 @@ class RoundKeys {
   explicit RoundKeys(RendezvousService& service) : service_(service) {}
 
   // This node takes part in round `round`, whose nodes publish `keys` (this node `keys[self]`);
-  // `lowest`: it is the round's lowest node. Deletes what the previous round it took part in left.
+  // `lowest`: it is the round's lowest node. Deletes what the previous round it took part in left
+  // (called once its own key of `round` is written: on etcd, writes are queued one at a time). A
+  // round numbered below the previous one (a rendezvous server that restarted without its state)
+  // deletes nothing: the previous round's keys went with that state.
   void tookPart(uint64_t round, std::vector<std::string> keys, size_t self, bool lowest) {
     if (!keys_.empty() && round > round_) {
       if (lowest) {
@@ -31,17 +34,17 @@ class RoundKeys {
         erase(keys_[self_]);
       }
     }
-    if (keys_.empty() || round >= round_) {
-      round_ = round;
-      keys_ = std::move(keys);
-      self_ = self;
-    }
+    round_ = round;
+    keys_ = std::move(keys);
+    self_ = self;
   }
 
  private:
   void erase(const std::string& key) {
-    // Not deleted (the rendezvous unreachable): the quota's bound stays the worst case.
-    service_.kvDelete(key, {}, [](Status) {});
+    // Not deleted (the rendezvous unreachable for 5 s): the key stays until the run closes.
+    CallPolicy brief;
+    brief.retry_for = std::chrono::seconds(5);
+    service_.kvDelete(key, brief, [](Status) {});
   }
 
   RendezvousService& service_;

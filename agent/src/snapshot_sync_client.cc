@@ -33,10 +33,13 @@ void SnapshotSyncClient::nextRound(RoundCallback done) {
       if (i == r.group_rank) self = keys.size();
       keys.push_back(snapshot::holdingsKey(static_cast<uint64_t>(r.round), i));
     }
-    published_.tookPart(static_cast<uint64_t>(r.round), std::move(keys), self,
-                        ranks.front() == r.group_rank);
-    replicator_.syncRound(static_cast<uint64_t>(r.round), r.group_rank, std::move(ranks), board_,
-                          [done = std::move(done), r]() mutable { done(r); });
+    const bool lowest = ranks.front() == r.group_rank;
+    replicator_.syncRound(
+        static_cast<uint64_t>(r.round), r.group_rank, std::move(ranks), board_,
+        [this, done = std::move(done), r, keys = std::move(keys), self, lowest]() mutable {
+          published_.tookPart(static_cast<uint64_t>(r.round), std::move(keys), self, lowest);
+          done(r);
+        });
   });
 }
 

@@ -24,6 +24,7 @@ std::optional<std::string> deflateFast(std::string_view data) {
 }
 
 StatusOr<std::string> inflateExactly(std::string_view deflated, uint64_t size) {
+  if (size >= (uint64_t{1} << 40)) return invalidArgument("states more bytes than can be held");
   z_stream zs{};
   if (inflateInit(&zs) != Z_OK) return invalidArgument("cannot be inflated: zlib did not start");
   std::string out;

@@ -59,6 +59,7 @@ std::string versionLine(const SnapshotVersion& v) {
 }
 
 std::optional<SnapshotVersion> parseVersionLine(const std::string& line) {
+  if (std::count(line.begin(), line.end(), '\t') != 3) return std::nullopt;
   auto fields = split(line, '\t');
   if (fields.size() != 4 || !isReplicatedName(fields[0])) return std::nullopt;
   auto version = parseUint(fields[1]);
@@ -114,26 +115,33 @@ StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
     if (!text.isOk()) return invalidArgument("snapshot holdings: " + text.status().message());
     inflated = std::move(text).value();
   }
-  const std::string& text = inflated.empty() ? stored : inflated;
-  auto lines = split(text, '\n');
-  if (lines.empty() || lines[0].empty()) {
-    return invalidArgument("snapshot holdings: no replication endpoint");
-  }
+  // Line by line in place: a value of newlines or tabs costs no string per line.
+  const std::string_view text = inflated.empty() ? std::string_view(stored) : inflated;
+  const size_t first_end = std::min(text.find('\n'), text.size());
+  const std::string endpoint(text.substr(0, first_end));
+  if (endpoint.empty()) return invalidArgument("snapshot holdings: no replication endpoint");
   std::vector<SnapshotVersion> held;
-  for (size_t i = 1; i < lines.size(); ++i) {
-    if (lines[i].empty()) continue;
-    auto v = parseVersionLine(lines[i]);
+  for (size_t at = first_end + 1; at < text.size();) {
+    const size_t end = std::min(text.find('\n', at), text.size());
+    const std::string line(text.substr(at, end - at));
+    at = end + 1;
+    if (line.empty()) continue;
+    if (held.size() >= kMaxHeldVersions) {
+      return invalidArgument("snapshot holdings: more than " + std::to_string(kMaxHeldVersions) +
+                             " versions");
+    }
+    auto v = parseVersionLine(line);
     if (!v) {
-      return invalidArgument("snapshot holdings: malformed line '" + quotePeerText(lines[i]) + "'");
+      return invalidArgument("snapshot holdings: malformed line '" + quotePeerText(line) + "'");
     }
     if (!isPossibleVersion(v->version)) {
-      return invalidArgument("snapshot holdings: line '" + quotePeerText(lines[i]) +
+      return invalidArgument("snapshot holdings: line '" + quotePeerText(line) +
                              "' has a version from round " + std::to_string(v->version >> 32) +
                              ", which no job reaches");
     }
     held.push_back(std::move(*v));
   }
-  return std::make_pair(lines[0], std::move(held));
+  return std::make_pair(endpoint, std::move(held));
 }
 
 std::string encodeVersionTable(const std::vector<SnapshotVersion>& held) {

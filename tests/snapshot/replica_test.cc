@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <random>
 
+#include "ddprun/common/deflate.h"
 #include "ddprun/snapshot/relays.h"
 
 using namespace ddprun;
@@ -332,6 +333,20 @@ TEST_CASE("large holdings are published deflated, and a deflated value that lies
   REQUIRE_FALSE(huge.isOk());
   CHECK(huge.status().message().find("more than the") != std::string::npos);
   CHECK_FALSE(claims("x").isOk());
+  CHECK_FALSE(claims("18446744073709551615").isOk());
+  // Inflated newlines (cheap to read: no string per line), tabs, and too many lines.
+  const auto deflated = [](const std::string& plain) {
+    return "ddprun-holdings-z1 " + std::to_string(plain.size()) + "\n" + *deflateFast(plain);
+  };
+  auto blank = decodeHoldings(deflated("h:1\n" + std::string(8 << 20, '\n')));
+  REQUIRE(blank.isOk());
+  CHECK(blank->second.empty());
+  CHECK_FALSE(decodeHoldings(deflated("h:1\n" + std::string(1 << 20, '\t') + "\n")).isOk());
+  std::string many = "h:1\n";
+  for (size_t i = 0; i <= kMaxHeldVersions; ++i) many += "a\t1\t1\t1\n";
+  auto refused = decodeHoldings(deflated(many));
+  REQUIRE_FALSE(refused.isOk());
+  CHECK(refused.status().message().find("more than") != std::string::npos);
   CHECK_FALSE(claims("0").isOk());
   CHECK_FALSE(decodeHoldings("ddprun-holdings-z1 12").isOk());  // no line end
   CHECK_FALSE(decodeHoldings("ddprun-holdings-z1 12\nnot deflated").isOk());

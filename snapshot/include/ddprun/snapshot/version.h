@@ -85,9 +85,12 @@ bool isReplicatedPart(std::string_view part, bool top);
 // replication endpoint and what it holds, a line each. From 1 KiB of text they are deflated
 // ("ddprun-holdings-z1 <size>\n" and the text deflated: file lists shrink ~5-10x, and every node's
 // holdings of a round share the run's quota); an agent from before that reads such holdings as
-// malformed. decodeHoldings refuses malformed text (INVALID_ARGUMENT), and deflated text that
-// states more than kMaxHoldingsBytes before anything is allocated.
-inline constexpr uint64_t kMaxHoldingsBytes = uint64_t{64} << 20;
+// malformed. decodeHoldings refuses malformed text (INVALID_ARGUMENT), deflated text that states
+// more than kMaxHoldingsBytes before anything is allocated, and more than kMaxHeldVersions lines.
+// (A value is at most 1 MiB in the rendezvous, 1.5 MiB in etcd: ~7x that deflated, ~100 thousand
+// files.)
+inline constexpr uint64_t kMaxHoldingsBytes = uint64_t{16} << 20;
+inline constexpr size_t kMaxHeldVersions = size_t{1} << 19;
 std::string encodeHoldings(const std::string& endpoint, const std::vector<SnapshotVersion>& held);
 StatusOr<std::pair<std::string, std::vector<SnapshotVersion>>> decodeHoldings(
     const std::string& text);
