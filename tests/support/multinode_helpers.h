@@ -1,7 +1,9 @@
 // Helpers of the multi-node e2e suites: the test worker's ddprun arguments
 // (tests/agent/ddprun_test_worker), what its state and env files say after a job that restarted
 // its workers once, two agents that both succeed, and the stalled-agent scenarios each backend
-// (gRPC, etcd-v3) must pass.
+// (gRPC, etcd-v3) must pass; the snapshot suites' end of a job (logsThenStop) and check that
+// every node holds what every worker wrote (everyDirHolds), and the late-holdings scenario
+// (lateHoldingsTakenIn).
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -9,6 +11,7 @@
 #include <csignal>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -34,6 +37,75 @@ inline void checkEveryRankRestartedOnce(const TempDir& state, const TempDir& env
     CHECK(parseEnvFile(
               readFile(envs / ("env." + std::to_string(r))))["TORCHELASTIC_RESTART_COUNT"] == "1");
   }
+}
+
+// The nodes' logs so far (the one round their workers ran in: nodes that leave at the end start
+// another), then `stop_file` is created and every node must exit 0.
+inline std::string logsThenStop(const std::vector<std::unique_ptr<Process>>& nodes,
+                                const std::string& stop_file) {
+  std::string logs;
+  for (const auto& n : nodes) logs += n->err() + "\n";
+  std::ofstream(stop_file) << "";
+  for (const auto& n : nodes) {
+    auto r = n->wait(std::chrono::seconds(120));
+    REQUIRE(r);
+    CHECK(r->exit_code == 0);
+  }
+  return logs;
+}
+
+// Whether each of `dirs` holds "<name>.bin" reading "<name>\n" for every one of `names` (what the
+// nodes' workers wrote, replicated to every node).
+inline bool everyDirHolds(const std::vector<std::string>& dirs,
+                          const std::vector<std::string>& names) {
+  for (const auto& dir : dirs) {
+    for (const auto& n : names) {
+      if (readFile(dir + "/" + n + ".bin") != n + "\n") return false;
+    }
+  }
+  return true;
+}
+
+// Starts one node of a 3-node --snapshot-dir job: its agent advertising `addr`, replicating `dir`,
+// running `program` (ddprun arguments included), with `env` added to the agent's environment.
+using StartSnapshotNode = std::function<std::unique_ptr<Process>(
+    const std::string& addr, const std::string& dir, const std::vector<std::string>& program,
+    const std::map<std::string, std::string>& env)>;
+
+// The late-holdings scenario each backend must pass: three nodes replicate directories of their
+// own; the middle one publishes its holdings 17 s late (DDPRUN_SNAPSHOT_FAULT, as an agent stalled
+// at the round's start), past the others' 15 s wait. They start the round with each other, take it
+// in once its holdings come, and tell it what their workers wrote meanwhile; what its workers
+// write is taken. Every node ends holding what every worker wrote.
+inline void lateHoldingsTakenIn(const StartSnapshotNode& start) {
+  using namespace std::chrono_literals;
+  TempDir a_dir, b_dir, c_dir, flags;
+  const std::string stop = flags / "stop";
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const auto program = [&](const std::string& name) {
+    return std::vector<std::string>{"--no-python", "/bin/sh", "-c",
+                                    "echo " + name + " > " + d + "/" + name + ".tmp && mv " + d +
+                                        "/" + name + ".tmp " + d + "/" + name +
+                                        ".bin; while [ ! -e '" + stop + "' ]; do sleep 0.05; done"};
+  };
+  std::vector<std::unique_ptr<Process>> nodes;
+  nodes.push_back(start("127.0.0.2", a_dir.path(), program("a"), {}));
+  nodes.push_back(start("127.0.0.3", b_dir.path(), program("b"),
+                        {{"DDPRUN_SNAPSHOT_FAULT", "late-holdings:17000"}}));
+  nodes.push_back(start("127.0.0.4", c_dir.path(), program("c"), {}));
+  const bool everywhere = waitUntil(
+      [&] {
+        return everyDirHolds({a_dir.path(), b_dir.path(), c_dir.path()}, {"a", "b", "c"});
+      },
+      90s);
+  INFO(nodes[0]->err() << "\n" << nodes[1]->err() << "\n" << nodes[2]->err());
+  REQUIRE(everywhere);
+  const std::string logs = logsThenStop(nodes, stop);
+  INFO(logs);
+  // The two others started without it, and took it in (its own wait saw every node's).
+  CHECK(countOf(logs, "did not arrive in time") == 2);
+  CHECK(countOf(logs, "came late; it is a node of round 1 from now on") == 2);
+  CHECK(logs.find("snapshot: ignored") == std::string::npos);
 }
 
 // Waits (bounded) for two nodes' agents and checks that both succeeded.
