@@ -315,9 +315,7 @@ void Supervisor::checkHungInEpisode() {
     w->heartbeat.observe(heartbeats_->modificationTime(w->launch.heartbeat_file), now);
     if (!w->heartbeat.hung(now, options_.heartbeat_timeout)) continue;
     const bool stopped = heartbeats_->stopped(w->pid);
-    if (!stopped && heartbeats_->mark(w->launch.heartbeat_file) != HeartbeatMark::kNotWaiting) {
-      continue;
-    }
+    if (!stopped && !saysNotWaiting(*w, now, options_.heartbeat_timeout)) continue;
     // What it said and was not read yet comes first: an `aborted` there means it heard.
     const int pid = w->pid;
     control_->drain(pid);
@@ -351,6 +349,12 @@ void Supervisor::recordHang(const Worker& w, TimePoint now, const std::string& n
                     hangMessage(w.heartbeat.silentFor(now), options_.heartbeat_timeout) + note});
 }
 
+bool Supervisor::saysNotWaiting(Worker& w, TimePoint now, Duration silent_for) {
+  if (heartbeats_->mark(w.launch.heartbeat_file) != HeartbeatMark::kNotWaiting) return false;
+  w.heartbeat.observe(heartbeats_->modificationTime(w.launch.heartbeat_file), now);
+  return w.heartbeat.silentFor(now) > silent_for;
+}
+
 bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint now) {
   if (!options_.restart_in_place || control_ == nullptr) return false;
   // A rank that hangs stalls every rank's collective, so the others' heartbeats go stale with its
@@ -377,7 +381,7 @@ bool Supervisor::recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint 
     const bool stopped = is_hung && heartbeats_->stopped(w.pid);
     const bool not_waiting =
         !stopped && (is_hung || w.heartbeat.silentFor(now) > next_look) &&
-        heartbeats_->mark(w.launch.heartbeat_file) == HeartbeatMark::kNotWaiting;
+        saysNotWaiting(w, now, is_hung ? options_.heartbeat_timeout : next_look);
     if (!stopped && !not_waiting) continue;
     culprits.push_back({&w, w.pid, stopped, is_hung, ""});
     any_hung = any_hung || is_hung;

@@ -1161,6 +1161,43 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "in-place: a worker whose wait ends as the agent looks (its mark written between the look at "
+    "its file's time and the look at its mark) is not taken for hung in its own code",
+    "[agent][inplace]") {
+  // The agent read the file's time (silent past the timeout) and then its mark, which the worker
+  // had just written (its collective ended): every mark written touches the file, so the time is
+  // read again.
+  const bool in_episode = GENERATE(false, true);
+  INFO((in_episode ? "during the recovery" : "at the hang check"));
+  HeartbeatJob f;
+  const auto pids = f.first();
+  markFiles(f, {HeartbeatMark::kWaiting, HeartbeatMark::kNotWaiting, HeartbeatMark::kWaiting});
+  touchThenLook(f, {0, 1, 2}, std::chrono::seconds(1));
+  if (!in_episode) {
+    // 11.5 s: all three silent 10.5 s; rank 1 hangs, rank 0's wait ends as it is looked at.
+    f.heartbeats.flips["/hb/0/0"] = HeartbeatMark::kNotWaiting;
+    f.clock.advance(std::chrono::milliseconds(10500));
+    f.fireDeadlines();
+    REQUIRE(f.sup->state() == AgentState::kRecovering);
+    REQUIRE(f.launcher.signals.size() == 1);
+    CHECK(f.launcher.signals[0] == std::make_pair(pids[1], SIGKILL));
+    return;
+  }
+  f.clock.advance(std::chrono::milliseconds(10500));
+  f.fireDeadlines();  // 11.5 s: rank 1 is hung, the others wait
+  REQUIRE(f.sup->state() == AgentState::kRecovering);
+  REQUIRE(f.launcher.signals.size() == 1);
+  // Told to abort, rank 2 ends its wait and writes its mark just as the agent looks; its
+  // `aborted` is not sent yet.
+  f.heartbeats.flips["/hb/0/2"] = HeartbeatMark::kNotWaiting;
+  f.clock.advance(std::chrono::seconds(1));
+  f.fireDeadlines();
+  CHECK(f.heartbeats.flips.empty());  // it was looked at
+  CHECK(f.launcher.signals.size() == 1);
+  CHECK(f.launcher.spawned.size() == 4);
+}
+
+TEST_CASE(
     "in-place: a survivor that hangs in its own code a step after the failure, and so never says "
     "aborted, is killed and replaced in the same recovery, and one that waits is not",
     "[agent][inplace]") {

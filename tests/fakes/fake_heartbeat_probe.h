@@ -23,6 +23,13 @@ class FakeHeartbeatProbe final : public agent::HeartbeatProbe {
   bool stopped(int pid) override { return stopped_pids.count(pid) > 0; }
   bool ended(int pid) override { return ended_pids.count(pid) > 0; }
   HeartbeatMark mark(const std::string& path) override {
+    // A worker that writes a new mark just before it is read (its wait ended): the write touches
+    // the file too.
+    if (auto flip = flips.find(path); flip != flips.end()) {
+      marks[path] = flip->second;
+      touch(path);
+      flips.erase(flip);
+    }
     auto it = marks.find(path);
     return it == marks.end() ? HeartbeatMark::kUnknown : it->second;
   }
@@ -31,6 +38,7 @@ class FakeHeartbeatProbe final : public agent::HeartbeatProbe {
   std::set<int> stopped_pids;
   std::set<int> ended_pids;
   std::map<std::string, HeartbeatMark> marks;  // what heartbeat files say (else kUnknown)
+  std::map<std::string, HeartbeatMark> flips;  // marks written as they are next read
   int looks = 0;
 
  private:

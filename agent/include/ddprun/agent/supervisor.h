@@ -247,6 +247,11 @@ class Supervisor {
   // report (true, nothing done). False: the usual path (also on one node when every worker is
   // such a culprit).
   bool recoverHungInPlace(const std::vector<Worker*>& hung, TimePoint now);
+  // The worker's heartbeat file says it does not wait for its peers, and has said so for longer
+  // than `silent_for`: the mark is read, then the file's time again (every mark a worker writes
+  // touches the file, so a wait that ended between the first look at the time and the look at the
+  // mark is seen as the fresh heartbeat it is, not as a rank hung in its own code).
+  bool saysNotWaiting(Worker& w, TimePoint now, Duration silent_for);
   // RECOVERING: a survivor that never said `aborted` and whose heartbeat went stale while it was
   // not waiting for its peers (or stopped by a signal) is killed and replaced in the episode.
   void checkHungInEpisode();
