@@ -214,7 +214,7 @@ void JobIdentityClient::publish(const RoundInfo& r, RoundCallback done) {
                  [this, r, prefix, done = std::move(done)](Status st) mutable {
                    published_.tookPart(static_cast<uint64_t>(r.round),
                                        rankKeys(prefix, r.local_world_sizes.size()),
-                                       static_cast<size_t>(r.group_rank), r.group_rank == 0);
+                                       static_cast<size_t>(r.group_rank));
                    if (!st.isOk()) {  // the job's own rendezvous trouble shows elsewhere
                      done(r);
                      return;

@@ -21,14 +21,14 @@ class RoundKeys {
  public:
   explicit RoundKeys(RendezvousService& service) : service_(service) {}
 
-  // This node takes part in round `round`, whose nodes publish `keys` (this node `keys[self]`);
-  // `lowest`: it is the round's lowest node. Deletes what the previous round it took part in left
-  // (called once its own key of `round` is written: on etcd, writes are queued one at a time). A
-  // round numbered below the previous one (a rendezvous server that restarted without its state)
-  // deletes nothing: the previous round's keys went with that state.
-  void tookPart(uint64_t round, std::vector<std::string> keys, size_t self, bool lowest) {
+  // This node takes part in round `round`, whose nodes publish `keys`, in rank order (this node
+  // `keys[self]`; `self` 0: it is the round's lowest node). Deletes what the previous round it took
+  // part in left (called once its own key of `round` is written: on etcd, writes are queued one at
+  // a time). A round numbered below the previous one (a rendezvous server that restarted without
+  // its state) deletes nothing: the previous round's keys went with that state.
+  void tookPart(uint64_t round, std::vector<std::string> keys, size_t self) {
     if (!keys_.empty() && round > round_) {
-      if (lowest) {
+      if (self == 0) {
         for (const auto& key : keys_) erase(key);
       } else if (self_ < keys_.size()) {
         erase(keys_[self_]);

@@ -50,8 +50,10 @@ CoreOptions coreOptions(const SnapshotLimits& limits) {
 
 }  // namespace
 
-std::string holdingsKey(uint64_t round, int rank) {
-  return "snapshot/" + std::to_string(round) + "/" + std::to_string(rank);
+std::vector<std::string> holdingsKeys(uint64_t round, const std::vector<int>& ranks) {
+  std::vector<std::string> keys;
+  for (int r : ranks) keys.push_back("snapshot/" + std::to_string(round) + "/" + std::to_string(r));
+  return keys;
 }
 
 Status checkSnapshotDir(const std::string& dir) {
@@ -479,13 +481,12 @@ void Replicator::Parts::syncRound(uint64_t round, int rank, std::vector<int> ran
   const uint64_t generation = core.beginRound(round, self);
   carryOut();  // a previous round's sync still fetching is handed on as it is
   sync = Sync{generation, std::move(done), clock.now()};
-  std::vector<std::string> keys;
-  for (int r : ranks) keys.push_back(holdingsKey(round, r));
+  const auto keys = holdingsKeys(round, ranks);
   // What the workers wrote just before the round ended (a checkpoint saved, then a failure) is
   // versioned first, so that the holdings published say so and no node starts without it.
   const Duration versioned_within =
       std::min<Duration>(kVersionedWithin, options.holdings_timeout / 2);
-  auto publish = [this, &board, key = holdingsKey(round, rank), keys, generation] {
+  auto publish = [this, &board, key = keys[static_cast<size_t>(self)], keys, generation] {
     if (generation != core.generation()) return;
     board.put(
         key, core.holdings(), whileAliveWith<Status>([this, &board, keys, generation](Status st) {

@@ -37,23 +37,23 @@ TEST_CASE("a node deletes its own key of its previous round, the lowest node eve
   FakeRendezvousService service(io);
   RoundKeys mine(service), lowest(service);
   // Round 1: nothing before it.
-  mine.tookPart(1, keysOf("1", 3), 2, false);
-  lowest.tookPart(1, keysOf("1", 3), 0, true);
+  mine.tookPart(1, keysOf("1", 3), 2);
+  lowest.tookPart(1, keysOf("1", 3), 0);
   CHECK(deletes(service).empty());
   // Round 2: each deletes what round 1 left; the lowest node all of it (a node gone included).
-  mine.tookPart(2, keysOf("2", 2), 1, false);
+  mine.tookPart(2, keysOf("2", 2), 1);
   CHECK(deletes(service) == std::vector<std::string>{"k/1/2"});
-  lowest.tookPart(2, keysOf("2", 2), 0, true);
+  lowest.tookPart(2, keysOf("2", 2), 0);
   CHECK(deletes(service) == keysOf("1", 3));
   // The same round again deletes nothing; the next round deletes round 2's.
-  mine.tookPart(2, keysOf("2", 2), 1, false);
+  mine.tookPart(2, keysOf("2", 2), 1);
   CHECK(deletes(service).empty());
-  mine.tookPart(5, keysOf("5", 2), 0, true);  // it is the lowest node of round 5
+  mine.tookPart(5, keysOf("5", 2), 0);  // it is the lowest node of round 5
   CHECK(deletes(service) == keysOf("2", 2));
   // A rendezvous server that restarted numbers rounds from 1 again: round 5's keys went with its
   // state, nothing is deleted, and from then on each round deletes the one before.
-  mine.tookPart(1, keysOf("1", 2), 1, false);
+  mine.tookPart(1, keysOf("1", 2), 1);
   CHECK(deletes(service).empty());
-  mine.tookPart(2, keysOf("2", 2), 1, false);
+  mine.tookPart(2, keysOf("2", 2), 1);
   CHECK(deletes(service) == std::vector<std::string>{"k/1/1"});
 }

@@ -59,9 +59,9 @@ class HoldingsBoard {
                        std::function<void(StatusOr<std::vector<std::string>>)> done) = 0;
 };
 
-// The key under which the replicating node of group rank `rank` publishes its holdings for
-// round `round`.
-std::string holdingsKey(uint64_t round, int rank);
+// The keys under which the replicating nodes of group ranks `ranks` publish their holdings for
+// round `round`, in that order.
+std::vector<std::string> holdingsKeys(uint64_t round, const std::vector<int>& ranks);
 
 // INVALID_ARGUMENT: a --snapshot-dir that is missing, not a directory or not writable.
 Status checkSnapshotDir(const std::string& dir);
