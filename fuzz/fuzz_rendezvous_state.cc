@@ -210,7 +210,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             in.ConsumeBytesAsString(in.ConsumeIntegralInRange(0, 80)), h.now);
         break;
       case 16:
-        (void)h.state.kvDelete(run, key, h.now);
+        if (in.ConsumeBool()) {
+          (void)h.state.kvDelete(run, key, h.now);
+        } else {
+          // A range, empty, reversed or over the reserved keys at times; nothing in it remains.
+          const std::string to = in.ConsumeBool()
+                                     ? std::string("__ddprun/z")
+                                     : "k" + std::to_string(in.ConsumeIntegralInRange<int>(0, 11));
+          const auto deleted = h.state.kvDeleteRange(run, key, to, h.now);
+          if (deleted.isOk()) {
+            FUZZ_CHECK(key < to);
+            FUZZ_CHECK(h.state.kvGet(run, key).status().code() == StatusCode::kNotFound);
+          }
+        }
         (void)h.state.kvGet(run, key);
         break;
       case 17: {

@@ -73,11 +73,12 @@ void GrpcRendezvousService::kvWait(const std::vector<std::string>& keys, Duratio
   client_.kvWait(options_.run_id, keys, timeout, std::move(done), toCallOptions(policy));
 }
 
-void GrpcRendezvousService::kvDelete(const std::string& key, CallPolicy policy, StatusDone done) {
+void GrpcRendezvousService::kvDeleteRange(const std::string& from, const std::string& to,
+                                          CallPolicy policy, StatusDone done) {
   loop_.check();
-  client_.kvDelete(
-      options_.run_id, key,
-      [done = std::move(done)](StatusOr<bool> deleted) { done(deleted.status()); },
+  client_.kvDeleteRange(
+      options_.run_id, from, to,
+      [done = std::move(done)](StatusOr<uint64_t> deleted) { done(deleted.status()); },
       toCallOptions(policy));
 }
 

@@ -46,7 +46,8 @@ class GrpcRendezvousService final : public RendezvousService {
              StatusDone done) override;
   void kvWait(const std::vector<std::string>& keys, Duration timeout, CallPolicy policy,
               Done<std::vector<std::string>> done) override;
-  void kvDelete(const std::string& key, CallPolicy policy, StatusDone done) override;
+  void kvDeleteRange(const std::string& from, const std::string& to, CallPolicy policy,
+                     StatusDone done) override;
   void watch(const std::string& node_id, ChangeSink on_change) override;
   void stopWatch() override;
   void cancelAll() override;

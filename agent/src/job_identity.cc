@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "ddprun/common/log.h"
+#include "ddprun/common/round_key.h"
 #include "ddprun/common/strings.h"
 
 namespace ddprun::agent {
@@ -208,12 +209,11 @@ void JobIdentityClient::nextRound(RoundCallback done) {
 }
 
 void JobIdentityClient::publish(const RoundInfo& r, RoundCallback done) {
-  const std::string prefix = "job/" + std::to_string(r.round) + "/";
+  const std::string prefix = roundKeyPrefix(kJobKeys, static_cast<uint64_t>(r.round));
   service_.kvSet(prefix + std::to_string(r.group_rank),
                  encodeJobIdentity(address_, program_, vote_(), snapshot_dir_), {},
                  [this, r, prefix, done = std::move(done)](Status st) mutable {
                    published_.tookPart(static_cast<uint64_t>(r.round),
-                                       rankKeys(prefix, r.local_world_sizes.size()),
                                        static_cast<size_t>(r.group_rank));
                    if (!st.isOk()) {  // the job's own rendezvous trouble shows elsewhere
                      done(r);

@@ -71,6 +71,10 @@ std::map<int, std::string> nodesWithoutSnapshotDir(const std::vector<std::string
 // first other node that differs from this one (said once by each agent).
 std::string snapshotDirMismatch(const std::vector<std::string>& identities, int self_rank);
 
+// The first segment of the keys identities are published under: "job/<round>/<rank>"
+// (common/round_key.h).
+inline constexpr char kJobKeys[] = "job";
+
 class JobIdentityClient final : public RendezvousClient {
  public:
   // This node runs `program` at `address`; `in_place`: --restart-mode=in-place, its vote
@@ -123,7 +127,7 @@ class JobIdentityClient final : public RendezvousClient {
   bool warned_older_ = false;         // olderAgent's line was said
   bool warned_snapshot_dir_ = false;  // snapshotDirMismatch's line was said
   Duration wait_for_;
-  RoundKeys published_{service_};  // the previous rounds' identities, deleted
+  RoundKeys published_{service_, kJobKeys};  // the previous rounds' identities, deleted
   LoopAffinity loop_{"JobIdentityClient"};
 };
 

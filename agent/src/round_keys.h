@@ -1,56 +1,51 @@
 // RoundKeys: the keys a node publishes in the run's key-value store for each round (its job
-// identity, its snapshot holdings), deleted once it takes part in a later round, so that the store
-// holds about one round's worth. Kept, they would fill the run's quota over a long job's rounds
+// identity, its snapshot holdings) are deleted once a later round forms, so that the store holds
+// about one round's worth. Kept, they would fill the run's quota over a long job's rounds
 // (ddprun-rendezvous --max-run-kv-bytes, --max-run-keys; kv_max_bytes=, kv_max_keys= over etcd):
 // a write past it is refused, and a node whose holdings cannot be published starts its rounds
-// without knowing the others. Each node deletes its own key of the round it took part in before;
-// the round's lowest node deletes every key of the round it took part in before (those of nodes
-// gone since included). A node gone whose next round's lowest node is new leaves its key behind.
+// without knowing the others. The lowest node of each round deletes, in one range, every key of
+// its kind published for a round below (common/round_key.h): those of nodes gone since, of rounds
+// it did not take part in, and any written late, after the previous round's deletion.
 // Threading: the agent's loop thread. Lifetime: within `service`'s.
 #pragma once
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "ddprun/agent/rendezvous_service.h"
+#include "ddprun/common/log.h"
+#include "ddprun/common/round_key.h"
 
 namespace ddprun::agent {
 
 class RoundKeys {
  public:
-  explicit RoundKeys(RendezvousService& service) : service_(service) {}
+  // `kind`: the keys' first segment ("job", "snapshot").
+  RoundKeys(RendezvousService& service, std::string kind)
+      : service_(service), kind_(std::move(kind)) {}
 
-  // This node takes part in round `round`, whose nodes publish `keys`, in rank order (this node
-  // `keys[self]`; `self` 0: it is the round's lowest node). Deletes what the previous round it took
-  // part in left (called once its own key of `round` is written: on etcd, writes are queued one at
-  // a time). A round numbered below the previous one (a rendezvous server that restarted without
-  // its state) deletes nothing: the previous round's keys went with that state.
-  void tookPart(uint64_t round, std::vector<std::string> keys, size_t self) {
-    if (!keys_.empty() && round > round_) {
-      if (self == 0) {
-        for (const auto& key : keys_) erase(key);
-      } else if (self_ < keys_.size()) {
-        erase(keys_[self_]);
-      }
-    }
-    round_ = round;
-    keys_ = std::move(keys);
-    self_ = self;
+  // This node takes part in round `round` as its `self`-th node in rank order (0: the lowest).
+  // Called once this node's own key of `round` is written (on etcd, writes are queued one at a
+  // time). A rendezvous server that restarted without its state numbers its rounds from 1 again:
+  // the keys of its rounds below are deleted as any others.
+  void tookPart(uint64_t round, size_t self) {
+    if (self != 0 || round == deleted_below_) return;
+    deleted_below_ = round;
+    // Not deleted (the rendezvous unreachable for 5 s): the next round's lowest node deletes them.
+    CallPolicy brief;
+    brief.retry_for = std::chrono::seconds(5);
+    service_.kvDeleteRange(
+        kind_ + "/", roundKeyPrefix(kind_, round), brief, [kind = kind_, round](Status st) {
+          if (st.isOk()) return;
+          logger("agent")->debug("the {} keys of rounds below {} were not deleted: {}", kind, round,
+                                 st.message());
+        });
   }
 
  private:
-  void erase(const std::string& key) {
-    // Not deleted (the rendezvous unreachable for 5 s): the key stays until the run closes.
-    CallPolicy brief;
-    brief.retry_for = std::chrono::seconds(5);
-    service_.kvDelete(key, brief, [](Status) {});
-  }
-
   RendezvousService& service_;
-  uint64_t round_ = 0;
-  std::vector<std::string> keys_;
-  size_t self_ = 0;
+  const std::string kind_;
+  uint64_t deleted_below_ = 0;
 };
 
 }  // namespace ddprun::agent

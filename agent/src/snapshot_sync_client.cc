@@ -27,15 +27,13 @@ void SnapshotSyncClient::nextRound(RoundCallback done) {
     for (int i = 0; i < static_cast<int>(r.local_world_sizes.size()); ++i) {
       if (i == r.group_rank || r.without_snapshot_dir.count(i) == 0) ranks.push_back(i);
     }
-    auto keys = snapshot::holdingsKeys(static_cast<uint64_t>(r.round), ranks);
     const auto self = static_cast<size_t>(
         std::lower_bound(ranks.begin(), ranks.end(), r.group_rank) - ranks.begin());
-    replicator_.syncRound(
-        static_cast<uint64_t>(r.round), r.group_rank, std::move(ranks), board_,
-        [this, done = std::move(done), r, keys = std::move(keys), self]() mutable {
-          published_.tookPart(static_cast<uint64_t>(r.round), std::move(keys), self);
-          done(r);
-        });
+    replicator_.syncRound(static_cast<uint64_t>(r.round), r.group_rank, std::move(ranks), board_,
+                          [this, done = std::move(done), r, self]() mutable {
+                            published_.tookPart(static_cast<uint64_t>(r.round), self);
+                            done(r);
+                          });
   });
 }
 

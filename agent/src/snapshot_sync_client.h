@@ -20,7 +20,10 @@ class SnapshotSyncClient final : public RendezvousClient {
  public:
   SnapshotSyncClient(RendezvousClient& inner, RendezvousService& service,
                      snapshot::Replicator& replicator)
-      : inner_(inner), board_(service), replicator_(replicator), published_(service) {}
+      : inner_(inner),
+        board_(service),
+        replicator_(replicator),
+        published_(service, snapshot::kHoldingsKeys) {}
   void nextRound(RoundCallback done) override;
   void reportFailure(FailureKind kind) override { inner_.reportFailure(kind); }
   void leave() override { inner_.leave(); }

@@ -250,12 +250,19 @@ void LoopService::kvSet(const std::string& key, const std::string& value, CallPo
                    }));
 }
 
-void LoopService::kvDelete(const std::string& key, CallPolicy policy, StatusDone done) {
+void LoopService::kvDeleteRange(const std::string& from, const std::string& to, CallPolicy policy,
+                                StatusDone done) {
   loop_.check();
+  // As the gRPC server refuses it: etcd would read an empty range end as "the key alone".
+  if (from.empty() || !(from < to)) {
+    done(invalidArgument("the range of keys to delete is empty"));
+    return;
+  }
   const uint64_t id = calls_.track<bool>([done](StatusOr<bool> r) { done(r.status()); });
-  etcd_.worker.remove(keys_.kv + key, retryFor(policy), onLoop<Status>([this, id, done](Status st) {
-                        if (calls_.finish(id)) done(st);
-                      }));
+  etcd_.worker.removeRange(keys_.kv + from, keys_.kv + to, retryFor(policy),
+                           onLoop<Status>([this, id, done](Status st) {
+                             if (calls_.finish(id)) done(st);
+                           }));
 }
 
 void LoopService::kvWait(std::vector<std::string> keys, Duration timeout,

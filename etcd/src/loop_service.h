@@ -59,7 +59,8 @@ class LoopService : public std::enable_shared_from_this<LoopService> {
   void kvSet(const std::string& key, const std::string& value, rendezvous::CallPolicy policy,
              StatusDone done);
   void kvWait(std::vector<std::string> keys, Duration timeout, Done<std::vector<std::string>> done);
-  void kvDelete(const std::string& key, rendezvous::CallPolicy policy, StatusDone done);
+  void kvDeleteRange(const std::string& from, const std::string& to, rendezvous::CallPolicy policy,
+                     StatusDone done);
   std::pair<uint64_t, uint64_t> mirroredKv() const { return kv_.size(); }
   void watch(ChangeSink sink);
   void stopWatch();

@@ -51,9 +51,9 @@ void EtcdRendezvousService::kvWait(const std::vector<std::string>& keys, Duratio
                                    rendezvous::CallPolicy, Done<std::vector<std::string>> done) {
   service_->kvWait(keys, timeout, std::move(done));
 }
-void EtcdRendezvousService::kvDelete(const std::string& key, rendezvous::CallPolicy policy,
-                                     StatusDone done) {
-  service_->kvDelete(key, policy, std::move(done));
+void EtcdRendezvousService::kvDeleteRange(const std::string& from, const std::string& to,
+                                          rendezvous::CallPolicy policy, StatusDone done) {
+  service_->kvDeleteRange(from, to, policy, std::move(done));
 }
 std::pair<uint64_t, uint64_t> EtcdRendezvousService::mirroredKv() const {
   return service_->mirroredKv();

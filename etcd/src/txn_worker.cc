@@ -100,10 +100,12 @@ void TxnWorker::put(std::string key, std::string value, Duration retry_for,
   });
 }
 
-void TxnWorker::remove(std::string key, Duration retry_for, std::function<void(Status)> done) {
-  submit([this, key = std::move(key), retry_for, done = std::move(done)] {
+void TxnWorker::removeRange(std::string from, std::string to, Duration retry_for,
+                            std::function<void(Status)> done) {
+  submit([this, from = std::move(from), to = std::move(to), retry_for, done = std::move(done)] {
     ep::DeleteRangeRequest del;
-    del.set_key(key);
+    del.set_key(from);
+    del.set_range_end(to);
     done(stopper_.retrying(retry_for, [&] { return client_.deleteRange(del); }));
   });
 }

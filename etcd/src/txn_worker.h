@@ -82,8 +82,9 @@ class TxnWorker {
   // A plain put (the run's key-value store).
   void put(std::string key, std::string value, Duration retry_for,
            std::function<void(Status)> done);
-  // A plain delete of one key (OK when it was not there).
-  void remove(std::string key, Duration retry_for, std::function<void(Status)> done);
+  // A plain delete of every key k with from <= k < to (OK when there was none).
+  void removeRange(std::string from, std::string to, Duration retry_for,
+                   std::function<void(Status)> done);
 
  private:
   void submit(std::function<void()> job) EXCLUDES(mu_);

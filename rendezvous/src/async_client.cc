@@ -554,6 +554,21 @@ void AsyncClient::kvDelete(const std::string& run, const std::string& key, Done<
       impl_->options.rpc_timeout, o);
 }
 
+void AsyncClient::kvDeleteRange(const std::string& run, const std::string& from,
+                                const std::string& to, Done<uint64_t> done, CallOptions o) {
+  pb::KvDeleteRequest request;
+  request.set_run_id(run);
+  request.set_key(from);
+  request.set_range_end(to);
+  impl_->call<pb::KvDeleteResponse>(
+      [request](Stub* s, grpc::ClientContext* c, pb::KvDeleteResponse* r, AttemptDone d) {
+        s->async()->KvDelete(c, &request, r, std::move(d));
+      },
+      withValue<pb::KvDeleteResponse, uint64_t>(
+          std::move(done), [](pb::KvDeleteResponse& r) { return r.deleted_keys(); }),
+      impl_->options.rpc_timeout, o);
+}
+
 namespace {
 
 // Where a watch delivers: posted to the client's io thread; `alive` is cleared (under the

@@ -118,6 +118,12 @@ StatusOr<bool> Client::kvDelete(const std::string& run_id, const std::string& ke
       [&](auto done) { impl_->async->kvDelete(run_id, key, std::move(done)); });
 }
 
+StatusOr<uint64_t> Client::kvDeleteRange(const std::string& run_id, const std::string& from,
+                                         const std::string& to) {
+  return impl_->await<StatusOr<uint64_t>>(
+      [&](auto done) { impl_->async->kvDeleteRange(run_id, from, to, std::move(done)); });
+}
+
 std::unique_ptr<Watch> Client::watch(const std::string& run_id, const std::string& node_id,
                                      ChangeCallback on_change, BreakCallback on_break) {
   return impl_->async->watch(run_id, node_id, std::move(on_change), std::move(on_break));

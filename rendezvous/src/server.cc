@@ -552,6 +552,14 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
                                      const pb::KvDeleteRequest* req,
                                      pb::KvDeleteResponse* resp) override {
     return unary(ctx, "KvDelete", [req, resp](Impl* impl) -> Status {
+      if (!req->range_end().empty()) {
+        auto count =
+            impl->state.kvDeleteRange(req->run_id(), req->key(), req->range_end(), impl->now());
+        if (!count.isOk()) return count.status();
+        resp->set_deleted(count.value() > 0);
+        resp->set_deleted_keys(count.value());
+        return Status::ok();
+      }
       auto st = impl->state.kvDelete(req->run_id(), req->key(), impl->now());
       if (!st.isOk()) return st.status();
       resp->set_deleted(st.value());

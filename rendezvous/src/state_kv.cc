@@ -340,6 +340,37 @@ StatusOr<bool> RendezvousState::kvDelete(const std::string& run_id, const std::s
   return true;
 }
 
+StatusOr<size_t> RendezvousState::kvDeleteRange(const std::string& run_id, const std::string& from,
+                                                const std::string& to, TimePoint now) {
+  DDPRUN_RETURN_IF_ERROR(validateWrite(run_id, from));
+  DDPRUN_RETURN_IF_ERROR(validateKey(run_id, to));
+  if (!(from < to)) {
+    return invalidArgument("the range of keys to delete is empty (its end, " +
+                           quotePeerText(to, 100) + ", is not above its start, " +
+                           quotePeerText(from, 100) + ")");
+  }
+  // Reserved keys lie in [kReservedPrefix, its successor); `from` is outside it (validateWrite).
+  const std::string reserved = kReservedPrefix;
+  if (from < reserved && to > reserved) {
+    return invalidArgument("the range of keys to delete covers the keys under " + reserved +
+                           ", reserved for the rendezvous server");
+  }
+  auto r = kv_.find(run_id);
+  if (r == kv_.end()) return size_t{0};
+  touch(run_id, now);
+  auto& data = r->second.data;
+  auto it = data.lower_bound(from);
+  size_t deleted = 0;
+  while (it != data.end() && it->first < to) {
+    const size_t entry = it->first.size() + it->second.size();
+    r->second.bytes -= entry;
+    kv_bytes_ -= entry;
+    it = data.erase(it);
+    ++deleted;
+  }
+  return deleted;
+}
+
 void RendezvousState::kvWait(CallId id, const std::string& run_id, std::vector<std::string> keys,
                              Duration timeout, TimePoint now) {
   if (keys.empty()) {

@@ -20,6 +20,7 @@
 #include "announcer.h"
 #include "convert.h"
 #include "ddprun/common/loop_affinity.h"
+#include "ddprun/common/round_key.h"
 #include "ddprun/common/strings.h"
 #include "dir_watcher.h"
 #include "holdings.h"
@@ -52,7 +53,8 @@ CoreOptions coreOptions(const SnapshotLimits& limits) {
 
 std::vector<std::string> holdingsKeys(uint64_t round, const std::vector<int>& ranks) {
   std::vector<std::string> keys;
-  for (int r : ranks) keys.push_back("snapshot/" + std::to_string(round) + "/" + std::to_string(r));
+  const std::string prefix = roundKeyPrefix(kHoldingsKeys, round);
+  for (int r : ranks) keys.push_back(prefix + std::to_string(r));
   return keys;
 }
 

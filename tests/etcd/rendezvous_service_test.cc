@@ -358,6 +358,25 @@ TEST_CASE("etcd-v3: master address, key-value store and close", "[etcd]") {
   REQUIRE(job.runUntil([&] { return timed_out.has_value(); }));
   CHECK(timed_out->status().code() == StatusCode::kDeadlineExceeded);
 
+  // A range delete removes the keys in [from, to) and no other, from every agent's mirror.
+  b.service->kvSet("r/1", "1", {}, [&](Status st) { set += st.isOk(); });
+  b.service->kvSet("r/2", "2", {}, [&](Status st) { set += st.isOk(); });
+  REQUIRE(job.runUntil([&] { return set == 4 && a.service->mirroredKv().first == 4; }));
+  std::optional<Status> ranged, empty;
+  b.service->kvDeleteRange("r/", "r/2", {}, [&](Status st) { ranged = st; });
+  b.service->kvDeleteRange("r/2", "r/", {}, [&](Status st) { empty = st; });
+  REQUIRE(job.runUntil([&] { return ranged && empty && a.service->mirroredKv().first == 3; }));
+  CHECK(ranged->isOk());
+  CHECK(empty->code() == StatusCode::kInvalidArgument);
+  std::optional<StatusOr<std::vector<std::string>>> kept, deleted;
+  a.service->kvWait({"x", "y", "r/2"}, std::chrono::seconds(5), {},
+                    [&](StatusOr<std::vector<std::string>> v) { kept = v; });
+  a.service->kvWait({"r/1"}, std::chrono::milliseconds(300), {},
+                    [&](StatusOr<std::vector<std::string>> v) { deleted = v; });
+  REQUIRE(job.runUntil([&] { return kept && deleted; }));
+  CHECK(kept->value() == std::vector<std::string>{"1", "2", "2"});
+  CHECK(deleted->status().code() == StatusCode::kDeadlineExceeded);
+
   std::optional<Status> closed;
   a.service->close({}, [&](Status st) { closed = st; });
   REQUIRE(job.runUntil([&] {

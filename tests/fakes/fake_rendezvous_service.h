@@ -68,8 +68,9 @@ class FakeRendezvousService final : public agent::RendezvousService {
     record("kvWait " + all);
     kv_waits.emplace_back(all, std::move(done));
   }
-  void kvDelete(const std::string& key, agent::CallPolicy, StatusDone done) override {
-    record("kvDelete " + key);
+  void kvDeleteRange(const std::string& from, const std::string& to, agent::CallPolicy,
+                     StatusDone done) override {
+    record("kvDeleteRange " + from + " " + to);
     done(Status::ok());
   }
   void watch(const std::string& node_id, ChangeSink on_change) override {

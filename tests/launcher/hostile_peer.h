@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "ddprun/common/crc32.h"
+#include "ddprun/common/round_key.h"
 #include "ddprun/rendezvous/client.h"
 #include "ddprun/snapshot/transfer.h"
 #include "ddprun/snapshot/v1/snapshot.grpc.pb.h"
@@ -141,17 +142,15 @@ class HostileNode {
     });
     REQUIRE(client_
                 ->kvSet(run_id_,
-                        "snapshot/" + std::to_string(round.round) + "/" +
-                            std::to_string(round.group_rank),
+                        roundKeyPrefix("snapshot", round.round) + std::to_string(round.group_rank),
                         endpoint + "\n")
                 .isOk());
     // What it runs (agent/src/job_identity.h): the agents under test run /bin/sh.
-    REQUIRE(
-        client_
-            ->kvSet(run_id_,
-                    "job/" + std::to_string(round.round) + "/" + std::to_string(round.group_rank),
-                    "127.0.0.1\n/bin/sh")
-            .isOk());
+    REQUIRE(client_
+                ->kvSet(run_id_,
+                        roundKeyPrefix("job", round.round) + std::to_string(round.group_rank),
+                        "127.0.0.1\n/bin/sh")
+                .isOk());
     return round;
   }
 

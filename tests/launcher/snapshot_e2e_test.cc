@@ -16,6 +16,8 @@
 #include <set>
 
 #include "ddprun/common/crc32.h"
+#include "ddprun/common/round_key.h"
+#include "ddprun/rendezvous/client.h"
 #include "ddprun/snapshot/transfer.h"
 #include "multinode_helpers.h"
 #include "process_helpers.h"
@@ -473,6 +475,96 @@ TEST_CASE(
   for (int i = 0; i < 1000; ++i)
     files += readFile(b_dir / ("f-" + std::to_string(i) + ".bin")) == std::to_string(i) + "\n";
   CHECK(files == 1000);
+}
+
+TEST_CASE(
+    "the keys of a node gone are deleted too when its replacement is the new round's lowest node",
+    "[snapshot]") {
+  // The rank-1 node writes 1000 files, which both nodes then hold; the rank-0 node is killed and
+  // a fresh one takes its rank (survivors keep theirs) on its disk, three times. Each holds the
+  // 1000 files: ~12 KB of holdings per node and round; the run's quota (60 KB) holds two rounds.
+  // A lowest node new to the job knew no previous round to delete: each node gone left its
+  // holdings behind, and by the fourth round they no longer fit.
+  RendezvousDaemon rdzv({"--max-run-kv-bytes", "60000"});
+  TempDir a_dir, b_dir, stop_dir;
+  const std::string d = "\"$DDPRUN_SNAPSHOT_DIR\"";
+  const std::string stop = stop_dir.path() + "/stop";
+  const std::string script = "if [ \"$RANK\" = 1 ] && [ ! -e " + d +
+                             "/f-999.bin ]; then i=0; while [ $i -lt 1000 ]; "
+                             "do echo $i > " +
+                             d + "/f-$i.bin; i=$((i+1)); done; fi; while [ ! -e '" + stop +
+                             "' ]; do sleep 0.2; done";
+  auto a = node({"127.0.0.2", a_dir.path(), {}}, rdzv.endpoint, "2", "snap-gone", 1,
+                writerScript(script));
+  auto b = node({"127.0.0.3", b_dir.path(), {}}, rdzv.endpoint, "2", "snap-gone", 1,
+                writerScript(script));
+  REQUIRE(waitUntil(
+      [&] { return (a->err() + b->err()).find("group rank 0 of 2") != std::string::npos; }, 120s));
+  const bool a_low = a->err().find("group rank 0 of 2") != std::string::npos;
+  std::unique_ptr<Process> low = std::move(a_low ? a : b), high = std::move(a_low ? b : a);
+  const std::string low_dir = a_low ? a_dir.path() : b_dir.path();
+  const std::string high_dir = a_low ? b_dir.path() : a_dir.path();
+  const auto holdsAll = [](const std::string& dir) {
+    for (int i = 0; i < 1000; i += 37) {  // the files' contents are their numbers
+      if (readFile(dir + "/f-" + std::to_string(i) + ".bin") != std::to_string(i) + "\n") {
+        return false;
+      }
+    }
+    return readFile(dir + "/f-999.bin") == "999\n";
+  };
+  rendezvous::ClientOptions o;
+  o.endpoint = rdzv.endpoint;
+  rendezvous::Client client(o);
+  const auto lastRound = [](const std::string& err) {
+    const std::regex line(R"(round (\d+): group rank 0 of 2)");
+    uint64_t round = 0;
+    for (auto it = std::sregex_iterator(err.begin(), err.end(), line); it != std::sregex_iterator();
+         ++it) {
+      round = std::stoull((*it)[1].str());
+    }
+    return round;
+  };
+  const auto published = [&](uint64_t round, int rank) {
+    const std::string node = std::to_string(rank);
+    return client.kvGet("snap-gone", roundKeyPrefix("snapshot", round) + node).isOk() ||
+           client.kvGet("snap-gone", roundKeyPrefix("job", round) + node).isOk();
+  };
+  uint64_t round = 0;
+  for (int replaced = 0;; ++replaced) {
+    INFO("replaced " << replaced << "\nlowest node:\n"
+                     << low->err() << "\nother node:\n"
+                     << high->err());
+    // The lowest node of this round holds every file, and both nodes' holdings are published.
+    REQUIRE(waitUntil([&] { return lastRound(low->err()) > round; }, 120s));
+    round = lastRound(low->err());
+    REQUIRE(waitUntil([&] { return holdsAll(low_dir) && holdsAll(high_dir); }, 120s));
+    REQUIRE(waitUntil([&] { return published(round, 0) && published(round, 1); }, 60s));
+    // Every key of an earlier round is gone, those of the nodes killed included.
+    CHECK(waitUntil(
+        [&] {
+          for (uint64_t r = 1; r < round; ++r) {
+            if (published(r, 0) || published(r, 1)) return false;
+          }
+          return true;
+        },
+        30s));
+    if (replaced == 3) break;
+    auto workers = workerPids(low->pid());
+    low->signal(SIGKILL);
+    REQUIRE(low->wait(10s));
+    for (int w : workers) CHECK(waitUntil([&] { return !pidAlive(w); }, 10s));
+    // Its replacement, on the same disk, at another address.
+    low = node({"127.0.0." + std::to_string(4 + replaced), low_dir, {}}, rdzv.endpoint, "2",
+               "snap-gone", 1, writerScript(script));
+  }
+  std::vector<std::unique_ptr<Process>> last;
+  last.push_back(std::move(low));
+  last.push_back(std::move(high));
+  const std::string logs = logsThenStop(last, stop);
+  INFO(logs);
+  CHECK(countOf(logs, "started 1 worker(s)") >= 5);  // the first round's two, and each fresh node
+  CHECK(logs.find("cannot publish") == std::string::npos);
+  CHECK(logs.find("max-run-kv-bytes") == std::string::npos);
 }
 
 TEST_CASE("a job started again keeps the versions its nodes held", "[snapshot]") {

@@ -335,6 +335,11 @@ TEST_CASE("bad input gets precise statuses and the server keeps serving", "[rend
   CHECK(client.kvCompareSet("bad", "k", "v", "w").value() == "w");
   CHECK(client.kvWait("bad", {"k", "n"}, 1s).value() == std::vector<std::string>{"w", "3"});
   CHECK(client.kvDelete("bad", "k").value());
+  REQUIRE(client.kvSet("bad", "r/1", "v").isOk());
+  REQUIRE(client.kvSet("bad", "r/2", "v").isOk());
+  CHECK(client.kvDeleteRange("bad", "r/", "r/2").value() == 1);
+  CHECK(client.kvGet("bad", "r/2").value() == "v");
+  CHECK(client.kvDeleteRange("bad", "r/3", "r/").status().code() == StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("a watch whose client stops reading is ended once too far behind, not buffered",

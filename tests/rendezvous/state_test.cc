@@ -548,6 +548,46 @@ TEST_CASE("the server's own keys cannot be written through the key-value verbs",
   CHECK(h.state.kvAdd("job", "__ddprun/n", 1, now).status().code() == StatusCode::kInvalidArgument);
   CHECK(h.state.kvDelete("job", "__ddprun/master/1", h.clock.now()).status().code() ==
         StatusCode::kInvalidArgument);
+  // Nor deleted by a range that covers them, wherever it starts.
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"A", "z"}, {"_", "__ddprun/z"}, {"__ddprun/", "z"}, {"__ddprun/a", "__ddprun/b"}}) {
+    INFO(from << " .. " << to);
+    CHECK(h.state.kvDeleteRange("job", from, to, now).status().code() ==
+          StatusCode::kInvalidArgument);
+  }
+  CHECK(h.state.kvDeleteRange("job", "A", "__ddprun/", now).isOk());  // ends where they start
+  CHECK(h.state.kvDeleteRange("job", "__ddprun0", "z", now).isOk());  // starts after them
+}
+
+TEST_CASE("a range delete removes exactly the keys in [from, to) and gives their bytes back",
+          "[rendezvous][state]") {
+  Harness h(1, 1);
+  auto& s = h.state;
+  const auto now = h.clock.now();
+  for (const char* key : {"a", "job/1/0", "job/1/1", "job/2/0", "job/20", "jobs", "k"}) {
+    REQUIRE(s.kvSet("r", key, "vv", now).isOk());
+  }
+  REQUIRE(s.kvSet("other", "job/1/0", "vv", now).isOk());
+  const auto before = s.census().kv_bytes;
+  CHECK(s.kvDeleteRange("r", "job/", "job/2", now).value() == 2);
+  CHECK(s.census().kv_bytes == before - 2 * (7 + 2));
+  for (const char* gone : {"job/1/0", "job/1/1"}) {
+    CHECK(s.kvGet("r", gone).status().code() == StatusCode::kNotFound);
+  }
+  for (const char* kept : {"a", "job/2/0", "job/20", "jobs", "k"}) {
+    CHECK(s.kvGet("r", kept).value() == "vv");
+  }
+  CHECK(s.kvGet("other", "job/1/0").value() == "vv");  // another run's keys are its own
+  CHECK(s.kvDeleteRange("r", "job/", "job/2", now).value() == 0);
+  CHECK(s.kvDeleteRange("absent", "a", "b", now).value() == 0);
+  // An empty or reversed range, and a bad key, are refused.
+  CHECK(s.kvDeleteRange("r", "b", "b", now).status().code() == StatusCode::kInvalidArgument);
+  CHECK(s.kvDeleteRange("r", "b", "a", now).status().code() == StatusCode::kInvalidArgument);
+  CHECK(s.kvDeleteRange("r", "", "z", now).status().code() == StatusCode::kInvalidArgument);
+  CHECK(s.kvDeleteRange("r", "a", std::string(5000, 'z'), now).status().code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(s.kvDeleteRange("r", "a", "zz", now).value() == 5);  // "a" and "k" included
+  CHECK(s.kvGet("r", "k").status().code() == StatusCode::kNotFound);
 }
 
 TEST_CASE("a participant re-joining with another local world size opens a new round",

@@ -81,7 +81,8 @@ class EtcdRendezvousService final : public rendezvous::Service {
              StatusDone done) override;
   void kvWait(const std::vector<std::string>& keys, Duration timeout, rendezvous::CallPolicy policy,
               Done<std::vector<std::string>> done) override;
-  void kvDelete(const std::string& key, rendezvous::CallPolicy policy, StatusDone done) override;
+  void kvDeleteRange(const std::string& from, const std::string& to, rendezvous::CallPolicy policy,
+                     StatusDone done) override;
   // Keys and bytes (keys and values) of the run's key-value store mirrored here (loop thread).
   std::pair<uint64_t, uint64_t> mirroredKv() const;
   void watch(const std::string& node_id, ChangeSink on_change) override;

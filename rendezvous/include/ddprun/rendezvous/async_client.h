@@ -114,6 +114,10 @@ class AsyncClient {
               Done<std::vector<std::string>> done, CallOptions o = {});
   void kvDelete(const std::string& run, const std::string& key, Done<bool> done,
                 CallOptions o = {});
+  // Deletes every key k with from <= k < to; the number deleted (0 from a server that predates
+  // ranges, which deletes `from` alone).
+  void kvDeleteRange(const std::string& run, const std::string& from, const std::string& to,
+                     Done<uint64_t> done, CallOptions o = {});
 
   // Round changes of `run` (`node` may be empty: an observer). on_change and on_break are posted
   // to `io`. Destroying the Watch ends it.

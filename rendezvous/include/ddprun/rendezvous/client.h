@@ -62,6 +62,8 @@ class Client {
   StatusOr<std::vector<std::string>> kvWait(const std::string& run_id,
                                             const std::vector<std::string>& keys, Duration timeout);
   StatusOr<bool> kvDelete(const std::string& run_id, const std::string& key);
+  StatusOr<uint64_t> kvDeleteRange(const std::string& run_id, const std::string& from,
+                                   const std::string& to);
 
   // Callbacks run on the client's thread (see above).
   std::unique_ptr<Watch> watch(const std::string& run_id, const std::string& node_id,

@@ -61,8 +61,9 @@ class Service {
                      StatusDone done) = 0;
   virtual void kvWait(const std::vector<std::string>& keys, Duration timeout, CallPolicy policy,
                       Done<std::vector<std::string>> done) = 0;
-  // Deletes the key (OK when it was not there).
-  virtual void kvDelete(const std::string& key, CallPolicy policy, StatusDone done) = 0;
+  // Deletes every key k with from <= k < to (OK when there was none).
+  virtual void kvDeleteRange(const std::string& from, const std::string& to, CallPolicy policy,
+                             StatusDone done) = 0;
   // Subscribes to the run's round changes (a snapshot first, again after every reconnect) until
   // stopWatch(); a second watch() replaces the first.
   virtual void watch(const std::string& node_id, ChangeSink on_change) = 0;

@@ -176,6 +176,10 @@ class RendezvousState {
                                      const std::string& expected, std::string desired,
                                      TimePoint now);
   StatusOr<bool> kvDelete(const std::string& run_id, const std::string& key, TimePoint now);
+  // Deletes every key k with from <= k < to (as etcd's DeleteRange); returns how many. A range
+  // that is empty or covers the reserved keys is INVALID_ARGUMENT.
+  StatusOr<size_t> kvDeleteRange(const std::string& run_id, const std::string& from,
+                                 const std::string& to, TimePoint now);
   void kvWait(CallId id, const std::string& run_id, std::vector<std::string> keys, Duration timeout,
               TimePoint now);
   void cancelWait(CallId id, TimePoint now);

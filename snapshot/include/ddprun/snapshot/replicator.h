@@ -59,8 +59,10 @@ class HoldingsBoard {
                        std::function<void(StatusOr<std::vector<std::string>>)> done) = 0;
 };
 
+// The first segment of the keys holdings are published under (common/round_key.h).
+inline constexpr char kHoldingsKeys[] = "snapshot";
 // The keys under which the replicating nodes of group ranks `ranks` publish their holdings for
-// round `round`, in that order.
+// round `round`, in that order: "snapshot/<round, 20 digits>/<rank>".
 std::vector<std::string> holdingsKeys(uint64_t round, const std::vector<int>& ranks);
 
 // INVALID_ARGUMENT: a --snapshot-dir that is missing, not a directory or not writable.
