@@ -559,8 +559,10 @@ TEST_CASE("the server's own keys cannot be written through the key-value verbs",
   CHECK(h.state.kvDeleteRange("job", "__ddprun0", "z", now).isOk());  // starts after them
 }
 
-TEST_CASE("a range delete removes exactly the keys in [from, to) and gives their bytes back",
-          "[rendezvous][state]") {
+TEST_CASE(
+    "a range delete removes exactly the keys from its start up to its end and gives their bytes "
+    "back",
+    "[rendezvous][state]") {
   Harness h(1, 1);
   auto& s = h.state;
   const auto now = h.clock.now();
