@@ -28,8 +28,8 @@
 
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/agent/rendezvous_service.h"
+#include "ddprun/agent/round_keys.h"
 #include "ddprun/common/loop_affinity.h"
-#include "round_keys.h"
 
 namespace ddprun::agent {
 

@@ -213,7 +213,7 @@ void MultiNodeRendezvous::resolveMaster(rendezvous::RoundInfo joined, RoundInfo 
 void MultiNodeRendezvous::resolveStaticRanks(const rendezvous::RoundInfo& joined, RoundInfo round,
                                              RoundCallback done) {
   // Ranks come from --node-rank: learn every participant's, order the nodes by it.
-  const std::string prefix = "static_rank/" + std::to_string(joined.round) + "/";
+  const std::string prefix = roundKeyPrefix("static_rank", joined.round);
   std::vector<std::string> keys;
   std::vector<int> sizes_by_member;
   for (const auto& p : *joined.participants) {
@@ -222,12 +222,13 @@ void MultiNodeRendezvous::resolveStaticRanks(const rendezvous::RoundInfo& joined
   }
   service_.kvSet(
       prefix + joined.node_id, std::to_string(options_.static_node_rank), {},
-      [this, keys, sizes_by_member, round = std::move(round),
-       done = std::move(done)](Status st) mutable {
+      [this, keys, sizes_by_member, round = std::move(round), done = std::move(done),
+       number = joined.round, lowest = joined.group_rank == 0](Status st) mutable {
         if (!st.isOk()) {
           done(st);
           return;
         }
+        static_ranks_.tookPart(number, lowest ? 0 : 1);
         service_.kvWait(
             keys, options_.join_timeout, {},
             [this, sizes_by_member, round = std::move(round),

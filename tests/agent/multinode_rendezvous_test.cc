@@ -1,5 +1,6 @@
 #include "ddprun/agent/multinode_rendezvous.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <optional>
 
@@ -218,6 +219,23 @@ TEST_CASE("pushed round changes become membership changes and peer failures",
   CHECK(f.events == std::vector<PeerEvent>{PeerEvent::kNodeDeclaredDead});
 }
 
+TEST_CASE("the service's lowest node deletes the --node-rank keys of past rounds",
+          "[agent][multinode]") {
+  auto o = MultiNodeFixture::defaults();
+  o.static_node_rank = 1;
+  MultiNodeFixture f(o);
+  f.nextRound();
+  f.service.answer(f.service.joins, roundOf(3, "a", {{"a", 2}, {"b", 4}}));
+  f.poll();
+  REQUIRE(f.service.kv_sets.size() == 1);
+  CHECK(std::count(f.service.calls.begin(), f.service.calls.end(),
+                   "kvDeleteRange static_rank/ static_rank/00000000000000000003/") == 0);
+  f.service.answer(f.service.kv_sets, Status::ok());  // deleted once its own key is written
+  f.poll();
+  CHECK(std::count(f.service.calls.begin(), f.service.calls.end(),
+                   "kvDeleteRange static_rank/ static_rank/00000000000000000003/") == 1);
+}
+
 TEST_CASE("static node ranks order the nodes by --node-rank", "[agent][multinode]") {
   auto o = MultiNodeFixture::defaults();
   o.static_node_rank = 0;
@@ -229,11 +247,12 @@ TEST_CASE("static node ranks order the nodes by --node-rank", "[agent][multinode
   f.service.answer(f.service.joins, roundOf(1, "a", {{"b", 4}, {"a", 2}}));
   f.poll();
   REQUIRE(f.service.kv_sets.size() == 1);
-  CHECK(f.service.kv_sets.front().first == "static_rank/1/a=0");
+  CHECK(f.service.kv_sets.front().first == roundKeyPrefix("static_rank", 1) + "a=0");
   f.service.answer(f.service.kv_sets, Status::ok());
   f.poll();
   REQUIRE(f.service.kv_waits.size() == 1);
-  CHECK(f.service.kv_waits.front().first == "static_rank/1/b,static_rank/1/a");
+  CHECK(f.service.kv_waits.front().first ==
+        roundKeyPrefix("static_rank", 1) + "b," + roundKeyPrefix("static_rank", 1) + "a");
   f.service.answer(f.service.kv_waits, std::vector<std::string>{"1", "0"});
   f.poll();
   REQUIRE(f.result.has_value());

@@ -1,7 +1,7 @@
 // RoundKeys (agent/src/round_keys.h): the lowest node of each round deletes, in one range, every
 // key of its kind published for a round below; the key format (common/round_key.h) sorts every
 // round below r under that range, and no key of round r or above.
-#include "round_keys.h"
+#include "ddprun/agent/round_keys.h"
 
 #include <boost/asio/io_context.hpp>
 #include <catch2/catch.hpp>

@@ -22,6 +22,7 @@
 
 #include "ddprun/agent/rendezvous_client.h"
 #include "ddprun/agent/rendezvous_service.h"
+#include "ddprun/agent/round_keys.h"
 #include "ddprun/common/loop_affinity.h"
 #include "ddprun/rendezvous/types.h"
 
@@ -97,6 +98,7 @@ class MultiNodeRendezvous final : public RendezvousClient {
 
   MultiNodeOptions options_;
   RendezvousService& service_;
+  RoundKeys static_ranks_{service_, "static_rank"};  // past rounds' --node-rank keys, deleted
   EventSink sink_;
 
   std::deque<Op> ops_;
