@@ -228,46 +228,58 @@ void JobIdentityClient::publish(const RoundInfo& r, RoundCallback done) {
 void JobIdentityClient::compare(const RoundInfo& r, const std::string& prefix, RoundCallback done,
                                 Duration left) {
   const Duration slice = std::min(left, kWaitSlice);
-  service_.kvWait(rankKeys(prefix, r.local_world_sizes.size()), slice, {},
-                  [this, r, prefix, left, slice,
-                   done = std::move(done)](StatusOr<std::vector<std::string>> values) mutable {
-                    if (!values.isOk()) {
-                      if (values.status().code() == StatusCode::kDeadlineExceeded && left > slice &&
-                          !isSuperseded(inner_, r)) {
-                        compare(r, prefix, std::move(done), left - slice);
-                        return;
-                      }
-                      done(r);
-                      return;
-                    }
-                    Status same = checkSameJob(*values, r.group_rank, run_id_);
-                    if (in_place_mode_ && !warned_older_) {
-                      const std::string older = olderAgent(*values, r.group_rank);
-                      if (!older.empty()) {
-                        warned_older_ = true;
-                        logger("agent")->warn("--restart-mode=in-place: {}", older);
-                      }
-                    }
-                    if (!warned_snapshot_dir_) {
-                      const std::string differs = snapshotDirMismatch(*values, r.group_rank);
-                      if (!differs.empty()) {
-                        warned_snapshot_dir_ = true;
-                        logger("agent")->warn("{}", differs);
-                      }
-                    }
-                    if (same.isOk()) {
-                      RoundInfo voted = r;
-                      voted.without_snapshot_dir = nodesWithoutSnapshotDir(*values);
-                      voted.in_place_veto = inPlaceVeto(*values, r.group_rank, r.round);
-                      voted.in_place_veto_own =
-                          !voted.in_place_veto.empty() && othersVoteInPlace(*values, r.group_rank);
-                      voted.in_place_veto_soft =
-                          !voted.in_place_veto.empty() && everyNodeListens(*values);
-                      done(std::move(voted));
-                      return;
-                    }
-                    failOnceAllRead(r, prefix, std::move(same), std::move(done));
-                  });
+  service_.kvWait(
+      rankKeys(prefix, r.local_world_sizes.size()), slice, {},
+      [this, r, prefix, left, slice,
+       done = std::move(done)](StatusOr<std::vector<std::string>> values) mutable {
+        if (!values.isOk()) {
+          if (values.status().code() == StatusCode::kDeadlineExceeded && left > slice &&
+              !isSuperseded(inner_, r)) {
+            compare(r, prefix, std::move(done), left - slice);
+            return;
+          }
+          if (values.status().code() == StatusCode::kDeadlineExceeded && !isSuperseded(inner_, r)) {
+            // Said once at warning level: after that, a stalled node's usual trace.
+            auto log = logger("agent");
+            log->log(warned_missing_ ? spdlog::level::debug : spdlog::level::warn,
+                     "round {}: not every node said what it runs within {:.0f} s (a "
+                     "node stalled, or runs another ddprun release, whose keys this "
+                     "one does not read): the round goes on unchecked for another "
+                     "job, and those nodes cast no in-place vote; run one ddprun "
+                     "release on every node of a job",
+                     r.round, std::chrono::duration<double>(wait_for_).count());
+            warned_missing_ = true;
+          }
+          done(r);
+          return;
+        }
+        Status same = checkSameJob(*values, r.group_rank, run_id_);
+        if (in_place_mode_ && !warned_older_) {
+          const std::string older = olderAgent(*values, r.group_rank);
+          if (!older.empty()) {
+            warned_older_ = true;
+            logger("agent")->warn("--restart-mode=in-place: {}", older);
+          }
+        }
+        if (!warned_snapshot_dir_) {
+          const std::string differs = snapshotDirMismatch(*values, r.group_rank);
+          if (!differs.empty()) {
+            warned_snapshot_dir_ = true;
+            logger("agent")->warn("{}", differs);
+          }
+        }
+        if (same.isOk()) {
+          RoundInfo voted = r;
+          voted.without_snapshot_dir = nodesWithoutSnapshotDir(*values);
+          voted.in_place_veto = inPlaceVeto(*values, r.group_rank, r.round);
+          voted.in_place_veto_own =
+              !voted.in_place_veto.empty() && othersVoteInPlace(*values, r.group_rank);
+          voted.in_place_veto_soft = !voted.in_place_veto.empty() && everyNodeListens(*values);
+          done(std::move(voted));
+          return;
+        }
+        failOnceAllRead(r, prefix, std::move(same), std::move(done));
+      });
 }
 
 // A mismatch is seen by every node of the round (each differs from one of the two that differ),

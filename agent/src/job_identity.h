@@ -126,6 +126,7 @@ class JobIdentityClient final : public RendezvousClient {
   bool snapshot_dir_;                 // --snapshot-dir
   bool warned_older_ = false;         // olderAgent's line was said
   bool warned_snapshot_dir_ = false;  // snapshotDirMismatch's line was said
+  bool warned_missing_ = false;       // the line of identities that did not all arrive was said
   Duration wait_for_;
   RoundKeys published_{service_, kJobKeys};  // the previous rounds' identities, deleted
   LoopAffinity loop_{"JobIdentityClient"};

@@ -116,6 +116,7 @@ void MultiNodeRendezvous::join(RoundCallback done, std::function<void()> next) {
     answered_behind_ = behind;
     node_id_ = joined->node_id;
     joined_round_ = joined->round;
+    if (joined->round > 1) barriers_.tookPart(joined->round - 1, joined->group_rank);
     RoundInfo round;
     round.round = static_cast<int>(joined->round);
     round.group_rank = static_cast<int>(joined->group_rank);
@@ -213,7 +214,7 @@ void MultiNodeRendezvous::resolveMaster(rendezvous::RoundInfo joined, RoundInfo 
 void MultiNodeRendezvous::resolveStaticRanks(const rendezvous::RoundInfo& joined, RoundInfo round,
                                              RoundCallback done) {
   // Ranks come from --node-rank: learn every participant's, order the nodes by it.
-  const std::string prefix = roundKeyPrefix("static_rank", joined.round);
+  const std::string prefix = roundKeyPrefix(kStaticRankKeys, joined.round);
   std::vector<std::string> keys;
   std::vector<int> sizes_by_member;
   for (const auto& p : *joined.participants) {
@@ -234,7 +235,16 @@ void MultiNodeRendezvous::resolveStaticRanks(const rendezvous::RoundInfo& joined
             [this, sizes_by_member, round = std::move(round),
              done = std::move(done)](StatusOr<std::vector<std::string>> values) mutable {
               if (!values.isOk()) {
-                done(values.status());
+                Status st = values.status();
+                if (st.code() == StatusCode::kDeadlineExceeded) {
+                  st = deadlineExceeded(
+                      "--node-rank: not every node of round " + std::to_string(round.round) +
+                      " said its rank within join_timeout (a node stalled or left, or runs "
+                      "another ddprun release, whose keys this one does not read; run one "
+                      "release on every node): " +
+                      st.message());
+                }
+                done(st);
                 return;
               }
               const size_t n = sizes_by_member.size();
@@ -378,7 +388,7 @@ void MultiNodeRendezvous::leave() {
 }
 
 std::string MultiNodeRendezvous::barrierPrefix() const {
-  return "exit_barrier/" + std::to_string(joined_round_) + "/";
+  return roundKeyPrefix(kBarrierKeys, joined_round_);
 }
 
 std::vector<std::string> MultiNodeRendezvous::barrierKeys(const std::string& phase) const {

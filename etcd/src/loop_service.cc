@@ -253,7 +253,8 @@ void LoopService::kvSet(const std::string& key, const std::string& value, CallPo
 void LoopService::kvDeleteRange(const std::string& from, const std::string& to, CallPolicy policy,
                                 StatusDone done) {
   loop_.check();
-  // As the gRPC server refuses it: etcd would read an empty range end as "the key alone".
+  // Refused as by the gRPC server (etcd would read an empty range end as "the key alone"). Both
+  // ends lie under the run's kv prefix, which holds no reserved keys: the range cannot leave it.
   if (from.empty() || !(from < to)) {
     done(invalidArgument("the range of keys to delete is empty"));
     return;

@@ -556,6 +556,13 @@ void AsyncClient::kvDelete(const std::string& run, const std::string& key, Done<
 
 void AsyncClient::kvDeleteRange(const std::string& run, const std::string& from,
                                 const std::string& to, Done<uint64_t> done, CallOptions o) {
+  // An empty range end would be the single-key delete of `from`. (Answered on `io`, as any call.)
+  if (to.empty() || !(from < to)) {
+    boost::asio::post(impl_->io, [done = std::move(done)] {
+      done(invalidArgument("the range of keys to delete is empty"));
+    });
+    return;
+  }
   pb::KvDeleteRequest request;
   request.set_run_id(run);
   request.set_key(from);
@@ -564,8 +571,18 @@ void AsyncClient::kvDeleteRange(const std::string& run, const std::string& from,
       [request](Stub* s, grpc::ClientContext* c, pb::KvDeleteResponse* r, AttemptDone d) {
         s->async()->KvDelete(c, &request, r, std::move(d));
       },
-      withValue<pb::KvDeleteResponse, uint64_t>(
-          std::move(done), [](pb::KvDeleteResponse& r) { return r.deleted_keys(); }),
+      [done = std::move(done), endpoint = impl_->options.endpoint](const Status& st,
+                                                                   pb::KvDeleteResponse& r) {
+        if (!st.isOk()) return done(st);
+        if (!r.ranged()) {  // it read the range as one key, `from`, and deleted that alone
+          return done(Status(StatusCode::kUnimplemented,
+                             "the rendezvous server at " + endpoint +
+                                 " predates range deletes (KvDelete's range_end): past rounds' "
+                                 "keys stay until the run closes; run the same ddprun release "
+                                 "there as on the nodes"));
+        }
+        done(StatusOr<uint64_t>(r.deleted_keys()));
+      },
       impl_->options.rpc_timeout, o);
 }
 

@@ -558,6 +558,7 @@ class RendezvousService final : public pb::Rendezvous::CallbackService {
         if (!count.isOk()) return count.status();
         resp->set_deleted(count.value() > 0);
         resp->set_deleted_keys(count.value());
+        resp->set_ranged(true);
         return Status::ok();
       }
       auto st = impl->state.kvDelete(req->run_id(), req->key(), impl->now());

@@ -13,6 +13,17 @@ using namespace std::chrono_literals;
 
 namespace {
 
+// The key of an exit barrier's mark: "exit_barrier/<round, 20 digits>/<what>".
+std::string barrierKey(uint64_t round, const std::string& what) {
+  return roundKeyPrefix(kBarrierKeys, round) + what;
+}
+
+// How many times `service` was asked to delete the keys of `kind` of the rounds below `round`.
+long deletesBelow(const FakeRendezvousService& service, const std::string& kind, uint64_t round) {
+  return std::count(service.calls.begin(), service.calls.end(),
+                    "kvDeleteRange " + kind + "/ " + roundKeyPrefix(kind, round));
+}
+
 rendezvous::RoundInfo roundOf(uint64_t round, const std::string& me,
                               const std::vector<std::pair<std::string, uint32_t>>& members) {
   rendezvous::RoundInfo r;
@@ -225,15 +236,35 @@ TEST_CASE("the service's lowest node deletes the --node-rank keys of past rounds
   o.static_node_rank = 1;
   MultiNodeFixture f(o);
   f.nextRound();
-  f.service.answer(f.service.joins, roundOf(3, "a", {{"a", 2}, {"b", 4}}));
+  const bool lowest = GENERATE(true, false);
+  const bool written = GENERATE(true, false);
+  INFO("lowest " << lowest << ", its key written " << written);
+  f.service.answer(f.service.joins, lowest ? roundOf(3, "a", {{"a", 2}, {"b", 4}})
+                                           : roundOf(3, "a", {{"b", 4}, {"a", 2}}));
   f.poll();
   REQUIRE(f.service.kv_sets.size() == 1);
-  CHECK(std::count(f.service.calls.begin(), f.service.calls.end(),
-                   "kvDeleteRange static_rank/ static_rank/00000000000000000003/") == 0);
-  f.service.answer(f.service.kv_sets, Status::ok());  // deleted once its own key is written
+  CHECK(deletesBelow(f.service, kStaticRankKeys, 3) == 0);
+  f.service.answer(f.service.kv_sets,
+                   written ? Status::ok() : Status(StatusCode::kUnavailable, "gone"));
   f.poll();
-  CHECK(std::count(f.service.calls.begin(), f.service.calls.end(),
-                   "kvDeleteRange static_rank/ static_rank/00000000000000000003/") == 1);
+  // Once its own key is written (a round that fails here is joined again).
+  CHECK(deletesBelow(f.service, kStaticRankKeys, 3) == (lowest && written ? 1 : 0));
+}
+
+TEST_CASE("the lowest node deletes the exit barrier's keys of the rounds below the one before",
+          "[agent][multinode]") {
+  MultiNodeFixture f;
+  f.formRound(1);
+  CHECK(deletesBelow(f.service, kBarrierKeys, 0) == 0);  // nothing before round 1
+  f.service.push(pending(2, rendezvous::ChangeReason::kNodeJoined, "c"));
+  f.poll();
+  f.nextRound();
+  CHECK(f.service.kv_sets.front().first == barrierKey(1, "arrive/a") + "=next:2");
+  f.service.answer(f.service.joins, roundOf(2, "a", {{"a", 2}, {"b", 2}, {"c", 2}}));
+  f.poll();
+  // Round 1's marks stay: a node still waiting in its barrier reads them.
+  CHECK(deletesBelow(f.service, kBarrierKeys, 1) == 1);
+  CHECK(deletesBelow(f.service, kBarrierKeys, 2) == 0);
 }
 
 TEST_CASE("static node ranks order the nodes by --node-rank", "[agent][multinode]") {
@@ -316,11 +347,12 @@ TEST_CASE("the exit barrier waits only for the members that are still in the job
   f.rdzv->exitBarrier(60s, [&](Status st) { barrier = st; });
   f.poll();
   REQUIRE(f.service.kv_sets.size() == 1);
-  CHECK(f.service.kv_sets.front().first == "exit_barrier/1/arrive/a=1");
+  CHECK(f.service.kv_sets.front().first == barrierKey(1, "arrive/a") + "=1");
   f.service.answer(f.service.kv_sets, Status::ok());
   f.poll();
   REQUIRE(f.service.kv_waits.size() == 1);
-  CHECK(f.service.kv_waits.front().first == "exit_barrier/1/arrive/a,exit_barrier/1/arrive/b");
+  CHECK(f.service.kv_waits.front().first ==
+        barrierKey(1, "arrive/a") + "," + barrierKey(1, "arrive/b"));
   // A slice ran out: it asks again, now without b, which left meanwhile.
   f.service.push(pending(2, rendezvous::ChangeReason::kNodeLeft, "b"));
   f.service.answer(f.service.kv_waits,
@@ -328,7 +360,7 @@ TEST_CASE("the exit barrier waits only for the members that are still in the job
   f.poll();
   CHECK_FALSE(barrier.has_value());
   REQUIRE(f.service.kv_waits.size() == 1);
-  CHECK(f.service.kv_waits.front().first == "exit_barrier/1/arrive/a");
+  CHECK(f.service.kv_waits.front().first == barrierKey(1, "arrive/a"));
   f.service.answer(f.service.kv_waits, std::vector<std::string>{"1"});
   f.poll();
   REQUIRE(barrier.has_value());
@@ -351,7 +383,7 @@ TEST_CASE("a node that leaves its round for a newer one says so in that round's 
   }
   f.nextRound();
   REQUIRE(f.service.kv_sets.size() == 1);
-  CHECK(f.service.kv_sets.front().first == "exit_barrier/1/arrive/a=next:2");
+  CHECK(f.service.kv_sets.front().first == barrierKey(1, "arrive/a") + "=next:2");
   // Not awaited: the join is on its way at once.
   CHECK(f.service.joins.size() == 1);
 }
@@ -465,11 +497,12 @@ TEST_CASE("after a success the closer waits for departures, then closes the run"
   f.rdzv->shutdown(/*succeeded=*/true, /*left=*/false, [&] { done = true; });
   f.poll();
   REQUIRE(f.service.kv_sets.size() == 1);
-  CHECK(f.service.kv_sets.front().first == "exit_barrier/1/depart/a=1");
+  CHECK(f.service.kv_sets.front().first == barrierKey(1, "depart/a") + "=1");
   f.service.answer(f.service.kv_sets, Status::ok());
   f.poll();
   REQUIRE(f.service.kv_waits.size() == 1);
-  CHECK(f.service.kv_waits.front().first == "exit_barrier/1/depart/a,exit_barrier/1/depart/b");
+  CHECK(f.service.kv_waits.front().first ==
+        barrierKey(1, "depart/a") + "," + barrierKey(1, "depart/b"));
   f.service.answer(f.service.kv_waits, std::vector<std::string>{"1", "1"});
   f.poll();
   REQUIRE(f.service.closes.size() == 1);

@@ -1,6 +1,6 @@
-// RoundKeys (agent/src/round_keys.h): the lowest node of each round deletes, in one range, every
-// key of its kind published for a round below; the key format (common/round_key.h) sorts every
-// round below r under that range, and no key of round r or above.
+// RoundKeys (agent/include/ddprun/agent/round_keys.h): the lowest node of each round deletes, in
+// one range, every key of its kind published for a round below; the key format (common/round_key.h)
+// sorts every round below r under that range, and no key of round r or above.
 #include "ddprun/agent/round_keys.h"
 
 #include <boost/asio/io_context.hpp>
@@ -29,6 +29,26 @@ bool inRange(const std::string& range, const std::string& key) {
   return range.substr(0, space) <= key && key < range.substr(space + 1);
 }
 
+// Whether the one range `service` was asked to delete since the last look holds every key of kind
+// "k" of the rounds below `round` (however numbered: 9 sorts above 10 as text, not as padded
+// digits) and none of `round` or above, nor of another kind.
+bool deletedExactlyBelow(FakeRendezvousService& service, uint64_t round) {
+  const auto ranges = deletes(service);
+  if (ranges.size() != 1) return false;
+  const std::string& range = ranges[0];
+  for (uint64_t below : {uint64_t{0}, round / 2, round - 1}) {
+    if (!inRange(range, roundKeyPrefix("k", below) + "0") ||
+        !inRange(range, roundKeyPrefix("k", below) + "read/3")) {
+      return false;
+    }
+  }
+  for (uint64_t above : {round, round + 1, round * 10, UINT64_MAX}) {
+    if (inRange(range, roundKeyPrefix("k", above) + "0")) return false;
+  }
+  return !inRange(range, roundKeyPrefix("kk", 1) + "0") &&
+         !inRange(range, roundKeyPrefix("j", 1) + "0");
+}
+
 }  // namespace
 
 TEST_CASE("a round's key is its kind, its round in 20 digits and its rank", "[agent]") {
@@ -45,34 +65,17 @@ TEST_CASE("the lowest node of a round deletes every key of its kind of the round
   other.tookPart(2, 1);
   CHECK(deletes(service).empty());
   lowest.tookPart(2, 0);
-  const auto range = deletes(service);
-  REQUIRE(range.size() == 1);
-  // Rounds below 2, however numbered (9 sorts above 10 as text, not as padded digits), and
-  // nothing of round 2 or above, nor of another kind.
-  CHECK(inRange(range[0], roundKeyPrefix("k", 1) + "0"));
-  CHECK(inRange(range[0], roundKeyPrefix("k", 0) + "read/3"));
-  CHECK_FALSE(inRange(range[0], roundKeyPrefix("k", 2) + "0"));
-  CHECK_FALSE(inRange(range[0], roundKeyPrefix("k", 10) + "0"));
-  CHECK_FALSE(inRange(range[0], roundKeyPrefix("kk", 1) + "0"));
-  CHECK_FALSE(inRange(range[0], roundKeyPrefix("j", 1) + "0"));
+  CHECK(deletedExactlyBelow(service, 2));
   // The same round again deletes nothing more; a later one (rounds skipped) all below it.
   lowest.tookPart(2, 0);
   CHECK(deletes(service).empty());
   lowest.tookPart(100, 0);
-  const auto later = deletes(service);
-  REQUIRE(later.size() == 1);
-  CHECK(inRange(later[0], roundKeyPrefix("k", 9) + "1"));
-  CHECK(inRange(later[0], roundKeyPrefix("k", 99) + "1"));
-  CHECK_FALSE(inRange(later[0], roundKeyPrefix("k", 100) + "0"));
-  CHECK_FALSE(inRange(later[0], roundKeyPrefix("k", 1000) + "0"));
+  CHECK(deletedExactlyBelow(service, 100));
   // A node new to the job deletes as any other lowest node (the keys of nodes gone included),
   // and a rendezvous server that restarted without its state numbers rounds from 1 again.
   RoundKeys fresh(service, "k");
   fresh.tookPart(3, 0);
-  REQUIRE(deletes(service).size() == 1);
+  CHECK(deletedExactlyBelow(service, 3));
   lowest.tookPart(1, 0);
-  const auto restarted = deletes(service);
-  REQUIRE(restarted.size() == 1);
-  CHECK(inRange(restarted[0], roundKeyPrefix("k", 0) + "0"));
-  CHECK_FALSE(inRange(restarted[0], roundKeyPrefix("k", 1) + "0"));
+  CHECK(deletedExactlyBelow(service, 1));
 }

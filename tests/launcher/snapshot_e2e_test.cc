@@ -524,10 +524,8 @@ TEST_CASE(
     }
     return round;
   };
-  const auto published = [&](uint64_t round, int rank) {
-    const std::string node = std::to_string(rank);
-    return client.kvGet("snap-gone", roundKeyPrefix("snapshot", round) + node).isOk() ||
-           client.kvGet("snap-gone", roundKeyPrefix("job", round) + node).isOk();
+  const auto holds = [&](const char* kind, uint64_t round, int rank) {
+    return client.kvGet("snap-gone", roundKeyPrefix(kind, round) + std::to_string(rank)).isOk();
   };
   uint64_t round = 0;
   for (int replaced = 0;; ++replaced) {
@@ -538,12 +536,22 @@ TEST_CASE(
     REQUIRE(waitUntil([&] { return lastRound(low->err()) > round; }, 120s));
     round = lastRound(low->err());
     REQUIRE(waitUntil([&] { return holdsAll(low_dir) && holdsAll(high_dir); }, 120s));
-    REQUIRE(waitUntil([&] { return published(round, 0) && published(round, 1); }, 60s));
+    // This round's holdings and identities, each of both nodes, are published (and stay).
+    REQUIRE(waitUntil(
+        [&] {
+          for (const char* kind : {"snapshot", "job"}) {
+            if (!holds(kind, round, 0) || !holds(kind, round, 1)) return false;
+          }
+          return true;
+        },
+        60s));
     // Every key of an earlier round is gone, those of the nodes killed included.
     CHECK(waitUntil(
         [&] {
           for (uint64_t r = 1; r < round; ++r) {
-            if (published(r, 0) || published(r, 1)) return false;
+            for (const char* kind : {"snapshot", "job"}) {
+              if (holds(kind, r, 0) || holds(kind, r, 1)) return false;
+            }
           }
           return true;
         },

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Every Catch2 test name is one ctest can register: CMake's catch_discover_tests reads a name
-with '[' or ']' (a Catch tag or a CMake bracket), ';' (a CMake list separator) or '\\' wrongly,
-and then silently registers none of that executable's tests (a name with "[from, to)" once took
-57 rendezvous state tests out of CI). The check first judges a few names of its own, so that it
-can fail.
+"""Every Catch2 test name is one ctest can register and run: CMake's catch_discover_tests reads a
+name with '[' or ']' (a Catch tag, a CMake bracket), ';' (a CMake list separator) or '\\'
+wrongly, and then silently drops the tests listed after it (a name with "[from, to)" once took
+34 rendezvous state tests out of CI); a name starting with '~', '#' or 'exclude:', or starting
+or ending with '*', is a test spec of its own, not that test. The check first judges a few names
+of its own, so that it can fail.
 
     check_test_names.py ROOT    exit 0, or 1 naming each file:line and name
 """
@@ -12,9 +13,11 @@ import re
 import sys
 
 # TEST_CASE( then one or more adjacent string literals (the name), possibly over several lines.
-TEST_CASE = re.compile(r'\bTEST_CASE(?:_METHOD)?\s*\(\s*(?:\w+\s*,\s*)?((?:"(?:[^"\\]|\\.)*"\s*)+)')
+TEST_CASE = re.compile(
+    r'\b(?:TEMPLATE_(?:PRODUCT_|LIST_)?TEST_CASE(?:_METHOD)?(?:_SIG)?|TEST_CASE_METHOD|TEST_CASE|'
+    r'SCENARIO)\s*\(\s*(?:[\w:<>, ]+?\s*,\s*)?((?:"(?:[^"\\]|\\.)*"\s*)+)')
 LITERAL = re.compile(r'"((?:[^"\\]|\\.)*)"')
-BAD = re.compile(r'[\[\];\\]')
+BAD = re.compile(r'[\[\];\\]|^[~#*]|^exclude:|\*$')
 
 
 def bad_names(text):
@@ -34,6 +37,12 @@ def self_test():
         ('TEST_CASE("a; b", "[x]") {}', 1),
         ('TEST_CASE_METHOD(Fixture, "a \\\\ b", "[x]") {}', 1),
         ('TEST_CASE("split " "over [two]", "[x]") {}', 1),
+        ('SCENARIO("a [scenario]", "[x]") {}', 1),
+        ('TEMPLATE_TEST_CASE("typed [T]", "[x]", int, float) {}', 1),
+        ('TEST_CASE_METHOD(ns::Fixture<int>, "fixed;", "[x]") {}', 1),
+        ('TEST_CASE("~not this", "[x]") {}', 1),
+        ('TEST_CASE("all of it*", "[x]") {}', 1),
+        ('TEST_CASE("a * in the middle is fine", "[x]") {}', 0),
     ]
     for text, expected in cases:
         if len(bad_names(text)) != expected:
@@ -60,7 +69,8 @@ def main():
                     for line, name in bad_names(src.read()):
                         failures.append(f"{os.path.relpath(path, root)}:{line}: {name!r}")
     for f in failures:
-        print(f"test name with '[', ']', ';' or '\\' (ctest would drop its file's tests): {f}")
+        print(f"test name ctest cannot register or run alone ('[', ']', ';', '\\', a leading '~', "
+              f"'#', 'exclude:' or '*', a trailing '*'): {f}")
     if failures:
         return 1
     print("test names: every Catch2 test name can be registered by ctest")

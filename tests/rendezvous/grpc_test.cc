@@ -339,7 +339,11 @@ TEST_CASE("bad input gets precise statuses and the server keeps serving", "[rend
   REQUIRE(client.kvSet("bad", "r/2", "v").isOk());
   CHECK(client.kvDeleteRange("bad", "r/", "r/2").value() == 1);
   CHECK(client.kvGet("bad", "r/2").value() == "v");
+  CHECK(client.kvDeleteRange("bad", "r/", "r/2").value() == 0);
   CHECK(client.kvDeleteRange("bad", "r/3", "r/").status().code() == StatusCode::kInvalidArgument);
+  CHECK(client.kvDeleteRange("bad", "r/", "").status().code() == StatusCode::kInvalidArgument);
+  CHECK(client.kvDeleteRange("bad", "A", "z").status().code() == StatusCode::kInvalidArgument);
+  CHECK(client.kvGet("bad", "r/2").value() == "v");
 }
 
 TEST_CASE("a watch whose client stops reading is ended once too far behind, not buffered",
@@ -891,4 +895,32 @@ TEST_CASE("a node that stops heartbeating is declared dead and watchers are told
   REQUIRE(again.isOk());
   CHECK(again->group_world_size == 1);
   CHECK(again->group_rank == 0);
+}
+
+TEST_CASE("a range delete against a server from before ranges is named, not taken as done",
+          "[rendezvous][grpc]") {
+  // Such a server reads KvDelete's range end as nothing and deletes the start key alone.
+  struct OldServer final : public ddprun::rendezvous::v1::Rendezvous::Service {
+    grpc::Status KvDelete(grpc::ServerContext*, const ddprun::rendezvous::v1::KvDeleteRequest* req,
+                          ddprun::rendezvous::v1::KvDeleteResponse* resp) override {
+      keys.push_back(req->key());
+      resp->set_deleted(false);
+      return grpc::Status::OK;
+    }
+    std::vector<std::string> keys;
+  } old;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&old);
+  auto server = builder.BuildAndStart();
+  REQUIRE(server);
+  ClientOptions o;
+  o.endpoint = "127.0.0.1:" + std::to_string(port);
+  Client client(o);
+  auto deleted = client.kvDeleteRange("run", "job/", "job/5");
+  CHECK(deleted.status().code() == StatusCode::kUnimplemented);
+  CHECK_THAT(deleted.status().message(), Catch::Contains("predates range deletes"));
+  CHECK(old.keys == std::vector<std::string>{"job/"});
+  server->Shutdown();
 }

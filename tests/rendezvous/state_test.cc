@@ -592,6 +592,19 @@ TEST_CASE(
   CHECK(s.kvGet("r", "k").status().code() == StatusCode::kNotFound);
 }
 
+TEST_CASE("a range delete gives its bytes back to the run's own quota", "[rendezvous][state]") {
+  StateLimits limits;
+  limits.max_run_kv_bytes = 100;
+  RendezvousState state(limits);
+  const TimePoint now{};
+  REQUIRE(state.kvSet("r", "k/1", std::string(47, 'x'), now).isOk());  // 50 bytes
+  REQUIRE(state.kvSet("r", "k/2", std::string(47, 'x'), now).isOk());  // 100: full
+  CHECK(state.kvSet("r", "k/3", "x", now).code() == StatusCode::kResourceExhausted);
+  REQUIRE(state.kvDeleteRange("r", "k/", "k/2", now).value() == 1);
+  CHECK(state.kvSet("r", "k/3", std::string(47, 'x'), now).isOk());
+  CHECK(state.kvSet("r", "k/4", "x", now).code() == StatusCode::kResourceExhausted);
+}
+
 TEST_CASE("a participant re-joining with another local world size opens a new round",
           "[rendezvous][state]") {
   Harness h(1, 2);

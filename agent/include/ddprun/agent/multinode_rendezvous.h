@@ -53,6 +53,12 @@ struct MultiNodeOptions {
 // (FailureKind::kRecovery: not charged again).
 enum class PeerEvent { kMembershipChange, kNodeDeclaredDead, kPeerFailure, kPeerRecoveryFailed };
 
+// The first segments of the round keys (common/round_key.h) it publishes: each node's --node-rank
+// ("static_rank/<round>/<node>"), and its exit barrier's marks ("exit_barrier/<round>/<phase>/
+// <node>", written at a job's end, and as a node moves on to a newer round).
+inline constexpr char kStaticRankKeys[] = "static_rank";
+inline constexpr char kBarrierKeys[] = "exit_barrier";
+
 class MultiNodeRendezvous final : public RendezvousClient {
  public:
   using EventSink = std::function<void(PeerEvent)>;  // runs on the loop
@@ -98,7 +104,11 @@ class MultiNodeRendezvous final : public RendezvousClient {
 
   MultiNodeOptions options_;
   RendezvousService& service_;
-  RoundKeys static_ranks_{service_, "static_rank"};  // past rounds' --node-rank keys, deleted
+  // Past rounds' keys, deleted by each round's lowest node: the --node-rank keys below the round,
+  // the exit barrier's below the round before it (a node still waiting in that round's barrier
+  // reads the others' moved-on marks there).
+  RoundKeys static_ranks_{service_, kStaticRankKeys};
+  RoundKeys barriers_{service_, kBarrierKeys};
   EventSink sink_;
 
   std::deque<Op> ops_;

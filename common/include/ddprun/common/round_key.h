@@ -1,7 +1,7 @@
 // The keys a node publishes for a round in the run's key-value store (its job identity, its
 // snapshot holdings): "<kind>/<round, 20 digits>/<rank>". The round is zero-padded, so every key
 // of a round below r sorts below roundKeyPrefix(kind, r), and one range deletes them all
-// (agent/src/round_keys.h). Pure.
+// (agent/include/ddprun/agent/round_keys.h). Pure.
 #pragma once
 
 #include <cstdint>
