@@ -233,23 +233,13 @@ void JobIdentityClient::compare(const RoundInfo& r, const std::string& prefix, R
       [this, r, prefix, left, slice,
        done = std::move(done)](StatusOr<std::vector<std::string>> values) mutable {
         if (!values.isOk()) {
-          if (values.status().code() == StatusCode::kDeadlineExceeded && left > slice &&
-              !isSuperseded(inner_, r)) {
+          const bool timed_out =
+              values.status().code() == StatusCode::kDeadlineExceeded && !isSuperseded(inner_, r);
+          if (timed_out && left > slice) {
             compare(r, prefix, std::move(done), left - slice);
             return;
           }
-          if (values.status().code() == StatusCode::kDeadlineExceeded && !isSuperseded(inner_, r)) {
-            // Said once at warning level: after that, a stalled node's usual trace.
-            auto log = logger("agent");
-            log->log(warned_missing_ ? spdlog::level::debug : spdlog::level::warn,
-                     "round {}: not every node said what it runs within {:.0f} s (a "
-                     "node stalled, or runs another ddprun release, whose keys this "
-                     "one does not read): the round goes on unchecked for another "
-                     "job, and those nodes cast no in-place vote; run one ddprun "
-                     "release on every node of a job",
-                     r.round, std::chrono::duration<double>(wait_for_).count());
-            warned_missing_ = true;
-          }
+          if (timed_out) sayNotAllSaid(r);
           done(r);
           return;
         }
@@ -280,6 +270,17 @@ void JobIdentityClient::compare(const RoundInfo& r, const std::string& prefix, R
         }
         failOnceAllRead(r, prefix, std::move(same), std::move(done));
       });
+}
+
+void JobIdentityClient::sayNotAllSaid(const RoundInfo& r) {
+  // Said once at warning level: after that, a stalled node's usual trace.
+  logger("agent")->log(warned_missing_ ? spdlog::level::debug : spdlog::level::warn,
+                       "round {}: not every node said what it runs within {:.0f} s (a node "
+                       "stalled, or runs another ddprun release, whose keys this one does not "
+                       "read): the round goes on unchecked for another job, and those nodes cast "
+                       "no in-place vote; run one ddprun release on every node of a job",
+                       r.round, std::chrono::duration<double>(wait_for_).count());
+  warned_missing_ = true;
 }
 
 // A mismatch is seen by every node of the round (each differs from one of the two that differ),

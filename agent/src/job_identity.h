@@ -113,6 +113,8 @@ class JobIdentityClient final : public RendezvousClient {
 
   void publish(const RoundInfo& r, RoundCallback done);
   void compare(const RoundInfo& r, const std::string& prefix, RoundCallback done, Duration left);
+  // The wait for every node's identity timed out (the round goes on unchecked).
+  void sayNotAllSaid(const RoundInfo& r);
   void failOnceAllRead(const RoundInfo& r, const std::string& prefix, Status mismatch,
                        RoundCallback done);
 

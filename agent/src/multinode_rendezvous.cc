@@ -224,12 +224,12 @@ void MultiNodeRendezvous::resolveStaticRanks(const rendezvous::RoundInfo& joined
   service_.kvSet(
       prefix + joined.node_id, std::to_string(options_.static_node_rank), {},
       [this, keys, sizes_by_member, round = std::move(round), done = std::move(done),
-       number = joined.round, lowest = joined.group_rank == 0](Status st) mutable {
+       number = joined.round, self = joined.group_rank](Status st) mutable {
         if (!st.isOk()) {
           done(st);
           return;
         }
-        static_ranks_.tookPart(number, lowest ? 0 : 1);
+        static_ranks_.tookPart(number, self);
         service_.kvWait(
             keys, options_.join_timeout, {},
             [this, sizes_by_member, round = std::move(round),

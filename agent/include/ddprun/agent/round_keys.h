@@ -1,13 +1,12 @@
 // RoundKeys: the keys a node publishes in the run's key-value store for each round (its job
 // identity, its snapshot holdings, its --node-rank, its exit barrier's marks) are deleted once a
-// later round forms, so that the store holds
-// about one round's worth. Kept, they would fill the run's quota over a long job's rounds
-// (ddprun-rendezvous --max-run-kv-bytes, --max-run-keys; kv_max_bytes=, kv_max_keys= over etcd):
-// a write past it is refused, and a node whose holdings cannot be published starts its rounds
-// without knowing the others. The lowest node of each round deletes, in one range, every key of
-// its kind published for a round below (common/round_key.h): those of nodes gone since, of rounds
-// it did not take part in, and any written late, after the previous round's deletion.
-// Threading: the agent's loop thread. Lifetime: within `service`'s.
+// later round forms, so that the store holds about one round's worth. Kept, they would fill the
+// run's quota over a long job's rounds (ddprun-rendezvous --max-run-kv-bytes, --max-run-keys;
+// kv_max_bytes=, kv_max_keys= over etcd): a write past it is refused, and a node whose holdings
+// cannot be published starts its rounds without knowing the others. The lowest node of each round
+// deletes, in one range, every key of its kind published for a round below (common/round_key.h):
+// those of nodes gone since, of rounds it did not take part in, and any written late, after the
+// previous round's deletion. Threading: the agent's loop thread. Lifetime: within `service`'s.
 #pragma once
 
 #include <cstdint>

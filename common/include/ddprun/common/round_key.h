@@ -1,5 +1,6 @@
 // The keys a node publishes for a round in the run's key-value store (its job identity, its
-// snapshot holdings): "<kind>/<round, 20 digits>/<rank>". The round is zero-padded, so every key
+// snapshot holdings, its --node-rank, its exit barrier's marks): "<kind>/<round, 20 digits>/..."
+// (a rank, a node id, a phase). The round is zero-padded, so every key
 // of a round below r sorts below roundKeyPrefix(kind, r), and one range deletes them all
 // (agent/include/ddprun/agent/round_keys.h). Pure.
 #pragma once
