@@ -4,8 +4,8 @@
 #      under Debian's torch 1.13 and again under the current PyTorch ("torch2: ..." cases);
 #   2. the worker SDK, its examples and tests built against the current PyTorch's LibTorch
 #      (build-torch2/, deploy/build-torch2.sh), its tests, with the current PyTorch as reference;
-#   3. the sanitizer leg (clang++, ASan+UBSan, pure suites and fuzz targets); DDPRUN_SANITIZED_TESTS=0
-#      skips it.
+#   3. the sanitizer leg (deploy/test-sanitized.sh: clang++, ASan+UBSan, every suite that needs no
+#      LibTorch and the fuzz targets); DDPRUN_SANITIZED_TESTS=0 skips it.
 # The builds of 2 and 3 run while 1's tests do, at idle priority (below).
 # DDPRUN_TORCH2=0 leaves out the current PyTorch (and says so). Every part runs; the exit code is
 # that of the first part that failed.

@@ -175,6 +175,7 @@ class HostileNode {
     node_id_.clear();
   }
 
+  // What `h` refers to must outlive this node: its server runs fetches until it is destroyed.
   void serve(FetchHandler h) {
     std::lock_guard<std::mutex> lock(service.mu);
     service.handler = std::move(h);

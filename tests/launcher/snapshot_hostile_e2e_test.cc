@@ -256,6 +256,7 @@ TEST_CASE("a peer's flood of names is bounded, and its names are forgotten once 
           "[snapshot][hostile]") {
   TempDir dir;
   RendezvousDaemon rdzv;
+  std::atomic<bool> release{false};  // the handler's: it outlives the node
   // The agent runs alone first (1:2 nodes), then the hostile node joins its next round.
   Agent agent(
       rdzv.endpoint, "hostile-names", dir.path(),
@@ -271,7 +272,6 @@ TEST_CASE("a peer's flood of names is bounded, and its names are forgotten once 
   REQUIRE(
       waitUntil([&] { return countOf(agent.process->err(), "started 1 worker(s)") >= 2; }, 60s));
   // Its fetches stall: every name it announces stays waiting here.
-  std::atomic<bool> release{false};
   peer.serve(
       [&](grpc::ServerContext* ctx, const spb::FetchRequest&, grpc::ServerWriter<spb::Chunk>*) {
         while (!ctx->IsCancelled() && !release) std::this_thread::sleep_for(10ms);
@@ -298,6 +298,7 @@ TEST_CASE("a holder that announces a large version and stalls is dropped after t
           "[snapshot][hostile]") {
   TempDir dir;
   RendezvousDaemon rdzv;
+  std::atomic<int> sent{0};  // the handler's: it outlives the node, whose fetches may run late
   HostileNode peer(rdzv.endpoint, "hostile-stall");
   peer.start();
   Agent agent(rdzv.endpoint, "hostile-stall", dir.path(),
@@ -305,7 +306,6 @@ TEST_CASE("a holder that announces a large version and stalls is dropped after t
   peer.waitJoined();
   const std::string at = agent.ready();
   // One 64 KiB chunk of a 20 MiB version, then nothing.
-  std::atomic<int> sent{0};
   peer.serve([&](grpc::ServerContext* ctx, const spb::FetchRequest& req,
                  grpc::ServerWriter<spb::Chunk>* w) {
     const std::string data(64 << 10, 'x');

@@ -135,8 +135,8 @@ TEST_CASE("no then runs once the pool is gone", "[transfer_pool]") {
   boost::asio::io_context io;
   bool then_ran = false;
   {
+    Gate gate;  // outlives the pool, whose destructor waits for the work that holds it
     TransferPool pool(io, bounds(1, 1));
-    Gate gate;
     runPrompt(pool, gate.work(), [&] { then_ran = true; });
     gate.waitRunning(1);
     gate.open();
