@@ -93,6 +93,12 @@ struct Harness {
       last_round[c.run_id] = std::max(last_round[c.run_id], c.change.round);
     }
     FUZZ_CHECK(state.census().kv_bytes <= limits.max_kv_bytes);
+    // A node new to a run becomes a spare only below the bound; a node the run knew (a survivor
+    // of its round asking again) may wait beyond it, one per place of the round.
+    for (int r = 0; r < kRuns; ++r) {
+      auto st = state.status(run(r));
+      if (st.isOk()) FUZZ_CHECK(st->spares <= limits.max_run_spares + configs[r].max_nodes);
+    }
     // A run that was dropped (idle, or its tombstone expired) starts again at round 1.
     for (int r = 0; r < kRuns; ++r) {
       if (state.status(run(r)).status().code() != StatusCode::kNotFound) continue;
@@ -114,6 +120,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   limits.max_kv_bytes = 384;
   limits.max_local_world_size = 1024;
   limits.max_nodes = 16;
+  limits.max_run_spares = 2;
   Harness h(limits);
   for (auto& c : h.configs) {
     c.min_nodes = in.ConsumeIntegralInRange<uint32_t>(1, 4);

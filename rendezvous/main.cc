@@ -21,7 +21,8 @@ namespace {
 constexpr const char* kUsage =
     "usage: ddprun-rendezvous --listen HOST:PORT [--token-file FILE] "
     "[--tls-cert FILE --tls-key FILE] [--closed-run-ttl SECONDS] [--idle-run-ttl SECONDS] "
-    "[--max-run-keys N] [--max-run-kv-bytes N] [--max-kv-bytes N] [--max-streams-per-peer N]";
+    "[--max-run-keys N] [--max-run-kv-bytes N] [--max-kv-bytes N] [--max-run-spares N] "
+    "[--max-streams-per-peer N]";
 
 constexpr const char* kHelp =
     "  --listen HOST:PORT         address to serve on; port 0 picks one (printed)\n"
@@ -35,9 +36,11 @@ constexpr const char* kHelp =
     "  --max-run-kv-bytes N       bytes (keys + values) one run id may hold (default 16777216)\n"
     "  --max-kv-bytes N           bytes (keys + values) all run ids together may hold\n"
     "                             (default 268435456)\n"
+    "  --max-run-spares N         nodes of one run that may wait beyond nnodes MAX (default 1024)\n"
     "  --max-streams-per-peer N   open Watch streams plus pending Join/KvWait/GetMaster calls of\n"
     "                             one client connection (default 1024)\n"
-    "  A write past a quota, or a stream past the bound, gets RESOURCE_EXHAUSTED naming it.";
+    "  A write past a quota, a spare past its bound, or a stream past the bound, gets\n"
+    "  RESOURCE_EXHAUSTED naming it.";
 
 // Longest TTL accepted: a year keeps every deadline far from the clock's range.
 constexpr double kMaxTtlSeconds = 365.0 * 24 * 3600;
@@ -77,7 +80,7 @@ std::optional<size_t> parseQuota(const std::string& text) {
 int main(int argc, char** argv) {
   using namespace ddprun;
   std::string listen, token_file, cert_file, key_file, closed_ttl, idle_ttl;
-  std::string run_keys, run_kv_bytes, kv_bytes, streams_per_peer;
+  std::string run_keys, run_kv_bytes, kv_bytes, run_spares, streams_per_peer;
   std::set<std::string> given;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -105,6 +108,7 @@ int main(int argc, char** argv) {
     if (arg == "--max-run-keys") target = &run_keys;
     if (arg == "--max-run-kv-bytes") target = &run_kv_bytes;
     if (arg == "--max-kv-bytes") target = &kv_bytes;
+    if (arg == "--max-run-spares") target = &run_spares;
     if (arg == "--max-streams-per-peer") target = &streams_per_peer;
     if (target == nullptr) return usageError("unknown argument '" + std::string(argv[i]) + "'");
     if (!has_inline) {
@@ -136,6 +140,7 @@ int main(int argc, char** argv) {
        {std::tuple{"--max-run-keys", &run_keys, &options.limits.max_run_keys},
         std::tuple{"--max-run-kv-bytes", &run_kv_bytes, &options.limits.max_run_kv_bytes},
         std::tuple{"--max-kv-bytes", &kv_bytes, &options.limits.max_kv_bytes},
+        std::tuple{"--max-run-spares", &run_spares, &options.limits.max_run_spares},
         std::tuple{"--max-streams-per-peer", &streams_per_peer, &options.max_streams_per_peer}}) {
     if (given.count(flag) == 0) continue;
     auto parsed = parseQuota(*text);

@@ -83,6 +83,15 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
       node_id = "node-" + std::to_string(next_node_seq_++);
     } while (run->nodes.count(node_id) != 0);
   }
+  // Spares wait only while the round is full, so a node new to the run would be one more.
+  if (run->nodes.count(node_id) == 0 && run->spares.size() >= limits_.max_run_spares) {
+    return fail(Status(StatusCode::kResourceExhausted,
+                       "run " + req.run_id + " already has " + std::to_string(run->spares.size()) +
+                           " nodes waiting beyond nnodes MAX " +
+                           std::to_string(run->config.max_nodes) +
+                           " (spares): max-run-spares = " + std::to_string(limits_.max_run_spares) +
+                           " (ddprun-rendezvous --max-run-spares)"));
+  }
   auto [it, inserted] = run->nodes.try_emplace(node_id);
   Node& node = it->second;
   if (inserted) {

@@ -663,7 +663,8 @@ size_t residentBytes(pid_t pid) {
 
 TEST_CASE("the daemon validates its quota flags and lists them in --help", "[rendezvous][daemon]") {
   for (const std::string arg : {"--max-run-keys=0", "--max-run-kv-bytes=-1", "--max-kv-bytes=1e9",
-                                "--max-streams-per-peer=", "--max-kv-bytes=99999999999999999999"}) {
+                                "--max-streams-per-peer=", "--max-kv-bytes=99999999999999999999",
+                                "--max-run-spares=many"}) {
     FILE* out = nullptr;
     pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0", arg}, &out, true);
     const std::string text = readAll(out);
@@ -678,9 +679,44 @@ TEST_CASE("the daemon validates its quota flags and lists them in --help", "[ren
   const std::string help = readAll(out);
   CHECK(waitExit(pid) == 0);
   for (const char* flag : {"--max-run-keys N", "--max-run-kv-bytes N", "--max-kv-bytes N",
-                           "--max-streams-per-peer N"}) {
+                           "--max-run-spares N", "--max-streams-per-peer N"}) {
     CHECK(help.find(flag) != std::string::npos);
   }
+  fclose(out);
+}
+
+// Spares on connections of their own (the per-connection bound does not see them) are bounded
+// per run.
+TEST_CASE("the daemon refuses a run's spares past --max-run-spares, naming it",
+          "[rendezvous][daemon]") {
+  FILE* out = nullptr;
+  pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0", "--max-run-spares", "1"}, &out);
+  char line[256] = {0};
+  REQUIRE(fgets(line, sizeof line, out) != nullptr);
+  const std::string text(line);
+  REQUIRE(text.rfind("listening on 127.0.0.1:", 0) == 0);
+  ClientOptions options;
+  options.endpoint = text.substr(13, text.find('\n') - 13);
+  Client member(options);
+  REQUIRE(member.join(joinRequest("spares", 1, 1, "a")).isOk());
+  Client first(options);
+  StatusOr<RoundInfo> waited = Status(StatusCode::kUnknown, "not answered");
+  std::thread spare([&] { waited = first.join(joinRequest("spares", 1, 1, "s1")); });
+  CHECK(waitUntil([&] {
+    auto st = member.heartbeat("spares", "a");
+    return st.isOk() && st->spares == 1;
+  }));
+  Client second(options);
+  auto refused = second.join(joinRequest("spares", 1, 1, "s2"));
+  CHECK(refused.status().code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused.status().message(),
+             Catch::Contains("run spares already has 1 nodes waiting beyond nnodes MAX 1 (spares): "
+                             "max-run-spares = 1 (ddprun-rendezvous --max-run-spares)"));
+  REQUIRE(member.close("spares").isOk());
+  spare.join();
+  CHECK(waited.status().code() == StatusCode::kFailedPrecondition);
+  kill(pid, SIGTERM);
+  CHECK(waitExit(pid) == 0);
   fclose(out);
 }
 

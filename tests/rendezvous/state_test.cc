@@ -13,8 +13,8 @@ namespace {
 
 class Harness {
  public:
-  explicit Harness(uint32_t min, uint32_t max, RunRetention retention = {})
-      : state(StateLimits{}, retention) {
+  explicit Harness(uint32_t min, uint32_t max, RunRetention retention = {}, StateLimits limits = {})
+      : state(limits, retention) {
     config.min_nodes = min;
     config.max_nodes = max;
     config.last_call_timeout = seconds(10);
@@ -201,6 +201,49 @@ TEST_CASE("a node beyond max_nodes becomes a spare and is promoted when a partic
   CHECK(h.rank("a") == 0);
   CHECK(h.rank("s") == 1);
   CHECK(h.state.status("job")->spares == 0);
+}
+
+TEST_CASE(
+    "a node new to a run is refused while max_run_spares spares wait, and taken once fewer do",
+    "[rendezvous][state]") {
+  StateLimits limits;
+  limits.max_run_spares = 2;
+  Harness h(2, 2, {}, limits);
+  h.join("a");
+  h.join("b");
+  REQUIRE(h.done.size() == 2);
+  h.join("s1");
+  h.join("s2");
+  REQUIRE(h.state.status("job")->spares == 2);
+  h.join("s3");
+  REQUIRE(h.errors.count("s3") == 1);
+  CHECK(h.errors["s3"].code() == StatusCode::kResourceExhausted);
+  CHECK(h.errors["s3"].message() ==
+        "run job already has 2 nodes waiting beyond nnodes MAX 2 (spares): max-run-spares = 2 "
+        "(ddprun-rendezvous --max-run-spares)");
+  CHECK(h.state.status("job")->spares == 2);
+  // A spare asking again is no new node: its earlier call is superseded, not refused.
+  h.join("s1");
+  REQUIRE(h.errors.count("s1") == 1);
+  CHECK(h.errors["s1"].code() == StatusCode::kAborted);
+  CHECK(h.state.status("job")->spares == 2);
+  // b falls silent: s1 takes its place, one spare is left, and s3 is taken as a spare now.
+  h.clearAnswers();
+  for (int i = 0; i < 4; ++i) {
+    h.advance(seconds(5));
+    h.heartbeatAll({"a"});
+  }
+  h.join("a");
+  REQUIRE(h.completed("s1"));
+  REQUIRE(h.state.status("job")->spares == 1);
+  h.join("s3");
+  CHECK(h.errors.count("s3") == 0);
+  CHECK(h.state.status("job")->spares == 2);
+  // The bound is per run.
+  h.run_id = "other";
+  for (const char* n : {"x", "y", "z1", "z2"}) h.join(n);
+  CHECK(h.errors.empty());
+  CHECK(h.state.status("other")->spares == 2);
 }
 
 TEST_CASE("missed heartbeats remove a node and start a new round for the survivors",

@@ -54,6 +54,10 @@ struct StateLimits {
   // Bounds that keep WORLD_SIZE (a sum of local world sizes, uint32) from wrapping.
   uint32_t max_local_world_size = 1u << 15;
   uint32_t max_nodes = 1u << 16;
+  // Nodes of one run waiting beyond nnodes MAX (spares). A node new to the run is refused while
+  // this many wait: spares cost a pending join each, and without it many client connections could
+  // park any number of them (the per-connection stream bound is per connection).
+  size_t max_run_spares = 1024;
 };
 
 // How long the state keeps what jobs leave behind.
