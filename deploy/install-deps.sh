@@ -33,6 +33,8 @@ PACKAGES=(
   slurm-wlm slurmctld slurmd slurm-client munge
   # etcd-v3 rendezvous: etcd's v3 API protos (generated at build time) and a real etcd for tests
   golang-etcd-server-dev etcd-server etcd-client
+  # --print-completion's tests: the shells whose scripts it prints (bash is there already)
+  zsh tcsh
 )
 
 missing=()

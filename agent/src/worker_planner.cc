@@ -3,17 +3,9 @@
 #include <algorithm>
 
 #include "ddprun/agent/failure_report.h"
+#include "ddprun/common/strings.h"
 
 namespace ddprun::agent {
-
-namespace {
-std::string replaceAll(std::string s, const std::string& from, const std::string& to) {
-  for (size_t pos = 0; (pos = s.find(from, pos)) != std::string::npos; pos += to.size()) {
-    s.replace(pos, from.size(), to);
-  }
-  return s;
-}
-}  // namespace
 
 std::string expandLogLinePrefix(const std::string& templ, const std::string& role, int local_rank,
                                 int rank, const std::string& hostname) {

@@ -15,10 +15,12 @@ const std::vector<LaunchFlag>& launchFlags() {
        "Number of workers per node; supported values: [auto, cpu, gpu, xpu, int]. Default 1."},
       {"numa_binding", 0, true, "POLICY",
        "Bind each worker's CPU affinity from the NUMA topology in /sys: node, socket, exclusive "
-       "or core-complex (local ranks go to NUMA nodes in contiguous blocks)."},
+       "or core-complex (local ranks go to NUMA nodes in contiguous blocks).",
+       "node,socket,exclusive,core-complex"},
       {"rdzv_backend", 0, true, "BACKEND",
        "Rendezvous backend: static, c10d (ddprun's gRPC rendezvous; alias grpc), etcd-v3 (etcd's "
-       "v3 API; --rdzv-endpoint lists the members). Default static."},
+       "v3 API; --rdzv-endpoint lists the members). Default static.",
+       "static,c10d,grpc,etcd-v3"},
       {"rdzv_endpoint", 0, true, "HOST[:PORT]",
        "Rendezvous backend endpoint; usually in form <host>:<port> (default port 29400)."},
       {"rdzv_id", 0, true, "ID", "User-defined group id. Default none."},
@@ -36,11 +38,13 @@ const std::vector<LaunchFlag>& launchFlags() {
        "How workers recover from a failure: process (stop every worker, start them again from "
        "the latest snapshot) or in-place (programs on the worker SDK's Trainer: only the failed "
        "worker is replaced; the others keep their processes and state and go on from the last "
-       "completed step). Default process."},
+       "completed step). Default process.",
+       "process,in-place"},
       {"monitor_interval", 0, true, "SECONDS",
        "Accepted for compatibility; ddprun notices worker exits at once. Default 0.1."},
       {"start_method", 0, true, "METHOD",
-       "Accepted for compatibility (spawn, fork, forkserver); workers are always exec'd."},
+       "Accepted for compatibility (spawn, fork, forkserver); workers are always exec'd.",
+       "spawn,fork,forkserver"},
       {"role", 0, true, "ROLE", "User-defined role for the workers. Default default."},
       {"module", 'm', false, nullptr,
        "Change each process to interpret the launch script as a Python module (python3 -u -m)."},
@@ -110,6 +114,10 @@ const std::vector<LaunchFlag>& launchFlags() {
        "(64), names_per_peer (65536), names (131072), stall_timeout (60 s)."},
       {"metrics_port", 0, true, "PORT",
        "Serve /healthz and Prometheus /metrics of this agent on PORT (0: a free port, printed)."},
+      {"print_completion", 0, true, "SHELL",
+       "Print a shell completion script for ddprun to stdout and exit: bash, zsh or tcsh (e.g. "
+       "--print-completion bash > ~/.local/share/bash-completion/completions/ddprun).",
+       "bash,zsh,tcsh", false},
   };
   return kFlags;
 }
@@ -285,7 +293,7 @@ StatusOr<FlagValues> resolveFlagValues(const TokenizedArgs& tokens,
   static const std::map<std::string, std::string> kOtherSpellings = {
       {"nproc_per_node", "PET_N_PROC_PER_NODE"}};
   for (const auto& f : table) {
-    if (out.values.count(f.name)) continue;
+    if (out.values.count(f.name) || !f.from_env) continue;
     std::string var = petName(f.name);
     auto it = env.find(var);
     if (it == env.end()) {

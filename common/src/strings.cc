@@ -81,6 +81,14 @@ std::string toLower(std::string_view s) {
   return out;
 }
 
+std::string replaceAll(std::string s, std::string_view from, std::string_view to) {
+  if (from.empty()) return s;
+  for (size_t pos = 0; (pos = s.find(from, pos)) != std::string::npos; pos += to.size()) {
+    s.replace(pos, from.size(), to);
+  }
+  return s;
+}
+
 std::optional<long long> parseInt(std::string_view s) {
   if (s.empty() || s.size() > 30) return std::nullopt;
   std::string buf(s);

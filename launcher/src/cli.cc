@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -672,6 +673,7 @@ Apply applierOf(const std::string& name) {
          DDPRUN_ASSIGN_OR_RETURN(c.metrics_port, intIn(r, 0, 65535, "a port number in 0-65535"));
          return Status::ok();
        }},
+      {"print_completion", nullptr},  // answered before any flag is applied (parse)
   };
   auto it = kApply.find(name);
   if (it == kApply.end()) {
@@ -845,6 +847,19 @@ StatusOr<CliResult> parse(const std::vector<std::string>& args,
   DDPRUN_ASSIGN_OR_RETURN(FlagValues flags, resolveFlagValues(tokens, env, launchFlags()));
   if (flags.help) {
     result.show_help = true;
+    return result;
+  }
+  // As torchrun: printed at once, whatever else the command line holds or lacks.
+  if (auto it = flags.values.find("print_completion"); it != flags.values.end()) {
+    for (const auto& f : launchFlags()) {
+      if (std::string(f.name) != "print_completion") continue;
+      const std::vector<std::string> shells = split(f.choices, ',');
+      if (std::find(shells.begin(), shells.end(), it->second.value) == shells.end()) {
+        return usage("argument " + it->second.source + ": invalid choice: '" + it->second.value +
+                     "' (choose from " + join(shells, ", ") + ")");
+      }
+    }
+    result.completion_shell = it->second.value;
     return result;
   }
   agent::AgentConfig& cfg = result.config;

@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include "ddprun/agent/agent_runner.h"
+#include "ddprun/common/launch_flags.h"
 #include "ddprun/common/strings.h"
 #include "ddprun/launcher/cli.h"
 #include "ddprun/slurm/launch.h"
@@ -25,6 +26,19 @@ int slurmMain(const char* program_name, const std::vector<std::string>& args,
   ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
   const std::string ddprun_path = n > 0 ? std::string(self, static_cast<size_t>(n)) : "ddprun";
   std::vector<std::string> rest(args.begin() + 1, args.end());
+  // --print-completion needs no allocation (as --help): answered before Slurm is asked.
+  for (const ArgToken& t : tokenizeLaunchArgs(rest, launchFlags()).tokens) {
+    if (t.kind != ArgToken::Kind::kFlag || std::string(t.flag->name) != "print_completion")
+      continue;
+    auto parsed = parseCommandLine({t.source + "=" + t.value.value_or("")}, env, host);
+    if (!parsed.isOk()) {
+      std::fprintf(stderr, "%s: error: %s\n", program_name,
+                   escapeControl(parsed.status().message()).c_str());
+      return 2;
+    }
+    std::cout << completionScript(parsed->completion_shell);
+    return 0;
+  }
   auto plan = slurm::srunCommand(rest, env, ddprun_path, slurm::scontrolAddressLookup());
   if (!plan.isOk()) {
     std::fprintf(stderr, "%s: error: %s\n", program_name,
@@ -87,6 +101,10 @@ int launcherMain(const char* program_name, int argc, char** argv) {
     }
     if (parsed->show_help) {
       std::cout << helpText(mode);
+      return 0;
+    }
+    if (!parsed->completion_shell.empty()) {
+      std::cout << completionScript(parsed->completion_shell);
       return 0;
     }
     for (const auto& notice : parsed->notices) {

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "ddprun/common/launch_flags.h"
 #include "ddprun/common/strings.h"
 
 using namespace ddprun;
@@ -860,4 +861,65 @@ TEST_CASE("the job id is checked itself and named, not as a --log-dir problem", 
   env["PET_RDZV_ID"] = "x/y";
   CHECK(errorOf({f.exe}, env).find("argument PET_RDZV_ID: the job id 'x/y'") == 0);
   CHECK(parse({"--rdzv-id=job-7.a_b", f.exe}, f.env()).isOk());
+}
+
+TEST_CASE("the flag --print-completion asks for a shell's script and needs no program, as torchrun",
+          "[launcher]") {
+  Files f;
+  for (const char* shell : {"bash", "zsh", "tcsh"}) {
+    auto r = parse({"--nnodes=2", "--print-completion", shell}, f.env());
+    REQUIRE(r.isOk());
+    CHECK(r->completion_shell == shell);
+  }
+  auto underscored = parse({"--print_completion=zsh"}, f.env());
+  REQUIRE(underscored.isOk());
+  CHECK(underscored->completion_shell == "zsh");
+  CHECK(errorOf({"--print-completion", "fish"}, f.env()) ==
+        "argument --print-completion: invalid choice: 'fish' (choose from bash, zsh, tcsh)");
+  CHECK(errorOf({"--print-completion"}, f.env()) ==
+        "argument --print-completion: expected one argument (SHELL)");
+  // Not an environment default: a run is never turned into printing a script.
+  Env env = f.env();
+  env["PET_PRINT_COMPLETION"] = "bash";
+  auto run = parse({f.exe}, env);
+  REQUIRE(run.isOk());
+  CHECK(run->completion_shell.empty());
+}
+
+TEST_CASE("every value a completion offers is one the command line takes", "[launcher]") {
+  Files f;
+  int offered = 0;
+  for (const auto& flag : launchFlags()) {
+    if (flag.choices == nullptr || std::string(flag.name) == "print_completion") continue;
+    for (const std::string& value : split(flag.choices, ',')) {
+      ++offered;
+      INFO(dashedFlagName(flag.name) << "=" << value);
+      auto r =
+          parse({dashedFlagName(flag.name) + "=" + value, "--nproc-per-node=2", f.exe}, f.env());
+      if (!r.isOk()) {
+        // --numa-binding may fail for this machine's topology, never for its value.
+        CHECK(r.status().message().find("expected") == std::string::npos);
+      }
+    }
+  }
+  CHECK(offered >= 13);
+}
+
+TEST_CASE("each shell's completion names every flag and the values of those with fixed ones",
+          "[launcher]") {
+  for (const char* shell : {"bash", "zsh", "tcsh"}) {
+    const std::string script = completionScript(shell);
+    INFO(shell);
+    for (const auto& flag : launchFlags()) {
+      const std::string dashed = dashedFlagName(flag.name);
+      CHECK(script.find(std::string(shell) == "tcsh" ? dashed.substr(2) : dashed) !=
+            std::string::npos);
+      if (flag.choices != nullptr) {
+        CHECK(script.find(replaceAll(flag.choices, ",", " ")) != std::string::npos);
+      }
+    }
+  }
+  CHECK(completionScript("bash").find("complete -F _ddprun ddprun") != std::string::npos);
+  CHECK(completionScript("zsh").rfind("#compdef ddprun\n", 0) == 0);
+  CHECK(completionScript("tcsh").find("complete ddprun ") != std::string::npos);
 }

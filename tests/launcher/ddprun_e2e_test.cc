@@ -715,3 +715,78 @@ TEST_CASE("SIGUSR1 to ddprun makes train snapshot at the next step and every ran
   CHECK(r->out.find("[RANK 1] stopped by checkpoint signal") != std::string::npos);
   CHECK(r->err.find("FAILED") == std::string::npos);
 }
+
+// --print-completion (torch 2.x's torchrun has it): the scripts complete in the shells
+// themselves. bash's function is called as bash calls it at a TAB; zsh's runs in an interactive
+// zsh on a pseudo-terminal (zsh and tcsh come with deploy/install-deps.sh).
+TEST_CASE("the completion scripts complete ddprun's flags, their values and the program", "[e2e]") {
+  TempDir dir;
+  std::ofstream(dir / "train.py") << "print('hi')\n";
+  std::ofstream(dir / "data.txt") << "x";
+  ::mkdir((dir / "logs").c_str(), 0755);
+  const std::vector<std::string> lines = {"ddprun --nn",
+                                          "ddprun --rdzv-backend=",
+                                          "ddprun --rdzv_backend e",
+                                          "ddprun --restart-mode ",
+                                          "ddprun --nnodes 2 --print-completion z",
+                                          "ddprun --log-dir=l",
+                                          "ddprun -r 3 --log-dir l",
+                                          "ddprun --nnodes=1:2 --standalone tr",
+                                          "ddprun --nnodes=2 train.py --nn",
+                                          "ddprun launch --st",
+                                          "ddprun --nnodes 2"};
+  const std::vector<std::string> expected = {
+      "ddprun --nn => --nnodes", "ddprun --rdzv-backend= => c10d etcd-v3 grpc static",
+      "ddprun --rdzv_backend e => etcd-v3", "ddprun --restart-mode  => in-place process",
+      "ddprun --nnodes 2 --print-completion z => zsh", "ddprun --log-dir=l => logs",
+      "ddprun -r 3 --log-dir l => logs", "ddprun --nnodes=1:2 --standalone tr => train.py",
+      // the program's own arguments: files, not flags
+      "ddprun --nnodes=2 train.py --nn =>", "ddprun launch --st => --standalone --start-method",
+      "ddprun --nnodes 2 =>"};
+  const std::string drivers = sourceDir() + "/tests/launcher/completion/";
+  auto linesOf = [](const std::string& text) {
+    std::vector<std::string> out = split(text, '\n');
+    if (!out.empty() && out.back().empty()) out.pop_back();
+    return out;
+  };
+  std::vector<std::string> bash = {"bash", drivers + "drive_bash.sh", ddprunBin(), dir.path()};
+  bash.insert(bash.end(), lines.begin(), lines.end());
+  Finished b = run(bash);
+  INFO(b.err);
+  CHECK(b.exit_code == 0);
+  CHECK(linesOf(b.out) == expected);
+
+  // `ddprun slurm` prints the same, outside an allocation too (as its --help).
+  Finished plain = run({ddprunBin(), "--print-completion", "bash"});
+  Finished slurm =
+      run({ddprunBin(), "slurm", "--print-completion", "bash"}, {{"SLURM_JOB_ID", ""}});
+  CHECK(slurm.exit_code == 0);
+  CHECK(slurm.out == plain.out);
+
+  if (::access("/usr/bin/zsh", X_OK) != 0) {
+    WARN("skipped zsh: /usr/bin/zsh is missing (deploy/install-deps.sh installs it)");
+  } else {
+    // zsh's program arguments complete as files too, and "launch" is a program there.
+    const std::vector<std::string> zsh_lines(lines.begin(), lines.begin() + 9);
+    std::vector<std::string> zsh = {"zsh", "-f", drivers + "drive_zsh.zsh", ddprunBin(),
+                                    dir.path()};
+    zsh.insert(zsh.end(), zsh_lines.begin(), zsh_lines.end());
+    Finished z = run(zsh);
+    INFO(z.err);
+    CHECK(z.exit_code == 0);
+    CHECK(linesOf(z.out) == std::vector<std::string>(expected.begin(), expected.begin() + 9));
+  }
+
+  if (::access("/usr/bin/tcsh", X_OK) != 0) {
+    WARN("skipped tcsh: /usr/bin/tcsh is missing (deploy/install-deps.sh installs it)");
+  } else {
+    // tcsh completes only at a terminal: the script is sourced and its rules registered.
+    const std::string script = dir / "ddprun.tcsh";
+    std::ofstream(script) << run({ddprunBin(), "--print-completion", "tcsh"}).out;
+    Finished r = run({"tcsh", "-f", "-c", "source " + script + " && complete ddprun"});
+    INFO(r.err);
+    CHECK(r.exit_code == 0);
+    CHECK(r.out.find("'n/--rdzv-backend/(static c10d grpc etcd-v3)/'") != std::string::npos);
+    CHECK(r.out.find("'p/*/f/'") != std::string::npos);
+  }
+}

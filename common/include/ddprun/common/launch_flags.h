@@ -22,6 +22,10 @@ struct LaunchFlag {
   bool takes_value;
   const char* metavar;  // in --help and in "expected one argument (METAVAR)"
   const char* help;
+  // The values a shell completion offers ("a,b,c"), where they are few and fixed; the parser
+  // checks them (tests/launcher: each one is accepted).
+  const char* choices = nullptr;
+  bool from_env = true;  // PET_<NAME> supplies it when not given
 };
 
 // In --help order (which is also the order the launcher applies them in).

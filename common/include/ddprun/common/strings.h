@@ -16,6 +16,9 @@ std::string trim(std::string_view s);
 bool startsWith(std::string_view s, std::string_view prefix);
 bool endsWith(std::string_view s, std::string_view suffix);
 std::string toLower(std::string_view s);
+// `s` with every occurrence of `from` (not empty) replaced by `to`, left to right; what `to`
+// brings in is not searched again.
+std::string replaceAll(std::string s, std::string_view from, std::string_view to);
 
 // Strict parsers: the whole string must be the number (no sign for unsigned, no trailing junk).
 std::optional<long long> parseInt(std::string_view s);

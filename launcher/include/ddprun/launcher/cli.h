@@ -26,6 +26,7 @@ enum class CliMode { kTorchrun, kLaunch };
 
 struct CliResult {
   bool show_help = false;
+  std::string completion_shell;  // --print-completion SHELL: print completionScript(SHELL), exit
   agent::AgentConfig config;
   std::vector<std::string> notices;  // one-line notices for the user (e.g. OMP_NUM_THREADS)
 };
@@ -37,6 +38,12 @@ StatusOr<CliResult> parseCommandLine(const std::vector<std::string>& args,
                                      const HostFacts& host, CliMode mode = CliMode::kTorchrun);
 
 std::string helpText(CliMode mode = CliMode::kTorchrun);
+
+// A completion script for `ddprun` in `shell` (bash, zsh or tcsh), from the flag table: its flags,
+// the values of those with few fixed ones (LaunchFlag::choices), directories for DIR values, and
+// files for the program and its arguments. `ddprun launch` and `ddprun slurm` complete the same
+// flags (bash, tcsh).
+std::string completionScript(const std::string& shell);
 
 // Counts this host's CPUs, CUDA devices and Intel GPUs.
 HostFacts probeHost();
