@@ -43,6 +43,7 @@ Status RendezvousState::publishMaster(const std::string& run_id, const std::stri
   if (master.addr.empty() || master.port == 0 || master.port > 65535) {
     return invalidArgument("master address must be a non-empty host and a port in 1..65535");
   }
+  if (hasControlByte(master.addr)) return invalidArgument("master address contains a control byte");
   if (round == 0 || round != run->completed_round || !run->completed ||
       run->completed->front().node_id != node_id) {
     return failedPrecondition("node " + node_id + " is not rank 0 of round " +
@@ -120,6 +121,36 @@ void RendezvousState::abortMasterWaits(const Run& run) {
   }
 }
 
+StatusOr<std::vector<std::string>> RendezvousState::waitAnswer(
+    const std::string& run_id, const std::vector<std::string>& keys) const {
+  std::vector<std::string> values;
+  size_t bytes = 0;
+  for (const std::string& k : keys) {
+    values.push_back(*lookup(run_id, k));
+    bytes += values.back().size();
+    if (bytes > limits_.max_wait_answer_bytes) {
+      return Status(StatusCode::kResourceExhausted,
+                    "the values of the " + std::to_string(keys.size()) +
+                        " key(s) waited for in run " + run_id + " take more than " +
+                        std::to_string(limits_.max_wait_answer_bytes) +
+                        " bytes together, more than one answer carries (wait for fewer keys)");
+    }
+  }
+  return values;
+}
+
+namespace {
+// "key(s) a, b, c and N more": a message that names keys stays short whatever was asked.
+std::string keysNamed(const std::vector<std::string>& keys) {
+  std::vector<std::string> shown;
+  for (size_t i = 0; i < keys.size() && i < 5; ++i) shown.push_back(quotePeerText(keys[i], 100));
+  std::string out = "key(s) " + ddprun::join(shown, ", ");
+  if (keys.size() > shown.size())
+    out += " and " + std::to_string(keys.size() - shown.size()) + " more";
+  return out;
+}
+}  // namespace
+
 void RendezvousState::failWait(CallId id, Status status) {
   auto it = waits_.find(id);
   if (it == waits_.end()) return;
@@ -171,10 +202,7 @@ Status RendezvousState::validateIds(const std::string& run_id, const std::string
       return invalidArgument(std::string(what) + " is " + std::to_string(id->size()) +
                              " bytes, above the limit of " + std::to_string(limits_.max_id_bytes));
     }
-    if (std::any_of(id->begin(), id->end(),
-                    [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) {
-      return invalidArgument(std::string(what) + " contains a control byte");
-    }
+    if (hasControlByte(*id)) return invalidArgument(std::string(what) + " contains a control byte");
   }
   return Status::ok();
 }
@@ -197,8 +225,9 @@ Status RendezvousState::validateKey(const std::string& run_id, const std::string
 Status RendezvousState::store(const std::string& run_id, const std::string& key, std::string value,
                               TimePoint now) {
   if (value.size() > limits_.max_value_bytes) {
-    return invalidArgument("value of key " + key + " is " + std::to_string(value.size()) +
-                           " bytes, above the limit of " + std::to_string(limits_.max_value_bytes));
+    return invalidArgument("value of key " + quotePeerText(key, 100) + " is " +
+                           std::to_string(value.size()) + " bytes, above the limit of " +
+                           std::to_string(limits_.max_value_bytes));
   }
   // The quotas are checked before anything is created, so a refused write leaves no trace.
   size_t keys = 0, bytes = 0, old_entry = 0;
@@ -257,10 +286,9 @@ void RendezvousState::notifyKeys(const std::string& run_id, const std::string& k
     if (all) done.push_back(id);
   }
   for (CallId id : done) {
-    std::vector<std::string> values;
-    for (const std::string& k : waits_.at(id).keys) values.push_back(*lookup(run_id, k));
+    const std::vector<std::string> keys = std::move(waits_.at(id).keys);
     waits_.erase(id);
-    outbox_.waits.push_back({id, std::move(values)});
+    outbox_.waits.push_back({id, waitAnswer(run_id, keys)});
   }
   // A wait kept the space in use; now only its idle clock does.
   if (!done.empty()) scheduleCollect(now + retention_.idle_run_ttl);
@@ -279,7 +307,7 @@ StatusOr<std::string> RendezvousState::kvGet(const std::string& run_id,
                                              const std::string& key) const {
   DDPRUN_RETURN_IF_ERROR(validateKey(run_id, key));
   auto value = lookup(run_id, key);
-  if (!value) return notFound("key " + key + " not found in run " + run_id);
+  if (!value) return notFound("key " + quotePeerText(key, 100) + " not found in run " + run_id);
   return std::move(*value);
 }
 
@@ -388,9 +416,7 @@ void RendezvousState::kvWait(CallId id, const std::string& run_id, std::vector<s
   bool all = std::all_of(keys.begin(), keys.end(),
                          [&](const std::string& k) { return hasKey(run_id, k); });
   if (all) {
-    std::vector<std::string> values;
-    for (const std::string& k : keys) values.push_back(*lookup(run_id, k));
-    outbox_.waits.push_back({id, std::move(values)});
+    outbox_.waits.push_back({id, waitAnswer(run_id, keys)});
     return;
   }
   TimePoint deadline = now + timeout;
@@ -413,8 +439,8 @@ void RendezvousState::expireWaits(TimePoint now) {
   }
   for (CallId id : expired_waits) {
     const Wait& w = waits_.at(id);
-    const std::string what = w.master ? "the master of round " + std::to_string(w.master_round)
-                                      : "key(s) " + ddprun::join(w.keys, ", ");
+    const std::string what =
+        w.master ? "the master of round " + std::to_string(w.master_round) : keysNamed(w.keys);
     touch(w.run_id, now);
     failWait(id, deadlineExceeded("timed out waiting for " + what + " of run " + w.run_id));
   }

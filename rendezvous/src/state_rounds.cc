@@ -20,6 +20,13 @@ Status validateConfig(const RunConfig& c) {
   if (c.heartbeat_interval <= Duration::zero() || c.heartbeat_misses == 0) {
     return invalidArgument("heartbeat_interval must be > 0 and heartbeat_misses >= 1");
   }
+  // A node is declared dead after their product: a time every deadline can still be added to.
+  const double expiry =
+      std::chrono::duration<double>(c.heartbeat_interval).count() * c.heartbeat_misses;
+  if (expiry > kMaxDurationSeconds) {
+    return invalidArgument("heartbeat_interval x heartbeat_misses must be at most 1e9 s, got " +
+                           std::to_string(expiry) + " s");
+  }
   if (c.last_call_timeout < Duration::zero()) {
     return invalidArgument("last_call_timeout must be >= 0");
   }
@@ -36,6 +43,9 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
                                 std::to_string(limits_.max_id_bytes) + " bytes"));
   }
   if (req.address.empty()) return fail(invalidArgument("node address is empty"));
+  if (hasControlByte(req.address)) {
+    return fail(invalidArgument("node address contains a control byte"));
+  }
   if (req.local_world_size == 0) {
     return fail(invalidArgument("local_world_size must be >= 1, got 0"));
   }

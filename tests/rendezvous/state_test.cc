@@ -1068,3 +1068,93 @@ TEST_CASE("the closed-run and unknown-run answers are told from others by code a
   CHECK_FALSE(isRunUnknown(notFound("run ")));
   CHECK_FALSE(isRunClosed(Status::ok()));
 }
+
+// Found by a hostile client (a black-box gRPC fuzz of the daemon): each was one request.
+TEST_CASE("heartbeats that would add up past 1e9 s are refused, not wrapped into a dead node",
+          "[rendezvous][state]") {
+  Harness h(1, 1);
+  h.config.heartbeat_interval = seconds(3);
+  h.config.heartbeat_misses = 4294967295u;
+  h.join("a");
+  REQUIRE(h.errors.count("a") == 1);
+  CHECK(h.errors["a"].code() == StatusCode::kInvalidArgument);
+  CHECK(h.errors["a"].message().rfind(
+            "heartbeat_interval x heartbeat_misses must be at most 1e9 s, got 12884901885", 0) ==
+        0);
+  h.errors.clear();
+  h.config.heartbeat_interval = seconds(922337203.0);
+  h.config.heartbeat_misses = 10;
+  h.join("a");
+  CHECK(h.errors.count("a") == 1);
+  // At the bound it is taken, and the node lives.
+  h.errors.clear();
+  h.config.heartbeat_interval = seconds(1e8);
+  h.join("a");
+  REQUIRE(h.completed("a"));
+  h.advance(seconds(3600));
+  CHECK(h.state.status("job")->participants == 1);
+}
+
+TEST_CASE("a node's or a master's address with a control byte is refused", "[rendezvous][state]") {
+  Harness h(1, 1);
+  JoinRequest req;
+  req.run_id = "job";
+  req.node_id = "a";
+  req.address = "\x1b[31mX\n";
+  req.local_world_size = 1;
+  req.config = h.config;
+  req.join_timeout = seconds(5);
+  h.calls[1] = "a";
+  h.state.join(1, req, h.clock.now());
+  h.collect();
+  REQUIRE(h.errors.count("a") == 1);
+  CHECK(h.errors["a"].message() == "node address contains a control byte");
+  h.errors.clear();
+  h.join("a");
+  REQUIRE(h.completed("a"));
+  auto st = h.state.publishMaster("job", "a", 1, {"\x1b]0;x\x07", 29500}, h.clock.now());
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK(st.message() == "master address contains a control byte");
+}
+
+TEST_CASE("a wait whose values would not fit one answer fails with the bound named",
+          "[rendezvous][state]") {
+  StateLimits limits;
+  limits.max_wait_answer_bytes = 100;
+  Harness h(1, 1, {}, limits);
+  auto& s = h.state;
+  const auto now = h.clock.now();
+  REQUIRE(s.kvSet("job", "big", std::string(60, 'x'), now).isOk());
+  s.kvWait(1, "job", {"big"}, seconds(5), now);  // one copy fits
+  s.kvWait(2, "job", {"big", "big"}, seconds(5), now);
+  s.kvWait(3, "job", {"late", "late"}, seconds(5), now);
+  h.collect();
+  REQUIRE(h.waits.count(1) == 1);
+  CHECK(h.waits.at(1).isOk());
+  REQUIRE(h.waits.count(2) == 1);
+  CHECK(h.waits.at(2).status().code() == StatusCode::kResourceExhausted);
+  CHECK(h.waits.at(2).status().message() ==
+        "the values of the 2 key(s) waited for in run job take more than 100 bytes together, "
+        "more than one answer carries (wait for fewer keys)");
+  // Answered when its key comes: the same.
+  REQUIRE(s.kvSet("job", "late", std::string(60, 'y'), now).isOk());
+  h.collect();
+  REQUIRE(h.waits.count(3) == 1);
+  CHECK(h.waits.at(3).status().code() == StatusCode::kResourceExhausted);
+}
+
+TEST_CASE("a wait for many keys that times out names five of them, escaped, and counts the rest",
+          "[rendezvous][state]") {
+  Harness h(1, 1);
+  std::vector<std::string> keys = {"k\x1b[2J"};
+  for (int i = 0; i < 1999; ++i) keys.push_back("key-" + std::to_string(i));
+  h.state.kvWait(1, "job", keys, seconds(1), h.clock.now());
+  h.advance(seconds(1));
+  REQUIRE(h.waits.count(1) == 1);
+  const Status st = h.waits.at(1).status();
+  CHECK(st.code() == StatusCode::kDeadlineExceeded);
+  CHECK(st.message() ==
+        "timed out waiting for key(s) k\\x1b[2J, key-0, key-1, key-2, key-3 and 1995 more of run "
+        "job");
+  CHECK(h.state.kvGet("job", std::string(4096, 'q')).status().message().size() < 300);
+}

@@ -58,6 +58,10 @@ struct StateLimits {
   // this many wait: spares cost a pending join each, and without it many client connections could
   // park any number of them (the per-connection stream bound is per connection).
   size_t max_run_spares = 1024;
+  // The values one KvWait is answered with, together: what a gRPC message carries (4 MiB). Past
+  // it the wait fails with RESOURCE_EXHAUSTED; without it a 1 KB request naming a 1 MiB key many
+  // times would be answered with a copy each.
+  size_t max_wait_answer_bytes = (4u << 20) - (64u << 10);
 };
 
 // How long the state keeps what jobs leave behind.
@@ -261,6 +265,9 @@ class RendezvousState {
   // Whether `key` of `run_id` has a value, and the value (reserved keys derived from typed state).
   bool hasKey(const std::string& run_id, const std::string& key) const;
   std::optional<std::string> lookup(const std::string& run_id, const std::string& key) const;
+  // The values of `keys` (all present), or RESOURCE_EXHAUSTED past max_wait_answer_bytes.
+  StatusOr<std::vector<std::string>> waitAnswer(const std::string& run_id,
+                                                const std::vector<std::string>& keys) const;
   // Answers a pending wait (a key wait or a waitMaster) with an error and forgets it.
   void failWait(CallId id, Status status);
   // tick(), by concern: key and master waits, joins and last calls, heartbeats.
