@@ -121,6 +121,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   limits.max_local_world_size = 1024;
   limits.max_nodes = 16;
   limits.max_run_spares = 2;
+  limits.max_wait_answer_bytes = 128;
   Harness h(limits);
   for (auto& c : h.configs) {
     c.min_nodes = in.ConsumeIntegralInRange<uint32_t>(1, 4);
