@@ -28,6 +28,13 @@ std::string quotePeerText(std::string_view s, size_t max_bytes) {
   return escapeControl(s.substr(0, max_bytes)) + "... (" + std::to_string(s.size()) + " bytes)";
 }
 
+bool hasControlByte(std::string_view s) {
+  for (char c : s) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) return true;
+  }
+  return false;
+}
+
 std::string escapeControl(std::string_view s) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string out;

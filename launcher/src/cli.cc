@@ -334,9 +334,7 @@ StatusOr<std::string> rdzvId(const Raw& r) {
   }
   if (id.find('/') != std::string::npos) return bad("contains '/'");
   if (id == "." || id == "..") return bad("is not a file name");
-  for (char ch : id) {
-    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) return bad("contains a control byte");
-  }
+  if (hasControlByte(id)) return bad("contains a control byte");
   return id;
 }
 
@@ -851,13 +849,13 @@ StatusOr<CliResult> parse(const std::vector<std::string>& args,
   }
   // As torchrun: printed at once, whatever else the command line holds or lacks.
   if (auto it = flags.values.find("print_completion"); it != flags.values.end()) {
-    for (const auto& f : launchFlags()) {
-      if (std::string(f.name) != "print_completion") continue;
-      const std::vector<std::string> shells = split(f.choices, ',');
-      if (std::find(shells.begin(), shells.end(), it->second.value) == shells.end()) {
-        return usage("argument " + it->second.source + ": invalid choice: '" + it->second.value +
-                     "' (choose from " + join(shells, ", ") + ")");
-      }
+    const auto row =
+        std::find_if(launchFlags().begin(), launchFlags().end(),
+                     [](const LaunchFlag& f) { return f.name == std::string("print_completion"); });
+    const std::vector<std::string> shells = split(row->choices, ',');
+    if (std::find(shells.begin(), shells.end(), it->second.value) == shells.end()) {
+      return usage("argument " + it->second.source + ": invalid choice: '" + it->second.value +
+                   "' (choose from " + join(shells, ", ") + ")");
     }
     result.completion_shell = it->second.value;
     return result;

@@ -22,6 +22,9 @@ std::string summary(const LaunchFlag& f) {
   return h;
 }
 
+// A flag's fixed values as one shell word list: "a b c".
+std::string choiceWords(const LaunchFlag& f) { return replaceAll(f.choices, ",", " "); }
+
 // Inside a single-quoted shell word.
 std::string singleQuoted(const std::string& s) { return replaceAll(s, "'", "'\\''"); }
 
@@ -37,8 +40,8 @@ std::string bashScript() {
     takes += " " + dashed;
     if (f.short_name != 0) takes += std::string(" -") + f.short_name;
     if (f.choices != nullptr) {
-      cases += "    " + dashed + ") COMPREPLY=($(compgen -W '" + replaceAll(f.choices, ",", " ") +
-               "' -- \"$2\")) ;;\n";
+      cases +=
+          "    " + dashed + ") COMPREPLY=($(compgen -W '" + choiceWords(f) + "' -- \"$2\")) ;;\n";
     } else if (takesDirectory(f)) {
       cases += "    " + dashed + ") compopt -o filenames; COMPREPLY=($(compgen -d -- \"$2\")) ;;\n";
     }
@@ -111,7 +114,7 @@ std::string zshScript() {
     std::string tail = "[" + zshText(summary(f)) + "]";
     if (f.takes_value) {
       std::string action = " ";
-      if (f.choices != nullptr) action = "(" + replaceAll(f.choices, ",", " ") + ")";
+      if (f.choices != nullptr) action = "(" + choiceWords(f) + ")";
       if (takesDirectory(f)) action = "_files -/";
       tail += ":" + zshText(f.metavar) + ":" + action;
     }
@@ -146,11 +149,13 @@ std::string zshScript() {
 std::string tcshScript() {
   std::string words;
   std::string values;
+  std::string shorts = "h";
   for (const auto& f : launchFlags()) {
+    if (f.short_name != 0) shorts += std::string(" ") + f.short_name;
     std::string name = dashedFlagName(f.name).substr(2);
     words += " " + name;
     if (f.choices != nullptr) {
-      const std::string list = "(" + replaceAll(f.choices, ",", " ") + ")";
+      const std::string list = "(" + choiceWords(f) + ")";
       values += " 'c/--" + name + "=/" + list + "/' 'n/--" + name + "/" + list + "/'";
     } else if (takesDirectory(f)) {
       values += " 'c/--" + name + "=/d/' 'n/--" + name + "/d/'";
@@ -158,7 +163,7 @@ std::string tcshScript() {
   }
   return "# tcsh completion for ddprun (ddprun --print-completion tcsh): source it from ~/.tcshrc\n"
          "complete ddprun" +
-         values + " 'c/--/(help" + words + ")/' 'c/-/(h m r t -)/' 'n/-r/(0 1 2 3)/' " +
+         values + " 'c/--/(help" + words + ")/' 'c/-/(" + shorts + " -)/' 'n/-r/(0 1 2 3)/' " +
          "'n/-t/(0 1 2 3)/' 'p/1/(launch slurm)/' 'p/*/f/'\n";
 }
 

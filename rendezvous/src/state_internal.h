@@ -15,14 +15,6 @@
 
 namespace ddprun::rendezvous {
 
-// Ids and addresses a peer sends are refused with one (they are logged and handed to others).
-inline bool hasControlByte(const std::string& s) {
-  for (char c : s) {
-    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) return true;
-  }
-  return false;
-}
-
 // Keys under this prefix are the server's own (master addresses): readable, not writable.
 inline constexpr const char* kReservedPrefix = "__ddprun/";
 

@@ -30,6 +30,9 @@ std::optional<bool> parseBool(std::string_view s);
 // byte as is. For messages that quote user input: an error stays one line and cannot drive the
 // terminal. Idempotent (an escape has no control byte).
 std::string escapeControl(std::string_view s);
+// Whether `s` holds a control byte (below 0x20, or 0x7f): ids and addresses a peer or a user
+// sends are refused with one (they are logged, and handed to others).
+bool hasControlByte(std::string_view s);
 // Text another process sent (a peer's error message): its first `max_bytes` bytes, escaped as
 // escapeControl does, and when it was longer "... (N bytes)" after them. A log line that quotes
 // it stays one line of bounded length whatever the peer sent.
