@@ -14,6 +14,7 @@
 
 #include "ddprun/common/log.h"
 #include "ddprun/common/strings.h"
+#include "ddprun/rendezvous/protobuf_log.h"
 #include "ddprun/rendezvous/server.h"
 
 namespace {
@@ -79,6 +80,7 @@ std::optional<size_t> parseQuota(const std::string& text) {
 
 int main(int argc, char** argv) {
   using namespace ddprun;
+  rendezvous::routeProtobufLogs();
   std::string listen, token_file, cert_file, key_file, closed_ttl, idle_ttl;
   std::string run_keys, run_kv_bytes, kv_bytes, run_spares, streams_per_peer;
   std::set<std::string> given;

@@ -12,6 +12,7 @@
 #include "ddprun/common/launch_flags.h"
 #include "ddprun/common/strings.h"
 #include "ddprun/launcher/cli.h"
+#include "ddprun/rendezvous/protobuf_log.h"
 #include "ddprun/slurm/launch.h"
 #include "ddprun/slurm/scontrol.h"
 
@@ -70,6 +71,9 @@ int slurmMain(const char* program_name, const std::vector<std::string>& args,
 }  // namespace
 
 int launcherMain(const char* program_name, int argc, char** argv) {
+  // The agent serves peers (snapshot replication, a hosted rendezvous): what they send must not
+  // make libprotobuf write a line per call.
+  rendezvous::routeProtobufLogs();
   try {
     std::vector<std::string> args(argv + 1, argv + argc);
     const std::map<std::string, std::string> env = environmentMap();

@@ -12,6 +12,7 @@
 
 #include "hostile_peer.h"
 #include "process_helpers.h"
+#include "raw_grpc.h"
 #include "rendezvous_daemon.h"
 
 using namespace ddprun;
@@ -379,4 +380,27 @@ TEST_CASE("a peer's errors are named with the file and the peer, escaped, and a 
   }
   CHECK(agent.logged("snapshot replication: refused 1 call(s) from ipv4:127.0.0.1: wrong token"));
   CHECK(countOf(agent.process->err(), "snapshot replication: refused") == 1);
+
+  // 300 requests that are no valid message (a run id that is not UTF-8), with the token and
+  // without: refused by gRPC before the token is looked at; libprotobuf's line about them goes
+  // through the agent's logger, a few a minute.
+  auto channel = grpc::CreateChannel(at, grpc::InsecureChannelCredentials());
+  const std::string bad = rawStringField(1, "hostile-\xff\xfe");
+  for (int i = 0; i < 300; ++i) {
+    const grpc::Status st =
+        rawUnaryCall(channel, "/ddprun.snapshot.v1.SnapshotReplication/Announce", bad,
+                     i % 2 == 0 ? "hostile-test-token" : "");
+    REQUIRE_FALSE(st.ok());
+    REQUIRE(st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  CHECK(
+      agent.logged("[ddprun protobuf] warning: String field "
+                   "'ddprun.snapshot.v1.AnnounceRequest.run_id' contains invalid UTF-8"));
+  std::this_thread::sleep_for(500ms);
+  CHECK(countOf(agent.process->err(), "invalid UTF-8") >= 1);
+  CHECK(countOf(agent.process->err(), "invalid UTF-8") <= 3);
+  CHECK(agent.process->err().find("[libprotobuf") == std::string::npos);
+  // And it still takes a valid announcement from the peer.
+  snapshot::SnapshotFile after{"after.bin", peer.version(4), 10, 1};
+  CHECK(peer.announce(at, after).isOk());
 }

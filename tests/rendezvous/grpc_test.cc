@@ -19,8 +19,10 @@
 #include <thread>
 
 #include "ddprun/rendezvous/client.h"
+#include "ddprun/rendezvous/protobuf_log.h"
 #include "ddprun/rendezvous/server.h"
 #include "ddprun/rendezvous/v1/rendezvous.grpc.pb.h"
+#include "raw_grpc.h"
 #include "sanitizer.h"
 #include "server_fixture.h"
 
@@ -718,6 +720,64 @@ TEST_CASE("the daemon refuses a run's spares past --max-run-spares, naming it",
   kill(pid, SIGTERM);
   CHECK(waitExit(pid) == 0);
   fclose(out);
+}
+
+// libprotobuf logs a line for each request whose string field is not UTF-8, before any ddprun
+// code runs: the daemon routes those lines through its logger, a few a minute.
+TEST_CASE(
+    "requests that are not valid protobuf messages are refused and logged a few times a minute",
+    "[rendezvous][daemon]") {
+  FILE* out = nullptr;
+  pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0"}, &out, true);
+  std::string text;  // stderr too: its log line comes first
+  char line[256] = {0};
+  while (text.rfind("listening on 127.0.0.1:", 0) != 0) {
+    REQUIRE(fgets(line, sizeof line, out) != nullptr);
+    text = line;
+  }
+  const std::string endpoint = text.substr(13, text.find('\n') - 13);
+  auto channel = grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials());
+  const std::string bad = ddprun::testing::rawStringField(1, "run") +
+                          ddprun::testing::rawStringField(2, "\xff\xfe key");
+  for (int i = 0; i < 300; ++i) {
+    const grpc::Status st =
+        ddprun::testing::rawUnaryCall(channel, "/ddprun.rendezvous.v1.Rendezvous/KvGet", bad);
+    REQUIRE_FALSE(st.ok());
+    REQUIRE(st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  // A cut message (a length past its end) is refused too.
+  CHECK_FALSE(ddprun::testing::rawUnaryCall(channel, "/ddprun.rendezvous.v1.Rendezvous/KvGet",
+                                            std::string("\x0a\x7f", 2) + "run")
+                  .ok());
+  // It still serves.
+  ClientOptions options;
+  options.endpoint = endpoint;
+  Client client(options);
+  auto got = client.kvGet("run", "key");
+  CHECK(got.status().code() == StatusCode::kNotFound);
+  kill(pid, SIGTERM);
+  CHECK(waitExit(pid) == 0);
+  const std::string log = readAll(out);
+  fclose(out);
+  INFO(log);
+  size_t lines = 0;
+  for (size_t at = log.find("invalid UTF-8"); at != std::string::npos;
+       at = log.find("invalid UTF-8", at + 1)) {
+    ++lines;
+    const size_t start = log.rfind('\n', at) + 1;
+    CHECK(log.compare(start, 27, "[ddprun protobuf] warning: ") == 0);
+  }
+  CHECK(lines >= 1);
+  CHECK(lines <= kProtobufLinesPerMinute);
+  CHECK(log.find("[libprotobuf") == std::string::npos);
+}
+
+TEST_CASE("a throttled protobuf line says how many like it were not logged", "[rendezvous]") {
+  CHECK(protobufLogLine("String field 'x' contains invalid UTF-8 data. ", 1) ==
+        "String field 'x' contains invalid UTF-8 data.");
+  CHECK(protobufLogLine("bad\x1b[2J", 42) ==
+        "bad\\x1b[2J (and 41 more like it since the last such line: at most 3 a minute are "
+        "logged)");
 }
 
 // A hostile client pushes past every bound; the daemon refuses with RESOURCE_EXHAUSTED (or
