@@ -1,6 +1,8 @@
 // ddprun-rendezvous: the standalone rendezvous daemon. Thin: flags, then RendezvousServer.
 //   ddprun-rendezvous --listen HOST:PORT [--token-file F] [--tls-cert F --tls-key F]
 //                     [--closed-run-ttl SECONDS] [--idle-run-ttl SECONDS] [quota flags]
+#include <sys/resource.h>
+
 #include <cerrno>
 #include <cmath>
 #include <csignal>
@@ -14,6 +16,7 @@
 
 #include "ddprun/common/log.h"
 #include "ddprun/common/strings.h"
+#include "ddprun/rendezvous/accept_guard.h"
 #include "ddprun/rendezvous/protobuf_log.h"
 #include "ddprun/rendezvous/server.h"
 
@@ -23,7 +26,7 @@ constexpr const char* kUsage =
     "usage: ddprun-rendezvous --listen HOST:PORT [--token-file FILE] "
     "[--tls-cert FILE --tls-key FILE] [--closed-run-ttl SECONDS] [--idle-run-ttl SECONDS] "
     "[--max-run-keys N] [--max-run-kv-bytes N] [--max-kv-bytes N] [--max-run-spares N] "
-    "[--max-streams-per-peer N]";
+    "[--max-streams-per-peer N] [--max-connections-per-peer N]";
 
 constexpr const char* kHelp =
     "  --listen HOST:PORT         address to serve on; port 0 picks one (printed)\n"
@@ -40,8 +43,11 @@ constexpr const char* kHelp =
     "  --max-run-spares N         nodes of one run that may wait beyond nnodes MAX (default 1024)\n"
     "  --max-streams-per-peer N   open Watch streams plus pending Join/KvWait/GetMaster calls of\n"
     "                             one client connection (default 1024)\n"
+    "  --max-connections-per-peer N\n"
+    "                             open connections of one client host (default 1024; a larger\n"
+    "                             one where many nodes reach the daemon through one NAT address)\n"
     "  A write past a quota, a spare past its bound, or a stream past the bound, gets\n"
-    "  RESOURCE_EXHAUSTED naming it.";
+    "  RESOURCE_EXHAUSTED naming it; a connection past its bound is closed at once (logged).";
 
 // Longest TTL accepted: a year keeps every deadline far from the clock's range.
 constexpr double kMaxTtlSeconds = 365.0 * 24 * 3600;
@@ -76,13 +82,26 @@ std::optional<size_t> parseQuota(const std::string& text) {
   return static_cast<size_t>(v);
 }
 
+// Every client connection holds a descriptor: the soft limit goes up to the hard one (a peer
+// past it is still refused, and the server keeps listening: accept_guard.h).
+void raiseDescriptorLimit() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= lim.rlim_max) return;
+  const rlim_t was = lim.rlim_cur;
+  lim.rlim_cur = lim.rlim_max;
+  if (::setrlimit(RLIMIT_NOFILE, &lim) == 0) {
+    ddprun::logger("rendezvous")
+        ->debug("file descriptor limit raised from {} to {}", was, lim.rlim_cur);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace ddprun;
   rendezvous::routeProtobufLogs();
   std::string listen, token_file, cert_file, key_file, closed_ttl, idle_ttl;
-  std::string run_keys, run_kv_bytes, kv_bytes, run_spares, streams_per_peer;
+  std::string run_keys, run_kv_bytes, kv_bytes, run_spares, streams_per_peer, connections_per_peer;
   std::set<std::string> given;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -112,6 +131,7 @@ int main(int argc, char** argv) {
     if (arg == "--max-kv-bytes") target = &kv_bytes;
     if (arg == "--max-run-spares") target = &run_spares;
     if (arg == "--max-streams-per-peer") target = &streams_per_peer;
+    if (arg == "--max-connections-per-peer") target = &connections_per_peer;
     if (target == nullptr) return usageError("unknown argument '" + std::string(argv[i]) + "'");
     if (!has_inline) {
       if (i + 1 >= argc) return usageError(arg + " needs a value");
@@ -127,6 +147,8 @@ int main(int argc, char** argv) {
 
   rendezvous::ServerOptions options;
   options.listen = listen;
+  rendezvous::AcceptLimits accept_limits;
+  accept_limits.how_to_raise = "ddprun-rendezvous --max-connections-per-peer";
   for (auto [flag, text, ttl] :
        {std::tuple{"--closed-run-ttl", &closed_ttl, &options.retention.closed_run_ttl},
         std::tuple{"--idle-run-ttl", &idle_ttl, &options.retention.idle_run_ttl}}) {
@@ -143,7 +165,9 @@ int main(int argc, char** argv) {
         std::tuple{"--max-run-kv-bytes", &run_kv_bytes, &options.limits.max_run_kv_bytes},
         std::tuple{"--max-kv-bytes", &kv_bytes, &options.limits.max_kv_bytes},
         std::tuple{"--max-run-spares", &run_spares, &options.limits.max_run_spares},
-        std::tuple{"--max-streams-per-peer", &streams_per_peer, &options.max_streams_per_peer}}) {
+        std::tuple{"--max-streams-per-peer", &streams_per_peer, &options.max_streams_per_peer},
+        std::tuple{"--max-connections-per-peer", &connections_per_peer,
+                   &accept_limits.max_connections_per_peer}}) {
     if (given.count(flag) == 0) continue;
     auto parsed = parseQuota(*text);
     if (!parsed) {
@@ -165,6 +189,15 @@ int main(int argc, char** argv) {
     options.tls_cert_pem = cert.value();
     options.tls_key_pem = key.value();
   }
+
+  rendezvous::setAcceptLimits(accept_limits);
+  if (!rendezvous::acceptGuardInstalled()) {
+    logger("rendezvous")
+        ->warn(
+            "this build's accept guard is not in use: running out of file "
+            "descriptors stops the server from listening (gRPC 1.51)");
+  }
+  raiseDescriptorLimit();
 
   // Block the stop signals before any thread starts, so only sigwait below receives them.
   sigset_t stop_signals;

@@ -34,9 +34,9 @@ void onProtobufLog(google::protobuf::LogLevel level, const char* filename, int l
   std::optional<uint64_t> n;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    n = throttle().note(std::string(filename != nullptr ? filename : "?") + ":" +
-                            std::to_string(line),
-                        std::chrono::steady_clock::now());
+    n = throttle().note(
+        std::string(filename != nullptr ? filename : "?") + ":" + std::to_string(line),
+        std::chrono::steady_clock::now());
   }
   if (n) log->warn("{}", protobufLogLine(message, *n));
 }

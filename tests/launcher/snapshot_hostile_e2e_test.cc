@@ -404,3 +404,54 @@ TEST_CASE("a peer's errors are named with the file and the peer, escaped, and a 
   snapshot::SnapshotFile after{"after.bin", peer.version(4), 10, 1};
   CHECK(peer.announce(at, after).isOk());
 }
+
+// A peer that opens connection after connection to the agent's replication service: past the
+// agent's bound per host (1024), or past its descriptors, the next ones are closed as they come,
+// and the service keeps listening (gRPC 1.51 alone stops accepting for good: accept_guard.h).
+TEST_CASE("a peer holding a thousand connections is refused more and the agent keeps serving",
+          "[snapshot][hostile]") {
+  rlimit lim{};
+  REQUIRE(getrlimit(RLIMIT_NOFILE, &lim) == 0);
+  if (lim.rlim_cur < 1400 && lim.rlim_max >= 1400) {
+    lim.rlim_cur = lim.rlim_max;
+    REQUIRE(setrlimit(RLIMIT_NOFILE, &lim) == 0);
+  }
+  if (lim.rlim_cur < 1400) {
+    WARN("skipped: this test opens 1200 connections; its descriptor limit is " << lim.rlim_cur);
+    return;
+  }
+  TempDir secrets, dir;
+  const std::string token = tokenFile(secrets);
+  RendezvousDaemon rdzv({"--token-file", token});
+  HostileNode peer(rdzv.endpoint, "hostile-conns", "hostile-test-token");
+  peer.start();
+  Agent agent(rdzv.endpoint, "hostile-conns", dir.path(), {}, "token_file=" + token);
+  peer.waitJoined();
+  const std::string at = agent.ready();
+  const std::string host = at.substr(0, at.rfind(':'));
+  const int port = std::stoi(at.substr(at.rfind(':') + 1));
+  INFO(agent.process->err());
+  size_t answered = 0, refused = 0;
+  {
+    std::vector<std::unique_ptr<RawConnection>> held;
+    for (int i = 0; i < 1200; ++i) {
+      held.push_back(std::make_unique<RawConnection>(host, port));
+      REQUIRE(held.back()->fd() >= 0);
+      (held.back()->answered(2000) ? answered : refused) += 1;
+    }
+    CHECK(answered <= 1024);
+    CHECK(refused >= 1200 - 1024);
+    CHECK((agent.logged("[ddprun net] warning: refused a connection from 127.0.0.1: it holds 1024 "
+                        "connections to this process's servers, the most one host may (a bound "
+                        "of ddprun's agent)",
+                        5s) ||
+           agent.logged("[ddprun net] warning: out of file descriptors", 1s)));
+  }
+  // They are closed: a new connection is served, and the peer's announcements are taken.
+  CHECK(waitUntil([&] { return RawConnection(host, port).answered(); }, 30s));
+  snapshot::SnapshotFile after{"after-flood.bin", peer.version(1), 10, 1};
+  CHECK(waitUntil([&] { return peer.announce(at, after).isOk(); }, 30s));
+  CHECK(countOf(agent.process->err(), "refused a connection") +
+            countOf(agent.process->err(), "out of file descriptors") ==
+        1);
+}

@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -464,9 +465,10 @@ std::string buildDir() {
 }
 
 // Runs the daemon with `args`; returns its pid and a FILE* on its stdout (and stderr, merged).
-// `asan_options`: the daemon's ASAN_OPTIONS, where not empty (sanitizer.h).
+// `asan_options`: the daemon's ASAN_OPTIONS, where not empty (sanitizer.h); `nofile`: its
+// descriptor limit, soft and hard, where not 0.
 pid_t spawnDaemon(const std::vector<std::string>& args, FILE** out, bool with_stderr = false,
-                  const std::string& asan_options = "") {
+                  const std::string& asan_options = "", rlim_t nofile = 0) {
   int fds[2];
   REQUIRE(pipe(fds) == 0);
   // Made before the fork: the child only execs.
@@ -493,6 +495,10 @@ pid_t spawnDaemon(const std::vector<std::string>& args, FILE** out, bool with_st
     if (with_stderr) dup2(fds[1], 2);
     close(fds[0]);
     close(fds[1]);
+    if (nofile != 0) {
+      const rlimit lim{nofile, nofile};
+      if (setrlimit(RLIMIT_NOFILE, &lim) != 0) _exit(126);
+    }
     execve(argv[0], argv.data(), envp.data());
     _exit(127);
   }
@@ -666,7 +672,7 @@ size_t residentBytes(pid_t pid) {
 TEST_CASE("the daemon validates its quota flags and lists them in --help", "[rendezvous][daemon]") {
   for (const std::string arg : {"--max-run-keys=0", "--max-run-kv-bytes=-1", "--max-kv-bytes=1e9",
                                 "--max-streams-per-peer=", "--max-kv-bytes=99999999999999999999",
-                                "--max-run-spares=many"}) {
+                                "--max-run-spares=many", "--max-connections-per-peer=0"}) {
     FILE* out = nullptr;
     pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0", arg}, &out, true);
     const std::string text = readAll(out);
@@ -680,8 +686,9 @@ TEST_CASE("the daemon validates its quota flags and lists them in --help", "[ren
   pid_t pid = spawnDaemon({"--help"}, &out);
   const std::string help = readAll(out);
   CHECK(waitExit(pid) == 0);
-  for (const char* flag : {"--max-run-keys N", "--max-run-kv-bytes N", "--max-kv-bytes N",
-                           "--max-run-spares N", "--max-streams-per-peer N"}) {
+  for (const char* flag :
+       {"--max-run-keys N", "--max-run-kv-bytes N", "--max-kv-bytes N", "--max-run-spares N",
+        "--max-streams-per-peer N", "--max-connections-per-peer N"}) {
     CHECK(help.find(flag) != std::string::npos);
   }
   fclose(out);
@@ -770,6 +777,94 @@ TEST_CASE(
   CHECK(lines >= 1);
   CHECK(lines <= kProtobufLinesPerMinute);
   CHECK(log.find("[libprotobuf") == std::string::npos);
+}
+
+// Reads the daemon's output up to "listening on HOST:PORT" and returns HOST:PORT.
+std::string daemonEndpoint(FILE* out) {
+  std::string text;
+  char line[256] = {0};
+  while (text.rfind("listening on 127.0.0.1:", 0) != 0) {
+    if (fgets(line, sizeof line, out) == nullptr) return "";
+    text = line;
+  }
+  return text.substr(13, text.find('\n') - 13);
+}
+
+int portOf(const std::string& endpoint) {
+  return std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
+}
+
+// gRPC 1.51 stops accepting for good once accept4() fails with EMFILE (grpc/grpc#20418); the
+// daemon's accept guard closes pending connections instead and keeps listening.
+TEST_CASE("a daemon out of file descriptors refuses connections and serves again once they close",
+          "[rendezvous][daemon]") {
+  FILE* out = nullptr;
+  pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0"}, &out, true, "", 64);
+  const std::string endpoint = daemonEndpoint(out);
+  REQUIRE(!endpoint.empty());
+  std::vector<std::unique_ptr<ddprun::testing::RawConnection>> held;
+  size_t answered = 0;
+  for (int i = 0; i < 100; ++i) {
+    held.push_back(std::make_unique<ddprun::testing::RawConnection>("127.0.0.1", portOf(endpoint)));
+    REQUIRE(held.back()->fd() >= 0);
+    if (held.back()->answered(2000)) ++answered;
+  }
+  CHECK(answered > 0);
+  CHECK(answered < 64);  // the rest were closed, not left pending
+  held.clear();
+  // Listening still: a node joins.
+  ClientOptions options;
+  options.endpoint = endpoint;
+  options.retry_timeout = 20s;
+  Client client(options);
+  auto joined = client.join(joinRequest("after-emfile", 1, 1));
+  CHECK(joined.isOk());
+  kill(pid, SIGTERM);
+  CHECK(waitExit(pid) == 0);
+  const std::string log = readAll(out);
+  fclose(out);
+  INFO(log);
+  CHECK(log.find("[ddprun net] warning: out of file descriptors (Too many open files, limit 64): "
+                 "closed a pending connection so that the server keeps listening") !=
+        std::string::npos);
+  CHECK(ddprun::testing::countOf(log, "out of file descriptors") == 1);  // once a minute
+}
+
+TEST_CASE("a host past --max-connections-per-peer is refused its next connections, others are not",
+          "[rendezvous][daemon]") {
+  FILE* out = nullptr;
+  pid_t pid =
+      spawnDaemon({"--listen", "127.0.0.1:0", "--max-connections-per-peer", "8"}, &out, true);
+  const std::string endpoint = daemonEndpoint(out);
+  REQUIRE(!endpoint.empty());
+  {
+    std::vector<std::unique_ptr<ddprun::testing::RawConnection>> held;
+    size_t answered = 0;
+    for (int i = 0; i < 20; ++i) {
+      held.push_back(
+          std::make_unique<ddprun::testing::RawConnection>("127.0.0.1", portOf(endpoint)));
+      if (held.back()->answered(2000)) ++answered;
+    }
+    CHECK(answered == 8);
+    // Another host is not held to 127.0.0.1's connections.
+    ddprun::testing::RawConnection other("127.0.0.1", portOf(endpoint), "127.0.0.2");
+    CHECK(other.answered());
+  }
+  // Once the 8 closed, 127.0.0.1 connects again: a node joins.
+  ClientOptions options;
+  options.endpoint = endpoint;
+  options.retry_timeout = 20s;
+  Client client(options);
+  CHECK(client.join(joinRequest("after-cap", 1, 1)).isOk());
+  kill(pid, SIGTERM);
+  CHECK(waitExit(pid) == 0);
+  const std::string log = readAll(out);
+  fclose(out);
+  INFO(log);
+  CHECK(log.find("[ddprun net] warning: refused a connection from 127.0.0.1: it holds 8 "
+                 "connections to this process's servers, the most one host may "
+                 "(ddprun-rendezvous --max-connections-per-peer)") != std::string::npos);
+  CHECK(ddprun::testing::countOf(log, "refused a connection") == 1);
 }
 
 TEST_CASE("a throttled protobuf line says how many like it were not logged", "[rendezvous]") {

@@ -2,8 +2,13 @@
 // its request is no valid protobuf (a string field that is not UTF-8, a cut varint).
 #pragma once
 
+#include <arpa/inet.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <future>
@@ -36,5 +41,53 @@ inline std::string rawStringField(int number, const std::string& bytes) {
   return std::string(1, static_cast<char>(number << 3 | 2)) +
          std::string(1, static_cast<char>(bytes.size())) + bytes;
 }
+
+// A TCP connection to a gRPC server that sends HTTP/2's preface and an empty SETTINGS frame, as a
+// client does, and no more: what a peer holding connections open does.
+class RawConnection {
+ public:
+  // Connects to `host`:`port` from `source` (addresses of 127.0.0.0/8); fd() < 0 when the
+  // connection could not be made.
+  RawConnection(const std::string& host, int port, const char* source = "127.0.0.1") {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd_ < 0) return;
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    ::inet_pton(AF_INET, source, &from.sin_addr);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(static_cast<uint16_t>(port));
+    ::inet_pton(AF_INET, host.c_str(), &to.sin_addr);
+    if (::bind(fd_, reinterpret_cast<sockaddr*>(&from), sizeof from) != 0 ||
+        ::connect(fd_, reinterpret_cast<sockaddr*>(&to), sizeof to) != 0) {
+      ::close(fd_);
+      fd_ = -1;
+      return;
+    }
+    static const char kPreface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\4\0\0\0\0\0";
+    if (::send(fd_, kPreface, sizeof kPreface - 1, MSG_NOSIGNAL) < 0) {
+      ::close(fd_);
+      fd_ = -1;
+    }
+  }
+  ~RawConnection() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  RawConnection(const RawConnection&) = delete;
+  RawConnection& operator=(const RawConnection&) = delete;
+  int fd() const { return fd_; }
+  // Whether the server answered (its SETTINGS) within `ms`; false when it closed the connection
+  // or said nothing.
+  bool answered(int ms = 5000) {
+    if (fd_ < 0) return false;
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, ms) != 1) return false;
+    char buf[256];
+    return ::recv(fd_, buf, sizeof buf, 0) > 0;
+  }
+
+ private:
+  int fd_ = -1;
+};
 
 }  // namespace ddprun::testing
