@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -13,11 +14,11 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <mutex>
 #include <optional>
 
 #include "ddprun/common/log.h"
 #include "ddprun/common/log_throttle.h"
+#include "ddprun/common/thread_annotations.h"
 #include "ddprun/rendezvous/peer_connections.h"
 
 namespace ddprun::rendezvous {
@@ -28,18 +29,21 @@ using Accept4 = int (*)(int, sockaddr*, socklen_t*, int);
 // Connections refused in one call before it answers EAGAIN: a flood cannot hold gRPC's poller.
 constexpr int kMaxRefusedPerCall = 1024;
 
+// Shared by every thread that accepts (gRPC's pollers).
 struct Guard {
-  std::mutex mu;
-  PeerConnections connections{AcceptLimits{}.max_connections_per_peer};
-  std::string how_to_raise = AcceptLimits{}.how_to_raise;
-  LogThrottle log{std::chrono::minutes(1)};
-  int reserve = -1;  // /dev/null, closed to make room for one accept when out of descriptors
+  Mutex mu;
+  PeerConnections connections GUARDED_BY(mu){AcceptLimits{}.max_connections_per_peer};
+  std::string how_to_raise GUARDED_BY(mu) = AcceptLimits{}.how_to_raise;
+  LogThrottle log GUARDED_BY(mu){std::chrono::minutes(1)};
+  // /dev/null, closed to make room for one accept when out of descriptors.
+  int reserve GUARDED_BY(mu) = -1;
 };
 
 // Never destroyed: gRPC's threads may accept while static destructors run.
 Guard& guard() {
   static Guard* g = [] {
     auto* made = new Guard;
+    MutexLock lock(made->mu);
     made->reserve = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     return made;
   }();
@@ -85,7 +89,7 @@ bool stillHolds(int fd, const std::string& endpoint) {
 void warnThrottled(Guard& g, const std::string& key, const std::string& text) {
   std::optional<uint64_t> n;
   {
-    std::lock_guard<std::mutex> lock(g.mu);
+    MutexLock lock(g.mu);
     n = g.log.note(key, std::chrono::steady_clock::now());
   }
   if (!n) return;
@@ -96,9 +100,12 @@ void warnThrottled(Guard& g, const std::string& key, const std::string& text) {
 }
 
 // Out of descriptors: takes one pending connection off `listener` through the reserve and closes
-// it. False when there was none (or no reserve to make room with).
+// it. False when there was none (or no reserve to make room with). Never blocks: a blocking
+// listener with nothing pending fails with EMFILE too, before it would wait.
 bool dropOnePending(Guard& g, int listener) {
-  std::lock_guard<std::mutex> lock(g.mu);
+  pollfd pending{listener, POLLIN, 0};
+  if (::poll(&pending, 1, 0) != 1 || (pending.revents & POLLIN) == 0) return false;
+  MutexLock lock(g.mu);
   if (g.reserve < 0) g.reserve = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   if (g.reserve < 0) return false;
   ::close(g.reserve);
@@ -147,7 +154,7 @@ int guardedAccept(int listener, sockaddr* addr, socklen_t* len, int flags) {
       size_t bound = 0;
       std::string how;
       {
-        std::lock_guard<std::mutex> lock(g.mu);
+        MutexLock lock(g.mu);
         admitted = g.connections.admit(peer->first, peer->second, c, stillHolds);
         bound = g.connections.maxPerHost();
         how = g.how_to_raise;
@@ -176,7 +183,7 @@ int guardedAccept(int listener, sockaddr* addr, socklen_t* len, int flags) {
 
 void setAcceptLimits(const AcceptLimits& limits) {
   Guard& g = guard();
-  std::lock_guard<std::mutex> lock(g.mu);
+  MutexLock lock(g.mu);
   g.connections.setMaxPerHost(limits.max_connections_per_peer);
   g.how_to_raise = limits.how_to_raise;
 }

@@ -3,20 +3,25 @@
 #include <google/protobuf/stubs/logging.h>
 
 #include <mutex>
+#include <optional>
 
 #include "ddprun/common/clock.h"
 #include "ddprun/common/log.h"
 #include "ddprun/common/log_throttle.h"
 #include "ddprun/common/strings.h"
+#include "ddprun/common/thread_annotations.h"
 
 namespace ddprun::rendezvous {
 namespace {
 
-std::mutex g_mu;
-LogThrottle& throttle() {
-  // Keyed by libprotobuf's file:line, a few dozen at most; never destroyed (logging may run
-  // during static destruction).
-  static auto* t = new LogThrottle(std::chrono::minutes(1), 256, kProtobufLinesPerMinute);
+// Keyed by libprotobuf's file:line, a few dozen at most; never destroyed (logging may run during
+// static destruction). libprotobuf logs from any thread.
+struct Throttle {
+  Mutex mu;
+  LogThrottle lines GUARDED_BY(mu){std::chrono::minutes(1), 256, kProtobufLinesPerMinute};
+};
+Throttle& throttle() {
+  static auto* t = new Throttle;
   return *t;
 }
 
@@ -33,10 +38,10 @@ void onProtobufLog(google::protobuf::LogLevel level, const char* filename, int l
   }
   std::optional<uint64_t> n;
   {
-    std::lock_guard<std::mutex> lock(g_mu);
-    n = throttle().note(
-        std::string(filename != nullptr ? filename : "?") + ":" + std::to_string(line),
-        std::chrono::steady_clock::now());
+    Throttle& t = throttle();
+    MutexLock lock(t.mu);
+    n = t.lines.note(std::string(filename != nullptr ? filename : "?") + ":" + std::to_string(line),
+                     std::chrono::steady_clock::now());
   }
   if (n) log->warn("{}", protobufLogLine(message, *n));
 }
