@@ -116,10 +116,11 @@ bool dropOnePending(Guard& g, int listener) {
   return c >= 0;
 }
 
-std::string descriptorLimit() {
+// The soft descriptor limit (0: none known).
+size_t descriptorLimit() {
   rlimit lim{};
-  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return "?";
-  return std::to_string(lim.rlim_cur);
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return 0;
+  return static_cast<size_t>(lim.rlim_cur);
 }
 
 int guardedAccept(int listener, sockaddr* addr, socklen_t* len, int flags) {
@@ -142,13 +143,25 @@ int guardedAccept(int listener, sockaddr* addr, socklen_t* len, int flags) {
       }
       warnThrottled(g, "out of descriptors",
                     std::string("out of file descriptors (") + std::strerror(err) + ", limit " +
-                        descriptorLimit() +
+                        std::to_string(descriptorLimit()) +
                         "): closed a pending connection so that the server keeps listening; "
                         "raise the limit (ulimit -n), or find the peers that hold the "
                         "connections (ss -tn)");
       continue;
     }
     auto peer = peerOf(own);
+    const size_t limit = descriptorLimit();
+    if (peer && limit != 0 && leavesTooFewDescriptors(c, limit)) {
+      ::close(c);
+      warnThrottled(g, "few descriptors",
+                    "refused a connection from " + peer->first +
+                        ": its descriptor would be number " + std::to_string(c) +
+                        " of this process's " + std::to_string(limit) + ", and the last " +
+                        std::to_string(descriptorsKept(limit)) +
+                        " are kept for its own work; raise the limit (ulimit -n), or find the "
+                        "peers that hold the connections (ss -tn)");
+      continue;
+    }
     if (peer) {
       bool admitted = false;
       size_t bound = 0;

@@ -1,5 +1,6 @@
 #include "ddprun/rendezvous/peer_connections.h"
 
+#include <algorithm>
 #include <vector>
 
 namespace ddprun::rendezvous {
@@ -31,6 +32,14 @@ bool PeerConnections::admit(const std::string& host, const std::string& endpoint
   by_fd_[fd] = Record{host, endpoint};
   by_host_[host][fd] = endpoint;
   return true;
+}
+
+size_t descriptorsKept(size_t limit) {
+  return std::min(std::max<size_t>(32, limit / 8), limit / 2);
+}
+
+bool leavesTooFewDescriptors(int fd, size_t limit) {
+  return fd >= 0 && static_cast<size_t>(fd) + descriptorsKept(limit) >= limit;
 }
 
 size_t PeerConnections::count(const std::string& host) const {

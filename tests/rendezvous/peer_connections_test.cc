@@ -60,6 +60,21 @@ TEST_CASE("connections closed since are found when the bound is reached and make
   CHECK_FALSE(open.accept(c, "h", 5, 14));
 }
 
+TEST_CASE("a process keeps an eighth of its descriptors, 32 to half of them", "[rendezvous]") {
+  using ddprun::rendezvous::descriptorsKept;
+  using ddprun::rendezvous::leavesTooFewDescriptors;
+  CHECK(descriptorsKept(1024) == 128);
+  CHECK(descriptorsKept(1048576) == 131072);
+  CHECK(descriptorsKept(128) == 32);
+  CHECK(descriptorsKept(40) == 20);
+  CHECK(descriptorsKept(0) == 0);
+  CHECK_FALSE(leavesTooFewDescriptors(895, 1024));
+  CHECK(leavesTooFewDescriptors(896, 1024));
+  CHECK(leavesTooFewDescriptors(10, 20));
+  CHECK_FALSE(leavesTooFewDescriptors(9, 20));
+  CHECK_FALSE(leavesTooFewDescriptors(-1, 20));
+}
+
 TEST_CASE("a descriptor accepted again replaces its old record", "[rendezvous]") {
   PeerConnections c(1);
   Open open;

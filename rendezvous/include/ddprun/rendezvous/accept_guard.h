@@ -11,7 +11,10 @@
 //   them (through a descriptor kept in reserve), logs that (throttled), and answers EAGAIN, on
 //   which gRPC waits for the next connection as for any listener with nothing pending;
 // - a connection from a host that already holds `max_connections_per_peer` connections to this
-//   process's servers is closed at once (logged, throttled), and the next pending one is taken.
+//   process's servers is closed at once (logged, throttled), and the next pending one is taken;
+// - so is one that would leave the process fewer descriptors than it keeps for its own work (its
+//   files, pipes and workers: descriptorsKept() in peer_connections.h, an eighth of the limit), so
+//   that connections from many hosts together cannot starve it.
 // Connections that are not TCP (a Unix socket) pass untouched.
 //
 // A plain header: the daemon's and the launcher's mains call it.

@@ -45,4 +45,10 @@ class PeerConnections {
   std::map<std::string, std::map<int, std::string>> by_host_;  // host -> fd -> endpoint
 };
 
+// The descriptors a process keeps for its own work (its files, pipes, workers) out of `limit`:
+// an eighth, at least 32, at most half. The kernel gives the lowest free number, so a connection
+// accepted as descriptor `fd` >= limit - that many means fewer are left: it is refused.
+size_t descriptorsKept(size_t limit);
+bool leavesTooFewDescriptors(int fd, size_t limit);
+
 }  // namespace ddprun::rendezvous
