@@ -30,6 +30,14 @@ using CallId = RendezvousState::CallId;
 
 namespace {
 
+// The host of a gRPC peer ("ipv4:10.0.0.1:5555" -> "ipv4:10.0.0.1", "ipv6:[::1]:5555" ->
+// "ipv6:[::1]"): what the per-host stream bound counts by.
+std::string hostOfPeer(const std::string& peer) {
+  const auto colon = peer.rfind(':');
+  const auto kind = peer.find(':');
+  return colon == std::string::npos || colon == kind ? peer : peer.substr(0, colon);
+}
+
 // A long Join: finished by the io thread when the round completes, or on cancellation.
 class JoinReactor final : public grpc::ServerUnaryReactor {
  public:
@@ -118,8 +126,24 @@ struct RendezvousServer::Impl {
     bool overflowed = false;  // fell max_watch_queue changes behind: end it, queue dropped
   };
 
-  // Counts a long call (Watch, Join, KvWait, GetMaster) of `peer` against max_streams_per_peer.
+  // Counts a long call (Watch, Join, KvWait, GetMaster) of `peer` against max_streams_per_peer,
+  // and against max_streams_per_host for its host.
   Status admitStream(const std::string& peer) {
+    const std::string host = hostOfPeer(peer);
+    PeerStreams& h = streams_by_host[host];
+    if (h.open >= options.max_streams_per_host) {
+      if (!h.warned) {  // once per host
+        h.warned = true;
+        logger("rendezvous")
+            ->warn("host {} holds {} streams and waits: refusing more (max-streams-per-host)", host,
+                   h.open);
+      }
+      return Status(StatusCode::kResourceExhausted,
+                    "this client's host already holds " + std::to_string(h.open) +
+                        " watch streams, joins and waits: max-streams-per-host = " +
+                        std::to_string(options.max_streams_per_host) +
+                        " (ddprun-rendezvous --max-streams-per-host)");
+    }
     PeerStreams& p = streams_by_peer[peer];
     const size_t n = p.open;
     if (n >= options.max_streams_per_peer) {
@@ -136,12 +160,15 @@ struct RendezvousServer::Impl {
                         " (ddprun-rendezvous --max-streams-per-peer)");
     }
     ++p.open;
+    ++h.open;
     return Status::ok();
   }
   void releaseStream(const std::string& peer) {
     auto it = streams_by_peer.find(peer);
     if (it == streams_by_peer.end()) return;
     if (--it->second.open == 0) streams_by_peer.erase(it);
+    auto host = streams_by_host.find(hostOfPeer(peer));
+    if (host != streams_by_host.end() && --host->second.open == 0) streams_by_host.erase(host);
   }
 
   void flush() {
@@ -362,6 +389,7 @@ struct RendezvousServer::Impl {
     bool warned = false;  // a refusal of this peer was logged
   };
   std::unordered_map<std::string, PeerStreams> streams_by_peer;  // admitStream / releaseStream
+  std::unordered_map<std::string, PeerStreams> streams_by_host;  // by hostOfPeer(peer)
 
   mutable ddprun::Mutex census_mu;
   StateCensus census GUARDED_BY(census_mu);  // refreshed by every flush()

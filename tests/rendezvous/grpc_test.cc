@@ -670,9 +670,10 @@ size_t residentBytes(pid_t pid) {
 }
 
 TEST_CASE("the daemon validates its quota flags and lists them in --help", "[rendezvous][daemon]") {
-  for (const std::string arg : {"--max-run-keys=0", "--max-run-kv-bytes=-1", "--max-kv-bytes=1e9",
-                                "--max-streams-per-peer=", "--max-kv-bytes=99999999999999999999",
-                                "--max-run-spares=many", "--max-connections-per-peer=0"}) {
+  for (const std::string arg :
+       {"--max-run-keys=0", "--max-run-kv-bytes=-1", "--max-kv-bytes=1e9",
+        "--max-streams-per-peer=", "--max-kv-bytes=99999999999999999999", "--max-run-spares=many",
+        "--max-connections-per-peer=0", "--max-streams-per-host=x"}) {
     FILE* out = nullptr;
     pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0", arg}, &out, true);
     const std::string text = readAll(out);
@@ -688,7 +689,7 @@ TEST_CASE("the daemon validates its quota flags and lists them in --help", "[ren
   CHECK(waitExit(pid) == 0);
   for (const char* flag :
        {"--max-run-keys N", "--max-run-kv-bytes N", "--max-kv-bytes N", "--max-run-spares N",
-        "--max-streams-per-peer N", "--max-connections-per-peer N"}) {
+        "--max-streams-per-peer N", "--max-streams-per-host N", "--max-connections-per-peer N"}) {
     CHECK(help.find(flag) != std::string::npos);
   }
   fclose(out);
@@ -876,6 +877,47 @@ TEST_CASE("a throttled protobuf line says how many like it were not logged", "[r
   CHECK(protobufLogLine("bad\x1b[2J", 42) ==
         "bad\\x1b[2J (and 41 more like it since the last such line: at most 3 a minute are "
         "logged)");
+}
+
+// A host's connections together hold at most --max-streams-per-host streams and waits (each
+// connection at most --max-streams-per-peer).
+TEST_CASE("a host's connections together are held to --max-streams-per-host",
+          "[rendezvous][daemon]") {
+  FILE* out = nullptr;
+  pid_t pid = spawnDaemon(
+      {"--listen", "127.0.0.1:0", "--max-streams-per-peer", "16", "--max-streams-per-host", "24"},
+      &out, true);
+  ClientOptions options;
+  options.endpoint = daemonEndpoint(out);
+  REQUIRE(!options.endpoint.empty());
+  {
+    Client a(options), b(options);
+    ChangeLog log;
+    std::vector<std::unique_ptr<Watch>> watches;
+    for (int i = 0; i < 16; ++i)
+      watches.push_back(a.watch("hs", "a" + std::to_string(i), log.onChange()));
+    for (int i = 0; i < 8; ++i)
+      watches.push_back(b.watch("hs", "b" + std::to_string(i), log.onChange()));
+    REQUIRE(log.waitUntil([](const std::vector<RoundChange>& cs) { return cs.size() >= 24; }));
+    auto refused = b.kvWait("hs", {"never"}, 30s);
+    CHECK(refused.status().code() == StatusCode::kResourceExhausted);
+    CHECK_THAT(refused.status().message(),
+               Catch::Contains("this client's host already holds 24 watch streams, joins and "
+                               "waits: max-streams-per-host = 24 (ddprun-rendezvous "
+                               "--max-streams-per-host)"));
+    // One of a's ends: b may wait.
+    watches.front().reset();
+    CHECK(waitUntil([&] {
+      return b.kvWait("hs", {"never"}, 50ms).status().code() == StatusCode::kDeadlineExceeded;
+    }));
+  }
+  kill(pid, SIGTERM);
+  CHECK(waitExit(pid) == 0);
+  const std::string text = readAll(out);
+  fclose(out);
+  CHECK(ddprun::testing::countOf(text,
+                                 "holds 24 streams and waits: refusing more "
+                                 "(max-streams-per-host)") == 1);
 }
 
 // A hostile client pushes past every bound; the daemon refuses with RESOURCE_EXHAUSTED (or

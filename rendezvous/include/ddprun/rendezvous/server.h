@@ -25,6 +25,10 @@ struct ServerOptions {
   // client connection); beyond it a call is refused with RESOURCE_EXHAUSTED. An agent holds a
   // handful; the benchmark's 4096 watchers over 16 connections hold 256 each.
   size_t max_streams_per_peer = 1024;
+  // The same over all connections of one client host (its address): a host may open many
+  // connections (up to the accept guard's bound), and each stream holds ~18 KB here. Many nodes
+  // behind one NAT address hold a few each.
+  size_t max_streams_per_host = 8192;
   // Changes queued for one Watch stream whose client does not read. Past it the stream ends with
   // RESOURCE_EXHAUSTED and its queue is freed; a client that subscribes again starts from a fresh
   // snapshot (what the client library does on every break), so nothing is lost but the backlog.
