@@ -93,6 +93,7 @@ struct Harness {
       last_round[c.run_id] = std::max(last_round[c.run_id], c.change.round);
     }
     FUZZ_CHECK(state.census().kv_bytes <= limits.max_kv_bytes);
+    FUZZ_CHECK(state.census().runs <= limits.max_runs);
     // A node new to a run becomes a spare only below the bound; a node the run knew (a survivor
     // of its round asking again) may wait beyond it, one per place of the round.
     for (int r = 0; r < kRuns; ++r) {
@@ -122,6 +123,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   limits.max_nodes = 16;
   limits.max_run_spares = 2;
   limits.max_wait_answer_bytes = 128;
+  limits.max_runs = in.ConsumeBool() ? 1 : 2;  // 1: the second run is refused while the first is
   Harness h(limits);
   for (auto& c : h.configs) {
     c.min_nodes = in.ConsumeIntegralInRange<uint32_t>(1, 4);

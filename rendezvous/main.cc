@@ -26,6 +26,7 @@ constexpr const char* kUsage =
     "usage: ddprun-rendezvous --listen HOST:PORT [--token-file FILE] "
     "[--tls-cert FILE --tls-key FILE] [--closed-run-ttl SECONDS] [--idle-run-ttl SECONDS] "
     "[--max-run-keys N] [--max-run-kv-bytes N] [--max-kv-bytes N] [--max-run-spares N] "
+    "[--max-runs N] "
     "[--max-streams-per-peer N] [--max-streams-per-host N] [--max-connections-per-peer N]";
 
 constexpr const char* kHelp =
@@ -41,6 +42,7 @@ constexpr const char* kHelp =
     "  --max-kv-bytes N           bytes (keys + values) all run ids together may hold\n"
     "                             (default 268435456)\n"
     "  --max-run-spares N         nodes of one run that may wait beyond nnodes MAX (default 1024)\n"
+    "  --max-runs N               runs held at once (default 65536)\n"
     "  --max-streams-per-peer N   open Watch streams plus pending Join/KvWait/GetMaster calls of\n"
     "                             one client connection (default 1024)\n"
     "  --max-streams-per-host N   the same for all connections of one client host\n"
@@ -104,7 +106,7 @@ int main(int argc, char** argv) {
   rendezvous::routeProtobufLogs();
   std::string listen, token_file, cert_file, key_file, closed_ttl, idle_ttl;
   std::string run_keys, run_kv_bytes, kv_bytes, run_spares, streams_per_peer, streams_per_host,
-      connections_per_peer;
+      connections_per_peer, max_runs;
   std::set<std::string> given;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -135,6 +137,7 @@ int main(int argc, char** argv) {
     if (arg == "--max-run-spares") target = &run_spares;
     if (arg == "--max-streams-per-peer") target = &streams_per_peer;
     if (arg == "--max-streams-per-host") target = &streams_per_host;
+    if (arg == "--max-runs") target = &max_runs;
     if (arg == "--max-connections-per-peer") target = &connections_per_peer;
     if (target == nullptr) return usageError("unknown argument '" + std::string(argv[i]) + "'");
     if (!has_inline) {
@@ -169,6 +172,7 @@ int main(int argc, char** argv) {
         std::tuple{"--max-run-kv-bytes", &run_kv_bytes, &options.limits.max_run_kv_bytes},
         std::tuple{"--max-kv-bytes", &kv_bytes, &options.limits.max_kv_bytes},
         std::tuple{"--max-run-spares", &run_spares, &options.limits.max_run_spares},
+        std::tuple{"--max-runs", &max_runs, &options.limits.max_runs},
         std::tuple{"--max-streams-per-peer", &streams_per_peer, &options.max_streams_per_peer},
         std::tuple{"--max-streams-per-host", &streams_per_host, &options.max_streams_per_host},
         std::tuple{"--max-connections-per-peer", &connections_per_peer,

@@ -67,6 +67,14 @@ void RendezvousState::join(CallId id, const JoinRequest& req, TimePoint now) {
   if (run == nullptr && findTombstone(req.run_id) != nullptr) {
     return fail(runClosed(req.run_id));
   }
+  if (run == nullptr && runs_.size() >= limits_.max_runs) {
+    return fail(Status(
+        StatusCode::kResourceExhausted,
+        "run " + req.run_id + " would be one run more than the " + std::to_string(runs_.size()) +
+            " this rendezvous holds: max-runs = " + std::to_string(limits_.max_runs) +
+            " (ddprun-rendezvous --max-runs; a run goes once closed, or unused "
+            "for --idle-run-ttl)"));
+  }
   if (run == nullptr) {
     auto fresh = std::make_unique<Run>();
     fresh->id = req.run_id;

@@ -673,7 +673,7 @@ TEST_CASE("the daemon validates its quota flags and lists them in --help", "[ren
   for (const std::string arg :
        {"--max-run-keys=0", "--max-run-kv-bytes=-1", "--max-kv-bytes=1e9",
         "--max-streams-per-peer=", "--max-kv-bytes=99999999999999999999", "--max-run-spares=many",
-        "--max-connections-per-peer=0", "--max-streams-per-host=x"}) {
+        "--max-connections-per-peer=0", "--max-streams-per-host=x", "--max-runs=-5"}) {
     FILE* out = nullptr;
     pid_t pid = spawnDaemon({"--listen", "127.0.0.1:0", arg}, &out, true);
     const std::string text = readAll(out);
@@ -689,7 +689,8 @@ TEST_CASE("the daemon validates its quota flags and lists them in --help", "[ren
   CHECK(waitExit(pid) == 0);
   for (const char* flag :
        {"--max-run-keys N", "--max-run-kv-bytes N", "--max-kv-bytes N", "--max-run-spares N",
-        "--max-streams-per-peer N", "--max-streams-per-host N", "--max-connections-per-peer N"}) {
+        "--max-streams-per-peer N", "--max-streams-per-host N", "--max-connections-per-peer N",
+        "--max-runs N"}) {
     CHECK(help.find(flag) != std::string::npos);
   }
   fclose(out);

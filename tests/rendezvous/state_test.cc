@@ -246,6 +246,40 @@ TEST_CASE(
   CHECK(h.state.status("other")->spares == 2);
 }
 
+TEST_CASE("a join that would create a run past max_runs is refused, and taken once one went",
+          "[rendezvous][state]") {
+  StateLimits limits;
+  limits.max_runs = 2;
+  Harness h(1, 1, {}, limits);
+  h.run_id = "r1";
+  h.join("a");
+  h.run_id = "r2";
+  h.join("b");
+  REQUIRE(h.completed("a"));
+  REQUIRE(h.completed("b"));
+  h.run_id = "r3";
+  h.join("c");
+  REQUIRE(h.errors.count("c") == 1);
+  CHECK(h.errors["c"].code() == StatusCode::kResourceExhausted);
+  CHECK(h.errors["c"].message() ==
+        "run r3 would be one run more than the 2 this rendezvous holds: max-runs = 2 "
+        "(ddprun-rendezvous --max-runs; a run goes once closed, or unused for --idle-run-ttl)");
+  CHECK(h.state.status("r3").status().code() == StatusCode::kNotFound);
+  // The runs it holds go on: a node of r1 asking again is answered.
+  h.clearAnswers();
+  h.run_id = "r1";
+  h.join("a");
+  CHECK(h.completed("a"));
+  // r2 closes: once it shrank to its tombstone (no watcher), r3 is created.
+  REQUIRE(h.state.close("r2", h.clock.now()).isOk());
+  h.advance(seconds(1));
+  h.clearAnswers();
+  h.run_id = "r3";
+  h.join("c");
+  CHECK(h.completed("c"));
+  CHECK(h.state.census().runs == 2);
+}
+
 TEST_CASE("missed heartbeats remove a node and start a new round for the survivors",
           "[rendezvous][state]") {
   Harness h(2, 3);

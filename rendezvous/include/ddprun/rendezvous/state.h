@@ -58,6 +58,10 @@ struct StateLimits {
   // this many wait: spares cost a pending join each, and without it many client connections could
   // park any number of them (the per-connection stream bound is per connection).
   size_t max_run_spares = 1024;
+  // Runs held at once (closed ones until they shrink to their tombstones). A join that would
+  // create one more is refused: each holds ~1.6 KB with its node, and a node may heartbeat as
+  // seldom as it likes, so without it a client could create runs without end.
+  size_t max_runs = 65536;
   // The values one KvWait is answered with, together: what a gRPC message carries (4 MiB). Past
   // it the wait fails with RESOURCE_EXHAUSTED; without it a 1 KB request naming a 1 MiB key many
   // times would be answered with a copy each.
