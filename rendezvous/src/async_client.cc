@@ -138,6 +138,12 @@ struct AsyncClient::Impl : std::enable_shared_from_this<AsyncClient::Impl> {
   bool closed GUARDED_BY(mu) = false;                      // the AsyncClient was destroyed
   uint64_t epoch GUARDED_BY(mu) = 0;                       // bumped by cancelAll()
   std::set<grpc::ClientContext*> contexts GUARDED_BY(mu);  // attempts in flight
+  // Attempts whose gRPC completion has not yet handed its call over to `io`. The destructor waits
+  // for them: a completion of a cancelled call comes on a gRPC thread after TryCancel, and would
+  // otherwise post to `io` after the client (and perhaps `io`, which need outlive only the client)
+  // was gone.
+  size_t completing GUARDED_BY(mu) = 0;
+  std::condition_variable_any completed;
 
   // io thread only.
   std::set<std::shared_ptr<IoWait>> io_waits;  // calls in a backoff or a TCP probe
@@ -179,7 +185,10 @@ class UnaryCall final : public IoWait, public std::enable_shared_from_this<Unary
     {
       ddprun::MutexLock lock(impl_->mu);
       cancelled = impl_->closed || impl_->epoch != epoch_;
-      if (!cancelled) impl_->contexts.insert(ctx_.get());
+      if (!cancelled) {
+        impl_->contexts.insert(ctx_.get());
+        ++impl_->completing;
+      }
     }
     if (cancelled) return complete(cancelledStatus());
     response_ = Resp();
@@ -187,15 +196,19 @@ class UnaryCall final : public IoWait, public std::enable_shared_from_this<Unary
     // The completion only posts back to the io thread, handing over its reference: the call (and
     // with the last one the channel) is never destroyed on a gRPC thread.
     start_(impl_->stub.get(), ctx_.get(), &response_, [self](grpc::Status status) mutable {
-      Impl* impl = self->impl_.get();
+      const std::shared_ptr<Impl> impl = self->impl_;
       {
         ddprun::MutexLock lock(impl->mu);
         impl->contexts.erase(self->ctx_.get());
       }
-      boost::asio::io_context& io = impl->io;
-      boost::asio::post(io, [self = std::move(self), status = std::move(status)] {
+      boost::asio::post(impl->io, [self = std::move(self), status = std::move(status)] {
         self->onAttemptDone(status);
       });
+      {
+        ddprun::MutexLock lock(impl->mu);
+        --impl->completing;
+      }
+      impl->completed.notify_all();
     });
   }
 
@@ -334,6 +347,9 @@ AsyncClient::~AsyncClient() {
     for (grpc::ClientContext* ctx : impl_->contexts) ctx->TryCancel();
   }
   impl_->cancelIoWaits();
+  // The cancelled attempts' completions come promptly; none posts to `io` once this returns.
+  ddprun::MutexLock lock(impl_->mu);
+  while (impl_->completing > 0) impl_->completed.wait(impl_->mu);
 }
 
 void AsyncClient::cancelAll() { impl_->cancelAll(); }

@@ -21,6 +21,12 @@ inline constexpr bool kAddressSanitizer = false;
 inline constexpr bool kAddressSanitizer = false;
 #endif
 
+// A test that leaves its own process no free descriptor (to see what code does out of them) cannot
+// run under UBSan: its vptr check probes memory through a pipe, which then fails, and reports
+// "object has invalid vptr" in whatever logs meanwhile (fmt's buffer). The sanitizer leg builds
+// ASan and UBSan together, so this says it.
+inline constexpr bool kNoDescriptorsToSpare = kAddressSanitizer;
+
 // ASAN_OPTIONS for a process whose resident memory a test bounds: the environment's, with the
 // quarantine held to `mb` MiB (a use after free older than that goes unseen in it). Empty where
 // this build has no ASan.

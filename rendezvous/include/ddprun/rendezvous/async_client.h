@@ -19,8 +19,9 @@
 // run there, one at a time. A Watch's on_change is posted to `io` as well. No thread of its own
 // (Asio may resolve a host name on its internal resolver thread for the TLS probe).
 // Lifetime: `io` must outlive the client. The destructor (and cancelAll) cancels the calls in
-// flight; after the destructor returned no callback of this client runs (it may be destroyed from
-// inside one of its callbacks). Destroy every Watch before its client.
+// flight; after the destructor returned no callback of this client runs and nothing more is posted
+// to `io` (it waits for the cancelled calls' completions, which come promptly on gRPC's threads);
+// it may be destroyed from inside one of its callbacks. Destroy every Watch before its client.
 #pragma once
 
 #include <boost/asio/io_context.hpp>
