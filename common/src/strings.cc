@@ -136,4 +136,10 @@ std::map<std::string, std::string> environmentMap() {
   return env;
 }
 
+std::string hostOfGrpcPeer(const std::string& peer) {
+  const auto colon = peer.rfind(':');
+  const auto kind = peer.find(':');
+  return colon == std::string::npos || colon == kind ? peer : peer.substr(0, colon);
+}
+
 }  // namespace ddprun

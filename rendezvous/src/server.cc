@@ -30,14 +30,6 @@ using CallId = RendezvousState::CallId;
 
 namespace {
 
-// The host of a gRPC peer ("ipv4:10.0.0.1:5555" -> "ipv4:10.0.0.1", "ipv6:[::1]:5555" ->
-// "ipv6:[::1]"): what the per-host stream bound counts by.
-std::string hostOfPeer(const std::string& peer) {
-  const auto colon = peer.rfind(':');
-  const auto kind = peer.find(':');
-  return colon == std::string::npos || colon == kind ? peer : peer.substr(0, colon);
-}
-
 // A long Join: finished by the io thread when the round completes, or on cancellation.
 class JoinReactor final : public grpc::ServerUnaryReactor {
  public:
@@ -129,7 +121,7 @@ struct RendezvousServer::Impl {
   // Counts a long call (Watch, Join, KvWait, GetMaster) of `peer` against max_streams_per_peer,
   // and against max_streams_per_host for its host.
   Status admitStream(const std::string& peer) {
-    const std::string host = hostOfPeer(peer);
+    const std::string host = hostOfGrpcPeer(peer);
     PeerStreams& h = streams_by_host[host];
     if (h.open >= options.max_streams_per_host) {
       if (!h.warned) {  // once per host
@@ -167,7 +159,7 @@ struct RendezvousServer::Impl {
     auto it = streams_by_peer.find(peer);
     if (it == streams_by_peer.end()) return;
     if (--it->second.open == 0) streams_by_peer.erase(it);
-    auto host = streams_by_host.find(hostOfPeer(peer));
+    auto host = streams_by_host.find(hostOfGrpcPeer(peer));
     if (host != streams_by_host.end() && --host->second.open == 0) streams_by_host.erase(host);
   }
 
@@ -389,7 +381,7 @@ struct RendezvousServer::Impl {
     bool warned = false;  // a refusal of this peer was logged
   };
   std::unordered_map<std::string, PeerStreams> streams_by_peer;  // admitStream / releaseStream
-  std::unordered_map<std::string, PeerStreams> streams_by_host;  // by hostOfPeer(peer)
+  std::unordered_map<std::string, PeerStreams> streams_by_host;  // by hostOfGrpcPeer(peer)
 
   mutable ddprun::Mutex census_mu;
   StateCensus census GUARDED_BY(census_mu);  // refreshed by every flush()

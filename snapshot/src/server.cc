@@ -86,14 +86,6 @@ class ChunkBuffers {
 
 }  // namespace
 
-// The address of a call's peer without its port ("ipv4:10.0.0.7:41234" -> "ipv4:10.0.0.7"):
-// what the server's per-peer bounds and throttled warnings count by.
-std::string peerAddress(const std::string& peer) {
-  const auto colon = peer.rfind(':');
-  const auto kind = peer.find(':');
-  return colon == std::string::npos || colon == kind ? peer : peer.substr(0, colon);
-}
-
 struct SnapshotServer::Impl {
   SnapshotServerOptions options;
   std::unique_ptr<grpc::Service> service;
@@ -139,7 +131,7 @@ struct SnapshotServer::Impl {
       auto it = md.find("authorization");
       if (it == md.end() ||
           !sameSecret(std::string(it->second.data(), it->second.size()), "Bearer " + token)) {
-        const std::string peer = peerAddress(ctx->peer());
+        const std::string peer = hostOfGrpcPeer(ctx->peer());
         const char* why = it == md.end() ? "missing" : "wrong";
         std::optional<uint64_t> n;
         {
@@ -384,7 +376,7 @@ class ReplicationService final : public ServiceBase {
     }
     Status st = impl_->authorize(ctx, req.run_id());
     if (!st.isOk()) return new FailedStream(st);
-    std::string peer = peerAddress(ctx->peer());
+    std::string peer = hostOfGrpcPeer(ctx->peer());
     st = impl_->admit(peer);
     if (!st.isOk()) return new FailedStream(st);
     // From here the stream counts against `peer` until a FetchStream's OnDone (or just below).

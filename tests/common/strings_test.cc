@@ -43,3 +43,10 @@ TEST_CASE("escapeControl writes control bytes as escapes and keeps everything el
         "a\\nb\\rc\\td\\x1b[31m\\x7f\\x00e");
   CHECK(escapeControl(escapeControl("x\ny")) == "x\\ny");  // idempotent
 }
+
+TEST_CASE("a gRPC peer's host is its address without the port", "[common]") {
+  CHECK(hostOfGrpcPeer("ipv4:10.0.0.7:41234") == "ipv4:10.0.0.7");
+  CHECK(hostOfGrpcPeer("ipv6:[::1]:5555") == "ipv6:[::1]");
+  CHECK(hostOfGrpcPeer("unix:/tmp/sock") == "unix:/tmp/sock");
+  CHECK(hostOfGrpcPeer("nonsense") == "nonsense");
+}

@@ -796,6 +796,36 @@ int portOf(const std::string& endpoint) {
   return std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
 }
 
+// Opens `n` raw connections to the daemon at `endpoint` into `held`; how many it answered.
+size_t holdConnections(const std::string& endpoint, int n,
+                       std::vector<std::unique_ptr<ddprun::testing::RawConnection>>& held) {
+  size_t answered = 0;
+  for (int i = 0; i < n; ++i) {
+    held.push_back(std::make_unique<ddprun::testing::RawConnection>("127.0.0.1", portOf(endpoint)));
+    REQUIRE(held.back()->fd() >= 0);
+    if (held.back()->answered(2000)) ++answered;
+  }
+  return answered;
+}
+
+// A node joins a run of its own at `endpoint` (the daemon still listens), then the daemon is
+// stopped with SIGTERM and exits 0; returns all it wrote.
+std::string joinThenStop(pid_t pid, FILE* out, const std::string& endpoint,
+                         const std::string& run) {
+  ClientOptions options;
+  options.endpoint = endpoint;
+  options.retry_timeout = 20s;
+  {
+    Client client(options);
+    CHECK(client.join(joinRequest(run, 1, 1)).isOk());
+  }
+  kill(pid, SIGTERM);
+  CHECK(waitExit(pid) == 0);
+  const std::string log = readAll(out);
+  fclose(out);
+  return log;
+}
+
 // gRPC 1.51 stops accepting for good once accept4() fails with EMFILE (grpc/grpc#20418). The
 // daemon's accept guard refuses connections once it has fewer descriptors left than it keeps (and
 // closes pending ones when it is out of them: accept_guard_test.cc), and keeps listening.
@@ -806,26 +836,12 @@ TEST_CASE("a daemon short of file descriptors refuses connections and serves aga
   const std::string endpoint = daemonEndpoint(out);
   REQUIRE(!endpoint.empty());
   std::vector<std::unique_ptr<ddprun::testing::RawConnection>> held;
-  size_t answered = 0;
-  for (int i = 0; i < 100; ++i) {
-    held.push_back(std::make_unique<ddprun::testing::RawConnection>("127.0.0.1", portOf(endpoint)));
-    REQUIRE(held.back()->fd() >= 0);
-    if (held.back()->answered(2000)) ++answered;
-  }
+  const size_t answered = holdConnections(endpoint, 100, held);
   CHECK(answered > 0);
   CHECK(answered < 32);  // the rest were closed, not left pending
   held.clear();
   // Listening still: a node joins.
-  ClientOptions options;
-  options.endpoint = endpoint;
-  options.retry_timeout = 20s;
-  Client client(options);
-  auto joined = client.join(joinRequest("after-emfile", 1, 1));
-  CHECK(joined.isOk());
-  kill(pid, SIGTERM);
-  CHECK(waitExit(pid) == 0);
-  const std::string log = readAll(out);
-  fclose(out);
+  const std::string log = joinThenStop(pid, out, endpoint, "after-emfile");
   INFO(log);
   CHECK(log.find("[ddprun net] warning: refused a connection from 127.0.0.1: its descriptor would "
                  "be number ") != std::string::npos);
@@ -844,27 +860,13 @@ TEST_CASE("a host past --max-connections-per-peer is refused its next connection
   REQUIRE(!endpoint.empty());
   {
     std::vector<std::unique_ptr<ddprun::testing::RawConnection>> held;
-    size_t answered = 0;
-    for (int i = 0; i < 20; ++i) {
-      held.push_back(
-          std::make_unique<ddprun::testing::RawConnection>("127.0.0.1", portOf(endpoint)));
-      if (held.back()->answered(2000)) ++answered;
-    }
-    CHECK(answered == 8);
+    CHECK(holdConnections(endpoint, 20, held) == 8);
     // Another host is not held to 127.0.0.1's connections.
     ddprun::testing::RawConnection other("127.0.0.1", portOf(endpoint), "127.0.0.2");
     CHECK(other.answered());
   }
   // Once the 8 closed, 127.0.0.1 connects again: a node joins.
-  ClientOptions options;
-  options.endpoint = endpoint;
-  options.retry_timeout = 20s;
-  Client client(options);
-  CHECK(client.join(joinRequest("after-cap", 1, 1)).isOk());
-  kill(pid, SIGTERM);
-  CHECK(waitExit(pid) == 0);
-  const std::string log = readAll(out);
-  fclose(out);
+  const std::string log = joinThenStop(pid, out, endpoint, "after-cap");
   INFO(log);
   CHECK(log.find("[ddprun net] warning: refused a connection from 127.0.0.1: it holds 8 "
                  "connections to this process's servers, the most one host may "

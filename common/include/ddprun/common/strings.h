@@ -37,6 +37,9 @@ bool hasControlByte(std::string_view s);
 // escapeControl does, and when it was longer "... (N bytes)" after them. A log line that quotes
 // it stays one line of bounded length whatever the peer sent.
 std::string quotePeerText(std::string_view s, size_t max_bytes = 200);
+// The host of a gRPC peer string, its port cut ("ipv4:10.0.0.7:41234" -> "ipv4:10.0.0.7",
+// "ipv6:[::1]:5555" -> "ipv6:[::1]"): what the servers' per-host bounds and warnings count by.
+std::string hostOfGrpcPeer(const std::string& peer);
 
 // This process's environment ("NAME=value" of environ) as a map.
 std::map<std::string, std::string> environmentMap();
