@@ -616,12 +616,29 @@ TEST_CASE("a worker whose guardian is stopped still ends the agent, the guardian
   // exited (still alive after 700 s).
   TempDir state;
   const std::string go = state / "go";
-  Process p(withWorker({"--standalone", "--nproc-per-node=1", "--max-restarts=0"},
-                       {"--wait-for", go, "--exit-code", "3", "--state-dir", state.path()}));
+  Process p(
+      withWorker({"--standalone", "--nproc-per-node=1", "--max-restarts=0", "--metrics-port=0"},
+                 {"--wait-for", go, "--exit-code", "3", "--state-dir", state.path()}));
   REQUIRE(waitUntil([&] { return fileExists(state / "pid.0.0"); }));
   // The agent has the guardian's report that it started the worker (stopped before it sent it,
-  // the guardian would be killed as one that never started its worker).
-  REQUIRE(waitUntil([&] { return p.err().find("started 1 worker(s)") != std::string::npos; }));
+  // the guardian would be killed as one that never started its worker): the agent waits for it on
+  // its loop, so an answer of its metrics endpoint, served there too, comes after it.
+  std::string metrics_port;
+  REQUIRE(waitUntil([&] {
+    const std::string err = p.err();
+    std::smatch m;
+    if (!std::regex_search(err, m, std::regex(R"(metrics on http://[^:]+:(\d+)/metrics)"))) {
+      return false;
+    }
+    metrics_port = m[1];
+    return true;
+  }));
+  REQUIRE(startsWith(run({"bash", "-c",
+                          "exec 3<>/dev/tcp/127.0.0.1/" + metrics_port +
+                              " 2>/dev/null || exit 1; printf 'GET /healthz HTTP/1.0\\r\\n\\r\\n' "
+                              ">&3; head -c 15 <&3"})
+                         .out,
+                     "HTTP/1.0 200 OK"));
   std::vector<int> guardians;
   REQUIRE(waitUntil([&] {
     guardians.clear();
