@@ -1,8 +1,6 @@
 // ddprun-rendezvous: the standalone rendezvous daemon. Thin: flags, then RendezvousServer.
 //   ddprun-rendezvous --listen HOST:PORT [--token-file F] [--tls-cert F --tls-key F]
 //                     [--closed-run-ttl SECONDS] [--idle-run-ttl SECONDS] [quota flags]
-#include <sys/resource.h>
-
 #include <cerrno>
 #include <cmath>
 #include <csignal>
@@ -15,6 +13,7 @@
 #include <tuple>
 
 #include "ddprun/common/log.h"
+#include "ddprun/common/open_files.h"
 #include "ddprun/common/strings.h"
 #include "ddprun/rendezvous/accept_guard.h"
 #include "ddprun/rendezvous/protobuf_log.h"
@@ -84,19 +83,6 @@ std::optional<size_t> parseQuota(const std::string& text) {
   const unsigned long long v = std::strtoull(text.c_str(), nullptr, 10);
   if (v == 0 || v > (1ull << 40)) return std::nullopt;
   return static_cast<size_t>(v);
-}
-
-// Every client connection holds a descriptor: the soft limit goes up to the hard one (a peer
-// past it is still refused, and the server keeps listening: accept_guard.h).
-void raiseDescriptorLimit() {
-  rlimit lim{};
-  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= lim.rlim_max) return;
-  const rlim_t was = lim.rlim_cur;
-  lim.rlim_cur = lim.rlim_max;
-  if (::setrlimit(RLIMIT_NOFILE, &lim) == 0) {
-    ddprun::logger("rendezvous")
-        ->debug("file descriptor limit raised from {} to {}", was, lim.rlim_cur);
-  }
 }
 
 }  // namespace
@@ -206,7 +192,9 @@ int main(int argc, char** argv) {
             "this build's accept guard is not in use: running out of file "
             "descriptors stops the server from listening (gRPC 1.51)");
   }
-  raiseDescriptorLimit();
+  // Every client connection holds a descriptor: the soft limit goes up to the hard one (a peer
+  // past it is still refused, and the server keeps listening: accept_guard.h).
+  logger("rendezvous")->debug("up to {} open files", raiseOpenFileLimit());
 
   // Block the stop signals before any thread starts, so only sigwait below receives them.
   sigset_t stop_signals;

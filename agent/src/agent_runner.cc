@@ -17,6 +17,7 @@
 #include "ddprun/common/control_protocol.h"
 #include "ddprun/common/log.h"
 #include "ddprun/common/log_throttle.h"
+#include "ddprun/common/open_files.h"
 #include "ddprun/common/strings.h"
 #include "files.h"
 #include "host_identity.h"
@@ -87,7 +88,8 @@ StatusOr<NodeSetup> prepareNode(const AgentConfig& cfg) {
   // Before gRPC's threads exist (see the function).
   if (!cfg.snapshot_dir.empty()) {
     snapshot::tuneAllocatorForTransfers();
-    logger("agent")->debug("snapshot dir: up to {} open files", snapshot::raiseOpenFileLimit());
+    // One open descriptor per replicated file name (its current version, served from that inode).
+    logger("agent")->debug("snapshot dir: up to {} open files", raiseOpenFileLimit());
   }
   return node;
 }

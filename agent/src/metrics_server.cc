@@ -71,11 +71,7 @@ MetricsServer::~MetricsServer() {
 void MetricsServer::warn(const std::string& key, const std::string& text) {
   const auto n = log_throttle_.note(key, std::chrono::steady_clock::now());
   if (!n) return;
-  logger("agent")->warn("metrics endpoint: {}{}", text,
-                        *n > 1 ? " (" + std::to_string(*n) +
-                                     " times since the last such line; logged at most once a "
-                                     "minute)"
-                               : std::string());
+  logger("agent")->warn("metrics endpoint: {}", withCount(text, *n));
 }
 
 void MetricsServer::accept() {

@@ -390,11 +390,7 @@ void UnixControlServer::warnRefused(const std::string& key, const std::string& w
   loop_.check();
   const auto n = refused_log_.note(key, std::chrono::steady_clock::now());
   if (!n) return;
-  if (*n == 1) {
-    logger("agent")->warn("{}", what);
-  } else {
-    logger("agent")->warn("{} ({} times since the last such line)", what, *n);
-  }
+  logger("agent")->warn("{}", withCount(what, *n));
 }
 
 }  // namespace ddprun::agent

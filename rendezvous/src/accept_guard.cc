@@ -7,7 +7,6 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -18,6 +17,7 @@
 
 #include "ddprun/common/log.h"
 #include "ddprun/common/log_throttle.h"
+#include "ddprun/common/open_files.h"
 #include "ddprun/common/thread_annotations.h"
 #include "ddprun/rendezvous/peer_connections.h"
 
@@ -93,10 +93,7 @@ void warnThrottled(Guard& g, const std::string& key, const std::string& text) {
     n = g.log.note(key, std::chrono::steady_clock::now());
   }
   if (!n) return;
-  logger("net")->warn("{}{}", text,
-                      *n > 1 ? " (" + std::to_string(*n) +
-                                   " such since the last such line; logged at most once a minute)"
-                             : std::string());
+  logger("net")->warn("{}", withCount(text, *n));
 }
 
 // Out of descriptors: takes one pending connection off `listener` through the reserve and closes
@@ -114,13 +111,6 @@ bool dropOnePending(Guard& g, int listener) {
   if (c >= 0) ::close(c);
   g.reserve = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   return c >= 0;
-}
-
-// The soft descriptor limit (0: none known).
-size_t descriptorLimit() {
-  rlimit lim{};
-  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return 0;
-  return static_cast<size_t>(lim.rlim_cur);
 }
 
 int guardedAccept(int listener, sockaddr* addr, socklen_t* len, int flags) {
@@ -143,14 +133,14 @@ int guardedAccept(int listener, sockaddr* addr, socklen_t* len, int flags) {
       }
       warnThrottled(g, "out of descriptors",
                     std::string("out of file descriptors (") + std::strerror(err) + ", limit " +
-                        std::to_string(descriptorLimit()) +
+                        std::to_string(openFileLimit()) +
                         "): closed a pending connection so that the server keeps listening; "
                         "raise the limit (ulimit -n), or find the peers that hold the "
                         "connections (ss -tn)");
       continue;
     }
     auto peer = peerOf(own);
-    const size_t limit = descriptorLimit();
+    const size_t limit = static_cast<size_t>(openFileLimit());
     if (peer && limit != 0 && leavesTooFewDescriptors(c, limit)) {
       ::close(c);
       warnThrottled(g, "few descriptors",

@@ -118,42 +118,46 @@ struct RendezvousServer::Impl {
     bool overflowed = false;  // fell max_watch_queue changes behind: end it, queue dropped
   };
 
+  // A connection's (or a host's) open Watch streams plus pending waits.
+  struct PeerStreams {
+    size_t open = 0;
+    bool warned = false;  // a refusal was logged
+  };
+
   // Counts a long call (Watch, Join, KvWait, GetMaster) of `peer` against max_streams_per_peer,
   // and against max_streams_per_host for its host.
   Status admitStream(const std::string& peer) {
     const std::string host = hostOfGrpcPeer(peer);
     PeerStreams& h = streams_by_host[host];
-    if (h.open >= options.max_streams_per_host) {
-      if (!h.warned) {  // once per host
-        h.warned = true;
-        logger("rendezvous")
-            ->warn("host {} holds {} streams and waits: refusing more (max-streams-per-host)", host,
-                   h.open);
-      }
-      return Status(StatusCode::kResourceExhausted,
-                    "this client's host already holds " + std::to_string(h.open) +
-                        " watch streams, joins and waits: max-streams-per-host = " +
-                        std::to_string(options.max_streams_per_host) +
-                        " (ddprun-rendezvous --max-streams-per-host)");
+    if (Status st = refuseBeyond(h, options.max_streams_per_host, "host " + host,
+                                 "this client's host", "max-streams-per-host");
+        !st.isOk()) {
+      return st;
     }
     PeerStreams& p = streams_by_peer[peer];
-    const size_t n = p.open;
-    if (n >= options.max_streams_per_peer) {
-      if (!p.warned) {  // once per peer, not once per refused call
-        p.warned = true;
-        logger("rendezvous")
-            ->warn("peer {} holds {} streams and waits: refusing more (max-streams-per-peer)", peer,
-                   n);
-      }
-      return Status(StatusCode::kResourceExhausted,
-                    "this connection already holds " + std::to_string(n) +
-                        " watch streams, joins and waits: max-streams-per-peer = " +
-                        std::to_string(options.max_streams_per_peer) +
-                        " (ddprun-rendezvous --max-streams-per-peer)");
+    if (Status st = refuseBeyond(p, options.max_streams_per_peer, "peer " + peer, "this connection",
+                                 "max-streams-per-peer");
+        !st.isOk()) {
+      return st;
     }
     ++p.open;
     ++h.open;
     return Status::ok();
+  }
+  // RESOURCE_EXHAUSTED naming `flag` when `s` holds `bound` streams (logged once per holder, not
+  // once per refused call); ok otherwise.
+  static Status refuseBeyond(PeerStreams& s, size_t bound, const std::string& who_logged,
+                             const std::string& who, const std::string& flag) {
+    if (s.open < bound) return Status::ok();
+    if (!s.warned) {
+      s.warned = true;
+      logger("rendezvous")
+          ->warn("{} holds {} streams and waits: refusing more ({})", who_logged, s.open, flag);
+    }
+    return Status(StatusCode::kResourceExhausted, who + " already holds " + std::to_string(s.open) +
+                                                      " watch streams, joins and waits: " + flag +
+                                                      " = " + std::to_string(bound) +
+                                                      " (ddprun-rendezvous --" + flag + ")");
   }
   void releaseStream(const std::string& peer) {
     auto it = streams_by_peer.find(peer);
@@ -376,10 +380,6 @@ struct RendezvousServer::Impl {
   std::unordered_map<CallId, PendingWait> waits;
   std::unordered_map<CallId, WatchSession> watches;
   std::unordered_map<std::string, std::set<CallId>> watchers_by_run;
-  struct PeerStreams {
-    size_t open = 0;      // open Watch streams plus pending waits
-    bool warned = false;  // a refusal of this peer was logged
-  };
   std::unordered_map<std::string, PeerStreams> streams_by_peer;  // admitStream / releaseStream
   std::unordered_map<std::string, PeerStreams> streams_by_host;  // by hostOfGrpcPeer(peer)
 

@@ -1,7 +1,6 @@
 #include "jobs.h"
 
 #include <fcntl.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,6 +8,7 @@
 #include <cstring>
 #include <thread>
 
+#include "ddprun/common/open_files.h"
 #include "files.h"
 #include "holdings.h"
 #include "log.h"
@@ -21,10 +21,8 @@ namespace {
 std::string cannotOpen(const std::string& path, int err) {
   std::string out = "cannot open " + path + ": " + std::strerror(err);
   if (err == EMFILE || err == ENFILE) {
-    struct rlimit lim {};
-    ::getrlimit(RLIMIT_NOFILE, &lim);
     out += " (the agent keeps one open file per replicated name; its limit is " +
-           std::to_string(lim.rlim_cur) + ": raise the hard limit, ulimit -Hn)";
+           std::to_string(openFileLimit()) + ": raise the hard limit, ulimit -Hn)";
   }
   return out;
 }

@@ -4,7 +4,6 @@
 #include "ddprun/snapshot/replicator.h"
 
 #include <fcntl.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -102,17 +101,6 @@ StatusOr<size_t> parseSnapshotStreams(const std::string& text) {
                            "' is not a whole number from 1 to 16 (streams for one large fetch)");
   }
   return static_cast<size_t>(*n);
-}
-
-uint64_t raiseOpenFileLimit() {
-  struct rlimit lim {};
-  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return 0;
-  if (lim.rlim_cur < lim.rlim_max) {
-    struct rlimit raised = lim;
-    raised.rlim_cur = lim.rlim_max;
-    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
-  }
-  return static_cast<uint64_t>(lim.rlim_cur);
 }
 
 // Everything the replicator is made of. Loop-only but for what the pool and the server touch

@@ -46,3 +46,8 @@ TEST_CASE("a peer's text is escaped and cut to a bounded length", "[common]") {
   CHECK(quotePeerText(big, 10) == "xxxxxxxxxx... (100000 bytes)");
   CHECK(quotePeerText(big).size() < 230);
 }
+
+TEST_CASE("a throttled line counts the events from the second on", "[common]") {
+  CHECK(withCount("refused", 1) == "refused");
+  CHECK(withCount("refused", 7) == "refused (7 times since the last such line)");
+}

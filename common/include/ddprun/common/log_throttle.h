@@ -65,4 +65,9 @@ class LogThrottle {
   std::map<std::string, Entry> keys_;
 };
 
+// The line for `n` events note() reported: `what`, and from the second on how many there were.
+inline std::string withCount(const std::string& what, uint64_t n) {
+  return n > 1 ? what + " (" + std::to_string(n) + " times since the last such line)" : what;
+}
+
 }  // namespace ddprun

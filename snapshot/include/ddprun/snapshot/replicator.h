@@ -73,11 +73,6 @@ StatusOr<ServeFault> parseSnapshotFault(const std::string& text);
 // DDPRUN_SNAPSHOT_STREAMS=N: at most N streams at once for one large fetch (1-16; empty: the
 // default); INVALID_ARGUMENT naming the variable otherwise.
 StatusOr<size_t> parseSnapshotStreams(const std::string& text);
-// The agent keeps one open descriptor per replicated file name (its current version, served
-// from that inode): the soft limit on open files is raised to the hard one. Workers inherit it;
-// a program that kept under the old limit sees no descriptor numbers it did not see before.
-// Returns the soft limit in force.
-uint64_t raiseOpenFileLimit();
 // Removes the temp files that writers killed mid-write left under `dir` (at any depth, no
 // symlink followed): "<name>.tmp.<pid>.<number>", as the worker SDK's atomic writes name them,
 // whose process <pid> is gone. The relative paths removed. The agent calls it when a job ends
