@@ -5,8 +5,10 @@
 
 #include <ATen/autocast_mode.h>
 #include <sys/wait.h>
+#include <torch/version.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -267,6 +269,71 @@ TEST_CASE("autocast guards nest and restore what was there", "[worker][amp]") {
   CHECK(parseAmp("fp16") == Amp::kFp16);
   CHECK(ampName(Amp::kBf16) == "bf16");
   CHECK_THROWS_WITH(parseAmp("fp8"), Catch::Contains("must be none, bf16 or fp16, got 'fp8'"));
+}
+
+namespace {
+
+// The bits of `t` (NaN payloads and signed zeros included), as integers of its width.
+torch::Tensor bitsOf(const torch::Tensor& t) {
+  switch (t.element_size()) {
+    case 2:
+      return t.view(torch::kInt16);
+    case 4:
+      return t.view(torch::kInt32);
+    default:
+      return t.view(torch::kInt64);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("unscaleGradients gives mul_'s bits in every dtype and finds inf and NaN in any of them",
+          "[worker][amp]") {
+  INFO("the fused kernel on the CPU: " << fusedUnscaleAvailable(at::kCPU));
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  CHECK(fusedUnscaleAvailable(at::kCPU));  // what torch.amp.GradScaler uses there too
+#endif
+  const float inv_scale = static_cast<float>(1.0 / 65536.0 * 3.0);  // not a power of 2: rounds
+  for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kHalf, torch::kBFloat16}) {
+    for (const float bad : {0.0f, INFINITY, -INFINITY, NAN}) {
+      INFO("dtype " << dtype << ", a gradient holding " << bad);
+      torch::manual_seed(7);
+      std::vector<torch::Tensor> params;
+      // Sizes around the kernels' vector widths, a non-contiguous gradient, and one without any.
+      for (const int64_t n : {1, 7, 64, 1000}) {
+        auto p = torch::zeros({n}, torch::TensorOptions().dtype(dtype));
+        p.mutable_grad() = (torch::randn({n}) * 1000).to(dtype);
+        params.push_back(p);
+      }
+      auto strided = torch::zeros({6, 4}, torch::TensorOptions().dtype(dtype));
+      strided.mutable_grad() = (torch::randn({4, 6}) * 1000).to(dtype).t();
+      params.push_back(strided);
+      params.push_back(torch::zeros({3}, torch::TensorOptions().dtype(dtype)));
+      if (bad != 0.0f) params[2].mutable_grad()[5] = bad;
+      std::vector<torch::Tensor> expected;
+      for (const auto& p : params)
+        expected.push_back(p.grad().defined() ? p.grad().clone().mul_(inv_scale) : torch::Tensor());
+      CHECK(unscaleGradients(params, inv_scale) == (bad != 0.0f));
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (!expected[i].defined()) {
+          CHECK_FALSE(params[i].grad().defined());
+          continue;
+        }
+        CHECK(
+            torch::equal(bitsOf(params[i].grad().contiguous()), bitsOf(expected[i].contiguous())));
+      }
+    }
+  }
+  CHECK_FALSE(unscaleGradients({}, inv_scale));
+  // Gradients of two dtypes at once: an inf in either is found.
+  auto a = torch::zeros({4});
+  a.mutable_grad() = torch::ones({4});
+  auto b = torch::zeros({4}, torch::TensorOptions().dtype(torch::kHalf));
+  b.mutable_grad() = torch::ones({4}, torch::TensorOptions().dtype(torch::kHalf));
+  b.mutable_grad()[1] = INFINITY;
+  CHECK(unscaleGradients({a, b}, 0.5f));
+  CHECK(a.grad()[0].item<float>() == 0.5f);
+  CHECK_FALSE(unscaleGradients({a}, 0.5f));
 }
 
 TEST_CASE("a temp file of a snapshot write killed in an earlier attempt is gone when training ends",

@@ -2,7 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/version.h>
+
+#include <algorithm>
 
 #include "ddprun/worker/errors.h"
 
@@ -106,17 +109,62 @@ void checkAmpSupported(at::DeviceType device, Amp amp) {
   }
 }
 
+bool fusedUnscaleAvailable(at::DeviceType device) {
+  // LibTorch has the kernel for CUDA since 1.6, for the CPU since 2.3 (Debian's 1.13 has none).
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(
+      "aten::_amp_foreach_non_finite_check_and_unscale_", "");
+  if (device == at::kCUDA) return op.hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+  if (device == at::kCPU) return op.hasKernelForDispatchKey(c10::DispatchKey::CPU);
+  return false;
+}
+
 bool unscaleGradients(const std::vector<at::Tensor>& params, float inv_scale) {
-  at::Tensor found;
+  at::NoGradGuard no_grad;
+  // As torch.amp.GradScaler: one fused kernel per device and dtype multiplies and checks every
+  // gradient of its list (over CUDA, 5 small kernels per parameter otherwise). Its product is
+  // mul_'s (the scale as a float, the half types computed in float): both paths give the same bits.
+  struct Group {
+    at::Device device;
+    at::ScalarType dtype;
+    std::vector<at::Tensor> grads;
+  };
+  std::vector<Group> fused;
+  std::vector<at::Tensor> verdicts;
   for (const auto& p : params) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
-    at::NoGradGuard no_grad;
+    if (g.layout() == at::kStrided && fusedUnscaleAvailable(g.device().type())) {
+      auto it = std::find_if(fused.begin(), fused.end(), [&](const Group& group) {
+        return group.device == g.device() && group.dtype == g.scalar_type();
+      });
+      if (it == fused.end()) it = fused.insert(fused.end(), Group{g.device(), g.scalar_type(), {}});
+      it->grads.push_back(g);
+      continue;
+    }
     g.mul_(inv_scale);
-    const at::Tensor bad = g.isfinite().logical_not().any();
-    found = found.defined() ? found.logical_or(bad) : bad;
+    verdicts.push_back(g.isfinite().logical_not().any());
   }
-  return found.defined() && found.item<bool>();
+  for (auto& group : fused) {
+    const auto opts = at::TensorOptions().dtype(at::kFloat).device(group.device);
+    at::Tensor found_inf = at::zeros({1}, opts);
+    at::_amp_foreach_non_finite_check_and_unscale_(group.grads, found_inf,
+                                                   at::full({1}, inv_scale, opts));
+    verdicts.push_back(found_inf.gt(0).squeeze(0));
+  }
+  // Combined on each device first, so one device costs one host-device synchronisation.
+  std::vector<at::Tensor> per_device;
+  for (const auto& v : verdicts) {
+    auto it = std::find_if(per_device.begin(), per_device.end(),
+                           [&](const at::Tensor& d) { return d.device() == v.device(); });
+    if (it == per_device.end()) {
+      per_device.push_back(v);
+    } else {
+      *it = it->logical_or(v);
+    }
+  }
+  bool any = false;
+  for (const auto& d : per_device) any = d.item<bool>() || any;
+  return any;
 }
 
 }  // namespace ddprun::worker

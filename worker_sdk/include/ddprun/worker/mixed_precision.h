@@ -48,7 +48,13 @@ class AutocastGuard {
 void checkAmpSupported(at::DeviceType device, Amp amp);
 
 // Multiplies every defined gradient of `params` by `inv_scale`, in place; returns whether any was
-// inf or NaN. One host-device synchronisation.
+// inf or NaN. One host-device synchronisation per device the gradients are on. Dense gradients
+// take LibTorch's fused kernel where it has one for their device (fusedUnscaleAvailable), as
+// torch.amp.GradScaler does; the others one operation at a time, with the same result.
 bool unscaleGradients(const std::vector<at::Tensor>& params, float inv_scale);
+
+// Whether this LibTorch has the fused unscale kernel (_amp_foreach_non_finite_check_and_unscale_)
+// for `device`: CUDA always, the CPU from LibTorch 2.3.
+bool fusedUnscaleAvailable(at::DeviceType device);
 
 }  // namespace ddprun::worker
