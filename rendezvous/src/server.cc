@@ -813,6 +813,10 @@ StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::start(ServerOption
   // Without this, Linux gRPC sets SO_REUSEPORT and a second server "binds" a taken port.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(4 << 20);
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             millisForInt(raw->options.handshake_timeout));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                             millisForInt(raw->options.max_connection_idle));
   raw->server = builder.BuildAndStart();
   if ((!raw->server || selected == 0) && !raw->options.tls_cert_pem.empty()) {
     // Tell bad TLS material from a bad address: the same credentials on loopback port 0.

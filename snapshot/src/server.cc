@@ -427,6 +427,10 @@ StatusOr<std::unique_ptr<SnapshotServer>> SnapshotServer::start(SnapshotServerOp
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(1 << 20);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 1 << 20);
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             millisForInt(impl->options.handshake_timeout));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                             millisForInt(impl->options.max_connection_idle));
   impl->server = builder.BuildAndStart();
   if (!impl->server || selected == 0) {
     return unavailable("snapshot replication: cannot listen on " + impl->options.listen +

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <future>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -872,6 +873,48 @@ TEST_CASE("a host past --max-connections-per-peer is refused its next connection
                  "connections to this process's servers, the most one host may "
                  "(ddprun-rendezvous --max-connections-per-peer)") != std::string::npos);
   CHECK(ddprun::testing::countOf(log, "refused a connection") == 1);
+}
+
+TEST_CASE(
+    "a connection that sends nothing, or holds no call, is closed after its bound, one with a "
+    "call in flight is kept, and an idle client's next call connects again",
+    "[rendezvous]") {
+  ServerOptions options;
+  options.handshake_timeout = 1s;
+  options.max_connection_idle = 2s;
+  auto server = startServer(options);
+  const auto start = std::chrono::steady_clock::now();
+  ddprun::testing::RawConnection silent("127.0.0.1", server->port(), "127.0.0.1", true);
+  ddprun::testing::RawConnection idle("127.0.0.1", server->port());
+  REQUIRE(idle.answered());
+  Client client(clientFor(*server));
+  REQUIRE(client.kvSet("idle", "k", "v").isOk());
+  // A KvWait that outlasts both bounds, on a channel of its own.
+  auto channel = grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::Rendezvous::NewStub(channel);
+  grpc::ClientContext ctx;
+  v1::KvWaitRequest request;
+  request.set_run_id("idle");
+  request.add_keys("later");
+  request.set_timeout_s(30);
+  v1::KvWaitResponse response;
+  std::promise<grpc::Status> waited;
+  stub->async()->KvWait(&ctx, &request, &response,
+                        [&waited](grpc::Status st) { waited.set_value(std::move(st)); });
+  CHECK(silent.closedWithin(10000));
+  CHECK(std::chrono::steady_clock::now() - start >= 800ms);  // at its bound, not at once
+  CHECK(idle.closedWithin(10000));
+  CHECK(std::chrono::steady_clock::now() - start >= 1800ms);
+  std::this_thread::sleep_for(1s);
+  CHECK(channel->GetState(false) == GRPC_CHANNEL_READY);  // the waiting call's connection is kept
+  // The client's own connection was idle as long: its next calls connect again.
+  CHECK(client.kvGet("idle", "k").value() == "v");
+  REQUIRE(client.kvSet("idle", "later", "x").isOk());
+  const grpc::Status st = waited.get_future().get();
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  REQUIRE(response.values_size() == 1);
+  CHECK(response.values(0) == "x");
 }
 
 TEST_CASE("a throttled protobuf line says how many like it were not logged", "[rendezvous]") {

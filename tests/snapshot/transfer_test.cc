@@ -21,10 +21,12 @@
 
 #include "ddprun/common/block_cache.h"
 #include "ddprun/snapshot/v1/snapshot.grpc.pb.h"
+#include "raw_grpc.h"
 #include "server_fixture.h"
 
 using namespace ddprun;
 using namespace ddprun::snapshot;
+using namespace std::chrono_literals;
 
 namespace {
 
@@ -304,6 +306,10 @@ TEST_CASE("without a thread to be had, a large file is hashed and copied on the 
   const int fd = ::open((d / "big").c_str(), O_RDONLY | O_CLOEXEC);
   REQUIRE(fd >= 0);
   OpenFile closer(fd);
+  // Blocks the cache keeps from earlier cases are not mapped in a child (MADV_DONTFORK: no child
+  // may touch one): held here over the fork, the child's cache is empty and maps its own.
+  std::vector<CachedBlock> held;
+  while (BlockCache::transfers().cached() > 0) held.emplace_back(BlockCache::transfers());
   const pid_t child = ::fork();
   REQUIRE(child >= 0);
   if (child == 0) {
@@ -436,6 +442,33 @@ TEST_CASE(
   CHECK(h.announced[2].first.moved_from.empty());
   CHECK(h.announced[2].first.moved_from_version == 0);
   CHECK(h.announced[2].first.moved_to == "b/new.pt");
+}
+
+TEST_CASE(
+    "a connection that sends nothing, or holds no call, is closed after its bound, and a peer's "
+    "next fetch connects again",
+    "[snapshot]") {
+  Holder h(1000, "", {}, "", "", 64 * 1024, [](SnapshotServerOptions& o) {
+    o.handshake_timeout = 1s;
+    o.max_connection_idle = 2s;
+  });
+  const auto start = std::chrono::steady_clock::now();
+  ddprun::testing::RawConnection silent("127.0.0.1", h.server->port(), "127.0.0.1", true);
+  ddprun::testing::RawConnection idle("127.0.0.1", h.server->port());
+  REQUIRE(idle.answered());
+  Dir out;
+  REQUIRE(fetchSnapshot(h.peer(), h.served.file, out / ".first", nullptr).isOk());
+  const auto fetched = std::chrono::steady_clock::now();
+  CHECK(silent.closedWithin(10000));
+  CHECK(std::chrono::steady_clock::now() - start >= 800ms);  // at its bound, not at once
+  CHECK(idle.closedWithin(10000));
+  CHECK(std::chrono::steady_clock::now() - start >= 1800ms);
+  // The fetch's channel (kept for the next fetch) has been idle past its bound too.
+  std::this_thread::sleep_until(fetched + 3s);
+  const Status again = fetchSnapshot(h.peer(), h.served.file, out / ".again", nullptr);
+  INFO(again.toString());
+  REQUIRE(again.isOk());
+  CHECK(readAll(out / ".again") == h.content);
 }
 
 TEST_CASE("a version the source does not hold is NOT_FOUND", "[snapshot]") {

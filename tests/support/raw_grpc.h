@@ -43,12 +43,14 @@ inline std::string rawStringField(int number, const std::string& bytes) {
 }
 
 // A TCP connection to a gRPC server that sends HTTP/2's preface and an empty SETTINGS frame, as a
-// client does, and no more: what a peer holding connections open does.
+// client does, and no more: what a peer holding connections open does. With `silent`, it sends
+// nothing at all.
 class RawConnection {
  public:
   // Connects to `host`:`port` from `source` (addresses of 127.0.0.0/8); fd() < 0 when the
   // connection could not be made.
-  RawConnection(const std::string& host, int port, const char* source = "127.0.0.1") {
+  RawConnection(const std::string& host, int port, const char* source = "127.0.0.1",
+                bool silent = false) {
     fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd_ < 0) return;
     sockaddr_in from{};
@@ -65,7 +67,7 @@ class RawConnection {
       return;
     }
     static const char kPreface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\4\0\0\0\0\0";
-    if (::send(fd_, kPreface, sizeof kPreface - 1, MSG_NOSIGNAL) < 0) {
+    if (!silent && ::send(fd_, kPreface, sizeof kPreface - 1, MSG_NOSIGNAL) < 0) {
       ::close(fd_);
       fd_ = -1;
     }
@@ -84,6 +86,21 @@ class RawConnection {
     if (::poll(&p, 1, ms) != 1) return false;
     char buf[256];
     return ::recv(fd_, buf, sizeof buf, 0) > 0;
+  }
+  // Whether the server closed the connection within `ms` (what it sent before, a GOAWAY, is read
+  // and dropped).
+  bool closedWithin(int ms) {
+    if (fd_ < 0) return true;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            deadline - std::chrono::steady_clock::now())
+                            .count();
+      pollfd p{fd_, POLLIN, 0};
+      if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) != 1) return false;
+      char buf[256];
+      if (::recv(fd_, buf, sizeof buf, 0) <= 0) return true;
+    }
   }
 
  private:

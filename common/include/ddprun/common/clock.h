@@ -2,7 +2,10 @@
 // (tests/fakes/fake_clock.h). SteadyClock is the production implementation. Thread-safe.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <limits>
 
 namespace ddprun {
 
@@ -36,6 +39,12 @@ inline Duration seconds(double s) {
   if (!(s > 0)) return Duration::zero();
   if (s > kMaxDurationSeconds) s = kMaxDurationSeconds;
   return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
+}
+
+// `d` in whole milliseconds as an int (gRPC's channel arguments): at least 1, at most INT_MAX.
+inline int millisForInt(Duration d) {
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
+  return static_cast<int>(std::clamp<std::int64_t>(ms, 1, std::numeric_limits<int>::max()));
 }
 
 }  // namespace ddprun

@@ -34,6 +34,12 @@ struct ServerOptions {
   // snapshot (what the client library does on every break), so nothing is lost but the backlog.
   size_t max_watch_queue = 4096;
   RunRetention retention;  // closed_run_ttl / idle_run_ttl: how long runs outlive their use
+  // A connection that has not sent HTTP/2's settings (after TLS's handshake) this long after it
+  // was accepted is closed (gRPC's default: 120 s); so is one that has had no call in flight for
+  // `max_connection_idle` (a GOAWAY: a client's next call connects again; an agent always has its
+  // Watch open). So a peer cannot hold connections open without using them.
+  Duration handshake_timeout = std::chrono::seconds(20);
+  Duration max_connection_idle = std::chrono::minutes(10);
 };
 
 // Why `listen` (HOST:PORT; `host` without IPv6 brackets) cannot be listened on, found by trying:

@@ -214,6 +214,11 @@ struct SnapshotServerOptions {
   int max_streams_per_peer = 16;
   int max_streams = 64;
   uint64_t max_buffered_bytes = uint64_t{64} << 20;
+  // A connection that has not sent HTTP/2's settings (after TLS's handshake) this long after it
+  // was accepted is closed, and so is one without a call in flight for `max_connection_idle` (a
+  // GOAWAY: a peer's next call connects again), as the rendezvous server does.
+  Duration handshake_timeout = std::chrono::seconds(20);
+  Duration max_connection_idle = std::chrono::minutes(10);
   // What this agent holds (or is fetching) of `wanted`'s name and version, if it is that content
   // (its size, and its CRC-32 unless either is pending: what the requester was announced);
   // nullopt: NOT_FOUND. Called on gRPC threads.
