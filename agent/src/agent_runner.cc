@@ -67,8 +67,11 @@ StatusOr<std::string> makeRunLogDir(const AgentConfig& cfg) {
         base_dir, makeTempDir(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "torchelastic_"));
   }
   auto run_dir = makeTempDir(base_dir, cfg.rdzv_id + "_");
-  if (!run_dir.isOk())
-    return Status(run_dir.status().code(), "--log-dir: " + run_dir.status().message());
+  if (!run_dir.isOk()) {
+    // A --log-dir that cannot hold the run's logs is a usage error (exit 2), as --snapshot-dir's.
+    Status st(run_dir.status().code(), "--log-dir: " + run_dir.status().message());
+    return cfg.log_dir.empty() ? st : usageError(st);
+  }
   return run_dir;
 }
 
@@ -306,7 +309,8 @@ Status AgentRun::startMetrics() {
                                            replicator ? &replicator->metrics() : nullptr);
                     },
                     [this] { return !supervisor_->finished() || supervisor_->exitCode() == 0; }));
-  log_->info("metrics on http://{}:{}/metrics", host, metrics_->port());
+  const bool v6 = host.find(':') != std::string::npos;
+  log_->info("metrics on http://{}:{}/metrics", v6 ? "[" + host + "]" : host, metrics_->port());
   return Status::ok();
 }
 

@@ -32,7 +32,9 @@ StatusOr<RendezvousChoice> chooseRendezvous(const AgentConfig& cfg, const std::s
             "--master-port: the static backend needs MASTER_PORT+1 free for the agents' "
             "rendezvous; pick a port below 65535 or give --rdzv-endpoint");
       }
-      out.endpoint = cfg.master_addr + ":" + std::to_string(cfg.master_port + 1);
+      const bool v6 = cfg.master_addr.find(':') != std::string::npos;  // given bare, as torchrun
+      out.endpoint = (v6 ? "[" + cfg.master_addr + "]" : cfg.master_addr) + ":" +
+                     std::to_string(cfg.master_port + 1);
       out.endpoint_note = "the static backend's agents meet on MASTER_PORT+1 = " + out.endpoint +
                           ", which must be free on node 0 and reachable from every node; pick "
                           "another --master-port, or place it with --rdzv-endpoint=HOST:PORT";
@@ -49,6 +51,18 @@ StatusOr<RendezvousChoice> chooseRendezvous(const AgentConfig& cfg, const std::s
     } else {
       out.hosting = conf.is_host == rendezvous::IsHost::kTrue ? Hosting::kMust : Hosting::kNo;
     }
+  }
+  if (out.hosting != Hosting::kNo && !conf.tls_ca_pem.empty() && conf.tls_cert_pem.empty()) {
+    // The agents connect with TLS (tls_ca=), and this one has no certificate to serve it with:
+    // what it hosted would speak plaintext and nobody, itself included, could join.
+    if (out.hosting == Hosting::kMust) {
+      return invalidArgument(
+          "--rdzv-conf tls_ca= makes the agents connect with TLS, and this node hosts the "
+          "rendezvous (" +
+          std::string(static_backend ? "node rank 0 of the static backend" : "is_host=true") +
+          ") without a certificate to serve it: give tls_cert= and tls_key= too");
+    }
+    out.hosting = Hosting::kNo;  // the endpoint on this host is a TLS daemon's (or another's)
   }
   o.run_id = cfg.rdzv_id;
   o.local_addr = local_addr;

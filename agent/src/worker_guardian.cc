@@ -9,12 +9,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstdint>
 #include <cstring>
 #include <ctime>
 #include <initializer_list>
+#include <vector>
 
 namespace ddprun::agent {
 namespace {
@@ -99,13 +101,58 @@ void forEachNumberedEntry(int dir_fd, F f) {
   }
 }
 
-// Calls f(pid) for each child of `self`, from /proc/<pid>/stat (the kernel's per-task children
-// list, CONFIG_PROC_CHILDREN, is not always built in).
-template <typename F>
-void forEachChild(pid_t self, F f) {
+}  // namespace
+
+int childrenListed(pid_t self, pid_t* out, int max) {
+  char path[64];  // "/proc/<self>/task/<self>/children"
+  int len = 0;
+  const auto append = [&](const char* text) {
+    for (; *text != '\0'; ++text) path[len++] = *text;
+  };
+  const auto appendSelf = [&] {
+    char digits[12];
+    int nd = 0;
+    for (int v = self; v > 0; v /= 10) digits[nd++] = static_cast<char>('0' + v % 10);
+    while (nd > 0) path[len++] = digits[--nd];
+  };
+  append("/proc/");
+  appendSelf();
+  append("/task/");
+  appendSelf();
+  append("/children");
+  path[len] = '\0';
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  int count = 0;
+  int value = 0;
+  bool digit = false;
+  char buf[4096];
+  while (count < max) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    for (ssize_t i = 0; i < n && count < max; ++i) {
+      if (buf[i] >= '0' && buf[i] <= '9') {
+        value = value * 10 + (buf[i] - '0');
+        digit = true;
+      } else if (digit) {
+        out[count++] = value;
+        value = 0;
+        digit = false;
+      }
+    }
+  }
+  if (digit && count < max) out[count++] = value;
+  ::close(fd);
+  return count;
+}
+
+int childrenScanned(pid_t self, pid_t* out, int max) {
   const int proc = ::open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (proc < 0) return;
+  if (proc < 0) return 0;
+  int count = 0;
   forEachNumberedEntry(proc, [&](int pid) {
+    if (count >= max) return;
     char path[24];  // "<pid>/stat"
     char digits[12];
     int nd = 0;
@@ -130,10 +177,18 @@ void forEachChild(pid_t self, F f) {
     for (; i < n && stat[i] >= '0' && stat[i] <= '9'; ++i, any = true) {
       ppid = ppid * 10 + (stat[i] - '0');
     }
-    if (any && ppid == self) f(pid);
+    if (any && ppid == self) out[count++] = pid;
   });
   ::close(proc);
+  return count;
 }
+
+int childrenOf(pid_t self, pid_t* out, int max) {
+  const int listed = childrenListed(self, out, max);
+  return listed >= 0 ? listed : childrenScanned(self, out, max);
+}
+
+namespace {
 
 // Closes what exec would close (FD_CLOEXEC) but for `keep`: the guardian never execs, and must
 // not hold the agent's sockets, pipes (another worker's lifeline or tee) or files open for as long
@@ -152,6 +207,41 @@ void closeCloexecFds(std::initializer_list<int> keep) {
   ::close(dir);
 }
 
+// The descriptors a guardian keeps: `keep` (its pipes, the worker's stdout and stderr) and those
+// of `inherited` (the agent's without FD_CLOEXEC when it first spawned: what it was started with)
+// that still lack FD_CLOEXEC. Everything else is closed by ranges (close_range, Linux 5.9), so a
+// guardian's cost does not grow with the agent's descriptors: each one checking every descriptor
+// made N workers' start O(N^2) (2048 of them: 2 million fcntl and close calls). Where the kernel
+// has no close_range, closeCloexecFds does it descriptor by descriptor.
+void closeAllBut(std::initializer_list<int> keep, const int* inherited, int n_inherited) {
+  constexpr int kMaxKept = 256;
+  if (n_inherited + static_cast<int>(keep.size()) > kMaxKept) return closeCloexecFds(keep);
+  int kept[kMaxKept];
+  int n = 0;
+  for (int fd : keep) {
+    if (fd > STDERR_FILENO) kept[n++] = fd;
+  }
+  for (int i = 0; i < n_inherited; ++i) {
+    const int flags = ::fcntl(inherited[i], F_GETFD);
+    if (flags >= 0 && (flags & FD_CLOEXEC) == 0) kept[n++] = inherited[i];
+  }
+  for (int i = 1; i < n; ++i) {  // insertion sort: a handful, and no allocation after fork
+    for (int j = i; j > 0 && kept[j - 1] > kept[j]; --j) {
+      const int t = kept[j];
+      kept[j] = kept[j - 1];
+      kept[j - 1] = t;
+    }
+  }
+  unsigned next = STDERR_FILENO + 1;
+  for (int i = 0; i <= n; ++i) {
+    const unsigned last = i < n ? static_cast<unsigned>(kept[i]) : ~0U;
+    if (last > next && ::close_range(next, last == ~0U ? last : last - 1, 0) != 0) {
+      return closeCloexecFds(keep);  // ENOSYS: an older kernel
+    }
+    if (i < n) next = std::max(next, last + 1);
+  }
+}
+
 void drainSignalfd(int sfd) {
   signalfd_siginfo info[8];
   while (::read(sfd, info, sizeof(info)) > 0) {
@@ -165,12 +255,15 @@ void killDescendants(pid_t self, pid_t keep, int sfd) {
   const int64_t deadline = monotonicMs() + kTeardownBoundMs;
   while (true) {
     int others = 0;
-    forEachChild(self, [&](int pid) {
-      if (pid == keep) return;
+    pid_t children[256];  // more: the next round takes them
+    const int n = childrenOf(self, children, 256);
+    for (int c = 0; c < n; ++c) {
+      const pid_t pid = children[c];
+      if (pid == keep) continue;
       // One we may not signal (it ran a set-user-ID program) is not waited for.
       if (::kill(pid, SIGKILL) == 0 || errno != EPERM) ++others;
       ::waitpid(pid, nullptr, WNOHANG);
-    });
+    }
     if (others == 0 || monotonicMs() >= deadline) return;
     pollfd p{sfd, POLLIN, 0};
     ::poll(&p, 1, 20);  // the next SIGCHLD, or 20 ms
@@ -196,7 +289,7 @@ void writeReport(int fd, const Report& r) {
 }
 
 [[noreturn]] void runGuardian(const GuardedExec& exec, pid_t agent, const Lifeline& lifeline,
-                              int report_fd) {
+                              int report_fd, const std::vector<int>& inherited) {
   ::close(lifeline.write_fd);
   // The agent's handlers must not run here. Every signal stays blocked (the agent blocked them
   // around fork): those the guardian waits for come from a signalfd, and no other one can stop
@@ -212,7 +305,8 @@ void writeReport(int fd, const Report& r) {
   ::prctl(PR_SET_PDEATHSIG, kParentDeathSignal);
   if (::getppid() != agent) ::_exit(0);  // the agent died before prctl: nothing started yet
   if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) failSetup(report_fd, kSetupFailed, errno);
-  closeCloexecFds({lifeline.read_fd, report_fd, exec.stdout_fd, exec.stderr_fd});
+  closeAllBut({lifeline.read_fd, report_fd, exec.stdout_fd, exec.stderr_fd}, inherited.data(),
+              static_cast<int>(inherited.size()));
   sigset_t watched;
   sigemptyset(&watched);
   sigaddset(&watched, SIGCHLD);
@@ -302,10 +396,26 @@ void writeReport(int fd, const Report& r) {
   ::_exit(0);
 }
 
+// The agent's descriptors above stderr without FD_CLOEXEC: what it was started with (its own it
+// opens with O_CLOEXEC), for its workers to inherit as they would from torchrun's exec.
+std::vector<int> inheritedFds() {
+  std::vector<int> out;
+  const int dir = ::open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) return out;
+  forEachNumberedEntry(dir, [&](int fd) {
+    if (fd <= STDERR_FILENO || fd == dir) return;
+    const int flags = ::fcntl(fd, F_GETFD);
+    if (flags >= 0 && (flags & FD_CLOEXEC) == 0) out.push_back(fd);
+  });
+  ::close(dir);
+  return out;
+}
+
 }  // namespace
 
 StatusOr<GuardedPids> spawnGuardedWorker(const GuardedExec& exec, int report_within_ms) {
   static const Lifeline lifeline = openLifeline();
+  static const std::vector<int> inherited = inheritedFds();
   if (lifeline.err != 0) {
     return internalError(std::string(lifeline.what) + ": " + std::strerror(lifeline.err));
   }
@@ -322,7 +432,7 @@ StatusOr<GuardedPids> spawnGuardedWorker(const GuardedExec& exec, int report_wit
   const pid_t guardian = ::fork();
   if (guardian == 0) {
     ::close(report[0]);
-    runGuardian(exec, agent, lifeline, report[1]);
+    runGuardian(exec, agent, lifeline, report[1], inherited);
   }
   const int fork_errno = errno;
   ::pthread_sigmask(SIG_SETMASK, &old, nullptr);

@@ -178,9 +178,29 @@ ArgToken errorToken(size_t at, std::string error) {
   return t;
 }
 
-// A value flag whose value is the next argument, if there is one.
+// Whether argparse reads `arg` as an option rather than as a value: it starts with '-' and is not
+// "-", a negative number or a string with a space in it (argparse's _parse_optional). So
+// "--master-addr --nnodes=2" is an error there, as here, not a master address of "--nnodes=2".
+bool looksLikeFlag(const std::string& arg) {
+  if (arg.size() < 2 || arg[0] != '-' || arg.find(' ') != std::string::npos) return false;
+  size_t digits = 0;
+  size_t dots = 0;
+  for (size_t k = 1; k < arg.size(); ++k) {
+    if (arg[k] >= '0' && arg[k] <= '9') {
+      ++digits;
+    } else if (arg[k] == '.') {
+      ++dots;
+    } else {
+      return true;
+    }
+  }
+  // -5, -0, -.5, -1.5 are numbers; "-." and "-1.2.3" are not
+  return digits == 0 || dots > 1 || (dots == 1 && arg.back() == '.');
+}
+
+// A value flag whose value is the next argument, if there is one that is not an option.
 void takeNextValue(ArgToken& t, const std::vector<std::string>& args, size_t& i) {
-  if (i + 1 >= args.size()) {
+  if (i + 1 >= args.size() || looksLikeFlag(args[i + 1])) {
     t.kind = ArgToken::Kind::kError;
     t.error = "argument " + t.source + ": expected one argument (" + t.flag->metavar + ")";
     return;
@@ -306,8 +326,9 @@ StatusOr<FlagValues> resolveFlagValues(const TokenizedArgs& tokens,
     if (!f.takes_value) {
       auto b = parseBool(it->second);
       if (!b)
-        return invalidArgument("environment " + var + ": expected 0 or 1, got '" + it->second +
-                               "'");
+        return invalidArgument("environment " + var +
+                               ": expected 1 or 0 (or true/false, yes/no, on/off), got '" +
+                               it->second + "'");
       if (*b) out.values[f.name] = FlagValue{"1", var};
       continue;
     }

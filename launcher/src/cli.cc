@@ -1,10 +1,12 @@
 #include "ddprun/launcher/cli.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -29,7 +31,36 @@ using Raw = FlagValue;  // a value and where it came from, for error messages
 Status usage(const std::string& msg) { return invalidArgument(msg); }
 
 Status badValue(const Raw& raw, const std::string& expected) {
-  return usage("argument " + raw.source + ": expected " + expected + ", got '" + raw.value + "'");
+  return usage("argument " + raw.source + ": expected " + expected + ", got '" +
+               escapeControl(raw.value) + "'");
+}
+
+// An IPv6 address, with a zone (fe80::1%eth0) or without.
+bool isIpv6(const std::string& s) {
+  const std::string address = s.substr(0, s.find('%'));
+  in6_addr a{};
+  return ::inet_pton(AF_INET6, address.c_str(), &a) == 1;
+}
+
+// What DNS and /etc/hosts take as a name (letters, digits, '.', '-', '_'), or an IPv4 address: a
+// space, a control byte or a '/' is a mistake (it broke the log lines and failed only at the
+// first lookup).
+bool isHostName(const std::string& s) {
+  if (s.empty() || s.size() > 253) return false;
+  return std::all_of(s.begin(), s.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '.' || c == '-' || c == '_';
+  });
+}
+
+// A host for the workers and this node's servers: a name, an IPv4 address or an IPv6 one (given
+// bare, as torchrun takes it, or in brackets, which are dropped).
+StatusOr<std::string> hostValue(const Raw& raw) {
+  std::string h = trim(raw.value);
+  if (h.size() > 2 && h.front() == '[' && h.back() == ']' && isIpv6(h.substr(1, h.size() - 2))) {
+    return h.substr(1, h.size() - 2);
+  }
+  if (isIpv6(h) || isHostName(h)) return h;
+  return badValue(raw, "a host name (letters, digits, '.', '-', '_') or an IP address");
 }
 
 StatusOr<int> intIn(const Raw& raw, long long lo, long long hi, const std::string& expected) {
@@ -100,6 +131,7 @@ StatusOr<std::string> endpoint(const Raw& raw, int default_port) {
     auto close = s.find(']');
     if (close == std::string::npos || close == 1) return badValue(raw, expected);
     host = s.substr(0, close + 1);
+    if (!isIpv6(s.substr(1, close - 1))) return badValue(raw, "an IPv6 address in the brackets");
     std::string rest = s.substr(close + 1);
     if (!rest.empty()) {
       if (rest[0] != ':') return badValue(raw, expected);
@@ -117,7 +149,12 @@ StatusOr<std::string> endpoint(const Raw& raw, int default_port) {
       if (port_text.empty()) return badValue(raw, expected);
     }
   }
-  if (host.empty()) return badValue(raw, expected);
+  if (host.empty()) return badValue(raw, expected + " (the host is missing)");
+  if (host.front() != '[' && !isHostName(host)) {
+    return badValue(raw, expected +
+                             ", the host a name (letters, digits, '.', '-', '_') or an "
+                             "IPv4 address");
+  }
   int port = default_port;
   if (!port_text.empty()) {
     auto p = parseInt(port_text);
@@ -192,25 +229,37 @@ std::string randomUuid() {
   return out;
 }
 
-// How the program is run: -m, --no-python, --run-path (each at most one).
+// A flag as a message names it: by its spelling, and by the variable when PET_<NAME> gave it.
+std::string flagNamed(const std::string& spelling, const std::string& source) {
+  return startsWith(source, "PET_") ? spelling + " (" + source + ")" : spelling;
+}
+
+// How the program is run: -m, --no-python, --run-path (each at most one), with where each came
+// from (the flag as given, or its PET_ variable; empty: not given).
 struct ProgramKind {
-  bool module = false;
-  bool no_python = false;
-  bool run_path = false;
+  std::string module_source;
+  std::string no_python_source;
+  std::string run_path_source;
+  bool module() const { return !module_source.empty(); }
+  bool noPython() const { return !no_python_source.empty(); }
+  bool runPath() const { return !run_path_source.empty(); }
 };
 
 Status resolveProgram(agent::AgentConfig& cfg, const ProgramKind& kind, const std::string& program,
                       const std::vector<std::string>& program_args,
                       const std::map<std::string, std::string>& env) {
-  if (kind.module && kind.no_python) {
-    return usage("--no-python and -m/--module cannot be used together");
+  const std::string module = flagNamed("-m/--module", kind.module_source);
+  const std::string no_python = flagNamed("--no-python", kind.no_python_source);
+  if (kind.module() && kind.noPython()) {
+    return usage(no_python + " and " + module + " cannot be used together");
   }
-  if (kind.run_path && (kind.module || kind.no_python)) {
-    return usage(std::string("--run-path and ") + (kind.module ? "-m/--module" : "--no-python") +
-                 " cannot be used together");
+  if (kind.runPath() && (kind.module() || kind.noPython())) {
+    return usage(flagNamed("--run-path", kind.run_path_source) + " and " +
+                 (kind.module() ? module : no_python) + " cannot be used together");
   }
   cfg.entrypoint = program;
-  const bool python = kind.module || kind.run_path || (!kind.no_python && endsWith(program, ".py"));
+  const bool python =
+      kind.module() || kind.runPath() || (!kind.noPython() && endsWith(program, ".py"));
   std::vector<std::string> argv;
   if (python) {
     auto exec = env.find("PYTHON_EXEC");
@@ -224,13 +273,13 @@ Status resolveProgram(agent::AgentConfig& cfg, const ProgramKind& kind, const st
     cfg.python_interpreter = *resolved;
     cfg.python_interpreter_source = from_env ? "PYTHON_EXEC" : "PATH";
     argv = {*resolved, "-u"};
-    if (kind.module) {
+    if (kind.module()) {
       argv.push_back("-m");
     } else {
       // --run-path runs what runpy.run_path runs: a file, or a directory or zip with __main__.py.
       struct stat st {};
       const bool exists = ::stat(program.c_str(), &st) == 0 &&
-                          (S_ISREG(st.st_mode) || (kind.run_path && S_ISDIR(st.st_mode)));
+                          (S_ISREG(st.st_mode) || (kind.runPath() && S_ISDIR(st.st_mode)));
       if (!exists) return failedPrecondition("training script '" + program + "' does not exist");
     }
     argv.push_back(program);
@@ -255,7 +304,7 @@ Status resolveProgram(agent::AgentConfig& cfg, const ProgramKind& kind, const st
 // --- Each flag's value into the AgentConfig. ---------------------------------------------------
 
 StatusOr<std::pair<int, int>> nodeRange(const Raw& r) {
-  const std::string expected = "N or MIN:MAX with 0 < MIN <= MAX";
+  const std::string expected = "N or MIN:MAX with 0 < MIN <= MAX <= 1000000";
   auto parts = split(r.value, ':');
   if (parts.size() > 2) return badValue(r, expected);
   auto lo = parseInt(parts[0]);
@@ -284,7 +333,7 @@ StatusOr<int> nprocPerNode(const Raw& r, const HostFacts& host) {
     return host.xpu_count;
   }
   if (v == "auto") return host.gpu_count > 0 ? host.gpu_count : host.cpu_count;
-  return intIn(r, 1, 4096, "an integer >= 1, or cpu, gpu, xpu, auto");
+  return intIn(r, 1, 4096, "an integer from 1 to 4096, or cpu, gpu, xpu, auto");
 }
 
 // The items of an etcd member list "h1:2379,h2:2379" (blanks around items allowed).
@@ -430,7 +479,12 @@ StatusOr<std::vector<int>> signalList(const Raw& r) {
   std::vector<int> out;
   for (const auto& name : split(r.value, ',')) {
     auto sig = signalNumber(trim(name));
-    if (!sig) return badValue(r, "signal names separated by commas, like SIGTERM,SIGINT,SIGUSR1");
+    if (!sig) {
+      return badValue(r,
+                      "signal names separated by commas, like SIGTERM,SIGINT,SIGUSR1 (of SIGHUP, "
+                      "SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, SIGALRM, SIGCONT, SIGWINCH, "
+                      "SIGPWR, SIGXCPU, SIGTSTP)");
+    }
     out.push_back(*sig);
   }
   return out;
@@ -520,7 +574,8 @@ Apply applierOf(const std::string& name) {
       {"standalone", nullptr},
       {"max_restarts",
        [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
-         DDPRUN_ASSIGN_OR_RETURN(c.max_restarts, intIn(r, 0, 1000000, "an integer >= 0"));
+         DDPRUN_ASSIGN_OR_RETURN(c.max_restarts,
+                                 intIn(r, 0, 1000000, "an integer from 0 to 1000000"));
          return Status::ok();
        }},
       {"restart_mode",
@@ -607,12 +662,12 @@ Apply applierOf(const std::string& name) {
        }},
       {"node_rank",
        [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
-         DDPRUN_ASSIGN_OR_RETURN(c.node_rank, intIn(r, 0, 1000000, "an integer >= 0"));
+         DDPRUN_ASSIGN_OR_RETURN(c.node_rank, intIn(r, 0, 1000000, "an integer from 0 to 1000000"));
          return Status::ok();
        }},
       {"master_addr",
        [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
-         DDPRUN_ASSIGN_OR_RETURN(c.master_addr, nonBlank(r, "a host name or address"));
+         DDPRUN_ASSIGN_OR_RETURN(c.master_addr, hostValue(r));
          return Status::ok();
        }},
       {"master_port",
@@ -623,7 +678,7 @@ Apply applierOf(const std::string& name) {
        }},
       {"local_addr",
        [](const Raw& r, const HostFacts&, AgentConfig& c) -> Status {
-         DDPRUN_ASSIGN_OR_RETURN(c.local_addr, nonBlank(r, "an address"));
+         DDPRUN_ASSIGN_OR_RETURN(c.local_addr, hostValue(r));
          return Status::ok();
        }},
       {"shutdown_timeout",
@@ -706,7 +761,8 @@ Status applyFlags(const Values& given, const HostFacts& host, agent::AgentConfig
 Status applyCrossFlagRules(const Values& given, agent::AgentConfig& cfg) {
   if (given.count("standalone")) {
     if (given.count("nnodes") && cfg.max_nodes != 1) {
-      return usage("argument --standalone: runs a single node, but --nnodes asks for " +
+      return usage("argument " + flagNamed("--standalone", given.at("standalone").source) +
+                   ": runs a single node, but " + given.at("nnodes").source + " asks for " +
                    given.at("nnodes").value + " (drop one of them)");
     }
     cfg.standalone = true;
@@ -878,8 +934,11 @@ StatusOr<CliResult> parse(const std::vector<std::string>& args,
   const std::string& program = args[*tokens.program];
   const std::vector<std::string> program_args(args.begin() + static_cast<long>(*tokens.program) + 1,
                                               args.end());
-  const ProgramKind kind{flags.values.count("module") > 0, flags.values.count("no_python") > 0,
-                         flags.values.count("run_path") > 0};
+  const auto sourceOf = [&flags](const char* name) {
+    auto it = flags.values.find(name);
+    return it == flags.values.end() ? std::string() : it->second.source;
+  };
+  const ProgramKind kind{sourceOf("module"), sourceOf("no_python"), sourceOf("run_path")};
   DDPRUN_RETURN_IF_ERROR(resolveProgram(cfg, kind, program, program_args, env));
   addNotices(flags.values, mode, cfg, result.notices);
 

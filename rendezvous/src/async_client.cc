@@ -9,10 +9,12 @@
 #include <boost/asio/steady_timer.hpp>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <set>
 
 #include "convert.h"
 #include "ddprun/common/log.h"
+#include "ddprun/common/strings.h"
 #include "ddprun/common/thread_annotations.h"
 #include "ddprun/rendezvous/v1/rendezvous.grpc.pb.h"
 
@@ -149,6 +151,10 @@ struct AsyncClient::Impl : std::enable_shared_from_this<AsyncClient::Impl> {
   std::set<std::shared_ptr<IoWait>> io_waits;  // calls in a backoff or a TCP probe
   bool listener_seen = false;                  // TLS: the endpoint accepted a connection once
   bool logged_wait = false;
+  // Since when calls have been retried for want of the server (none since: unset), and the last
+  // warning about it. The io thread's.
+  std::optional<std::chrono::steady_clock::time_point> unreachable_since;
+  std::chrono::steady_clock::time_point unreachable_noticed{};
 };
 
 namespace {
@@ -230,9 +236,11 @@ class UnaryCall final : public IoWait, public std::enable_shared_from_this<Unary
 
   void retryLater(const Status& st) {
     if (impl_->cancelled(epoch_)) return complete(cancelledStatus());
-    if (std::chrono::steady_clock::now() + backoff_ > give_up_) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now + backoff_ > give_up_) {
       return complete(st.withContext("rendezvous at " + impl_->options.endpoint + " unreachable"));
     }
+    noticeUnreachable(st, now);
     timer_.emplace(impl_->io);
     timer_->expires_after(backoff_);
     backoff_ = std::min(backoff_ * 2, impl_->options.max_backoff);
@@ -301,7 +309,24 @@ class UnaryCall final : public IoWait, public std::enable_shared_from_this<Unary
     retryLater(unavailable("nothing accepted a TCP connection"));
   }
 
+  // One warning every unreachable_notice_every while calls wait for the server, so a node that
+  // cannot reach it says so, not only at its join_timeout.
+  void noticeUnreachable(const Status& st, std::chrono::steady_clock::time_point now) {
+    if (!impl_->unreachable_since) impl_->unreachable_since = now;
+    const Duration every = impl_->options.unreachable_notice_every;
+    if (now - *impl_->unreachable_since < every || now - impl_->unreachable_noticed < every) return;
+    impl_->unreachable_noticed = now;
+    const auto seconds = [](Duration d) { return std::chrono::duration<double>(d).count(); };
+    logger("rendezvous")
+        ->warn(
+            "cannot reach the rendezvous at {} for {:.0f} s ({}); trying again for up to {:.0f} "
+            "s more",
+            impl_->options.endpoint, seconds(now - *impl_->unreachable_since),
+            quotePeerText(st.message()), seconds(give_up_ - now));
+  }
+
   void complete(const Status& st) {
+    if (st.code() != StatusCode::kUnavailable) impl_->unreachable_since.reset();
     impl_->callBack("rendezvous call", [&] { finish_(st, response_); });
   }
 

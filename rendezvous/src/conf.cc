@@ -97,6 +97,11 @@ Status applyKey(const std::string& key, const std::string& raw_key, const std::s
     DDPRUN_ASSIGN_OR_RETURN(out.close_timeout, parseSeconds(key, value, true));
   } else if (key == "heartbeat_interval") {
     DDPRUN_ASSIGN_OR_RETURN(out.run.heartbeat_interval, parseSeconds(key, value, false));
+    // Below it an agent's heartbeats cannot keep up (its loop, the network): its own node is
+    // declared dead over and over, and a one-node job never ends.
+    if (out.run.heartbeat_interval < kMinHeartbeatInterval) {
+      return invalidArgument("heartbeat_interval must be at least 0.1 s, got '" + value + "'");
+    }
   } else if (key == "read_timeout") {
     DDPRUN_ASSIGN_OR_RETURN(out.read_timeout, parseSeconds(key, value, false));
   } else if (key == "inplace_timeout") {

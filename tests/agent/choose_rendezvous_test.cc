@@ -140,3 +140,47 @@ TEST_CASE("the static backend refuses a master port with no room above it", "[ag
   CHECK(c.status().code() == StatusCode::kInvalidArgument);
   CHECK(c.status().message().find("--master-port") != std::string::npos);
 }
+
+TEST_CASE("agents that connect with TLS never host a plaintext rendezvous", "[agent]") {
+  // tls_ca= without tls_cert=: this node cannot serve TLS, and what it served in plaintext
+  // nobody could join (it waited out join_timeout, then failed on its own handshake).
+  auto must = multiNode(RendezvousBackend::kC10d, "me:1");
+  must.rdzv_conf.tls_ca_pem = "-----BEGIN CERTIFICATE-----";
+  must.rdzv_conf.is_host = rendezvous::IsHost::kTrue;
+  auto c = chooseRendezvous(must, "me", never);
+  REQUIRE_FALSE(c.isOk());
+  CHECK(c.status().code() == StatusCode::kInvalidArgument);
+  CHECK(c.status().message() ==
+        "--rdzv-conf tls_ca= makes the agents connect with TLS, and this node hosts the "
+        "rendezvous (is_host=true) without a certificate to serve it: give tls_cert= and tls_key= "
+        "too");
+  // The endpoint is this host's: a TLS daemon here serves it; this agent only joins.
+  auto may = multiNode(RendezvousBackend::kC10d, "me:1");
+  may.rdzv_conf.tls_ca_pem = "-----BEGIN CERTIFICATE-----";
+  c = chooseRendezvous(may, "me", [](const std::string&) { return true; });
+  REQUIRE(c.isOk());
+  CHECK(c->hosting == Hosting::kNo);
+  // With a certificate it hosts as before.
+  may.rdzv_conf.tls_cert_pem = "-----BEGIN CERTIFICATE-----";
+  may.rdzv_conf.tls_key_pem = "-----BEGIN PRIVATE KEY-----";
+  c = chooseRendezvous(may, "me", [](const std::string&) { return true; });
+  REQUIRE(c.isOk());
+  CHECK(c->hosting == Hosting::kMay);
+  // The static backend's node 0 must host.
+  auto fixed = multiNode(RendezvousBackend::kStatic, "");
+  fixed.master_addr = "m";
+  fixed.master_port = 29500;
+  fixed.rdzv_conf.tls_ca_pem = "-----BEGIN CERTIFICATE-----";
+  c = chooseRendezvous(fixed, "me", never);
+  REQUIRE_FALSE(c.isOk());
+  CHECK(c.status().message().find("(node rank 0 of the static backend)") != std::string::npos);
+}
+
+TEST_CASE("an IPv6 master address is bracketed in the static backend's endpoint", "[agent]") {
+  auto cfg = multiNode(RendezvousBackend::kStatic, "");
+  cfg.master_addr = "::1";
+  cfg.master_port = 29500;
+  auto c = chooseRendezvous(cfg, "me", never);
+  REQUIRE(c.isOk());
+  CHECK(c->endpoint == "[::1]:29501");
+}

@@ -64,9 +64,20 @@ TEST_CASE("every flag is read with '_' and '-' spellings, '=' and separate value
       REQUIRE(inline_form.count(f.name) == 1);
       CHECK(inline_form.at(f.name).value == "a=b");
       CHECK(inline_form.at(f.name).source == dashed);
-      auto separate = valuesOf({spelling, "-x", "prog"});  // the value may look like a flag
-      REQUIRE(separate.count(f.name) == 1);
-      CHECK(separate.at(f.name).value == "-x");
+      // As argparse: a separate value that is an option is not taken as the value (torchrun:
+      // "expected one argument"), one that is a number, a lone dash or has a space in it is; the
+      // inline form takes anything.
+      for (const std::string option : {"-x", "--nnodes=2", "--", "-t", "-1x", "-1.2.3", "-."}) {
+        INFO(option);
+        CHECK(errorOf({spelling, option, "prog"}) ==
+              "argument " + dashed + ": expected one argument (" + f.metavar + ")");
+      }
+      for (const std::string value : {"-5", "-0", "-1.5", "-.5", "-", "-a b"}) {
+        auto separate = valuesOf({spelling, value, "prog"});
+        REQUIRE(separate.count(f.name) == 1);
+        CHECK(separate.at(f.name).value == value);
+      }
+      CHECK(valuesOf({spelling + "=-x", "prog"}).at(f.name).value == "-x");
       CHECK(valuesOf({spelling + "=", "prog"}).at(f.name).value.empty());
       CHECK(errorOf({spelling}) ==
             "argument " + dashed + ": expected one argument (" + f.metavar + ")");
@@ -169,7 +180,7 @@ TEST_CASE("the last value wins, and PET_<NAME> fills in what the command line di
   auto both = valuesOf({"prog"}, {{"PET_N_PROC_PER_NODE", "4"}, {"PET_NPROC_PER_NODE", "2"}});
   CHECK(both.at("nproc_per_node").value == "2");
   CHECK(errorOf({"prog"}, {{"PET_STANDALONE", "maybe"}}) ==
-        "environment PET_STANDALONE: expected 0 or 1, got 'maybe'");
+        "environment PET_STANDALONE: expected 1 or 0 (or true/false, yes/no, on/off), got 'maybe'");
 }
 
 TEST_CASE(

@@ -157,7 +157,7 @@ TEST_CASE("PET_ variables are defaults that the command line overrides", "[launc
   env.erase("PET_HEARTBEAT_TIMEOUT");
   env["PET_NNODES"] = "x";
   CHECK(errorOf({f.exe}, env) ==
-        "argument PET_NNODES: expected N or MIN:MAX with 0 < MIN <= MAX, got 'x'");
+        "argument PET_NNODES: expected N or MIN:MAX with 0 < MIN <= MAX <= 1000000, got 'x'");
 }
 
 TEST_CASE("standalone mode uses the c10d backend on localhost:0 with a fresh run id",
@@ -209,17 +209,22 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
     std::string expected;
   };
   const std::vector<Case> cases = {
-      {{"--nnodes=0", x}, "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got '0'"},
+      {{"--nnodes=0", x},
+       "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX <= 1000000, got '0'"},
       {{"--nnodes=3:1", x},
-       "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got '3:1'"},
+       "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX <= 1000000, got '3:1'"},
       {{"--nnodes=1:2:3", x},
-       "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got '1:2:3'"},
-      {{"--nnodes=a", x}, "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got 'a'"},
+       "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX <= 1000000, got '1:2:3'"},
+      {{"--nnodes=a", x},
+       "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX <= 1000000, got 'a'"},
       {{"--nproc-per-node=0", x},
-       "argument --nproc-per-node: expected an integer >= 1, or cpu, gpu, xpu, auto, got '0'"},
+       "argument --nproc-per-node: expected an integer from 1 to 4096, or cpu, gpu, xpu, auto, got "
+       "'0'"},
       {{"--nproc_per_node=two", x},
-       "argument --nproc-per-node: expected an integer >= 1, or cpu, gpu, xpu, auto, got 'two'"},
-      {{"--max-restarts=-1", x}, "argument --max-restarts: expected an integer >= 0, got '-1'"},
+       "argument --nproc-per-node: expected an integer from 1 to 4096, or cpu, gpu, xpu, auto, got "
+       "'two'"},
+      {{"--max-restarts=-1", x},
+       "argument --max-restarts: expected an integer from 0 to 1000000, got '-1'"},
       {{"--restart-mode=inplace", x},
        "argument --restart-mode: expected process or in-place, got 'inplace'"},
       {{"--restart-mode=", x}, "argument --restart-mode: expected process or in-place, got ''"},
@@ -272,7 +277,8 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
        "'0,x'"},
       {{"--signals-to-handle=SIGFOO", x},
        "argument --signals-to-handle: expected signal names separated by commas, like "
-       "SIGTERM,SIGINT,SIGUSR1, got 'SIGFOO'"},
+       "SIGTERM,SIGINT,SIGUSR1 (of SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, SIGALRM, "
+       "SIGCONT, SIGWINCH, SIGPWR, SIGXCPU, SIGTSTP), got 'SIGFOO'"},
       {{"--rdzv-backend=zookeeper", x},
        "argument --rdzv-backend: expected static, c10d, grpc or etcd-v3, got 'zookeeper'"},
       {{"--rdzv-backend=c10d", "--rdzv-endpoint=host:99999", x},
@@ -283,6 +289,31 @@ TEST_CASE("malformed values are usage errors naming the flag and the accepted fo
        "(bracket IPv6 addresses), got '::1:5'"},
       {{"--rdzv-backend=c10d", x},
        "argument --rdzv-endpoint: the c10d backend needs HOST[:PORT] of the rendezvous"},
+      {{"--rdzv-backend=c10d", "--rdzv-endpoint=:0", x},
+       "argument --rdzv-endpoint: expected HOST[:PORT] or [IPv6]:PORT with a port in 0-65535 "
+       "(the host is missing), got ':0'"},
+      {{"--rdzv-backend=c10d", "--rdzv-endpoint=a b:29400", x},
+       "argument --rdzv-endpoint: expected HOST[:PORT] or [IPv6]:PORT with a port in 0-65535, the "
+       "host a name (letters, digits, '.', '-', '_') or an IPv4 address, got 'a b:29400'"},
+      {{"--rdzv-backend=c10d", "--rdzv-endpoint=h\nx:1", x},
+       "argument --rdzv-endpoint: expected HOST[:PORT] or [IPv6]:PORT with a port in 0-65535, the "
+       "host a name (letters, digits, '.', '-', '_') or an IPv4 address, got 'h\\nx:1'"},
+      {{"--rdzv-backend=c10d", "--rdzv-endpoint=[node1]:5", x},
+       "argument --rdzv-endpoint: expected an IPv6 address in the brackets, got '[node1]:5'"},
+      // A value flag followed by another flag: argparse's error, not a value of "--nnodes=2".
+      {{"--master-addr", "--nnodes=2", x}, "argument --master-addr: expected one argument (ADDR)"},
+      {{"--role", "--", x}, "argument --role: expected one argument (ROLE)"},
+      {{"--local-addr=no such host", x},
+       "argument --local-addr: expected a host name (letters, digits, '.', '-', '_') or an IP "
+       "address, got 'no such host'"},
+      {{"--master-addr=10.0.0.1/8", x},
+       "argument --master-addr: expected a host name (letters, digits, '.', '-', '_') or an IP "
+       "address, got '10.0.0.1/8'"},
+      {{"--local-addr=[node1]", x},
+       "argument --local-addr: expected a host name (letters, digits, '.', '-', '_') or an IP "
+       "address, got '[node1]'"},
+      {{"--rdzv-backend=c10d", "--rdzv-endpoint=h", "--rdzv-conf=heartbeat_interval=1e-9", x},
+       "argument --rdzv-conf: heartbeat_interval must be at least 0.1 s, got '1e-9'"},
       {{"--rdzv-backend=c10d", "--rdzv-endpoint=node1:0", x},
        "argument --rdzv-endpoint: port 0 cannot be dialled; give the rendezvous' real port "
        "(HOST:PORT, default 29400), got 'node1:0'"},
@@ -497,6 +528,23 @@ TEST_CASE("rdzv-conf accepts every key of the rendezvous' parser and keeps the p
                                      " needs tls_key= too (the certificate's private key)");
 }
 
+TEST_CASE("an IPv6 address is taken bare or in brackets, a name or IPv4 address as it is",
+          "[launcher]") {
+  Files f;
+  for (const auto& [given, taken] : std::vector<std::pair<std::string, std::string>>{
+           {"[::1]", "::1"},
+           {"::1", "::1"},
+           {"fe80::1%eth0", "fe80::1%eth0"},
+           {"node-1.cluster_a.local", "node-1.cluster_a.local"},
+           {" 10.1.2.3 ", "10.1.2.3"}}) {
+    INFO(given);
+    auto r = parse({"--local-addr=" + given, "--master-addr=" + given, f.exe}, f.env());
+    REQUIRE(r.isOk());
+    CHECK(r->config.local_addr == taken);
+    CHECK(r->config.master_addr == taken);
+  }
+}
+
 TEST_CASE("the agent gets --rdzv-conf parsed for the --nnodes range, defaults included",
           "[launcher]") {
   Files f;
@@ -651,7 +699,9 @@ TEST_CASE("plain ddprun accepts --use-env as a no-op and passes --local-rank onl
         "none, got 'rank'");
   env.erase("PET_LOCAL_RANK_ARG");
   env["PET_USE_ENV"] = "yes please";
-  CHECK(errorOf({f.script}, env) == "environment PET_USE_ENV: expected 0 or 1, got 'yes please'");
+  CHECK(
+      errorOf({f.script}, env) ==
+      "environment PET_USE_ENV: expected 1 or 0 (or true/false, yes/no, on/off), got 'yes please'");
 }
 
 TEST_CASE("the flag --run-path runs any file or directory under the Python interpreter",
@@ -673,9 +723,31 @@ TEST_CASE("the flag --run-path runs any file or directory under the Python inter
   CHECK(pet->config.worker_argv == std::vector<std::string>{f.exe, "-u", f.plain});
   CHECK(pet->config.python_interpreter_source == "PYTHON_EXEC");
   env["PET_RUN_PATH"] = "2";
-  CHECK(errorOf({f.plain}, env) == "environment PET_RUN_PATH: expected 0 or 1, got '2'");
+  CHECK(errorOf({f.plain}, env) ==
+        "environment PET_RUN_PATH: expected 1 or 0 (or true/false, yes/no, on/off), got '2'");
   // Not Python: no interpreter for the report's hint.
   CHECK(parse({f.exe}, f.env())->config.python_interpreter.empty());
+}
+
+TEST_CASE("a conflict a PET_ variable is part of names the variable", "[launcher]") {
+  Files f;
+  Env env = f.env();
+  env["PET_MODULE"] = "1";
+  CHECK(errorOf({"--no-python", f.exe}, env) ==
+        "--no-python and -m/--module (PET_MODULE) cannot be used together");
+  env = f.env();
+  env["PET_RUN_PATH"] = "true";
+  CHECK(errorOf({"-m", "mod"}, env) ==
+        "--run-path (PET_RUN_PATH) and -m/--module cannot be used together");
+  env = f.env();
+  env["PET_STANDALONE"] = "1";
+  CHECK(errorOf({"--nnodes=2", f.exe}, env) ==
+        "argument --standalone (PET_STANDALONE): runs a single node, but --nnodes asks for 2 "
+        "(drop one of them)");
+  env = f.env();
+  env["PET_NNODES"] = "3";
+  CHECK(errorOf({"--standalone", f.exe}, env) ==
+        "argument --standalone: runs a single node, but PET_NNODES asks for 3 (drop one of them)");
 }
 
 TEST_CASE("the flag --rdzv-conf strips quotes and passes unknown keys on with one warning",
@@ -770,7 +842,7 @@ TEST_CASE("a usage error quoting a value with control bytes stays one line", "[l
   // error and an escape sequence reached the terminal.
   Files f;
   CHECK(errorOf({"--nnodes=1\nx", f.exe}, f.env()) ==
-        "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX, got '1\\nx'");
+        "argument --nnodes: expected N or MIN:MAX with 0 < MIN <= MAX <= 1000000, got '1\\nx'");
   CHECK(errorOf({"--nnodes=1", f.exe}, {{"PET_NPROC_PER_NODE", "\x1b[31mred"}}).find('\x1b') ==
         std::string::npos);
   const std::string missing = errorOf({"--no-python", std::string("scri\0pt", 7)}, f.env());

@@ -384,6 +384,33 @@ TEST_CASE("a worker whose exec fails is reported with the reason at once", "[e2e
   CHECK(r.err.find("exitcode  : 127") != std::string::npos);
 }
 
+TEST_CASE(
+    "workers and their guardians hold none of the agent's descriptors, only what ddprun was "
+    "started with",
+    "[e2e]") {
+  // Each worker prints its own descriptors and its guardian's (its parent's), as NUMBER=TARGET.
+  // A line each, written at once (the agent tees them, whole, with the rank's prefix).
+  const std::string worker =
+      "for p in $$ $PPID; do l=\"$p:\"; for f in /proc/$p/fd/*; do "
+      "l=\"$l ${f##*/}=$(readlink \"$f\")\"; done; echo \"$l\"; done";
+  // fd 7 without FD_CLOEXEC, as a batch system or a wrapper may hand one to the job.
+  auto r = run({"/bin/sh", "-c", "exec 7</dev/null; exec \"$0\" \"$@\"", ddprunBin(),
+                "--nproc-per-node=6", "--tee=1", "--no-python", "/bin/sh", "-c", worker});
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  int lines = 0;
+  for (const auto& line : split(r.out, '\n')) {
+    if (line.find(':') == std::string::npos || line.find(" 0=") == std::string::npos) continue;
+    ++lines;
+    INFO(line);
+    CHECK(line.find("socket:") == std::string::npos);  // the agent's servers and its clients
+    CHECK(line.find(" 7=/dev/null") != std::string::npos);
+    // Nothing of the agent's per-worker pipes and files: a handful, however many workers.
+    CHECK(countOf(line, "=") <= 16);
+  }
+  CHECK(lines == 12);
+}
+
 TEST_CASE("redirects write each rank's streams into the torchrun log layout", "[e2e]") {
   TempDir logs;
   auto r = run(withWorker(
@@ -465,6 +492,8 @@ TEST_CASE("usage errors are one line naming the flag, with exit code 2", "[e2e]"
                                              {"--nproc-per-node=-1", "x"},
                                              {"--unknown-flag", "x"},
                                              {"--no-python", "/nonexistent/prog"},
+                                             {"--master-addr", "--nnodes=2", "x"},
+                                             {"--local-addr", "no such host", "x"},
                                              {"--standalone"}}) {
     auto r = run(ddprunArgv(args));
     INFO(join(args, " ") << " -> " << r.err);
@@ -472,6 +501,14 @@ TEST_CASE("usage errors are one line naming the flag, with exit code 2", "[e2e]"
     CHECK(countOf(r.err, "\n") == 1);
     CHECK(startsWith(r.err, "ddprun: error: "));
   }
+  // A --log-dir that cannot hold the logs is the user's to fix too.
+  TempDir dir;
+  const std::string file = dir.path() + "/a-file";
+  std::ofstream(file) << "x";
+  auto log_dir = run(ddprunArgv({"--log-dir", file, "/bin/true"}));
+  INFO(log_dir.err);
+  CHECK(log_dir.exit_code == 2);
+  CHECK(log_dir.err.find("--log-dir: ") != std::string::npos);
   auto help = run(ddprunArgv({"--help"}));
   CHECK(help.exit_code == 0);
   CHECK(help.out.find("usage: ddprun") != std::string::npos);

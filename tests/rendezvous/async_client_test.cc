@@ -15,6 +15,7 @@
 
 #include "ddprun/rendezvous/client.h"
 #include "ddprun/rendezvous/server.h"
+#include "log_capture.h"
 #include "server_fixture.h"
 
 using namespace ddprun;
@@ -286,6 +287,39 @@ TEST_CASE("async calls are retried across a server restart", "[rendezvous][async
   client.kvSet("restart", "k", "v3", once.callback(loop), no_retry);
   REQUIRE(once.waitFor(1));
   CHECK(once.values[0].code() == StatusCode::kUnavailable);
+}
+
+TEST_CASE(
+    "calls retried while the server cannot be reached warn every so often, not only at "
+    "their end",
+    "[rendezvous][async]") {
+  ddprun::testing::LogCapture log("rendezvous");
+  Loop loop;
+  const std::string address = "127.0.0.1:" + std::to_string(freePort());
+  ClientOptions options = clientFor(address);
+  options.retry_timeout = 2500ms;
+  options.max_backoff = 100ms;
+  options.unreachable_notice_every = 700ms;
+  AsyncClient client(loop.io, options);
+  Results<Status> done;
+  client.kvSet("away", "k", "v", done.callback(loop));
+  REQUIRE(done.waitFor(1));
+  CHECK(done.values[0].code() == StatusCode::kUnavailable);
+  INFO(log.text());
+  // At 0.7 s, 1.4 s and 2.1 s of the 2.5 s (give or take a backoff): each says how long so far.
+  const int notices = log.count("warning: cannot reach the rendezvous at " + address + " for ");
+  CHECK(notices >= 2);
+  CHECK(notices <= 3);
+  CHECK(log.text().find("s more") != std::string::npos);
+  // A server that answers again resets the count: the next call says nothing.
+  ServerOptions listen;
+  listen.listen = address;
+  auto server = startServer(listen);
+  Results<Status> after;
+  client.kvSet("away", "k", "v", after.callback(loop));
+  REQUIRE(after.waitFor(1));
+  CHECK(after.values[0].isOk());
+  CHECK(log.count("cannot reach the rendezvous") == notices);
 }
 
 TEST_CASE("a watch delivers the snapshot and a membership change on the io thread",

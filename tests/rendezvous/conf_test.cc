@@ -151,6 +151,8 @@ TEST_CASE("torchrun's timeout is the join timeout unless join_timeout is given",
 TEST_CASE("the failure grace follows the heartbeat interval unless given, and 0 reports at once",
           "[conf]") {
   CHECK(parseRendezvousConf({{"heartbeat_interval", "3"}}, 1, 1)->failure_grace == 6s);
+  CHECK(parseRendezvousConf({{"heartbeat_interval", "0.1"}}, 1, 1)->run.heartbeat_interval ==
+        kMinHeartbeatInterval);
   CHECK(parseRendezvousConf({{"heartbeat_interval", "3"}, {"failure_grace", "1"}}, 1, 1)
             ->failure_grace == 1s);
   CHECK(parseRendezvousConf({{"failure_grace", "0"}}, 1, 1)->failure_grace == 0s);
@@ -184,6 +186,9 @@ TEST_CASE("malformed rdzv-conf values are one line naming the key and the accept
       {{{"read_timeout", "nan"}}, "read_timeout must be a number of seconds > 0, got 'nan'"},
       {{{"heartbeat_interval", "-2"}},
        "heartbeat_interval must be a number of seconds > 0, got '-2'"},
+      // Less: the node's own heartbeats cannot keep up, it is declared dead over and over.
+      {{{"heartbeat_interval", "1e-9"}}, "heartbeat_interval must be at least 0.1 s, got '1e-9'"},
+      {{{"heartbeat_interval", "0.099"}}, "heartbeat_interval must be at least 0.1 s, got '0.099'"},
       {{{"heartbeat_misses", "0"}},
        "heartbeat_misses must be an integer from 1 to 1000000, got '0'"},
       {{{"heartbeat_misses", "2.5"}},

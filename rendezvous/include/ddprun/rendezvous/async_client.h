@@ -47,6 +47,9 @@ struct ClientOptions {
   Duration retry_timeout = std::chrono::seconds(60);  // how long UNAVAILABLE is retried
   Duration initial_backoff = std::chrono::milliseconds(50);
   Duration max_backoff = std::chrono::seconds(1);
+  // While calls are retried because the server cannot be reached, a warning this often (the
+  // endpoint, for how long, the last error): a join may retry for its whole join_timeout.
+  Duration unreachable_notice_every = std::chrono::seconds(30);
 };
 
 // Per-call overrides of ClientOptions.

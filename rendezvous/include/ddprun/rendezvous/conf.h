@@ -18,6 +18,8 @@ enum class IsHost { kAuto, kTrue, kFalse };
 // ddprun's liveness defaults: a dead node is noticed within 1.5 s (a product promise), unlike
 // RunConfig's library default of 5 s beats.
 inline constexpr Duration kDefaultHeartbeatInterval = std::chrono::milliseconds(500);
+// The least heartbeat_interval --rdzv-conf takes.
+inline constexpr Duration kMinHeartbeatInterval = std::chrono::milliseconds(100);
 inline constexpr uint32_t kDefaultHeartbeatMisses = 3;
 
 struct RendezvousConf {
