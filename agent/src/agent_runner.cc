@@ -1,5 +1,8 @@
 #include "ddprun/agent/agent_runner.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/address.hpp>
 #include <boost/asio/post.hpp>
@@ -62,9 +65,20 @@ struct NodeSetup {
 StatusOr<std::string> makeRunLogDir(const AgentConfig& cfg) {
   std::string base_dir = cfg.log_dir;
   if (base_dir.empty()) {
-    const char* tmp = std::getenv("TMPDIR");
-    DDPRUN_ASSIGN_OR_RETURN(
-        base_dir, makeTempDir(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "torchelastic_"));
+    // As Python's tempfile: TMPDIR when it is a directory this process may write in, else /tmp
+    // (never a TMPDIR created because it was set).
+    const char* set = std::getenv("TMPDIR");
+    std::string tmp = set != nullptr ? set : "";
+    struct stat st {};
+    if (!tmp.empty() && (::stat(tmp.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
+                         ::access(tmp.c_str(), W_OK | X_OK) != 0)) {
+      logger("agent")->warn(
+          "TMPDIR={} is not a directory ddprun may write in; the run's logs go "
+          "under /tmp",
+          escapeControl(tmp));
+      tmp.clear();
+    }
+    DDPRUN_ASSIGN_OR_RETURN(base_dir, makeTempDir(tmp.empty() ? "/tmp" : tmp, "torchelastic_"));
   }
   auto run_dir = makeTempDir(base_dir, cfg.rdzv_id + "_");
   if (!run_dir.isOk()) {

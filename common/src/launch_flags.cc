@@ -274,6 +274,9 @@ TokenizedArgs tokenizeLaunchArgs(const std::vector<std::string>& args,
       t.begin = i;
       t.end = i + 1;
       out.tokens.push_back(std::move(t));
+    } else if (startsWith(arg, "--help=")) {  // argparse's words for it
+      out.tokens.push_back(
+          errorToken(i, "argument -h/--help: ignored explicit argument '" + arg.substr(7) + "'"));
     } else if (arg == "--") {
       if (i + 1 < args.size()) out.program = i + 1;
       out.rest_begin = i;

@@ -144,6 +144,7 @@ TEST_CASE("short flags: -m alone, -r and -t with an attached or separate value",
   CHECK(errorOf({"-x", "p"}) == "unrecognized argument: -x (see ddprun --help)");
   CHECK(errorOf({"--bogus", "p"}) == "unrecognized argument: --bogus (see ddprun --help)");
   CHECK(errorOf({"--bogus=1", "p"}) == "unrecognized argument: --bogus (see ddprun --help)");
+  CHECK(errorOf({"--help=1", "p"}) == "argument -h/--help: ignored explicit argument '1'");
 }
 
 TEST_CASE("the last value wins, and PET_<NAME> fills in what the command line did not give",

@@ -509,6 +509,15 @@ TEST_CASE("usage errors are one line naming the flag, with exit code 2", "[e2e]"
   INFO(log_dir.err);
   CHECK(log_dir.exit_code == 2);
   CHECK(log_dir.err.find("--log-dir: ") != std::string::npos);
+  // TMPDIR that is no directory is not created (as root it was): /tmp, as Python's tempfile.
+  const std::string missing = dir.path() + "/no/such/tmp";
+  auto tmp = run(ddprunArgv({"/bin/true"}), {{"TMPDIR", missing}});
+  INFO(tmp.err);
+  CHECK(tmp.exit_code == 0);
+  CHECK(tmp.err.find("warning: TMPDIR=" + missing +
+                     " is not a directory ddprun may write in; the run's logs go under /tmp") !=
+        std::string::npos);
+  CHECK(::access((dir.path() + "/no").c_str(), F_OK) != 0);
   auto help = run(ddprunArgv({"--help"}));
   CHECK(help.exit_code == 0);
   CHECK(help.out.find("usage: ddprun") != std::string::npos);
