@@ -453,6 +453,16 @@ void Supervisor::onWorkerExit(int pid, ExitStatus status) {
                                   status, clock_.wallSeconds(), worker->launch.error_file,
                                   /*hang=*/""});
     }
+    if (state_ == AgentState::kRecovering && status.success() && episode_ &&
+        std::find(episode_->synced.begin(), episode_->synced.end(), pid) !=
+            episode_->synced.end()) {
+      // It re-formed, took the state, and found no step left: the job's last step was done
+      // before the failure. The recovery is over; its exit is the end of its training.
+      logger("agent")->info(
+          "in-place recovery: {} after it took the new generation's state (no step was left)",
+          what);
+      finishEpisode(/*training_done=*/true);
+    }
     if (state_ == AgentState::kRecovering) {
       if (replaceInEpisode(*worker, what, status)) return;
       fallBack(what + " during the recovery", /*report=*/true,
@@ -1245,6 +1255,9 @@ void Supervisor::onPhase(Worker& w, const ControlMessage& message) {
       return;
     case ControlType::kSynced:
       if (gen != e.generation) return;
+      if (std::find(e.synced.begin(), e.synced.end(), w.pid) == e.synced.end()) {
+        e.synced.push_back(w.pid);
+      }
       e.synced_ms = std::max(e.synced_ms, at);
       e.step = message.num("step");
       e.source = static_cast<int>(message.num("source"));
@@ -1261,7 +1274,7 @@ void Supervisor::onPhase(Worker& w, const ControlMessage& message) {
   }
 }
 
-void Supervisor::finishEpisode() {
+void Supervisor::finishEpisode(bool training_done) {
   const Episode e = *episode_;
   const double first_step = msSinceDetection();
   episode_.reset();
@@ -1286,7 +1299,10 @@ void Supervisor::finishEpisode() {
                                                                {"formed", e.formed_ms},
                                                                {"synced", e.synced_ms},
                                                                {"first_step", first_step}}) {
-      r.phases_ms.emplace_back(phase.first, phase.second);
+      // (No step came when the training was done: that phase did not happen.)
+      if (!(training_done && std::string(phase.first) == "first_step")) {
+        r.phases_ms.emplace_back(phase.first, phase.second);
+      }
     }
     recovery_listener_(r);
   }
@@ -1294,10 +1310,11 @@ void Supervisor::finishEpisode() {
   if (replaced && e.ready_ms > 0) hello += fmt::format(", ready {:.0f} ms", e.ready_ms);
   logger("agent")->info(
       "in-place recovery, generation {} ({}, seen at unix time {:.3f}{}): told {:.1f} ms{}, "
-      "aborted {:.0f} ms, formed {:.0f} ms, synced {:.0f} ms, first step {:.0f} ms; resumed after "
+      "aborted {:.0f} ms, formed {:.0f} ms, synced {:.0f} ms, {} {:.0f} ms; resumed after "
       "step {} from rank {}, world {}",
       e.generation, e.cause, e.detected_unix, e.first_seen.empty() ? "" : ": " + e.first_seen,
-      e.told_ms, hello, e.aborted_ms, e.formed_ms, e.synced_ms, first_step, e.step, e.source,
+      e.told_ms, hello, e.aborted_ms, e.formed_ms, e.synced_ms,
+      training_done ? "no step left, done" : "first step", first_step, e.step, e.source,
       worldSize());
 }
 

@@ -778,6 +778,52 @@ TEST_CASE(
   CHECK(f.planned.back() == 1);
 }
 
+TEST_CASE(
+    "in-place: a rank lost after the last step is recovered, and the ranks that took the state "
+    "and found no step left end the job with success",
+    "[agent][inplace]") {
+  InPlaceFixture f(3, /*max_restarts=*/1);
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  f.sup->onWorkerExit(pids[2], ExitStatus{true, SIGKILL});
+  REQUIRE(f.sup->state() == AgentState::kRecovering);
+  const int newcomer = f.launcher.spawned.back().first;
+  f.capable(newcomer);
+  for (int pid : {pids[0], pids[1], newcomer}) {
+    f.say(pid, ControlType::kAborted, {{"gen", "1"}});
+    f.say(pid, ControlType::kFormed, {{"gen", "2"}, {"rank", "0"}, {"world", "3"}});
+    f.say(pid, ControlType::kSynced, {{"gen", "2"}, {"step", "96"}, {"source", "0"}});
+  }
+  // The job's 96 steps were done: each goes on after step 96, to its end.
+  f.sup->onWorkerExit(pids[0], ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kRunning);
+  CHECK(f.sup->recoveredInPlace() == 1);
+  CHECK(f.launcher.signals.empty());  // nobody stopped, nothing restarted
+  REQUIRE(f.recoveries.size() == 1);
+  CHECK(f.phasesOf(0).count("synced") == 1);
+  CHECK(f.phasesOf(0).count("first_step") == 0);  // none came
+  f.sup->onWorkerExit(pids[1], ExitStatus{false, 0});
+  f.sup->onWorkerExit(newcomer, ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kSucceeded);
+  CHECK(f.planned.size() == 2);  // the first attempt and the replacement only
+  CHECK(f.sup->restartCount() == 1);
+}
+
+TEST_CASE("in-place: a worker that exits 0 during the recovery before it took the state falls back",
+          "[agent][inplace]") {
+  InPlaceFixture f(3, /*max_restarts=*/3);
+  f.sup->start();
+  f.allCapable();
+  const auto pids = f.first();
+  f.sup->onWorkerExit(pids[2], ExitStatus{true, SIGKILL});
+  REQUIRE(f.sup->state() == AgentState::kRecovering);
+  f.say(pids[1], ControlType::kSynced, {{"gen", "1"}, {"step", "5"}, {"source", "0"}});  // old gen
+  f.sup->onWorkerExit(pids[1], ExitStatus{false, 0});
+  CHECK(f.sup->state() == AgentState::kStopping);
+  CHECK(f.sup->recoveredInPlace() == 0);
+}
+
 TEST_CASE("in-place: a second failure or a give-up during the recovery falls back, charged once",
           "[agent][inplace]") {
   for (const bool give_up : {false, true}) {

@@ -168,6 +168,34 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "in-place recovery: a rank lost while the others build their buckets at start-up ends their "
+    "wait at the agent's abort, and the job recovers at once, not after inplace_timeout",
+    "[worker][train][inplace]") {
+  if (!haveDdprun()) return;
+  t::TempDir dir;
+  const std::string a = faultFreeParameters(dir);
+  // Rank 2 said it can recover in place, then exits before it publishes its buckets' shared
+  // memory: ranks 0 and 1 wait for its key in the store. They waited for inplace_timeout (60 s),
+  // and only then did the agent restart every worker. Now their wait ends at the agent's abort;
+  // they exit before they could say `aborted`, so they are replaced in the same recovery.
+  t::Process faulty(trainArgv({"--max-restarts=1", "--restart-mode=in-place"},
+                              {"--snapshot-path", dir.str() + "/b/snap.pt", "--dump-params",
+                               dir.str() + "/b.bin"}),
+                    {{"OMP_NUM_THREADS", "1"}, {"DDPRUN_INPLACE_FAULT", "buckets:2"}},
+                    {dir.str() + "/b.log", true});
+  auto c = faulty.waitExit(240s);
+  const std::string out = faulty.output();
+  INFO(out);
+  REQUIRE(c.has_value());
+  CHECK(*c == 0);
+  CHECK_THAT(out, Catch::Contains("DDPRUN_INPLACE_FAULT: exiting during the buckets phase"));
+  CHECK_THAT(out, Catch::Contains("gave up waiting for store keys"));
+  CHECK_THAT(out, Catch::Contains("the agent aborted generation 1"));
+  CHECK_THAT(out, !Catch::Contains("inplace_timeout"));
+  CHECK(t::readFile(dir.str() + "/b.bin") == a);
+}
+
+TEST_CASE(
     "in-place recovery: a failure during the state sync falls back to restarting every worker, "
     "charged once, with nothing left running",
     "[worker][train][inplace]") {

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "control_client.h"
@@ -101,7 +102,20 @@ ProcessGroup::ProcessGroup(int rank, int size, std::shared_ptr<KeyValueStore> st
 // The agent's abort's way to the group (see ProcessGroup::abort_target_).
 struct ProcessGroup::AbortTarget {
   std::mutex mu;
-  ProcessGroup* group = nullptr;  // guarded by mu; null once the group is being destroyed
+  ProcessGroup* group = nullptr;            // guarded by mu; null once the group is being destroyed
+  std::atomic<int> aborted_generation{-1};  // the highest generation the agent aborted
+
+  // What the store's waits ask while generation `gen` is this process's: whether the agent
+  // aborted it. Set from before it forms until the next one forms, so a wait of the generation
+  // gives up at the abort, also one after the group formed (the DDP buckets' shared-memory
+  // exchange, while a peer that died at start-up never publishes its key).
+  static KeyValueStore::Cancel cancelFor(const std::shared_ptr<AbortTarget>& target, int gen) {
+    return [target, gen]() -> std::string {
+      return target->aborted_generation.load() >= gen
+                 ? "the agent aborted generation " + std::to_string(gen)
+                 : "";
+    };
+  }
 };
 
 std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const ProcessGroupOptions& options) {
@@ -121,6 +135,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
         env.control_socket,
         std::min<std::chrono::milliseconds>(options.connect_timeout, std::chrono::seconds(30)),
         [target](int gen, const std::string& reason) {
+          int seen = target->aborted_generation.load();
+          while (gen > seen && !target->aborted_generation.compare_exchange_weak(seen, gen)) {
+          }
           std::lock_guard<std::mutex> lock(target->mu);
           ProcessGroup* group = target->group;
           if (group != nullptr && gen >= group->generation()) {
@@ -131,6 +148,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
   const bool hosts = env.rank == 0 && !env.use_agent_store;
   std::shared_ptr<KeyValueStore> store =
       openStore(hosts, env.master_addr, env.master_port, options.connect_timeout);
+  if (control) store->setCancel(AbortTarget::cancelFor(target, control->generation()));
   ProcessGroupOptions opts = options;
   if (opts.local_address.empty())
     opts.local_address = localAddressToward(env.master_addr, env.master_port);
@@ -212,13 +230,7 @@ void ProcessGroup::reform(const GroupSpec& spec) {
   // Forming waits for the other ranks in the store. The agent aborts the generation when a node
   // is lost meanwhile: the waits then give up at once (CommError) instead of at the timeout.
   KeyValueStore::Cancel cancel;
-  if (control_) {
-    cancel = [control = control_.get(), gen = spec.generation]() -> std::string {
-      return control->abortedGeneration() >= gen
-                 ? "the agent aborted generation " + std::to_string(gen) + " while it formed"
-                 : "";
-    };
-  }
+  if (control_ && abort_target_) cancel = AbortTarget::cancelFor(abort_target_, spec.generation);
   // The store: rank 0 keeps the one it hosts at that port (the keys of each generation have their
   // own prefix); a new rank 0 hosts it; every other rank connects again (rank 0 may be new).
   const bool hosts = spec.rank == 0;
@@ -230,11 +242,7 @@ void ProcessGroup::reform(const GroupSpec& spec) {
   ProcessGroupOptions opts = options_;
   opts.prefix += "/" + spec.key;
   const std::string address = opts.local_address.empty() ? "127.0.0.1" : opts.local_address;
-  // The cancel holds while this generation forms, and no longer (however forming ends).
-  struct CancelWhileForming {
-    KeyValueStore& store;
-    ~CancelWhileForming() { store.setCancel({}); }
-  } forming{*store_};
+  // The cancel holds while this generation forms and is this process's (AbortTarget::cancelFor).
   store_->setCancel(cancel);
   auto comm = makeCommunicator(spec.rank, spec.size, store_, opts, address);
   {

@@ -26,6 +26,7 @@
 
 #include "ddprun/common/log_text.h"
 #include "ddprun/worker/errors.h"
+#include "fault_hooks.h"
 #include "half_kernels.h"
 
 namespace ddprun::worker {
@@ -635,6 +636,12 @@ std::shared_ptr<ShmAllReduce::Segment> ShmAllReduce::takeOver(uint64_t id, size_
 
 std::shared_ptr<void> ShmAllReduce::allocate(size_t bytes) {
   static const ddprun::TextLogger log("worker");
+  // (Tests: a rank lost at start-up while the others wait for its buckets' segment in the store,
+  // after it said it can recover in place; in the job's first attempt only.)
+  if (const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+      allocations_ == 0 && restarts != nullptr && std::string(restarts) == "0") {
+    injectRecoveryFault("buckets", rank_);
+  }
   const uint64_t id = ++allocations_;
   const size_t stride = roundUp(std::max<size_t>(bytes, 1), kPageBytes);
   const size_t total = kPageBytes + static_cast<size_t>(size_) * stride;

@@ -195,8 +195,8 @@ void KeyValueStore::wait(const std::vector<std::string>& keys, std::chrono::mill
   const auto deadline = start + timeout;
   // c10d's blocking wait cannot be interrupted (and one given up on its own timeout leaves the
   // connection out of step on LibTorch 1.13): ask whether the keys are there, 1 ms apart at
-  // first, then up to 5 ms apart (a loopback round trip is about 0.1 ms). Without a cancel, only
-  // until the wait is marked; then c10d's wait, which asks the store once.
+  // first, then up to 5 ms apart (a loopback round trip is about 0.1 ms), 50 ms after a second.
+  // Without a cancel, only until the wait is marked; then c10d's wait, which asks the store once.
   auto pause = std::chrono::milliseconds(1);
   for (;;) {
     bool there = false;
@@ -220,7 +220,11 @@ void KeyValueStore::wait(const std::vector<std::string>& keys, std::chrono::mill
       if (!cancel) break;
     }
     std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(5));
+    // Up to 5 ms apart for a second, then 50 ms: a long wait with a cancel (a group's, under
+    // --restart-mode=in-place) asks the store 20 times a second, not 200.
+    pause =
+        std::min(pause * 2, now - start < std::chrono::seconds(1) ? std::chrono::milliseconds(5)
+                                                                  : std::chrono::milliseconds(50));
   }
   try {
     // (At least 1 ms: c10d reads 0 as no timeout at all.)

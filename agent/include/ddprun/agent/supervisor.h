@@ -216,6 +216,7 @@ class Supervisor {
     std::string cause;  // "local rank 1 (pid 812) killed by signal 9"
     int replacement_pid = 0;
     std::vector<int> stepped;  // pids that completed a step in `generation`
+    std::vector<int> synced;   // pids that hold the state of `generation` (said `synced`)
     // When the last worker reported each phase (ms after `detected`).
     double told_ms = 0, hello_ms = 0, ready_ms = 0, aborted_ms = 0, formed_ms = 0, synced_ms = 0;
     std::int64_t step = -1;
@@ -318,7 +319,10 @@ class Supervisor {
   // A worker's `fault` while RUNNING: the first of the current generation is kept to date the
   // episode that follows (timings only: nothing is decided on a worker's word).
   void noteFault(const Worker& w, const ControlMessage& message);
-  void finishEpisode();
+  // The recovery is over: every running worker completed a step in the new generation, or (with
+  // `training_done`) one that had taken the new generation's state exited 0, since no step was
+  // left (a rank lost after the last step).
+  void finishEpisode(bool training_done = false);
   // Every worker restarts; multi-node with `report`: the other nodes are told. No new charge,
   // except for a `failure` (a worker's, or a peer's) that ends a free episode (a change of nodes):
   // that failure is charged once, or fails the job with the budget spent, as in process mode.
