@@ -87,6 +87,15 @@ struct InPlaceFixture {
   void stepped(const std::vector<int>& pids, int gen) {
     for (int pid : pids) say(pid, ControlType::kStep, {{"gen", std::to_string(gen)}});
   }
+  // Starts the workers, all capable, and kills the last one: a recovery begins. The first pids.
+  std::vector<int> startThenLoseLast() {
+    sup->start();
+    allCapable();
+    const auto pids = first();
+    sup->onWorkerExit(pids.back(), ExitStatus{true, SIGKILL});
+    REQUIRE(sup->state() == AgentState::kRecovering);
+    return pids;
+  }
   void fireDeadlines() {
     while (sup->nextDeadline() && *sup->nextDeadline() <= clock.now()) {
       const auto before = sup->nextDeadline();
@@ -783,11 +792,7 @@ TEST_CASE(
     "and found no step left end the job with success",
     "[agent][inplace]") {
   InPlaceFixture f(3, /*max_restarts=*/1);
-  f.sup->start();
-  f.allCapable();
-  const auto pids = f.first();
-  f.sup->onWorkerExit(pids[2], ExitStatus{true, SIGKILL});
-  REQUIRE(f.sup->state() == AgentState::kRecovering);
+  const auto pids = f.startThenLoseLast();
   const int newcomer = f.launcher.spawned.back().first;
   f.capable(newcomer);
   for (int pid : {pids[0], pids[1], newcomer}) {
@@ -813,11 +818,7 @@ TEST_CASE(
 TEST_CASE("in-place: a worker that exits 0 during the recovery before it took the state falls back",
           "[agent][inplace]") {
   InPlaceFixture f(3, /*max_restarts=*/3);
-  f.sup->start();
-  f.allCapable();
-  const auto pids = f.first();
-  f.sup->onWorkerExit(pids[2], ExitStatus{true, SIGKILL});
-  REQUIRE(f.sup->state() == AgentState::kRecovering);
+  const auto pids = f.startThenLoseLast();
   f.say(pids[1], ControlType::kSynced, {{"gen", "1"}, {"step", "5"}, {"source", "0"}});  // old gen
   f.sup->onWorkerExit(pids[1], ExitStatus{false, 0});
   CHECK(f.sup->state() == AgentState::kStopping);
