@@ -130,7 +130,9 @@ TEST_CASE("broadcast, all_gather and barrier work across thread ranks", "[worker
   options.shared_memory = shared_memory;
   INFO("shared_memory = " << shared_memory);
   std::vector<torch::Tensor> bcast(world), gathered(world), big(world), held(world);
-  std::vector<bool> pipelined(world);
+  // Not std::vector<bool>: its bits share words, and the ranks' threads write them at once (a
+  // lost write failed CI).
+  std::vector<char> pipelined(world);
   t::runRanks(
       world,
       [&](ProcessGroup& pg) {
@@ -154,7 +156,7 @@ TEST_CASE("broadcast, all_gather and barrier work across thread ranks", "[worker
       options);
   for (int r = 0; r < world; ++r) {
     const auto i = static_cast<size_t>(r);
-    CHECK(pipelined[i] == shared_memory);
+    CHECK(static_cast<bool>(pipelined[i]) == shared_memory);
     CHECK(torch::equal(bcast[i], torch::full({5, 3}, 10.0f)));
     CHECK(torch::equal(big[i], torch::arange(3'000'000, torch::kDouble)));
     const float want = r == 0 && shared_memory ? 0.0f : 2.0f;

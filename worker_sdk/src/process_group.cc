@@ -148,7 +148,6 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
   const bool hosts = env.rank == 0 && !env.use_agent_store;
   std::shared_ptr<KeyValueStore> store =
       openStore(hosts, env.master_addr, env.master_port, options.connect_timeout);
-  if (control) store->setCancel(AbortTarget::cancelFor(target, control->generation()));
   ProcessGroupOptions opts = options;
   if (opts.local_address.empty())
     opts.local_address = localAddressToward(env.master_addr, env.master_port);
@@ -170,7 +169,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::initFromEnv(const WorkerEnv& env,
   DDPRUN_LOG(log, kDebug,
              "rank " << env.rank << "/" << env.world_size << ": store " << env.master_addr << ":"
                      << env.master_port << ", gloo on " << opts.local_address);
-  auto group = create(env.rank, env.world_size, std::move(store), first);
+  auto group = create(env.rank, env.world_size, store, first);
+  // Once the first group formed (as under process mode: no recovery forms it), its later waits in
+  // the store give up at the agent's abort of it, as a re-formed generation's do.
+  if (control) store->setCancel(AbortTarget::cancelFor(target, generation));
   group->options_ = opts;  // reform() adds each generation's key to the prefix
   group->hosts_store_ = hosts;
   group->generation_ = generation;
