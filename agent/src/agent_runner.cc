@@ -323,8 +323,7 @@ Status AgentRun::startMetrics() {
                                            replicator ? &replicator->metrics() : nullptr);
                     },
                     [this] { return !supervisor_->finished() || supervisor_->exitCode() == 0; }));
-  const bool v6 = host.find(':') != std::string::npos;
-  log_->info("metrics on http://{}:{}/metrics", v6 ? "[" + host + "]" : host, metrics_->port());
+  log_->info("metrics on http://{}/metrics", hostPort(host, metrics_->port()));
   return Status::ok();
 }
 

@@ -1,5 +1,7 @@
 #include "ddprun/agent/choose_rendezvous.h"
 
+#include "ddprun/common/strings.h"
+
 namespace ddprun::agent {
 
 StatusOr<RendezvousChoice> chooseRendezvous(const AgentConfig& cfg, const std::string& local_addr,
@@ -32,9 +34,7 @@ StatusOr<RendezvousChoice> chooseRendezvous(const AgentConfig& cfg, const std::s
             "--master-port: the static backend needs MASTER_PORT+1 free for the agents' "
             "rendezvous; pick a port below 65535 or give --rdzv-endpoint");
       }
-      const bool v6 = cfg.master_addr.find(':') != std::string::npos;  // given bare, as torchrun
-      out.endpoint = (v6 ? "[" + cfg.master_addr + "]" : cfg.master_addr) + ":" +
-                     std::to_string(cfg.master_port + 1);
+      out.endpoint = hostPort(cfg.master_addr, cfg.master_port + 1);  // IPv6: given bare
       out.endpoint_note = "the static backend's agents meet on MASTER_PORT+1 = " + out.endpoint +
                           ", which must be free on node 0 and reachable from every node; pick "
                           "another --master-port, or place it with --rdzv-endpoint=HOST:PORT";

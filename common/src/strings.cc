@@ -142,4 +142,9 @@ std::string hostOfGrpcPeer(const std::string& peer) {
   return colon == std::string::npos || colon == kind ? peer : peer.substr(0, colon);
 }
 
+std::string hostPort(const std::string& host, int port) {
+  const bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
 }  // namespace ddprun

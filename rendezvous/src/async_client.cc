@@ -316,13 +316,12 @@ class UnaryCall final : public IoWait, public std::enable_shared_from_this<Unary
     const Duration every = impl_->options.unreachable_notice_every;
     if (now - *impl_->unreachable_since < every || now - impl_->unreachable_noticed < every) return;
     impl_->unreachable_noticed = now;
-    const auto seconds = [](Duration d) { return std::chrono::duration<double>(d).count(); };
     logger("rendezvous")
         ->warn(
             "cannot reach the rendezvous at {} for {:.0f} s ({}); trying again for up to {:.0f} "
             "s more",
-            impl_->options.endpoint, seconds(now - *impl_->unreachable_since),
-            quotePeerText(st.message()), seconds(give_up_ - now));
+            impl_->options.endpoint, convert::toSeconds(now - *impl_->unreachable_since),
+            quotePeerText(st.message()), convert::toSeconds(give_up_ - now));
   }
 
   void complete(const Status& st) {

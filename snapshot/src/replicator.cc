@@ -281,8 +281,7 @@ Status Replicator::Parts::startServer() {
   auto started = SnapshotServer::start(std::move(so));
   if (!started.isOk()) return started.status();
   server = std::move(started).value();
-  const bool v6 = !ec && addr.is_v6();
-  endpoint = (v6 ? "[" + host + "]" : host) + ":" + std::to_string(server->port());
+  endpoint = hostPort(host, server->port());
   core.setEndpoint(endpoint);
   snapLog()->info("snapshot dir {}: replicated between the nodes; serving at {}{}", options.dir,
                   endpoint, options.security.tls_cert_pem.empty() ? "" : " (TLS)");

@@ -48,5 +48,8 @@ TEST_CASE("a gRPC peer's host is its address without the port", "[common]") {
   CHECK(hostOfGrpcPeer("ipv4:10.0.0.7:41234") == "ipv4:10.0.0.7");
   CHECK(hostOfGrpcPeer("ipv6:[::1]:5555") == "ipv6:[::1]");
   CHECK(hostOfGrpcPeer("unix:/tmp/sock") == "unix:/tmp/sock");
+  CHECK(hostPort("node-1", 29400) == "node-1:29400");
+  CHECK(hostPort("10.0.0.7", 1) == "10.0.0.7:1");
+  CHECK(hostPort("::1", 5555) == "[::1]:5555");
   CHECK(hostOfGrpcPeer("nonsense") == "nonsense");
 }

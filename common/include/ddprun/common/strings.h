@@ -40,6 +40,8 @@ std::string quotePeerText(std::string_view s, size_t max_bytes = 200);
 // The host of a gRPC peer string, its port cut ("ipv4:10.0.0.7:41234" -> "ipv4:10.0.0.7",
 // "ipv6:[::1]:5555" -> "ipv6:[::1]"): what the servers' per-host bounds and warnings count by.
 std::string hostOfGrpcPeer(const std::string& peer);
+// "HOST:PORT", an IPv6 address (a host with a ':') in brackets: "[::1]:29400".
+std::string hostPort(const std::string& host, int port);
 
 // This process's environment ("NAME=value" of environ) as a map.
 std::map<std::string, std::string> environmentMap();
